@@ -1,0 +1,1 @@
+"""snoozeml control plane: renders model repositories, drives Triton, wakes and evicts models."""

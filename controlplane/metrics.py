@@ -1,0 +1,70 @@
+"""snoozeml's own Prometheus metrics, on a registry of their own (no global state, so tests and
+several control planes in one process do not collide). Gateway request counts and latency come
+from Envoy's stats and inference metrics from Triton's; these cover what only snoozeml knows."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STATES = ("unloaded", "loading", "ready", "unloading", "failed")
+_COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+
+
+class SnoozeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.cold_starts = Counter(
+            "snooze_cold_starts", "Model loads triggered by a request or the API", ["model", "trigger"], registry=r
+        )
+        self.cold_start_seconds = Histogram(
+            "snooze_cold_start_seconds", "Time from load start to ready", ["model"],
+            buckets=_COLD_START_BUCKETS, registry=r,
+        )
+        self.load_failures = Counter("snooze_load_failures", "Failed loads", ["model", "kind"], registry=r)
+        self.wake_waits = Counter(
+            "snooze_wake_waits", "Requests that waited for a model to wake", ["model"], registry=r
+        )
+        self.wake_wait_seconds = Histogram(
+            "snooze_wake_wait_seconds", "Time requests waited for a model to wake", ["model"],
+            buckets=_COLD_START_BUCKETS, registry=r,
+        )
+        self.wake_timeouts = Counter(
+            "snooze_wake_timeouts", "Requests answered 503 because the wake outlived its deadline", ["model"],
+            registry=r,
+        )
+        self.evictions = Counter("snooze_evictions", "Models unloaded to free memory", ["model", "reason"], registry=r)
+        self.idle_unloads = Counter("snooze_idle_unloads", "Models unloaded for idleness", ["model"], registry=r)
+        self.recoveries = Counter(
+            "snooze_recoveries", "Reloads after a dead python stub or a Triton restart", ["model", "cause"], registry=r
+        )
+        self.scale_events = Counter(
+            "snooze_scale_events", "Instance count changes by the autoscaler", ["model", "direction"], registry=r
+        )
+        self.instances = Gauge("snooze_model_instances", "Loaded instances per model", ["model"], registry=r)
+        self.memory_bytes = Gauge("snooze_model_memory_bytes", "Measured footprint per loaded model", ["model"], registry=r)
+        self.state = Gauge("snooze_model_state", "1 for the model's current state", ["model", "state"], registry=r)
+        self.auth_failures = Counter(
+            "snooze_auth_failures", "Refused control-API requests", ["surface", "reason"], registry=r
+        )
+        self.triton_restarts = Counter("snooze_triton_restarts", "Embedded tritonserver restarts", registry=r)
+
+    def set_state(self, model: str, state: str) -> None:
+        for s in STATES:
+            self.state.labels(model=model, state=s).set(1.0 if s == state else 0.0)
+
+    def forget(self, model: str) -> None:
+        """Drop a deleted model's per-model gauges."""
+        for gauge in (self.instances, self.memory_bytes):
+            try:
+                gauge.remove(model)
+            except KeyError:
+                pass
+        for s in STATES:
+            try:
+                self.state.remove(model, s)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,282 @@
+"""Model packages -> a generated Triton model repository.
+
+Configs are built from jinja2 templates, parsed into Triton's own ``ModelConfig`` protobuf (any
+mistake fails here, not at load time) and written as protobuf text. Every model folder is built in a
+staging folder beside the repository and moved into place with a rename, so a failed render leaves
+the repository exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from controlplane.dtypes import parse_dtype
+from controlplane.errors import InvalidPackageError
+from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
+
+VERSION = "1"
+RUNTIME_FILE = "snooze_runtime.json"
+PACKAGE_SUBDIR = "package"
+RUNTIME_SUBDIR = "python_backend"
+DEPLOYMENT_FILE = "snooze_deployment.json"  # what was published; lets a restarted control plane recover
+
+
+@dataclass(frozen=True)
+class TritonTarget:
+    """What a Triton build can run: its backends and the Python of its python backend."""
+
+    name: str
+    backends: frozenset[str]
+    python_version: str  # "3.11"; python-backend models run on this interpreter
+
+    def has(self, backend: str) -> bool:
+        return backend in self.backends
+
+
+def embedded_target(backends: Iterable[str] = ("python",)) -> TritonTarget:
+    """The Triton in the nvidia-pytriton wheel: python backend only, this interpreter's Python."""
+    return TritonTarget("embedded", frozenset(backends), platform.python_version().rsplit(".", 1)[0])
+
+
+# The official nvcr.io/nvidia/tritonserver:24.10-py3 image (Triton 2.51): its python backend embeds 3.10.
+FULL_TARGET = TritonTarget("full", frozenset({"python", "onnxruntime", "tensorrt"}), "3.10")
+
+
+def target_by_name(name: str) -> TritonTarget:
+    if name == "embedded":
+        return embedded_target()
+    if name == "full":
+        return FULL_TARGET
+    raise InvalidPackageError(f"unknown target {name!r}", hint="use 'embedded' or 'full'")
+
+
+@dataclass
+class RenderedModel:
+    """A model folder ready to be written: config text plus the files to copy or write."""
+
+    model_id: str
+    backend: str  # python | onnxruntime | tensorrt
+    config: model_config_pb2.ModelConfig
+    config_text: str
+    copies: list[tuple[Path, str]] = field(default_factory=list)  # (source, relative destination)
+    writes: dict[str, bytes] = field(default_factory=dict)  # relative destination -> content
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    templates = resources.files("model_repository_templates")
+    return jinja2.Environment(
+        loader=jinja2.FunctionLoader(lambda name: templates.joinpath(name).read_text(encoding="utf-8")),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _tensor_view(t: TensorSpec, batching: bool) -> dict[str, Any]:
+    dims = list(t.dims)
+    if not dims and not batching:
+        dims = [1]  # Triton needs a shape; a non-batching scalar is a one-element tensor
+    return {"name": t.name, "triton_type": parse_dtype(t.datatype).triton, "dims": dims}
+
+
+def _backend_for(spec: ModelSpec, target: TritonTarget) -> str:
+    kind = spec.package.kind
+    if kind is PackageKind.TENSORRT:
+        if not target.has("tensorrt"):
+            raise InvalidPackageError(
+                f"model '{spec.id}': a TensorRT plan needs a Triton with the tensorrt backend and a GPU; "
+                f"the '{target.name}' target has {sorted(target.backends)}",
+                hint="serve it with --target full on a GPU machine, or publish the ONNX model instead",
+            )
+        return "tensorrt"
+    if kind is PackageKind.ONNX and target.has("onnxruntime"):
+        return "onnxruntime"
+    return "python"
+
+
+def _check_python(spec: ModelSpec, target: TritonTarget) -> None:
+    wanted = spec.package.manifest.python
+    if wanted and not python_specifier(wanted).contains(f"{target.python_version}.0"):
+        raise InvalidPackageError(
+            f"model '{spec.id}': the package needs Python {wanted} but the '{target.name}' target's python "
+            f"backend runs {target.python_version}",
+            hint="widen 'python' in snooze_model.json, or give the model an execution_env_path "
+            "(a conda-pack environment with the right Python)",
+        )
+
+
+def runtime_config(spec: ModelSpec) -> dict[str, Any]:
+    """The snooze_runtime.json of a python-backend model (see docs/internals.md)."""
+    manifest = spec.package.manifest
+    return {
+        "format": 1,
+        "model_id": spec.id,
+        "kind": "onnx" if spec.package.kind is PackageKind.ONNX else "custom",
+        "entrypoint": manifest.entrypoint,
+        "class_name": manifest.class_name,
+        "onnx_file": spec.package.model_file,
+        "tensor_format": manifest.tensor_format,
+        "env": dict(manifest.env),
+        "params": spec.params,
+        "request_timeout_secs": manifest.request_timeout_secs,
+        "max_batch_size": spec.deployment.max_batch_size,
+        "inputs": [t.model_dump() for t in spec.package.inputs],
+        "outputs": [t.model_dump() for t in spec.package.outputs],
+    }
+
+
+def _runtime_sources() -> list[Path]:
+    import python_backend
+
+    root = Path(python_backend.__file__).parent
+    return sorted(p for p in root.glob("*.py"))
+
+
+def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
+    """Build one model folder in memory and validate its config against Triton's schema."""
+    _check_python(spec, target)
+    backend = _backend_for(spec, target)
+    dep = spec.deployment
+    batching = dep.max_batch_size > 0
+    parameters = {}
+    if backend == "python" and dep.execution_env_path:
+        parameters["EXECUTION_ENV_PATH"] = dep.execution_env_path
+    view = {
+        "id": spec.id,
+        "max_batch_size": dep.max_batch_size,
+        "max_queue_delay_us": int(round(dep.max_batch_delay_ms * 1000)),
+        "inputs": [_tensor_view(t, batching) for t in spec.package.inputs],
+        "outputs": [_tensor_view(t, batching) for t in spec.package.outputs],
+        "instance_kind": {Device.CPU: "KIND_CPU", Device.GPU: "KIND_GPU", Device.AUTO: "KIND_AUTO"}[dep.device],
+        "instances": dep.instances,
+        "parameters": parameters,
+        "onnx_tensorrt": dep.onnx_tensorrt,
+        "fp16": dep.fp16,
+    }
+    text = _environment().get_template(f"{backend}.pbtxt.j2").render(m=view)
+    config = parse_config(text, where=f"model '{spec.id}' (rendered config)")
+    rendered = RenderedModel(spec.id, backend, config, text_format.MessageToString(config))
+    package = spec.package
+    if backend == "python":
+        for rel in package.files:
+            rendered.copies.append((package.path / rel, f"{VERSION}/{PACKAGE_SUBDIR}/{rel}"))
+        for src in _runtime_sources():
+            rendered.copies.append((src, f"{VERSION}/{RUNTIME_SUBDIR}/{src.name}"))
+        entry = _environment().get_template("python_model.py.j2").render(model_id=spec.id)
+        rendered.writes[f"{VERSION}/model.py"] = entry.encode()
+        rendered.writes[f"{VERSION}/{RUNTIME_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
+    else:
+        # Native backends: the model file and its external-data files sit in the version folder.
+        for rel in (package.model_file, *package.external_data):
+            rendered.copies.append((package.path / rel, f"{VERSION}/{rel}"))
+    rendered.writes["config.pbtxt"] = rendered.config_text.encode()
+    rendered.writes[DEPLOYMENT_FILE] = (json.dumps(deployment_record(spec, backend), indent=2) + "\n").encode()
+    return rendered
+
+
+def deployment_record(spec: ModelSpec, backend: str) -> dict[str, Any]:
+    """Everything the control plane needs to know about a published model, without its package."""
+    manifest = spec.package.manifest
+    return {
+        "format": 1,
+        "deployment": spec.deployment.model_dump(mode="json"),
+        "kind": spec.package.kind.value,
+        "backend": backend,
+        "inputs": [t.model_dump() for t in spec.package.inputs],
+        "outputs": [t.model_dump() for t in spec.package.outputs],
+        "params": spec.params,
+        "metadata": manifest.metadata,
+        "load_timeout_secs": manifest.load_timeout_secs,
+        "request_timeout_secs": manifest.request_timeout_secs,
+    }
+
+
+def parse_config(text: str, *, where: str) -> model_config_pb2.ModelConfig:
+    """Parse protobuf text into Triton's ModelConfig; raise InvalidPackageError naming ``where``."""
+    config = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(text, config)
+    except text_format.ParseError as exc:
+        raise InvalidPackageError(f"{where}: not a valid Triton ModelConfig: {exc}") from exc
+    if not config.input or not config.output:
+        raise InvalidPackageError(f"{where}: a model needs at least one input and one output")
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing, atomically
+
+
+def _staging_root(repo: Path) -> Path:
+    """Staging lives beside the repository (same filesystem, so rename is atomic) and outside it
+    (Triton must never see a half-written folder)."""
+    root = repo.parent / f".{repo.name}.staging"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _materialise(rendered: RenderedModel, folder: Path) -> None:
+    for src, rel in rendered.copies:
+        dest = folder / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dest)
+    for rel, content in rendered.writes.items():
+        dest = folder / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(content)
+
+
+def write_model(rendered: RenderedModel, repo: Path) -> Path:
+    """Write one model folder into ``repo`` atomically; an existing folder is replaced whole."""
+    repo = Path(repo)
+    repo.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}.", dir=_staging_root(repo)))
+    final = repo / rendered.model_id
+    try:
+        _materialise(rendered, staging / "model")
+        if final.exists():
+            retired = staging / "retired"
+            os.rename(final, retired)
+            try:
+                os.rename(staging / "model", final)
+            except OSError:
+                os.rename(retired, final)  # put the old model back: nothing changed
+                raise
+        else:
+            os.rename(staging / "model", final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def render_repository(specs: Iterable[ModelSpec], repo: Path, target: TritonTarget) -> list[Path]:
+    """Render every model first (all-or-nothing validation), then write each one atomically."""
+    rendered = [render_model(spec, target) for spec in specs]
+    return [write_model(r, repo) for r in rendered]
+
+
+def remove_model(repo: Path, model_id: str) -> bool:
+    """Take a model folder out of the repository with one rename, then delete it."""
+    final = Path(repo) / model_id
+    if not final.exists():
+        return False
+    graveyard = _staging_root(Path(repo)) / f"{model_id}.removed.{uuid.uuid4().hex[:8]}"
+    os.rename(final, graveyard)
+    shutil.rmtree(graveyard, ignore_errors=True)
+    return True

@@ -1,0 +1,78 @@
+"""The one settings class. Every field can be set as an environment variable ``SNOOZE_<FIELD>``;
+flags are parsed only in the CLI, which builds a Settings and hands it down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SNOOZE_", extra="ignore")
+
+    # --- where things live
+    work_dir: Path = Field(Path(".snooze"), description="Runtime folder: repository, logs, Envoy config")
+    model_repository: Path | None = Field(
+        None, description="Generated Triton model repository (default: <work_dir>/model_repository)"
+    )
+    target: Literal["embedded", "full"] = Field("embedded", description="Which backends Triton has")
+
+    # --- Triton
+    triton_url: str | None = Field(
+        None, description="HTTP URL of an external Triton; unset = start the embedded tritonserver"
+    )
+    triton_grpc_url: str | None = Field(None, description="gRPC host:port of an external Triton")
+    triton_http_port: int = Field(0, description="Embedded Triton HTTP port (0 = a free port)")
+    triton_grpc_port: int = Field(0, description="Embedded Triton gRPC port (0 = a free port)")
+    triton_metrics_port: int = Field(0, description="Embedded Triton metrics port (0 = a free port)")
+    restart_triton: bool = Field(True, description="Restart the embedded tritonserver when it dies")
+
+    # --- gateway (Envoy) and activator
+    host: str = Field("127.0.0.1", description="Address the gateway and API listen on")
+    http_port: int = Field(8000, description="Gateway KServe v2 HTTP port (clients connect here)")
+    grpc_port: int = Field(8001, description="Gateway KServe v2 gRPC port (clients connect here)")
+    api_port: int = Field(8080, description="Control API port")
+    envoy_admin_port: int = Field(0, description="Envoy admin/stats port on loopback (0 = a free port)")
+    activator_http_port: int = Field(0, description="Activator HTTP port on loopback (0 = a free port)")
+    activator_grpc_port: int = Field(0, description="Activator gRPC port on loopback (0 = a free port)")
+    wake_buffer_bytes: int = Field(
+        8 * 1024 * 1024,
+        description="Largest request body that can wake a sleeping model (Envoy's retry buffer); a larger "
+        "request to a sleeping model gets 404 until the model is awake",
+    )
+    gateway: bool = Field(True, description="Start Envoy; off = clients talk to Triton directly")
+
+    # --- lifecycle
+    idle_timeout_secs: float | None = Field(
+        None, description="Default idle timeout for models that do not set one"
+    )
+    sweep_interval_secs: float = Field(1.0, description="How often idle models and stub health are checked")
+    wake_timeout_secs: float | None = Field(
+        None, description="Longest a request waits for a cold start (default: the model's load_timeout_secs)"
+    )
+    max_concurrent_loads: int = Field(1, ge=1, description="Loads running at once (weights loading is memory-hungry)")
+    memory_budget_mb: float | None = Field(None, description="Memory for loaded models; unset = no limit")
+    autoscale: bool = Field(True, description="Add instances when a model's queue stays long")
+    autoscale_queue_threshold: float = Field(4.0, description="Pending requests per instance that triggers scale-up")
+    autoscale_window_secs: float = Field(5.0, description="How long the queue must stay above the threshold")
+
+    # --- control API
+    allow_local_paths: bool = Field(
+        True, description="Let publish name a folder on the server's filesystem (off for shared servers)"
+    )
+    max_upload_mb: float = Field(2048, description="Largest package upload")
+    shutdown_grace_secs: float = Field(30, description="How long in-flight requests may finish on shutdown")
+
+    # --- auth: keys compared in constant time; auth off only when said so
+    auth: Literal["on", "off"] = Field("on", description="'off' disables API keys (local use only)")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="Keys with the inference scope")
+    admin_keys: list[SecretStr] = Field(default_factory=list, description="Keys with the admin scope")
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @property
+    def repository(self) -> Path:
+        return self.model_repository or self.work_dir / "model_repository"

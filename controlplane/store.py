@@ -1,0 +1,93 @@
+"""The set of published models. The generated repository is the source of truth: each model
+folder carries its ``snooze_deployment.json``, so a restarted control plane recovers every model."""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controlplane.errors import NotFoundError
+from controlplane.render import DEPLOYMENT_FILE, TritonTarget, remove_model, render_model, write_model
+from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec
+
+
+@dataclass(frozen=True)
+class PublishedModel:
+    id: str
+    path: Path  # the model folder in the repository
+    deployment: DeploymentSpec
+    kind: str
+    backend: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    params: dict[str, Any]
+    metadata: dict[str, Any]
+    load_timeout_secs: float
+    request_timeout_secs: float
+
+    @property
+    def config_text(self) -> str:
+        return (self.path / "config.pbtxt").read_text(encoding="utf-8")
+
+    @classmethod
+    def read(cls, folder: Path) -> PublishedModel:
+        record = json.loads((folder / DEPLOYMENT_FILE).read_text(encoding="utf-8"))
+        return cls(
+            id=folder.name,
+            path=folder,
+            deployment=DeploymentSpec.model_validate(record["deployment"]),
+            kind=record["kind"],
+            backend=record["backend"],
+            inputs=[TensorSpec.model_validate(t) for t in record["inputs"]],
+            outputs=[TensorSpec.model_validate(t) for t in record["outputs"]],
+            params=record.get("params", {}),
+            metadata=record.get("metadata", {}),
+            load_timeout_secs=record["load_timeout_secs"],
+            request_timeout_secs=record["request_timeout_secs"],
+        )
+
+
+class ModelStore:
+    """Publish, list and delete models in one repository; writes are serialised per store."""
+
+    def __init__(self, repository: Path, target: TritonTarget) -> None:
+        self.repository = Path(repository)
+        self.target = target
+        self._lock = threading.Lock()
+        self.repository.mkdir(parents=True, exist_ok=True)
+
+    def list(self) -> list[PublishedModel]:
+        models = []
+        for folder in sorted(self.repository.iterdir()):
+            if (folder / DEPLOYMENT_FILE).is_file():
+                models.append(PublishedModel.read(folder))
+        return models
+
+    def ids(self) -> list[str]:
+        return [m.id for m in self.list()]
+
+    def get(self, model_id: str) -> PublishedModel:
+        folder = self.repository / model_id
+        if not (folder / DEPLOYMENT_FILE).is_file():
+            raise NotFoundError(
+                f"model '{model_id}' is not published", hint="list models with `snoozectl status`"
+            )
+        return PublishedModel.read(folder)
+
+    def exists(self, model_id: str) -> bool:
+        return (self.repository / model_id / DEPLOYMENT_FILE).is_file()
+
+    def publish(self, spec: ModelSpec) -> PublishedModel:
+        """Render (validating everything) and move the model folder into place in one rename."""
+        rendered = render_model(spec, self.target)
+        with self._lock:
+            folder = write_model(rendered, self.repository)
+        return PublishedModel.read(folder)
+
+    def delete(self, model_id: str) -> None:
+        with self._lock:
+            if not remove_model(self.repository, model_id):
+                raise NotFoundError(f"model '{model_id}' is not published")

@@ -1,0 +1,24 @@
+"""Triton process management (embedded launcher) and the async admin client."""
+
+from controlplane.triton.client import ModelStats, RepositoryEntry, TritonAdminClient, parse_pending_request_counts
+from controlplane.triton.launcher import (
+    EmbeddedTriton,
+    EmbeddedTritonDist,
+    detect_backends,
+    find_embedded_triton,
+    free_port,
+    prepare_backend_dir,
+)
+
+__all__ = [
+    "EmbeddedTriton",
+    "EmbeddedTritonDist",
+    "ModelStats",
+    "RepositoryEntry",
+    "TritonAdminClient",
+    "detect_backends",
+    "find_embedded_triton",
+    "free_port",
+    "parse_pending_request_counts",
+    "prepare_backend_dir",
+]

@@ -1,0 +1,471 @@
+"""The embedded target: the ``tritonserver`` binary and python backend shipped in the nvidia-pytriton wheel.
+
+``find_embedded_triton()`` locates and checks the pieces, ``prepare_backend_dir()`` builds a backend
+folder with the stub matching this interpreter, and ``EmbeddedTriton`` runs the server in its own
+process group so that its python-backend stubs never outlive it.
+
+Python-backend stub command line (observed on tritonserver 2.51)::
+
+    <backend-dir>/python/triton_python_backend_stub <repo>/<model>/<version>/model.py <shm-region>
+        <shm-default-bytes> <shm-growth-bytes> <tritonserver-pid> <backend-dir>/python <ipc-handle>
+        <model>_<group>_<instance> DEFAULT
+
+One stub process per model instance, a direct child of tritonserver in its process group. The
+instance name (``tiny_0_0``, ``tiny_0_1``) is built from the instance group's name, which a config
+may set, so ``stub_pids`` matches a model by the model file's folder in argv[1] instead.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+from controlplane.errors import TritonLaunchError
+
+MIN_GLIBC = (2, 35)
+STUB_NAME = "triton_python_backend_stub"
+INSTALL_HINT = "pip install 'snoozeml[embedded]'"
+LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class EmbeddedTritonDist:
+    """Where the pieces of the embedded Triton live."""
+
+    tritonserver: Path
+    libs_dir: Path
+    python_backend_dir: Path
+    stub: Path
+    python_version: str
+    libpython_dir: Path | None  # the interpreter's own libpython folder, put on LD_LIBRARY_PATH
+
+    def library_path(self) -> str:
+        dirs = [self.libs_dir] + ([self.libpython_dir] if self.libpython_dir else [])
+        return os.pathsep.join(str(d) for d in dirs)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _glibc_version() -> tuple[int, int] | None:
+    try:
+        value = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError):
+        return None
+    m = re.fullmatch(r"glibc (\d+)\.(\d+).*", value)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _check_platform() -> None:
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        raise TritonLaunchError(
+            f"the embedded Triton (nvidia-pytriton wheel) runs on Linux x86_64 only; this is "
+            f"{sys.platform} {platform.machine()}",
+            hint="run the compose target (the official Triton image) instead: docker compose up",
+        )
+    glibc = _glibc_version()
+    if glibc is None or glibc < MIN_GLIBC:
+        found = ".".join(map(str, glibc)) if glibc else "no glibc"
+        raise TritonLaunchError(
+            f"the embedded Triton needs glibc >= {MIN_GLIBC[0]}.{MIN_GLIBC[1]}; this system has {found}",
+            hint="use a newer distribution (e.g. Ubuntu 22.04+) or the compose target (official Triton image)",
+        )
+
+
+def _pytriton_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonLaunchError("the nvidia-pytriton package is not installed", hint=INSTALL_HINT)
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _require(path: Path, what: str) -> Path:
+    if not path.exists():
+        raise TritonLaunchError(
+            f"{what} is missing: {path} does not exist (broken nvidia-pytriton install?)",
+            hint=f"reinstall it: pip install --force-reinstall 'nvidia-pytriton>=0.7,<0.8' ({INSTALL_HINT})",
+        )
+    return path
+
+
+def _ldconfig_libs() -> set[str]:
+    """Library names the system loader knows (``ldconfig -p``); empty if ldconfig is unavailable."""
+    ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
+    try:
+        out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {line.split()[0] for line in out.splitlines()[1:] if line.strip()}
+
+
+def _ldd_missing(binary: Path, library_path: str) -> list[str]:
+    """Libraries ``ldd`` reports as "not found" for ``binary``; empty if ldd is unavailable."""
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        return []
+    env = dict(os.environ, LD_LIBRARY_PATH=library_path)
+    try:
+        out = subprocess.run([ldd, str(binary)], capture_output=True, text=True, timeout=30, env=env).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.split("=>")[0].strip() for line in out.splitlines() if "not found" in line]
+
+
+def _libpython_hint(version: str) -> str:
+    return (
+        f"install the Python shared library, e.g. `apt-get install libpython{version}`, "
+        f"or build Python with --enable-shared (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)"
+    )
+
+
+def _find_libpython(version: str) -> Path | None:
+    """The folder holding this interpreter's libpython, or None if only the system loader has one."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    names = {f"libpython{version}.so.1.0", f"libpython{version}.so"}
+    if libdir and any((Path(libdir) / n).exists() for n in names):
+        return Path(libdir)
+    if names & _ldconfig_libs():
+        return None
+    raise TritonLaunchError(
+        f"no libpython{version}.so found (looked in LIBDIR {libdir} and `ldconfig -p`): the python "
+        f"backend stub embeds Python {version} and cannot start without it",
+        hint=_libpython_hint(version),
+    )
+
+
+def find_embedded_triton(pytriton_dir: Path | None = None, python_version: str | None = None) -> EmbeddedTritonDist:
+    """Locate and check the embedded Triton for this interpreter; raise ``TritonLaunchError`` with the fix."""
+    _check_platform()
+    root = (pytriton_dir or _pytriton_dir()) / "tritonserver"
+    version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    tritonserver = _require(root / "bin" / "tritonserver", "the tritonserver binary")
+    libs_dir = _require(root.parent.parent / "nvidia_pytriton.libs", "the bundled library folder")
+    backend_dir = _require(root / "backends" / "python", "the python backend")
+    _require(backend_dir / "libtriton_python.so", "the python backend library")
+    stubs = root / "python_backend_stubs"
+    stub = stubs / version / STUB_NAME
+    if not stub.exists():
+        available = sorted(p.parent.name for p in stubs.glob(f"*/{STUB_NAME}"))
+        raise TritonLaunchError(
+            f"nvidia-pytriton has no python backend stub for Python {version} ({stub} does not exist; "
+            f"available: {', '.join(available) or 'none'})",
+            hint=f"run snoozeml with one of the Python versions {', '.join(available) or 'it supports'}",
+        )
+    dist = EmbeddedTritonDist(tritonserver, libs_dir, backend_dir, stub, version, _find_libpython(version))
+    missing = _ldd_missing(stub, dist.library_path())
+    if any("libpython" in m for m in missing):
+        raise TritonLaunchError(
+            f"the python backend stub {stub} cannot load {', '.join(missing)}", hint=_libpython_hint(version)
+        )
+    if missing:
+        raise TritonLaunchError(
+            f"the python backend stub {stub} cannot load {', '.join(missing)}",
+            hint=f"install the missing system libraries, or reinstall nvidia-pytriton ({INSTALL_HINT})",
+        )
+    return dist
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    """Copy with mode and mtime; skip identical files; replace atomically (a running stub stays intact)."""
+    if dst.exists():
+        s, d = src.stat(), dst.stat()
+        if s.st_size == d.st_size and s.st_mtime_ns == d.st_mtime_ns:
+            return
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def prepare_backend_dir(work_dir: Path, dist: EmbeddedTritonDist | None = None) -> Path:
+    """Fill ``<work_dir>/backends/python/`` with the python backend and this interpreter's stub.
+
+    Returns ``<work_dir>/backends``, the folder to pass as ``--backend-directory``.
+    """
+    dist = dist or find_embedded_triton()
+    backends = Path(work_dir) / "backends"
+    target = backends / "python"
+    target.mkdir(parents=True, exist_ok=True)
+    for src in dist.python_backend_dir.iterdir():
+        if src.is_file():
+            _copy_if_changed(src, target / src.name)
+    _copy_if_changed(dist.stub, target / STUB_NAME)
+    return backends
+
+
+def detect_backends(backend_dir: Path) -> set[str]:
+    """Names of the backends in a Triton backend folder (sub-folders holding a ``libtriton_*.so``)."""
+    backend_dir = Path(backend_dir)
+    if not backend_dir.is_dir():
+        return set()
+    return {d.name for d in backend_dir.iterdir() if d.is_dir() and any(d.glob("libtriton_*.so"))}
+
+
+class EmbeddedTriton:
+    """One tritonserver process over a model repository, in explicit model-control mode."""
+
+    def __init__(
+        self,
+        model_repository: Path,
+        work_dir: Path,
+        *,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        host: str = "127.0.0.1",
+        extra_args: list[str] | tuple[str, ...] = (),
+        log_file: Path | None = None,
+        shm_default_byte_size: int = 1 << 20,
+        shm_growth_byte_size: int = 1 << 20,
+        stub_timeout_secs: int = 30,
+        exit_timeout_secs: int = 10,
+        dist: EmbeddedTritonDist | None = None,
+    ) -> None:
+        self.model_repository = Path(model_repository).resolve()
+        self.work_dir = Path(work_dir).resolve()
+        self.host = host
+        self.http_port = http_port or free_port(host)
+        self.grpc_port = grpc_port or free_port(host)
+        self.metrics_port = metrics_port or free_port(host)
+        self.extra_args = list(extra_args)
+        self.log_file = Path(log_file) if log_file else self.work_dir / "triton.log"
+        self.shm_default_byte_size = shm_default_byte_size
+        self.shm_growth_byte_size = shm_growth_byte_size
+        self.stub_timeout_secs = stub_timeout_secs
+        self.exit_timeout_secs = exit_timeout_secs
+        self.dist = dist
+        # Unique per launcher: two Tritons on one host must not share /dev/shm region names.
+        self.shm_region_prefix = f"snooze_{uuid.uuid4().hex[:8]}_"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port``, the form tritonclient.grpc expects."""
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}"
+
+    def command(self, backend_dir: Path) -> list[str]:
+        assert self.dist is not None
+        backend_config = [
+            f"shm-default-byte-size={self.shm_default_byte_size}",
+            f"shm-growth-byte-size={self.shm_growth_byte_size}",
+            f"stub-timeout-seconds={self.stub_timeout_secs}",
+            f"shm-region-prefix-name={self.shm_region_prefix}",
+        ]
+        return [
+            str(self.dist.tritonserver),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backend_dir}",
+            "--model-control-mode=explicit",
+            "--disable-auto-complete-config",
+            "--strict-readiness=false",
+            f"--exit-timeout-secs={self.exit_timeout_secs}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            "--allow-metrics=true",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            *(f"--backend-config=python,{kv}" for kv in backend_config),
+            *self.extra_args,
+        ]
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: bundled libraries first, and this environment's ``bin/`` first on PATH."""
+        assert self.dist is not None
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (self.dist.library_path(), env.get("LD_LIBRARY_PATH")) if p
+        )
+        env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
+        return env
+
+    def start(self, timeout: float = 60) -> None:
+        """Launch tritonserver and wait until it is live; on failure raise with the log's tail."""
+        if self.is_running():
+            raise TritonLaunchError(f"tritonserver is already running (pid {self.pid})")
+        self.dist = self.dist or find_embedded_triton()
+        if not self.model_repository.is_dir():
+            raise TritonLaunchError(
+                f"model repository {self.model_repository} is not a folder", hint="create it or fix the path"
+            )
+        backend_dir = prepare_backend_dir(self.work_dir, self.dist)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        cmd = self.command(backend_dir)
+        with open(self.log_file, "ab") as log:
+            self._log_offset = log.tell()
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                cwd=self.work_dir,
+                start_new_session=True,
+            )
+        self._wait_live(timeout)
+
+    def _wait_live(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                if self._proc is None or self._proc.poll() is not None:
+                    code = self._proc.returncode if self._proc else None
+                    raise self._failure(f"tritonserver exited with code {code} during start-up")
+                # Our process must own the port: a live answer could come from another server.
+                if self._listening_on(self.http_port):
+                    try:
+                        if http.get(f"{self.http_url}/v2/health/live").status_code == 200:
+                            return
+                    except httpx.TransportError:
+                        pass
+                time.sleep(0.05)
+        self.stop()
+        raise self._failure(f"tritonserver was not live on {self.http_url} within {timeout:.0f}s")
+
+    def _listening_on(self, port: int) -> bool:
+        try:
+            conns = psutil.Process(self.pid).net_connections(kind="tcp")
+        except (psutil.Error, TypeError):
+            return False
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns)
+
+    def _failure(self, what: str) -> TritonLaunchError:
+        return TritonLaunchError(
+            f"{what}; last lines of {self.log_file}:\n{self.log_tail()}",
+            hint="read the log above; a port in use or a broken install are the usual causes",
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines this run wrote to the log file."""
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(self._log_offset)
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout: float | None = None) -> None:
+        """SIGTERM, wait, then SIGKILL the whole process group; returns once no process of it is left."""
+        proc = self._proc
+        if proc is None:
+            return
+        timeout = self.exit_timeout_secs + 5 if timeout is None else timeout
+        children = self._children()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_group(proc.pid)
+        proc.wait()
+        # Stubs left behind (server killed) are reparented; make sure they are gone, zombies included.
+        _, alive = psutil.wait_procs(children, timeout=5)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=5)
+        alive = [p for p in alive if _is_live(p)]
+        if alive:
+            raise TritonLaunchError(
+                f"processes of tritonserver {proc.pid} survived SIGKILL: {[p.pid for p in alive]}"
+            )
+
+    @staticmethod
+    def _kill_group(pgid: int) -> None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def restart(self, timeout: float = 60) -> None:
+        self.stop()
+        self.start(timeout)
+
+    def _children(self) -> list[psutil.Process]:
+        if not self.is_running():
+            return []
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def process_tree_rss(self) -> int:
+        """Resident memory in bytes of tritonserver and all its children (the stubs); 0 when stopped."""
+        if not self.is_running():
+            return 0
+        total = 0
+        for p in [psutil.Process(self.pid), *self._children()]:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    def stub_pids(self, model_name: str | None = None) -> list[int]:
+        """Pids of the python-backend stubs, all or those of one model (one stub per instance)."""
+        pids = []
+        for p in self._children():
+            try:
+                argv = p.cmdline()
+            except psutil.Error:
+                continue
+            if not argv or not argv[0].endswith(STUB_NAME):
+                continue
+            # argv[1] is <repo>/<model>/<version>/<model file>.
+            if model_name is None or (len(argv) > 1 and Path(argv[1]).parent.parent.name == model_name):
+                pids.append(p.pid)
+        return sorted(pids)
+
+    def __enter__(self) -> EmbeddedTriton:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _is_live(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,0 +1,28 @@
+"""Model conversion: ONNX inspection, torch -> ONNX export, parity checks, ONNX -> TensorRT.
+
+This package knows nothing about Triton or HTTP; torch and tensorrt are imported lazily.
+"""
+
+from converters.errors import (
+    ConversionError,
+    ExportError,
+    NotBatchableError,
+    OnnxInspectionError,
+    ParityError,
+    TensorRTBuildError,
+    TensorRTUnavailableError,
+)
+from converters.onnx_inspect import OnnxSignature, TensorSpec, inspect_onnx
+
+__all__ = [
+    "ConversionError",
+    "ExportError",
+    "NotBatchableError",
+    "OnnxInspectionError",
+    "OnnxSignature",
+    "ParityError",
+    "TensorRTBuildError",
+    "TensorRTUnavailableError",
+    "TensorSpec",
+    "inspect_onnx",
+]

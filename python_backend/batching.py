@@ -1,0 +1,238 @@
+"""Validate requests, collate the dynamic batch, call predict, split results: pure numpy, no Triton.
+
+`run_batch` holds the whole per-execute policy so it can be tested without a tritonserver; the
+Triton adapter (triton_model.py) only turns `pb_utils` requests into dicts of numpy arrays and the
+results back into responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import BadModelOutput, Failure, InvalidInput, describe_failure
+from .spec import WIRE_TO_NUMPY, RuntimeSpec, TensorSpec
+
+Arrays = dict[str, np.ndarray]
+
+_NUMPY_TO_WIRE = {dtype: wire for wire, dtype in WIRE_TO_NUMPY.items()}
+
+
+def wire_name(dtype: np.dtype) -> str:
+    return _NUMPY_TO_WIRE.get(np.dtype(dtype), str(dtype))
+
+
+def _dims_match(expected: Sequence[int], actual: Sequence[int]) -> bool:
+    return len(expected) == len(actual) and all(e == -1 or e == a for e, a in zip(expected, actual))
+
+
+def _shape_text(dims: Sequence[int], batched: bool) -> str:
+    parts = (["batch"] if batched else []) + [str(d) for d in dims]
+    return "[" + ", ".join(parts) + "]"
+
+
+def check_request(spec: RuntimeSpec, arrays: Arrays) -> int | None:
+    """Check one request's inputs against the declared signature; return its batch size.
+
+    Returns None for a model without a batch axis (max_batch_size 0). Raises InvalidInput naming the
+    input and what the client must send instead. Triton checks the same things against config.pbtxt,
+    but that config can be overridden at load time, and the model's code relies on this signature.
+    """
+    declared = {t.name: t for t in spec.inputs}
+    unknown = sorted(set(arrays) - set(declared))
+    if unknown:
+        raise InvalidInput(f"unknown input(s) {unknown}; the model's inputs are {sorted(declared)}")
+    missing = [name for name in declared if name not in arrays]
+    if missing:
+        raise InvalidInput(f"missing input(s) {missing}; send every declared input: {sorted(declared)}")
+
+    batch_size = None
+    for tensor in spec.inputs:
+        array = arrays[tensor.name]
+        if array.dtype != tensor.dtype:
+            raise InvalidInput(
+                f"input '{tensor.name}' is {wire_name(array.dtype)} but the model expects {tensor.datatype}; "
+                f"send {tensor.datatype}"
+            )
+        sample_shape = array.shape[1:] if spec.batched else array.shape
+        if (spec.batched and array.ndim == 0) or not _dims_match(tensor.dims, sample_shape):
+            wildcard = " (-1 = any size)" if -1 in tensor.dims else ""
+            raise InvalidInput(
+                f"input '{tensor.name}' has shape {list(array.shape)} but the model expects "
+                f"{_shape_text(tensor.dims, spec.batched)}{wildcard}; reshape the input"
+            )
+        if spec.batched:
+            rows = array.shape[0]
+            if batch_size is not None and rows != batch_size:
+                raise InvalidInput(
+                    f"input '{tensor.name}' has {rows} rows but the other inputs have {batch_size}; "
+                    "every input of a request needs the same batch size (axis 0)"
+                )
+            batch_size = rows
+    if spec.batched and not 1 <= batch_size <= spec.max_batch_size:
+        raise InvalidInput(
+            f"batch size {batch_size} is outside 1..{spec.max_batch_size} (the model's max_batch_size); "
+            "split the request"
+        )
+    return batch_size
+
+
+def group_for_collation(spec: RuntimeSpec, requests: Sequence[Arrays]) -> list[list[int]]:
+    """Indices of the requests that can share one predict call, in arrival order.
+
+    Requests concatenate along axis 0 only when every input has the same per-sample shape (inputs
+    with -1 dims may differ between requests); a model without a batch axis takes one request at a
+    time.
+    """
+    if not spec.batched:
+        return [[i] for i in range(len(requests))]
+    groups: dict[tuple, list[int]] = {}
+    for i, arrays in enumerate(requests):
+        key = tuple(arrays[t.name].shape[1:] for t in spec.inputs)
+        groups.setdefault(key, []).append(i)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def collate(spec: RuntimeSpec, requests: Sequence[Arrays]) -> Arrays:
+    if len(requests) == 1:
+        return dict(requests[0])  # the common case at low load: no copy
+    return {t.name: np.concatenate([r[t.name] for r in requests], axis=0) for t in spec.inputs}
+
+
+def _conform(tensor: TensorSpec, value: Any, rows: int | None, batched: bool, what: str) -> np.ndarray:
+    """Turn one returned value into an array of the declared dtype and dims, or raise BadModelOutput."""
+    try:
+        array = np.asarray(value)
+    except Exception as e:  # e.g. a CUDA tensor: numpy cannot read device memory
+        raise BadModelOutput(
+            f"{what} is a {type(value).__name__} that numpy cannot read ({e}); return numpy arrays (on CPU)"
+        ) from None
+    if tensor.datatype == "BYTES":
+        if array.dtype.kind not in "OSU":
+            raise BadModelOutput(
+                f"{what} is {array.dtype} but is declared BYTES; return an object array of bytes"
+            )
+        array = array.astype(np.object_, copy=False)
+    elif array.dtype != tensor.dtype:
+        if not np.can_cast(array.dtype, tensor.dtype, casting="same_kind"):
+            raise BadModelOutput(
+                f"{what} is {array.dtype}, which cannot be cast to its declared {tensor.datatype}; "
+                f"return {tensor.dtype} (or fix the declared datatype)"
+            )
+        array = array.astype(tensor.dtype)
+    if batched:
+        if array.ndim == 0 or array.shape[0] != rows:
+            got = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
+            raise BadModelOutput(
+                f"{what} has {got} but the batch has {rows}; predict must return one row per input row "
+                "along axis 0"
+            )
+    sample_shape = array.shape[1:] if batched else array.shape
+    if not _dims_match(tensor.dims, sample_shape):
+        raise BadModelOutput(
+            f"{what} has shape {list(array.shape)} but is declared {_shape_text(tensor.dims, batched)}; "
+            "fix predict or the declared output dims"
+        )
+    # pb_utils.Tensor needs C-contiguous memory; a transposed or strided result would be rejected there.
+    return np.ascontiguousarray(array) if tensor.datatype != "BYTES" else array
+
+
+def _require_dict(outputs: Any) -> dict:
+    if not isinstance(outputs, dict):
+        raise BadModelOutput(
+            f"predict returned {type(outputs).__name__}; it must return a dict of output name -> array"
+        )
+    return outputs
+
+
+def check_outputs(spec: RuntimeSpec, outputs: Any, rows: int | None) -> Arrays:
+    """Validate a numpy-format predict result for a collated batch of `rows` (None: no batch axis).
+
+    Keys that are not declared outputs are dropped: Triton would reject a response carrying them.
+    """
+    outputs = _require_dict(outputs)
+    missing = [t.name for t in spec.outputs if t.name not in outputs]
+    if missing:
+        raise BadModelOutput(
+            f"predict did not return output(s) {missing} (returned {sorted(map(str, outputs))}); "
+            "return every declared output"
+        )
+    return {
+        t.name: _conform(t, outputs[t.name], rows, spec.batched, f"output '{t.name}'") for t in spec.outputs
+    }
+
+
+def split(outputs: Arrays, batch_sizes: Sequence[int]) -> list[Arrays]:
+    """Cut collated outputs back into per-request results along axis 0."""
+    results = []
+    start = 0
+    for size in batch_sizes:
+        results.append({name: array[start : start + size] for name, array in outputs.items()})
+        start += size
+    return results
+
+
+def check_raw_outputs(spec: RuntimeSpec, outputs: Any, batch_sizes: Sequence[int | None]) -> list[Arrays]:
+    """Validate a raw-format result (name -> one array per request) and regroup it per request."""
+    outputs = _require_dict(outputs)
+    per_request: list[Arrays] = [{} for _ in batch_sizes]
+    for t in spec.outputs:
+        values = outputs.get(t.name)
+        if not isinstance(values, (list, tuple)) or len(values) != len(batch_sizes):
+            got = "nothing" if values is None else f"{type(values).__name__} of {_length(values)}"
+            raise BadModelOutput(
+                f"raw output '{t.name}' must be a list with one array per request ({len(batch_sizes)}), "
+                f"got {got}"
+            )
+        for i, (value, rows) in enumerate(zip(values, batch_sizes)):
+            per_request[i][t.name] = _conform(t, value, rows, spec.batched, f"output '{t.name}' of request {i}")
+    return per_request
+
+
+def _length(value: Any) -> str:
+    try:
+        return f"length {len(value)}"
+    except TypeError:
+        return "no length"
+
+
+def run_batch(spec: RuntimeSpec, requests: Sequence[Arrays], predict: Callable[[Any], Any]) -> list[Any]:
+    """Answer one Triton execute: a result dict or a Failure per request, in request order.
+
+    A request that fails validation gets its own Failure and is left out of predict, so it never
+    fails its neighbours. A failure inside predict (or of its outputs) fails the requests that shared
+    that predict call: which request caused it cannot be known.
+    """
+    results: list[Any] = [None] * len(requests)
+    valid: list[int] = []
+    batch_sizes: dict[int, int | None] = {}
+    for i, arrays in enumerate(requests):
+        try:
+            batch_sizes[i] = check_request(spec, arrays)
+            valid.append(i)
+        except InvalidInput as e:
+            results[i] = Failure(*describe_failure(e, spec.model_id, "predict", None))
+
+    if spec.tensor_format == "raw":
+        groups = [valid] if valid else []
+    else:
+        groups = [[valid[j] for j in g] for g in group_for_collation(spec, [requests[i] for i in valid])]
+
+    for group in groups:
+        sizes = [batch_sizes[i] for i in group]
+        rows = sum(sizes) if spec.batched else None
+        try:
+            if spec.tensor_format == "raw":
+                raw_inputs = {t.name: [requests[i][t.name] for i in group] for t in spec.inputs}
+                answers = check_raw_outputs(spec, predict(raw_inputs), sizes)
+            else:
+                outputs = check_outputs(spec, predict(collate(spec, [requests[i] for i in group])), rows)
+                answers = split(outputs, sizes) if spec.batched else [outputs]
+        except Exception as e:  # user code can raise anything; each becomes a per-request error
+            failure = Failure(*describe_failure(e, spec.model_id, "predict", rows))
+            answers = [failure] * len(group)
+        for i, answer in zip(group, answers):
+            results[i] = answer
+    return results

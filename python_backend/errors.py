@@ -1,0 +1,87 @@
+"""Error kinds and their messages: `[snooze:<kind>] model '<id>': <what happened>; <what to fix>`.
+
+The control plane and clients read the kind from the message prefix (see docs/internals.md), so the
+prefix is the contract; the Triton error code only steers the HTTP/gRPC status.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+
+OOM = "oom"
+INVALID_INPUT = "invalid_input"
+INTERNAL = "internal"
+TIMEOUT = "timeout"
+
+# How many of the innermost frames of the model's traceback an internal error carries: enough to
+# point at the failing line in the user's code without flooding the client.
+TRACEBACK_FRAMES = 3
+
+_OOM_MARKERS = ("out of memory",)  # covers "CUDA out of memory", onnxruntime's and cuDNN's wording
+
+
+class SnoozeError(Exception):
+    """An error whose kind and wording the runtime already decided."""
+
+    kind = INTERNAL
+
+
+class InvalidInput(SnoozeError):
+    kind = INVALID_INPUT
+
+
+class BadModelOutput(SnoozeError):
+    """predict returned something that does not match the declared outputs: a bug in the model."""
+
+    kind = INTERNAL
+
+
+class PredictTimeout(SnoozeError):
+    kind = TIMEOUT
+
+
+def prefix(kind: str, model_id: str) -> str:
+    return f"[snooze:{kind}] model '{model_id}':"
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return any(marker in text for marker in _OOM_MARKERS)
+
+
+def traceback_summary(exc: BaseException, frames: int = TRACEBACK_FRAMES) -> str:
+    """`file.py:12 in predict <- file.py:30 in _step`, innermost frame first."""
+    entries = traceback.extract_tb(exc.__traceback__)[-frames:]
+    return " <- ".join(f"{os.path.basename(e.filename)}:{e.lineno} in {e.name}" for e in reversed(entries))
+
+
+def describe_failure(exc: BaseException, model_id: str, stage: str, batch_size: int | None) -> tuple[str, str]:
+    """Map an exception raised by the runtime or by user code to (kind, message).
+
+    `stage` names the user call that failed ("predict"); `batch_size` is the collated batch's size
+    when known, because it is the first thing to change on an out-of-memory error.
+    """
+    if isinstance(exc, SnoozeError):
+        return exc.kind, f"{prefix(exc.kind, model_id)} {exc}"
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if is_oom(exc):
+        batch = f" on a batch of {batch_size}" if batch_size is not None else ""
+        return OOM, (
+            f"{prefix(OOM, model_id)} {stage} ran out of memory{batch} ({what}); send smaller requests, "
+            "lower the model's max_batch_size, or give the model more memory"
+        )
+    where = traceback_summary(exc)
+    at = f" at {where}" if where else ""
+    return INTERNAL, f"{prefix(INTERNAL, model_id)} {stage} raised {what}{at}; fix the model's {stage}"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The error answer for one request: its kind and the full message (prefix included)."""
+
+    kind: str
+    message: str

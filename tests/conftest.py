@@ -1,0 +1,89 @@
+"""Shared fixtures: one real embedded tritonserver per test session, over a session model repository."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.launcher import EmbeddedTriton
+
+
+@pytest.fixture(scope="session")
+def embedded_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
+    """One tritonserver (explicit model control, free ports) for the whole session; always stopped."""
+    root = tmp_path_factory.mktemp("embedded_triton")
+    repo = root / "model_repository"
+    repo.mkdir()
+    triton = EmbeddedTriton(repo, root / "work")
+    try:
+        triton.start()
+        yield triton
+    finally:
+        triton.stop()
+
+
+@pytest.fixture
+def model_repo(embedded_triton: EmbeddedTriton) -> Path:
+    """The session Triton's model repository; give each test's models unique names."""
+    return embedded_triton.model_repository
+
+
+@pytest.fixture
+async def triton_admin(embedded_triton: EmbeddedTriton) -> AsyncIterator[TritonAdminClient]:
+    async with TritonAdminClient(embedded_triton.http_url, embedded_triton.metrics_url) as client:
+        yield client
+
+
+TINY_MODEL_PY = '''
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if {fail_init!r}:
+            raise RuntimeError("tiny model refuses to initialize")
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", (x * 2).astype(np.float32))]))
+        return responses
+
+    def finalize(self):
+        time.sleep({finalize_sleep!r})
+'''
+
+
+@pytest.fixture
+def write_tiny_model() -> Callable[..., str]:
+    """Write a hand-made python-backend model (config.pbtxt + 1/model.py) into a repository."""
+
+    def write(repo: Path, name: str, *, instances: int = 1, fail_init: bool = False, finalize_sleep: float = 0) -> str:
+        folder = repo / name
+        (folder / "1").mkdir(parents=True)
+        (folder / "config.pbtxt").write_text(
+            textwrap.dedent(
+                f"""\
+                name: "{name}"
+                backend: "python"
+                max_batch_size: 8
+                input [{{ name: "x", data_type: TYPE_FP32, dims: [2] }}]
+                output [{{ name: "y", data_type: TYPE_FP32, dims: [2] }}]
+                instance_group [{{ kind: KIND_CPU, count: {instances} }}]
+                """
+            )
+        )
+        (folder / "1" / "model.py").write_text(
+            TINY_MODEL_PY.format(fail_init=fail_init, finalize_sleep=finalize_sleep)
+        )
+        return name
+
+    return write
