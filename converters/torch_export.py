@@ -15,10 +15,12 @@ torch is imported inside the functions: importing this module does not import to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import inspect
 import io
 import os
+import re
 import sys
 import tempfile
 import time
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from converters.errors import ExportError, NotBatchableError
+from converters.errors import ExportError
 from converters.onnx_inspect import OnnxSignature, inspect_onnx
 from converters.signature import PackageSignature
 
@@ -40,6 +42,7 @@ DEFAULT_OPSET = 18
 INLINE_LIMIT_BYTES = 2**31 - 1
 
 Progress = Callable[[str], None]
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class Exporter(str, Enum):
@@ -220,13 +223,15 @@ def export_module_to_onnx(
     opset: int = DEFAULT_OPSET,
     exporters: Sequence[Exporter] = (Exporter.DYNAMO, Exporter.TORCHSCRIPT),
     progress: Progress | None = None,
+    inline_limit_bytes: int = INLINE_LIMIT_BYTES,
 ) -> ExportResult:
     """Export `module` to `onnx_path` with a dynamic batch axis on every input and output.
 
     Tries each exporter in `exporters` in order (dynamo, then the TorchScript-based one). The result
-    passes onnx.checker and shape inference; weights are inlined unless they reach 2 GiB, in which case
-    `<onnx_path>.data` is written next to it. With `expected`, input/output names, dtypes and dims
-    must match. Nothing is written at `onnx_path` unless everything succeeds.
+    passes onnx.checker and shape inference; weights are inlined unless they reach `inline_limit_bytes`
+    (2 GiB, protobuf's limit), in which case `<onnx_path>.data` is written next to it. With `expected`,
+    input/output names, dtypes and dims must match. Nothing is written at `onnx_path` unless everything
+    succeeds; the ExportError then gives each exporter's reason.
     """
     import torch
 
@@ -256,15 +261,21 @@ def export_module_to_onnx(
             except Exception as exc:
                 errors[exporter] = _one_line(exc)
                 continue
-            notify("checking the ONNX model (onnx.checker, shape inference)")
-            _finalise(staged, onnx_path)
+            notify("checking the ONNX model (onnx.checker, shape inference, signature)")
+            final = Path(stage_dir) / onnx_path.name
+            try:
+                _finalise(staged, final, inline_limit_bytes)
+                signature = _check_signature(final, input_names, output_names, expected)
+            except ExportError as exc:
+                errors[exporter] = str(exc)
+                continue
+            _move_into_place(final, onnx_path)
             export_secs = time.perf_counter() - started
-        signature = _check_signature(onnx_path, input_names, output_names, expected)
         return ExportResult(
             onnx_path=onnx_path,
             exporter=exporter,
             export_secs=export_secs,
-            signature=signature,
+            signature=dataclasses.replace(signature, path=onnx_path),
             dynamo_error=errors.get(Exporter.DYNAMO),
         )
     reasons = "; ".join(f"{e.value}: {msg}" for e, msg in errors.items())
@@ -315,55 +326,55 @@ def _run_exporter(
             )
 
 
-def _finalise(staged: Path, onnx_path: Path) -> None:
-    """Inline the weights when under 2 GiB (else carry `<name>.data`), check, infer shapes, move into place."""
-    data_name = onnx_path.name + ".data"
-    final = staged.parent.parent / onnx_path.name  # outside the exporter's folder and its data files
+def _finalise(staged: Path, final: Path, inline_limit_bytes: int) -> None:
+    """Write the checked, shape-inferred model at `final`: weights inlined when under the limit, else in
+    `<final name>.data` next to it."""
     try:
         model = onnx.load(str(staged))  # reads any external data the exporter wrote
-        inline = model.ByteSize() < INLINE_LIMIT_BYTES
-        if inline:
+        if model.ByteSize() < inline_limit_bytes:
             model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
             onnx.checker.check_model(model, full_check=True)
             onnx.save(model, str(final))
         else:
             onnx.save(model, str(final), save_as_external_data=True, all_tensors_to_one_file=True,
-                      location=data_name)
+                      location=final.name + ".data", size_threshold=0)
             onnx.shape_inference.infer_shapes_path(str(final), str(final), strict_mode=True)
             onnx.checker.check_model(str(final), full_check=True)
     except Exception as exc:
-        raise ExportError(f"{onnx_path}: the exported model fails onnx.checker / shape inference: {exc}") from exc
-    stale = onnx_path.with_name(data_name)
-    if inline:
-        stale.unlink(missing_ok=True)
+        raise ExportError(f"the exported model fails onnx.checker / shape inference: {_one_line(exc)}") from exc
+
+
+def _move_into_place(final: Path, onnx_path: Path) -> None:
+    """Move the model (and its data file, if any) to `onnx_path`; a stale data file there is removed."""
+    data_name = onnx_path.name + ".data"
+    source_data, target_data = final.with_name(data_name), onnx_path.with_name(data_name)
+    if source_data.exists():
+        os.replace(source_data, target_data)
     else:
-        os.replace(final.with_name(data_name), stale)
+        target_data.unlink(missing_ok=True)
     os.replace(final, onnx_path)
 
 
 def _check_signature(
-    onnx_path: Path, input_names: list[str], output_names: list[str], expected: PackageSignature | None
+    final: Path, input_names: list[str], output_names: list[str], expected: PackageSignature | None
 ) -> OnnxSignature:
-    signature = inspect_onnx(onnx_path)
+    signature = inspect_onnx(final)
     problems = []
     got_in, got_out = [t.name for t in signature.inputs], [t.name for t in signature.outputs]
     if sorted(got_in) != sorted(input_names):
-        problems.append(f"inputs are {got_in}, expected {input_names}")
+        problems.append(f"inputs are {got_in}, expected {input_names} (an input the module ignores is dropped)")
     if got_out != output_names:
         problems.append(f"outputs are {got_out}, expected {output_names}")
     if expected is not None:
         problems += _compare_with_declared(signature, expected)
-    try:
-        signature.require_batchable()
-    except NotBatchableError as exc:
+    if not signature.batch_dynamic:
+        fixed = [t.name for t in (*signature.inputs, *signature.outputs) if not t.batch_dynamic]
         problems.append(
-            f"{exc} (the module probably fixes the batch size internally, e.g. a reshape/view with a "
-            "constant first dimension: use -1 or x.shape[0] there)"
+            f"the batch axis is not dynamic on {fixed}: the module probably fixes the batch size "
+            "internally (e.g. a reshape/view with a constant first dimension: use -1 or x.shape[0])"
         )
     if problems:
-        onnx_path.unlink()
-        onnx_path.with_name(onnx_path.name + ".data").unlink(missing_ok=True)
-        raise ExportError(f"{onnx_path}: exported model does not match the package: " + "; ".join(problems))
+        raise ExportError("exported model does not match the package: " + "; ".join(problems))
     return signature
 
 
@@ -400,9 +411,16 @@ def _dims_compatible(actual: list[int], declared: list[int]) -> bool:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
-    return first[:500]
+    """The exception's first line plus that of its root cause (the exporters wrap the useful error)."""
+    def first_line(e: BaseException) -> str:
+        lines = _ANSI.sub("", str(e)).strip().splitlines()
+        return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()[:300]
+
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    text = first_line(exc)
+    return text if root is exc else f"{text} <- {first_line(root)}"
 
 
 def export_torchscript_to_onnx(

@@ -19,6 +19,7 @@ TIMEOUT = "timeout"
 # point at the failing line in the user's code without flooding the client.
 TRACEBACK_FRAMES = 3
 
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
 _OOM_MARKERS = ("out of memory",)  # covers "CUDA out of memory", onnxruntime's and cuDNN's wording
 
 
@@ -54,8 +55,14 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def traceback_summary(exc: BaseException, frames: int = TRACEBACK_FRAMES) -> str:
-    """`file.py:12 in predict <- file.py:30 in _step`, innermost frame first."""
-    entries = traceback.extract_tb(exc.__traceback__)[-frames:]
+    """`file.py:12 in _step <- file.py:30 in predict`, innermost frame first.
+
+    The runtime's own frames (the thread that calls predict) say nothing to the model's author and
+    are left out, unless the error arose in the runtime itself.
+    """
+    entries = traceback.extract_tb(exc.__traceback__)
+    entries = [e for e in entries if os.path.dirname(os.path.abspath(e.filename)) != _RUNTIME_DIR] or entries
+    entries = entries[-frames:]
     return " <- ".join(f"{os.path.basename(e.filename)}:{e.lineno} in {e.name}" for e in reversed(entries))
 
 

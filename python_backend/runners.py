@@ -13,8 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from .errors import PredictTimeout
@@ -113,6 +111,17 @@ def build_model(spec: RuntimeSpec, package_dir: str) -> Any:
 _STOP = object()
 
 
+class _Call:
+    """One call handed to the user thread, and its outcome."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, what: str) -> None:
+        self.fn, self.args, self.what = fn, args, what
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.started = 0.0
+
+
 class UserThread:
     """One long-lived thread that runs all of an instance's user code (load, predict, unload).
 
@@ -127,52 +136,50 @@ class UserThread:
 
     def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._overrun: Future | None = None  # a call that outlived its timeout and still runs
-        self._overrun_since = 0.0
+        self._overrun: _Call | None = None  # a call that outlived its timeout and still runs
         # Daemon: an overrunning call must not keep the stub process alive at unload.
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is _STOP:
+            call = self._jobs.get()
+            if call is _STOP:
                 return
-            future, fn, args = job
+            call.started = time.monotonic()
             try:
-                future.set_result(fn(*args))
+                call.result = call.fn(*call.args)
             except BaseException as e:  # handed to the caller, who maps it to an error response
-                future.set_exception(e)
+                call.error = e
+            call.done.set()
 
     @property
     def busy(self) -> bool:
         """True while a call that overran its timeout is still running."""
-        if self._overrun is not None and self._overrun.done():
+        if self._overrun is not None and self._overrun.done.is_set():
             self._overrun = None
         return self._overrun is not None
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, what: str = "predict") -> Any:
         if self.busy:
+            stuck = self._overrun
             raise PredictTimeout(
-                f"this instance is still running a {what} call that overran its timeout "
-                f"{time.monotonic() - self._overrun_since:.0f} s ago; requests fail until it returns. "
+                f"this instance is still running a {stuck.what} call that overran its timeout "
+                f"(started {time.monotonic() - stuck.started:.0f} s ago); requests fail until it returns. "
                 "Reload the model to recover now, or raise request_timeout_secs"
             )
-        future: Future = Future()
-        self._jobs.put((future, fn, args))
-        try:
-            return future.result(timeout)
-        except FutureTimeout:
-            # On Python >= 3.11 FutureTimeout is the builtin TimeoutError, which user code may raise
-            # itself: only a future that is still running means our deadline passed.
-            if future.done():
-                raise
-            self._overrun, self._overrun_since = future, time.monotonic()
+        call = _Call(fn, args, what)
+        self._jobs.put(call)
+        if not call.done.wait(timeout):
+            self._overrun = call
             raise PredictTimeout(
                 f"{what} did not finish within request_timeout_secs={timeout:g} s; make {what} faster, "
                 "send smaller batches or raise request_timeout_secs. The instance stays busy until the "
                 "call returns (Python cannot stop it); reload the model to free it"
-            ) from None
+            )
+        if call.error is not None:
+            raise call.error  # its traceback still holds the user's frames
+        return call.result
 
     def stop(self) -> None:
         """Let the thread end after its current call; never waits for an overrunning call."""

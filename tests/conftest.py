@@ -38,7 +38,7 @@ async def triton_admin(embedded_triton: EmbeddedTriton) -> AsyncIterator[TritonA
         yield client
 
 
-TINY_MODEL_PY = '''
+TINY_MODEL_PY = """
 import time
 
 import numpy as np
@@ -59,14 +59,16 @@ class TritonPythonModel:
 
     def finalize(self):
         time.sleep({finalize_sleep!r})
-'''
+"""
 
 
 @pytest.fixture
 def write_tiny_model() -> Callable[..., str]:
     """Write a hand-made python-backend model (config.pbtxt + 1/model.py) into a repository."""
 
-    def write(repo: Path, name: str, *, instances: int = 1, fail_init: bool = False, finalize_sleep: float = 0) -> str:
+    def write(
+        repo: Path, name: str, *, instances: int = 1, fail_init: bool = False, finalize_sleep: float = 0
+    ) -> str:
         folder = repo / name
         (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text(

@@ -1,6 +1,11 @@
 """Triton process management (embedded launcher) and the async admin client."""
 
-from controlplane.triton.client import ModelStats, RepositoryEntry, TritonAdminClient, parse_pending_request_counts
+from controlplane.triton.client import (
+    ModelStats,
+    RepositoryEntry,
+    TritonAdminClient,
+    parse_pending_request_counts,
+)
 from controlplane.triton.launcher import (
     EmbeddedTriton,
     EmbeddedTritonDist,

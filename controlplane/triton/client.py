@@ -104,7 +104,9 @@ class TritonAdminClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
+    async def _request(
+        self, method: str, path: str, *, timeout: float | None = None, **kw: Any
+    ) -> httpx.Response:
         try:
             return await self._http.request(method, path, timeout=timeout or self.timeout, **kw)
         except httpx.TimeoutException as e:
@@ -142,7 +144,10 @@ class TritonAdminClient:
         ]
 
     async def load(self, name: str, config: dict[str, Any] | None = None, timeout: float = 300) -> None:
-        """Load (or reload) a model; Triton answers once it is loaded or failed. ``config`` overrides config.pbtxt."""
+        """Load (or reload) a model; Triton answers once it is loaded or failed.
+
+        ``config`` (Triton's JSON form of a complete ModelConfig) replaces config.pbtxt for this load.
+        """
         body = {"parameters": {"config": json.dumps(config)}} if config is not None else {}
         try:
             r = await self._request("POST", f"/v2/repository/models/{name}/load", json=body, timeout=timeout)

@@ -86,7 +86,7 @@ def _check_platform() -> None:
         found = ".".join(map(str, glibc)) if glibc else "no glibc"
         raise TritonLaunchError(
             f"the embedded Triton needs glibc >= {MIN_GLIBC[0]}.{MIN_GLIBC[1]}; this system has {found}",
-            hint="use a newer distribution (e.g. Ubuntu 22.04+) or the compose target (official Triton image)",
+            hint="use a newer distribution (e.g. Ubuntu 22.04+) or the compose target (official image)",
         )
 
 
@@ -153,7 +153,9 @@ def _find_libpython(version: str) -> Path | None:
     )
 
 
-def find_embedded_triton(pytriton_dir: Path | None = None, python_version: str | None = None) -> EmbeddedTritonDist:
+def find_embedded_triton(
+    pytriton_dir: Path | None = None, python_version: str | None = None
+) -> EmbeddedTritonDist:
     """Locate and check the embedded Triton for this interpreter; raise ``TritonLaunchError`` with the fix."""
     _check_platform()
     root = (pytriton_dir or _pytriton_dir()) / "tritonserver"
@@ -303,7 +305,7 @@ class EmbeddedTriton:
         ]
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: bundled libraries first, and this environment's ``bin/`` first on PATH."""
+        """The server's environment: bundled libraries and this environment's ``bin/`` first."""
         assert self.dist is not None
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(

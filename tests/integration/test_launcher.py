@@ -38,7 +38,7 @@ def _wait_gone(pids: list[int], timeout: float = 5) -> list[int]:
 def test_session_triton_is_live(embedded_triton):
     assert embedded_triton.is_running()
     assert httpx.get(f"{embedded_triton.http_url}/v2/health/live").status_code == 200
-    assert "nv_inference" in httpx.get(f"{embedded_triton.metrics_url}/metrics").text
+    assert "# HELP nv_" in httpx.get(f"{embedded_triton.metrics_url}/metrics").text
     assert detect_backends(embedded_triton.work_dir / "backends") == {"python"}
     assert embedded_triton.process_tree_rss() > 10 * 2**20
     cmdline = psutil.Process(embedded_triton.pid).cmdline()
@@ -50,7 +50,7 @@ async def test_load_infer_unload_stub_lifecycle(embedded_triton, model_repo, wri
     await triton_admin.load(name)
     stubs = embedded_triton.stub_pids(name)
     assert len(stubs) == 2
-    # argv: stub, <repo>/<model>/1/model.py, shm region, shm sizes, parent pid, backend dir, ipc, instance name
+    # argv: stub, <repo>/<model>/1/model.py, shm region, 2 shm sizes, parent pid, backend dir, ipc, instance
     cmdlines = [psutil.Process(pid).cmdline() for pid in stubs]
     assert all(c[0].endswith("triton_python_backend_stub") for c in cmdlines)
     assert all(c[1] == str(model_repo / name / "1" / "model.py") for c in cmdlines)

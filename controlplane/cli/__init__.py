@@ -1,0 +1,147 @@
+"""`snoozectl`: a thin Typer CLI. Commands parse flags, build Settings, and call library code;
+heavy imports happen inside the commands so `snoozectl --help` stays fast."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from controlplane.errors import SnoozeError
+
+app = typer.Typer(
+    name="snoozectl",
+    help="Serve many models on Triton and let each of them sleep.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(exc: SnoozeError) -> typer.Exit:
+    """Print a user-facing error (message + fix) and return the exit to raise."""
+    err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+    if exc.hint:
+        err_console.print(f"[bold]fix:[/] {exc.hint}", highlight=False, soft_wrap=True)
+    return typer.Exit(1)
+
+
+@app.command()
+def serve(
+    models: Annotated[Optional[Path], typer.Option(help="Models folder (packages and/or models.toml) to publish at start")] = None,
+    work_dir: Annotated[Path, typer.Option(help="Runtime folder: repository, logs, Envoy config")] = Path(".snooze"),
+    host: Annotated[str, typer.Option(help="Address of the gateway and control API")] = "127.0.0.1",
+    http_port: Annotated[int, typer.Option(help="Gateway KServe v2 HTTP port")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="Gateway KServe v2 gRPC port")] = 8001,
+    api_port: Annotated[int, typer.Option(help="Control API port")] = 8080,
+    triton_url: Annotated[Optional[str], typer.Option(help="Use this Triton (HTTP URL) instead of starting one")] = None,
+    triton_grpc_url: Annotated[Optional[str], typer.Option(help="gRPC host:port of that Triton")] = None,
+    target: Annotated[str, typer.Option(help="Backends of the Triton: embedded | full")] = "embedded",
+    no_auth: Annotated[bool, typer.Option("--no-auth", help="Disable API keys (local use only)")] = False,
+    no_gateway: Annotated[bool, typer.Option("--no-gateway", help="No Envoy: clients use Triton's own ports")] = False,
+) -> None:
+    """Start Triton, the control plane and the gateway; publish MODELS; serve until Ctrl-C."""
+    from controlplane.settings import Settings
+    from controlplane.stack import run_stack
+
+    overrides: dict[str, object] = {
+        "work_dir": work_dir, "host": host, "http_port": http_port, "grpc_port": grpc_port,
+        "api_port": api_port, "target": target, "gateway": not no_gateway,
+    }
+    if triton_url:
+        overrides["triton_url"] = triton_url
+    if triton_grpc_url:
+        overrides["triton_grpc_url"] = triton_grpc_url
+    if no_auth:
+        overrides["auth"] = "off"
+    try:
+        settings = Settings(**overrides)
+        code = run_stack(settings, models)
+    except SnoozeError as exc:
+        raise fail(exc) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def render(
+    paths: Annotated[list[Path], typer.Argument(help="Package folders or models folders (with models.toml)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Model repository to write")],
+    target: Annotated[str, typer.Option(help="embedded (python backend only) | full (official image)")] = "embedded",
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Render packages into a Triton model repository (all validated first, each written atomically)."""
+    from controlplane.render import render_repository, target_by_name
+    from controlplane.spec import DeploymentSpec, discover, resolve_all
+
+    try:
+        deployments = []
+        for path in paths:
+            if (path / "snooze_model.py").is_file() or (path / "model.onnx").is_file() or (path / "model.plan").is_file():
+                deployments.append(DeploymentSpec(id=path.resolve().name, path=path.resolve()))
+            else:
+                deployments.extend(discover(path))
+        specs = resolve_all(deployments)
+        written = render_repository(specs, out, target_by_name(target))
+    except SnoozeError as exc:
+        raise fail(exc) from None
+    if as_json:
+        print(json.dumps({"repository": str(out), "models": [p.name for p in written]}))
+    else:
+        for spec, folder in zip(specs, written):
+            console.print(f"rendered [bold]{spec.id}[/] ({spec.package.kind.value}) -> {folder}")
+
+
+@app.command()
+def check(
+    path: Annotated[Path, typer.Argument(help="Package folder")],
+    inputs: Annotated[Optional[list[str]], typer.Option("--input", "-i", help="NAME:SHAPE (batch first, e.g. x:4x3) or NAME=FILE.npy")] = None,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
+    max_batch_size: Annotated[int, typer.Option(help="0 if the model does not batch")] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
+) -> None:
+    """Load a package in a child process, run one predict, print the outputs."""
+    from controlplane.check import check_package
+
+    try:
+        result = check_package(path, inputs or [], device=device, max_batch_size=max_batch_size)
+    except SnoozeError as exc:
+        if as_json:
+            print(json.dumps({"ok": False, **exc.to_dict()}))
+            raise typer.Exit(1) from None
+        raise fail(exc) from None
+    if as_json:
+        outputs = {
+            name: {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel()[:8].tolist()}
+            for name, a in result.outputs.items()
+        }
+        print(json.dumps({"ok": True, "model": result.model_id, "device": device, "outputs": outputs}, default=_jsonable))
+        return
+    console.print(f"OK: model loaded on '{result.device}'", highlight=False)
+    for name, array in result.outputs.items():
+        first = ", ".join(_short(v) for v in array.ravel()[:6])
+        console.print(f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{', ...' if array.size > 6 else ''}]", highlight=False)
+
+
+def _short(value: object) -> str:
+    if isinstance(value, bytes):
+        return repr(value)
+    if isinstance(value, float):
+        return f"{value:.5g}"
+    return f"{value:.5g}" if hasattr(value, "dtype") and value.dtype.kind == "f" else str(value)
+
+
+def _jsonable(value: object) -> object:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

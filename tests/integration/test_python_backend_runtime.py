@@ -1,0 +1,437 @@
+"""The python_backend runtime inside a real tritonserver: hand-built model folders, real clients.
+
+Each model folder follows docs/internals.md by hand (config.pbtxt, model.py from the template,
+a copy of python_backend/, package/, snooze_runtime.json), so these tests pin the runtime's side of
+the contract independently of the renderer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+import python_backend
+
+pytestmark = pytest.mark.integration
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository_templates" / "python_model.py.j2"
+TRITON_TYPES = {"FP32": "TYPE_FP32", "INT64": "TYPE_INT64", "BYTES": "TYPE_STRING"}
+NP_TYPES = {"FP32": np.float32, "INT64": np.int64, "BYTES": np.object_}
+
+
+def t(name: str, datatype: str, dims: list[int]) -> dict:
+    return {"name": name, "datatype": datatype, "dims": dims}
+
+
+def config_pbtxt(name: str, spec: dict, *, queue_delay_us: int, max_batch_size: int | None = None) -> str:
+    def tensors(kind: str, items: list[dict]) -> str:
+        return "\n".join(
+            f'{kind} {{ name: "{i["name"]}" data_type: {TRITON_TYPES[i["datatype"]]} dims: {i["dims"]} }}'
+            for i in items
+        )
+
+    mbs = spec["max_batch_size"] if max_batch_size is None else max_batch_size
+    batching = f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}" if mbs else ""
+    return textwrap.dedent(
+        f"""\
+        name: "{name}"
+        backend: "python"
+        max_batch_size: {mbs}
+        {batching}
+        instance_group {{ kind: KIND_CPU count: 1 }}
+        """
+    ) + tensors("input", spec["inputs"]) + "\n" + tensors("output", spec["outputs"]) + "\n"
+
+
+def build_model(
+    repo: Path,
+    name: str,
+    runtime: dict,
+    files: dict[str, str | bytes],
+    *,
+    queue_delay_us: int = 0,
+    config_max_batch_size: int | None = None,
+) -> dict:
+    """Write one model folder; `config_max_batch_size` lets config.pbtxt differ from the runtime spec."""
+    spec = {"format": 1, "model_id": name, "tensor_format": "numpy", "env": {}, "params": {}, **runtime}
+    version = repo / name / "1"
+    (version / "package").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(
+        config_pbtxt(name, spec, queue_delay_us=queue_delay_us, max_batch_size=config_max_batch_size)
+    )
+    (version / "model.py").write_text(jinja2.Template(TEMPLATE.read_text()).render(model_id=name))
+    (version / "python_backend").mkdir()
+    for src in python_backend.runtime_files():
+        shutil.copy(src, version / "python_backend")
+    for rel, content in files.items():
+        target = version / "package" / rel
+        if isinstance(content, bytes):
+            target.write_bytes(content)
+        else:
+            target.write_text(textwrap.dedent(content))
+    (version / "snooze_runtime.json").write_text(json.dumps(spec, indent=2))
+    return spec
+
+
+@pytest.fixture(scope="module")
+def triton(embedded_triton):
+    """The session tritonserver (tests/conftest.py) plus clients; models here are prefixed `pbrt-`."""
+    http_url = embedded_triton.http_url.removeprefix("http://")
+    return {
+        "repo": embedded_triton.model_repository,
+        "http": httpclient.InferenceServerClient(http_url, network_timeout=60),
+        "grpc": grpcclient.InferenceServerClient(embedded_triton.grpc_url),
+        "grpc_url": embedded_triton.grpc_url,
+    }
+
+
+def load(triton, name: str, runtime: dict, files: dict, **kw) -> str:
+    build_model(triton["repo"], name, runtime, files, **kw)
+    triton["http"].load_model(name)
+    return name
+
+
+def infer(client_mod, client, model: str, arrays: dict[str, np.ndarray], outputs: list[str]):
+    inputs = []
+    for name, array in arrays.items():
+        wire = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(object): "BYTES"}[array.dtype]
+        i = client_mod.InferInput(name, list(array.shape), wire)
+        i.set_data_from_numpy(array)
+        inputs.append(i)
+    result = client.infer(model, inputs, outputs=[client_mod.InferRequestedOutput(o) for o in outputs])
+    return {o: result.as_numpy(o) for o in outputs}
+
+
+MIXED_MODEL = """
+    import os
+
+    import numpy as np
+
+    # Read at import time: the runtime must apply the spec's env before importing this module.
+    SUFFIX = os.environ["PBRT_SUFFIX"].encode()
+
+
+    class Model:
+        def __init__(self, scale, label):
+            self.scale = scale
+            self.label = label
+
+        def load(self, model_dir, device):
+            print("loading from", model_dir)  # stdout must not disturb the stub
+            self.device = device
+            self.has_own_file = os.path.isfile(os.path.join(model_dir, "snooze_model.py"))
+
+        def predict(self, inputs):
+            print("predict", {k: v.shape for k, v in inputs.items()})
+            a, n, s = inputs["a"], inputs["n"], inputs["s"]
+            tag = np.array([[x + SUFFIX] for x in s[:, 0]], dtype=object)
+            info = f"{self.label}|{self.device}|{self.has_own_file}|{type(s[0, 0]).__name__}|{s.dtype}"
+            return {
+                "out": a * self.scale + n,  # float64 result: the runtime casts to the declared FP32
+                "tag": tag,
+                "info": np.array([[info.encode()]] * len(a), dtype=object),
+                "debug": "undeclared outputs are dropped",
+            }
+
+        def unload(self):
+            with open(os.environ["PBRT_UNLOAD_MARKER"], "w") as f:
+                f.write("unloaded")
+"""
+
+
+@pytest.fixture(scope="module")
+def mixed_model(triton, tmp_path_factory):
+    marker = tmp_path_factory.mktemp("pbrt") / "unloaded"
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "class_name": "Model",
+        "max_batch_size": 4,
+        "params": {"scale": 3.0, "label": "lbl"},
+        "env": {"PBRT_SUFFIX": "-sfx", "PBRT_UNLOAD_MARKER": str(marker)},
+        "inputs": [t("a", "FP32", [2]), t("n", "INT64", [1]), t("s", "BYTES", [1])],
+        "outputs": [t("out", "FP32", [2]), t("tag", "BYTES", [1]), t("info", "BYTES", [1])],
+    }
+    return load(triton, "pbrt-mixed", runtime, {"snooze_model.py": MIXED_MODEL}), marker
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_custom_model_multi_input_params_env_bytes(triton, mixed_model, protocol):
+    model, _ = mixed_model
+    client_mod = httpclient if protocol == "http" else grpcclient
+    arrays = {
+        "a": np.array([[1, 2], [3, 4]], dtype=np.float32),
+        "n": np.array([[10], [20]], dtype=np.int64),
+        "s": np.array([[b"x"], [b"y\x00\xffz"]], dtype=object),  # not UTF-8: bytes must pass untouched
+    }
+    got = infer(client_mod, triton[protocol], model, arrays, ["out", "tag", "info"])
+    np.testing.assert_array_equal(got["out"], np.array([[13, 16], [29, 32]], dtype=np.float32))
+    assert got["out"].dtype == np.float32
+    assert got["tag"].tolist() == [[b"x-sfx"], [b"y\x00\xffz-sfx"]]
+    assert got["info"].tolist() == [[b"lbl|cpu|True|bytes|object"]] * 2
+
+
+RAW_MODEL = """
+    import numpy as np
+
+
+    class Model:
+        def load(self, model_dir, device):
+            pass
+
+        def predict(self, inputs):
+            xs = inputs["x"]
+            assert isinstance(xs, list), type(xs)
+            return {
+                "y": [x[:, ::-1] * 10 for x in xs],
+                "count": [np.full((len(x), 1), len(xs), dtype=np.int64) for x in xs],
+            }
+"""
+
+
+def test_raw_tensor_format(triton):
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "tensor_format": "raw",
+        "max_batch_size": 4,
+        "inputs": [t("x", "FP32", [-1])],
+        "outputs": [t("y", "FP32", [-1]), t("count", "INT64", [1])],
+    }
+    model = load(triton, "pbrt-raw", runtime, {"snooze_model.py": RAW_MODEL})
+    x = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.float32)
+    got = infer(grpcclient, triton["grpc"], model, {"x": x}, ["y", "count"])
+    np.testing.assert_array_equal(got["y"], x[:, ::-1] * 10)
+    assert got["count"].tolist() == [[1], [1]]
+
+
+BATCH_MODEL = """
+    import numpy as np
+
+
+    class Model:
+        def load(self, model_dir, device):
+            pass
+
+        def predict(self, inputs):
+            x = inputs["x"]
+            return {"y": x + 1, "rows": np.full((len(x), 1), len(x), dtype=np.int64)}
+"""
+
+
+def test_bad_request_fails_alone_in_a_shared_batch(triton):
+    # config.pbtxt allows batches of 8 but the runtime spec only 2: a request of 3 passes Triton's own
+    # checks, reaches the batch, and must be rejected by the runtime without failing its neighbours.
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "max_batch_size": 2,
+        "inputs": [t("x", "FP32", [3])],
+        "outputs": [t("y", "FP32", [3]), t("rows", "INT64", [1])],
+    }
+    model = load(
+        triton, "pbrt-batch", runtime, {"snooze_model.py": BATCH_MODEL},
+        queue_delay_us=500_000, config_max_batch_size=8,
+    )
+    requests = [np.full((1, 3), 1, np.float32), np.full((3, 3), 5, np.float32), np.full((1, 3), 2, np.float32)]
+
+    def send(x):
+        client = grpcclient.InferenceServerClient(triton["grpc_url"])
+        try:
+            return infer(grpcclient, client, model, {"x": x}, ["y", "rows"])
+        except InferenceServerException as e:
+            return e
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        good1, bad, good2 = pool.map(send, requests)
+
+    assert isinstance(bad, InferenceServerException)
+    assert "[snooze:invalid_input] model 'pbrt-batch': batch size 3 is outside 1..2" in bad.message()
+    assert bad.status() == "StatusCode.INVALID_ARGUMENT"
+    np.testing.assert_array_equal(good1["y"], np.full((1, 3), 2, np.float32))
+    np.testing.assert_array_equal(good2["y"], np.full((1, 3), 3, np.float32))
+    # Both good requests went through one predict call: the batch was shared, and survived.
+    assert good1["rows"].tolist() == [[2]] and good2["rows"].tolist() == [[2]]
+    stats = triton["http"].get_inference_statistics(model)["model_stats"][0]
+    assert stats["execution_count"] == 1 < stats["inference_count"]
+
+
+FAULTY_MODEL = """
+    import numpy as np
+
+
+    def _check(mode):
+        if mode == 3:
+            raise ValueError("mode 3 is not allowed")
+
+
+    class Model:
+        def load(self, model_dir, device):
+            pass
+
+        def predict(self, inputs):
+            mode = int(inputs["mode"][0, 0])
+            x = inputs["x"]
+            if mode == 1:
+                raise MemoryError("simulated allocation failure")
+            if mode == 2:
+                return {"y": x[:-1]}
+            _check(mode)
+            if mode == 4:
+                return {"y": np.array([["a", "b", "c"]] * len(x), dtype=object)}
+            return {"y": x}
+"""
+
+
+@pytest.fixture(scope="module")
+def faulty_model(triton):
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "max_batch_size": 4,
+        "inputs": [t("mode", "INT64", [1]), t("x", "FP32", [3])],
+        "outputs": [t("y", "FP32", [3])],
+    }
+    return load(triton, "pbrt-faulty", runtime, {"snooze_model.py": FAULTY_MODEL})
+
+
+def faulty_call(triton, model, mode, rows=2):
+    arrays = {"mode": np.full((rows, 1), mode, np.int64), "x": np.ones((rows, 3), np.float32)}
+    return infer(httpclient, triton["http"], model, arrays, ["y"])
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        (1, "[snooze:oom] model 'pbrt-faulty': predict ran out of memory on a batch of 2 (MemoryError: simulated"),
+        (2, "[snooze:internal] model 'pbrt-faulty': output 'y' has 1 rows but the batch has 2"),
+        (3, "[snooze:internal] model 'pbrt-faulty': predict raised ValueError: mode 3 is not allowed at "
+            "snooze_model.py:7 in _check <- snooze_model.py:21 in predict; fix the model's predict"),
+        (4, "[snooze:internal] model 'pbrt-faulty': output 'y' is object, which cannot be cast to its declared FP32"),
+    ],
+)
+def test_model_errors_are_mapped_and_the_instance_survives(triton, faulty_model, mode, expected):
+    with pytest.raises(InferenceServerException) as e:
+        faulty_call(triton, faulty_model, mode)
+    assert expected in e.value.message()
+    np.testing.assert_array_equal(faulty_call(triton, faulty_model, 0)["y"], np.ones((2, 3), np.float32))
+
+
+SLEEPY_MODEL = """
+    import time
+
+
+    class Model:
+        def load(self, model_dir, device):
+            pass
+
+        def predict(self, inputs):
+            time.sleep(float(inputs["secs"][0, 0]))
+            return {"secs": inputs["secs"]}
+"""
+
+
+def test_predict_past_request_timeout(triton):
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "max_batch_size": 2,
+        "request_timeout_secs": 1,
+        "inputs": [t("secs", "FP32", [1])],
+        "outputs": [t("secs", "FP32", [1])],
+    }
+    model = load(triton, "pbrt-sleepy", runtime, {"snooze_model.py": SLEEPY_MODEL})
+
+    def call(secs):
+        return infer(httpclient, triton["http"], model, {"secs": np.full((1, 1), secs, np.float32)}, ["secs"])
+
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as e:
+        call(3.0)
+    assert time.monotonic() - started < 2.5
+    assert "[snooze:timeout] model 'pbrt-sleepy': predict did not finish within request_timeout_secs=1 s" in (
+        e.value.message()
+    )
+    # The overrunning call still occupies the instance: fail fast instead of queueing behind it.
+    with pytest.raises(InferenceServerException) as e:
+        call(0)
+    assert "[snooze:timeout] model 'pbrt-sleepy': this instance is still running a predict call" in e.value.message()
+    time.sleep(max(0.0, started + 3.3 - time.monotonic()))
+    assert call(0)["secs"].tolist() == [[0.0]]
+
+
+def tiny_onnx() -> tuple[bytes, np.ndarray, np.ndarray]:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 3)).astype(np.float32)
+    b = rng.standard_normal(3).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
+        "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8  # readable by any onnxruntime >= 1.14
+    onnx.checker.check_model(model)
+    return model.SerializeToString(), w, b
+
+
+def test_onnx_kind_runs_onnxruntime(triton):
+    data, w, b = tiny_onnx()
+    runtime = {
+        "kind": "onnx",
+        "onnx_file": "model.onnx",
+        "max_batch_size": 8,
+        "params": {"intra_op_num_threads": 1},
+        "inputs": [t("x", "FP32", [4])],
+        "outputs": [t("y", "FP32", [3])],
+    }
+    model = load(triton, "pbrt-onnx", runtime, {"model.onnx": data})
+    x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    got = infer(httpclient, triton["http"], model, {"x": x}, ["y"])
+    np.testing.assert_allclose(got["y"], x @ w + b, rtol=1e-5, atol=1e-6)
+
+
+def test_load_failure_names_kind_and_model(triton):
+    broken = """
+        class Model:
+            def load(self, model_dir, device):
+                raise MemoryError("weights do not fit")
+
+            def predict(self, inputs):
+                return inputs
+    """
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "max_batch_size": 1,
+        "inputs": [t("x", "FP32", [1])],
+        "outputs": [t("x", "FP32", [1])],
+    }
+    with pytest.raises(InferenceServerException) as e:
+        load(triton, "pbrt-broken", runtime, {"snooze_model.py": broken})
+    assert "[snooze:oom] model 'pbrt-broken': load ran out of memory (MemoryError: weights do not fit)" in str(e.value)
+
+
+def test_unload_calls_model_unload(triton, mixed_model):
+    model, marker = mixed_model
+    triton["http"].unload_model(model)
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.read_text() == "unloaded"

@@ -1,0 +1,202 @@
+"""Collate / split / validate of the python-backend runtime, without Triton."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from python_backend.batching import (
+    check_outputs,
+    check_raw_outputs,
+    check_request,
+    collate,
+    group_for_collation,
+    run_batch,
+    split,
+)
+from python_backend.errors import BadModelOutput, Failure, InvalidInput
+from python_backend.spec import parse_spec
+
+
+def make_spec(**overrides):
+    raw = {
+        "format": 1,
+        "model_id": "m1",
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "max_batch_size": 4,
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "dims": [3]},
+            {"name": "s", "datatype": "BYTES", "dims": [-1]},
+        ],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [3]}],
+    }
+    raw.update(overrides)
+    return parse_spec(raw)
+
+
+def req(rows, s_len=1, x_dtype=np.float32, start=0.0):
+    x = (np.arange(rows * 3, dtype=np.float64) + start).reshape(rows, 3).astype(x_dtype)
+    s = np.array([[b"a"] * s_len] * rows, dtype=object)
+    return {"x": x, "s": s}
+
+
+def test_check_request_returns_batch_size():
+    assert check_request(make_spec(), req(2)) == 2
+
+
+@pytest.mark.parametrize(
+    ("arrays", "needle"),
+    [
+        ({"x": np.zeros((1, 3), np.float32)}, "missing input(s) ['s']"),
+        ({**req(1), "z": np.zeros((1,), np.float32)}, "unknown input(s) ['z']"),
+        (req(1, x_dtype=np.int32), "input 'x' is INT32 but the model expects FP32"),
+        ({"x": np.zeros((1, 4), np.float32), "s": req(1)["s"]}, "input 'x' has shape [1, 4]"),
+        ({"x": np.zeros((2, 3), np.float32), "s": req(1)["s"]}, "input 's' has 1 rows but the other inputs have 2"),
+        (req(5), "batch size 5 is outside 1..4"),
+        ({"x": np.zeros((0, 3), np.float32), "s": np.zeros((0, 1), object)}, "batch size 0 is outside 1..4"),
+    ],
+)
+def test_check_request_rejects(arrays, needle):
+    with pytest.raises(InvalidInput) as e:
+        check_request(make_spec(), arrays)
+    assert needle in str(e.value)
+
+
+def test_wildcard_dims_accept_any_size():
+    assert check_request(make_spec(), req(1, s_len=7)) == 1
+
+
+def test_unbatched_model_has_no_batch_axis():
+    spec = make_spec(max_batch_size=0, inputs=[{"name": "x", "datatype": "FP32", "dims": [2, 3]}])
+    assert check_request(spec, {"x": np.zeros((2, 3), np.float32)}) is None
+    with pytest.raises(InvalidInput, match=r"expects \[2, 3\]"):
+        check_request(spec, {"x": np.zeros((1, 2, 3), np.float32)})
+    assert group_for_collation(spec, [{}, {}]) == [[0], [1]]
+
+
+def test_group_splits_requests_whose_variable_dims_differ():
+    spec = make_spec()
+    groups = group_for_collation(spec, [req(1, s_len=1), req(1, s_len=2), req(2, s_len=1)])
+    assert groups == [[0, 2], [1]]
+
+
+def test_collate_and_split_round_trip():
+    spec = make_spec()
+    parts = [req(1, start=0), req(2, start=100)]
+    batch = collate(spec, parts)
+    assert batch["x"].shape == (3, 3) and batch["s"].dtype == object
+    back = split({"y": batch["x"]}, [1, 2])
+    np.testing.assert_array_equal(back[0]["y"], parts[0]["x"])
+    np.testing.assert_array_equal(back[1]["y"], parts[1]["x"])
+
+
+def test_check_outputs_casts_and_drops_undeclared():
+    out = check_outputs(make_spec(), {"y": np.ones((2, 3), np.float64), "debug": 1}, rows=2)
+    assert list(out) == ["y"] and out["y"].dtype == np.float32
+
+
+def test_check_outputs_makes_arrays_contiguous():
+    out = check_outputs(make_spec(), {"y": np.ones((3, 2), np.float32).T}, rows=2)
+    assert out["y"].flags["C_CONTIGUOUS"]
+
+
+@pytest.mark.parametrize(
+    ("outputs", "needle"),
+    [
+        ([1, 2], "predict returned list"),
+        ({}, "did not return output(s) ['y']"),
+        ({"y": np.ones((3, 3), np.float32)}, "output 'y' has 3 rows but the batch has 2"),
+        ({"y": np.float32(1)}, "output 'y' has a scalar but the batch has 2"),
+        ({"y": np.ones((2, 4), np.float32)}, "output 'y' has shape [2, 4] but is declared [batch, 3]"),
+        ({"y": np.array([["a"] * 3] * 2, dtype=object)}, "cannot be cast to its declared FP32"),
+    ],
+)
+def test_check_outputs_rejects(outputs, needle):
+    with pytest.raises(BadModelOutput) as e:
+        check_outputs(make_spec(), outputs, rows=2)
+    assert needle in str(e.value)
+
+
+def test_bytes_outputs_accept_str_and_fixed_width_bytes():
+    spec = make_spec(outputs=[{"name": "t", "datatype": "BYTES", "dims": [1]}])
+    for value in (np.array([[b"ab"]], dtype="S2"), np.array([["ab"]])):
+        assert check_outputs(spec, {"t": value}, rows=1)["t"].dtype == object
+    with pytest.raises(BadModelOutput, match="declared BYTES"):
+        check_outputs(spec, {"t": np.ones((1, 1), np.float32)}, rows=1)
+
+
+def test_raw_outputs_are_validated_per_request():
+    spec = make_spec(tensor_format="raw")
+    per = check_raw_outputs(spec, {"y": [np.ones((1, 3)), np.ones((2, 3))]}, [1, 2])
+    assert [r["y"].shape for r in per] == [(1, 3), (2, 3)]
+    with pytest.raises(BadModelOutput, match="one array per request"):
+        check_raw_outputs(spec, {"y": [np.ones((1, 3))]}, [1, 2])
+    with pytest.raises(BadModelOutput, match="output 'y' of request 1 has 1 rows but the batch has 2"):
+        check_raw_outputs(spec, {"y": [np.ones((1, 3)), np.ones((1, 3))]}, [1, 2])
+
+
+def test_run_batch_isolates_invalid_requests_and_collates_the_rest():
+    spec = make_spec()
+    calls = []
+
+    def predict(inputs):
+        calls.append(inputs["x"].shape[0])
+        return {"y": inputs["x"] * 2}
+
+    good1, good2 = req(1, start=0), req(2, start=10)
+    results = run_batch(spec, [good1, req(1, x_dtype=np.int32), good2], predict)
+    assert calls == [3]  # one predict call over both valid requests
+    assert isinstance(results[1], Failure) and results[1].kind == "invalid_input"
+    assert results[1].message.startswith("[snooze:invalid_input] model 'm1': input 'x' is INT32")
+    np.testing.assert_array_equal(results[0]["y"], good1["x"] * 2)
+    np.testing.assert_array_equal(results[2]["y"], good2["x"] * 2)
+
+
+def test_run_batch_predict_failure_fails_its_group_only():
+    spec = make_spec()
+
+    def predict(inputs):
+        if inputs["s"].shape[1] == 2:
+            raise ValueError("bad values")
+        return {"y": inputs["x"]}
+
+    results = run_batch(spec, [req(1), req(1, s_len=2)], predict)
+    assert isinstance(results[0], dict)
+    assert results[1].kind == "internal"
+    assert "predict raised ValueError: bad values at test_python_backend_batching.py:" in results[1].message
+
+
+def test_run_batch_maps_oom():
+    def predict(inputs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    (result,) = run_batch(make_spec(), [req(2)], predict)
+    assert result.kind == "oom"
+    assert result.message.startswith("[snooze:oom] model 'm1': predict ran out of memory on a batch of 2")
+
+
+def test_run_batch_raw_passes_lists():
+    spec = make_spec(tensor_format="raw")
+    seen = {}
+
+    def predict(inputs):
+        seen.update(inputs)
+        return {"y": [x + 1 for x in inputs["x"]]}
+
+    results = run_batch(spec, [req(1), req(2)], predict)
+    assert [a.shape for a in seen["x"]] == [(1, 3), (2, 3)]
+    np.testing.assert_array_equal(results[1]["y"], req(2)["x"] + 1)
+
+
+def test_run_batch_unbatched_calls_predict_per_request():
+    spec = make_spec(max_batch_size=0, inputs=[{"name": "x", "datatype": "FP32", "dims": [3]}])
+    calls = []
+
+    def predict(inputs):
+        calls.append(inputs["x"].shape)
+        return {"y": inputs["x"]}
+
+    results = run_batch(spec, [{"x": np.zeros(3, np.float32)}, {"x": np.ones(3, np.float32)}], predict)
+    assert calls == [(3,), (3,)]
+    np.testing.assert_array_equal(results[1]["y"], np.ones(3, np.float32))

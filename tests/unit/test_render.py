@@ -1,0 +1,172 @@
+"""Rendering: golden configs per backend, Triton schema validation, atomic writes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from controlplane.errors import InvalidPackageError
+from controlplane.render import (
+    DEPLOYMENT_FILE,
+    FULL_TARGET,
+    RUNTIME_FILE,
+    embedded_target,
+    parse_config,
+    render_model,
+    render_repository,
+    write_model,
+)
+from controlplane.spec import DeploymentSpec, resolve
+
+GOLDEN = Path(__file__).parent / "golden"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        h.update(str(path.relative_to(root)).encode())
+        if path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def custom_pkg(folder: Path, **manifest: object) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "snooze_model.py").write_text("class Model:\n    pass\n")
+    (folder / "weights").mkdir(exist_ok=True)
+    (folder / "weights" / "w.bin").write_bytes(b"\x00\x01")
+    base = {
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "dims": [3]},
+            {"name": "text", "datatype": "BYTES", "dims": [-1]},
+        ],
+        "outputs": [{"name": "y", "datatype": "INT64", "dims": [1]}],
+    }
+    base.update(manifest)
+    (folder / "snooze_model.json").write_text(json.dumps(base))
+    return folder
+
+
+def onnx_pkg(folder: Path) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+
+    folder.mkdir(parents=True, exist_ok=True)
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["in"], ["out"])],
+        "g",
+        [helper.make_tensor_value_info("in", TensorProto.FLOAT, ["batch", 5])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 5])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "model.onnx"))
+    return folder
+
+
+def plan_pkg(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.plan").write_bytes(b"not-a-real-engine")
+    manifest = {
+        "inputs": [{"name": "in", "datatype": "FP16", "dims": [5]}],
+        "outputs": [{"name": "out", "datatype": "FP16", "dims": [5]}],
+    }
+    (folder / "snooze_model.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def check_golden(name: str, text: str) -> None:
+    golden = GOLDEN / name
+    if os.environ.get("SNOOZE_UPDATE_GOLDEN"):
+        golden.write_text(text)
+    assert text == golden.read_text(), f"rendered config differs from {golden} (SNOOZE_UPDATE_GOLDEN=1 rewrites)"
+
+
+def test_python_backend_config_matches_golden(tmp_path: Path) -> None:
+    spec = resolve(
+        DeploymentSpec(id="custom-net", path=custom_pkg(tmp_path / "p"), max_batch_size=16,
+                       max_batch_delay_ms=2.5, instances=2, max_instances=3)
+    )
+    rendered = render_model(spec, embedded_target())
+    check_golden("python.pbtxt", rendered.config_text)
+    dests = {rel for _, rel in rendered.copies}
+    assert {"1/package/snooze_model.py", "1/package/weights/w.bin", "1/python_backend/triton_model.py"} <= dests
+    runtime = json.loads(rendered.writes[f"1/{RUNTIME_FILE}"])
+    assert runtime["kind"] == "custom" and runtime["max_batch_size"] == 16
+    assert runtime["inputs"][1] == {"name": "text", "datatype": "BYTES", "dims": [-1]}
+
+
+def test_onnx_renders_native_on_full_and_python_on_embedded(tmp_path: Path) -> None:
+    spec = resolve(DeploymentSpec(id="relu", path=onnx_pkg(tmp_path / "o"), max_batch_size=4))
+    full = render_model(spec, FULL_TARGET)
+    check_golden("onnxruntime.pbtxt", full.config_text)
+    assert [rel for _, rel in full.copies] == ["1/model.onnx"]
+    embedded = render_model(spec, embedded_target())
+    assert embedded.backend == "python" and embedded.config.backend == "python"
+    assert json.loads(embedded.writes[f"1/{RUNTIME_FILE}"])["kind"] == "onnx"
+    # same signature and batching on both targets
+    assert [i.dims for i in full.config.input] == [i.dims for i in embedded.config.input]
+    assert full.config.max_batch_size == embedded.config.max_batch_size == 4
+
+
+def test_onnx_tensorrt_accelerator(tmp_path: Path) -> None:
+    spec = resolve(DeploymentSpec(id="relu", path=onnx_pkg(tmp_path / "o"), device="gpu", onnx_tensorrt=True, fp16=True))
+    config = render_model(spec, FULL_TARGET).config
+    accel = config.optimization.execution_accelerators.gpu_execution_accelerator[0]
+    assert accel.name == "tensorrt" and accel.parameters["precision_mode"] == "FP16"
+
+
+def test_tensorrt_plan_golden_and_refused_on_embedded(tmp_path: Path) -> None:
+    spec = resolve(DeploymentSpec(id="engine", path=plan_pkg(tmp_path / "t"), device="gpu", max_batch_size=8))
+    check_golden("tensorrt.pbtxt", render_model(spec, FULL_TARGET).config_text)
+    with pytest.raises(InvalidPackageError, match="tensorrt backend and a GPU"):
+        render_model(spec, embedded_target())
+
+
+def test_non_batching_model_has_no_dynamic_batcher(tmp_path: Path) -> None:
+    spec = resolve(DeploymentSpec(id="m", path=custom_pkg(tmp_path / "p"), max_batch_size=0))
+    config = render_model(spec, embedded_target()).config
+    assert config.max_batch_size == 0 and not config.HasField("dynamic_batching")
+
+
+def test_python_requirement_checked_against_target(tmp_path: Path) -> None:
+    spec = resolve(DeploymentSpec(id="m", path=custom_pkg(tmp_path / "p", python=">=3.11")))
+    with pytest.raises(InvalidPackageError, match="needs Python >=3.11.*runs 3.10"):
+        render_model(spec, FULL_TARGET)
+
+
+def test_parse_config_rejects_invalid_text() -> None:
+    with pytest.raises(InvalidPackageError, match="not a valid Triton ModelConfig"):
+        parse_config('name: "x"\nmax_batch_size: "eight"\n', where="test")
+
+
+def test_write_is_atomic_and_replaces_whole_folder(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    spec = resolve(DeploymentSpec(id="m", path=custom_pkg(tmp_path / "p")))
+    write_model(render_model(spec, embedded_target()), repo)
+    (repo / "m" / "stale.txt").write_text("left from before")
+    write_model(render_model(spec, embedded_target()), repo)
+    assert not (repo / "m" / "stale.txt").exists()
+    assert (repo / "m" / DEPLOYMENT_FILE).is_file()
+    assert sorted(p.name for p in repo.iterdir()) == ["m"]  # staging lives outside the repository
+
+
+def test_failing_package_leaves_repository_byte_identical(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    good = resolve(DeploymentSpec(id="good", path=custom_pkg(tmp_path / "p")))
+    render_repository([good], repo, embedded_target())
+    before = tree_digest(repo)
+    bad = resolve(DeploymentSpec(id="bad", path=plan_pkg(tmp_path / "t")))
+    with pytest.raises(InvalidPackageError):
+        render_repository([good, bad], repo, embedded_target())
+    assert tree_digest(repo) == before
+
+
+def test_templates_are_found_from_an_installed_layout() -> None:
+    from importlib import resources
+
+    names = {p.name for p in resources.files("model_repository_templates").iterdir()}
+    assert {"python.pbtxt.j2", "onnxruntime.pbtxt.j2", "tensorrt.pbtxt.j2", "python_model.py.j2"} <= names

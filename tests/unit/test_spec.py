@@ -1,0 +1,178 @@
+"""Package spec: manifests, discovery, models.toml, params; errors name the file and field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from controlplane.dtypes import parse_dtype
+from controlplane.errors import InvalidPackageError
+from controlplane.spec import (
+    DeploymentSpec,
+    PackageKind,
+    discover,
+    load_models_toml,
+    load_package,
+    resolve,
+    validate_params,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
+
+
+def write_custom(folder: Path, manifest: dict | None = None, code: str = "class Model: pass\n") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "snooze_model.py").write_text(code)
+    base = {
+        "inputs": [{"name": "x", "datatype": "FP32", "dims": [3]}],
+        "outputs": [{"name": "y", "datatype": "float32", "dims": [3]}],
+    }
+    (folder / "snooze_model.json").write_text(json.dumps({**base, **(manifest or {})}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("spelling", "wire", "triton"),
+    [
+        ("FP32", "FP32", "TYPE_FP32"),
+        ("float32", "FP32", "TYPE_FP32"),
+        ("int64", "INT64", "TYPE_INT64"),
+        ("BYTES", "BYTES", "TYPE_STRING"),
+        ("object", "BYTES", "TYPE_STRING"),
+        ("bytes", "BYTES", "TYPE_STRING"),
+        ("bool", "BOOL", "TYPE_BOOL"),
+        ("TYPE_FP16", "FP16", "TYPE_FP16"),
+    ],
+)
+def test_dtype_spellings_resolve_to_one_type(spelling: str, wire: str, triton: str) -> None:
+    dt = parse_dtype(spelling)
+    assert (dt.wire, dt.triton) == (wire, triton)
+
+
+def test_unknown_dtype_lists_accepted_names() -> None:
+    with pytest.raises(ValueError, match="FP32"):
+        parse_dtype("float31")
+
+
+def test_custom_package_reads_manifest_and_normalises_dtypes(tmp_path: Path) -> None:
+    pkg = load_package(write_custom(tmp_path / "m"))
+    assert pkg.kind is PackageKind.CUSTOM
+    assert [(t.name, t.datatype, t.dims) for t in pkg.outputs] == [("y", "FP32", [3])]
+    assert pkg.manifest.load_timeout_secs == 300 and pkg.manifest.request_timeout_secs == 60
+    assert pkg.files == ["snooze_model.json", "snooze_model.py"]
+
+
+def test_unknown_manifest_field_is_named(tmp_path: Path) -> None:
+    write_custom(tmp_path / "m", {"lod_timeout_secs": 3})
+    with pytest.raises(InvalidPackageError, match=r"snooze_model.json.*unknown field 'lod_timeout_secs'"):
+        load_package(tmp_path / "m")
+
+
+def test_malformed_manifest_json_names_the_file(tmp_path: Path) -> None:
+    folder = write_custom(tmp_path / "m")
+    (folder / "snooze_model.json").write_text("{not json")
+    with pytest.raises(InvalidPackageError, match="snooze_model.json: not valid JSON"):
+        load_package(folder)
+
+
+def test_custom_model_without_signature_is_rejected_with_fix(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "snooze_model.py").write_text("class Model: pass\n")
+    with pytest.raises(InvalidPackageError) as err:
+        load_package(folder)
+    assert "must declare its 'inputs'" in str(err.value) and err.value.hint
+
+
+def test_bad_dims_and_dtype_are_rejected(tmp_path: Path) -> None:
+    write_custom(tmp_path / "a", {"inputs": [{"name": "x", "datatype": "FP32", "dims": [0]}]})
+    with pytest.raises(InvalidPackageError, match="inputs.0.dims"):
+        load_package(tmp_path / "a")
+    write_custom(tmp_path / "b", {"inputs": [{"name": "x", "datatype": "complex64", "dims": [2]}]})
+    with pytest.raises(InvalidPackageError, match="unknown data type 'complex64'"):
+        load_package(tmp_path / "b")
+
+
+def test_variable_dims_are_accepted(tmp_path: Path) -> None:
+    write_custom(tmp_path / "m", {"inputs": [{"name": "x", "datatype": "BYTES", "dims": [-1]}]})
+    assert load_package(tmp_path / "m").inputs[0].dims == [-1]
+
+
+def test_not_a_package(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InvalidPackageError, match="not a model package"):
+        load_package(tmp_path / "empty")
+
+
+def test_symlink_out_of_package_is_rejected(tmp_path: Path) -> None:
+    folder = write_custom(tmp_path / "m")
+    (tmp_path / "secret").write_text("x")
+    (folder / "weights.bin").symlink_to(tmp_path / "secret")
+    with pytest.raises(InvalidPackageError, match="symlink points outside"):
+        load_package(folder)
+
+
+def test_params_are_typed_defaulted_and_unknown_rejected(tmp_path: Path) -> None:
+    schema = {"scale": {"type": "float", "default": 1.0}, "label": {"type": "str", "required": True}}
+    pkg = load_package(write_custom(tmp_path / "m", {"params_schema": schema, "params": {"label": "a"}}))
+    assert validate_params(pkg, {"scale": 3}, model_id="m") == {"scale": 3.0, "label": "a"}
+    with pytest.raises(InvalidPackageError, match="unknown field 'colour'"):
+        validate_params(pkg, {"colour": "red"}, model_id="m")
+    with pytest.raises(InvalidPackageError, match="scale"):
+        validate_params(pkg, {"scale": "big"}, model_id="m")
+
+
+def test_params_without_schema_are_rejected(tmp_path: Path) -> None:
+    pkg = load_package(write_custom(tmp_path / "m", {"params": {"a": 1}}))
+    with pytest.raises(InvalidPackageError, match="declares no 'params_schema'"):
+        validate_params(pkg, {}, model_id="m")
+
+
+def test_models_toml_resolves_paths_and_rejects_unknown_keys(tmp_path: Path) -> None:
+    write_custom(tmp_path / "pkgs" / "net")
+    toml = tmp_path / "models.toml"
+    toml.write_text('[[models]]\nid = "net"\npath = "pkgs/net"\nmax_batch_size = 4\nidle_timeout_secs = 10\n')
+    (spec,) = load_models_toml(toml)
+    assert spec.path == (tmp_path / "pkgs" / "net").resolve() and spec.max_batch_size == 4
+    toml.write_text('[[models]]\nid = "net"\npath = "pkgs/net"\nmax_batch = 4\n')
+    with pytest.raises(InvalidPackageError, match=r"\(id 'net'\).*unknown field 'max_batch'"):
+        load_models_toml(toml)
+
+
+def test_duplicate_ids_are_rejected(tmp_path: Path) -> None:
+    write_custom(tmp_path / "a")
+    toml = tmp_path / "models.toml"
+    toml.write_text('[[models]]\nid = "x"\npath = "a"\n[[models]]\nid = "x"\npath = "a"\n')
+    with pytest.raises(InvalidPackageError, match="model id 'x' is used twice"):
+        load_models_toml(toml)
+
+
+def test_discover_merges_toml_with_folders(tmp_path: Path) -> None:
+    write_custom(tmp_path / "auto")
+    write_custom(tmp_path / "named")
+    (tmp_path / "models.toml").write_text('[[models]]\nid = "custom-id"\npath = "named"\ndevice = "cpu"\n')
+    (tmp_path / "notes").mkdir()
+    ids = sorted(s.id for s in discover(tmp_path))
+    assert ids == ["auto", "custom-id"]
+
+
+def test_examples_are_valid_packages() -> None:
+    specs = {s.id: s for s in discover(EXAMPLES)}
+    assert {"numpy-linear", "torch-mlp", "text-features"} <= set(specs)
+    linear = resolve(specs["numpy-linear"])
+    assert linear.params == {"scale": 2.0}
+    types = {t.name: t.datatype for t in resolve(specs["text-features"]).package.inputs}
+    assert types == {"values": "FP32", "factor": "INT64", "text": "BYTES"}
+
+
+def test_max_instances_below_instances_is_rejected(tmp_path: Path) -> None:
+    write_custom(tmp_path / "m")
+    with pytest.raises(InvalidPackageError, match="max_instances"):
+        resolve(DeploymentSpec(id="m", path=tmp_path / "m", instances=3, max_instances=2))
+
+
+def test_invalid_model_id_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="id"):
+        DeploymentSpec(id="../evil", path=tmp_path)
