@@ -229,11 +229,12 @@ def _compare_one(
 
     ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
     nan_ref, nan_got = np.isnan(ref64), np.isnan(got64)
-    diff = np.where(nan_ref & nan_got, 0.0, np.abs(got64 - ref64))
+    both_nan = nan_ref & nan_got
+    diff = np.where(both_nan, 0.0, np.abs(got64 - ref64))
     if tol == EXACT:
-        within = (ref == got) | (nan_ref & nan_got)
+        within = (ref == got) | both_nan
     else:
-        within = diff <= tol.atol + tol.rtol * np.abs(ref64)
+        within = (diff <= tol.atol + tol.rtol * np.abs(ref64)) | both_nan
     scale = np.abs(ref64)
     significant = scale >= max(tol.atol, np.finfo(np.float64).tiny)
     max_rel = float(np.max(diff[significant] / scale[significant])) if np.any(significant) else 0.0

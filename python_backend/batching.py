@@ -25,7 +25,9 @@ def wire_name(dtype: np.dtype) -> str:
 
 
 def _dims_match(expected: Sequence[int], actual: Sequence[int]) -> bool:
-    return len(expected) == len(actual) and all(e == -1 or e == a for e, a in zip(expected, actual))
+    if len(expected) != len(actual):
+        return False
+    return all(e == -1 or e == a for e, a in zip(expected, actual, strict=True))
 
 
 def _shape_text(dims: Sequence[int], batched: bool) -> str:
@@ -186,8 +188,9 @@ def check_raw_outputs(spec: RuntimeSpec, outputs: Any, batch_sizes: Sequence[int
                 f"raw output '{t.name}' must be a list with one array per request ({len(batch_sizes)}), "
                 f"got {got}"
             )
-        for i, (value, rows) in enumerate(zip(values, batch_sizes)):
-            per_request[i][t.name] = _conform(t, value, rows, spec.batched, f"output '{t.name}' of request {i}")
+        for i, (value, rows) in enumerate(zip(values, batch_sizes, strict=True)):
+            what = f"output '{t.name}' of request {i}"
+            per_request[i][t.name] = _conform(t, value, rows, spec.batched, what)
     return per_request
 
 
@@ -233,6 +236,6 @@ def run_batch(spec: RuntimeSpec, requests: Sequence[Arrays], predict: Callable[[
         except Exception as e:  # user code can raise anything; each becomes a per-request error
             failure = Failure(*describe_failure(e, spec.model_id, "predict", rows))
             answers = [failure] * len(group)
-        for i, answer in zip(group, answers):
+        for i, answer in zip(group, answers, strict=True):
             results[i] = answer
     return results

@@ -66,7 +66,9 @@ def traceback_summary(exc: BaseException, frames: int = TRACEBACK_FRAMES) -> str
     return " <- ".join(f"{os.path.basename(e.filename)}:{e.lineno} in {e.name}" for e in reversed(entries))
 
 
-def describe_failure(exc: BaseException, model_id: str, stage: str, batch_size: int | None) -> tuple[str, str]:
+def describe_failure(
+    exc: BaseException, model_id: str, stage: str, batch_size: int | None
+) -> tuple[str, str]:
     """Map an exception raised by the runtime or by user code to (kind, message).
 
     `stage` names the user call that failed ("predict"); `batch_size` is the collated batch's size

@@ -95,7 +95,7 @@ class OnnxRunner:
         self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
 
     def predict(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        return dict(zip(self.output_names, self.session.run(self.output_names, inputs)))
+        return dict(zip(self.output_names, self.session.run(self.output_names, inputs), strict=True))
 
     def unload(self) -> None:
         self.session = None
@@ -160,7 +160,10 @@ class UserThread:
             self._overrun = None
         return self._overrun is not None
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, what: str = "predict") -> Any:
+    def call(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, what: str = "predict"
+    ) -> Any:
+        """Run fn(*args) on the user thread; raise PredictTimeout after `timeout` seconds (None: wait)."""
         if self.busy:
             stuck = self._overrun
             raise PredictTimeout(

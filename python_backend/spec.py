@@ -119,13 +119,14 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
         raise fail("kind 'onnx' needs 'onnx_file' naming the .onnx file inside package/")
 
     env = raw.get("env") or {}
-    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+    if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
         raise fail("'env' must map names to string values")
     params = raw.get("params") or {}
     if not isinstance(params, dict):
         raise fail("'params' must be a JSON object (passed as Model(**params))")
     timeout = raw.get("request_timeout_secs")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+    bad_timeout = isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+    if timeout is not None and bad_timeout:
         raise fail(f"'request_timeout_secs' must be a number >= 0 or null, got {timeout!r}")
 
     inputs = _parse_tensors(raw.get("inputs"), "inputs", fail)

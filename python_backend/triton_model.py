@@ -36,7 +36,8 @@ class TritonPythonModel:
         try:
             self._spec: RuntimeSpec = load_spec(spec_path(args["model_repository"], args["model_version"]))
         except Exception as e:
-            raise RuntimeError(describe_failure(e, args.get("model_name", "?"), "initialize", None)[1]) from None
+            message = describe_failure(e, args.get("model_name", "?"), "initialize", None)[1]
+            raise RuntimeError(message) from None
         spec = self._spec
         # Before any user import: libraries read their settings (OMP_NUM_THREADS, ...) at import time.
         os.environ.update(spec.env)
@@ -81,7 +82,8 @@ class TritonPythonModel:
         if isinstance(result, Failure):
             return pb.InferenceResponse(error=self._error(result))
         try:
-            return pb.InferenceResponse(output_tensors=[pb.Tensor(name, array) for name, array in result.items()])
+            tensors = [pb.Tensor(name, array) for name, array in result.items()]
+            return pb.InferenceResponse(output_tensors=tensors)
         except Exception as e:  # a value pb_utils cannot serialise fails this request, not the batch
             return pb.InferenceResponse(
                 error=self._error(Failure(*describe_failure(e, self._spec.model_id, "predict output", None)))

@@ -34,14 +34,14 @@ def fail(exc: SnoozeError) -> typer.Exit:
 
 @app.command()
 def serve(
-    models: Annotated[Optional[Path], typer.Option(help="Models folder (packages and/or models.toml) to publish at start")] = None,
+    models: Annotated[Path | None, typer.Option(help="Models folder (packages and/or models.toml) to publish at start")] = None,
     work_dir: Annotated[Path, typer.Option(help="Runtime folder: repository, logs, Envoy config")] = Path(".snooze"),
     host: Annotated[str, typer.Option(help="Address of the gateway and control API")] = "127.0.0.1",
     http_port: Annotated[int, typer.Option(help="Gateway KServe v2 HTTP port")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="Gateway KServe v2 gRPC port")] = 8001,
     api_port: Annotated[int, typer.Option(help="Control API port")] = 8080,
-    triton_url: Annotated[Optional[str], typer.Option(help="Use this Triton (HTTP URL) instead of starting one")] = None,
-    triton_grpc_url: Annotated[Optional[str], typer.Option(help="gRPC host:port of that Triton")] = None,
+    triton_url: Annotated[str | None, typer.Option(help="Use this Triton (HTTP URL) instead of starting one")] = None,
+    triton_grpc_url: Annotated[str | None, typer.Option(help="gRPC host:port of that Triton")] = None,
     target: Annotated[str, typer.Option(help="Backends of the Triton: embedded | full")] = "embedded",
     no_auth: Annotated[bool, typer.Option("--no-auth", help="Disable API keys (local use only)")] = False,
     no_gateway: Annotated[bool, typer.Option("--no-gateway", help="No Envoy: clients use Triton's own ports")] = False,
@@ -100,7 +100,7 @@ def render(
 @app.command()
 def check(
     path: Annotated[Path, typer.Argument(help="Package folder")],
-    inputs: Annotated[Optional[list[str]], typer.Option("--input", "-i", help="NAME:SHAPE (batch first, e.g. x:4x3) or NAME=FILE.npy")] = None,
+    inputs: Annotated[list[str] | None, typer.Option("--input", "-i", help="NAME:SHAPE (batch first, e.g. x:4x3) or NAME=FILE.npy")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
     max_batch_size: Annotated[int, typer.Option(help="0 if the model does not batch")] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,

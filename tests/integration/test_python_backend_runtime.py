@@ -27,7 +27,7 @@ pytestmark = pytest.mark.integration
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository_templates" / "python_model.py.j2"
 TRITON_TYPES = {"FP32": "TYPE_FP32", "INT64": "TYPE_INT64", "BYTES": "TYPE_STRING"}
-NP_TYPES = {"FP32": np.float32, "INT64": np.int64, "BYTES": np.object_}
+WIRE_NAMES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(object): "BYTES"}
 
 
 def t(name: str, datatype: str, dims: list[int]) -> dict:
@@ -105,7 +105,7 @@ def load(triton, name: str, runtime: dict, files: dict, **kw) -> str:
 def infer(client_mod, client, model: str, arrays: dict[str, np.ndarray], outputs: list[str]):
     inputs = []
     for name, array in arrays.items():
-        wire = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(object): "BYTES"}[array.dtype]
+        wire = WIRE_NAMES[array.dtype]
         i = client_mod.InferInput(name, list(array.shape), wire)
         i.set_data_from_numpy(array)
         inputs.append(i)
@@ -244,7 +244,7 @@ def test_bad_request_fails_alone_in_a_shared_batch(triton):
         triton, "pbrt-batch", runtime, {"snooze_model.py": BATCH_MODEL},
         queue_delay_us=500_000, config_max_batch_size=8,
     )
-    requests = [np.full((1, 3), 1, np.float32), np.full((3, 3), 5, np.float32), np.full((1, 3), 2, np.float32)]
+    requests = [np.full((rows, 3), value, np.float32) for rows, value in ((1, 1), (3, 5), (1, 2))]
 
     def send(x):
         client = grpcclient.InferenceServerClient(triton["grpc_url"])
@@ -314,11 +314,13 @@ def faulty_call(triton, model, mode, rows=2):
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
-        (1, "[snooze:oom] model 'pbrt-faulty': predict ran out of memory on a batch of 2 (MemoryError: simulated"),
+        (1, "[snooze:oom] model 'pbrt-faulty': predict ran out of memory on a batch of 2 "
+            "(MemoryError: simulated"),
         (2, "[snooze:internal] model 'pbrt-faulty': output 'y' has 1 rows but the batch has 2"),
         (3, "[snooze:internal] model 'pbrt-faulty': predict raised ValueError: mode 3 is not allowed at "
             "snooze_model.py:7 in _check <- snooze_model.py:21 in predict; fix the model's predict"),
-        (4, "[snooze:internal] model 'pbrt-faulty': output 'y' is object, which cannot be cast to its declared FP32"),
+        (4, "[snooze:internal] model 'pbrt-faulty': output 'y' is object, which cannot be cast to its "
+            "declared FP32"),
     ],
 )
 def test_model_errors_are_mapped_and_the_instance_survives(triton, faulty_model, mode, expected):
@@ -366,7 +368,8 @@ def test_predict_past_request_timeout(triton):
     # The overrunning call still occupies the instance: fail fast instead of queueing behind it.
     with pytest.raises(InferenceServerException) as e:
         call(0)
-    assert "[snooze:timeout] model 'pbrt-sleepy': this instance is still running a predict call" in e.value.message()
+    busy = "[snooze:timeout] model 'pbrt-sleepy': this instance is still running a predict call"
+    assert busy in e.value.message()
     time.sleep(max(0.0, started + 3.3 - time.monotonic()))
     assert call(0)["secs"].tolist() == [[0.0]]
 
@@ -425,7 +428,8 @@ def test_load_failure_names_kind_and_model(triton):
     }
     with pytest.raises(InferenceServerException) as e:
         load(triton, "pbrt-broken", runtime, {"snooze_model.py": broken})
-    assert "[snooze:oom] model 'pbrt-broken': load ran out of memory (MemoryError: weights do not fit)" in str(e.value)
+    expected = "[snooze:oom] model 'pbrt-broken': load ran out of memory (MemoryError: weights do not fit)"
+    assert expected in str(e.value)
 
 
 def test_unload_calls_model_unload(triton, mixed_model):

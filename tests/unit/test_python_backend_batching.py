@@ -52,7 +52,7 @@ def test_check_request_returns_batch_size():
         ({**req(1), "z": np.zeros((1,), np.float32)}, "unknown input(s) ['z']"),
         (req(1, x_dtype=np.int32), "input 'x' is INT32 but the model expects FP32"),
         ({"x": np.zeros((1, 4), np.float32), "s": req(1)["s"]}, "input 'x' has shape [1, 4]"),
-        ({"x": np.zeros((2, 3), np.float32), "s": req(1)["s"]}, "input 's' has 1 rows but the other inputs have 2"),
+        ({"x": np.zeros((2, 3), np.float32), "s": req(1)["s"]}, "input 's' has 1 rows but the other inputs"),
         (req(5), "batch size 5 is outside 1..4"),
         ({"x": np.zeros((0, 3), np.float32), "s": np.zeros((0, 1), object)}, "batch size 0 is outside 1..4"),
     ],

@@ -83,7 +83,9 @@ def test_internal_error_carries_innermost_frames():
         summary = traceback_summary(e)
     assert kind == "internal"
     assert summary.startswith("test_python_backend_runtime_parts.py:") and " in _inner <- " in summary
-    assert message == f"[snooze:internal] model 'm1': predict raised KeyError: 'boom' at {summary}; fix the model's predict"
+    assert message == (
+        f"[snooze:internal] model 'm1': predict raised KeyError: 'boom' at {summary}; fix the model's predict"
+    )
 
 
 def test_device_for_instance_kind():
@@ -109,7 +111,8 @@ def test_user_thread_timeout_then_busy_then_recovers():
     try:
         with pytest.raises(Exception) as e:
             worker.call(release.wait, timeout=0.1)
-        assert e.value.kind == "timeout" and "did not finish within request_timeout_secs=0.1 s" in str(e.value)
+        assert e.value.kind == "timeout"
+        assert "did not finish within request_timeout_secs=0.1 s" in str(e.value)
         with pytest.raises(Exception) as e:
             worker.call(lambda: 1)
         assert e.value.kind == "timeout" and "still running a predict call" in str(e.value)
@@ -155,8 +158,8 @@ def test_build_model_imports_entrypoint_with_params(tmp_path, monkeypatch):
     spec = parse_spec({**BASE, "entrypoint": "entry_pbunit.py", "class_name": "Net", "params": {"scale": 2}})
     assert build_model(spec, str(package)).scale == 6
     assert sys.path[0] == str(package)
-    with pytest.raises(SpecError, match="defines no class 'Missing'"):
-        build_model(parse_spec({**BASE, "entrypoint": "entry_pbunit.py", "class_name": "Missing"}), str(package))
+    with pytest.raises(SpecError, match="defines no class 'Nope'"):
+        build_model(parse_spec({**BASE, "entrypoint": "entry_pbunit.py", "class_name": "Nope"}), str(package))
     with pytest.raises(SpecError, match="entrypoint 'nope.py' is not in"):
         build_model(parse_spec({**BASE, "entrypoint": "nope.py"}), str(package))
 
@@ -168,7 +171,8 @@ def test_runtime_files_are_self_contained_and_portable():
     allowed = {"__future__", "collections", "dataclasses", "importlib", "json", "numpy", "os",
                "queue", "sys", "threading", "time", "traceback", "typing"}
     for path in files:
-        tree = ast.parse(pathlib.Path(path).read_text(), feature_version=(3, 10))  # the official image's Python
+        # feature_version: the official image's python backend embeds Python 3.10
+        tree = ast.parse(pathlib.Path(path).read_text(), feature_version=(3, 10))
         for node in tree.body:  # module level only: lazy imports inside functions are allowed
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 assert f"{node.module}.py" in names, f"{path} needs {node.module}.py, which is not copied"

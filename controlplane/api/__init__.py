@@ -1,0 +1,1 @@
+"""The control API (FastAPI) and its HTTP client."""

