@@ -265,7 +265,7 @@ def export_module_to_onnx(
             final = Path(stage_dir) / onnx_path.name
             try:
                 _finalise(staged, final, inline_limit_bytes)
-                signature = _check_signature(final, input_names, output_names, expected)
+                signature = _check_signature(final, input_names, output_names, expected, opset)
             except ExportError as exc:
                 errors[exporter] = str(exc)
                 continue
@@ -356,10 +356,16 @@ def _move_into_place(final: Path, onnx_path: Path) -> None:
 
 
 def _check_signature(
-    final: Path, input_names: list[str], output_names: list[str], expected: PackageSignature | None
+    final: Path,
+    input_names: list[str],
+    output_names: list[str],
+    expected: PackageSignature | None,
+    opset: int,
 ) -> OnnxSignature:
     signature = inspect_onnx(final)
     problems = []
+    if signature.opset != opset:
+        problems.append(f"the model has opset {signature.opset}, not the requested {opset}")
     got_in, got_out = [t.name for t in signature.inputs], [t.name for t in signature.outputs]
     if sorted(got_in) != sorted(input_names):
         problems.append(f"inputs are {got_in}, expected {input_names} (an input the module ignores is dropped)")

@@ -23,6 +23,13 @@ _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
 _OOM_MARKERS = ("out of memory",)  # covers "CUDA out of memory", onnxruntime's and cuDNN's wording
 
 
+# What to fix when a stage fails with an ordinary exception; other stages: "fix the model's <stage>".
+_FIXES = {
+    "import": "fix the entrypoint module or install the packages it imports",
+    "predict output": "return numpy arrays of the declared output datatypes",
+}
+
+
 class SnoozeError(Exception):
     """An error whose kind and wording the runtime already decided."""
 
@@ -54,14 +61,18 @@ def is_oom(exc: BaseException) -> bool:
     return any(marker in text for marker in _OOM_MARKERS)
 
 
+def _is_plumbing(filename: str) -> bool:
+    return filename.startswith("<frozen ") or os.path.dirname(os.path.abspath(filename)) == _RUNTIME_DIR
+
+
 def traceback_summary(exc: BaseException, frames: int = TRACEBACK_FRAMES) -> str:
     """`file.py:12 in _step <- file.py:30 in predict`, innermost frame first.
 
-    The runtime's own frames (the thread that calls predict) say nothing to the model's author and
-    are left out, unless the error arose in the runtime itself.
+    The runtime's own frames (the thread that calls predict) and the import machinery's say nothing
+    to the model's author and are left out, unless the error arose in the runtime itself.
     """
     entries = traceback.extract_tb(exc.__traceback__)
-    entries = [e for e in entries if os.path.dirname(os.path.abspath(e.filename)) != _RUNTIME_DIR] or entries
+    entries = [e for e in entries if not _is_plumbing(e.filename)] or entries
     entries = entries[-frames:]
     return " <- ".join(f"{os.path.basename(e.filename)}:{e.lineno} in {e.name}" for e in reversed(entries))
 
@@ -79,13 +90,16 @@ def describe_failure(
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if is_oom(exc):
         batch = f" on a batch of {batch_size}" if batch_size is not None else ""
-        return OOM, (
-            f"{prefix(OOM, model_id)} {stage} ran out of memory{batch} ({what}); send smaller requests, "
-            "lower the model's max_batch_size, or give the model more memory"
+        fix = (
+            "send smaller requests, lower the model's max_batch_size, or give the model more memory"
+            if stage == "predict"
+            else "free memory (unload other models) or give the model more memory"
         )
+        return OOM, f"{prefix(OOM, model_id)} {stage} ran out of memory{batch} ({what}); {fix}"
     where = traceback_summary(exc)
     at = f" at {where}" if where else ""
-    return INTERNAL, f"{prefix(INTERNAL, model_id)} {stage} raised {what}{at}; fix the model's {stage}"
+    fix = _FIXES.get(stage, f"fix the model's {stage}")
+    return INTERNAL, f"{prefix(INTERNAL, model_id)} {stage} raised {what}{at}; {fix}"
 
 
 @dataclass(frozen=True)

@@ -66,9 +66,7 @@ class TritonPythonModel:
 def write_tiny_model() -> Callable[..., str]:
     """Write a hand-made python-backend model (config.pbtxt + 1/model.py) into a repository."""
 
-    def write(
-        repo: Path, name: str, *, instances: int = 1, fail_init: bool = False, finalize_sleep: float = 0
-    ) -> str:
+    def write(repo: Path, name: str, *, instances: int = 1, fail_init: bool = False, finalize_sleep: float = 0) -> str:
         folder = repo / name
         (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text(
@@ -83,9 +81,7 @@ def write_tiny_model() -> Callable[..., str]:
                 """
             )
         )
-        (folder / "1" / "model.py").write_text(
-            TINY_MODEL_PY.format(fail_init=fail_init, finalize_sleep=finalize_sleep)
-        )
+        (folder / "1" / "model.py").write_text(TINY_MODEL_PY.format(fail_init=fail_init, finalize_sleep=finalize_sleep))
         return name
 
     return write

@@ -104,9 +104,7 @@ class TritonAdminClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(
-        self, method: str, path: str, *, timeout: float | None = None, **kw: Any
-    ) -> httpx.Response:
+    async def _request(self, method: str, path: str, *, timeout: float | None = None, **kw: Any) -> httpx.Response:
         try:
             return await self._http.request(method, path, timeout=timeout or self.timeout, **kw)
         except httpx.TimeoutException as e:
@@ -139,9 +137,7 @@ class TritonAdminClient:
         r = await self._request("POST", "/v2/repository/index", json={"ready": ready_only})
         if r.status_code != 200:
             raise TritonError(f"Triton repository index failed: {_error_text(r)}")
-        return [
-            RepositoryEntry(e["name"], e.get("version"), e.get("state"), e.get("reason")) for e in r.json()
-        ]
+        return [RepositoryEntry(e["name"], e.get("version"), e.get("state"), e.get("reason")) for e in r.json()]
 
     async def load(self, name: str, config: dict[str, Any] | None = None, timeout: float = 300) -> None:
         """Load (or reload) a model; Triton answers once it is loaded or failed.
@@ -152,7 +148,11 @@ class TritonAdminClient:
         try:
             r = await self._request("POST", f"/v2/repository/models/{name}/load", json=body, timeout=timeout)
         except UnavailableError as e:
-            raise TritonModelLoadError(name, e.message, hint="raise the model's load_timeout_secs") from e
+            if isinstance(e.__cause__, httpx.TimeoutException):
+                raise TritonModelLoadError(
+                    name, f"not loaded within {timeout}s", hint="raise the model's load_timeout_secs"
+                ) from e
+            raise
         if r.status_code != 200:
             raise TritonModelLoadError(name, _error_text(r))
 

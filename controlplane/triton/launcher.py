@@ -40,6 +40,7 @@ MIN_GLIBC = (2, 35)
 STUB_NAME = "triton_python_backend_stub"
 INSTALL_HINT = "pip install 'snoozeml[embedded]'"
 LOG_TAIL_LINES = 40
+SHM_DIR = "/dev/shm"
 
 
 @dataclass(frozen=True)
@@ -153,9 +154,7 @@ def _find_libpython(version: str) -> Path | None:
     )
 
 
-def find_embedded_triton(
-    pytriton_dir: Path | None = None, python_version: str | None = None
-) -> EmbeddedTritonDist:
+def find_embedded_triton(pytriton_dir: Path | None = None, python_version: str | None = None) -> EmbeddedTritonDist:
     """Locate and check the embedded Triton for this interpreter; raise ``TritonLaunchError`` with the fix."""
     _check_platform()
     root = (pytriton_dir or _pytriton_dir()) / "tritonserver"
@@ -255,7 +254,7 @@ class EmbeddedTriton:
         self.stub_timeout_secs = stub_timeout_secs
         self.exit_timeout_secs = exit_timeout_secs
         self.dist = dist
-        # Unique per launcher: two Tritons on one host must not share /dev/shm region names.
+        # Names this server's /dev/shm regions, so that stop() can remove those a crash leaves behind.
         self.shm_region_prefix = f"snooze_{uuid.uuid4().hex[:8]}_"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -308,9 +307,7 @@ class EmbeddedTriton:
         """The server's environment: bundled libraries and this environment's ``bin/`` first."""
         assert self.dist is not None
         env = dict(os.environ)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (self.dist.library_path(), env.get("LD_LIBRARY_PATH")) if p
-        )
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (self.dist.library_path(), env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
         return env
 
@@ -408,9 +405,10 @@ class EmbeddedTriton:
         _, alive = psutil.wait_procs(alive, timeout=5)
         alive = [p for p in alive if _is_live(p)]
         if alive:
-            raise TritonLaunchError(
-                f"processes of tritonserver {proc.pid} survived SIGKILL: {[p.pid for p in alive]}"
-            )
+            raise TritonLaunchError(f"processes of tritonserver {proc.pid} survived SIGKILL: {[p.pid for p in alive]}")
+        # A graceful stop unlinks the stubs' regions; after a crash or SIGKILL they would stay.
+        for region in Path(SHM_DIR).glob(f"{self.shm_region_prefix}*"):
+            region.unlink(missing_ok=True)
 
     @staticmethod
     def _kill_group(pgid: int) -> None:

@@ -410,15 +410,28 @@ def test_onnx_kind_runs_onnxruntime(triton):
     np.testing.assert_allclose(got["y"], x @ w + b, rtol=1e-5, atol=1e-6)
 
 
-def test_load_failure_names_kind_and_model(triton):
-    broken = """
-        class Model:
-            def load(self, model_dir, device):
-                raise MemoryError("weights do not fit")
+OOM_IN_LOAD = """
+    class Model:
+        def load(self, model_dir, device):
+            raise MemoryError("weights do not fit")
 
-            def predict(self, inputs):
-                return inputs
-    """
+        def predict(self, inputs):
+            return inputs
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "expected"),
+    [
+        ("pbrt-load-oom", OOM_IN_LOAD,
+         "[snooze:oom] model 'pbrt-load-oom': load ran out of memory (MemoryError: weights do not fit); "
+         "free memory"),
+        ("pbrt-import-error", "import pbrt_not_installed_pkg\n",
+         "[snooze:internal] model 'pbrt-import-error': import raised ModuleNotFoundError: No module named "
+         "'pbrt_not_installed_pkg' at snooze_model.py:1 in <module>; fix the entrypoint module"),
+    ],
+)
+def test_load_failure_names_kind_and_model(triton, name, source, expected):
     runtime = {
         "kind": "custom",
         "entrypoint": "snooze_model.py",
@@ -427,8 +440,7 @@ def test_load_failure_names_kind_and_model(triton):
         "outputs": [t("x", "FP32", [1])],
     }
     with pytest.raises(InferenceServerException) as e:
-        load(triton, "pbrt-broken", runtime, {"snooze_model.py": broken})
-    expected = "[snooze:oom] model 'pbrt-broken': load ran out of memory (MemoryError: weights do not fit)"
+        load(triton, name, runtime, {"snooze_model.py": source})
     assert expected in str(e.value)
 
 

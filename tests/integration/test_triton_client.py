@@ -80,9 +80,7 @@ async def test_health_index_stats_config_metrics(embedded_triton, model_repo, wr
 
 
 @pytest.mark.integration
-async def test_load_with_config_override_scales_instances(
-    embedded_triton, model_repo, write_tiny_model, triton_admin
-):
+async def test_load_with_config_override_scales_instances(embedded_triton, model_repo, write_tiny_model, triton_admin):
     name = write_tiny_model(model_repo, "client_scaled")
     await triton_admin.load(name)
     assert len(embedded_triton.stub_pids(name)) == 1

@@ -137,9 +137,7 @@ def test_prepare_backend_dir_is_idempotent_and_keeps_exec_bit(fake_dist, tmp_pat
 
 def test_start_reports_exit_with_log_tail(fake_dist, tmp_path):
     dist = find_embedded_triton(fake_dist, "3.11")
-    server = _touch(
-        tmp_path / "tritonserver", "#!/bin/sh\nfor i in $(seq 1 60); do echo line $i; done\nexit 3\n", True
-    )
+    server = _touch(tmp_path / "tritonserver", "#!/bin/sh\nfor i in $(seq 1 60); do echo line $i; done\nexit 3\n", True)
     fake = EmbeddedTritonDist(server, dist.libs_dir, dist.python_backend_dir, dist.stub, "3.11", None)
     (tmp_path / "repo").mkdir()
     triton = EmbeddedTriton(tmp_path / "repo", tmp_path / "work", dist=fake)
@@ -161,8 +159,6 @@ def test_start_refuses_a_missing_repository(fake_dist, tmp_path):
 def test_environment_puts_libs_and_env_bin_first(fake_dist, tmp_path, monkeypatch):
     monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/other")
     dist = find_embedded_triton(fake_dist, "3.11")
-    env = EmbeddedTriton(
-        tmp_path, tmp_path / "work", http_port=1, grpc_port=2, metrics_port=3, dist=dist
-    ).environment()
+    env = EmbeddedTriton(tmp_path, tmp_path / "work", http_port=1, grpc_port=2, metrics_port=3, dist=dist).environment()
     assert env["LD_LIBRARY_PATH"] == f"{dist.libs_dir}{os.pathsep}/opt/other"
     assert env["PATH"].split(os.pathsep)[0] == str(Path(launcher.sys.executable).parent)

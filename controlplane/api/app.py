@@ -1,0 +1,251 @@
+"""The control API: ``create_app(settings, services)`` builds it; handlers are thin and call
+``ModelOperations``. Every error leaves as the one JSON shape ``{"error", "code", "hint"}``."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, FastAPI, Path, Query, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Message, Receive
+
+from controlplane.api.operations import ModelOperations, describe_validation_errors
+from controlplane.api.schemas import ErrorBody, LoadRequest, ModelDetail, ModelStatusBody, ModelSummary
+from controlplane.api.services import ControlPlaneServices
+from controlplane.auth import Scope, check_scope
+from controlplane.errors import AuthError, InvalidPackageError, SnoozeError, UnavailableError
+from controlplane.settings import Settings
+from controlplane.spec import MODEL_ID_PATTERN, DeploymentSpec
+from controlplane.upload import too_large
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1"
+_MULTIPART_SLACK = 1024 * 1024  # form boundaries and the deployment field, on top of the archive
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in (
+        (401, "Missing or invalid API key"),
+        (403, "The key lacks the admin scope, or the action is disabled"),
+        (404, "No such model"),
+        (413, "Package larger than the upload limit"),
+        (422, "Invalid package or request; the error names the file or field and the fix"),
+    )
+}
+_UPLOAD_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["package"],
+                    "properties": {
+                        "package": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": ".tar.gz, .tgz, .tar or .zip of the package folder (its files at the "
+                            "root of the archive or in one top-level folder)",
+                        },
+                        "deployment": {
+                            "type": "string",
+                            "description": "JSON object of deployment fields (DeploymentSpec without 'path'), "
+                            'e.g. {"max_batch_size": 8, "idle_timeout_secs": 120}',
+                        },
+                        "id": {"type": "string", "description": "Model id (or the 'id' query parameter)"},
+                    },
+                }
+            }
+        },
+    }
+}
+
+ModelId = Annotated[str, Path(pattern=MODEL_ID_PATTERN, description="Model id", examples=["my-net"])]
+
+# Declared for the OpenAPI document (the "Authorize" button); check_scope reads the headers itself.
+_api_key_header = APIKeyHeader(name="X-API-Key", auto_error=False, description="An admin API key")
+_bearer = HTTPBearer(auto_error=False, description="An admin API key as a bearer token")
+
+
+def _error_response(exc: SnoozeError) -> JSONResponse:
+    headers = {}
+    if exc.status_code == 503:
+        retry_after = exc.retry_after if isinstance(exc, UnavailableError) and exc.retry_after else 1
+        headers["Retry-After"] = str(math.ceil(retry_after))
+    if isinstance(exc, AuthError):
+        headers["WWW-Authenticate"] = 'Bearer realm="snoozeml"'
+    return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SnoozeError)
+    async def snooze_error(request: Request, exc: SnoozeError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message = describe_validation_errors(exc.errors(), f"{request.method} {request.url.path}")
+        body = {"error": message, "code": "invalid_request", "hint": "see the API docs at /docs"}
+        return JSONResponse(body, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
+        body = {"error": f"{request.method} {request.url.path}: {exc.detail}", "code": code, "hint": "see /docs"}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error in %s %s", request.method, request.url.path)
+        body = {"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal",
+                "hint": "see the control plane's log"}
+        return JSONResponse(body, status_code=500)
+
+
+def _limited_receive(receive: Receive, limit: int, what: str) -> Receive:
+    """Count the request body while it streams in and stop it at ``limit`` bytes."""
+    seen = 0
+
+    async def limited() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise too_large(what, limit - _MULTIPART_SLACK)
+        return message
+
+    return limited
+
+
+def _admin_router(settings: Settings, services: ControlPlaneServices, ops: ModelOperations) -> APIRouter:
+    async def require_admin(
+        request: Request,
+        _key: Annotated[str | None, Security(_api_key_header)] = None,
+        _token: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)] = None,
+    ) -> None:
+        check_scope(settings, request.headers, Scope.ADMIN, metrics=services.metrics, surface="api")
+
+    router = APIRouter(prefix=f"/{API_VERSION}", dependencies=[Depends(require_admin)], responses=_ERRORS)
+
+    @router.post(
+        "/models", status_code=201, response_model=ModelDetail, tags=["models"],
+        summary="Publish a package archive",
+        description="Upload a .tar.gz/.tgz/.tar/.zip of a package folder as multipart field `package`, with "
+        "deployment settings as JSON in field `deployment`. The package is validated (manifest, "
+        "signature, params, import of `snooze_model.py` in a child process) and rendered before the "
+        "repository changes; the model folder then appears in one rename. A loaded model is reloaded.",
+        openapi_extra=_UPLOAD_BODY,
+    )
+    async def publish_upload(
+        request: Request,
+        model_id: Annotated[str | None, Query(alias="id", description="Model id")] = None,
+    ) -> dict[str, Any]:
+        limit = int(settings.max_upload_mb * 2**20) + _MULTIPART_SLACK
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise too_large("the upload", limit - _MULTIPART_SLACK)
+        limited = Request(request.scope, _limited_receive(request.receive, limit, "the upload"))
+        async with limited.form(max_files=1, max_fields=4) as form:
+            package = form.get("package")
+            if not isinstance(package, UploadFile):
+                raise InvalidPackageError(
+                    "the upload has no file field 'package'",
+                    hint="send the archive as multipart/form-data field 'package' (snoozectl publish does)",
+                )
+            archive_name = package.filename or "upload"
+            if package.size is not None and package.size > limit - _MULTIPART_SLACK:
+                raise too_large(archive_name, limit - _MULTIPART_SLACK)
+            deployment = form.get("deployment")
+            form_id = form.get("id")
+            return await ops.publish_archive(
+                package.file, archive_name,
+                ids=[model_id, form_id if isinstance(form_id, str) else None],
+                deployment_json=deployment if isinstance(deployment, str) else None,
+            )
+
+    @router.post(
+        "/models:from-path", status_code=201, response_model=ModelDetail, tags=["models"],
+        summary="Publish a package folder on the server",
+        description="Publish the folder at `path` on the server's filesystem (absolute). Refused unless the "
+        "server sets `SNOOZE_ALLOW_LOCAL_PATHS`.",
+    )
+    async def publish_path(deployment: Annotated[DeploymentSpec, Body()]) -> dict[str, Any]:
+        return await ops.publish_path(deployment)
+
+    @router.get("/models", response_model=list[ModelSummary], tags=["models"], summary="List published models")
+    async def list_models() -> list[dict[str, Any]]:
+        return await ops.list()
+
+    @router.get(
+        "/models/{model_id}", response_model=ModelDetail, tags=["models"], summary="Describe one model",
+        description="Deployment, signature, params, manifest metadata, generated config, lifecycle state, "
+        "and Triton's statistics while it is loaded.",
+    )
+    async def get_model(model_id: ModelId) -> dict[str, Any]:
+        return await ops.describe(model_id)
+
+    @router.delete(
+        "/models/{model_id}", status_code=204, tags=["models"], summary="Unload and delete a model",
+        response_class=Response,
+    )
+    async def delete_model(model_id: ModelId) -> Response:
+        await ops.delete(model_id)
+        return Response(status_code=204)
+
+    @router.post(
+        "/models/{model_id}/load", response_model=ModelStatusBody, tags=["lifecycle"],
+        summary="Load (wake) a model", description="Returns once the model is ready (a cold start).",
+    )
+    async def load_model(model_id: ModelId, body: Annotated[LoadRequest | None, Body()] = None) -> dict[str, Any]:
+        return await ops.load(model_id, body.instances if body else None)
+
+    @router.post(
+        "/models/{model_id}/unload", response_model=ModelStatusBody, tags=["lifecycle"],
+        summary="Unload a model", description="It wakes again on its next request.",
+    )
+    async def unload_model(model_id: ModelId) -> dict[str, Any]:
+        return await ops.unload(model_id)
+
+    return router
+
+
+def create_app(settings: Settings, services: ControlPlaneServices) -> FastAPI:
+    """The control API over ``services``; nothing global, so several apps can live in one process."""
+    app = FastAPI(
+        title="snoozeml control API",
+        version=API_VERSION,
+        description="Publish model packages to Triton and manage their lifecycle. Every /v1 route needs an "
+        "admin API key (X-API-Key or Authorization: Bearer). Errors are JSON: {error, code, hint}.",
+    )
+    _install_error_handlers(app)
+    app.include_router(_admin_router(settings, services, ModelOperations(services)))
+
+    @app.get("/health/live", tags=["health"], summary="The control API is running")
+    async def live() -> dict[str, str]:
+        return {"status": "live"}
+
+    @app.get(
+        "/health/ready", tags=["health"], summary="Triton is reachable and ready",
+        responses={503: {"model": ErrorBody, "description": "Triton is not ready"}},
+    )
+    async def ready() -> dict[str, str]:
+        if not await services.triton.ready():
+            raise UnavailableError(
+                f"Triton at {services.triton.http_url} is not ready",
+                hint="wait for it to start, or check its log", retry_after=1,
+            )
+        return {"status": "ready"}
+
+    @app.get("/metrics", tags=["health"], summary="snoozeml's metrics in Prometheus text format")
+    async def metrics() -> Response:
+        return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

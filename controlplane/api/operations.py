@@ -1,0 +1,236 @@
+"""What the control API does, apart from HTTP: publish (validate, check, write, tell the lifecycle),
+describe, delete, load and unload. Blocking work (extraction, validation, file writes) runs in
+worker threads; writes to one model id are serialised."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from controlplane.api.services import ControlPlaneServices
+from controlplane.errors import ForbiddenError, InvalidPackageError, SnoozeError
+from controlplane.package_check import check_import
+from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, resolve
+from controlplane.store import PublishedModel
+from controlplane.upload import extract_package
+
+
+def describe_validation_errors(errors: Sequence[Any], where: str) -> str:
+    """pydantic / FastAPI validation errors as one line naming each field."""
+    parts = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+        name = ".".join(loc) or "(body)"
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"unknown field '{name}' (remove it or check its spelling)")
+        elif err.get("type") == "missing":
+            parts.append(f"missing required field '{name}'")
+        else:
+            parts.append(f"field '{name}': {err.get('msg')}")
+    return f"{where}: " + "; ".join(parts)
+
+
+class _KeyedLocks:
+    """One asyncio lock per key, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+
+def _relabel(exc: SnoozeError, folder: Path, label: str) -> None:
+    """Name files by the upload, not by the temporary folder they were extracted into."""
+    for attr in ("message", "hint"):
+        text = getattr(exc, attr)
+        if text:
+            setattr(exc, attr, text.replace(f"{folder}{os.sep}", f"{label}/").replace(str(folder), label))
+    exc.args = (exc.message,)
+
+
+def _check_custom_import(spec: ModelSpec) -> None:
+    """Import a custom model's entrypoint in a child process; an error names the file and the fix."""
+    package, deployment = spec.package, spec.deployment
+    # A model with its own environment imports there, not in the control plane's interpreter.
+    if package.kind is not PackageKind.CUSTOM or deployment.execution_env_path:
+        return
+    manifest = package.manifest
+    problem = check_import(package.path, manifest.entrypoint, manifest.class_name, env=manifest.env)
+    if problem:
+        raise InvalidPackageError(
+            f"model '{spec.id}': {problem}",
+            hint="fix the error above; import ML frameworks inside load() so that importing the "
+            "package stays light, and test locally with `snoozectl check <folder>`",
+        )
+
+
+def _validate(deployment: DeploymentSpec) -> ModelSpec:
+    spec = resolve(deployment)
+    _check_custom_import(spec)
+    return spec
+
+
+def _upload_deployment(ids: Sequence[str | None], deployment_json: str | None, root: Path) -> DeploymentSpec:
+    """The deployment of an upload: JSON fields (no 'path'), the id from the query, form or JSON."""
+    fields: dict[str, Any] = {}
+    if deployment_json:
+        try:
+            fields = json.loads(deployment_json)
+        except json.JSONDecodeError as exc:
+            raise InvalidPackageError(
+                f"form field 'deployment' is not valid JSON ({exc})",
+                hint='send a JSON object of deployment fields, e.g. {"max_batch_size": 8}',
+            ) from exc
+        if not isinstance(fields, dict):
+            raise InvalidPackageError("form field 'deployment' must be a JSON object of deployment fields")
+    if "path" in fields:
+        raise InvalidPackageError(
+            "form field 'deployment' must not set 'path': the package is the uploaded archive",
+            hint="remove 'path' (to publish a folder on the server, use POST /v1/models:from-path)",
+        )
+    given = {i for i in (*ids, fields.get("id")) if i}
+    if len(given) > 1:
+        raise InvalidPackageError(
+            f"the upload names several model ids {sorted(given)}", hint="give the id once (query 'id')"
+        )
+    if not given:
+        raise InvalidPackageError(
+            "the upload does not name the model id", hint="add ?id=<model-id> to the URL (snoozectl publish --id)"
+        )
+    model_id = given.pop()
+    try:
+        return DeploymentSpec.model_validate({**fields, "id": model_id, "path": root})
+    except ValidationError as exc:
+        raise InvalidPackageError(
+            describe_validation_errors(exc.errors(), f"deployment of model '{model_id}'"),
+            hint="see DeploymentSpec in the API docs (/docs) for the fields and their limits",
+        ) from exc
+
+
+class ModelOperations:
+    def __init__(self, services: ControlPlaneServices) -> None:
+        self.services = services
+        self._locks = _KeyedLocks()
+
+    # --- publish
+
+    async def publish_archive(
+        self, archive: BinaryIO, archive_name: str, *, ids: Sequence[str | None], deployment_json: str | None
+    ) -> dict[str, Any]:
+        """Extract, validate and publish an uploaded package archive."""
+        settings = self.services.settings
+        uploads = settings.work_dir / "uploads"
+        uploads.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="upload-", dir=uploads) as tmp:
+            extracted = Path(tmp) / "package"
+
+            def prepare() -> ModelSpec:
+                try:
+                    root = extract_package(
+                        archive, extracted, max_bytes=int(settings.max_upload_mb * 2**20), archive_name=archive_name
+                    )
+                    return _validate(_upload_deployment(ids, deployment_json, root))
+                except SnoozeError as exc:
+                    _relabel(exc, extracted, archive_name)
+                    raise
+
+            spec = await run_in_threadpool(prepare)
+            return await self._publish(spec)
+
+    async def publish_path(self, deployment: DeploymentSpec) -> dict[str, Any]:
+        """Validate and publish a package folder on the server's filesystem."""
+        if not self.services.settings.allow_local_paths:
+            raise ForbiddenError(
+                "publishing from a path on the server is disabled on this server",
+                hint="upload an archive instead (snoozectl publish packs the folder), "
+                "or set SNOOZE_ALLOW_LOCAL_PATHS=true on the server",
+            )
+        if not deployment.path.is_absolute():
+            raise InvalidPackageError(
+                f"model '{deployment.id}': path '{deployment.path}' is relative",
+                hint="give the absolute path of the package folder on the server",
+            )
+        spec = await run_in_threadpool(_validate, deployment)
+        return await self._publish(spec)
+
+    async def _publish(self, spec: ModelSpec) -> dict[str, Any]:
+        async with self._locks.hold(spec.id):
+            await run_in_threadpool(self.services.store.publish, spec)
+            await self.services.lifecycle.published(spec.id)
+        return await self.describe(spec.id)
+
+    # --- read
+
+    def _summary(self, model: PublishedModel) -> dict[str, Any]:
+        return {
+            "id": model.id,
+            "kind": model.kind,
+            "backend": model.backend,
+            "device": model.deployment.device.value,
+            "max_batch_size": model.deployment.max_batch_size,
+            "status": self.services.lifecycle.status(model.id).to_dict(),
+        }
+
+    async def list(self) -> list[dict[str, Any]]:
+        models = await run_in_threadpool(self.services.store.list)
+        return [self._summary(m) for m in models]
+
+    async def describe(self, model_id: str) -> dict[str, Any]:
+        model = await run_in_threadpool(self.services.store.get, model_id)
+        config = await run_in_threadpool(lambda: model.config_text)
+        summary = self._summary(model)
+        stats = None
+        if summary["status"]["state"] == "ready":
+            # Unloaded in between, or Triton busy: the rest of the answer still holds.
+            with suppress(SnoozeError):
+                stats = asdict(await self.services.triton.model_stats(model_id))
+        return {
+            **summary,
+            "deployment": model.deployment.model_dump(mode="json"),
+            "inputs": [t.model_dump() for t in model.inputs],
+            "outputs": [t.model_dump() for t in model.outputs],
+            "params": model.params,
+            "metadata": model.metadata,
+            "config": config,
+            "stats": stats,
+        }
+
+    # --- change
+
+    async def delete(self, model_id: str) -> None:
+        store = self.services.store
+        async with self._locks.hold(model_id):
+            await run_in_threadpool(store.get, model_id)  # 404 for an unknown id
+            await self.services.lifecycle.forget(model_id)
+            await run_in_threadpool(store.delete, model_id)
+            self.services.metrics.forget(model_id)
+
+    async def load(self, model_id: str, instances: int | None) -> dict[str, Any]:
+        await run_in_threadpool(self.services.store.get, model_id)
+        return (await self.services.lifecycle.load(model_id, instances=instances)).to_dict()
+
+    async def unload(self, model_id: str) -> dict[str, Any]:
+        await run_in_threadpool(self.services.store.get, model_id)
+        return (await self.services.lifecycle.unload(model_id, reason="api")).to_dict()

@@ -1,0 +1,58 @@
+"""Request and response bodies of the control API (they also make its OpenAPI document)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from controlplane.spec import TensorSpec
+
+
+class ErrorBody(BaseModel):
+    """The one error shape of snoozeml (``SnoozeError.to_dict()``)."""
+
+    error: str = Field(description="What went wrong, naming the model, file or field")
+    code: str = Field(description="Stable machine-readable code, e.g. invalid_package, not_found")
+    hint: str | None = Field(None, description="How to fix it")
+
+
+class ModelStatusBody(BaseModel):
+    """A model's lifecycle state (``ModelStatus`` in docs/internals.md)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    state: str = Field(description="unloaded | loading | ready | unloading | failed")
+    reason: str | None = None
+    instances: int = 0
+    last_access: float | None = Field(None, description="Epoch seconds of the last request, None if never")
+    idle_timeout_secs: float | None = None
+    memory_bytes: int | None = None
+    last_cold_start_secs: float | None = None
+    load_count: int = 0
+
+
+class ModelSummary(BaseModel):
+    id: str
+    kind: str = Field(description="custom | onnx | tensorrt")
+    backend: str = Field(description="Triton backend the model runs on: python | onnxruntime | tensorrt")
+    device: str
+    max_batch_size: int
+    status: ModelStatusBody
+
+
+class ModelDetail(ModelSummary):
+    deployment: dict[str, Any] = Field(description="The deployment settings it was published with")
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    params: dict[str, Any]
+    metadata: dict[str, Any] = Field(description="Capability/interface metadata from the package manifest")
+    config: str = Field(description="The generated config.pbtxt")
+    stats: dict[str, Any] | None = Field(None, description="Triton's inference statistics while loaded")
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    instances: int | None = Field(None, ge=1, description="Instances to load (default: the deployment's)")

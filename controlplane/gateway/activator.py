@@ -1,0 +1,497 @@
+"""The activator: the gateway's cold path, inside the control-plane process.
+
+Envoy sends it (see ``envoy.yaml.j2``):
+
+- inference requests that Triton answered "not found" (a sleeping model), "unavailable" or, over
+  gRPC, "Stub process ... is not healthy": the activator wakes the model (``waker.ensure_ready``,
+  single flight in the lifecycle manager), forwards the request to Triton unchanged and returns
+  Triton's answer unchanged; a dead stub is recovered (``waker.recover``) and the request forwarded
+  once more (the dead stub did not run it);
+- model readiness, metadata and config, answered for a published model as if it were loaded (a
+  request would succeed), and the repository API (index; load/unload with the admin scope).
+
+HTTP is an ASGI app (Starlette, served by uvicorn on a loopback port); gRPC is a grpc.aio server with
+a generic handler and identity serializers, so inference messages are forwarded as raw bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import re
+import socket
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import grpc
+import httpx
+import uvicorn
+from google.protobuf import json_format
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from tritonclient.grpc import model_config_pb2, service_pb2
+
+from controlplane.errors import AuthError, ForbiddenError, NotFoundError, SnoozeError, UnavailableError
+from controlplane.render import VERSION, parse_config
+from controlplane.settings import Settings
+from controlplane.store import ModelStore, PublishedModel
+
+SERVICE = "inference.GRPCInferenceService"
+DEAD_STUB = re.compile(r"Stub process .* is not healthy")
+# Lifecycle state -> Triton repository-index state, the vocabulary tritonclient users know.
+INDEX_STATES = {
+    "ready": "READY",
+    "loading": "LOADING",
+    "unloading": "UNLOADING",
+    "unloaded": "UNAVAILABLE",
+    "failed": "UNAVAILABLE",
+}
+# Not forwarded to Triton: hop-by-hop headers, and those httpx sets itself.
+_HOP_HEADERS = {
+    "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "host", "content-length",
+}  # fmt: skip
+# Not forwarded as gRPC metadata: set by the channel itself.
+_GRPC_RESERVED = {"te", "content-type", "user-agent", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding"}
+_UNLIMITED = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+_GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.ALREADY_EXISTS,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class Waker(Protocol):
+    """What the activator needs from the lifecycle manager (``controlplane.lifecycle.LifecycleManager``)."""
+
+    async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None: ...
+    def touch(self, model_id: str) -> None: ...
+    async def recover(self, model_id: str, cause: str) -> None: ...
+    async def load(self, model_id: str, *, instances: int | None = None) -> Any: ...
+    async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
+    def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
+
+
+def bearer_or_api_key(x_api_key: str | None, authorization: str | None) -> str | None:
+    """The key a request carries: ``X-API-Key`` or ``Authorization: Bearer <key>``."""
+    if x_api_key:
+        return x_api_key
+    if authorization and authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip()
+    return None
+
+
+class ModelAnswers:
+    """What the activator answers, shared by HTTP and gRPC: wake, readiness, metadata, config, index, admin."""
+
+    def __init__(self, waker: Waker, store: ModelStore, settings: Settings) -> None:
+        self.waker = waker
+        self.store = store
+        self.settings = settings
+
+    def published(self, name: str, version: str = "") -> PublishedModel:
+        model = self.store.get(name)  # NotFoundError naming the model
+        if version and version != VERSION:
+            raise NotFoundError(f"model '{name}' has no version '{version}' (published version: {VERSION})")
+        return model
+
+    async def wake(self, name: str, timeout: float | None = None) -> None:
+        self.published(name)
+        await self.waker.ensure_ready(name, timeout=timeout)
+
+    def state(self, name: str) -> str:
+        return str(self.waker.status(name).state)
+
+    def ready(self, name: str) -> bool:
+        """Published and not failed: a request would be served (after a wake if it sleeps)."""
+        return self.store.exists(name) and self.state(name) != "failed"
+
+    def loaded(self, name: str) -> bool:
+        return self.state(name) == "ready"
+
+    @staticmethod
+    def config(model: PublishedModel) -> model_config_pb2.ModelConfig:
+        return parse_config(model.config_text, where=str(model.path / "config.pbtxt"))
+
+    def metadata(self, model: PublishedModel) -> dict[str, Any]:
+        """KServe v2 model metadata, as Triton answers it for the loaded model."""
+        config = self.config(model)
+        batch = [-1] if config.max_batch_size > 0 else []
+        return {
+            "name": model.id,
+            "versions": [VERSION],
+            "platform": config.platform or config.backend,
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + t.dims} for t in model.inputs],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + t.dims} for t in model.outputs],
+        }
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        entries = []
+        for model in self.store.list():
+            status = self.waker.status(model.id)
+            state = INDEX_STATES.get(str(status.state), "UNKNOWN")
+            if ready_only and state != "READY":
+                continue
+            entries.append(
+                {"name": model.id, "version": VERSION, "state": state, "reason": status.reason or str(status.state)}
+            )
+        return entries
+
+    def check_admin(self, key: str | None) -> None:
+        """Repository load/unload: an admin key (constant-time compare) unless auth is off."""
+        if self.settings.auth == "off":
+            return
+        if not key:
+            raise AuthError("repository load/unload needs an admin API key (X-API-Key or Authorization: Bearer)")
+        given = key.encode()
+        # Compare with every key, no early exit: the time taken does not tell which key was close.
+        matches = [hmac.compare_digest(given, k.get_secret_value().encode()) for k in self.settings.admin_keys]
+        if not any(matches):
+            raise ForbiddenError("repository load/unload needs the admin scope; this key has the inference scope only")
+
+
+class BadRequestError(SnoozeError):
+    status_code = 400
+    code = "bad_request"
+
+
+def _no_overrides(parameters: Iterable[str], name: str) -> None:
+    if any(parameters):
+        raise BadRequestError(
+            f"load parameters for model '{name}' are not accepted through the gateway",
+            hint="publish a new deployment (snoozectl publish) to change a model's configuration",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+
+
+def error_response(error: SnoozeError) -> JSONResponse:
+    """The KServe v2 error shape (``{"error": ...}``, plus snoozeml's code and hint)."""
+    headers = {}
+    if isinstance(error, UnavailableError):
+        headers["Retry-After"] = str(max(1, round(error.retry_after or 1)))
+    return JSONResponse(error.to_dict(), status_code=error.status_code, headers=headers)
+
+
+class HttpForwarder:
+    """Sends a request to Triton's HTTP endpoint with its body and headers unchanged."""
+
+    def __init__(self, triton_http_url: str, client: httpx.AsyncClient) -> None:
+        self.base = triton_http_url.rstrip("/")
+        self.client = client
+
+    async def send(self, request: Request, body: bytes) -> Response:
+        headers = [(k, v) for k, v in request.headers.items() if k not in _HOP_HEADERS and not k.startswith("x-envoy-")]
+        url = f"{self.base}{request.url.path}" + (f"?{request.url.query}" if request.url.query else "")
+        upstream = self.client.build_request(request.method, url, content=body, headers=headers)
+        try:
+            r = await self.client.send(upstream, stream=True)
+        except httpx.TransportError as e:
+            raise UnavailableError(f"Triton at {self.base} is not reachable: {e}", retry_after=1) from e
+        try:
+            raw = b"".join([chunk async for chunk in r.aiter_raw()])  # still encoded: passed on as is
+        finally:
+            await r.aclose()
+        out = {k: v for k, v in r.headers.items() if k not in _HOP_HEADERS}
+        return Response(raw, status_code=r.status_code, headers=out)
+
+
+def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlette:
+    """The activator's KServe v2 HTTP app (the routes Envoy sends to ``activator_http``)."""
+
+    def handled(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except SnoozeError as e:
+                return error_response(e)
+
+        return endpoint
+
+    def model_of(request: Request) -> tuple[str, str]:
+        return request.path_params["model"], request.path_params.get("version", "")
+
+    async def infer(request: Request) -> Response:
+        name, version = model_of(request)
+        answers.published(name, version)
+        body = await request.body()
+        await answers.wake(name)
+        response = await forwarder.send(request, body)
+        if response.status_code == 500 and DEAD_STUB.search(response.body.decode("utf-8", "replace")):
+            await answers.waker.recover(name, cause="dead_stub")
+            response = await forwarder.send(request, body)
+        answers.waker.touch(name)
+        return response
+
+    async def ready(request: Request) -> Response:
+        name, version = model_of(request)
+        answers.published(name, version)
+        if not answers.ready(name):
+            return JSONResponse({"error": f"model '{name}' failed to load: {answers.waker.status(name).reason}"}, 400)
+        return Response(status_code=200)
+
+    async def metadata(request: Request) -> Response:
+        name, version = model_of(request)
+        return JSONResponse(answers.metadata(answers.published(name, version)))
+
+    async def config(request: Request) -> Response:
+        name, version = model_of(request)
+        model = answers.published(name, version)
+        if answers.loaded(name):  # Triton's own answer includes load-time overrides (instances)
+            return await forwarder.send(request, b"")
+        return JSONResponse(json_format.MessageToDict(answers.config(model), preserving_proto_field_name=True))
+
+    async def index(request: Request) -> Response:
+        body = await request.body()
+        ready_only = bool((await request.json()).get("ready", False)) if body else False
+        return JSONResponse(answers.index(ready_only))
+
+    async def load_or_unload(request: Request) -> Response:
+        answers.check_admin(bearer_or_api_key(request.headers.get("x-api-key"), request.headers.get("authorization")))
+        name = request.path_params["model"]
+        answers.published(name)
+        body = await request.body()
+        if request.path_params["action"] == "load":
+            _no_overrides((await request.json()).get("parameters", {}) if body else {}, name)
+            await answers.waker.load(name)
+        else:
+            await answers.waker.unload(name, reason="api")
+        return JSONResponse({})
+
+    model = "/v2/models/{model}"
+    versioned = "/v2/models/{model}/versions/{version}"
+    routes = [Route(f"{p}/infer", handled(infer), methods=["POST"]) for p in (model, versioned)]
+    routes += [Route(f"{p}/ready", handled(ready), methods=["GET"]) for p in (model, versioned)]
+    routes += [Route(f"{p}/config", handled(config), methods=["GET"]) for p in (model, versioned)]
+    routes += [Route(p, handled(metadata), methods=["GET"]) for p in (model, versioned)]
+    routes += [
+        Route("/v2/repository/index", handled(index), methods=["POST"]),
+        Route("/v2/repository/models/{model}/{action:str}", handled(load_or_unload), methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+# ---------------------------------------------------------------------------------------------
+# gRPC
+
+
+def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, Any]]:
+    return [
+        (m.key, m.value)
+        for m in context.invocation_metadata() or ()
+        if not m.key.startswith((":", "x-envoy-")) and m.key not in _GRPC_RESERVED
+    ]
+
+
+def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
+    return next((str(m.value) for m in context.invocation_metadata() or () if m.key == key), None)
+
+
+class GrpcActivator:
+    """The handlers of the gRPC methods Envoy sends to ``activator_grpc``; messages are raw bytes."""
+
+    def __init__(self, answers: ModelAnswers, triton_grpc_url: str) -> None:
+        self.answers = answers
+        self.channel = grpc.aio.insecure_channel(triton_grpc_url, options=_UNLIMITED)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        methods = {
+            "ModelInfer": self.model_infer,
+            "ModelReady": self.model_ready,
+            "ModelMetadata": self.model_metadata,
+            "ModelConfig": self.model_config,
+            "RepositoryIndex": self.repository_index,
+            "RepositoryModelLoad": self.repository_load,
+            "RepositoryModelUnload": self.repository_unload,
+        }
+        return grpc.method_handlers_generic_handler(
+            SERVICE, {name: grpc.unary_unary_rpc_method_handler(self._handled(fn)) for name, fn in methods.items()}
+        )
+
+    @staticmethod
+    def _handled(fn: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]) -> Any:
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            try:
+                return await fn(request, context)
+            except SnoozeError as e:
+                if isinstance(e, UnavailableError):
+                    context.set_trailing_metadata((("retry-after", str(max(1, round(e.retry_after or 1)))),))
+                await context.abort(_GRPC_CODES.get(e.status_code, grpc.StatusCode.INTERNAL), str(e))
+
+        return handle
+
+    async def _forward(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        call = self.channel.unary_unary(f"/{SERVICE}/{method}")
+        return await call(request, metadata=_metadata(context), timeout=context.time_remaining())
+
+    async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        name = service_pb2.ModelInferRequest.FromString(request).model_name
+        self.answers.published(name)
+        await self.answers.wake(name, timeout=context.time_remaining())
+        try:
+            try:
+                response = await self._forward("ModelInfer", request, context)
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.INTERNAL or not DEAD_STUB.search(e.details() or ""):
+                    raise
+                await self.answers.waker.recover(name, cause="dead_stub")
+                response = await self._forward("ModelInfer", request, context)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "")
+        self.answers.waker.touch(name)
+        return response
+
+    async def model_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        msg = service_pb2.ModelReadyRequest.FromString(request)
+        ready = msg.version in ("", VERSION) and self.answers.ready(msg.name)
+        return service_pb2.ModelReadyResponse(ready=ready).SerializeToString()
+
+    async def model_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        msg = service_pb2.ModelMetadataRequest.FromString(request)
+        meta = self.answers.metadata(self.answers.published(msg.name, msg.version))
+        tensor = service_pb2.ModelMetadataResponse.TensorMetadata
+        return service_pb2.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[tensor(**t) for t in meta["inputs"]],
+            outputs=[tensor(**t) for t in meta["outputs"]],
+        ).SerializeToString()
+
+    async def model_config(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        msg = service_pb2.ModelConfigRequest.FromString(request)
+        model = self.answers.published(msg.name, msg.version)
+        if self.answers.loaded(msg.name):
+            try:
+                return await self._forward("ModelConfig", request, context)
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), e.details() or "")
+        return service_pb2.ModelConfigResponse(config=self.answers.config(model)).SerializeToString()
+
+    async def repository_index(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        msg = service_pb2.RepositoryIndexRequest.FromString(request)
+        entries = [service_pb2.RepositoryIndexResponse.ModelIndex(**e) for e in self.answers.index(msg.ready)]
+        return service_pb2.RepositoryIndexResponse(models=entries).SerializeToString()
+
+    def _check_admin(self, context: grpc.aio.ServicerContext) -> None:
+        key = bearer_or_api_key(_metadata_value(context, "x-api-key"), _metadata_value(context, "authorization"))
+        self.answers.check_admin(key)
+
+    async def repository_load(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self._check_admin(context)
+        msg = service_pb2.RepositoryModelLoadRequest.FromString(request)
+        self.answers.published(msg.model_name)
+        _no_overrides(msg.parameters, msg.model_name)
+        await self.answers.waker.load(msg.model_name)
+        return service_pb2.RepositoryModelLoadResponse().SerializeToString()
+
+    async def repository_unload(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self._check_admin(context)
+        msg = service_pb2.RepositoryModelUnloadRequest.FromString(request)
+        self.answers.published(msg.model_name)
+        await self.answers.waker.unload(msg.model_name, reason="api")
+        return service_pb2.RepositoryModelUnloadResponse().SerializeToString()
+
+    async def aclose(self) -> None:
+        await self.channel.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Both, in the control plane's event loop
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside the control plane's loop: the control plane owns SIGINT/SIGTERM, not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock
+
+
+class Activator:
+    """The HTTP (uvicorn) and gRPC (grpc.aio) activator servers on loopback; start/stop in one event loop.
+
+    Ports come from ``settings.activator_http_port`` / ``activator_grpc_port`` (0 = a free port);
+    after ``start()``, ``http_address`` and ``grpc_address`` are what the Envoy bootstrap needs.
+    """
+
+    def __init__(
+        self,
+        waker: Waker,
+        store: ModelStore,
+        settings: Settings,
+        *,
+        triton_http_url: str,
+        triton_grpc_url: str,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.settings = settings
+        self.host = host
+        self.answers = ModelAnswers(waker, store, settings)
+        self.triton_http_url = triton_http_url
+        self.triton_grpc_url = triton_grpc_url
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._grpc: GrpcActivator | None = None
+        self._grpc_server: grpc.aio.Server | None = None
+        self._uvicorn: _EmbeddedUvicorn | None = None
+        self._uvicorn_task: asyncio.Task[None] | None = None
+
+    @property
+    def http_address(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client))
+        sock = _bind(self.host, self.settings.activator_http_port)
+        self.http_port = sock.getsockname()[1]
+        self._uvicorn = _EmbeddedUvicorn(
+            uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=300)
+        )
+        self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._uvicorn_task.done():
+                await self._uvicorn_task  # raises uvicorn's start-up error
+                raise SnoozeError(f"the activator's HTTP server on {self.http_address} stopped during start-up")
+            await asyncio.sleep(0.01)
+
+        self._grpc = GrpcActivator(self.answers, self.triton_grpc_url)
+        self._grpc_server = grpc.aio.server(options=_UNLIMITED)
+        self._grpc_server.add_generic_rpc_handlers((self._grpc.handler(),))
+        self.grpc_port = self._grpc_server.add_insecure_port(f"{self.host}:{self.settings.activator_grpc_port}")
+        await self._grpc_server.start()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self._grpc_server is not None:
+            await self._grpc_server.stop(grace)
+        if self._grpc is not None:
+            await self._grpc.aclose()
+        if self._uvicorn is not None and self._uvicorn_task is not None:
+            self._uvicorn.should_exit = True
+            await self._uvicorn_task
+        if self._client is not None:
+            await self._client.aclose()
+        self._grpc_server = self._grpc = self._uvicorn = self._uvicorn_task = self._client = None

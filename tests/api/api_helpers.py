@@ -1,0 +1,127 @@
+"""Helpers of the API tests: a lifecycle stand-in, package archives, repository digests."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from controlplane.errors import NotFoundError
+from controlplane.store import ModelStore
+
+ADMIN_KEY = "admin-key-for-tests"
+INFERENCE_KEY = "inference-key-for-tests"
+ADMIN = {"X-API-Key": ADMIN_KEY}
+
+MODEL_PY = """
+import numpy as np
+
+
+class Model:
+    def __init__(self, scale: float = 1.0):
+        self.scale = scale
+
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        return {"y": (inputs["x"] * self.scale).astype(np.float32)}
+"""
+
+MANIFEST = {
+    "inputs": [{"name": "x", "datatype": "FP32", "dims": [3]}],
+    "outputs": [{"name": "y", "datatype": "FP32", "dims": [3]}],
+    "params_schema": {"scale": {"type": "float", "default": 1.0}},
+    "metadata": {"task": "scaling", "interface": {"x": "three floats"}},
+}
+
+
+@dataclass
+class FakeStatus:
+    id: str
+    state: str = "unloaded"
+    reason: str | None = None
+    instances: int = 0
+    last_access: float | None = None
+    idle_timeout_secs: float | None = 300
+    memory_bytes: int | None = None
+    last_cold_start_secs: float | None = None
+    load_count: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RecordingLifecycle:
+    """Stands in for LifecycleManager (which has its own integration tests against a real Triton):
+    records what the API asks of it and answers with plausible statuses."""
+
+    store: ModelStore
+    calls: list[tuple[str, ...]] = field(default_factory=list)
+    states: dict[str, FakeStatus] = field(default_factory=dict)
+
+    def status(self, model_id: str) -> FakeStatus:
+        if not self.store.exists(model_id):
+            raise NotFoundError(f"model '{model_id}' is not published")
+        return self.states.setdefault(model_id, FakeStatus(model_id))
+
+    async def load(self, model_id: str, *, instances: int | None = None) -> FakeStatus:
+        self.calls.append(("load", model_id, str(instances)))
+        status = self.status(model_id)
+        status.state, status.instances, status.load_count = "ready", instances or 1, status.load_count + 1
+        return status
+
+    async def unload(self, model_id: str, *, reason: str = "api") -> FakeStatus:
+        self.calls.append(("unload", model_id, reason))
+        status = self.status(model_id)
+        status.state, status.instances = "unloaded", 0
+        return status
+
+    async def published(self, model_id: str) -> None:
+        self.calls.append(("published", model_id))
+
+    async def forget(self, model_id: str) -> None:
+        self.calls.append(("forget", model_id))
+        self.states.pop(model_id, None)
+
+
+def tar_gz(folder: Path, *, top: str | None = None) -> bytes:
+    """The folder as a .tar.gz, its files at the root (or under ``top``)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path in sorted(folder.rglob("*")):
+            tar.add(path, arcname=f"{top}/{path.relative_to(folder)}" if top else str(path.relative_to(folder)),
+                    recursive=False)
+    return buf.getvalue()
+
+
+def tree_digest(root: Path) -> str:
+    """A hash of every path, link target and file content under root."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        digest.update(str(path.relative_to(root)).encode())
+        if path.is_symlink():
+            digest.update(b"->" + os.readlink(path).encode())
+        elif path.is_file():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+async def upload(
+    client: httpx.AsyncClient, archive: bytes, *, model_id: str | None = "m1", deployment: dict[str, Any] | None = None,
+    filename: str = "pkg.tar.gz", headers: dict[str, str] | None = None,
+) -> httpx.Response:
+    data = {"deployment": json.dumps(deployment)} if deployment is not None else {}
+    params = {"id": model_id} if model_id else {}
+    return await client.post(
+        "/v1/models", params=params, data=data, files={"package": (filename, archive, "application/gzip")},
+        headers=ADMIN if headers is None else headers,
+    )
