@@ -142,10 +142,9 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def _runtime_sources() -> list[Path]:
-    import python_backend
+    from python_backend import runtime_files
 
-    root = Path(python_backend.__file__).parent
-    return sorted(p for p in root.glob("*.py"))
+    return [Path(p) for p in runtime_files()]
 
 
 def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:

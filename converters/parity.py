@@ -125,8 +125,14 @@ class ParityReport:
         for c in self.comparisons:
             result = "[green]ok[/green]" if c.passed else f"[red]FAIL[/red] {c.detail or ''}".rstrip()
             table.add_row(
-                c.case, c.output, c.dtype, str(c.shape), f"{c.max_abs:.3g}", f"{c.max_rel:.3g}",
-                f"atol {c.atol:g} rtol {c.rtol:g}", result,
+                c.case,
+                c.output,
+                c.dtype,
+                str(c.shape),
+                f"{c.max_abs:.3g}",
+                f"{c.max_rel:.3g}",
+                f"atol {c.atol:g} rtol {c.rtol:g}",
+                result,
             )
         return table
 
@@ -162,7 +168,7 @@ def _random_tensor(
     dims = spec.dims_without_batch if batch_size else spec.dims
     if example is not None and example.ndim == len(spec.dims):
         sample_dims = list(example.shape[1:] if batch_size else example.shape)
-        dims = [s if d == -1 else d for d, s in zip(dims, sample_dims)]
+        dims = [s if d == -1 else d for d, s in zip(dims, sample_dims, strict=True)]
     shape = ([batch_size] if batch_size else []) + [DEFAULT_VARIABLE_DIM if d == -1 else d for d in dims]
     dtype = spec.dtype
     if dtype == "object":
@@ -210,8 +216,19 @@ def _compare_one(
     tol = tolerances.get(spec.dtype, EXACT)
 
     def failed(shape: list[int], detail: str) -> Comparison:
-        return Comparison(case, batch_size, spec.name, spec.dtype, shape, float("inf"), float("inf"),
-                          tol.atol, tol.rtol, False, detail)
+        return Comparison(
+            case,
+            batch_size,
+            spec.name,
+            spec.dtype,
+            shape,
+            float("inf"),
+            float("inf"),
+            tol.atol,
+            tol.rtol,
+            False,
+            detail,
+        )
 
     if spec.name not in reference:
         return failed([], f"the reference returned no output '{spec.name}' (it returned {sorted(reference)})")
@@ -246,8 +263,9 @@ def _compare_one(
         detail = f"{outside} of {within.size} element(s) outside tolerance" + (
             f", {lone_nans} NaN on one side only" if lone_nans else ""
         )
-    return Comparison(case, batch_size, spec.name, spec.dtype, shape, max_abs, max_rel,
-                      tol.atol, tol.rtol, outside == 0, detail)
+    return Comparison(
+        case, batch_size, spec.name, spec.dtype, shape, max_abs, max_rel, tol.atol, tol.rtol, outside == 0, detail
+    )
 
 
 def check_parity(
@@ -310,7 +328,7 @@ def _run_case(
 ) -> list[Comparison]:
     names = [spec.name for spec in outputs]
     try:
-        got = dict(zip(names, session.run(names, inputs)))
+        got = dict(zip(names, session.run(names, inputs), strict=True))
     except Exception as exc:
         return _all_failed(label, batch, outputs, tolerances, f"onnxruntime raised {_short(exc)}")
     try:
@@ -325,8 +343,19 @@ def _all_failed(
     label: str, batch: int, outputs: Sequence[TensorSpec], tolerances: Mapping[str, Tolerance], detail: str
 ) -> list[Comparison]:
     return [
-        Comparison(label, batch, spec.name, spec.dtype, [], float("inf"), float("inf"),
-                   tolerances.get(spec.dtype, EXACT).atol, tolerances.get(spec.dtype, EXACT).rtol, False, detail)
+        Comparison(
+            label,
+            batch,
+            spec.name,
+            spec.dtype,
+            [],
+            float("inf"),
+            float("inf"),
+            tolerances.get(spec.dtype, EXACT).atol,
+            tolerances.get(spec.dtype, EXACT).rtol,
+            False,
+            detail,
+        )
         for spec in outputs
     ]
 

@@ -8,8 +8,20 @@ from dataclasses import dataclass, field
 # numpy dtype names the converters accept (the numpy column of controlplane/dtypes.py).
 NUMPY_DTYPES = frozenset(
     {
-        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-        "float16", "bfloat16", "float32", "float64", "object",
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "object",
     }
 )
 

@@ -173,6 +173,9 @@ def build_tensorrt_plan(
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return PlanResult(
-        plan_path=plan_path, build_secs=build_secs, fp16=fp16, profile=profile_shapes,
+        plan_path=plan_path,
+        build_secs=build_secs,
+        fp16=fp16,
+        profile=profile_shapes,
         tensorrt_version=trt.__version__,
     )

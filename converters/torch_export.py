@@ -177,20 +177,22 @@ def ordered_input_names(module: Any, names: Sequence[str]) -> list[str]:
 
 
 def flatten_outputs(outputs: Any, output_names: Sequence[str]) -> dict[str, Any]:
-    """Map a module's return value (tensor, tuple/list, or dict) onto the declared output names."""
+    """Map a module's return value (tensor, tuple/list, or dict) onto the declared output names.
+
+    A dict's keys must be the declared names (any order); a tensor or sequence is named positionally."""
     if isinstance(outputs, Mapping):
         if set(outputs) != set(output_names):
             raise ExportError(
                 f"the module returns outputs {sorted(outputs)} but the signature declares {list(output_names)}"
             )
-        return {name: outputs[name] for name in output_names}
+        return dict(outputs)  # the module's own key order: the order the exporters flatten a dict in
     values = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
     if len(values) != len(output_names):
         raise ExportError(
             f"the module returns {len(values)} output(s) but the signature declares "
             f"{len(output_names)}: {list(output_names)}"
         )
-    return dict(zip(output_names, values))
+    return dict(zip(output_names, values, strict=True))
 
 
 class TorchRunner:
@@ -208,8 +210,7 @@ class TorchRunner:
         with torch.no_grad():
             outputs = self.module(*args)
         return {
-            name: value.detach().cpu().numpy()
-            for name, value in flatten_outputs(outputs, self.output_names).items()
+            name: value.detach().cpu().numpy() for name, value in flatten_outputs(outputs, self.output_names).items()
         }
 
 
@@ -250,12 +251,12 @@ def export_module_to_onnx(
 
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     errors: dict[Exporter, str] = {}
+    started = time.perf_counter()  # export time includes exporters that failed before the one that worked
     for exporter in exporters:
         notify(f"exporting to ONNX ({exporter.value} exporter, opset {opset})")
         with tempfile.TemporaryDirectory(dir=onnx_path.parent, prefix=".export-") as stage_dir:
             staged = Path(stage_dir) / "export" / onnx_path.name
             staged.parent.mkdir()
-            started = time.perf_counter()
             try:
                 _run_exporter(exporter, module, args, staged, input_names, output_names, opset)
             except Exception as exc:
@@ -314,15 +315,28 @@ def _run_exporter(
         if exporter is Exporter.DYNAMO:
             batch = torch.export.Dim("batch")
             torch.onnx.export(
-                module, args, str(path), dynamo=True, verbose=False, opset_version=opset,
-                input_names=input_names, output_names=output_names,
-                dynamic_shapes=tuple({0: batch} for _ in args), external_data=True,
+                module,
+                args,
+                str(path),
+                dynamo=True,
+                verbose=False,
+                opset_version=opset,
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_shapes=tuple({0: batch} for _ in args),
+                external_data=True,
             )
         else:
             axes = {name: {0: "batch"} for name in (*input_names, *output_names)}
             torch.onnx.export(
-                module, args, str(path), dynamo=False, opset_version=opset,
-                input_names=input_names, output_names=output_names, dynamic_axes=axes,
+                module,
+                args,
+                str(path),
+                dynamo=False,
+                opset_version=opset,
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_axes=axes,
             )
 
 
@@ -336,8 +350,14 @@ def _finalise(staged: Path, final: Path, inline_limit_bytes: int) -> None:
             onnx.checker.check_model(model, full_check=True)
             onnx.save(model, str(final))
         else:
-            onnx.save(model, str(final), save_as_external_data=True, all_tensors_to_one_file=True,
-                      location=final.name + ".data", size_threshold=0)
+            onnx.save(
+                model,
+                str(final),
+                save_as_external_data=True,
+                all_tensors_to_one_file=True,
+                location=final.name + ".data",
+                size_threshold=0,
+            )
             onnx.shape_inference.infer_shapes_path(str(final), str(final), strict_mode=True)
             onnx.checker.check_model(str(final), full_check=True)
     except Exception as exc:
@@ -413,11 +433,12 @@ def _compare_with_declared(signature: OnnxSignature, expected: PackageSignature)
 
 
 def _dims_compatible(actual: list[int], declared: list[int]) -> bool:
-    return len(actual) == len(declared) and all(a == d or -1 in (a, d) for a, d in zip(actual, declared))
+    return len(actual) == len(declared) and all(a == d or -1 in (a, d) for a, d in zip(actual, declared, strict=True))
 
 
 def _one_line(exc: BaseException) -> str:
     """The exception's first line plus that of its root cause (the exporters wrap the useful error)."""
+
     def first_line(e: BaseException) -> str:
         lines = _ANSI.sub("", str(e)).strip().splitlines()
         return f"{type(e).__name__}: {lines[0] if lines else ''}".strip()[:300]

@@ -6,6 +6,7 @@ prefix is the contract; the Triton error code only steers the HTTP/gRPC status.
 
 from __future__ import annotations
 
+import importlib
 import os
 import traceback
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ TIMEOUT = "timeout"
 # point at the failing line in the user's code without flooding the client.
 TRACEBACK_FRAMES = 3
 
-_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
+# Folders whose frames are left out of tracebacks shown to model authors: this runtime, importlib.
+_PLUMBING_DIRS = {os.path.dirname(os.path.abspath(p)) for p in (__file__, importlib.__file__)}
 _OOM_MARKERS = ("out of memory",)  # covers "CUDA out of memory", onnxruntime's and cuDNN's wording
 
 
@@ -62,7 +64,7 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def _is_plumbing(filename: str) -> bool:
-    return filename.startswith("<frozen ") or os.path.dirname(os.path.abspath(filename)) == _RUNTIME_DIR
+    return filename.startswith("<frozen ") or os.path.dirname(os.path.abspath(filename)) in _PLUMBING_DIRS
 
 
 def traceback_summary(exc: BaseException, frames: int = TRACEBACK_FRAMES) -> str:

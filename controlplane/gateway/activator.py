@@ -204,17 +204,18 @@ class HttpForwarder:
         return Response(raw, status_code=r.status_code, headers=out)
 
 
+def _handled(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await fn(request)
+        except SnoozeError as e:
+            return error_response(e)
+
+    return endpoint
+
+
 def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlette:
     """The activator's KServe v2 HTTP app (the routes Envoy sends to ``activator_http``)."""
-
-    def handled(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await fn(request)
-            except SnoozeError as e:
-                return error_response(e)
-
-        return endpoint
 
     def model_of(request: Request) -> tuple[str, str]:
         return request.path_params["model"], request.path_params.get("version", "")
@@ -268,13 +269,13 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
 
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version}"
-    routes = [Route(f"{p}/infer", handled(infer), methods=["POST"]) for p in (model, versioned)]
-    routes += [Route(f"{p}/ready", handled(ready), methods=["GET"]) for p in (model, versioned)]
-    routes += [Route(f"{p}/config", handled(config), methods=["GET"]) for p in (model, versioned)]
-    routes += [Route(p, handled(metadata), methods=["GET"]) for p in (model, versioned)]
+    routes = [Route(f"{p}/infer", _handled(infer), methods=["POST"]) for p in (model, versioned)]
+    routes += [Route(f"{p}/ready", _handled(ready), methods=["GET"]) for p in (model, versioned)]
+    routes += [Route(f"{p}/config", _handled(config), methods=["GET"]) for p in (model, versioned)]
+    routes += [Route(p, _handled(metadata), methods=["GET"]) for p in (model, versioned)]
     routes += [
-        Route("/v2/repository/index", handled(index), methods=["POST"]),
-        Route("/v2/repository/models/{model}/{action:str}", handled(load_or_unload), methods=["POST"]),
+        Route("/v2/repository/index", _handled(index), methods=["POST"]),
+        Route("/v2/repository/models/{model}/{action:str}", _handled(load_or_unload), methods=["POST"]),
     ]
     return Starlette(routes=routes)
 

@@ -114,8 +114,14 @@ def test_outputs_without_shape_get_inferred(tmp_path: Path) -> None:
 def _save_external(tmp_path: Path) -> Path:
     model = _matmul_model("batch")
     path = tmp_path / "ext.onnx"
-    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="ext.onnx.data", size_threshold=0)
+    onnx.save(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="ext.onnx.data",
+        size_threshold=0,
+    )
     return path
 
 

@@ -54,8 +54,15 @@ def test_passes_and_saves_report(tmp_path: Path) -> None:
     path = _model(tmp_path / "model.onnx")
     example = {"x": np.zeros((2, 4), np.float32), "ids": np.array([[5, 7, 9]] * 2, np.int64)}
     user = [{"x": np.ones((2, 4), np.float32), "ids": np.zeros((2, 3), np.int64)}]
-    report = check_parity(_reference(), path, max_batch_size=8, example_inputs=example, user_inputs=user,
-                          reference_name="numpy", report_path=tmp_path / "parity.json")
+    report = check_parity(
+        _reference(),
+        path,
+        max_batch_size=8,
+        example_inputs=example,
+        user_inputs=user,
+        reference_name="numpy",
+        report_path=tmp_path / "parity.json",
+    )
     assert report.passed, report.summary()
     cases = sorted({(c.case, c.batch_size) for c in report.comparisons})
     assert cases == [("random, batch 1", 1), ("random, batch 3", 3), ("random, batch 8", 8), ("user input 0", 2)]
@@ -68,8 +75,12 @@ def test_passes_and_saves_report(tmp_path: Path) -> None:
 
 
 def test_integer_inputs_stay_in_example_range() -> None:
-    specs = [TensorSpec("ids", "int64", [-1, -1]), TensorSpec("x", "float16", [-1, 2]),
-             TensorSpec("flag", "bool", [-1]), TensorSpec("text", "object", [-1, 1])]
+    specs = [
+        TensorSpec("ids", "int64", [-1, -1]),
+        TensorSpec("x", "float16", [-1, 2]),
+        TensorSpec("flag", "bool", [-1]),
+        TensorSpec("text", "object", [-1, 1]),
+    ]
     like = {"ids": np.array([[100, 120, 101, 110, 111]])}
     arrays = random_inputs(specs, 5, np.random.default_rng(1), like)
     assert arrays["ids"].shape == (5, 5) and arrays["ids"].min() >= 100 and arrays["ids"].max() <= 120

@@ -23,10 +23,14 @@ UNAVAILABLE = tensorrt_unavailable_reason()
 
 def _model(path: Path, x_dims: list, dtype: int = TensorProto.FLOAT) -> Path:
     weight = numpy_helper.from_array(np.eye(4, dtype=np.float32), "W")
-    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"])] if dtype == TensorProto.FLOAT else [
-        helper.make_node("Identity", ["x"], ["y"])]
+    nodes = (
+        [helper.make_node("MatMul", ["x", "W"], ["y"])]
+        if dtype == TensorProto.FLOAT
+        else [helper.make_node("Identity", ["x"], ["y"])]
+    )
     graph = helper.make_graph(
-        nodes, "g",
+        nodes,
+        "g",
         [helper.make_tensor_value_info("x", dtype, x_dims)],
         [helper.make_tensor_value_info("y", dtype, x_dims)],
         initializer=[weight] if dtype == TensorProto.FLOAT else [],

@@ -84,8 +84,9 @@ def _seeded(cls):
 def test_mlp_export_and_parity(tmp_path: Path) -> None:
     module = _seeded(MLP)
     stages: list[str] = []
-    result = export_module_to_onnx(module, {"x": np.zeros((1, 16), np.float32)}, tmp_path / "model.onnx", ["y"],
-                                   progress=stages.append)
+    result = export_module_to_onnx(
+        module, {"x": np.zeros((1, 16), np.float32)}, tmp_path / "model.onnx", ["y"], progress=stages.append
+    )
     assert result.exporter is Exporter.DYNAMO and result.dynamo_error is None
     assert result.export_secs > 0
     sig = result.signature
@@ -130,8 +131,14 @@ def test_two_inputs_of_different_dtypes(tmp_path: Path) -> None:
 def test_declared_dtype_mismatch_is_refused(tmp_path: Path) -> None:
     declared = PackageSignature(inputs=[TensorDecl("x", "float32", [16])], outputs=[TensorDecl("y", "float16", [4])])
     with pytest.raises(ExportError) as info:
-        export_module_to_onnx(_seeded(MLP), {"x": np.zeros((2, 16), np.float32)}, tmp_path / "model.onnx", ["y"],
-                              expected=declared, exporters=[Exporter.TORCHSCRIPT])
+        export_module_to_onnx(
+            _seeded(MLP),
+            {"x": np.zeros((2, 16), np.float32)},
+            tmp_path / "model.onnx",
+            ["y"],
+            expected=declared,
+            exporters=[Exporter.TORCHSCRIPT],
+        )
     assert "output 'y' is float32 in the export but declared float16 (cast it in forward)" in str(info.value)
     assert list(tmp_path.iterdir()) == []
 
@@ -156,14 +163,19 @@ def test_dynamo_failure_falls_back_and_parity_catches_it(tmp_path: Path) -> None
     result = export_module_to_onnx(module, {"x": np.ones((2, 3), np.float32)}, tmp_path / "m.onnx", ["y"])
     assert result.exporter is Exporter.TORCHSCRIPT
     assert result.dynamo_error and "data-dependent" in result.dynamo_error
-    report = check_parity(TorchRunner(module, ["x"], ["y"]), result.onnx_path, max_batch_size=8,
-                          user_inputs=[{"x": -np.ones((2, 3), np.float32)}])
+    report = check_parity(
+        TorchRunner(module, ["x"], ["y"]),
+        result.onnx_path,
+        max_batch_size=8,
+        user_inputs=[{"x": -np.ones((2, 3), np.float32)}],
+    )
     assert not report.passed  # the traced graph always takes the x.sum() > 0 branch
 
 
 def test_large_weights_are_carried_as_external_data(tmp_path: Path) -> None:
-    result = export_module_to_onnx(_seeded(MLP), {"x": np.zeros((2, 16), np.float32)}, tmp_path / "model.onnx",
-                                   ["y"], inline_limit_bytes=1)
+    result = export_module_to_onnx(
+        _seeded(MLP), {"x": np.zeros((2, 16), np.float32)}, tmp_path / "model.onnx", ["y"], inline_limit_bytes=1
+    )
     assert result.signature.external_data == ["model.onnx.data"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data"]
     onnx.checker.check_model(str(tmp_path / "model.onnx"))
@@ -177,8 +189,9 @@ def test_torchscript_file(tmp_path: Path) -> None:
     module = _seeded(MLP)
     scripted = torch.jit.trace(module, torch.zeros(2, 16))
     scripted.save(str(tmp_path / "model.pt"))
-    result = export_torchscript_to_onnx(tmp_path / "model.pt", {"x": np.zeros((2, 16), np.float32)},
-                                        tmp_path / "out" / "model.onnx", ["y"])
+    result = export_torchscript_to_onnx(
+        tmp_path / "model.pt", {"x": np.zeros((2, 16), np.float32)}, tmp_path / "out" / "model.onnx", ["y"]
+    )
     report = check_parity(TorchRunner(module, ["x"], ["y"]), result.onnx_path, max_batch_size=4)
     assert report.passed, report.summary()
 
@@ -188,7 +201,7 @@ def test_torchscript_file_missing(tmp_path: Path) -> None:
         export_torchscript_to_onnx(tmp_path / "nope.pt", {"x": np.zeros((2, 16))}, tmp_path / "m.onnx", ["y"])
 
 
-PACKAGE = '''
+PACKAGE = """
 import numpy as np
 
 
@@ -210,7 +223,7 @@ class Model:
 
     def export_module(self):
         return self.net, {"x": np.zeros((1, 4), np.float32)}
-'''
+"""
 
 
 def _package(tmp_path: Path, source: str) -> Path:
@@ -225,8 +238,9 @@ SIGNATURE = PackageSignature(inputs=[TensorDecl("x", "float32", [4])], outputs=[
 
 def test_pipeline_package_hook_on_class(tmp_path: Path) -> None:
     stages: list[str] = []
-    result = convert_package_to_onnx(_package(tmp_path, PACKAGE), tmp_path / "out", SIGNATURE, max_batch_size=8,
-                                     progress=stages.append)
+    result = convert_package_to_onnx(
+        _package(tmp_path, PACKAGE), tmp_path / "out", SIGNATURE, max_batch_size=8, progress=stages.append
+    )
     assert result.onnx_path == tmp_path / "out" / "model.onnx" and result.exporter is Exporter.DYNAMO
     assert result.parity_report.passed and result.parity_report.reference == "Model.predict"
     assert (tmp_path / "out" / "parity.json").is_file()
@@ -237,15 +251,16 @@ def test_pipeline_package_hook_on_class(tmp_path: Path) -> None:
 def test_pipeline_parity_failure_names_the_reason(tmp_path: Path) -> None:
     """predict scales its input (params), the exported module does not: parity must fail."""
     with pytest.raises(ParityError) as info:
-        convert_package_to_onnx(_package(tmp_path, PACKAGE), tmp_path / "out", SIGNATURE, max_batch_size=4,
-                                params={"scale": 2.0})
+        convert_package_to_onnx(
+            _package(tmp_path, PACKAGE), tmp_path / "out", SIGNATURE, max_batch_size=4, params={"scale": 2.0}
+        )
     assert "parity failed" in str(info.value) and "output 'y'" in str(info.value)
     assert not info.value.report.passed
     assert (tmp_path / "out" / "parity.json").is_file()
 
 
 def test_pipeline_module_level_hook_without_model_class(tmp_path: Path) -> None:
-    source = '''
+    source = """
     import numpy as np
     import torch
 
@@ -253,13 +268,13 @@ def test_pipeline_module_level_hook_without_model_class(tmp_path: Path) -> None:
     def export_module(model_dir):
         torch.manual_seed(0)
         return torch.nn.Linear(4, 2), {"x": np.zeros((3, 4), np.float32)}
-    '''
+    """
     result = convert_package_to_onnx(_package(tmp_path, source), tmp_path / "out", SIGNATURE, max_batch_size=2)
     assert result.parity_report.reference == "torch module" and result.parity_report.passed
 
 
 def test_pipeline_export_failure(tmp_path: Path) -> None:
-    source = '''
+    source = """
     import numpy as np
     import torch
 
@@ -271,20 +286,20 @@ def test_pipeline_export_failure(tmp_path: Path) -> None:
 
     def export_module():
         return Eig(), {"x": np.ones((2, 4), np.float32)}
-    '''
+    """
     with pytest.raises(ExportError, match="every exporter failed"):
         convert_package_to_onnx(_package(tmp_path, source), tmp_path / "out", SIGNATURE, max_batch_size=2)
     assert not (tmp_path / "out" / "model.onnx").exists()
 
 
 def test_pipeline_package_without_hook(tmp_path: Path) -> None:
-    source = '''
+    source = """
     class Model:
         def load(self, model_dir, device):
             pass
 
         def predict(self, inputs):
             return inputs
-    '''
+    """
     with pytest.raises(ConversionError, match="no export hook; define Model.export_module"):
         convert_package_to_onnx(_package(tmp_path, source), tmp_path / "out", SIGNATURE, max_batch_size=2)

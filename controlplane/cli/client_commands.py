@@ -1,0 +1,264 @@
+"""`snoozectl publish | status | list | load | unload | delete`: talk to a running control API over HTTP.
+
+``register(app)`` adds the commands to the snoozectl Typer app. Progress and spinners go to stderr,
+so ``--json`` output on stdout stays parseable."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.table import Table
+
+from controlplane.api.client import ControlPlaneClient, ControlPlaneError
+from controlplane.errors import SnoozeError
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+Url = Annotated[str, typer.Option("--url", envvar="SNOOZE_API_URL", help="Control API URL")]
+ApiKey = Annotated[
+    str | None, typer.Option("--api-key", envvar="SNOOZE_API_KEY", help="Admin API key", show_default=False)
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout")]
+
+_out = Console()
+_err = Console(stderr=True)
+T = TypeVar("T")
+
+
+def _fail(exc: SnoozeError, as_json: bool) -> typer.Exit:
+    if as_json:
+        print(json.dumps(exc.to_dict()))
+    else:
+        _err.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        if exc.hint:
+            _err.print(f"[bold]fix:[/] {exc.hint}", highlight=False, soft_wrap=True)
+    return typer.Exit(1)
+
+
+@contextmanager
+def _client(url: str, api_key: str | None, as_json: bool) -> Iterator[ControlPlaneClient]:
+    """A client whose errors end the command as `error: ...` + `fix: ...` (or JSON) with exit code 1."""
+    try:
+        with ControlPlaneClient(url, api_key) as client:
+            yield client
+    except SnoozeError as exc:
+        raise _fail(exc, as_json) from None
+
+
+def _waiting(message: str, as_json: bool, call: Callable[[], T]) -> T:
+    if as_json:
+        return call()
+    with _err.status(message):
+        return call()
+
+
+def _parse_params(items: list[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ControlPlaneError(
+                f"--param '{item}' is not KEY=VALUE", hint="e.g. --param scale=2.0 (values are JSON when they parse)",
+                status_code=422, code="invalid_request",
+            )
+        try:
+            params[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[key] = raw
+    return params
+
+
+def _ago(epoch: float | None) -> str:
+    if not epoch:
+        return "never"
+    secs = max(0.0, time.time() - epoch)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{secs / size:.0f}{unit} ago"
+    return f"{secs:.0f}s ago"
+
+
+def _duration(secs: float | None) -> str:
+    if secs is None:
+        return "-"
+    if secs >= 120:
+        return f"{secs / 60:g}m"
+    return f"{secs:g}s"
+
+
+def _memory(nbytes: int | None) -> str:
+    return "-" if not nbytes else f"{nbytes / 2**20:.1f} MiB"
+
+
+_STATE_STYLE = {"ready": "green", "loading": "yellow", "unloading": "yellow", "failed": "bold red"}
+
+
+def _state(status: dict[str, Any]) -> str:
+    state = status["state"]
+    text = f"[{_STATE_STYLE[state]}]{state}[/]" if state in _STATE_STYLE else state
+    return f"{text} ({status['reason']})" if state == "failed" and status.get("reason") else text
+
+
+def _status_table(models: list[dict[str, Any]]) -> Table:
+    table = Table("model", "state", "instances", "last access", "idle timeout", "memory", "last cold start")
+    for model in models:
+        s = model["status"]
+        cold = s.get("last_cold_start_secs")
+        table.add_row(
+            model["id"], _state(s), str(s.get("instances", 0)), _ago(s.get("last_access")),
+            _duration(s.get("idle_timeout_secs")), _memory(s.get("memory_bytes")),
+            "-" if cold is None else f"{cold:.2f}s",
+        )
+    return table
+
+
+def _upload_progress(as_json: bool) -> tuple[Progress | None, Callable[[int, int], None] | None]:
+    if as_json:
+        return None, None
+    bar = Progress(
+        TextColumn("uploading"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), console=_err, transient=True
+    )
+    task = bar.add_task("upload", total=None)
+
+    def update(sent: int, total: int) -> None:
+        bar.update(task, completed=sent, total=total)
+
+    return bar, update
+
+
+def publish(
+    path: Annotated[Path, typer.Argument(help="Package folder (packed and uploaded) or .tar.gz/.tgz/.tar/.zip")],
+    model_id: Annotated[str | None, typer.Option("--id", help="Model id (default: the folder name)")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu | gpu | auto")] = None,
+    max_batch_size: Annotated[int | None, typer.Option(help="0 disables batching")] = None,
+    max_batch_delay_ms: Annotated[float | None, typer.Option(help="Dynamic batcher max queue delay")] = None,
+    idle_timeout: Annotated[float | None, typer.Option("--idle-timeout", help="Unload after this many idle seconds")] = None,
+    instances: Annotated[int | None, typer.Option(help="Instances loaded on wake-up")] = None,
+    max_instances: Annotated[int | None, typer.Option(help="Upper bound for the autoscaler")] = None,
+    memory_mb: Annotated[float | None, typer.Option(help="Declared memory footprint")] = None,
+    param: Annotated[list[str] | None, typer.Option("--param", help="Model param KEY=VALUE (repeatable)")] = None,
+    server_path: Annotated[
+        bool, typer.Option("--server-path", help="The server reads PATH from its own filesystem (no upload)")
+    ] = False,
+    load: Annotated[bool, typer.Option("--load", help="Load the model once published (a cold start)")] = False,
+    url: Url = DEFAULT_URL,
+    api_key: ApiKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """Validate and publish a model package; the repository changes only if it is valid."""
+    options = {
+        "device": device, "max_batch_size": max_batch_size, "max_batch_delay_ms": max_batch_delay_ms,
+        "idle_timeout_secs": idle_timeout, "instances": instances, "max_instances": max_instances,
+        "memory_mb": memory_mb,
+    }
+    deployment = {k: v for k, v in options.items() if v is not None}
+    name = model_id or _default_id(path)
+    with _client(url, api_key, as_json) as client:
+        if param:
+            deployment["params"] = _parse_params(param)
+        if server_path:
+            detail = _waiting(f"publishing {name}", as_json, lambda: client.publish_path(path, name, **deployment))
+        else:
+            bar, update = _upload_progress(as_json)
+            if bar is None:
+                detail = client.publish_archive(path, name, **deployment)
+            else:
+                with bar:
+                    detail = client.publish_archive(path, name, progress=update, **deployment)
+        if load:
+            detail["status"] = _waiting(f"loading {name} (cold start)", as_json, lambda: client.load(name))
+    if as_json:
+        print(json.dumps(detail))
+        return
+    _out.print(f"published [bold]{name}[/] ({detail['kind']}, {detail['backend']} backend)", highlight=False)
+    if load:
+        _out.print(_status_table([detail]))
+
+
+def _default_id(path: Path) -> str:
+    name = path.resolve().name
+    for suffix in (".tar.gz", ".tgz", ".tar", ".zip"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Published models: state, instances, last access, idle timeout, memory, last cold start."""
+    with _client(url, api_key, as_json) as client:
+        models = client.list()
+    if as_json:
+        print(json.dumps(models))
+    elif not models:
+        _out.print("no models published (publish one with `snoozectl publish <folder>`)")
+    else:
+        _out.print(_status_table(models))
+
+
+def load(
+    model_id: Annotated[str, typer.Argument(help="Model id")],
+    instances: Annotated[int | None, typer.Option(help="Instances (default: the deployment's)")] = None,
+    url: Url = DEFAULT_URL,
+    api_key: ApiKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """Load (wake) a model and wait until it is ready."""
+    with _client(url, api_key, as_json) as client:
+        result = _waiting(f"loading {model_id} (cold start)", as_json, lambda: client.load(model_id, instances))
+    if as_json:
+        print(json.dumps(result))
+        return
+    cold = result.get("last_cold_start_secs")
+    took = f" in {cold:.2f}s" if cold is not None else ""
+    _out.print(f"[bold]{model_id}[/] is {_state(result)}{took} ({result.get('instances', 0)} instance(s))")
+
+
+def unload(
+    model_id: Annotated[str, typer.Argument(help="Model id")],
+    url: Url = DEFAULT_URL,
+    api_key: ApiKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """Unload a model now; it wakes again on its next request."""
+    with _client(url, api_key, as_json) as client:
+        result = _waiting(f"unloading {model_id}", as_json, lambda: client.unload(model_id))
+    if as_json:
+        print(json.dumps(result))
+    else:
+        _out.print(f"[bold]{model_id}[/] is {_state(result)}")
+
+
+def delete(
+    model_id: Annotated[str, typer.Argument(help="Model id")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
+    url: Url = DEFAULT_URL,
+    api_key: ApiKey = None,
+    as_json: AsJson = False,
+) -> None:
+    """Unload a model and remove it from the repository."""
+    if not yes and not typer.confirm(f"delete model '{model_id}'?"):
+        raise typer.Exit(1)
+    with _client(url, api_key, as_json) as client:
+        client.delete(model_id)
+    if as_json:
+        print(json.dumps({"deleted": model_id}))
+    else:
+        _out.print(f"deleted [bold]{model_id}[/]")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the control-API commands to the snoozectl app."""
+    app.command()(publish)
+    app.command()(status)
+    app.command("list", help="Same as status.")(status)
+    app.command()(load)
+    app.command()(unload)
+    app.command()(delete)

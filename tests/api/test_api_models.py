@@ -1,0 +1,100 @@
+"""Listing, describing, deleting, loading and unloading through the API."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from api_helpers import ADMIN, RecordingLifecycle, tar_gz, upload
+
+from controlplane.store import ModelStore
+
+
+@pytest.fixture
+async def two_models(client: httpx.AsyncClient, make_package: Callable[..., Path]) -> None:
+    archive = tar_gz(make_package())
+    for model_id in ("alpha", "beta"):
+        r = await upload(client, archive, model_id=model_id, deployment={"idle_timeout_secs": 90})
+        assert r.status_code == 201, r.text
+
+
+@pytest.mark.usefixtures("two_models")
+async def test_list_shows_every_model_with_its_status(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/models", headers=ADMIN)
+    assert r.status_code == 200
+    models = r.json()
+    assert [m["id"] for m in models] == ["alpha", "beta"]
+    assert models[0]["status"]["state"] == "unloaded"
+    assert models[0]["kind"] == "custom" and models[0]["device"] == "cpu"
+
+
+async def test_list_is_empty_without_models(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/models", headers=ADMIN)
+    assert r.status_code == 200 and r.json() == []
+
+
+@pytest.mark.usefixtures("two_models")
+async def test_get_describes_one_model(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/models/alpha", headers=ADMIN)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["deployment"]["idle_timeout_secs"] == 90
+    assert body["inputs"] == [{"name": "x", "datatype": "FP32", "dims": [3]}]
+    assert body["metadata"]["interface"] == {"x": "three floats"}
+    assert body["params"] == {"scale": 1.0}
+    assert body["config"].startswith('name: "alpha"')
+    assert body["stats"] is None
+
+
+async def test_unknown_model_is_404_naming_it(client: httpx.AsyncClient) -> None:
+    for method, path in (("GET", "/v1/models/ghost"), ("DELETE", "/v1/models/ghost"),
+                         ("POST", "/v1/models/ghost/load"), ("POST", "/v1/models/ghost/unload")):
+        r = await client.request(method, path, headers=ADMIN)
+        assert r.status_code == 404, (method, path)
+        assert r.json()["code"] == "not_found" and "'ghost'" in r.json()["error"]
+
+
+async def test_invalid_model_id_in_path_is_refused(client: httpx.AsyncClient, store: ModelStore) -> None:
+    r = await client.delete("/v1/models/%2E%2E", headers=ADMIN)
+    assert r.status_code == 422
+    assert r.json()["code"] == "invalid_request"
+    assert store.repository.is_dir()
+
+
+@pytest.mark.usefixtures("two_models")
+async def test_load_and_unload_go_through_the_lifecycle(
+    client: httpx.AsyncClient, lifecycle: RecordingLifecycle
+) -> None:
+    r = await client.post("/v1/models/alpha/load", json={"instances": 2}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "ready" and r.json()["instances"] == 2
+    r = await client.post("/v1/models/beta/load", headers=ADMIN)  # no body: the deployment's instances
+    assert r.status_code == 200
+    r = await client.post("/v1/models/alpha/unload", headers=ADMIN)
+    assert r.json()["state"] == "unloaded"
+    assert lifecycle.calls[-3:] == [("load", "alpha", "2"), ("load", "beta", "None"), ("unload", "alpha", "api")]
+
+
+async def test_load_rejects_bad_instances(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/models/alpha/load", json={"instances": 0}, headers=ADMIN)
+    assert r.status_code == 422
+    assert "field 'instances'" in r.json()["error"]
+
+
+@pytest.mark.usefixtures("two_models")
+async def test_delete_forgets_then_removes(
+    client: httpx.AsyncClient, lifecycle: RecordingLifecycle, store: ModelStore
+) -> None:
+    r = await client.delete("/v1/models/alpha", headers=ADMIN)
+    assert r.status_code == 204
+    assert ("forget", "alpha") in lifecycle.calls
+    assert store.ids() == ["beta"]
+    assert (await client.get("/v1/models/alpha", headers=ADMIN)).status_code == 404
+
+
+async def test_unknown_route_answers_the_json_error_shape(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/nothing", headers=ADMIN)
+    assert r.status_code == 404
+    assert set(r.json()) == {"error", "code", "hint"}

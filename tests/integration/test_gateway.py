@@ -1,0 +1,440 @@
+"""The gateway end to end: real Envoy + real tritonserver + the activator, with standard tritonclient clients.
+
+The activator runs in its own event loop in a background thread (as it runs in the control plane's
+loop), so the tests can use the blocking ``tritonclient.http`` / ``tritonclient.grpc`` clients as
+users do. The waker is ``TritonWaker`` below, a minimal stand-in for the lifecycle manager
+(``ensure_ready`` = ``TritonAdminClient.load``, single flight per model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import textwrap
+import threading
+from collections import Counter
+from collections.abc import Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from controlplane.errors import TritonModelLoadError, UnavailableError
+from controlplane.gateway.activator import Activator
+from controlplane.gateway.envoy import ApiKey, EnvoyGateway, Upstream, render_bootstrap
+from controlplane.render import embedded_target
+from controlplane.settings import Settings
+from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store import ModelStore
+from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.launcher import EmbeddedTriton, free_port
+
+pytestmark = pytest.mark.integration
+
+API_KEY = "infer-key-123"
+ADMIN_KEY = "admin-key-456"
+WAKE_BUFFER = 256 * 1024
+T = TypeVar("T")
+
+MODEL_PY = """
+import numpy as np
+
+
+class Model:
+    def __init__(self, scale=2.0):
+        self.scale = scale
+
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        return {"y": (inputs["x"] * self.scale).astype(np.float32)}
+"""
+
+
+@dataclass
+class Status:
+    state: str
+    reason: str | None = None
+
+
+class TritonWaker:
+    """Minimal lifecycle stand-in: wake = load in Triton (single flight), recover = unload + load."""
+
+    def __init__(self, admin: TritonAdminClient) -> None:
+        self.admin = admin
+        self.loads: Counter[str] = Counter()
+        self.recoveries: Counter[str] = Counter()
+        self.touches: Counter[str] = Counter()
+        self._states: dict[str, str] = {}
+        self._waking: dict[str, asyncio.Task[None]] = {}
+
+    async def _load(self, model_id: str) -> None:
+        self._states[model_id] = "loading"
+        self.loads[model_id] += 1
+        try:
+            await self.admin.load(model_id)
+        except TritonModelLoadError as e:
+            self._states[model_id] = "failed"
+            raise UnavailableError(str(e), retry_after=5) from e
+        self._states[model_id] = "ready"
+
+    async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None:
+        if self._states.get(model_id) == "ready":
+            return
+        task = self._waking.get(model_id)
+        if task is None or task.done():
+            task = self._waking[model_id] = asyncio.create_task(self._load(model_id))
+        await asyncio.wait_for(asyncio.shield(task), timeout)
+
+    def touch(self, model_id: str) -> None:
+        self.touches[model_id] += 1
+
+    async def recover(self, model_id: str, cause: str) -> None:
+        self.recoveries[model_id] += 1
+        await self.admin.unload(model_id)
+        await self._load(model_id)
+
+    async def load(self, model_id: str, *, instances: int | None = None) -> Status:
+        await self._load(model_id)
+        return self.status(model_id)
+
+    async def unload(self, model_id: str, *, reason: str = "api") -> Status:
+        await self.admin.unload(model_id)
+        self._states[model_id] = "unloaded"
+        return self.status(model_id)
+
+    def status(self, model_id: str) -> Status:
+        return Status(self._states.get(model_id, "unloaded"))
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread: the activator's home, like the control plane's loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@dataclass
+class Stack:
+    triton: EmbeddedTriton
+    store: ModelStore
+    waker: TritonWaker
+    gateway: EnvoyGateway
+    loop: LoopThread
+    package: Path
+
+    def publish(self, name: str) -> str:
+        self.store.publish(resolve(DeploymentSpec(id=name, path=self.package, max_batch_size=8)))
+        return name
+
+    def triton_ready(self, name: str) -> bool:
+        return self.loop.run(self.waker.admin.model_ready(name))
+
+    def http(self) -> httpclient.InferenceServerClient:
+        return httpclient.InferenceServerClient(self.gateway.http_url.removeprefix("http://"))
+
+    def grpc(self) -> grpcclient.InferenceServerClient:
+        return grpcclient.InferenceServerClient(self.gateway.grpc_url)
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("gw_package") / "scale"
+    folder.mkdir()
+    (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
+    tensor = {"datatype": "FP32", "dims": [-1]}
+    manifest = {"inputs": [{"name": "x", **tensor}], "outputs": [{"name": "y", **tensor}], "params": {"scale": 3.0},
+                "params_schema": {"scale": {"type": "float", "default": 2.0}}}
+    (folder / "snooze_model.json").write_text(json.dumps(manifest))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def stack(embedded_triton: EmbeddedTriton, package: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("gateway")
+    settings = Settings(
+        work_dir=work,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        api_keys=[API_KEY],
+        admin_keys=[ADMIN_KEY],
+        wake_buffer_bytes=WAKE_BUFFER,
+    )
+    store = ModelStore(embedded_triton.model_repository, embedded_target())
+    loop = LoopThread()
+    admin = loop.run(_admin(embedded_triton))
+    waker = TritonWaker(admin)
+    activator = Activator(
+        waker, store, settings, triton_http_url=embedded_triton.http_url, triton_grpc_url=embedded_triton.grpc_url
+    )
+    loop.run(activator.start())
+    gateway = EnvoyGateway(
+        settings,
+        triton_http=embedded_triton.http_url,
+        triton_grpc=embedded_triton.grpc_url,
+        activator_http=activator.http_address,
+        activator_grpc=activator.grpc_address,
+    )
+    try:
+        gateway.start()
+        yield Stack(embedded_triton, store, waker, gateway, loop, package)
+    finally:
+        gateway.stop()
+        loop.run(activator.stop())
+        loop.run(admin.aclose())
+        loop.close()
+
+
+async def _admin(triton: EmbeddedTriton) -> TritonAdminClient:
+    return TritonAdminClient(triton.http_url, triton.metrics_url, timeout=60)
+
+
+KEY = {"X-API-Key": API_KEY}
+GRPC_KEY = {"x-api-key": API_KEY}
+
+
+def _x(rows: int = 2) -> np.ndarray:
+    return np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+
+
+def http_infer(client: httpclient.InferenceServerClient, name: str, x: np.ndarray, *, binary: bool = True,
+               headers: dict[str, str] | None = None) -> np.ndarray:  # fmt: skip
+    inp = httpclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary)
+    out = httpclient.InferRequestedOutput("y", binary_data=binary)
+    return client.infer(name, [inp], outputs=[out], headers=headers if headers is not None else KEY).as_numpy("y")
+
+
+def grpc_infer(client: grpcclient.InferenceServerClient, name: str, x: np.ndarray,
+               headers: dict[str, str] | None = None) -> np.ndarray:  # fmt: skip
+    inp = grpcclient.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return client.infer(name, [inp], headers=headers if headers is not None else GRPC_KEY).as_numpy("y")
+
+
+def test_warm_inference_stays_on_envoy(stack: Stack):
+    name = stack.publish("gw_warm")
+    stack.loop.run(stack.waker.ensure_ready(name))
+    retries_before = stack.gateway.stats().get("cluster.infer_http.upstream_rq_retry", 0)
+    x = _x()
+    with stack.http() as client:
+        np.testing.assert_allclose(http_infer(client, name, x, binary=True), x * 3)
+        np.testing.assert_allclose(http_infer(client, name, x, binary=False), x * 3)
+        np.testing.assert_allclose(http_infer(client, name, x, headers={"Authorization": f"Bearer {API_KEY}"}), x * 3)
+        assert client.is_server_live() and client.is_server_ready()  # health: Triton, no key needed
+    with stack.grpc() as client:
+        np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
+        np.testing.assert_allclose(grpc_infer(client, name, x, {"authorization": f"Bearer {API_KEY}"}), x * 3)
+    stats = stack.gateway.stats()
+    assert stats.get("cluster.infer_http.upstream_rq_retry", 0) == retries_before
+    assert stats.get("cluster.infer_grpc.upstream_rq_retry", 0) == 0
+    assert stack.waker.loads[name] == 1 and stack.waker.touches[name] == 0  # the activator never saw it
+    assert "envoy_cluster_upstream_rq_retry" in httpx.get(stack.gateway.prometheus_url).text
+
+
+def test_sleeping_model_wakes_over_http(stack: Stack):
+    name = stack.publish("gw_sleep_http")
+    assert not stack.triton_ready(name)
+    x = _x(3)
+    with stack.http() as client:
+        np.testing.assert_allclose(http_infer(client, name, x), x * 3)
+    assert stack.triton_ready(name) and stack.waker.loads[name] == 1
+    assert stack.gateway.stats()["cluster.infer_http.upstream_rq_retry"] >= 1
+    # Put back to sleep: the next request wakes it again (non-binary JSON body this time).
+    stack.loop.run(stack.waker.unload(name))
+    with stack.http() as client:
+        np.testing.assert_allclose(http_infer(client, name, x, binary=False), x * 3)
+    assert stack.waker.loads[name] == 2
+
+
+def test_sleeping_model_wakes_over_grpc(stack: Stack):
+    name = stack.publish("gw_sleep_grpc")
+    x = _x(1)
+    with stack.grpc() as client:
+        np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
+    assert stack.triton_ready(name) and stack.waker.loads[name] == 1
+    assert stack.gateway.stats()["cluster.infer_grpc.upstream_rq_retry"] >= 1
+
+
+async def test_grpc_aio_client_wakes_and_single_flight(stack: Stack):
+    name = stack.publish("gw_sleep_aio")
+    x = _x(2)
+    inp = grpcaio.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    async with grpcaio.InferenceServerClient(stack.gateway.grpc_url) as client:
+        assert await client.is_model_ready(name, headers=GRPC_KEY)
+        results = await asyncio.gather(*(client.infer(name, [inp], headers=GRPC_KEY) for _ in range(20)))
+    for r in results:
+        np.testing.assert_allclose(r.as_numpy("y"), x * 3)
+    assert stack.waker.loads[name] == 1
+
+
+def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
+    name = stack.publish("gw_meta")
+    with stack.http() as h, stack.grpc() as g:
+        assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)
+        meta_http = h.get_model_metadata(name, headers=KEY)
+        meta_grpc = g.get_model_metadata(name, headers=GRPC_KEY, as_json=True)
+        config_http = h.get_model_config(name, headers=KEY)
+        config_grpc = g.get_model_config(name, headers=GRPC_KEY).config
+        index = {e["name"]: e for e in h.get_model_repository_index(headers=KEY)}
+        assert not stack.triton_ready(name)  # none of this woke the model
+        assert index[name]["state"] == "UNAVAILABLE" and index["gw_warm"]["state"] == "READY"
+
+        assert meta_http == {
+            "name": name,
+            "versions": ["1"],
+            "platform": "python",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, -1]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, -1]}],
+        }
+        assert meta_grpc["inputs"][0]["shape"] == ["-1", "-1"] and meta_grpc["platform"] == "python"
+        assert config_http["name"] == name and config_http["max_batch_size"] == 8
+        assert config_grpc.name == name and config_grpc.backend == "python" and config_grpc.max_batch_size == 8
+
+        # Once awake the answers are Triton's own, and the metadata is the same as while asleep.
+        stack.loop.run(stack.waker.ensure_ready(name))
+        triton = httpclient.InferenceServerClient(stack.triton.http_url.removeprefix("http://"))
+        assert triton.get_model_metadata(name) == meta_http == h.get_model_metadata(name, headers=KEY)
+        assert h.get_model_config(name, headers=KEY) == triton.get_model_config(name)
+        assert g.get_model_config(name, headers=GRPC_KEY).config.name == name
+        assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)
+
+
+def test_unknown_model_is_a_clean_not_found(stack: Stack):
+    with stack.http() as h:
+        with pytest.raises(InferenceServerException) as info:
+            http_infer(h, "gw_nope", _x())
+        assert info.value.status() == "404" and "'gw_nope' is not published" in info.value.message()
+        assert not h.is_model_ready("gw_nope", headers=KEY)
+        with pytest.raises(InferenceServerException, match="is not published"):
+            h.get_model_metadata("gw_nope", headers=KEY)
+    raw = httpx.post(f"{stack.gateway.http_url}/v2/models/gw_nope/infer", json={"inputs": []}, headers=KEY)
+    assert raw.status_code == 404 and raw.json()["error"] == "model 'gw_nope' is not published"
+    with stack.grpc() as g:
+        with pytest.raises(InferenceServerException) as info:
+            grpc_infer(g, "gw_nope", _x())
+        assert info.value.status() == "StatusCode.NOT_FOUND" and "is not published" in info.value.message()
+        assert not g.is_model_ready("gw_nope", headers=GRPC_KEY)
+
+
+@pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}])
+def test_http_auth_refusals_are_kserve_errors(stack: Stack, headers: dict[str, str]):
+    with stack.http() as client:
+        with pytest.raises(InferenceServerException) as info:
+            http_infer(client, "gw_warm", _x(), headers=headers)
+    assert info.value.status() == "401" and "missing or invalid API key" in info.value.message()
+    raw = httpx.get(f"{stack.gateway.http_url}/v2/models/gw_warm", headers=headers)
+    assert raw.status_code == 401 and raw.headers["content-type"] == "application/json"
+    assert raw.json() == {"error": pytest.approx(info.value.message())}
+
+
+@pytest.mark.parametrize("headers", [{}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong"}])
+def test_grpc_auth_refusals(stack: Stack, headers: dict[str, str]):
+    with stack.grpc() as client:
+        with pytest.raises(InferenceServerException) as info:
+            grpc_infer(client, "gw_warm", _x(), headers=headers)
+        assert info.value.status() == "StatusCode.UNAUTHENTICATED"
+        assert "missing or invalid API key" in info.value.message()
+        assert client.is_server_live()  # health needs no key
+
+
+def test_repository_load_unload_need_the_admin_scope(stack: Stack):
+    name = stack.publish("gw_admin")
+    with stack.http() as h, stack.grpc() as g:
+        with pytest.raises(InferenceServerException) as info:
+            h.load_model(name, headers=KEY)
+        assert info.value.status() == "403" and "admin scope" in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            g.load_model(name, headers=GRPC_KEY)
+        assert info.value.status() == "StatusCode.PERMISSION_DENIED"
+        with pytest.raises(InferenceServerException) as info:
+            h.unload_model("gw_warm")
+        assert info.value.status() == "401"
+        assert not stack.triton_ready(name) and stack.triton_ready("gw_warm")
+
+        h.load_model(name, headers={"X-API-Key": ADMIN_KEY})
+        assert stack.triton_ready(name)
+        g.unload_model(name, headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        assert not stack.triton_ready(name)
+        with pytest.raises(InferenceServerException, match="not accepted through the gateway"):
+            h.load_model(name, headers={"X-API-Key": ADMIN_KEY}, config=json.dumps({"max_batch_size": 2}))
+
+
+def test_request_over_the_wake_buffer_cannot_wake_a_model(stack: Stack):
+    """Documented limit: Envoy keeps at most ``wake_buffer_bytes`` of a request for the retry; a
+    larger request to a sleeping model is not retried and gets Triton's 404. Awake, it is served."""
+    name = stack.publish("gw_big")
+    big = np.ones((1, WAKE_BUFFER // 4 + 1024), dtype=np.float32)
+    with stack.http() as h, stack.grpc() as g:
+        with pytest.raises(InferenceServerException) as info:
+            http_infer(h, name, big)
+        assert info.value.status() == "404" and name in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            grpc_infer(g, name, big)
+        assert info.value.status() == "StatusCode.NOT_FOUND"
+        assert not stack.triton_ready(name)
+        stats = stack.gateway.stats()
+        assert stats["cluster.infer_http.retry_or_shadow_abandoned"] >= 1
+        assert stats["cluster.infer_grpc.retry_or_shadow_abandoned"] >= 1
+
+        np.testing.assert_allclose(http_infer(h, name, _x()), _x() * 3)  # a small request wakes it
+        np.testing.assert_allclose(http_infer(h, name, big), big * 3)
+        np.testing.assert_allclose(grpc_infer(g, name, big), big * 3)
+
+
+def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
+    name = stack.publish("gw_stub")
+    stack.loop.run(stack.waker.ensure_ready(name))
+    x = _x()
+    for pid in stack.triton.stub_pids(name):
+        os.kill(pid, signal.SIGKILL)
+    with stack.grpc() as g:  # gRPC: Envoy matches grpc-message and retries to the activator
+        np.testing.assert_allclose(grpc_infer(g, name, x), x * 3)
+    assert stack.waker.recoveries[name] == 1
+
+    for pid in stack.triton.stub_pids(name):
+        os.kill(pid, signal.SIGKILL)
+    with stack.http() as h:  # HTTP: a 500 is not retried (see envoy.py); the client sees it once
+        with pytest.raises(InferenceServerException, match="is not healthy") as info:
+            http_infer(h, name, x)
+        assert info.value.status() == "500"
+
+
+def test_auth_off_renders_no_auth_filter():
+    common: dict[str, Any] = dict(
+        host="127.0.0.1", http_port=1, grpc_port=2, admin_port=0, wake_buffer_bytes=1024,
+        triton_http=Upstream("127.0.0.1", 3), triton_grpc=Upstream("127.0.0.1", 4),
+        activator_http=Upstream("127.0.0.1", 5), activator_grpc=Upstream("127.0.0.1", 6),
+    )  # fmt: skip
+    assert "api_key_auth" not in render_bootstrap(**common)
+    on = render_bootstrap(**common, api_keys=[ApiKey('a"b', "api-0")])
+    assert on.count("envoy.filters.http.api_key_auth") == 2 + 3  # two listeners; health routes opt out
+    assert '"a\\"b"' in on
+
+
+def test_auth_on_without_keys_is_refused(tmp_path: Path):
+    with pytest.raises(Exception, match="no API keys are configured"):
+        EnvoyGateway(Settings(work_dir=tmp_path), triton_http="a:1", triton_grpc="a:2",
+                     activator_http="a:3", activator_grpc="a:4")  # fmt: skip
+

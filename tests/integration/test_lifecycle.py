@@ -1,0 +1,376 @@
+"""LifecycleManager against a real embedded tritonserver: wake, idle unload, LRU, OOM, recovery, autoscale.
+
+The module runs its own tritonserver over its own repository (models published through ModelStore),
+so that killing and restarting it cannot disturb other test modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import textwrap
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from controlplane.errors import ConflictError, NotFoundError, UnavailableError
+from controlplane.lifecycle import LifecycleManager, ModelState
+from controlplane.render import embedded_target
+from controlplane.settings import Settings
+from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store import ModelStore
+from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.launcher import EmbeddedTriton
+
+pytestmark = pytest.mark.integration
+
+DEADLINE = 30.0  # generous: a 2-core machine under load
+
+MODEL_PY = '''
+import time
+
+
+class Model:
+    def __init__(self, scale=2.0, predict_sleep=0.0, load_sleep=0.0, unload_sleep=0.0, load_error=""):
+        self.scale, self.predict_sleep, self.unload_sleep = scale, predict_sleep, unload_sleep
+        self.load_sleep, self.load_error = load_sleep, load_error
+
+    def load(self, model_dir, device):
+        time.sleep(self.load_sleep)
+        if self.load_error == "memory":
+            raise MemoryError("simulated: cannot allocate the weights")
+        if self.load_error == "runtime":
+            raise RuntimeError("simulated: broken weights")
+
+    def predict(self, inputs):
+        time.sleep(self.predict_sleep)
+        return {"y": inputs["x"] * self.scale}
+
+    def unload(self):
+        time.sleep(self.unload_sleep)
+'''
+
+MANIFEST = {
+    "inputs": [{"name": "x", "datatype": "FP32", "dims": [2]}],
+    "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}],
+    "params_schema": {
+        "scale": {"type": "float", "default": 2.0},
+        "predict_sleep": {"type": "float", "default": 0.0},
+        "load_sleep": {"type": "float", "default": 0.0},
+        "unload_sleep": {"type": "float", "default": 0.0},
+        "load_error": {"type": "str", "default": ""},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("lifecycle_pkg")
+    (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
+    (folder / "snooze_model.json").write_text(json.dumps(MANIFEST))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
+    root = tmp_path_factory.mktemp("lifecycle_triton")
+    (root / "repo").mkdir()
+    server = EmbeddedTriton(root / "repo", root / "work")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def store(triton: EmbeddedTriton) -> ModelStore:
+    return ModelStore(triton.model_repository, embedded_target())
+
+
+@pytest.fixture
+def publish(store: ModelStore, package: Path) -> Callable[..., str]:
+    def publish(model_id: str, params: dict | None = None, **deployment: object) -> str:
+        store.publish(resolve(DeploymentSpec(id=model_id, path=package, params=params or {}, **deployment)))
+        return model_id
+
+    return publish
+
+
+@pytest.fixture
+async def make_manager(
+    triton: EmbeddedTriton, store: ModelStore
+) -> AsyncIterator[Callable[..., Awaitable[LifecycleManager]]]:
+    """Started managers over the module's Triton; afterwards every model is unloaded again."""
+    made: list[tuple[LifecycleManager, TritonAdminClient]] = []
+
+    async def make(**settings: object) -> LifecycleManager:
+        admin = TritonAdminClient(triton.http_url, triton.metrics_url)
+        manager = LifecycleManager(
+            Settings(**{"sweep_interval_secs": 0.2, **settings}), store, admin, triton_process=triton
+        )
+        made.append((manager, admin))
+        await manager.start()
+        return manager
+
+    yield make
+    for manager, admin in made:
+        await manager.stop()
+        if triton.is_running():
+            for entry in await admin.repository_index(ready_only=True):
+                await admin.unload(entry.name)
+        await admin.aclose()
+
+
+async def infer(triton: EmbeddedTriton, model: str, x: list[float] | None = None) -> httpx.Response:
+    body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": x or [1.0, 2.0]}]}
+    async with httpx.AsyncClient(timeout=DEADLINE) as http:
+        return await http.post(f"{triton.http_url}/v2/models/{model}/infer", json=body)
+
+
+async def output(triton: EmbeddedTriton, model: str) -> list[float]:
+    r = await infer(triton, model)
+    assert r.status_code == 200, r.text
+    return r.json()["outputs"][0]["data"]
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def sample(manager: LifecycleManager, name: str, **labels: str) -> float:
+    return manager.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_wake_single_flight(make_manager, publish, triton):
+    model = publish("wake")
+    manager = await make_manager()
+    assert manager.status(model).state is ModelState.UNLOADED
+
+    await asyncio.gather(*(manager.ensure_ready(model) for _ in range(50)))
+
+    status = manager.status(model)
+    assert status.state is ModelState.READY and status.load_count == 1 and status.instances == 1
+    assert sample(manager, "snooze_cold_starts_total", model=model, trigger="request") == 1
+    assert status.last_cold_start_secs and status.last_cold_start_secs > 0
+    assert status.memory_bytes and status.memory_bytes > 0  # RSS of the stub
+    assert len(triton.stub_pids(model)) == 1
+    assert await output(triton, model) == [2.0, 4.0]
+    with pytest.raises(NotFoundError, match="not-published"):
+        await manager.ensure_ready("not-published")
+
+
+async def test_wake_deadline_then_the_load_completes(make_manager, publish):
+    model = publish("slow-wake", params={"load_sleep": 1.5})
+    manager = await make_manager()
+    with pytest.raises(UnavailableError, match="slow-wake.*not ready") as info:
+        await manager.ensure_ready(model, timeout=0.1)
+    assert info.value.retry_after and info.value.status_code == 503
+    await manager.ensure_ready(model)  # joins the load that kept running
+    assert manager.status(model).load_count == 1
+
+
+async def test_idle_unload_and_wake_again(make_manager, publish, triton):
+    model = publish("idle", idle_timeout_secs=1)
+    manager = await make_manager()
+    await manager.ensure_ready(model)
+    before = time.time()
+    assert await output(triton, model) == [2.0, 4.0]
+    await until(lambda: (manager.status(model).last_access or 0) >= before - 1, "Triton's last_inference")
+
+    await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the idle unload")
+    assert manager.status(model).reason == "idle"
+    assert triton.stub_pids(model) == []
+    assert sample(manager, "snooze_idle_unloads_total", model=model) == 1
+    assert (await infer(triton, model)).status_code == 404  # what the gateway retries to the activator
+
+    await manager.ensure_ready(model)
+    assert await output(triton, model) == [2.0, 4.0] and manager.status(model).load_count == 2
+
+
+async def test_wake_waits_for_an_unload_in_progress(make_manager, publish, triton):
+    model = publish("unloading", params={"unload_sleep": 1.0})
+    manager = await make_manager()
+    await manager.ensure_ready(model)
+    unloading = asyncio.create_task(manager.unload(model))
+    await until(lambda: manager.status(model).state is ModelState.UNLOADING, "the unload to start")
+    await manager.ensure_ready(model)
+    assert (await unloading).state in (ModelState.UNLOADED, ModelState.READY)
+    assert manager.status(model).state is ModelState.READY and manager.status(model).load_count == 2
+    assert await output(triton, model) == [2.0, 4.0]
+
+
+async def test_lru_eviction_under_memory_budget(make_manager, publish, triton):
+    a, b, c = publish("lru-a"), publish("lru-b"), publish("lru-c")
+    manager = await make_manager()
+    await manager.ensure_ready(a)
+    await manager.ensure_ready(b)
+    await output(triton, b)  # b is used last: a is the least recently used
+    sizes = [manager.status(m).memory_bytes or 0 for m in (a, b)]
+    assert all(sizes)
+    manager.settings.memory_budget_mb = sum(sizes) * 1.25 / (1024 * 1024)  # two models fit, three do not
+
+    await manager.ensure_ready(c)
+
+    assert manager.status(a).state is ModelState.UNLOADED and triton.stub_pids(a) == []
+    assert manager.status(b).state is ModelState.READY and manager.status(c).state is ModelState.READY
+    assert sample(manager, "snooze_evictions_total", model=a, reason="memory") == 1
+    assert await output(triton, c) == [2.0, 4.0]
+
+
+async def test_load_failure_is_reported_then_fixed(make_manager, publish, triton):
+    model = publish("broken", params={"load_error": "runtime"})
+    manager = await make_manager()
+    for attempt in (1, 2):  # every request retries the load of a failed model
+        with pytest.raises(UnavailableError, match="broken.*simulated: broken weights"):
+            await manager.ensure_ready(model)
+        status = manager.status(model)
+        assert status.state is ModelState.FAILED and "simulated: broken weights" in status.reason
+        assert sample(manager, "snooze_load_failures_total", model=model, kind="error") == attempt
+
+    publish("broken")  # fixed
+    await manager.published(model)
+    assert manager.status(model).state is ModelState.UNLOADED
+    await manager.ensure_ready(model)
+    assert await output(triton, model) == [2.0, 4.0]
+
+
+async def test_out_of_memory_load_evicts_and_retries_once(make_manager, publish, triton):
+    victim, hog = publish("oom-victim"), publish("oom-hog", params={"load_error": "memory"})
+    manager = await make_manager()
+    await manager.ensure_ready(victim)
+
+    with pytest.raises(UnavailableError, match="oom-hog.*out of memory even after unloading oom-victim") as info:
+        await manager.ensure_ready(hog)
+
+    assert info.value.hint and "memory" in info.value.hint
+    assert manager.status(hog).state is ModelState.FAILED
+    assert manager.status(victim).state is ModelState.UNLOADED and triton.stub_pids(victim) == []
+    assert sample(manager, "snooze_evictions_total", model=victim, reason="oom") == 1
+    assert sample(manager, "snooze_load_failures_total", model=hog, kind="oom") == 1
+    with pytest.raises(UnavailableError, match="no idle model could be unloaded"):
+        await manager.ensure_ready(hog)  # nothing left to evict: fails without a second attempt
+
+
+async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton):
+    model = publish("crashy")
+    manager = await make_manager(sweep_interval_secs=3600)  # sweep by hand
+    await manager.ensure_ready(model)
+    [stub] = triton.stub_pids(model)
+    os.kill(stub, signal.SIGKILL)
+    await until(lambda: triton.stub_pids(model) == [], "the stub to die")
+
+    r = await infer(triton, model)  # Triton 2.51 keeps the model READY with a dead stub
+    assert r.status_code == 500 and "is not healthy" in r.json()["error"]
+
+    await manager.sweep()
+    await until(lambda: manager.status(model).state is ModelState.READY, "the recovery")
+    assert sample(manager, "snooze_recoveries_total", model=model, cause="dead_stub") == 1
+    assert await output(triton, model) == [2.0, 4.0]
+
+    # The activator's path: a request failed with "not healthy", it calls recover().
+    os.kill(triton.stub_pids(model)[0], signal.SIGKILL)
+    await until(lambda: triton.stub_pids(model) == [], "the stub to die")
+    await manager.recover(model, "stub_unhealthy")
+    assert await output(triton, model) == [2.0, 4.0]
+    loads = manager.status(model).load_count
+    await manager.recover(model, "stub_unhealthy")  # a late duplicate does not reload again
+    assert manager.status(model).load_count == loads == 3
+
+
+async def test_autoscale_up_under_load_and_down_when_idle(make_manager, publish, triton):
+    model = publish("busy", params={"predict_sleep": 0.05}, max_batch_size=1, max_instances=2, idle_timeout_secs=4)
+    manager = await make_manager(autoscale_queue_threshold=2, autoscale_window_secs=0.5)
+    await manager.ensure_ready(model)
+    failures: list[str] = []
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        async with httpx.AsyncClient(timeout=DEADLINE) as http:
+            body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
+            while not stop.is_set():
+                r = await http.post(f"{triton.http_url}/v2/models/{model}/infer", json=body)
+                if r.status_code != 200:
+                    failures.append(r.text)
+
+    clients = [asyncio.create_task(client()) for _ in range(12)]
+    try:
+        await until(lambda: manager.status(model).instances == 2 and manager.status(model).reason is None, "scale-up")
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+    assert failures == []  # the instance count changed in place, serving throughout
+    assert len(triton.stub_pids(model)) == 2
+    assert sample(manager, "snooze_scale_events_total", model=model, direction="up") == 1
+
+    # Low load for idle_timeout / 2 = 2 s removes the extra instance, before the idle unload (4 s).
+    await until(lambda: manager.status(model).instances == 1, "scale-down")
+    assert manager.status(model).state is ModelState.READY
+    assert sample(manager, "snooze_scale_events_total", model=model, direction="down") == 1
+    await until(lambda: len(triton.stub_pids(model)) == 1, "the extra stub to exit")
+
+
+async def test_api_load_with_instances_and_unload(make_manager, publish, triton):
+    model = publish("api-model", max_instances=3)
+    manager = await make_manager()
+    status = await manager.load(model, instances=2)
+    assert (status.state, status.instances) == (ModelState.READY, 2) and len(triton.stub_pids(model)) == 2
+    assert (await manager.load(model, instances=1)).instances == 1
+    with pytest.raises(ConflictError, match="api-model.*1..3"):
+        await manager.load(model, instances=4)
+    status = await manager.unload(model)
+    assert status.state is ModelState.UNLOADED and status.instances == 0 and status.memory_bytes is None
+    assert triton.stub_pids(model) == []
+
+
+async def test_republish_reloads_and_a_failed_reload_keeps_the_old_model(make_manager, publish, triton):
+    model = publish("repub")
+    manager = await make_manager()
+    await manager.ensure_ready(model)
+    assert await output(triton, model) == [2.0, 4.0]
+
+    publish(model, params={"scale": 3.0})
+    await manager.published(model)
+    assert await output(triton, model) == [3.0, 6.0] and manager.status(model).load_count == 2
+
+    publish(model, params={"load_error": "runtime"})
+    await manager.published(model)
+    status = manager.status(model)
+    assert status.state is ModelState.READY and "previous version" in status.reason
+    assert await output(triton, model) == [3.0, 6.0]
+
+    await manager.forget(model)
+    assert triton.stub_pids(model) == [] and model not in {s.id for s in manager.statuses() if s.state == "ready"}
+
+
+async def test_start_adopts_models_triton_has_loaded(make_manager, publish, triton):
+    model = publish("adopted", instances=2)
+    async with TritonAdminClient(triton.http_url) as admin:
+        await admin.load(model)
+    manager = await make_manager()
+    status = manager.status(model)
+    assert (status.state, status.instances, status.load_count) == (ModelState.READY, 2, 0)
+    assert status.memory_bytes and status.memory_bytes > 0
+
+
+async def test_triton_killed_is_restarted_and_resynced(make_manager, publish, triton):
+    model = publish("phoenix")
+    manager = await make_manager()
+    await manager.ensure_ready(model)
+    old_pid = triton.pid
+    os.kill(old_pid, signal.SIGKILL)
+
+    await until(lambda: sample(manager, "snooze_triton_restarts_total") == 1, "the restart", timeout=90)
+    await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the resync")
+    assert triton.is_running() and triton.pid != old_pid
+
+    await manager.ensure_ready(model)
+    assert await output(triton, model) == [2.0, 4.0]

@@ -1,0 +1,164 @@
+"""`snoozectl validate --load` against a real tritonserver: the examples load, answer one warm-up
+inference and unload; broken models fail with their reason; JSON and JUnit outputs parse."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from controlplane.render import embedded_target, render_repository
+from controlplane.spec import DeploymentSpec, discover, resolve_all
+from controlplane.triton.launcher import EmbeddedTriton
+from controlplane.validate import FAIL, OK, SKIP, validate_repository
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "models"
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+MANIFEST = {
+    "inputs": [{"name": "x", "datatype": "FP32", "dims": [2]}],
+    "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}],
+}
+FAILS_LOAD = """
+class Model:
+    def load(self, model_dir, device):
+        raise RuntimeError("weights.bin is missing")
+
+    def predict(self, inputs):
+        return {"y": inputs["x"]}
+"""
+FAILS_PREDICT = """
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        raise ValueError("predict is broken")
+"""
+
+
+def _examples(tmp_path: Path) -> Path:
+    """A copy of examples/models with the ONNX example built (it is generated, not committed)."""
+    models = tmp_path / "models"
+    shutil.copytree(EXAMPLES, models, ignore=shutil.ignore_patterns("__pycache__"))
+    if not HAS_TORCH:
+        shutil.rmtree(models / "torch-mlp")
+    onnx_file = models / "onnx-mlp" / "model.onnx"
+    if not onnx_file.exists():
+        subprocess.run([sys.executable, str(ROOT / "examples" / "make_onnx_example.py"), str(onnx_file)],
+                       check=True)
+    return models
+
+
+def _package(root: Path, name: str, code: str) -> Path:
+    pkg = root / name
+    pkg.mkdir(parents=True)
+    (pkg / "snooze_model.py").write_text(textwrap.dedent(code))
+    (pkg / "snooze_model.json").write_text(json.dumps(MANIFEST))
+    return pkg
+
+
+@pytest.fixture(scope="module")
+def example_report(tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("validate_load")
+    repo = tmp / "model_repository"
+    specs = resolve_all(discover(_examples(tmp)))
+    render_repository(specs, repo, embedded_target())
+    report = validate_repository(repo, load=True, target="embedded")
+    return repo, report, [s.id for s in specs]
+
+
+def test_examples_load_warm_up_and_unload(example_report) -> None:
+    _, report, ids = example_report
+    assert report.ok, [r.message for r in report.failures]
+    assert set(report.models) == set(ids)
+    for model in ids:
+        checks = {r.check: r for r in report.for_model(model)}
+        assert checks["load"].status == OK and checks["load"].load_secs > 0
+        assert checks["warmup_infer"].status == OK, checks["warmup_infer"].message
+        assert checks["unload"].status == OK
+    assert set(report.load_secs) == set(ids)
+
+
+def test_json_and_junit_outputs_parse(example_report, tmp_path: Path) -> None:
+    _, report, ids = example_report
+    data = json.loads(report.to_json())
+    assert data["ok"] is True and data["load"] is True
+    assert set(data["load_secs"]) == set(ids)
+    root = ET.parse(report.write_junit_xml(tmp_path / "junit.xml")).getroot()
+    assert root.get("failures") == "0"
+    suites = {s.get("name") for s in root.iter("testsuite")}
+    assert suites == {f"snoozeml.validate.{m}" for m in ids}
+    load_cases = [c for c in root.iter("testcase") if c.get("name") == "load"]
+    assert len(load_cases) == len(ids) and all(float(c.get("time")) > 0 for c in load_cases)
+
+
+def test_cli_load_json(example_report, tmp_path: Path) -> None:
+    """The command end to end, in its own process, against the same repository (one model)."""
+    repo, _, _ = example_report
+    code = (
+        "import sys, typer\n"
+        "from controlplane.cli.validate_command import register\n"
+        "app = typer.Typer()\nregister(app)\napp.command('noop')(lambda: None)\napp()\n"
+    )
+    junit = tmp_path / "junit.xml"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "validate", str(repo), "--load", "--model", "numpy-linear", "--json",
+         "--junit-xml", str(junit)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["models"] == ["numpy-linear"] and data["load_secs"]["numpy-linear"] > 0
+    assert ET.parse(junit).getroot().get("failures") == "0"
+
+
+def test_broken_models_fail_with_reasons_against_running_triton(
+    embedded_triton: EmbeddedTriton, model_repo: Path, tmp_path: Path
+) -> None:
+    """--triton-url: use the session's running Triton; failures name the model and Triton's reason."""
+    packages = {
+        "validate-fails-load": _package(tmp_path, "fails-load", FAILS_LOAD),
+        "validate-fails-predict": _package(tmp_path, "fails-predict", FAILS_PREDICT),
+        "validate-linear": EXAMPLES / "numpy-linear",
+    }
+    specs = resolve_all(DeploymentSpec(id=name, path=path) for name, path in packages.items())
+    render_repository(specs, model_repo, embedded_target())
+    report = validate_repository(model_repo, load=True, triton_url=embedded_triton.http_url,
+                                 models=list(packages))
+    assert not report.ok
+    by = {(r.model, r.check): r for r in report.results}
+    load_fail = by[("validate-fails-load", "load")]
+    assert load_fail.status == FAIL and "weights.bin is missing" in load_fail.message
+    assert "model 'validate-fails-load'" in load_fail.message and "Fix:" in load_fail.message
+    infer_fail = by[("validate-fails-predict", "warmup_infer")]
+    assert infer_fail.status == FAIL and "predict is broken" in infer_fail.message
+    assert by[("validate-fails-predict", "unload")].status == OK
+    assert by[("validate-linear", "warmup_infer")].status == OK
+    assert by[("validate-linear", "load")].load_secs > 0
+
+
+def test_models_the_target_cannot_run_are_skipped(embedded_triton: EmbeddedTriton, model_repo: Path) -> None:
+    folder = model_repo / "validate-engine"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.plan").write_bytes(b"\0")
+    (folder / "config.pbtxt").write_text(
+        'name: "validate-engine"\nplatform: "tensorrt_plan"\nmax_batch_size: 1\n'
+        'input [{ name: "x", data_type: TYPE_FP32, dims: [2] }]\n'
+        'output [{ name: "y", data_type: TYPE_FP32, dims: [2] }]\n'
+    )
+    report = validate_repository(model_repo, load=True, triton_url=embedded_triton.http_url,
+                                 models=["validate-engine"])
+    assert report.ok
+    load = next(r for r in report.results if r.check == "load")
+    assert load.status == SKIP and "tensorrt" in load.message
