@@ -47,5 +47,6 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
 
 ENTRYPOINT ["snoozectl", "serve"]
 # Defaults for docker run; docker-compose.yml and deploy/k8s pass their own.
-CMD ["--models", "/srv/models", "--work-dir", "/var/lib/snooze", \
+# (--host is passed explicitly: the flag's default, 127.0.0.1, would override SNOOZE_HOST.)
+CMD ["--models", "/srv/models", "--work-dir", "/var/lib/snooze", "--host", "0.0.0.0", \
      "--triton-url", "http://triton:8000", "--triton-grpc-url", "triton:8001", "--target", "full"]

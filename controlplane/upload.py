@@ -146,12 +146,12 @@ def _tar_members(tar: tarfile.TarFile, archive_name: str) -> Iterator[tuple[_Mem
 
 
 def _zip_kind(info: zipfile.ZipInfo) -> str:
-    mode = info.external_attr >> 16
-    if info.is_dir():
+    file_type = stat.S_IFMT(info.external_attr >> 16)  # 0 when the zip tool recorded no Unix mode
+    if info.is_dir() or file_type == stat.S_IFDIR:
         return "dir"
-    if stat.S_ISLNK(mode):
+    if file_type == stat.S_IFLNK:
         return "symlink"
-    if mode and not stat.S_ISREG(mode):
+    if file_type not in (0, stat.S_IFREG):
         return "special"
     return "file"
 

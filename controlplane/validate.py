@@ -411,11 +411,11 @@ def _onnx_signature_problems(m: _ModelFolder, sig: Any) -> list[str]:
 # --- python backend -----------------------------------------------------------------------------
 
 
-def _check_python(m: _ModelFolder, target: TritonTarget) -> None:
+def _check_python(m: _ModelFolder) -> None:
     for version in m.versions:
         entry = version / (m.model_file or "model.py")
         runtime_file = version / RUNTIME_FILE
-        generated = runtime_file.exists() or (version / "python_backend").is_dir() or (m.path / DEPLOYMENT_FILE).exists()
+        generated = any(p.exists() for p in (runtime_file, version / "python_backend", m.path / DEPLOYMENT_FILE))
         spec = _check_runtime_spec(m, runtime_file) if generated else None
         if not generated:
             m.rec.skip("runtime_spec", "hand-written python model (no snooze_runtime.json): snoozeml checks the "
@@ -667,7 +667,7 @@ def check_model_static(repo: Path, folder: Path, target: TritonTarget) -> list[C
             if (version / (m.model_file or "")).is_file():
                 _check_onnx(m, version / m.model_file)
     elif m.backend == "python":
-        _check_python(m, target)
+        _check_python(m)
     _check_deployment_record(m)
     return m.rec.results
 

@@ -13,6 +13,7 @@ from converters.errors import (
     TensorRTUnavailableError,
 )
 from converters.onnx_inspect import OnnxSignature, TensorSpec, inspect_onnx
+from converters.signature import PackageSignature, TensorDecl
 
 __all__ = [
     "ConversionError",
@@ -20,9 +21,11 @@ __all__ = [
     "NotBatchableError",
     "OnnxInspectionError",
     "OnnxSignature",
+    "PackageSignature",
     "ParityError",
     "TensorRTBuildError",
     "TensorRTUnavailableError",
+    "TensorDecl",
     "TensorSpec",
     "inspect_onnx",
 ]

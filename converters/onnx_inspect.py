@@ -214,7 +214,7 @@ def _check_external_data(model: onnx.ModelProto, path: Path) -> tuple[list[str],
         info = {entry.key: entry.value for entry in tensor.external_data}
         location = info.get("location")
         if not location:
-            raise OnnxInspectionError(f"{path}: tensor '{tensor.name}' is marked as external data but names no file")
+            raise OnnxInspectionError(f"{path}: tensor '{tensor.name}' is marked as external-data but names no file")
         end = int(info.get("offset", 0)) + int(info.get("length", 0))
         needed[location] = max(needed.get(location, 0), end)
 

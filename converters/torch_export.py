@@ -1,6 +1,6 @@
 """torch -> ONNX with a dynamic batch axis, checked and matched against the package signature.
 
-The export hook a package offers (documented in docs for package authors):
+The export hook a package offers (the contract for package authors; docs/ does not describe it yet):
 
 * on the model class: `Model.export_module(self)`, called after `Model(**params).load(model_dir, "cpu")`;
 * or at module level in `snooze_model.py`: `export_module()` or `export_module(model_dir)`.

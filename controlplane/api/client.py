@@ -32,6 +32,15 @@ class ControlPlaneError(SnoozeError):
         self.code = code
 
 
+def default_model_id(path: Path) -> str:
+    """A package's id when none is given: its folder or archive name without the suffix."""
+    name = path.resolve().name
+    for suffix in ARCHIVE_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
 def pack_package(folder: Path, out: IO[bytes]) -> None:
     """Write the package folder as a .tar.gz with its files at the root (caches left out)."""
 

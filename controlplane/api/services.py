@@ -12,8 +12,6 @@ from controlplane.triton.client import TritonAdminClient
 
 
 class StatusView(Protocol):
-    state: str
-
     def to_dict(self) -> dict[str, Any]: ...
 
 

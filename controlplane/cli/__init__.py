@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
+from controlplane.cli import client_commands, validate_command
 from controlplane.errors import SnoozeError
 
 app = typer.Typer(
@@ -138,6 +139,10 @@ def _short(value: object) -> str:
 
 def _jsonable(value: object) -> object:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+client_commands.register(app)  # publish, status/list, load, unload, delete: the control API's client
+validate_command.register(app)  # validate: the CI gate for a generated model repository
 
 
 def main() -> None:

@@ -10,15 +10,17 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from controlplane.api.client import ControlPlaneClient, ControlPlaneError
 from controlplane.errors import SnoozeError
+
+if TYPE_CHECKING:
+    from controlplane.api.client import ControlPlaneClient
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 
@@ -46,6 +48,8 @@ def _fail(exc: SnoozeError, as_json: bool) -> typer.Exit:
 @contextmanager
 def _client(url: str, api_key: str | None, as_json: bool) -> Iterator[ControlPlaneClient]:
     """A client whose errors end the command as `error: ...` + `fix: ...` (or JSON) with exit code 1."""
+    from controlplane.api.client import ControlPlaneClient  # httpx: imported only by commands that use it
+
     try:
         with ControlPlaneClient(url, api_key) as client:
             yield client
@@ -65,9 +69,8 @@ def _parse_params(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ControlPlaneError(
-                f"--param '{item}' is not KEY=VALUE", hint="e.g. --param scale=2.0 (values are JSON when they parse)",
-                status_code=422, code="invalid_request",
+            raise SnoozeError(
+                f"--param '{item}' is not KEY=VALUE", hint="e.g. --param scale=2.0 (values are JSON when they parse)"
             )
         try:
             params[key] = json.loads(raw)
@@ -140,7 +143,7 @@ def publish(
     device: Annotated[str | None, typer.Option(help="cpu | gpu | auto")] = None,
     max_batch_size: Annotated[int | None, typer.Option(help="0 disables batching")] = None,
     max_batch_delay_ms: Annotated[float | None, typer.Option(help="Dynamic batcher max queue delay")] = None,
-    idle_timeout: Annotated[float | None, typer.Option("--idle-timeout", help="Unload after this many idle seconds")] = None,
+    idle_timeout: Annotated[float | None, typer.Option(help="Unload after this many idle seconds")] = None,
     instances: Annotated[int | None, typer.Option(help="Instances loaded on wake-up")] = None,
     max_instances: Annotated[int | None, typer.Option(help="Upper bound for the autoscaler")] = None,
     memory_mb: Annotated[float | None, typer.Option(help="Declared memory footprint")] = None,
@@ -160,8 +163,10 @@ def publish(
         "memory_mb": memory_mb,
     }
     deployment = {k: v for k, v in options.items() if v is not None}
-    name = model_id or _default_id(path)
     with _client(url, api_key, as_json) as client:
+        from controlplane.api.client import default_model_id
+
+        name = model_id or default_model_id(path)
         if param:
             deployment["params"] = _parse_params(param)
         if server_path:
@@ -181,14 +186,6 @@ def publish(
     _out.print(f"published [bold]{name}[/] ({detail['kind']}, {detail['backend']} backend)", highlight=False)
     if load:
         _out.print(_status_table([detail]))
-
-
-def _default_id(path: Path) -> str:
-    name = path.resolve().name
-    for suffix in (".tar.gz", ".tgz", ".tar", ".zip"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
 
 
 def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = False) -> None:

@@ -3,8 +3,9 @@
 Envoy sends it (see ``envoy.yaml.j2``):
 
 - inference requests that Triton answered "not found" (a sleeping model), "unavailable" or, over
-  gRPC, "Stub process ... is not healthy": the activator wakes the model (``waker.ensure_ready``,
-  single flight in the lifecycle manager), forwards the request to Triton unchanged and returns
+  gRPC, "Stub process ... is not healthy": the activator wakes the model (``waker.serving``: the
+  lifecycle's single-flight ``ensure_ready``, then the model is held loaded until the forward is
+  done), forwards the request to Triton unchanged and returns
   Triton's answer unchanged; a dead stub is recovered (``waker.recover``) and the request forwarded
   once more (the dead stub did not run it);
 - model readiness, metadata and config, answered for a published model as if it were loaded (a
@@ -70,8 +71,9 @@ _GRPC_CODES = {
 class Waker(Protocol):
     """What the activator needs from the lifecycle manager (``controlplane.lifecycle.LifecycleManager``)."""
 
-    async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None: ...
-    def touch(self, model_id: str) -> None: ...
+    def serving(self, model_id: str, *, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
+        """``ensure_ready`` (wake, single flight), then hold the model loaded while the block runs."""
+
     async def recover(self, model_id: str, cause: str) -> None: ...
     async def load(self, model_id: str, *, instances: int | None = None) -> Any: ...
     async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
@@ -101,9 +103,10 @@ class ModelAnswers:
             raise NotFoundError(f"model '{name}' has no version '{version}' (published version: {VERSION})")
         return model
 
-    async def wake(self, name: str, timeout: float | None = None) -> None:
+    def serving(self, name: str, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
+        """Wake the model and keep it loaded (no idle unload, no eviction) until the forward is done."""
         self.published(name)
-        await self.waker.ensure_ready(name, timeout=timeout)
+        return self.waker.serving(name, timeout=timeout)
 
     def state(self, name: str) -> str:
         return str(self.waker.status(name).state)
@@ -224,12 +227,11 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
         name, version = model_of(request)
         answers.published(name, version)
         body = await request.body()
-        await answers.wake(name)
-        response = await forwarder.send(request, body)
-        if response.status_code == 500 and DEAD_STUB.search(response.body.decode("utf-8", "replace")):
-            await answers.waker.recover(name, cause="dead_stub")
+        async with answers.serving(name):
             response = await forwarder.send(request, body)
-        answers.waker.touch(name)
+            if response.status_code == 500 and DEAD_STUB.search(response.body.decode("utf-8", "replace")):
+                await answers.waker.recover(name, cause="dead_stub")  # the dead stub did not run it
+                response = await forwarder.send(request, body)
         return response
 
     async def ready(request: Request) -> Response:
@@ -335,20 +337,17 @@ class GrpcActivator:
 
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         name = service_pb2.ModelInferRequest.FromString(request).model_name
-        self.answers.published(name)
-        await self.answers.wake(name, timeout=context.time_remaining())
-        try:
+        async with self.answers.serving(name, timeout=context.time_remaining()):
             try:
-                response = await self._forward("ModelInfer", request, context)
+                try:
+                    return await self._forward("ModelInfer", request, context)
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.INTERNAL or not DEAD_STUB.search(e.details() or ""):
+                        raise
+                    await self.answers.waker.recover(name, cause="dead_stub")  # the dead stub did not run it
+                    return await self._forward("ModelInfer", request, context)
             except grpc.aio.AioRpcError as e:
-                if e.code() != grpc.StatusCode.INTERNAL or not DEAD_STUB.search(e.details() or ""):
-                    raise
-                await self.answers.waker.recover(name, cause="dead_stub")
-                response = await self._forward("ModelInfer", request, context)
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details() or "")
-        self.answers.waker.touch(name)
-        return response
+                await context.abort(e.code(), e.details() or "")
 
     async def model_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         msg = service_pb2.ModelReadyRequest.FromString(request)

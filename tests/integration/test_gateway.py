@@ -100,9 +100,14 @@ class TritonWaker:
         self.touches[model_id] += 1
 
     async def recover(self, model_id: str, cause: str) -> None:
+        # Triton 2.51: unloading a model whose stub died hangs in UNLOADING, and a reload with the same
+        # config is a no-op; a reload with a changed config replaces the instances (~0.3 s).
         self.recoveries[model_id] += 1
-        await self.admin.unload(model_id)
-        await self._load(model_id)
+        config = await self.admin.model_config(model_id)
+        config.setdefault("parameters", {})["snooze_recovery"] = {
+            "string_value": str(self.recoveries[model_id])
+        }
+        await self.admin.load(model_id, config)
 
     async def load(self, model_id: str, *, instances: int | None = None) -> Status:
         await self._load(model_id)
@@ -222,7 +227,9 @@ def http_infer(client: httpclient.InferenceServerClient, name: str, x: np.ndarra
     inp = httpclient.InferInput("x", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=binary)
     out = httpclient.InferRequestedOutput("y", binary_data=binary)
-    return client.infer(name, [inp], outputs=[out], headers=headers if headers is not None else KEY).as_numpy("y")
+    # A copy: tritonclient.http adds Inference-Header-Content-Length to the dict it is given.
+    headers = dict(headers if headers is not None else KEY)
+    return client.infer(name, [inp], outputs=[out], headers=headers).as_numpy("y")
 
 
 def grpc_infer(client: grpcclient.InferenceServerClient, name: str, x: np.ndarray,

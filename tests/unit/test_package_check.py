@@ -1,0 +1,105 @@
+"""The import check of a custom package runs in a child process and reports what went wrong."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from controlplane.package_check import check_import
+
+GOOD = """
+import numpy as np
+
+
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        return {"y": np.asarray(inputs["x"])}
+"""
+
+
+def package(tmp_path: Path, source: str, name: str = "snooze_model.py", **extra: str) -> Path:
+    folder = tmp_path / "pkg"
+    folder.mkdir(exist_ok=True)
+    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(textwrap.dedent(source))
+    for rel, text in extra.items():
+        (folder / rel).write_text(textwrap.dedent(text))
+    return folder
+
+
+def test_a_good_package_passes_and_leaves_no_bytecode(tmp_path: Path) -> None:
+    folder = package(tmp_path, GOOD)
+    assert check_import(folder, "snooze_model.py", "Model") is None
+    assert not (folder / "__pycache__").exists()
+
+
+def test_sibling_modules_and_subfolder_entrypoints_import(tmp_path: Path) -> None:
+    folder = package(
+        tmp_path, "from helpers import scale\n\nclass Net:\n    load = predict = staticmethod(scale)\n",
+        name="src/net.py", **{"helpers.py": "def scale(*a):\n    return a\n"},
+    )
+    assert check_import(folder, "src/net.py", "Net") is None
+
+
+def test_import_error_reports_the_traceback_relative_to_the_package(tmp_path: Path) -> None:
+    folder = package(tmp_path, "import os\nimport not_a_real_module_xyz\n\nclass Model: ...\n")
+    problem = check_import(folder, "snooze_model.py", "Model")
+    assert problem is not None
+    assert problem.startswith("importing snooze_model.py failed:")
+    assert 'File "snooze_model.py", line 2' in problem
+    assert "ModuleNotFoundError: No module named 'not_a_real_module_xyz'" in problem
+    assert str(folder) not in problem
+
+
+def test_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    problem = check_import(package(tmp_path, "x = 1\ndef broken(:\n"), "snooze_model.py", "Model")
+    assert problem is not None and "SyntaxError" in problem and "line 2" in problem
+
+
+def test_missing_class_and_methods(tmp_path: Path) -> None:
+    folder = package(tmp_path, "class Other: ...\n\nclass Half:\n    def load(self, d, dev): ...\n")
+    assert check_import(folder, "snooze_model.py", "Model") == "snooze_model.py defines no class 'Model'"
+    assert check_import(folder, "snooze_model.py", "Half") == "class Half in snooze_model.py has no predict method"
+
+
+def test_manifest_env_is_applied_before_the_import(tmp_path: Path) -> None:
+    folder = package(tmp_path, "import os\nassert os.environ['SNOOZE_TEST_FLAG'] == 'on'\n" + GOOD)
+    assert check_import(folder, "snooze_model.py", "Model") is not None
+    assert check_import(folder, "snooze_model.py", "Model", env={"SNOOZE_TEST_FLAG": "on"}) is None
+
+
+def test_exit_at_import_is_reported(tmp_path: Path) -> None:
+    problem = check_import(package(tmp_path, "import os\nos._exit(7)\n"), "snooze_model.py", "Model")
+    assert problem == "importing snooze_model.py ended the process (exit code 7)"
+
+
+def test_slow_import_times_out_and_its_processes_are_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    source = f"""
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open({str(pid_file)!r}, "w").write(str(child.pid))
+    time.sleep(60)
+    """
+    started = time.monotonic()
+    problem = check_import(package(tmp_path, source), "snooze_model.py", "Model", timeout=2)
+    assert time.monotonic() - started < 10
+    assert problem is not None and "took longer than 2s" in problem and "inside load()" in problem
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(grandchild):
+        assert time.monotonic() < deadline, "the import's own child survived the timeout"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
