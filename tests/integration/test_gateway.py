@@ -2,8 +2,8 @@
 
 The activator runs in its own event loop in a background thread (as it runs in the control plane's
 loop), so the tests can use the blocking ``tritonclient.http`` / ``tritonclient.grpc`` clients as
-users do. The waker is ``TritonWaker`` below, a minimal stand-in for the lifecycle manager
-(``ensure_ready`` = ``TritonAdminClient.load``, single flight per model).
+users do. The waker is the real ``LifecycleManager``; its sweeper is slowed down so that what these
+tests see (wake-ups, dead-stub recovery) comes through the gateway's retry path.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import os
 import signal
 import textwrap
 import threading
-from collections import Counter
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +27,9 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from controlplane.errors import TritonModelLoadError, UnavailableError
 from controlplane.gateway.activator import Activator
 from controlplane.gateway.envoy import ApiKey, EnvoyGateway, Upstream, render_bootstrap
+from controlplane.lifecycle import LifecycleManager
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
@@ -61,67 +60,6 @@ class Model:
 """
 
 
-@dataclass
-class Status:
-    state: str
-    reason: str | None = None
-
-
-class TritonWaker:
-    """Minimal lifecycle stand-in: wake = load in Triton (single flight), recover = unload + load."""
-
-    def __init__(self, admin: TritonAdminClient) -> None:
-        self.admin = admin
-        self.loads: Counter[str] = Counter()
-        self.recoveries: Counter[str] = Counter()
-        self.touches: Counter[str] = Counter()
-        self._states: dict[str, str] = {}
-        self._waking: dict[str, asyncio.Task[None]] = {}
-
-    async def _load(self, model_id: str) -> None:
-        self._states[model_id] = "loading"
-        self.loads[model_id] += 1
-        try:
-            await self.admin.load(model_id)
-        except TritonModelLoadError as e:
-            self._states[model_id] = "failed"
-            raise UnavailableError(str(e), retry_after=5) from e
-        self._states[model_id] = "ready"
-
-    async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None:
-        if self._states.get(model_id) == "ready":
-            return
-        task = self._waking.get(model_id)
-        if task is None or task.done():
-            task = self._waking[model_id] = asyncio.create_task(self._load(model_id))
-        await asyncio.wait_for(asyncio.shield(task), timeout)
-
-    def touch(self, model_id: str) -> None:
-        self.touches[model_id] += 1
-
-    async def recover(self, model_id: str, cause: str) -> None:
-        # Triton 2.51: unloading a model whose stub died hangs in UNLOADING, and a reload with the same
-        # config is a no-op; a reload with a changed config replaces the instances (~0.3 s).
-        self.recoveries[model_id] += 1
-        config = await self.admin.model_config(model_id)
-        config.setdefault("parameters", {})["snooze_recovery"] = {
-            "string_value": str(self.recoveries[model_id])
-        }
-        await self.admin.load(model_id, config)
-
-    async def load(self, model_id: str, *, instances: int | None = None) -> Status:
-        await self._load(model_id)
-        return self.status(model_id)
-
-    async def unload(self, model_id: str, *, reason: str = "api") -> Status:
-        await self.admin.unload(model_id)
-        self._states[model_id] = "unloaded"
-        return self.status(model_id)
-
-    def status(self, model_id: str) -> Status:
-        return Status(self._states.get(model_id, "unloaded"))
-
-
 class LoopThread:
     """An asyncio loop in a daemon thread: the activator's home, like the control plane's loop."""
 
@@ -143,7 +81,8 @@ class LoopThread:
 class Stack:
     triton: EmbeddedTriton
     store: ModelStore
-    waker: TritonWaker
+    lifecycle: LifecycleManager
+    admin: TritonAdminClient
     gateway: EnvoyGateway
     loop: LoopThread
     package: Path
@@ -153,7 +92,14 @@ class Stack:
         return name
 
     def triton_ready(self, name: str) -> bool:
-        return self.loop.run(self.waker.admin.model_ready(name))
+        return self.loop.run(self.admin.model_ready(name))
+
+    def load_count(self, name: str) -> int:
+        return self.lifecycle.status(name).load_count
+
+    def recoveries(self, name: str) -> float:
+        labels = {"model": name, "cause": "dead_stub"}
+        return self.lifecycle.metrics.registry.get_sample_value("snooze_recoveries_total", labels) or 0
 
     def http(self) -> httpclient.InferenceServerClient:
         return httpclient.InferenceServerClient(self.gateway.http_url.removeprefix("http://"))
@@ -184,13 +130,15 @@ def stack(embedded_triton: EmbeddedTriton, package: Path, tmp_path_factory: pyte
         api_keys=[API_KEY],
         admin_keys=[ADMIN_KEY],
         wake_buffer_bytes=WAKE_BUFFER,
+        sweep_interval_secs=3600,
     )
     store = ModelStore(embedded_triton.model_repository, embedded_target())
     loop = LoopThread()
     admin = loop.run(_admin(embedded_triton))
-    waker = TritonWaker(admin)
+    lifecycle = LifecycleManager(settings, store, admin, triton_process=embedded_triton)
+    loop.run(lifecycle.start())
     activator = Activator(
-        waker, store, settings, triton_http_url=embedded_triton.http_url, triton_grpc_url=embedded_triton.grpc_url
+        lifecycle, store, settings, triton_http_url=embedded_triton.http_url, triton_grpc_url=embedded_triton.grpc_url
     )
     loop.run(activator.start())
     gateway = EnvoyGateway(
@@ -202,10 +150,11 @@ def stack(embedded_triton: EmbeddedTriton, package: Path, tmp_path_factory: pyte
     )
     try:
         gateway.start()
-        yield Stack(embedded_triton, store, waker, gateway, loop, package)
+        yield Stack(embedded_triton, store, lifecycle, admin, gateway, loop, package)
     finally:
         gateway.stop()
         loop.run(activator.stop())
+        loop.run(lifecycle.stop())
         loop.run(admin.aclose())
         loop.close()
 
@@ -241,7 +190,7 @@ def grpc_infer(client: grpcclient.InferenceServerClient, name: str, x: np.ndarra
 
 def test_warm_inference_stays_on_envoy(stack: Stack):
     name = stack.publish("gw_warm")
-    stack.loop.run(stack.waker.ensure_ready(name))
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
     retries_before = stack.gateway.stats().get("cluster.infer_http.upstream_rq_retry", 0)
     x = _x()
     with stack.http() as client:
@@ -255,7 +204,6 @@ def test_warm_inference_stays_on_envoy(stack: Stack):
     stats = stack.gateway.stats()
     assert stats.get("cluster.infer_http.upstream_rq_retry", 0) == retries_before
     assert stats.get("cluster.infer_grpc.upstream_rq_retry", 0) == 0
-    assert stack.waker.loads[name] == 1 and stack.waker.touches[name] == 0  # the activator never saw it
     assert "envoy_cluster_upstream_rq_retry" in httpx.get(stack.gateway.prometheus_url).text
 
 
@@ -265,13 +213,13 @@ def test_sleeping_model_wakes_over_http(stack: Stack):
     x = _x(3)
     with stack.http() as client:
         np.testing.assert_allclose(http_infer(client, name, x), x * 3)
-    assert stack.triton_ready(name) and stack.waker.loads[name] == 1
+    assert stack.triton_ready(name) and stack.load_count(name) == 1
     assert stack.gateway.stats()["cluster.infer_http.upstream_rq_retry"] >= 1
     # Put back to sleep: the next request wakes it again (non-binary JSON body this time).
-    stack.loop.run(stack.waker.unload(name))
+    stack.loop.run(stack.lifecycle.unload(name))
     with stack.http() as client:
         np.testing.assert_allclose(http_infer(client, name, x, binary=False), x * 3)
-    assert stack.waker.loads[name] == 2
+    assert stack.load_count(name) == 2
 
 
 def test_sleeping_model_wakes_over_grpc(stack: Stack):
@@ -279,7 +227,7 @@ def test_sleeping_model_wakes_over_grpc(stack: Stack):
     x = _x(1)
     with stack.grpc() as client:
         np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
-    assert stack.triton_ready(name) and stack.waker.loads[name] == 1
+    assert stack.triton_ready(name) and stack.load_count(name) == 1
     assert stack.gateway.stats()["cluster.infer_grpc.upstream_rq_retry"] >= 1
 
 
@@ -293,7 +241,7 @@ async def test_grpc_aio_client_wakes_and_single_flight(stack: Stack):
         results = await asyncio.gather(*(client.infer(name, [inp], headers=GRPC_KEY) for _ in range(20)))
     for r in results:
         np.testing.assert_allclose(r.as_numpy("y"), x * 3)
-    assert stack.waker.loads[name] == 1
+    assert stack.load_count(name) == 1
 
 
 def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
@@ -320,7 +268,7 @@ def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
         assert config_grpc.name == name and config_grpc.backend == "python" and config_grpc.max_batch_size == 8
 
         # Once awake the answers are Triton's own, and the metadata is the same as while asleep.
-        stack.loop.run(stack.waker.ensure_ready(name))
+        stack.loop.run(stack.lifecycle.ensure_ready(name))
         triton = httpclient.InferenceServerClient(stack.triton.http_url.removeprefix("http://"))
         assert triton.get_model_metadata(name) == meta_http == h.get_model_metadata(name, headers=KEY)
         assert h.get_model_config(name, headers=KEY) == triton.get_model_config(name)
@@ -412,13 +360,13 @@ def test_request_over_the_wake_buffer_cannot_wake_a_model(stack: Stack):
 
 def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
     name = stack.publish("gw_stub")
-    stack.loop.run(stack.waker.ensure_ready(name))
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
     x = _x()
     for pid in stack.triton.stub_pids(name):
         os.kill(pid, signal.SIGKILL)
     with stack.grpc() as g:  # gRPC: Envoy matches grpc-message and retries to the activator
         np.testing.assert_allclose(grpc_infer(g, name, x), x * 3)
-    assert stack.waker.recoveries[name] == 1
+    assert stack.recoveries(name) == 1
 
     for pid in stack.triton.stub_pids(name):
         os.kill(pid, signal.SIGKILL)

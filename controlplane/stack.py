@@ -1,0 +1,241 @@
+"""`snoozectl serve`: wire Triton, the lifecycle manager, the activator, Envoy and the control API
+together, start them in dependency order and stop them in reverse.
+
+Shutdown: the first SIGINT/SIGTERM stops admitting new requests at the gateway, lets in-flight ones
+finish (bounded by ``shutdown_grace_secs``), then stops Envoy, the control API, the activator,
+the lifecycle manager and Triton; a second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from pathlib import Path
+
+import uvicorn
+from rich.console import Console
+
+from controlplane.errors import SnoozeError
+from controlplane.metrics import SnoozeMetrics
+from controlplane.render import TritonTarget, embedded_target, target_by_name
+from controlplane.settings import Settings
+from controlplane.spec import discover, resolve
+from controlplane.store import ModelStore
+from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.launcher import EmbeddedTriton, detect_backends
+
+log = logging.getLogger("snoozeml.stack")
+
+
+class _QuietUvicorn(uvicorn.Server):
+    """uvicorn inside our loop: the stack owns the signals."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+class ServingStack:
+    def __init__(self, settings: Settings, models_dir: Path | None = None, *, console: Console | None = None) -> None:
+        self.settings = settings
+        self.models_dir = models_dir
+        self.console = console or Console(stderr=True)
+        self.metrics = SnoozeMetrics()
+        self.triton_process: EmbeddedTriton | None = None
+        self.store: ModelStore | None = None
+        self.admin: TritonAdminClient | None = None
+        self.lifecycle = None
+        self.activator = None
+        self.gateway = None
+        self._api: _QuietUvicorn | None = None
+        self._api_task: asyncio.Task[None] | None = None
+        self._force = asyncio.Event()
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self) -> None:
+        from controlplane.api.app import create_app
+        from controlplane.api.services import ControlPlaneServices
+        from controlplane.gateway.activator import Activator
+        from controlplane.lifecycle import LifecycleManager
+
+        s = self.settings
+        s.work_dir.mkdir(parents=True, exist_ok=True)
+        http_url, grpc_url, metrics_url, target = await self._start_triton()
+        self.store = ModelStore(s.repository, target)
+        if self.models_dir is not None:
+            self._publish_folder(self.models_dir)
+        self.admin = TritonAdminClient(http_url, metrics_url)
+        self.lifecycle = LifecycleManager(
+            s, self.store, self.admin, triton_process=self.triton_process, metrics=self.metrics
+        )
+        await self.lifecycle.start()
+        self.activator = Activator(
+            self.lifecycle, self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url
+        )
+        await self.activator.start()
+        if s.gateway:
+            await self._start_gateway(http_url, grpc_url)
+        services = ControlPlaneServices(
+            store=self.store, lifecycle=self.lifecycle, metrics=self.metrics, settings=s, triton=self.admin
+        )
+        app = create_app(s, services)
+        self._api = _QuietUvicorn(
+            uvicorn.Config(app, host=s.host, port=s.api_port, log_level="warning", access_log=False, lifespan="off")
+        )
+        self._api_task = asyncio.create_task(self._api.serve())
+        while not self._api.started:
+            if self._api_task.done():
+                await self._api_task
+                raise SnoozeError(
+                    f"the control API could not listen on {s.host}:{s.api_port}",
+                    hint="free the port or pass --api-port",
+                )
+            await asyncio.sleep(0.02)
+
+    async def _start_triton(self) -> tuple[str, str, str | None, TritonTarget]:
+        s = self.settings
+        if s.triton_url:
+            if not s.triton_grpc_url:
+                raise SnoozeError(
+                    "an external Triton needs both URLs", hint="pass --triton-grpc-url HOST:PORT with --triton-url"
+                )
+            return s.triton_url, s.triton_grpc_url, None, target_by_name(s.target)
+        self.triton_process = EmbeddedTriton(
+            s.repository,
+            s.work_dir / "triton",
+            http_port=s.triton_http_port or None,
+            grpc_port=s.triton_grpc_port or None,
+            metrics_port=s.triton_metrics_port or None,
+        )
+        s.repository.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        await asyncio.to_thread(self.triton_process.start)
+        backends = detect_backends(s.work_dir / "triton" / "backends")
+        self.console.print(
+            f"tritonserver {self.triton_process.http_url} ready in {time.perf_counter() - started:.1f} s "
+            f"(backends: {', '.join(sorted(backends))}; log {self.triton_process.log_file})",
+            highlight=False,
+        )
+        p = self.triton_process
+        return p.http_url, p.grpc_url, p.metrics_url, embedded_target(backends)
+
+    def _publish_folder(self, folder: Path) -> None:
+        assert self.store is not None
+        for deployment in discover(folder):
+            try:
+                published = self.store.publish(resolve(deployment))
+            except SnoozeError as exc:
+                # One broken package must not keep the others from being served: say so and go on.
+                self.console.print(f"[red]skipped {deployment.id}:[/] {exc}", highlight=False)
+                continue
+            self.console.print(f"published [bold]{published.id}[/] ({published.kind} -> {published.backend})")
+
+    async def _start_gateway(self, http_url: str, grpc_url: str) -> None:
+        from controlplane.gateway.envoy import EnvoyGateway
+
+        assert self.activator is not None
+        self.gateway = EnvoyGateway(
+            self.settings,
+            triton_http=http_url,
+            triton_grpc=grpc_url,
+            activator_http=self.activator.http_address,
+            activator_grpc=self.activator.grpc_address,
+        )
+        await asyncio.to_thread(self.gateway.start)
+
+    # ------------------------------------------------------------------ stop
+
+    async def stop(self) -> None:
+        """Stop admitting, drain (bounded), then stop every piece in reverse order."""
+        s = self.settings
+        if self.gateway is not None:
+            await self._drain_gateway(s.shutdown_grace_secs)
+            await asyncio.to_thread(self.gateway.stop)
+        if self._api is not None and self._api_task is not None:
+            self._api.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._api_task, timeout=5)
+        if self.activator is not None:
+            await self.activator.stop()
+        if self.lifecycle is not None:
+            await self.lifecycle.stop()
+        if self.admin is not None:
+            await self.admin.aclose()
+        if self.triton_process is not None:
+            await asyncio.to_thread(self.triton_process.stop)
+
+    async def _drain_gateway(self, grace: float) -> None:
+        drain = getattr(self.gateway, "drain", None)
+        if drain is None:
+            return
+        wait = asyncio.create_task(asyncio.to_thread(drain, grace))
+        force = asyncio.create_task(self._force.wait())
+        await asyncio.wait({wait, force}, return_when=asyncio.FIRST_COMPLETED)
+        force.cancel()
+
+    def force(self) -> None:
+        self._force.set()
+
+    # ------------------------------------------------------------------ report
+
+    def banner(self) -> str:
+        s = self.settings
+        lines = []
+        if self.gateway is not None:
+            lines.append(f"KServe v2 gateway: http://{s.host}:{s.http_port} (HTTP)  {s.host}:{s.grpc_port} (gRPC)")
+        elif self.triton_process is not None:
+            lines.append(
+                f"no gateway: clients use Triton at {self.triton_process.http_url} / {self.triton_process.grpc_url}"
+            )
+        lines.append(f"control API: http://{s.host}:{s.api_port}  (docs at /docs)")
+        if self.store is not None:
+            lines.append(f"models: {', '.join(self.store.ids()) or '(none yet: snoozectl publish PATH)'}")
+        return "\n".join(lines)
+
+
+async def serve_until_signal(stack: ServingStack) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            stack.console.print("stopping: draining in-flight requests (Ctrl-C again to force)")
+            stop.set()
+        else:
+            stack.force()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await stack.start()
+        stack.console.print(stack.banner(), highlight=False)
+        await stop.wait()
+    finally:
+        await stack.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return 0
+
+
+def run_stack(settings: Settings, models_dir: Path | None) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    console = Console(stderr=True)
+    if settings.auth == "off":
+        console.print(
+            "[bold yellow]WARNING: API keys are OFF: anyone who can reach these ports can infer, publish and "
+            "delete models. Use this only on a trusted machine (set SNOOZE_API_KEYS / SNOOZE_ADMIN_KEYS).[/]"
+        )
+    elif not settings.api_keys and not settings.admin_keys:
+        raise SnoozeError(
+            "auth is on but no API keys are configured",
+            hint="set SNOOZE_ADMIN_KEYS='[\"<key>\"]' (and SNOOZE_API_KEYS for inference-only keys), "
+            "or pass --no-auth for local use",
+        )
+    return asyncio.run(serve_until_signal(ServingStack(settings, models_dir, console=console)))
