@@ -63,7 +63,9 @@ def parse_input_options(options: list[str], spec: ModelSpec) -> dict[str, np.nda
             )
         name = (shape_match or file_match).group("name")  # type: ignore[union-attr]
         if name not in known:
-            raise InvalidPackageError(f"--input {option!r}: model '{spec.id}' has no input '{name}' (it has {sorted(known)})")
+            raise InvalidPackageError(
+                f"--input {option!r}: model '{spec.id}' has no input '{name}' (it has {sorted(known)})"
+            )
         if shape_match:
             given[name] = tuple(int(d) for d in shape_match.group("shape").split("x"))
         else:

@@ -28,6 +28,12 @@ class Settings(BaseSettings):
     triton_http_port: int = Field(0, description="Embedded Triton HTTP port (0 = a free port)")
     triton_grpc_port: int = Field(0, description="Embedded Triton gRPC port (0 = a free port)")
     triton_metrics_port: int = Field(0, description="Embedded Triton metrics port (0 = a free port)")
+    triton_admin_header: str = Field(
+        "snooze-admin", description="Header of Triton's restricted model-repository API (compose/Kubernetes)"
+    )
+    triton_admin_key: SecretStr | None = Field(
+        None, description="Its value; unset = Triton's repository API is not restricted (embedded)"
+    )
     restart_triton: bool = Field(True, description="Restart the embedded tritonserver when it dies")
 
     # --- gateway (Envoy) and activator
@@ -72,6 +78,11 @@ class Settings(BaseSettings):
     admin_keys: list[SecretStr] = Field(default_factory=list, description="Keys with the admin scope")
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    def triton_headers(self) -> dict[str, str] | None:
+        if self.triton_admin_key is None:
+            return None
+        return {self.triton_admin_header: self.triton_admin_key.get_secret_value()}
 
     @property
     def repository(self) -> Path:

@@ -473,8 +473,10 @@ def _check_unique_ids(specs: list[DeploymentSpec], where: str) -> list[Deploymen
     return specs
 
 
-def _is_package_dir(path: Path) -> bool:
-    return path.is_dir() and any((path / name).is_file() for name in (CUSTOM_ENTRYPOINT, ONNX_FILE))
+def is_package_dir(path: Path, *, discoverable_only: bool = False) -> bool:
+    """A folder holding a model file; discovery looks only for snooze_model.py and model.onnx."""
+    names = (CUSTOM_ENTRYPOINT, ONNX_FILE) if discoverable_only else (CUSTOM_ENTRYPOINT, ONNX_FILE, PLAN_FILE)
+    return path.is_dir() and any((path / name).is_file() for name in names)
 
 
 def discover(models_dir: str | Path) -> list[DeploymentSpec]:
@@ -488,7 +490,8 @@ def discover(models_dir: str | Path) -> list[DeploymentSpec]:
     named_paths = {s.path.resolve() for s in specs}
     named_ids = {s.id for s in specs}
     for child in sorted(root.iterdir()):
-        if _is_package_dir(child) and child.resolve() not in named_paths and child.name not in named_ids:
+        named = child.resolve() in named_paths or child.name in named_ids
+        if is_package_dir(child, discoverable_only=True) and not named:
             try:
                 specs.append(DeploymentSpec(id=child.name, path=child.resolve()))
             except ValidationError as exc:

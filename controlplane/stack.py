@@ -68,7 +68,7 @@ class ServingStack:
         self.store = ModelStore(s.repository, target)
         if self.models_dir is not None:
             self._publish_folder(self.models_dir)
-        self.admin = TritonAdminClient(http_url, metrics_url)
+        self.admin = TritonAdminClient(http_url, metrics_url, headers=s.triton_headers())
         self.lifecycle = LifecycleManager(
             s, self.store, self.admin, triton_process=self.triton_process, metrics=self.metrics
         )

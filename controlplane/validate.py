@@ -768,9 +768,8 @@ async def _load_all(http_url: str, models: list[tuple[Path, Any]], headers: dict
                     default_timeout: float) -> list[CheckResult]:
     from controlplane.triton.client import TritonAdminClient
 
-    async with TritonAdminClient(http_url) as admin:
-        if headers:  # the restricted model-repository API of a compose/Kubernetes Triton wants its key
-            admin._http.headers.update(headers)
+    # The restricted model-repository API of a compose/Kubernetes Triton wants its key in a header.
+    async with TritonAdminClient(http_url, headers=headers or None) as admin:
         try:
             ready = {e.name for e in await admin.repository_index() if e.state == "READY"}
         except SnoozeError as exc:

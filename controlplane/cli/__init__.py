@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -35,30 +35,31 @@ def fail(exc: SnoozeError) -> typer.Exit:
 
 @app.command()
 def serve(
-    models: Annotated[Path | None, typer.Option(help="Models folder (packages and/or models.toml) to publish at start")] = None,
-    work_dir: Annotated[Path, typer.Option(help="Runtime folder: repository, logs, Envoy config")] = Path(".snooze"),
-    host: Annotated[str, typer.Option(help="Address of the gateway and control API")] = "127.0.0.1",
-    http_port: Annotated[int, typer.Option(help="Gateway KServe v2 HTTP port")] = 8000,
-    grpc_port: Annotated[int, typer.Option(help="Gateway KServe v2 gRPC port")] = 8001,
-    api_port: Annotated[int, typer.Option(help="Control API port")] = 8080,
+    models: Annotated[Path | None, typer.Option(help="Models folder (packages and/or models.toml) to publish")] = None,
+    work_dir: Annotated[Path | None, typer.Option(help="Runtime folder [env SNOOZE_WORK_DIR; .snooze]")] = None,
+    host: Annotated[str | None, typer.Option(help="Gateway and API address [SNOOZE_HOST; 127.0.0.1]")] = None,
+    http_port: Annotated[int | None, typer.Option(help="Gateway HTTP port [SNOOZE_HTTP_PORT; 8000]")] = None,
+    grpc_port: Annotated[int | None, typer.Option(help="Gateway gRPC port [SNOOZE_GRPC_PORT; 8001]")] = None,
+    api_port: Annotated[int | None, typer.Option(help="Control API port [SNOOZE_API_PORT; 8080]")] = None,
     triton_url: Annotated[str | None, typer.Option(help="Use this Triton (HTTP URL) instead of starting one")] = None,
     triton_grpc_url: Annotated[str | None, typer.Option(help="gRPC host:port of that Triton")] = None,
-    target: Annotated[str, typer.Option(help="Backends of the Triton: embedded | full")] = "embedded",
+    target: Annotated[str | None, typer.Option(help="Triton's backends: embedded | full [SNOOZE_TARGET]")] = None,
     no_auth: Annotated[bool, typer.Option("--no-auth", help="Disable API keys (local use only)")] = False,
-    no_gateway: Annotated[bool, typer.Option("--no-gateway", help="No Envoy: clients use Triton's own ports")] = False,
+    no_gateway: Annotated[bool, typer.Option("--no-gateway", help="No Envoy: clients use Triton's ports")] = False,
 ) -> None:
-    """Start Triton, the control plane and the gateway; publish MODELS; serve until Ctrl-C."""
+    """Start Triton, the control plane and the gateway; publish MODELS; serve until Ctrl-C.
+
+    Flags override the SNOOZE_* environment variables, which override the defaults."""
     from controlplane.settings import Settings
     from controlplane.stack import run_stack
 
-    overrides: dict[str, object] = {
-        "work_dir": work_dir, "host": host, "http_port": http_port, "grpc_port": grpc_port,
-        "api_port": api_port, "target": target, "gateway": not no_gateway,
+    given = {
+        "work_dir": work_dir, "host": host, "http_port": http_port, "grpc_port": grpc_port, "api_port": api_port,
+        "triton_url": triton_url, "triton_grpc_url": triton_grpc_url, "target": target,
     }
-    if triton_url:
-        overrides["triton_url"] = triton_url
-    if triton_grpc_url:
-        overrides["triton_grpc_url"] = triton_grpc_url
+    overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
+    if no_gateway:
+        overrides["gateway"] = False
     if no_auth:
         overrides["auth"] = "off"
     try:
@@ -66,6 +67,8 @@ def serve(
         code = run_stack(settings, models)
     except SnoozeError as exc:
         raise fail(exc) from None
+    except ValueError as exc:  # pydantic's ValidationError: a bad SNOOZE_* value or flag
+        raise fail(SnoozeError(f"invalid setting: {exc}", hint="see `snoozectl serve --help`")) from None
     raise typer.Exit(code)
 
 
@@ -78,12 +81,12 @@ def render(
 ) -> None:
     """Render packages into a Triton model repository (all validated first, each written atomically)."""
     from controlplane.render import render_repository, target_by_name
-    from controlplane.spec import DeploymentSpec, discover, resolve_all
+    from controlplane.spec import DeploymentSpec, discover, is_package_dir, resolve_all
 
     try:
         deployments = []
         for path in paths:
-            if (path / "snooze_model.py").is_file() or (path / "model.onnx").is_file() or (path / "model.plan").is_file():
+            if is_package_dir(path):
                 deployments.append(DeploymentSpec(id=path.resolve().name, path=path.resolve()))
             else:
                 deployments.extend(discover(path))
@@ -94,14 +97,16 @@ def render(
     if as_json:
         print(json.dumps({"repository": str(out), "models": [p.name for p in written]}))
     else:
-        for spec, folder in zip(specs, written):
+        for spec, folder in zip(specs, written, strict=True):
             console.print(f"rendered [bold]{spec.id}[/] ({spec.package.kind.value}) -> {folder}")
 
 
 @app.command()
 def check(
     path: Annotated[Path, typer.Argument(help="Package folder")],
-    inputs: Annotated[list[str] | None, typer.Option("--input", "-i", help="NAME:SHAPE (batch first, e.g. x:4x3) or NAME=FILE.npy")] = None,
+    inputs: Annotated[
+        list[str] | None, typer.Option("--input", "-i", help="NAME:SHAPE (batch first, e.g. x:4x3) or NAME=FILE.npy")
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
     max_batch_size: Annotated[int, typer.Option(help="0 if the model does not batch")] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
@@ -121,12 +126,14 @@ def check(
             name: {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel()[:8].tolist()}
             for name, a in result.outputs.items()
         }
-        print(json.dumps({"ok": True, "model": result.model_id, "device": device, "outputs": outputs}, default=_jsonable))
+        report = {"ok": True, "model": result.model_id, "device": device, "outputs": outputs}
+        print(json.dumps(report, default=_jsonable))
         return
     console.print(f"OK: model loaded on '{result.device}'", highlight=False)
     for name, array in result.outputs.items():
         first = ", ".join(_short(v) for v in array.ravel()[:6])
-        console.print(f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{', ...' if array.size > 6 else ''}]", highlight=False)
+        more = ", ..." if array.size > 6 else ""
+        console.print(f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{more}]", highlight=False)
 
 
 def _short(value: object) -> str:
@@ -143,6 +150,8 @@ def _jsonable(value: object) -> object:
 
 client_commands.register(app)  # publish, status/list, load, unload, delete: the control API's client
 validate_command.register(app)  # validate: the CI gate for a generated model repository
+from controlplane.cli import convert_command  # noqa: E402
+convert_command.register(app)  # convert torch | onnx-to-trt
 
 
 def main() -> None:

@@ -109,7 +109,9 @@ class ModelAnswers:
         return self.waker.serving(name, timeout=timeout)
 
     def state(self, name: str) -> str:
-        return str(self.waker.status(name).state)
+        """The lifecycle state's name (``ModelStatus.state`` is a str enum)."""
+        state = self.waker.status(name).state
+        return str(getattr(state, "value", state))
 
     def ready(self, name: str) -> bool:
         """Published and not failed: a request would be served (after a wake if it sleeps)."""
@@ -137,13 +139,12 @@ class ModelAnswers:
     def index(self, ready_only: bool) -> list[dict[str, str]]:
         entries = []
         for model in self.store.list():
-            status = self.waker.status(model.id)
-            state = INDEX_STATES.get(str(status.state), "UNKNOWN")
+            lifecycle_state = self.state(model.id)
+            state = INDEX_STATES.get(lifecycle_state, "UNKNOWN")
             if ready_only and state != "READY":
                 continue
-            entries.append(
-                {"name": model.id, "version": VERSION, "state": state, "reason": status.reason or str(status.state)}
-            )
+            reason = self.waker.status(model.id).reason or lifecycle_state
+            entries.append({"name": model.id, "version": VERSION, "state": state, "reason": reason})
         return entries
 
     def check_admin(self, key: str | None) -> None:

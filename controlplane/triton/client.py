@@ -89,11 +89,19 @@ def _error_text(response: httpx.Response) -> str:
 class TritonAdminClient:
     """Health, repository (load/unload), statistics, config and metrics calls against one Triton."""
 
-    def __init__(self, http_url: str, metrics_url: str | None = None, *, timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        http_url: str,
+        metrics_url: str | None = None,
+        *,
+        timeout: float = 10.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """``headers`` go with every call, e.g. the key of Triton's restricted repository API."""
         self.http_url = http_url.rstrip("/")
         self.metrics_url = metrics_url.rstrip("/") if metrics_url else None
         self.timeout = timeout
-        self._http = httpx.AsyncClient(base_url=self.http_url, timeout=timeout)
+        self._http = httpx.AsyncClient(base_url=self.http_url, timeout=timeout, headers=headers)
 
     async def aclose(self) -> None:
         await self._http.aclose()
