@@ -143,11 +143,15 @@ def bare_envoy_bootstrap(*, http_port: int, grpc_port: int, triton_http: tuple[s
                 route: {{ cluster: {cluster}, timeout: 0s }}"""
 
     def cluster(name: str, address: tuple[str, int], http2: bool) -> str:
-        h2 = """
+        h2 = (
+            """
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: { http2_protocol_options: {} }""" if http2 else ""
+        explicit_http_config: { http2_protocol_options: {} }"""
+            if http2
+            else ""
+        )
         return f"""
   - name: {name}
     type: STATIC{h2}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterable
@@ -52,6 +53,10 @@ OOM_HINT = (
 # Requests that failed against a dead stub reach recover() just after the first of them reloaded
 # the model; a model (re)loaded this recently is not reloaded again.
 RECOVERY_DEDUP_SECS = 2.0
+# A config parameter changed on recovery. Triton 2.51 cannot unload a model after a request failed
+# on its dead stub (the unload hangs for a minute or more, measured), and an in-place instance
+# change keeps the dead instance; a reload whose config differs replaces every instance in ~1 s.
+GENERATION_PARAMETER = "snooze_generation"
 
 
 class ModelState(str, Enum):
@@ -93,15 +98,25 @@ def is_oom_error(text: str) -> bool:
     return any(marker in lowered for marker in OOM_MARKERS)
 
 
-def instance_override(config_text: str, instances: int, *, where: str) -> dict[str, Any]:
-    """The model's config with ``instances`` in its instance group, as Triton's load override JSON."""
-    config = parse_config(config_text, where=where)
-    if not config.instance_group:
-        config.instance_group.add()
-    for group in config.instance_group[1:]:
-        group.count = 0  # the rendered config has one group; an override must not add instances elsewhere
-    config.instance_group[0].count = instances
-    return json_format.MessageToDict(config, preserving_proto_field_name=True)
+def rendered_config(config_text: str, *, where: str) -> dict[str, Any]:
+    """A published config.pbtxt as the JSON a load override takes."""
+    return json_format.MessageToDict(parse_config(config_text, where=where), preserving_proto_field_name=True)
+
+
+def config_with_instances(config: dict[str, Any], instances: int, *, replace: bool = False) -> dict[str, Any]:
+    """``config`` (override JSON) with ``instances`` in its (first, and for snoozeml only) instance group.
+
+    ``replace`` also changes a parameter, which makes Triton build every instance anew instead of
+    updating the instance count in place.
+    """
+    config = json.loads(json.dumps(config))
+    groups = config.setdefault("instance_group", [])
+    if not groups:
+        groups.append({"kind": "KIND_CPU"})
+    groups[0]["count"] = instances
+    if replace:
+        config.setdefault("parameters", {})[GENERATION_PARAMETER] = {"string_value": str(time.time_ns())}
+    return config
 
 
 @dataclass
@@ -487,11 +502,8 @@ class LifecycleManager:
     async def _recover_op(self, rec: _Model, cause: str) -> None:
         instances = rec.instances or rec.model.deployment.instances
         try:
-            # The dead stub's model is still READY in Triton; a plain load would change nothing.
-            with contextlib.suppress(SnoozeError):
-                await self.triton.unload(rec.id, wait=True)
-            self._forget_loaded(rec)
-            await self._load(rec, instances)
+            # The dead stub's model is still READY in Triton, so a plain load would change nothing.
+            await self._load(rec, instances, how="replace")
         except SnoozeError as e:
             self._load_failed(rec, e)
             self._set_state(rec, ModelState.FAILED, str(e.message))
@@ -501,7 +513,7 @@ class LifecycleManager:
     async def _rescale_op(self, rec: _Model, instances: int, direction: str | None) -> None:
         before = rec.instances
         try:
-            await self._load(rec, instances)
+            await self._load(rec, instances, how="in_place")
         except SnoozeError as e:
             # Triton keeps the model as it was when a reload fails.
             self._set_state(rec, ModelState.READY, f"scaling to {instances} instances failed: {e.message}")
@@ -555,8 +567,12 @@ class LifecycleManager:
     # ------------------------------------------------------------------------------------------
     # Loading, memory
 
-    async def _load(self, rec: _Model, instances: int, *, trigger: str | None = None) -> None:
-        """Load (or reload in place) with ``instances``; ``trigger`` marks a cold start."""
+    async def _load(self, rec: _Model, instances: int, *, trigger: str | None = None, how: str = "files") -> None:
+        """Load with ``instances``; ``trigger`` marks a cold start.
+
+        ``how``: "files" loads what is published (a reload picks up new files); "in_place" changes
+        only the instance count of the loaded model; "replace" rebuilds every instance.
+        """
         rec.model = self.store.get(rec.id)  # Triton reads what is published now
         await self._wait_for_triton(rec)
         async with self._load_slots:
@@ -565,7 +581,7 @@ class LifecycleManager:
             rec.reserved = need
             started = time.monotonic()
             try:
-                await self._triton_load(rec, instances, need)
+                await self._triton_load(rec, instances, need, how)
             finally:
                 rec.reserved = 0
             elapsed = time.monotonic() - started
@@ -576,14 +592,22 @@ class LifecycleManager:
             self.metrics.cold_start_seconds.labels(model=rec.id).observe(elapsed)
             log.info("model '%s': cold start (%s) in %.3fs", rec.id, trigger, elapsed)
 
-    async def _triton_load(self, rec: _Model, instances: int, need: int) -> None:
-        # Override only when the count differs from config.pbtxt: Triton keeps an override until the
-        # next load without one, so loading the published count plainly also drops an old override.
-        config = (
-            None
-            if instances == rec.model.deployment.instances
-            else instance_override(rec.model.config_text, instances, where=f"model '{rec.id}'")
-        )
+    async def _load_config(self, rec: _Model, instances: int, how: str) -> dict[str, Any] | None:
+        """The config override for a load, or None to load config.pbtxt as published."""
+        if how in ("in_place", "replace"):
+            # Start from Triton's own (normalised) config: an override built from config.pbtxt differs
+            # from it in defaults, and Triton then reloads every instance instead of adding or removing
+            # some. Also, a load without an override does not undo an earlier one when the files are
+            # unchanged (measured), so going back to the published count needs an override too.
+            with contextlib.suppress(SnoozeError):
+                current = await self.triton.model_config(rec.id)
+                return config_with_instances(current, instances, replace=how == "replace")
+        if instances == rec.model.deployment.instances:
+            return None
+        return config_with_instances(rendered_config(rec.model.config_text, where=f"model '{rec.id}'"), instances)
+
+    async def _triton_load(self, rec: _Model, instances: int, need: int, how: str) -> None:
+        config = await self._load_config(rec, instances, how)
         timeout = rec.model.load_timeout_secs
         try:
             await self.triton.load(rec.id, config=config, timeout=timeout)

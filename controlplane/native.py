@@ -198,7 +198,7 @@ def run_worker(
                 line = line.rstrip("\n")
                 if line.startswith(PROGRESS_PREFIX):
                     with contextlib.suppress(Exception):
-                        notify(line[len(PROGRESS_PREFIX):])
+                        notify(line[len(PROGRESS_PREFIX) :])
                 elif line.strip():
                     tail.append(line)
 
@@ -299,11 +299,14 @@ def prefer_native(
             "{input_name: example_batch}) to have it served as ONNX",
         )
     if not torch_available():
-        return fallback("torch", "torch is not installed here, so the export cannot run", "pip install 'snoozeml[torch]'")
+        return fallback(
+            "torch", "torch is not installed here, so the export cannot run", "pip install 'snoozeml[torch]'"
+        )
 
-    _prepare_out_dir(out_dir, package_dir)
     effective = validate_params(package, dict(params or {}), model_id=package_dir.name)
+    created = _prepare_out_dir(out_dir, package_dir)
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=out_dir))
+    decision: NativeDecision | None = None
     try:
         request = {
             "op": "torch_to_onnx",
@@ -321,15 +324,19 @@ def prefer_native(
         notify(f"starting the export worker ({hook})")
         result = run_worker(request, progress=notify, timeout=timeout, env=manifest.env)
         if not result.get("ok"):
-            return _failed(result, work, out_dir, package_dir, fallback)
-        notify("assembling the ONNX package")
-        decision = _assemble(package, result, work, out_dir, opset, hook)
+            decision = _failed(result, work, out_dir, package_dir, fallback)
+        else:
+            notify("assembling the ONNX package")
+            decision = _assemble(package, result, work, out_dir, opset, hook)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if created and (decision is None or not decision.native) and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # nothing to show: leave no empty folder behind
     return decision
 
 
-def _prepare_out_dir(out_dir: Path, package_dir: Path) -> None:
+def _prepare_out_dir(out_dir: Path, package_dir: Path) -> bool:
+    """Check `out_dir` is usable and create it; True when it was created here."""
     if out_dir == package_dir or out_dir.is_relative_to(package_dir):
         raise InvalidPackageError(
             f"{out_dir}: the output folder is inside the package {package_dir}",
@@ -340,7 +347,9 @@ def _prepare_out_dir(out_dir: Path, package_dir: Path) -> None:
             f"{out_dir}: the output folder exists and is not empty",
             hint="choose a new folder, or remove this one",
         )
+    created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
+    return created
 
 
 def _worst_parity(report: Mapping[str, Any] | None) -> str:
@@ -386,7 +395,7 @@ def _failed(
         return fallback(
             "export",
             f"export failed: {message.replace(str(work), str(out_dir))}",
-            "make the module exportable (see the exporters' reasons above), or keep the custom package",
+            "make the module exportable (each exporter's reason is given), or keep serving the custom package",
             report=report,
         )
     return fallback("worker", f"conversion failed: {message}", report=report)
@@ -464,7 +473,10 @@ def _converted_manifest(
     from converters.onnx_inspect import inspect_onnx
 
     sig = inspect_onnx(out_dir / ONNX_FILE)
-    for label, declared, exported in (("inputs", package.inputs, sig.inputs), ("outputs", package.outputs, sig.outputs)):
+    for label, declared, exported in (
+        ("inputs", package.inputs, sig.inputs),
+        ("outputs", package.outputs, sig.outputs),
+    ):
         dims = {t.name: t.dims_without_batch for t in exported}
         if any(dims.get(t.name) != list(t.dims) for t in declared):
             body[label] = [t.model_dump() for t in declared]
@@ -543,7 +555,7 @@ def build_tensorrt_package(
             f"cannot build a TensorRT plan from {onnx_path} on this machine: {reason}",
             hint="publish the ONNX model with deployment setting onnx_tensorrt = true: on the full target "
             "(official Triton image, GPU) it is served by onnxruntime with the TensorRT execution accelerator, "
-            f"no engine build needed. Or build the plan on a machine with an NVIDIA GPU after "
+            "no engine build needed. Or build the plan on a machine with an NVIDIA GPU after "
             "`pip install 'snoozeml[gpu]'`",
         )
     plan = out_dir / PLAN_FILE
@@ -553,8 +565,13 @@ def build_tensorrt_package(
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         result = run_worker(
-            {"op": "onnx_to_trt", "onnx_path": str(onnx_path), "plan_path": str(plan),
-             "max_batch_size": max_batch_size, "fp16": fp16},
+            {
+                "op": "onnx_to_trt",
+                "onnx_path": str(onnx_path),
+                "plan_path": str(plan),
+                "max_batch_size": max_batch_size,
+                "fp16": fp16,
+            },
             progress=progress,
             timeout=timeout,
         )
@@ -564,16 +581,26 @@ def build_tensorrt_package(
 
         def specs(tensors: Any) -> list[dict[str, Any]]:
             return [
-                {"name": t.name, "datatype": parse_dtype(t.dtype).wire, "dims": t.dims_without_batch if batch else t.dims}
+                {
+                    "name": t.name,
+                    "datatype": parse_dtype(t.dtype).wire,
+                    "dims": t.dims_without_batch if batch else t.dims,
+                }
                 for t in tensors
             ]
 
         manifest = {
             "inputs": specs(sig.inputs),
             "outputs": specs(sig.outputs),
-            "metadata": {"converted_from": {"kind": "onnx", "file": str(onnx_path), "fp16": fp16,
-                                            "max_batch_size": max_batch_size,
-                                            "tensorrt": result.get("tensorrt_version")}},
+            "metadata": {
+                "converted_from": {
+                    "kind": "onnx",
+                    "file": str(onnx_path),
+                    "fp16": fp16,
+                    "max_batch_size": max_batch_size,
+                    "tensorrt": result.get("tensorrt_version"),
+                }
+            },
         }
         (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     except BaseException:

@@ -97,27 +97,38 @@ def _parity_table(report: dict[str, Any], title: str) -> Any:
     for c in report.get("comparisons", []):
         result = "[green]ok[/green]" if c["passed"] else f"[red]FAIL[/red] {escape(c.get('detail') or '')}".rstrip()
         fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
-        table.add_row(c["case"], c["output"], c["dtype"], str(c["shape"]), fmt(c["max_abs"]), fmt(c["max_rel"]),
-                      f"{c['atol']:g}/{c['rtol']:g}", result)
+        table.add_row(
+            c["case"],
+            c["output"],
+            c["dtype"],
+            str(c["shape"]),
+            fmt(c["max_abs"]),
+            fmt(c["max_rel"]),
+            f"{c['atol']:g}/{c['rtol']:g}",
+            result,
+        )
     return table
 
 
 @convert_app.command("torch")
 def torch_command(
-    package: Annotated[Path, typer.Argument(help="Custom package folder whose snooze_model.py has an export_module hook")],
+    package: Annotated[
+        Path, typer.Argument(help="Custom package folder whose snooze_model.py has an export_module hook")
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="New folder for the ONNX package (absent or empty)")],
     max_batch_size: Annotated[int, typer.Option(help="Largest batch the parity check runs (1, 3 and this)")] = 8,
     opset: Annotated[int, typer.Option(help="ONNX opset of the export")] = 18,
     atol: Annotated[float | None, typer.Option(help="Absolute tolerance for float outputs (default per dtype)")] = None,
     rtol: Annotated[float | None, typer.Option(help="Relative tolerance for float outputs (default per dtype)")] = None,
     inputs: Annotated[
-        list[str] | None, typer.Option("--input", "-i", help="NAME=FILE.npy: a user batch checked too (repeat per input)")
+        list[str] | None,
+        typer.Option("--input", "-i", help="NAME=FILE.npy: a user batch checked too (repeat per input)"),
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds the export + parity check may take")] = 900,
     as_json: AsJson = False,
 ) -> None:
     """Export a torch package to an ONNX package and check parity; the custom package is kept as provenance."""
-    from controlplane.native import PARITY_FILE, prefer_native, tolerances_from
+    from controlplane.native import PARITY_FILE, ConversionFailed, prefer_native, tolerances_from
     from controlplane.spec import PackageKind, load_package
 
     try:
@@ -125,13 +136,20 @@ def torch_command(
         kind = load_package(package).kind
         if kind is not PackageKind.CUSTOM:
             raise InvalidPackageError(
-                f"{package}: is already a {kind.value} package; `convert torch` takes a custom package with snooze_model.py",
+                f"{package}: is already a {kind.value} package; `convert torch` takes a custom package "
+                "(snooze_model.py with an export_module hook)",
                 hint="publish it as it is, or use `snoozectl convert onnx-to-trt` for a TensorRT plan",
             )
         with _stages(f"converting {package}", as_json) as progress:
             decision = prefer_native(
-                package, max_batch_size=max_batch_size, out_dir=out, opset=opset,
-                tolerances=tolerances_from(atol, rtol), progress=progress, timeout=timeout, user_inputs=user_inputs,
+                package,
+                max_batch_size=max_batch_size,
+                out_dir=out,
+                opset=opset,
+                tolerances=tolerances_from(atol, rtol),
+                progress=progress,
+                timeout=timeout,
+                user_inputs=user_inputs,
             )
     except SnoozeError as exc:
         raise _fail(exc, as_json) from None
@@ -141,7 +159,7 @@ def torch_command(
     if not decision.native:
         reason = decision.reason.removeprefix("serving the custom package (python backend): ")
         raise _fail(
-            SnoozeError(f"{package}: {reason}", hint=decision.hint),
+            ConversionFailed(f"{package}: {reason}", hint=decision.hint),
             as_json,
             {"stage": decision.stage, "report": decision.report, "artifacts": decision.artifacts},
         )
@@ -156,7 +174,9 @@ def torch_command(
 def onnx_to_trt_command(
     model: Annotated[Path, typer.Argument(help="ONNX file (model.onnx)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the TensorRT package (model.plan + manifest)")],
-    max_batch_size: Annotated[int, typer.Option(help="Batch axis profile: 1 .. this (0: the model does not batch)")] = 8,
+    max_batch_size: Annotated[
+        int, typer.Option(help="Batch axis profile: 1 .. this (0: the model does not batch)")
+    ] = 8,
     fp16: Annotated[bool, typer.Option("--fp16", help="Allow FP16 kernels")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds the engine build may take")] = 1800,
     as_json: AsJson = False,
@@ -172,13 +192,24 @@ def onnx_to_trt_command(
     except SnoozeError as exc:
         raise _fail(exc, as_json) from None
     if as_json:
-        print(json.dumps({"ok": True, "package": str(built.path), "plan": str(built.plan_path),
-                          "build_secs": built.build_secs, "fp16": built.fp16, "tensorrt": built.tensorrt_version}))
+        print(
+            json.dumps(
+                {
+                    "ok": True,
+                    "package": str(built.path),
+                    "plan": str(built.plan_path),
+                    "build_secs": built.build_secs,
+                    "fp16": built.fp16,
+                    "tensorrt": built.tensorrt_version,
+                }
+            )
+        )
         return
     _out.print(
         f"[green]ok[/green] built {built.plan_path} in {built.build_secs:.1f} s (TensorRT {built.tensorrt_version}, "
         f"{'fp16' if built.fp16 else 'fp32'}); it runs only on this GPU model and TensorRT version",
-        highlight=False, soft_wrap=True,
+        highlight=False,
+        soft_wrap=True,
     )
 
 

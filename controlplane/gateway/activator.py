@@ -258,16 +258,19 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
         ready_only = bool((await request.json()).get("ready", False)) if body else False
         return JSONResponse(answers.index(ready_only))
 
-    async def load_or_unload(request: Request) -> Response:
+    def admin_model(request: Request) -> str:
         answers.check_admin(bearer_or_api_key(request.headers.get("x-api-key"), request.headers.get("authorization")))
-        name = request.path_params["model"]
-        answers.published(name)
+        return answers.published(request.path_params["model"]).id
+
+    async def load(request: Request) -> Response:
+        name = admin_model(request)
         body = await request.body()
-        if request.path_params["action"] == "load":
-            _no_overrides((await request.json()).get("parameters", {}) if body else {}, name)
-            await answers.waker.load(name)
-        else:
-            await answers.waker.unload(name, reason="api")
+        _no_overrides((await request.json()).get("parameters", {}) if body else {}, name)
+        await answers.waker.load(name)
+        return JSONResponse({})
+
+    async def unload(request: Request) -> Response:
+        await answers.waker.unload(admin_model(request), reason="api")
         return JSONResponse({})
 
     model = "/v2/models/{model}"
@@ -278,7 +281,8 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
     routes += [Route(p, _handled(metadata), methods=["GET"]) for p in (model, versioned)]
     routes += [
         Route("/v2/repository/index", _handled(index), methods=["POST"]),
-        Route("/v2/repository/models/{model}/{action:str}", _handled(load_or_unload), methods=["POST"]),
+        Route("/v2/repository/models/{model}/load", _handled(load), methods=["POST"]),
+        Route("/v2/repository/models/{model}/unload", _handled(unload), methods=["POST"]),
     ]
     return Starlette(routes=routes)
 

@@ -28,7 +28,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from controlplane.gateway.activator import Activator
-from controlplane.gateway.envoy import ApiKey, EnvoyGateway, Upstream, render_bootstrap
+from controlplane.gateway.envoy import ApiKey, EnvoyGateway, GatewayError, Upstream, render_bootstrap
 from controlplane.lifecycle import LifecycleManager
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
@@ -114,8 +114,12 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder.mkdir()
     (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
     tensor = {"datatype": "FP32", "dims": [-1]}
-    manifest = {"inputs": [{"name": "x", **tensor}], "outputs": [{"name": "y", **tensor}], "params": {"scale": 3.0},
-                "params_schema": {"scale": {"type": "float", "default": 2.0}}}
+    manifest = {
+        "inputs": [{"name": "x", **tensor}],
+        "outputs": [{"name": "y", **tensor}],
+        "params": {"scale": 3.0},
+        "params_schema": {"scale": {"type": "float", "default": 2.0}},
+    }
     (folder / "snooze_model.json").write_text(json.dumps(manifest))
     return folder
 
@@ -389,7 +393,6 @@ def test_auth_off_renders_no_auth_filter():
 
 
 def test_auth_on_without_keys_is_refused(tmp_path: Path):
-    with pytest.raises(Exception, match="no API keys are configured"):
+    with pytest.raises(GatewayError, match="no API keys are configured"):
         EnvoyGateway(Settings(work_dir=tmp_path), triton_http="a:1", triton_grpc="a:2",
                      activator_http="a:3", activator_grpc="a:4")  # fmt: skip
-
