@@ -173,7 +173,9 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     rendered = RenderedModel(spec.id, backend, config, text_format.MessageToString(config))
     package = spec.package
     if backend == "python":
-        for rel in package.files:
+        # An ONNX package needs only its model and weights (not its provenance or reports).
+        served = package.files if package.kind is PackageKind.CUSTOM else [package.model_file, *package.external_data]
+        for rel in served:
             rendered.copies.append((package.path / rel, f"{VERSION}/{PACKAGE_SUBDIR}/{rel}"))
         for src in _runtime_sources():
             rendered.copies.append((src, f"{VERSION}/{RUNTIME_SUBDIR}/{src.name}"))

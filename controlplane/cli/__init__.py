@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from controlplane.cli import client_commands, validate_command
+from controlplane.cli.output import fail, out_console
 from controlplane.errors import SnoozeError
 
 app = typer.Typer(
@@ -21,16 +21,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
-
-
-def fail(exc: SnoozeError) -> typer.Exit:
-    """Print a user-facing error (message + fix) and return the exit to raise."""
-    err_console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
-    if exc.hint:
-        err_console.print(f"[bold]fix:[/] {exc.hint}", highlight=False, soft_wrap=True)
-    return typer.Exit(1)
+console = out_console
 
 
 @app.command()
@@ -117,10 +108,7 @@ def check(
     try:
         result = check_package(path, inputs or [], device=device, max_batch_size=max_batch_size)
     except SnoozeError as exc:
-        if as_json:
-            print(json.dumps({"ok": False, **exc.to_dict()}))
-            raise typer.Exit(1) from None
-        raise fail(exc) from None
+        raise fail(exc, as_json) from None
     if as_json:
         outputs = {
             name: {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel()[:8].tolist()}
@@ -151,6 +139,7 @@ def _jsonable(value: object) -> object:
 client_commands.register(app)  # publish, status/list, load, unload, delete: the control API's client
 validate_command.register(app)  # validate: the CI gate for a generated model repository
 from controlplane.cli import convert_command  # noqa: E402
+
 convert_command.register(app)  # convert torch | onnx-to-trt
 
 

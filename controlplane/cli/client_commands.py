@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
+from controlplane.cli.output import AsJson, err_console, fail, out_console
 from controlplane.errors import SnoozeError
 
 if TYPE_CHECKING:
@@ -28,21 +28,10 @@ Url = Annotated[str, typer.Option("--url", envvar="SNOOZE_API_URL", help="Contro
 ApiKey = Annotated[
     str | None, typer.Option("--api-key", envvar="SNOOZE_API_KEY", help="Admin API key", show_default=False)
 ]
-AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout")]
 
-_out = Console()
-_err = Console(stderr=True)
+_out = out_console
+_err = err_console
 T = TypeVar("T")
-
-
-def _fail(exc: SnoozeError, as_json: bool) -> typer.Exit:
-    if as_json:
-        print(json.dumps(exc.to_dict()))
-    else:
-        _err.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
-        if exc.hint:
-            _err.print(f"[bold]fix:[/] {exc.hint}", highlight=False, soft_wrap=True)
-    return typer.Exit(1)
 
 
 @contextmanager
@@ -54,7 +43,7 @@ def _client(url: str, api_key: str | None, as_json: bool) -> Iterator[ControlPla
         with ControlPlaneClient(url, api_key) as client:
             yield client
     except SnoozeError as exc:
-        raise _fail(exc, as_json) from None
+        raise fail(exc, as_json) from None
 
 
 def _waiting(message: str, as_json: bool, call: Callable[[], T]) -> T:
@@ -152,23 +141,51 @@ def publish(
         bool, typer.Option("--server-path", help="The server reads PATH from its own filesystem (no upload)")
     ] = False,
     load: Annotated[bool, typer.Option("--load", help="Load the model once published (a cold start)")] = False,
+    prefer_native: Annotated[
+        bool,
+        typer.Option(
+            "--prefer-native/--no-convert",
+            help="Export a custom torch package (export_module hook) to ONNX and publish that if parity passes",
+        ),
+    ] = True,
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,
     as_json: AsJson = False,
 ) -> None:
     """Validate and publish a model package; the repository changes only if it is valid."""
+    from contextlib import ExitStack
+
     options = {
         "device": device, "max_batch_size": max_batch_size, "max_batch_delay_ms": max_batch_delay_ms,
         "idle_timeout_secs": idle_timeout, "instances": instances, "max_instances": max_instances,
         "memory_mb": memory_mb,
     }
     deployment = {k: v for k, v in options.items() if v is not None}
-    with _client(url, api_key, as_json) as client:
+    with _client(url, api_key, as_json) as client, ExitStack() as native:
         from controlplane.api.client import default_model_id
 
         name = model_id or default_model_id(path)
         if param:
             deployment["params"] = _parse_params(param)
+        decision = None
+        if prefer_native and path.is_dir() and not server_path:  # archives and server paths go as they are
+            from controlplane.native import native_package
+
+            def convert(progress: Callable[[str], None]) -> Any:
+                batch = deployment.get("max_batch_size", 8)
+                return native.enter_context(
+                    native_package(path, max_batch_size=batch, params=deployment.get("params"), progress=progress)
+                )
+
+            if as_json:
+                decision = convert(lambda _stage: None)
+            else:
+                with _err.status("looking for a native export") as spinner:
+                    decision = convert(lambda stage: spinner.update(f"converting to ONNX: {stage}"))
+                _err.print(decision.reason, highlight=False, markup=False, soft_wrap=True)
+            path = decision.publish_path
+            if decision.converted:  # the params are baked into the exported graph
+                deployment.pop("params", None)
         if server_path:
             detail = _waiting(f"publishing {name}", as_json, lambda: client.publish_path(path, name, **deployment))
         else:
@@ -180,6 +197,8 @@ def publish(
                     detail = client.publish_archive(path, name, progress=update, **deployment)
         if load:
             detail["status"] = _waiting(f"loading {name} (cold start)", as_json, lambda: client.load(name))
+    if decision is not None:
+        detail["conversion"] = {"native": decision.native, "converted": decision.converted, "reason": decision.reason}
     if as_json:
         print(json.dumps(detail))
         return

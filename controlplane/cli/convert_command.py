@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from controlplane.cli.output import AsJson, err_console, fail, out_console
 from controlplane.errors import InvalidPackageError, SnoozeError
 
 convert_app = typer.Typer(
@@ -24,21 +24,10 @@ convert_app = typer.Typer(
     no_args_is_help=True,
 )
 
-_out = Console()
-_err = Console(stderr=True)
+_out = out_console
+_err = err_console
 _INPUT = re.compile(r"^(?P<name>[^=]+)=(?P<file>.+\.npy)$")
 
-AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable result on stdout")]
-
-
-def _fail(exc: SnoozeError, as_json: bool, extra: dict[str, Any] | None = None) -> typer.Exit:
-    if as_json:
-        print(json.dumps({"ok": False, **exc.to_dict(), **(extra or {})}, default=str))
-    else:
-        _err.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False, soft_wrap=True)
-        if exc.hint:
-            _err.print(f"[bold]fix:[/] {escape(exc.hint)}", highlight=False, soft_wrap=True)
-    return typer.Exit(1)
 
 
 @contextmanager
@@ -55,7 +44,7 @@ def _stages(title: str, as_json: bool) -> Iterator[Callable[[str], None]]:
         def finish(outcome: str) -> None:
             if current["stage"] is not None:
                 secs = time.perf_counter() - current["since"]
-                _err.print(f"  {outcome} {escape(current['stage'])} ({secs:.1f} s)", highlight=False)
+                _err.print(f"  {outcome} {escape(current['stage'])} ({secs:.1f} s)", highlight=False, soft_wrap=True)
             current["stage"] = None
 
         def update(stage: str) -> None:
@@ -89,11 +78,12 @@ def _parse_inputs(items: list[str]) -> list[dict[str, str]]:
 
 
 def _parity_table(report: dict[str, Any], title: str) -> Any:
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=escape(title))
+    table = Table(title=escape(title), box=box.SIMPLE_HEAD, pad_edge=False)
     for column in ("case", "output", "dtype", "shape", "max abs", "max rel", "atol/rtol", "result"):
-        table.add_column(column, justify="right" if column.startswith("max") else "left")
+        table.add_column(column, justify="right" if column.startswith("max") else "left", no_wrap=column != "result")
     for c in report.get("comparisons", []):
         result = "[green]ok[/green]" if c["passed"] else f"[red]FAIL[/red] {escape(c.get('detail') or '')}".rstrip()
         fmt = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
@@ -152,13 +142,13 @@ def torch_command(
                 user_inputs=user_inputs,
             )
     except SnoozeError as exc:
-        raise _fail(exc, as_json) from None
+        raise fail(exc, as_json) from None
     if decision.report and not as_json:
         where = out / PARITY_FILE if decision.native else decision.artifacts / PARITY_FILE  # type: ignore[operator]
         _err.print(_parity_table(decision.report, f"parity (saved to {where})"))
     if not decision.native:
         reason = decision.reason.removeprefix("serving the custom package (python backend): ")
-        raise _fail(
+        raise fail(
             ConversionFailed(f"{package}: {reason}", hint=decision.hint),
             as_json,
             {"stage": decision.stage, "report": decision.report, "artifacts": decision.artifacts},
@@ -190,7 +180,7 @@ def onnx_to_trt_command(
                 model, out, max_batch_size=max_batch_size, fp16=fp16, progress=progress, timeout=timeout
             )
     except SnoozeError as exc:
-        raise _fail(exc, as_json) from None
+        raise fail(exc, as_json) from None
     if as_json:
         print(
             json.dumps(

@@ -159,3 +159,67 @@ def test_onnx_to_trt_builds_a_plan_package(tmp_path: Path) -> None:  # pragma: n
     assert (out / "model.plan").is_file()
     manifest = json.loads((out / "snooze_model.json").read_text())
     assert manifest["inputs"] == [{"name": "x", "datatype": "FP32", "dims": [3]}]
+
+
+# ---------------------------------------------------------------------------------------------
+# publish --prefer-native (default) / --no-convert, against a recording stand-in for the control API
+
+
+class _RecordingClient:
+    calls: list[dict] = []
+
+    def __init__(self, base_url: str, api_key: str | None = None, **_: object) -> None:
+        pass
+
+    def __enter__(self) -> _RecordingClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def publish_archive(self, path, model_id, *, progress=None, **deployment):
+        path = Path(path)
+        files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+        self.calls.append({"path": path, "id": model_id, "deployment": deployment, "files": files})
+        kind = "onnx" if "model.onnx" in files else "custom"
+        return {"id": model_id, "kind": kind, "backend": "python"}
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    monkeypatch.setattr("controlplane.api.client.ControlPlaneClient", _RecordingClient)
+    _RecordingClient.calls = []
+    return _RecordingClient.calls
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not HAS_TORCH, reason="torch not installed")
+def test_publish_prefers_the_onnx_export(tmp_path: Path, recording: list[dict]) -> None:
+    pkg = _package(tmp_path)
+    result = runner.invoke(app, ["publish", str(pkg), "--max-batch-size", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["kind"] == "onnx" and body["conversion"]["converted"] is True
+    assert "parity passed" in body["conversion"]["reason"]
+    (call,) = recording
+    assert call["id"] == "mlp"  # the id comes from the original folder, not the temporary one
+    assert "model.onnx" in call["files"] and "provenance/snooze_model.py" in call["files"]
+    assert call["deployment"] == {"max_batch_size": 4}
+    assert not call["path"].exists()  # the converted package lived only for the publish
+
+
+def test_publish_no_convert_and_no_hook_send_the_custom_package(tmp_path: Path, recording: list[dict]) -> None:
+    pkg = _package(tmp_path)
+    result = runner.invoke(app, ["publish", str(pkg), "--no-convert", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "conversion" not in json.loads(result.stdout) and recording[-1]["path"] == pkg
+
+    no_hook = tmp_path / "nohook"
+    no_hook.mkdir()
+    for name in ("snooze_model.py", "snooze_model.json"):
+        text = (pkg / name).read_text()
+        (no_hook / name).write_text(text.replace("def export_module", "def other"))
+    result = runner.invoke(app, ["publish", str(no_hook), "--id", "plain"])
+    assert result.exit_code == 0, result.output
+    assert "serving the custom package (python backend)" in result.output and "has no export hook" in result.output
+    assert recording[-1]["path"] == no_hook.resolve() and recording[-1]["id"] == "plain"
