@@ -226,6 +226,9 @@ async def serve_until_signal(stack: ServingStack) -> int:
 
 def run_stack(settings: Settings, models_dir: Path | None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Every admin poll of Triton is an httpx request: only worth seeing when debugging.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if settings.log_level == "debug" else logging.WARNING)
     console = Console(stderr=True)
     if settings.auth == "off":
         console.print(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -96,11 +97,13 @@ _STATE_STYLE = {"ready": "green", "loading": "yellow", "unloading": "yellow", "f
 def _state(status: dict[str, Any]) -> str:
     state = status["state"]
     text = f"[{_STATE_STYLE[state]}]{state}[/]" if state in _STATE_STYLE else state
-    return f"{text} ({status['reason']})" if state == "failed" and status.get("reason") else text
+    # reasons quote runtime errors such as "[snooze:oom] ...": not rich markup
+    return f"{text} ({escape(status['reason'])})" if state == "failed" and status.get("reason") else text
 
 
 def _status_table(models: list[dict[str, Any]]) -> Table:
     table = Table("model", "state", "instances", "last access", "idle timeout", "memory", "last cold start")
+    table.columns[0].no_wrap = True  # a model id is what users copy: never cut it
     for model in models:
         s = model["status"]
         cold = s.get("last_cold_start_secs")
