@@ -52,9 +52,6 @@ class Settings(BaseSettings):
     gateway: bool = Field(True, description="Start Envoy; off = clients talk to Triton directly")
 
     # --- lifecycle
-    idle_timeout_secs: float | None = Field(
-        None, description="Default idle timeout for models that do not set one"
-    )
     sweep_interval_secs: float = Field(1.0, description="How often idle models and stub health are checked")
     wake_timeout_secs: float | None = Field(
         None, description="Longest a request waits for a cold start (default: the model's load_timeout_secs)"
