@@ -22,7 +22,7 @@ from controlplane.errors import SnoozeError
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.settings import Settings
-from controlplane.spec import discover, resolve
+from controlplane.spec import DeploymentSpec, discover, entry_point_deployments, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton, detect_backends
@@ -66,8 +66,8 @@ class ServingStack:
         s.work_dir.mkdir(parents=True, exist_ok=True)
         http_url, grpc_url, metrics_url, target = await self._start_triton()
         self.store = ModelStore(s.repository, target)
-        if self.models_dir is not None:
-            self._publish_folder(self.models_dir)
+        # Packages from the models folder and from installed distributions' `snoozeml.models` entry points.
+        self._publish([*(discover(self.models_dir) if self.models_dir is not None else []), *entry_point_deployments()])
         self.admin = TritonAdminClient(http_url, metrics_url, headers=s.triton_headers())
         self.lifecycle = LifecycleManager(
             s, self.store, self.admin, triton_process=self.triton_process, metrics=self.metrics
@@ -123,9 +123,9 @@ class ServingStack:
         p = self.triton_process
         return p.http_url, p.grpc_url, p.metrics_url, embedded_target(backends)
 
-    def _publish_folder(self, folder: Path) -> None:
+    def _publish(self, deployments: list[DeploymentSpec]) -> None:
         assert self.store is not None
-        for deployment in discover(folder):
+        for deployment in deployments:
             try:
                 published = self.store.publish(resolve(deployment))
             except SnoozeError as exc:

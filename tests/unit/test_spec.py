@@ -176,3 +176,20 @@ def test_max_instances_below_instances_is_rejected(tmp_path: Path) -> None:
 def test_invalid_model_id_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="id"):
         DeploymentSpec(id="../evil", path=tmp_path)
+
+
+def test_entry_point_packages_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from controlplane.spec import entry_point_deployments
+
+    site = tmp_path / "site"
+    write_custom(site / "acme_models" / "sentiment", code="class Model:\n    pass\n")
+    (site / "acme_models" / "__init__.py").write_text("")
+    (site / "acme_models" / "sentiment" / "__init__.py").write_text("")
+    dist = site / "acme_models-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-models\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[snoozeml.models]\nacme-sentiment = acme_models.sentiment\n")
+    monkeypatch.syspath_prepend(str(site))
+    found = {d.id: d for d in entry_point_deployments()}
+    assert found["acme-sentiment"].path == site / "acme_models" / "sentiment"
+    assert resolve(found["acme-sentiment"]).package.inputs[0].name == "x"
