@@ -1,126 +1,235 @@
-"""Async load generators for KServe v2 endpoints, loopback only, bounded in count and time.
+"""Async load generation for KServe v2 endpoints: loopback only, bounded in count and time.
 
-The request is built once and sent as raw bytes (gRPC: a serialized ModelInferRequest over a
-grpc.aio channel with identity serializers; HTTP: a binary-tensor body over aiohttp), so that the
-client spends as little CPU as possible and the numbers measure the server side.
+The request is built once and sent as raw bytes (gRPC: a serialized ModelInferRequest over a grpc.aio
+channel with identity serializers; HTTP: a binary-tensor body over aiohttp; tritonclient.http's gevent
+path is far too slow to measure a server with), so the client spends as little CPU as it can.
+
+The generator runs in its own process (`LoadWorker`), never in the event loop of the stack it
+measures: the parent sends one JSON job per line on stdin and reads one JSON result per line.
+
+    python -m bench._load --worker      # what LoadWorker starts
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-import aiohttp
-import grpc
 import numpy as np
-import tritonclient.http as httpclient
-from tritonclient.grpc import service_pb2
 
 LOOPBACK = ("127.0.0.1", "localhost")
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
-@dataclass(frozen=True)
+@dataclass
 class LoadResult:
-    requests: int
+    requests: int  # successful
     errors: int
     seconds: float
-    latencies_ms: list[float]  # sorted
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    max_ms: float
+    first_error: str | None = None
 
     @property
     def rps(self) -> float:
         return self.requests / self.seconds if self.seconds else 0.0
 
-    def percentile(self, q: float) -> float:
-        if not self.latencies_ms:
-            return float("nan")
-        return self.latencies_ms[min(len(self.latencies_ms) - 1, int(q / 100 * len(self.latencies_ms)))]
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rps": round(self.rps, 1)}
 
 
-def _check_loopback(host: str) -> None:
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q / 100 * len(sorted_values)))]
+
+
+def check_loopback(host: str) -> None:
     if host not in LOOPBACK:
         raise ValueError(f"load generation is for loopback targets only, not {host!r}")
 
 
-async def _drive(
-    send: Callable[[], Awaitable[bool]], concurrency: int, seconds: float, max_requests: int
-) -> LoadResult:
+async def drive(send: Callable[[], Awaitable[None]], concurrency: int, seconds: float, max_requests: int) -> LoadResult:
+    """`concurrency` closed-loop workers until `seconds` pass or `max_requests` are issued."""
     latencies: list[float] = []
     errors = 0
+    first_error: str | None = None
     issued = 0
     deadline = time.perf_counter() + seconds
 
     async def worker() -> None:
-        nonlocal errors, issued
+        nonlocal errors, issued, first_error
         while issued < max_requests and time.perf_counter() < deadline:
             issued += 1
             start = time.perf_counter()
-            ok = await send()
+            try:
+                await send()
+            except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+                errors += 1
+                first_error = first_error or f"{type(exc).__name__}: {str(exc)[:200]}"
+                continue
             latencies.append((time.perf_counter() - start) * 1000)
-            errors += not ok
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
-    return LoadResult(len(latencies) - errors, errors, elapsed, sorted(latencies))
+    latencies.sort()
+    return LoadResult(
+        len(latencies), errors, elapsed, *(round(percentile(latencies, q), 3) for q in (50, 90, 99, 100)),
+        first_error=first_error,
+    )
 
 
-def infer_request_bytes(model: str, x: np.ndarray) -> bytes:
+def infer_request_bytes(model: str, x: np.ndarray, input_name: str = "x") -> bytes:
+    from tritonclient.grpc import service_pb2
+
     request = service_pb2.ModelInferRequest(model_name=model)
-    request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))  # data in raw_input_contents
+    request.inputs.add(name=input_name, datatype="FP32", shape=list(x.shape))  # data in raw_input_contents
     request.raw_input_contents.append(x.astype(np.float32).tobytes())
     return request.SerializeToString()
 
 
-async def grpc_load(
-    target: str, model: str, x: np.ndarray, *, concurrency: int, seconds: float, max_requests: int,
-    metadata: tuple[tuple[str, str], ...] = (),
-) -> LoadResult:  # fmt: skip
-    _check_loopback(target.rsplit(":", 1)[0])
-    payload = infer_request_bytes(model, x)
-    async with grpc.aio.insecure_channel(target) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+def http_infer_body(x: np.ndarray, input_name: str = "x", output_name: str = "y") -> tuple[bytes, dict[str, str]]:
+    import tritonclient.http as httpclient
 
-        async def send() -> bool:
-            try:
-                await call(payload, metadata=metadata)
-            except grpc.aio.AioRpcError:
-                return False
-            return True
-
-        return await _drive(send, concurrency, seconds, max_requests)
-
-
-async def http_load(
-    base_url: str, model: str, x: np.ndarray, *, concurrency: int, seconds: float, max_requests: int,
-    headers: dict[str, str] | None = None,
-) -> LoadResult:  # fmt: skip
-    _check_loopback(base_url.split("//", 1)[-1].rsplit(":", 1)[0])
-    tensor = httpclient.InferInput("x", list(x.shape), "FP32")
-    tensor.set_data_from_numpy(x, binary_data=True)
-    outputs = [httpclient.InferRequestedOutput("y", binary_data=True)]
+    tensor = httpclient.InferInput(input_name, list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x.astype(np.float32), binary_data=True)
+    outputs = [httpclient.InferRequestedOutput(output_name, binary_data=True)]
     body, json_size = httpclient.InferenceServerClient.generate_request_body([tensor], outputs=outputs)
-    all_headers = {"Inference-Header-Content-Length": str(json_size), "Content-Type": "application/octet-stream"}
-    all_headers.update(headers or {})
-    url = f"{base_url}/v2/models/{model}/infer"
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def send() -> bool:
-            async with session.post(url, data=body, headers=all_headers) as r:
-                await r.read()
-                return r.status == 200
-
-        return await _drive(send, concurrency, seconds, max_requests)
+    headers = {"Content-Type": "application/octet-stream"}
+    if json_size is not None:
+        headers["Inference-Header-Content-Length"] = str(json_size)
+    return body, headers
 
 
-def bare_envoy_bootstrap(*, http_port: int, grpc_port: int, triton_http: tuple[str, int],
-                         triton_grpc: tuple[str, int]) -> str:  # fmt: skip
-    """The reference hop: Envoy proxying both ports to Triton, no retry, no auth, no local-reply mapping."""
+@dataclass
+class Job:
+    """One measurement. `target` is host:port (gRPC) or http://host:port (HTTP)."""
 
-    def listener(name: str, port: int, cluster: str, codec: str) -> str:
-        return f"""
+    protocol: str  # "grpc" | "http"
+    target: str
+    model: str
+    concurrency: int
+    seconds: float
+    max_requests: int = 1_000_000
+    shape: list[int] = field(default_factory=lambda: [1, 4])
+    input_name: str = "x"
+    output_name: str = "y"
+    headers: dict[str, str] = field(default_factory=dict)  # HTTP headers / gRPC metadata
+    warmup_secs: float = 0.0
+
+
+async def run_job(job: Job) -> LoadResult:
+    x = np.ones(job.shape, dtype=np.float32)
+    if job.protocol == "grpc":
+        import grpc
+
+        check_loopback(job.target.rsplit(":", 1)[0])
+        payload = infer_request_bytes(job.model, x, job.input_name)
+        metadata = tuple((k.lower(), v) for k, v in job.headers.items())
+        async with grpc.aio.insecure_channel(job.target) as channel:
+            call = channel.unary_unary(INFER_METHOD)
+
+            async def send() -> None:
+                await call(payload, metadata=metadata)
+
+            if job.warmup_secs:
+                await drive(send, job.concurrency, job.warmup_secs, job.max_requests)
+            return await drive(send, job.concurrency, job.seconds, job.max_requests)
+    if job.protocol == "http":
+        import aiohttp
+
+        check_loopback(job.target.split("//", 1)[-1].rsplit(":", 1)[0])
+        body, headers = http_infer_body(x, job.input_name, job.output_name)
+        headers.update(job.headers)
+        url = f"{job.target}/v2/models/{job.model}/infer"
+        connector = aiohttp.TCPConnector(limit=job.concurrency)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def send() -> None:
+                async with session.post(url, data=body, headers=headers) as r:
+                    await r.read()
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}")
+
+            if job.warmup_secs:
+                await drive(send, job.concurrency, job.warmup_secs, job.max_requests)
+            return await drive(send, job.concurrency, job.seconds, job.max_requests)
+    raise ValueError(f"unknown protocol {job.protocol!r}")
+
+
+class LoadWorker:
+    """The load generator in a child process (its own interpreter and GIL), driven job by job."""
+
+    def __init__(self) -> None:
+        self._proc: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> LoadWorker:
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench._load", "--worker",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+    async def run(self, job: Job) -> LoadResult:
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write((json.dumps(asdict(job)) + "\n").encode())
+        await proc.stdin.drain()
+        line = await asyncio.wait_for(proc.stdout.readline(), job.warmup_secs + job.seconds + 120)
+        if not line:
+            raise RuntimeError(f"the load worker exited (code {await proc.wait()})")
+        data = json.loads(line)
+        if "exception" in data:
+            raise RuntimeError(f"load worker: {data['exception']}")
+        return LoadResult(**data)
+
+
+def _worker_main() -> None:
+    async def loop() -> None:
+        reader = asyncio.StreamReader()
+        await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        while line := await reader.readline():
+            try:
+                out = asdict(await run_job(Job(**json.loads(line))))
+            except Exception as exc:  # noqa: BLE001 - sent back to the parent
+                out = {"exception": f"{type(exc).__name__}: {exc}"}
+            sys.stdout.write(json.dumps(out) + "\n")
+            sys.stdout.flush()
+
+    asyncio.run(loop())
+
+
+# ------------------------------------------------------------------------------ Envoy references
+
+
+def _listener(name: str, port: int, codec: str, route: str, *, buffer: bool = False) -> str:
+    # A direct response sent before the request body is read makes Envoy close an HTTP/1.1 connection:
+    # the buffer filter reads the whole request first, as a real server does.
+    buffer_filter = """
+          - name: envoy.filters.http.buffer
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
+              max_request_bytes: 1048576""" if buffer else ""
+    return f"""
   - name: {name}
     address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
     filter_chains:
@@ -130,7 +239,7 @@ def bare_envoy_bootstrap(*, http_port: int, grpc_port: int, triton_http: tuple[s
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: {name}
           codec_type: {codec}
-          http_filters:
+          http_filters:{buffer_filter}
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -139,20 +248,16 @@ def bare_envoy_bootstrap(*, http_port: int, grpc_port: int, triton_http: tuple[s
             - name: all
               domains: ["*"]
               routes:
-              - match: {{ prefix: / }}
-                route: {{ cluster: {cluster}, timeout: 0s }}"""
+              - match: {{ prefix: / }}{route}"""
 
-    def cluster(name: str, address: tuple[str, int], http2: bool) -> str:
-        h2 = (
-            """
+
+def _cluster(name: str, address: tuple[str, int], http2: bool) -> str:
+    h2 = """
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: { http2_protocol_options: {} }"""
-            if http2
-            else ""
-        )
-        return f"""
+        explicit_http_config: { http2_protocol_options: {} }""" if http2 else ""
+    return f"""
   - name: {name}
     type: STATIC{h2}
     load_assignment:
@@ -161,13 +266,50 @@ def bare_envoy_bootstrap(*, http_port: int, grpc_port: int, triton_http: tuple[s
       - lb_endpoints:
         - endpoint: {{ address: {{ socket_address: {{ address: {address[0]}, port_value: {address[1]} }} }} }}"""
 
+
+_ADMIN = "admin:\n  address: { socket_address: { address: 127.0.0.1, port_value: 0 } }\nstatic_resources:\n  listeners:"
+
+
+def bare_envoy_bootstrap(*, http_port: int, grpc_port: int, triton_http: tuple[str, int],
+                         triton_grpc: tuple[str, int]) -> str:  # fmt: skip
+    """The reference hop: Envoy proxying both ports to Triton, no retry, no auth, no local-reply mapping."""
     return (
-        "admin:\n  address: { socket_address: { address: 127.0.0.1, port_value: 0 } }\n"
-        "static_resources:\n  listeners:"
-        + listener("bare_http", http_port, "triton_http", "AUTO")
-        + listener("bare_grpc", grpc_port, "triton_grpc", "HTTP2")
+        _ADMIN
+        + _listener("bare_http", http_port, "AUTO", "\n                route: { cluster: triton_http, timeout: 0s }")
+        + _listener("bare_grpc", grpc_port, "HTTP2", "\n                route: { cluster: triton_grpc, timeout: 0s }")
         + "\n  clusters:"
-        + cluster("triton_http", triton_http, False)
-        + cluster("triton_grpc", triton_grpc, True)
+        + _cluster("triton_http", triton_http, False)
+        + _cluster("triton_grpc", triton_grpc, True)
         + "\n"
     )
+
+
+def ceiling_bootstrap(*, http_port: int, grpc_port: int) -> str:
+    """The client's ceiling: Envoy answering every request itself (direct response, no upstream).
+
+    HTTP gets a small 200 JSON body; gRPC gets a trailers-only OK (grpc-status 0 in the headers). The
+    load loop against it does everything it does against Triton except wait for a model."""
+    http_route = """
+                direct_response: { status: 200, body: { inline_string: '{"model_name":"ceiling","outputs":[]}' } }
+                response_headers_to_add:
+                - header: { key: content-type, value: application/json }
+                  append_action: OVERWRITE_IF_EXISTS_OR_ADD"""
+    grpc_route = """
+                direct_response: { status: 200 }
+                response_headers_to_add:
+                - header: { key: content-type, value: application/grpc }
+                  append_action: OVERWRITE_IF_EXISTS_OR_ADD
+                - header: { key: grpc-status, value: "0" }"""
+    return (
+        _ADMIN
+        + _listener("ceiling_http", http_port, "AUTO", http_route, buffer=True)
+        + _listener("ceiling_grpc", grpc_port, "HTTP2", grpc_route, buffer=True)
+        + "\n"
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        _worker_main()
+    else:
+        sys.exit("usage: python -m bench._load --worker  (driven by bench._load.LoadWorker)")

@@ -53,6 +53,9 @@ OOM_HINT = (
 # Requests that failed against a dead stub reach recover() just after the first of them reloaded
 # the model; a model (re)loaded this recently is not reloaded again.
 RECOVERY_DEDUP_SECS = 2.0
+# After load_timeout_secs, how long Triton gets to fail a load whose stubs were killed; a wake-up
+# waits this much longer than load_timeout_secs, so that it reports the load's failure.
+LOAD_ABANDON_SECS = 5.0
 # A config parameter changed on recovery. Triton 2.51 cannot unload a model after a request failed
 # on its dead stub (the unload hangs for a minute or more, measured), and an in-place instance
 # change keeps the dead instance; a reload whose config differs replaces every instance in ~1 s.
@@ -310,7 +313,11 @@ class LifecycleManager:
             rec.touched = time.time()
             return
         rec = self._record(model_id, refresh=True)
-        wait = timeout if timeout is not None else self.settings.wake_timeout_secs or rec.model.load_timeout_secs
+        wait = (
+            timeout
+            if timeout is not None
+            else (self.settings.wake_timeout_secs or rec.model.load_timeout_secs + LOAD_ABANDON_SECS)
+        )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         started = time.monotonic()
@@ -380,6 +387,16 @@ class LifecycleManager:
                 hint=e.hint,
                 retry_after=self._retry_after(rec),
             ) from e
+
+    async def stubs_alive(self, model_id: str) -> bool | None:
+        """Whether a READY python model still has every stub process it had after its load; None
+        when that cannot be seen (no embedded Triton, not READY, not a python model)."""
+        rec = self._models.get(model_id)
+        if self.triton_process is None or rec is None or rec.state is not ModelState.READY:
+            return None
+        if not rec.is_python or not rec.expected_stubs:
+            return None
+        return not await asyncio.to_thread(self._dead_stubs, [rec])
 
     async def load(self, model_id: str, *, instances: int | None = None) -> ModelStatus:
         """Load (API): cold load, or change the instance count of a loaded model in place."""
@@ -610,7 +627,7 @@ class LifecycleManager:
         config = await self._load_config(rec, instances, how)
         timeout = rec.model.load_timeout_secs
         try:
-            await self.triton.load(rec.id, config=config, timeout=timeout)
+            await self._load_within(rec, config, timeout)
             return
         except TritonModelLoadError as e:
             if not is_oom_error(e.reason):
@@ -625,13 +642,44 @@ class LifecycleManager:
             ) from first
         log.warning("model '%s': out of memory at load; evicted %s, retrying once", rec.id, evicted)
         try:
-            await self.triton.load(rec.id, config=config, timeout=timeout)
+            await self._load_within(rec, config, timeout)
         except TritonModelLoadError as e:
             if not is_oom_error(e.reason):
                 raise
             raise TritonModelLoadError(
                 rec.id, f"out of memory even after unloading {', '.join(evicted)} ({e.reason})", hint=OOM_HINT
             ) from e
+
+    async def _load_within(self, rec: _Model, config: dict[str, Any] | None, timeout: float) -> None:
+        """Triton's load, abandoned after ``timeout`` seconds.
+
+        Triton waits for a python model's ``initialize`` (the user's ``load``) without a limit, and
+        keeps the model LOADING meanwhile. So on time-out the stubs this load started are killed:
+        Triton then fails the load ("Stub process ... is not healthy") and the next request can try again.
+        """
+        before = set(await asyncio.to_thread(self._stub_pids, rec))
+        try:
+            load = self.triton.load(rec.id, config=config, timeout=timeout + LOAD_ABANDON_SECS)
+            await asyncio.wait_for(load, timeout)
+            return
+        except TimeoutError:
+            pass
+        started = [p for p in await asyncio.to_thread(self._stub_pids, rec) if p not in before]
+        for pid in started:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        log.warning("model '%s': load exceeded %gs; killed its stubs %s", rec.id, timeout, started)
+        deadline = time.monotonic() + LOAD_ABANDON_SECS
+        with contextlib.suppress(SnoozeError):  # let Triton finish failing it, so a retry starts clean
+            while time.monotonic() < deadline and any(
+                e.name == rec.id and e.state == "LOADING" for e in await self.triton.repository_index()
+            ):
+                await asyncio.sleep(0.1)
+        raise TritonModelLoadError(
+            rec.id,
+            f"load exceeded load_timeout_secs={timeout:g}",
+            hint="make the model's load() faster, or raise load_timeout_secs in its snooze_model.json",
+        )
 
     async def _loaded(self, rec: _Model, instances: int, *, count: bool = True) -> None:
         pids, rss = await asyncio.to_thread(self._stubs_and_rss, rec)
@@ -763,6 +811,11 @@ class LifecycleManager:
         except SnoozeError as e:
             log.warning("cannot read Triton's pending request counts: %s", e)
             return {}
+
+    def _stub_pids(self, rec: _Model) -> list[int]:
+        if self.triton_process is None or not rec.is_python:
+            return []
+        return self.triton_process.stub_pids(rec.id)
 
     def _stubs_and_rss(self, rec: _Model) -> tuple[list[int], int]:
         if self.triton_process is None or not rec.is_python:

@@ -247,7 +247,8 @@ def write_model(rendered: RenderedModel, repo: Path) -> Path:
     """Write one model folder into ``repo`` atomically; an existing folder is replaced whole."""
     repo = Path(repo)
     repo.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}.", dir=_staging_root(repo)))
+    # <model>.<pid>.<random>: recover_staging() tells a killed writer's leftovers by the pid.
+    staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}.{os.getpid()}.", dir=_staging_root(repo)))
     final = repo / rendered.model_id
     try:
         _materialise(rendered, staging / "model")
@@ -277,7 +278,42 @@ def remove_model(repo: Path, model_id: str) -> bool:
     final = Path(repo) / model_id
     if not final.exists():
         return False
-    graveyard = _staging_root(Path(repo)) / f"{model_id}.removed.{uuid.uuid4().hex[:8]}"
+    graveyard = _staging_root(Path(repo)) / f"{model_id}.{os.getpid()}.removed{uuid.uuid4().hex[:8]}"
     os.rename(final, graveyard)
     shutil.rmtree(graveyard, ignore_errors=True)
     return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_staging(repo: Path) -> list[str]:
+    """Clean up after writers that were killed mid-write (their pid is in the staging folder's name).
+
+    A killed publish leaves its staging folder (possibly large); one killed between its two renames
+    also leaves the previous version in ``retired/`` with no model in the repository: that version is
+    put back. Folders of live processes, and names not written by this module, are left alone.
+    Returns the names of the folders removed.
+    """
+    root = Path(repo).parent / f".{Path(repo).name}.staging"
+    if not root.is_dir():
+        return []
+    removed = []
+    for entry in sorted(root.iterdir()):
+        model_id, _, rest = entry.name.rpartition(".")
+        model_id, _, pid = model_id.rpartition(".")
+        if not model_id or not pid.isdigit() or not rest or _pid_alive(int(pid)):
+            continue
+        retired, final = entry / "retired", Path(repo) / model_id
+        if retired.is_dir() and not final.exists():
+            os.rename(retired, final)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    return removed

@@ -225,6 +225,12 @@ async def serve_until_signal(stack: ServingStack) -> int:
 
 
 def run_stack(settings: Settings, models_dir: Path | None) -> int:
+    console = prepare_process(settings)
+    return asyncio.run(serve_until_signal(ServingStack(settings, models_dir, console=console)))
+
+
+def prepare_process(settings: Settings) -> Console:
+    """Logging, and the auth warning or refusal, for a process that runs a ServingStack."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Every admin poll of Triton is an httpx request: only worth seeing when debugging.
     for noisy in ("httpx", "httpcore"):
@@ -241,4 +247,4 @@ def run_stack(settings: Settings, models_dir: Path | None) -> int:
             hint="set SNOOZE_ADMIN_KEYS='[\"<key>\"]' (and SNOOZE_API_KEYS for inference-only keys), "
             "or pass --no-auth for local use",
         )
-    return asyncio.run(serve_until_signal(ServingStack(settings, models_dir, console=console)))
+    return console

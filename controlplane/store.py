@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.errors import NotFoundError
-from controlplane.render import DEPLOYMENT_FILE, TritonTarget, remove_model, render_model, write_model
+from controlplane.render import (
+    DEPLOYMENT_FILE,
+    TritonTarget,
+    recover_staging,
+    remove_model,
+    render_model,
+    write_model,
+)
 from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec
 
 
@@ -58,6 +65,7 @@ class ModelStore:
         self.target = target
         self._lock = threading.Lock()
         self.repository.mkdir(parents=True, exist_ok=True)
+        recover_staging(self.repository)  # what a killed control plane left half-written
 
     def list(self) -> list[PublishedModel]:
         models = []

@@ -699,7 +699,7 @@ def warmup_inputs(config: Any, seed: int = 0) -> dict[str, Any]:
     return arrays
 
 
-def _warmup_infer(http_url: str, config: Any, headers: dict[str, str], timeout: float) -> str:
+def warmup_infer(http_url: str, config: Any, headers: dict[str, str], timeout: float) -> str:
     """One inference through tritonclient.http; returns a short description, raises on failure."""
     import tritonclient.http as httpclient
 
@@ -748,7 +748,7 @@ async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, header
     rec.ok("load", f"loaded in {load_secs:.2f}s", rel, load_secs=load_secs)
     start = time.perf_counter()
     try:
-        shapes = await asyncio.to_thread(_warmup_infer, http_url, config, headers, timeout)
+        shapes = await asyncio.to_thread(warmup_infer, http_url, config, headers, timeout)
         rec.ok("warmup_infer", f"one inference in {time.perf_counter() - start:.3f}s: {shapes}", rel)
     except Exception as exc:  # tritonclient raises InferenceServerException and transport errors
         rec.fail("warmup_infer", f"the warm-up inference failed: {exc}", file=rel,

@@ -141,6 +141,9 @@ validate_command.register(app)  # validate: the CI gate for a generated model re
 from controlplane.cli import convert_command  # noqa: E402
 
 convert_command.register(app)  # convert torch | onnx-to-trt
+from controlplane.cli import snapshot_command  # noqa: E402
+
+snapshot_command.register(app)  # snapshot-entrypoint: the checkpoint/restore container entrypoint
 
 
 def main() -> None:

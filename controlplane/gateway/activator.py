@@ -6,8 +6,11 @@ Envoy sends it (see ``envoy.yaml.j2``):
   gRPC, "Stub process ... is not healthy": the activator wakes the model (``waker.serving``: the
   lifecycle's single-flight ``ensure_ready``, then the model is held loaded until the forward is
   done), forwards the request to Triton unchanged and returns
-  Triton's answer unchanged; a dead stub is recovered (``waker.recover``) and the request forwarded
-  once more (the dead stub did not run it);
+  Triton's answer unchanged; a dead stub is recovered (``waker.recover``) before the forward. A
+  forward that a live stub answers "not healthy" is not sent again: that request (or one beside it)
+  killed the stub, and a retry would run it, and likely crash the model, once more. The model is
+  recovered and the error returned. Where stubs cannot be seen (no embedded Triton) the request
+  is sent once more after the recovery;
 - model readiness, metadata and config, answered for a published model as if it were loaded (a
   request would succeed), and the repository API (index; load/unload with the admin scope).
 
@@ -23,7 +26,7 @@ import hmac
 import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import httpx
@@ -41,6 +44,7 @@ from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
 
 SERVICE = "inference.GRPCInferenceService"
+T = TypeVar("T")
 DEAD_STUB = re.compile(r"Stub process .* is not healthy")
 # Lifecycle state -> Triton repository-index state, the vocabulary tritonclient users know.
 INDEX_STATES = {
@@ -75,6 +79,7 @@ class Waker(Protocol):
         """``ensure_ready`` (wake, single flight), then hold the model loaded while the block runs."""
 
     async def recover(self, model_id: str, cause: str) -> None: ...
+    async def stubs_alive(self, model_id: str) -> bool | None: ...  # None: cannot be seen
     async def load(self, model_id: str, *, instances: int | None = None) -> Any: ...
     async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
     def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
@@ -107,6 +112,22 @@ class ModelAnswers:
         """Wake the model and keep it loaded (no idle unload, no eviction) until the forward is done."""
         self.published(name)
         return self.waker.serving(name, timeout=timeout)
+
+    async def forward_healthy(self, name: str, send: Callable[[], Awaitable[T]], dead: Callable[[T], bool]) -> T:
+        """``send()`` the request to a model whose stubs are alive (recovering them first if dead).
+
+        A "stub not healthy" answer (``dead``) from stubs that were alive means this request (or one
+        batched with it) killed the stub: the model is recovered, the answer returned, and the
+        request not run again. Only when stubs cannot be seen is it sent once more.
+        """
+        alive = await self.waker.stubs_alive(name)
+        if alive is False:
+            await self.waker.recover(name, cause="dead_stub")
+        answer = await send()
+        if not dead(answer):
+            return answer
+        await self.waker.recover(name, cause="dead_stub")
+        return await send() if alive is None else answer
 
     def state(self, name: str) -> str:
         """The lifecycle state's name (``ModelStatus.state`` is a str enum)."""
@@ -229,11 +250,11 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
         answers.published(name, version)
         body = await request.body()
         async with answers.serving(name):
-            response = await forwarder.send(request, body)
-            if response.status_code == 500 and DEAD_STUB.search(response.body.decode("utf-8", "replace")):
-                await answers.waker.recover(name, cause="dead_stub")  # the dead stub did not run it
-                response = await forwarder.send(request, body)
-        return response
+            return await answers.forward_healthy(
+                name,
+                lambda: forwarder.send(request, body),
+                lambda r: r.status_code == 500 and bool(DEAD_STUB.search(r.body.decode("utf-8", "replace"))),
+            )
 
     async def ready(request: Request) -> Response:
         name, version = model_of(request)
@@ -303,6 +324,14 @@ def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
     return next((str(m.value) for m in context.invocation_metadata() or () if m.key == key), None)
 
 
+def _is_dead_stub(answer: bytes | grpc.aio.AioRpcError) -> bool:
+    return (
+        isinstance(answer, grpc.aio.AioRpcError)
+        and answer.code() == grpc.StatusCode.INTERNAL
+        and bool(DEAD_STUB.search(answer.details() or ""))
+    )
+
+
 class GrpcActivator:
     """The handlers of the gRPC methods Envoy sends to ``activator_grpc``; messages are raw bytes."""
 
@@ -343,16 +372,20 @@ class GrpcActivator:
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         name = service_pb2.ModelInferRequest.FromString(request).model_name
         async with self.answers.serving(name, timeout=context.time_remaining()):
-            try:
-                try:
-                    return await self._forward("ModelInfer", request, context)
-                except grpc.aio.AioRpcError as e:
-                    if e.code() != grpc.StatusCode.INTERNAL or not DEAD_STUB.search(e.details() or ""):
-                        raise
-                    await self.answers.waker.recover(name, cause="dead_stub")  # the dead stub did not run it
-                    return await self._forward("ModelInfer", request, context)
-            except grpc.aio.AioRpcError as e:
-                await context.abort(e.code(), e.details() or "")
+            answer = await self.answers.forward_healthy(
+                name, lambda: self._try_forward("ModelInfer", request, context), _is_dead_stub
+            )
+        if isinstance(answer, grpc.aio.AioRpcError):
+            await context.abort(answer.code(), answer.details() or "")
+        return answer
+
+    async def _try_forward(
+        self, method: str, request: bytes, context: grpc.aio.ServicerContext
+    ) -> bytes | grpc.aio.AioRpcError:
+        try:
+            return await self._forward(method, request, context)
+        except grpc.aio.AioRpcError as e:
+            return e
 
     async def model_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         msg = service_pb2.ModelReadyRequest.FromString(request)

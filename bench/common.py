@@ -1,0 +1,239 @@
+"""Shared pieces of the benchmark: machine label, generated packages, the serving stack under test,
+the in-process ceiling of a model's `predict`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "models"
+API_KEY = "bench-infer-key"
+ADMIN_KEY = "bench-admin-key"
+# BLAS pinned to one thread in every process of the run (set by bench/__main__.py before numpy loads;
+# Triton, its stubs and the in-process ceiling inherit it): a predict costs the same everywhere.
+BLAS_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_average": [round(v, 2) for v in os.getloadavg()],
+    }
+
+
+def machine_label(m: dict[str, Any]) -> str:
+    return f"{m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB, Python {m['python']}"
+
+
+# ------------------------------------------------------------------------------ packages
+
+
+ECHO_PY = """
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        return {"y": inputs["x"] * 2}
+"""
+
+MATMUL_PY = """
+import numpy as np
+
+
+class Model:
+    \"\"\"{layers} dense layers of width {width} (tanh): a realistic per-batch compute cost in numpy.\"\"\"
+
+    def load(self, model_dir, device):
+        rng = np.random.default_rng(0)
+        self.weights = [rng.standard_normal(({width}, {width})).astype(np.float32) / {width} ** 0.5
+                        for _ in range({layers})]
+
+    def predict(self, inputs):
+        h = inputs["x"]
+        for w in self.weights:
+            h = np.tanh(h @ w)
+        return {{"y": h[:, :4].copy()}}
+"""
+
+
+def write_package(folder: Path, source: str, inputs: list[dict], outputs: list[dict], **manifest: Any) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "snooze_model.py").write_text(textwrap.dedent(source).lstrip())
+    (folder / "snooze_model.json").write_text(json.dumps({"inputs": inputs, "outputs": outputs, **manifest}))
+    return folder
+
+
+def fp32(name: str, *dims: int) -> dict[str, Any]:
+    return {"name": name, "datatype": "FP32", "dims": list(dims)}
+
+
+def echo_package(folder: Path) -> Path:
+    """The cheapest possible custom model: y = 2x on 4 floats."""
+    return write_package(folder, ECHO_PY, [fp32("x", 4)], [fp32("y", 4)])
+
+
+MATMUL_WIDTH = 256
+
+
+def calibrate_matmul_layers(target_ms: float = 1.0, batch: int = 8) -> tuple[int, float]:
+    """How many layers make predict on a batch of `batch` cost about `target_ms` here (one BLAS thread)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((MATMUL_WIDTH, MATMUL_WIDTH)).astype(np.float32)
+    x = rng.standard_normal((batch, MATMUL_WIDTH)).astype(np.float32)
+    for _ in range(50):
+        np.tanh(x @ w)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.3:
+        np.tanh(x @ w)
+        n += 1
+    per_layer_ms = (time.perf_counter() - start) * 1000 / n
+    layers = max(1, round(target_ms / per_layer_ms))
+    return layers, per_layer_ms * layers
+
+
+def matmul_package(folder: Path, layers: int) -> Path:
+    source = MATMUL_PY.format(layers=layers, width=MATMUL_WIDTH)
+    return write_package(folder, source, [fp32("x", MATMUL_WIDTH)], [fp32("y", 4)])
+
+
+# ------------------------------------------------------------------------------ in-process ceiling
+
+_CEILING = r"""
+import importlib.util, json, sys, time
+import numpy as np
+package, params, batches, seconds, width = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+sys.path.insert(0, package)
+spec = importlib.util.spec_from_file_location("snooze_model", package + "/snooze_model.py")
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+model = module.Model(**params)
+model.load(package, "cpu")
+out = {}
+for batch in batches:
+    x = np.ones((batch, width), dtype=np.float32)
+    for _ in range(20):
+        model.predict({"x": x})
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        model.predict({"x": x})
+        calls += 1
+    elapsed = time.perf_counter() - start
+    out[str(batch)] = {"rows_per_s": calls * batch / elapsed, "ms_per_call": 1000 * elapsed / calls}
+print(json.dumps(out))
+"""
+
+
+def inprocess_ceiling(package: Path, batches: list[int], seconds: float, width: int,
+                      params: dict[str, Any] | None = None) -> dict[int, dict[str, float]]:  # fmt: skip
+    """The same `predict`, same batch sizes, no server: in a fresh interpreter with the run's environment
+    (the one Triton's stubs inherit), so that the bench process's own state does not count."""
+    cmd = [sys.executable, "-c", _CEILING, str(package), json.dumps(params or {}), json.dumps(sorted(set(batches))),
+           str(seconds), str(width)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 2 * seconds * len(batches), check=True)
+    return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+# ------------------------------------------------------------------------------ the stack under test
+
+
+def models_toml(entries: list[dict[str, Any]]) -> str:
+    lines = []
+    for e in entries:
+        lines.append("[[models]]")
+        for k, v in e.items():
+            lines.append(f"{k} = {json.dumps(str(v) if isinstance(v, Path) else v)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+@contextlib.asynccontextmanager
+async def serving_stack(root: Path, entries: list[dict[str, Any]], **overrides: Any) -> AsyncIterator[Any]:
+    """`snoozectl serve` in this process (Triton, lifecycle, activator, Envoy, API) on free loopback
+    ports, auth on, autoscaling off (instance counts must not change under a measurement)."""
+    from controlplane.settings import Settings
+    from controlplane.stack import ServingStack
+    from controlplane.triton.launcher import free_port
+
+    models_dir = root / "models"
+    models_dir.mkdir(parents=True, exist_ok=True)
+    (models_dir / "models.toml").write_text(models_toml(entries))
+    settings = Settings(
+        **{
+            "work_dir": root / "work",
+            "http_port": free_port(),
+            "grpc_port": free_port(),
+            "api_port": free_port(),
+            "api_keys": [API_KEY],
+            "admin_keys": [ADMIN_KEY],
+            "autoscale": False,
+            "shutdown_grace_secs": 1,
+            "log_level": "warning",
+            **overrides,
+        }
+    )
+    stack = ServingStack(settings, models_dir, console=Console(file=io.StringIO()))
+    try:
+        await stack.start()
+        yield stack
+    finally:
+        await stack.stop()
+
+
+def gateway_urls(stack: Any) -> dict[str, str]:
+    s = stack.settings
+    return {"http": f"http://127.0.0.1:{s.http_port}", "grpc": f"127.0.0.1:{s.grpc_port}"}
+
+
+def direct_urls(stack: Any) -> dict[str, str]:
+    return {"http": stack.triton_process.http_url, "grpc": stack.triton_process.grpc_url}
+
+
+async def wait_state(stack: Any, model: str, state: str, timeout: float) -> float:
+    """Wait until the lifecycle reports `state` for `model`; the seconds it took."""
+    import asyncio
+
+    start = time.perf_counter()
+    while stack.lifecycle.status(model).state != state:  # ModelState is a str enum
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError(f"model {model} not {state} after {timeout}s ({stack.lifecycle.status(model)})")
+        await asyncio.sleep(0.05)
+    return time.perf_counter() - start
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    v = sorted(values)
+    return {
+        "n": len(v),
+        "median": round(float(np.median(v)), 4),
+        "p90": round(float(np.percentile(v, 90)), 4),
+        "max": round(v[-1], 4),
+        "min": round(v[0], 4),
+    }

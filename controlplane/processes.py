@@ -1,0 +1,60 @@
+"""Child processes that never outlive the control plane.
+
+tritonserver and Envoy run in their own sessions (so that ``stop()`` can kill a whole process group),
+which also means nothing takes them down when the control plane is killed with SIGKILL: they kept
+serving, holding the gateway ports and their memory, and a restarted ``snoozectl serve`` could not
+bind. ``spawn`` asks the kernel to SIGKILL the child when its parent goes (``PR_SET_PDEATHSIG``).
+
+The kernel ties that signal to the *thread* that forked the child, not to the process: a child
+started from a short-lived worker thread (``asyncio.to_thread``, a closed event loop's executor)
+would be killed when that thread ends. So every child is forked from one thread that lives as long
+as the interpreter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+_prctl = None
+if sys.platform == "linux":
+    try:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # no prctl: children are stopped by stop() only
+        _prctl = None
+
+
+def _die_with_parent(parent: int) -> None:
+    """Runs in the child between fork and exec: nothing here may take a lock or allocate much."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the line above: the signal would never come
+        os._exit(1)
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snooze-spawner")
+        return _spawner
+
+
+def spawn(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(cmd, **popen_kwargs)``; the child is SIGKILLed when this process dies."""
+    parent = os.getpid()
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(cmd, preexec_fn=lambda: _die_with_parent(parent), **popen_kwargs)  # noqa: PLW1509
+
+    return _executor().submit(start).result()

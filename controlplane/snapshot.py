@@ -1,0 +1,536 @@
+"""The checkpoint/restore workload contract: `snoozectl snapshot-entrypoint`.
+
+A snapshot agent checkpoints a warmed-up container (tritonserver with its models loaded, the control
+plane, Envoy) and restores it later instead of cold-starting. The workload and the agent talk through
+files in ``$SNAPSHOT_CONTROL_DIR``:
+
+| file | written by | means |
+| --- | --- | --- |
+| ``ready-for-snapshot`` | workload | models loaded and warmed, nothing in flight: checkpoint now |
+| ``snapshot-fingerprint.json`` | workload | the configuration the snapshot was taken with |
+| ``restore-complete`` | agent | the process runs again (restored, or resumed after the checkpoint) |
+| ``triton-restore-ready`` | workload | the restored process passed its checks and serves (readiness gate) |
+| ``restore-failed`` | workload | why the restored process refused to serve (no ``triton-restore-ready``) |
+
+Every file is written atomically (temporary file + rename). At start the workload removes the files
+it owns (``ready-for-snapshot``, ``triton-restore-ready``, ``restore-failed``) left by an earlier run
+of the container, before it starts anything; ``restore-complete`` belongs to the agent and is left
+alone.
+
+Capture: start the stack, load the models, one real inference each, stop admitting at the gateway
+(Envoy drain), wait until Envoy has no request in flight, Triton's pending count is zero for every
+model and no model is loading or unloading, write the fingerprint, then ``ready-for-snapshot``.
+The process then waits for ``restore-complete``: the checkpoint freezes it in that wait, the
+restored image wakes up in it.
+
+Restore (``restore-complete`` seen): compute the fingerprint again and refuse to serve if it differs
+(naming the part that differs), restart Envoy to admit traffic again (a drained Envoy cannot
+undrain), check Triton live/ready and the control API, run one inference per ready model through
+the gateway, then write ``triton-restore-ready``.
+
+Standby (``SNAPSHOT_RESTORE_STANDBY=1``, the restore placeholder): start nothing (no Triton, no
+ports, no work-dir writes) and poll for ``restore-complete``. In a real restore this process is
+replaced by the restored process image and never sees the file. If it does see it, it was not
+replaced: it cold-starts (start, load, warm up), compares with the captured fingerprint when
+``snapshot-fingerprint.json`` is in the control folder, and runs the same restore checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import SecretStr
+from rich.console import Console
+
+from controlplane.errors import SnoozeError
+from controlplane.lifecycle import ModelState
+from controlplane.render import DEPLOYMENT_FILE, parse_config, render_model
+from controlplane.settings import Settings
+from controlplane.spec import discover, resolve
+from controlplane.stack import ServingStack
+from controlplane.store import PublishedModel
+from controlplane.validate import warmup_infer
+
+log = logging.getLogger("snoozeml.snapshot")
+
+CONTROL_DIR_ENV = "SNAPSHOT_CONTROL_DIR"
+STANDBY_ENV = "SNAPSHOT_RESTORE_STANDBY"
+READY_FOR_SNAPSHOT = "ready-for-snapshot"
+RESTORE_COMPLETE = "restore-complete"
+TRITON_RESTORE_READY = "triton-restore-ready"
+RESTORE_FAILED = "restore-failed"
+FINGERPRINT_FILE = "snapshot-fingerprint.json"
+OWNED_FILES = (READY_FOR_SNAPSHOT, TRITON_RESTORE_READY, RESTORE_FAILED)
+POLL_SECS = 0.2
+# Settings that do not change what is served or how it answers.
+SETTINGS_NOT_FINGERPRINTED = frozenset({"log_level"})
+FINGERPRINT_FORMAT = 1
+
+
+class SnapshotError(SnoozeError):
+    code = "snapshot_failed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment and the control folder
+
+
+def control_dir_from_env(environ: Mapping[str, str] = os.environ) -> Path:
+    """``$SNAPSHOT_CONTROL_DIR``, created if needed and checked writable."""
+    value = environ.get(CONTROL_DIR_ENV, "").strip()
+    if not value:
+        raise SnapshotError(
+            f"{CONTROL_DIR_ENV} is not set: the snapshot entrypoint exchanges its sentinel files there",
+            hint=f"set {CONTROL_DIR_ENV} to the snapshot-control volume's mount path "
+            "(deploy/k8s/snapshot mounts it at /snapshot-control)",
+        )
+    path = Path(value)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise SnapshotError(
+            f"{CONTROL_DIR_ENV}={value} is not a writable folder ({exc.strerror or exc})",
+            hint=f"mount a writable volume (an emptyDir) there, or point {CONTROL_DIR_ENV} at a folder this "
+            f"user (uid {os.getuid()}) can write",
+        ) from exc
+    return path
+
+
+def standby_from_env(environ: Mapping[str, str] = os.environ) -> bool:
+    value = environ.get(STANDBY_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise SnapshotError(
+        f"{STANDBY_ENV}={environ[STANDBY_ENV]!r} is neither on nor off",
+        hint=f"set {STANDBY_ENV}=1 in a restore placeholder, or leave it unset (or 0)",
+    )
+
+
+class ControlDir:
+    """The sentinel files in ``$SNAPSHOT_CONTROL_DIR``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def clear_stale(self) -> list[str]:
+        """Remove the files this workload writes, left by an earlier run; returns the names removed."""
+        removed = []
+        for name in OWNED_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / name).unlink()
+                removed.append(name)
+        return removed
+
+    def exists(self, name: str) -> bool:
+        return (self.path / name).exists()
+
+    def write(self, name: str, text: str) -> Path:
+        """Write ``name`` atomically: a temporary file in the same folder, fsync, rename."""
+        target = self.path / name
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{name}.")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return target
+
+    def write_json(self, name: str, data: Mapping[str, Any]) -> Path:
+        return self.write(name, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        path = self.path / name
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except ValueError as exc:
+            raise SnapshotError(
+                f"{path} is not valid JSON ({exc})", hint="remove it; the capture writes it again"
+            ) from exc
+
+    async def wait_for(self, name: str) -> None:
+        while not self.exists(name):
+            await asyncio.sleep(POLL_SECS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration fingerprint
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _settings_part(settings: Settings) -> dict[str, Any]:
+    """Every setting that changes what is served; secrets as their sha256, never in clear."""
+    part: dict[str, Any] = {}
+    for name in sorted(type(settings).model_fields):
+        if name in SETTINGS_NOT_FINGERPRINTED:
+            continue
+        value = getattr(settings, name)
+        if isinstance(value, SecretStr):
+            value = "sha256:" + _sha256(value.get_secret_value().encode())
+        elif isinstance(value, list):
+            value = [
+                "sha256:" + _sha256(v.get_secret_value().encode()) if isinstance(v, SecretStr) else v for v in value
+            ]
+        elif isinstance(value, Path):
+            value = str(value)
+        part[name] = value
+    return part
+
+
+def _published_part(models: list[PublishedModel]) -> dict[str, Any]:
+    return {
+        m.id: {
+            "config": _file_sha256(m.path / "config.pbtxt"),
+            "deployment": _file_sha256(m.path / DEPLOYMENT_FILE),
+        }
+        for m in models
+    }
+
+
+def _sources_part(models_dir: Path | None, stack: ServingStack) -> dict[str, Any]:
+    """What the models folder renders to now: a changed package or models.toml shows up here even
+    though the running process does not publish it again."""
+    if models_dir is None:
+        return {}
+    assert stack.store is not None
+    part: dict[str, Any] = {}
+    for deployment in discover(models_dir):
+        try:
+            rendered = render_model(resolve(deployment), stack.store.target)
+        except SnoozeError as exc:
+            part[deployment.id] = {"error": exc.message}
+            continue
+        files = hashlib.sha256()
+        for rel, data in sorted(rendered.writes.items()):
+            files.update(f"{rel}\0{_sha256(data)}\0".encode())
+        for src, rel in sorted(rendered.copies, key=lambda c: c[1]):
+            files.update(f"{rel}\0{_file_sha256(src)}\0".encode())
+        part[deployment.id] = {
+            "config": _sha256(rendered.writes["config.pbtxt"]),
+            "deployment": _sha256(rendered.writes[DEPLOYMENT_FILE]),
+            "files": files.hexdigest(),
+        }
+    return part
+
+
+def compute_fingerprint(
+    settings: Settings, stack: ServingStack, models_dir: Path | None, models_to_load: list[str] | None
+) -> dict[str, Any]:
+    """``{"format", "digest", "parts": {settings, models_to_load, published, sources}}``."""
+    assert stack.store is not None
+    parts = {
+        "settings": _settings_part(settings),
+        "models_to_load": sorted(models_to_load) if models_to_load else "all published",
+        "published": _published_part(stack.store.list()),
+        "sources": _sources_part(models_dir, stack),
+    }
+    digest = _sha256(json.dumps(parts, sort_keys=True, default=str).encode())
+    return {"format": FINGERPRINT_FORMAT, "digest": digest, "parts": parts}
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def fingerprint_differences(captured: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """One line per differing entry, e.g. ``settings.http_port: 8000 at capture, 9000 now``."""
+    if captured.get("format") != current.get("format"):
+        return [f"fingerprint format {captured.get('format')} at capture, {current.get('format')} now"]
+    if captured.get("digest") == current.get("digest"):
+        return []
+    old = _flatten(captured.get("parts", {}), "", {})
+    new = _flatten(current.get("parts", {}), "", {})
+    lines = []
+    for key in sorted(old.keys() | new.keys()):
+        if key not in new:
+            lines.append(f"{key}: present at capture, gone now")
+        elif key not in old:
+            lines.append(f"{key}: new since the capture")
+        elif old[key] != new[key]:
+            if key.startswith(("published.", "sources.")) or "sha256:" in json.dumps(old[key]):
+                lines.append(f"{key}: changed since the capture")
+            else:
+                lines.append(f"{key}: {json.dumps(old[key])} at capture, {json.dumps(new[key])} now")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The state machine
+
+
+class SnapshotEntrypoint:
+    """Capture, standby and restore around one ``ServingStack``.
+
+    ``make_settings`` builds the Settings from the environment and the command's flags; it runs at
+    start and again after restore, so the fingerprint sees the environment the process has then.
+    """
+
+    def __init__(
+        self,
+        control: ControlDir,
+        make_settings: Callable[[], Settings],
+        models_dir: Path | None,
+        models_to_load: list[str] | None = None,
+        *,
+        quiesce_timeout: float = 60.0,
+        console: Console | None = None,
+    ) -> None:
+        self.control = control
+        self.make_settings = make_settings
+        self.models_dir = models_dir
+        self.models_to_load = models_to_load or None
+        self.quiesce_timeout = quiesce_timeout
+        self.console = console or Console(stderr=True)
+        self.stack: ServingStack | None = None
+        self._drained = False
+
+    def say(self, message: str) -> None:
+        self.console.print(f"snapshot: {message}", highlight=False, markup=False)
+
+    async def run(self, standby: bool) -> bool:
+        """Run until the workload serves after a restore (True) or refused to (False)."""
+        removed = self.control.clear_stale()
+        if removed:
+            self.say(f"removed stale {', '.join(removed)} from {self.control.path}")
+        if standby:
+            self.say(f"{STANDBY_ENV}=1: restore placeholder, starting nothing; waiting for {RESTORE_COMPLETE}")
+            await self.control.wait_for(RESTORE_COMPLETE)
+            self.say(f"{RESTORE_COMPLETE} seen but this process was not replaced by a restored image: cold start")
+            captured = self.control.read_json(FINGERPRINT_FILE)
+            await self._start_and_warm(self.make_settings())
+        else:
+            await self._start_and_warm(self.make_settings())
+            await self._quiesce()
+            captured = self._fingerprint(self.stack.settings)  # type: ignore[union-attr]
+            self.control.write_json(FINGERPRINT_FILE, captured)
+            self.control.write(READY_FOR_SNAPSHOT, f"{time.time():.3f}\n")
+            self.say(f"wrote {READY_FOR_SNAPSHOT} (fingerprint {captured['digest'][:12]}); now waiting")
+            await self.control.wait_for(RESTORE_COMPLETE)
+            self.say(f"{RESTORE_COMPLETE} seen: resuming")
+        return await self._resume(captured)
+
+    async def stop(self) -> None:
+        if self.stack is not None:
+            await self.stack.stop()
+
+    # ------------------------------------------------------------------ capture
+
+    async def _start_and_warm(self, settings: Settings) -> None:
+        if settings.triton_url:
+            raise SnapshotError(
+                f"the snapshot entrypoint runs the embedded tritonserver, but SNOOZE_TRITON_URL={settings.triton_url}",
+                hint="unset SNOOZE_TRITON_URL / SNOOZE_TRITON_GRPC_URL: a snapshot must hold Triton's loaded models",
+            )
+        if not settings.gateway:
+            raise SnapshotError(
+                "the snapshot entrypoint needs the gateway (SNOOZE_GATEWAY is off): it stops admitting requests there",
+                hint="unset SNOOZE_GATEWAY",
+            )
+        self.stack = ServingStack(settings, self.models_dir, console=self.console)
+        await self.stack.start()
+        store, lifecycle = self.stack.store, self.stack.lifecycle
+        assert store is not None and lifecycle is not None and self.stack.triton_process is not None
+        published = store.ids()
+        wanted = self.models_to_load or published
+        unknown = sorted(set(wanted) - set(published))
+        if unknown:
+            raise SnapshotError(
+                f"--models-to-load names models that are not published: {', '.join(unknown)}",
+                hint=f"published: {', '.join(published) or '(none)'}; check --models and the ids in models.toml",
+            )
+        if not wanted:
+            self.say("no model is published: the snapshot holds an empty Triton")
+        for model_id in wanted:
+            started = time.perf_counter()
+            status = await lifecycle.load(model_id)
+            if status.state is not ModelState.READY:
+                raise SnapshotError(
+                    f"model '{model_id}' did not load: {status.reason or status.state.value}",
+                    hint=f"fix the model, or leave it out with --models-to-load; Triton's log: "
+                    f"{self.stack.triton_process.log_file}",
+                )
+            await self._infer(store.get(model_id), self.stack.triton_process.http_url, {}, "warm-up")
+            self.say(f"{model_id}: loaded and warmed up in {time.perf_counter() - started:.2f}s")
+
+    async def _infer(self, model: PublishedModel, url: str, headers: dict[str, str], what: str) -> None:
+        config = parse_config(model.config_text, where=f"{model.path / 'config.pbtxt'}")
+        try:
+            await asyncio.to_thread(warmup_infer, url, config, headers, model.request_timeout_secs)
+        except Exception as exc:  # tritonclient raises InferenceServerException and transport errors
+            raise SnapshotError(
+                f"model '{model.id}': the {what} inference via {url} failed: {exc}",
+                hint="run `snoozectl check` on the package; read Triton's log",
+            ) from exc
+
+    async def _quiesce(self) -> None:
+        """Stop admitting at the gateway; wait until nothing is in flight anywhere."""
+        stack = self.stack
+        assert stack is not None and stack.gateway is not None and stack.admin is not None
+        assert stack.lifecycle is not None
+        deadline = time.monotonic() + self.quiesce_timeout
+        self._drained = True
+        await asyncio.to_thread(stack.gateway.drain, self.quiesce_timeout)
+        while True:
+            active = await asyncio.to_thread(stack.gateway.active_requests)
+            pending = {m: n for m, n in (await stack.admin.pending_request_counts()).items() if n > 0}
+            moving = [s.id for s in stack.lifecycle.statuses() if s.state in (ModelState.LOADING, ModelState.UNLOADING)]
+            if not active and not pending and not moving:
+                self.say("gateway drained; no request in flight at Envoy or Triton")
+                return
+            if time.monotonic() >= deadline:
+                raise SnapshotError(
+                    f"still busy {self.quiesce_timeout:.0f}s after the gateway stopped admitting: "
+                    f"{active} request(s) in flight at Envoy, Triton pending {pending or 'none'}, "
+                    f"models loading/unloading: {', '.join(moving) or 'none'}",
+                    hint="raise --quiesce-timeout, or find the request that never ends (request_timeout_secs)",
+                )
+            await asyncio.sleep(0.05)
+
+    def _fingerprint(self, settings: Settings) -> dict[str, Any]:
+        assert self.stack is not None
+        return compute_fingerprint(settings, self.stack, self.models_dir, self.models_to_load)
+
+    # ------------------------------------------------------------------ restore
+
+    async def _resume(self, captured: dict[str, Any] | None) -> bool:
+        try:
+            await self._restore_checks(captured)
+        except SnoozeError as exc:
+            reason = str(exc)
+            self.control.write(RESTORE_FAILED, reason + "\n")
+            log.error("restore refused: %s", reason)
+            self.say(f"NOT serving: {reason} (wrote {RESTORE_FAILED}, not {TRITON_RESTORE_READY})")
+            return False
+        return True
+
+    async def _restore_checks(self, captured: dict[str, Any] | None) -> None:
+        stack = self.stack
+        assert stack is not None and stack.admin is not None and stack.lifecycle is not None
+        assert stack.store is not None and stack.gateway is not None
+        settings = self.make_settings()
+        current = self._fingerprint(settings)
+        if captured is None:
+            self.say(f"no {FINGERPRINT_FILE} from a capture in {self.control.path}: nothing to compare")
+        else:
+            differences = fingerprint_differences(captured, current)
+            if differences:
+                raise SnapshotError(
+                    "the configuration differs from the one the snapshot was taken with: " + "; ".join(differences),
+                    hint="restore with the capture's configuration, or take a new snapshot with this one",
+                )
+        if self._drained:
+            # A drained Envoy cannot admit again: a fresh one on the same ports can.
+            await asyncio.to_thread(stack.gateway.stop)
+            await asyncio.to_thread(stack.gateway.start)
+            self._drained = False
+        if not await stack.admin.live() or not await stack.admin.ready():
+            raise SnapshotError(
+                f"Triton at {stack.admin.http_url} is not live and ready after the restore",
+                hint=f"read Triton's log ({stack.triton_process.log_file if stack.triton_process else 'n/a'})",
+            )
+        connect = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        api = f"http://{connect}:{settings.api_port}/health/ready"
+        try:
+            async with httpx.AsyncClient(timeout=5) as http:
+                answer = await http.get(api)
+        except httpx.TransportError as exc:
+            raise SnapshotError(f"the control API does not answer at {api}: {exc}") from exc
+        if answer.status_code != 200:
+            raise SnapshotError(f"the control API at {api} answered HTTP {answer.status_code}: {answer.text[:200]}")
+        gateway_url = f"http://{connect}:{settings.http_port}"
+        headers = _client_headers(settings)
+        checked = []
+        for status in stack.lifecycle.statuses():
+            if status.state is ModelState.READY:
+                await self._infer(stack.store.get(status.id), gateway_url, headers, "post-restore")
+                checked.append(status.id)
+        self.control.write_json(
+            TRITON_RESTORE_READY, {"time": time.time(), "fingerprint": current["digest"], "models_checked": checked}
+        )
+        self.say(f"wrote {TRITON_RESTORE_READY}: Triton ready, API listening, inference OK for {checked or 'no model'}")
+
+
+def _client_headers(settings: Settings) -> dict[str, str]:
+    """The key the gateway wants for inference (none when auth is off)."""
+    if settings.auth == "off":
+        return {}
+    keys = settings.api_keys or settings.admin_keys
+    return {"X-API-Key": keys[0].get_secret_value()} if keys else {}
+
+
+async def serve_snapshot(entry: SnapshotEntrypoint, standby: bool) -> int:
+    """Run the state machine, then serve until SIGINT/SIGTERM. 0 = served and stopped on a signal,
+    1 = the restore checks refused to serve."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            entry.say("stopping")
+            stopping.set()
+        elif entry.stack is not None:
+            entry.stack.force()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    work = asyncio.create_task(entry.run(standby))
+    halt = asyncio.create_task(stopping.wait())
+    try:
+        await asyncio.wait({work, halt}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            return 0
+        if not work.result():
+            return 1
+        if entry.stack is not None:
+            entry.console.print(entry.stack.banner(), highlight=False)
+        await halt
+        return 0
+    finally:
+        halt.cancel()
+        await entry.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,53 @@
+"""`python -m bench --quick`: every section runs against the real embedded stack and the report, its
+plots and its JSON come out. Numbers are not asserted (this machine is shared and quick mode is short)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.integration
+
+SECTION_KEYS = {
+    "gateway": {"rows", "ratios", "gateway_retries_during_run", "settings"},
+    "coldstart": {"cycles", "models"},
+    "batching": {"settings", "models"},
+    "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
+    "scale": {"models", "render", "validate_static", "control_plane"},
+}
+
+
+@pytest.mark.timeout(240)
+def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
+    if not (ROOT / "examples" / "models" / "onnx-mlp" / "model.onnx").is_file():
+        pytest.skip("examples/models/onnx-mlp/model.onnx missing: run `make examples`")
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out-dir", str(out)],
+        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=230,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = out / "report.md"
+    assert report.is_file()
+    text = report.read_text()
+    data = json.loads((out / "report.json").read_text())
+    assert data["failed"] == []
+    assert {"machine", "sections", "wall_s", "quick"} <= set(data)
+    assert {"cpu_model", "cores", "python"} <= set(data["machine"])
+    for section, keys in SECTION_KEYS.items():
+        assert keys <= set(data["sections"][section]), section
+    for plot in ("gateway", "coldstart", "batching", "scale_to_zero"):
+        png = out / "plots" / f"{plot}.png"
+        assert png.is_file() and png.stat().st_size > 1000, plot
+        assert f"plots/{plot}.png" in text
+    rows = data["sections"]["gateway"]["rows"]
+    assert {r["target"] for r in rows} == {"direct", "bare_envoy", "gateway", "client_ceiling"}
+    assert {(r["protocol"], r["concurrency"]) for r in rows} == {(p, c) for p in ("grpc", "http") for c in (1, 8, 32)}
+    assert set(data["sections"]["coldstart"]["models"]) == {"numpy-linear", "onnx-mlp"}

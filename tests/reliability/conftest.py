@@ -1,0 +1,29 @@
+"""Fixtures of the fault-injection suite: `snoozectl serve` subprocesses that are always stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from reliability_helpers import Serve, write_package
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_package(tmp_path_factory.mktemp("reliability_pkg") / "scale")
+
+
+@pytest.fixture(scope="module")
+def serve_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Serve]]:
+    """Make `snoozectl serve` runners (not started); every one is stopped, children included, afterwards."""
+    made: list[Serve] = []
+
+    def make(name: str = "serve", **env: str) -> Serve:
+        serve = Serve(tmp_path_factory.mktemp(name) / "work", {f"SNOOZE_{k.upper()}": v for k, v in env.items()})
+        made.append(serve)
+        return serve
+
+    yield make
+    for serve in made:
+        serve.stop()

@@ -1,0 +1,127 @@
+"""Loads that go wrong while other models serve: out of memory at load, and a load() that hangs.
+
+Out of memory: the lifecycle evicts the least recently used idle model and retries once, then the
+client gets a clear 503 / UNAVAILABLE naming the cause. A hang: the load is abandoned after the
+model's load_timeout_secs, its stub killed, the model marked failed with that reason, and a later
+request tries again. Traffic on another model loses nothing meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcaio
+import tritonclient.http.aio as httpaio
+from reliability_helpers import Traffic, report, summary, until, write_package
+from tritonclient.utils import InferenceServerException
+
+pytestmark = pytest.mark.integration
+
+LOAD_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def serve(serve_factory, package, tmp_path_factory):
+    # A budget that fits the three small models this module loads at once, and not much more.
+    serve = serve_factory("loadfaults", memory_budget_mb="600")
+    serve.start()
+    hanging = write_package(tmp_path_factory.mktemp("hang") / "pkg", load_timeout_secs=LOAD_TIMEOUT)
+    serve.publish("steady", package)
+    serve.publish("victim", package)
+    serve.publish("hog", package, params={"load_error": "memory"})
+    serve.publish("hang", hanging, params={"load_sleep": 600.0})
+    serve.hanging = hanging
+    return serve
+
+
+async def infer_error(serve, model: str, protocol: str, timeout: float = 60) -> tuple[str, float]:
+    """The error a single request gets (it must fail) and how long it took."""
+    x = np.ones((1, 2), dtype=np.float32)
+    started = time.monotonic()
+    if protocol == "grpc":
+        client = grpcaio.InferenceServerClient(serve.grpc_url)
+        inp = grpcaio.InferInput("x", [1, 2], "FP32")
+    else:
+        client = httpaio.InferenceServerClient(serve.http_url)
+        inp = httpaio.InferInput("x", [1, 2], "FP32")
+    inp.set_data_from_numpy(x)
+    try:
+        if protocol == "grpc":
+            await client.infer(model, [inp], client_timeout=timeout)
+        else:
+            await asyncio.wait_for(client.infer(model, [inp]), timeout)
+    except InferenceServerException as e:
+        return f"{e.status()}: {e.message()}", time.monotonic() - started
+    finally:
+        await client.close()
+    raise AssertionError(f"a request to {model} succeeded")
+
+
+async def test_out_of_memory_at_load_evicts_retries_once_then_fails_clearly(serve):
+    traffic = Traffic(serve, {"steady": 2.0, "victim": 2.0}, grpc_clients=2)
+    traffic.start()
+    await until(lambda: {r.model for r in traffic.results if r.ok} == {"steady", "victim"}, "both models served")
+    await traffic.stop()
+    traffic = Traffic(serve, {"steady": 2.0}, grpc_clients=2, http_clients=1).start()  # victim now idle
+    try:
+        await asyncio.sleep(1.0)
+        grpc_error, grpc_secs = await infer_error(serve, "hog", "grpc")
+        victim = await asyncio.to_thread(serve.status, "victim")
+        http_error, _ = await infer_error(serve, "hog", "http")
+        await asyncio.sleep(1.0)
+    finally:
+        results = await traffic.stop()
+    hog = await asyncio.to_thread(serve.status, "hog")
+    steady = summary(results)
+    report(
+        "MemoryError at load",
+        client_error=grpc_error[:140],
+        answer_secs=round(grpc_secs, 2),
+        victim=f"{victim['state']} ({victim['reason']})",
+        neighbour_failed=f"{steady['failed']}/{steady['total']}",
+    )
+    assert grpc_error.startswith("StatusCode.UNAVAILABLE") and "out of memory even after unloading victim" in grpc_error
+    assert http_error.startswith("503") and "out of memory" in http_error
+    assert victim["state"] == "unloaded" and victim["reason"] == "oom"
+    assert hog["state"] == "failed" and "out of memory" in hog["reason"]
+    assert await asyncio.to_thread(serve.metric, "snooze_evictions_total", model="victim", reason="oom") == 1
+    assert steady["failed"] == 0, steady
+    # The evicted model wakes again on its next request.
+    traffic = Traffic(serve, {"victim": 2.0}, grpc_clients=1).start()
+    await until(lambda: any(r.ok for r in traffic.results), "the victim to serve again")
+    assert summary(await traffic.stop())["failed"] == 0
+
+
+async def test_load_hanging_past_its_timeout_is_abandoned(serve, package):
+    traffic = Traffic(serve, {"steady": 2.0}, grpc_clients=2, http_clients=1).start()
+    try:
+        await until(lambda: any(r.ok for r in traffic.results), "steady traffic")
+        answers = []
+        for _ in (1, 2):  # every request retries the load of a failed model; no stub piles up
+            error, secs = await infer_error(serve, "hang", "grpc")
+            status = await asyncio.to_thread(serve.status, "hang")
+            stubs_left = await until(lambda: serve.stubs("hang") == [], "the hanging stub to be killed", timeout=10)
+            answers.append(round(secs, 2))
+            assert error.startswith("StatusCode.UNAVAILABLE"), error
+            assert f"load exceeded load_timeout_secs={LOAD_TIMEOUT:g}" in error
+            assert status["state"] == "failed" and f"load_timeout_secs={LOAD_TIMEOUT:g}" in status["reason"], status
+            assert LOAD_TIMEOUT <= secs <= LOAD_TIMEOUT + 10, secs
+        # Fixed and republished: served.
+        await asyncio.to_thread(serve.publish, "hang", serve.hanging)
+        fixed = Traffic(serve, {"hang": 2.0}, grpc_clients=1).start()
+        await until(lambda: any(r.ok for r in fixed.results), "the fixed model to serve")
+        assert summary(await fixed.stop())["failed"] == 0
+    finally:
+        results = await traffic.stop()
+    steady = summary(results)
+    report(
+        "load() hangs past load_timeout_secs",
+        client_error=error[:120],
+        answer_secs=answers,
+        stub_killed_within_secs=round(stubs_left, 2),
+        neighbour_failed=f"{steady['failed']}/{steady['total']}",
+    )
+    assert steady["failed"] == 0, steady

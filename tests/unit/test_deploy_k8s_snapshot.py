@@ -1,0 +1,104 @@
+"""deploy/k8s/snapshot: structural checks of the snapshot overlay (its patch and seccomp profile),
+plus checks of the rendered manifests when a kubectl is on PATH (`kubectl kustomize`)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[2]
+SNAPSHOT = ROOT / "deploy" / "k8s" / "snapshot"
+PROFILE = SNAPSHOT / "seccomp" / "snoozeml-no-io-uring.json"
+IO_URING = {"io_uring_setup", "io_uring_enter", "io_uring_register"}
+
+
+@pytest.fixture(scope="module")
+def kustomization() -> dict:
+    return yaml.safe_load((SNAPSHOT / "kustomization.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def patch_ops(kustomization: dict) -> dict[str, object]:
+    files = [p["path"] for p in kustomization["patches"] if "path" in p]
+    assert files == ["workload-patch.yaml"]
+    ops = yaml.safe_load((SNAPSHOT / files[0]).read_text())
+    return {op["path"]: op["value"] for op in ops if op["op"] == "replace"}
+
+
+def _check_workload(pod: dict) -> None:
+    """The snapshot contract's pod: control volume, env, probe, seccomp, entrypoint."""
+    (container,) = pod["containers"]
+    name = container["name"]
+    assert container["command"][:2] == ["snoozectl", "snapshot-entrypoint"]
+    env = {e["name"]: e for e in container["env"]}
+    assert "SNOOZE_TRITON_URL" not in env and "SNOOZE_TRITON_GRPC_URL" not in env, "Triton must run in the pod"
+    assert "SNAPSHOT_RESTORE_STANDBY" not in env, "standby is for restore placeholders only"
+    control_dir = env["SNAPSHOT_CONTROL_DIR"]["value"]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["snapshot-control"]["mountPath"] == control_dir
+    assert mounts["snapshot-control"]["subPath"] == name, "the control folder's subPath is the container name"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["snapshot-control"] == {"name": "snapshot-control", "emptyDir": {}}
+    assert all("persistentVolumeClaim" not in v for v in volumes.values())
+    work = env["SNOOZE_WORK_DIR"]["value"]
+    assert not any(work.startswith(m["mountPath"]) for m in mounts.values()), "the work dir must be in the snapshot"
+    probe = container["readinessProbe"]["exec"]["command"]
+    assert "triton-restore-ready" in probe[-1] and "$SNAPSHOT_CONTROL_DIR" in probe[-1]
+    assert shlex.split(probe[-1])[:2] == ["test", "-f"]
+    assert "livenessProbe" not in container and "startupProbe" not in container, "a standby pod listens on nothing"
+    seccomp = container["securityContext"]["seccompProfile"]
+    assert seccomp["type"] == "Localhost"
+    assert Path(seccomp["localhostProfile"]).name == PROFILE.name
+
+
+def test_overlay_on_the_base_drops_the_external_triton(kustomization: dict) -> None:
+    assert kustomization["resources"] == ["../base"]
+    deleted = {yaml.safe_load(p["patch"])["metadata"]["name"] for p in kustomization["patches"] if "patch" in p}
+    assert deleted == {"snooze-triton", "snooze-triton-ingress", "snooze-model-repository"}
+    for p in kustomization["patches"]:
+        if "patch" in p:
+            assert yaml.safe_load(p["patch"])["$patch"] == "delete"
+
+
+def test_workload_patch(patch_ops: dict[str, object]) -> None:
+    spec = {
+        "containers": patch_ops["/spec/template/spec/containers"],
+        "volumes": patch_ops["/spec/template/spec/volumes"],
+    }
+    _check_workload(spec)
+
+
+def test_seccomp_profile_blocks_io_uring() -> None:
+    profile = json.loads(PROFILE.read_text())
+    assert profile["defaultAction"] in ("SCMP_ACT_ALLOW", "SCMP_ACT_ERRNO")
+    blocked = {name for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ERRNO" for name in rule["names"]}
+    assert IO_URING <= blocked
+    allowed = {n for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ALLOW" for n in rule["names"]}
+    assert not IO_URING & allowed
+    (rule,) = [r for r in profile["syscalls"] if IO_URING <= set(r["names"])]
+    assert rule["errnoRet"] == 38, "ENOSYS: libraries treat it as 'no io_uring here' and fall back to epoll"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kustomize_renders_one_snapshot_workload() -> None:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(SNAPSHOT)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["Deployment", "Secret", "Service", "Service"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    _check_workload(pod)
+    assert pod["containers"][0]["image"].startswith("snoozeml-snapshot:")
+    port_names = {p["name"] for p in pod["containers"][0]["ports"]}
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        assert svc["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= port_names
