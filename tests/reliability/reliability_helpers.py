@@ -292,6 +292,7 @@ class Result:
     ended: float
     ok: bool
     error: str = ""  # status code name / HTTP status and message
+    client: int = 0  # which client sent it
 
     @property
     def seconds(self) -> float:
@@ -317,12 +318,16 @@ class Traffic:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _counter: int = 0
 
+    @property
+    def clients(self) -> int:
+        return self.grpc_clients + self.http_clients
+
     def start(self) -> Traffic:
         ids = list(self.models)
         for i in range(self.grpc_clients):
-            self._tasks.append(asyncio.create_task(self._grpc_client(ids[i % len(ids)])))
+            self._tasks.append(asyncio.create_task(self._grpc_client(ids[i % len(ids)], i)))
         for i in range(self.http_clients):
-            self._tasks.append(asyncio.create_task(self._http_client(ids[i % len(ids)])))
+            self._tasks.append(asyncio.create_task(self._http_client(ids[i % len(ids)], self.grpc_clients + i)))
         return self
 
     async def stop(self) -> list[Result]:
@@ -341,7 +346,7 @@ class Traffic:
             return f"WRONG ANSWER: x={x.tolist()} y={None if y is None else y.tolist()} scales={sorted(scales)}"
         return ""
 
-    async def _grpc_client(self, model: str) -> None:
+    async def _grpc_client(self, model: str, n: int) -> None:
         client = grpcaio.InferenceServerClient(self.serve.grpc_url)
         try:
             while not self._stop.is_set():
@@ -354,12 +359,12 @@ class Traffic:
                     error = self._check(model, x, r.as_numpy("y"))
                 except InferenceServerException as e:
                     error = f"{e.status()}: {e.message()}"
-                self.results.append(Result(model, "grpc", started, time.monotonic(), not error, error))
+                self.results.append(Result(model, "grpc", started, time.monotonic(), not error, error, n))
                 await asyncio.sleep(self.pause if not error else max(self.pause, ERROR_PAUSE))
         finally:
             await client.close()
 
-    async def _http_client(self, model: str) -> None:
+    async def _http_client(self, model: str, n: int) -> None:
         client = httpaio.InferenceServerClient(self.serve.http_url, conn_timeout=self.timeout)
         try:
             while not self._stop.is_set():
@@ -376,7 +381,7 @@ class Traffic:
                     error = f"{type(e).__name__}: {e}"
                 except Exception as e:  # aiohttp.ClientError and friends: record, do not stop the client
                     error = f"{type(e).__name__}: {e}"
-                self.results.append(Result(model, "http", started, time.monotonic(), not error, error))
+                self.results.append(Result(model, "http", started, time.monotonic(), not error, error, n))
                 await asyncio.sleep(self.pause if not error else max(self.pause, ERROR_PAUSE))
         finally:
             await client.close()

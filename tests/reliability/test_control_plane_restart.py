@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from tritonclient.grpc import model_config_pb2
 pytestmark = pytest.mark.integration
 
 CLIENT_TIMEOUT = 10.0
+CONNECT_ERROR = re.compile(r"failed to connect|Connection refused|Cannot connect|ClientConnectorError", re.IGNORECASE)
 
 
 def assert_repository_complete(serve: Serve) -> list[str]:
@@ -66,8 +68,8 @@ async def test_killed_during_traffic_restarts_and_serves_again(serve_factory, pa
         assert not alive(stubs), [(p.pid, p.cmdline()[:2]) for p in alive(stubs)]
         up_at = time.monotonic()
         recovered = await until(
-            lambda: {r.model for r in traffic.results if r.ok and r.started > up_at} == {"one", "two"},
-            "traffic to resume on both models",
+            lambda: {r.client for r in traffic.results if r.ok and r.started > up_at} == set(range(traffic.clients)),
+            "every client to be served again",
         )
         await asyncio.sleep(2.0)
     finally:
@@ -79,6 +81,7 @@ async def test_killed_during_traffic_restarts_and_serves_again(serve_factory, pa
         failed=f"{total['failed']}/{total['total']}",
         failed_before_kill=sum(1 for r in results if not r.ok and r.ended < killed_at),
         failed_after_restart=sum(1 for r in results if not r.ok and r.started > up_at),
+        errors_after_restart=sorted({r.error[:90] for r in results if not r.ok and r.started > up_at}),
         orphans_gone_secs=round(orphans_gone, 2),
         restart_secs=round(restart_secs, 2),
         first_success_after_restart_secs=round(recovered, 2),
@@ -86,7 +89,13 @@ async def test_killed_during_traffic_restarts_and_serves_again(serve_factory, pa
     )
     assert not any("WRONG ANSWER" in r.error for r in results)
     assert all(r.ok for r in results if r.ended < killed_at)
-    assert all(r.ok for r in results if r.started > up_at), total  # the restarted stack wakes models on demand
+    # The restarted stack wakes models on demand: once a client reached it, it was served. Before that,
+    # only connection errors: a client's own reconnect back-off (gRPC) can outlast the restart a little.
+    for client in range(traffic.clients):
+        mine = [r for r in results if r.client == client and r.started > up_at]
+        first_ok = min(r.started for r in mine if r.ok)
+        assert all(r.ok for r in mine if r.started >= first_ok), summary(mine)
+        assert all(CONNECT_ERROR.search(r.error) for r in mine if r.started < first_ok), summary(mine)
     assert total["max_seconds"] <= CLIENT_TIMEOUT + 3
     assert sorted(serve.models()) == ["one", "two"] == assert_repository_complete(serve)
     # The old run's shared-memory regions are removed by the restart (recorded in the work dir).
