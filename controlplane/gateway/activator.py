@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import re
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -38,7 +37,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from tritonclient.grpc import model_config_pb2, service_pb2
 
-from controlplane.errors import AuthError, ForbiddenError, NotFoundError, SnoozeError, UnavailableError
+from controlplane.auth import Scope, check_scope
+from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
 from controlplane.render import VERSION, parse_config
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
@@ -83,15 +83,6 @@ class Waker(Protocol):
     async def load(self, model_id: str, *, instances: int | None = None) -> Any: ...
     async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
     def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
-
-
-def bearer_or_api_key(x_api_key: str | None, authorization: str | None) -> str | None:
-    """The key a request carries: ``X-API-Key`` or ``Authorization: Bearer <key>``."""
-    if x_api_key:
-        return x_api_key
-    if authorization and authorization[:7].lower() == "bearer ":
-        return authorization[7:].strip()
-    return None
 
 
 class ModelAnswers:
@@ -168,17 +159,9 @@ class ModelAnswers:
             entries.append({"name": model.id, "version": VERSION, "state": state, "reason": reason})
         return entries
 
-    def check_admin(self, key: str | None) -> None:
-        """Repository load/unload: an admin key (constant-time compare) unless auth is off."""
-        if self.settings.auth == "off":
-            return
-        if not key:
-            raise AuthError("repository load/unload needs an admin API key (X-API-Key or Authorization: Bearer)")
-        given = key.encode()
-        # Compare with every key, no early exit: the time taken does not tell which key was close.
-        matches = [hmac.compare_digest(given, k.get_secret_value().encode()) for k in self.settings.admin_keys]
-        if not any(matches):
-            raise ForbiddenError("repository load/unload needs the admin scope; this key has the inference scope only")
+    def check_admin(self, headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
+        """Repository load/unload through the gateway need the admin scope (cold path: checked here)."""
+        check_scope(self.settings, headers, Scope.ADMIN, surface="activator")
 
 
 class BadRequestError(SnoozeError):
@@ -280,7 +263,7 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
         return JSONResponse(answers.index(ready_only))
 
     def admin_model(request: Request) -> str:
-        answers.check_admin(bearer_or_api_key(request.headers.get("x-api-key"), request.headers.get("authorization")))
+        answers.check_admin(request.headers)
         return answers.published(request.path_params["model"]).id
 
     async def load(request: Request) -> Response:
@@ -318,10 +301,6 @@ def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, Any]]:
         for m in context.invocation_metadata() or ()
         if not m.key.startswith((":", "x-envoy-")) and m.key not in _GRPC_RESERVED
     ]
-
-
-def _metadata_value(context: grpc.aio.ServicerContext, key: str) -> str | None:
-    return next((str(m.value) for m in context.invocation_metadata() or () if m.key == key), None)
 
 
 def _is_dead_stub(answer: bytes | grpc.aio.AioRpcError) -> bool:
@@ -420,8 +399,7 @@ class GrpcActivator:
         return service_pb2.RepositoryIndexResponse(models=entries).SerializeToString()
 
     def _check_admin(self, context: grpc.aio.ServicerContext) -> None:
-        key = bearer_or_api_key(_metadata_value(context, "x-api-key"), _metadata_value(context, "authorization"))
-        self.answers.check_admin(key)
+        self.answers.check_admin([(m.key, str(m.value)) for m in context.invocation_metadata() or ()])
 
     async def repository_load(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         self._check_admin(context)

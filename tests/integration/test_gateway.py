@@ -323,7 +323,7 @@ def test_repository_load_unload_need_the_admin_scope(stack: Stack):
     with stack.http() as h, stack.grpc() as g:
         with pytest.raises(InferenceServerException) as info:
             h.load_model(name, headers=KEY)
-        assert info.value.status() == "403" and "admin scope" in info.value.message()
+        assert info.value.status() == "403" and "'admin' scope" in info.value.message()
         with pytest.raises(InferenceServerException) as info:
             g.load_model(name, headers=GRPC_KEY)
         assert info.value.status() == "StatusCode.PERMISSION_DENIED"

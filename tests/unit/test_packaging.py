@@ -3,6 +3,7 @@ bootstrap: they are data read at run time, not only modules."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,8 +13,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_contains_runtime_data(tmp_path: Path) -> None:
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources.
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    source = tmp_path / "src"
+    for rel in tracked.splitlines():
+        if (ROOT / rel).is_file():
+            (source / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, source / rel)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True,
         capture_output=True,
     )
