@@ -1,6 +1,6 @@
 """`make bench` / `python -m bench`: every benchmark against the embedded stack, one report.
 
-    python -m bench                       # all default sections (~7 min on 2 cores), writes bench/report.md
+    python -m bench                       # all default sections (7-11 min on 2 cores), writes bench/report.md
     python -m bench --quick               # short durations, few cycles (smoke test, < 1 min)
     python -m bench --only coldstart      # one section (repeatable); merged into the existing report.json
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
@@ -16,8 +16,12 @@ import os
 # Before numpy/grpc load, here and in every child (Triton and its stubs inherit this environment):
 # one BLAS thread everywhere, so a predict costs the same in a stub and in-process; no gRPC fork
 # handlers (the bench spawns workers while grpc.aio channels are open).
-for _k, _v in {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "GRPC_ENABLE_FORK_SUPPORT": "0"}.items():  # fmt: skip
+for _k, _v in {
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "GRPC_ENABLE_FORK_SUPPORT": "0",
+}.items():
     os.environ.setdefault(_k, _v)
 
 import argparse  # noqa: E402
@@ -44,20 +48,32 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "gateway": {"seconds": 0.2, "warmup": 0.05},
             "coldstart": {"cycles": 1, "models": ["numpy-linear", "onnx-mlp"]},
             "batching": {"seconds": 0.2, "warmup": 0.05},
-            "scale_to_zero": {"model": "numpy-linear", "idle_timeout": 1.0, "baseline_secs": 0.5,
-                              "traffic_secs": 0.3, "cycles": 1, "settle_secs": 1.0},
+            "scale_to_zero": {
+                "model": "numpy-linear",
+                "idle_timeout": 1.0,
+                "baseline_secs": 0.5,
+                "traffic_secs": 0.3,
+                "cycles": 1,
+                "settle_secs": 1.0,
+            },
             "scale": {"n": 10, "validate_n": 3, "idle_secs": 0.5},
             "native": {"seconds": 0.5, "repeats": 1},
-        }  # fmt: skip
+        }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
         "coldstart": {"cycles": 20, "models": ["numpy-linear", "torch-mlp", "onnx-mlp"]},
         "batching": {"seconds": 4.0, "warmup": 0.5},
-        "scale_to_zero": {"model": "torch-mlp", "idle_timeout": 3.0, "baseline_secs": 2.0, "traffic_secs": 5.0,
-                          "cycles": 2, "settle_secs": 2.0},
+        "scale_to_zero": {
+            "model": "torch-mlp",
+            "idle_timeout": 3.0,
+            "baseline_secs": 2.0,
+            "traffic_secs": 5.0,
+            "cycles": 2,
+            "settle_secs": 2.0,
+        },
         "scale": {"n": 200, "validate_n": 200, "idle_secs": 10.0},
         "native": {"seconds": 5.0, "repeats": 5},
-    }  # fmt: skip
+    }
 
 
 async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, Any]:
@@ -89,11 +105,17 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="short durations, few cycles (smoke test)")
-    parser.add_argument("--only", action="append", choices=ALL_SECTIONS, metavar="SECTION",
-                        help=f"run only this section (repeatable): {', '.join(ALL_SECTIONS)}")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=ALL_SECTIONS,
+        metavar="SECTION",
+        help=f"run only this section (repeatable): {', '.join(ALL_SECTIONS)}",
+    )
     parser.add_argument("--out-dir", type=Path, default=BENCH_DIR, help="where report.md, report.json, plots/ go")
     args = parser.parse_args(argv)
     sections = list(dict.fromkeys(args.only or DEFAULT_SECTIONS))
@@ -105,13 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.only and json_path.exists():  # a partial run updates the sections it ran, keeps the others
         results = json.loads(json_path.read_text())
     started = time.perf_counter()
-    results.update({
-        "command": "python -m bench" + (" --quick" if args.quick else "")
-                   + "".join(f" --only {s}" for s in args.only or ()),
-        "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine(),
-        "quick": args.quick,
-    })  # fmt: skip
+    results.update(
+        {
+            "command": "python -m bench"
+            + (" --quick" if args.quick else "")
+            + "".join(f" --only {s}" for s in args.only or ()),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "machine": machine(),
+            "quick": args.quick,
+        }
+    )
     failed = []
     p = params(args.quick)
     with tempfile.TemporaryDirectory(prefix="snooze-bench-") as tmp:
@@ -125,8 +150,11 @@ def main(argv: list[str] | None = None) -> int:
                 results["sections"].pop(name, None)
                 failed.append(f"{name}: {type(exc).__name__}: {exc}")
             wall = time.perf_counter() - t0
-            results["section_meta"][name] = {"wall_s": round(wall, 1), "quick": args.quick,
-                                             "finished": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}  # fmt: skip
+            results["section_meta"][name] = {
+                "wall_s": round(wall, 1),
+                "quick": args.quick,
+                "finished": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            }
             print(f"[bench] {name} done in {wall:.0f} s", file=sys.stderr, flush=True)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     results["load_average_end"] = [round(v, 2) for v in os.getloadavg()]

@@ -82,7 +82,10 @@ async def drive(send: Callable[[], Awaitable[None]], concurrency: int, seconds: 
     elapsed = time.perf_counter() - start
     latencies.sort()
     return LoadResult(
-        len(latencies), errors, elapsed, *(round(percentile(latencies, q), 3) for q in (50, 90, 99, 100)),
+        len(latencies),
+        errors,
+        elapsed,
+        *(round(percentile(latencies, q), 3) for q in (50, 90, 99, 100)),
         first_error=first_error,
     )
 
@@ -173,9 +176,13 @@ class LoadWorker:
 
     async def __aenter__(self) -> LoadWorker:
         self._proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench._load", "--worker",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "bench._load",
+            "--worker",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -224,11 +231,15 @@ def _worker_main() -> None:
 def _listener(name: str, port: int, codec: str, route: str, *, buffer: bool = False) -> str:
     # A direct response sent before the request body is read makes Envoy close an HTTP/1.1 connection:
     # the buffer filter reads the whole request first, as a real server does.
-    buffer_filter = """
+    buffer_filter = (
+        """
           - name: envoy.filters.http.buffer
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer
-              max_request_bytes: 1048576""" if buffer else ""
+              max_request_bytes: 1048576"""
+        if buffer
+        else ""
+    )
     return f"""
   - name: {name}
     address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
@@ -252,11 +263,15 @@ def _listener(name: str, port: int, codec: str, route: str, *, buffer: bool = Fa
 
 
 def _cluster(name: str, address: tuple[str, int], http2: bool) -> str:
-    h2 = """
+    h2 = (
+        """
     typed_extension_protocol_options:
       envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: { http2_protocol_options: {} }""" if http2 else ""
+        explicit_http_config: { http2_protocol_options: {} }"""
+        if http2
+        else ""
+    )
     return f"""
   - name: {name}
     type: STATIC{h2}
@@ -270,8 +285,9 @@ def _cluster(name: str, address: tuple[str, int], http2: bool) -> str:
 _ADMIN = "admin:\n  address: { socket_address: { address: 127.0.0.1, port_value: 0 } }\nstatic_resources:\n  listeners:"
 
 
-def bare_envoy_bootstrap(*, http_port: int, grpc_port: int, triton_http: tuple[str, int],
-                         triton_grpc: tuple[str, int]) -> str:  # fmt: skip
+def bare_envoy_bootstrap(
+    *, http_port: int, grpc_port: int, triton_http: tuple[str, int], triton_grpc: tuple[str, int]
+) -> str:
     """The reference hop: Envoy proxying both ports to Triton, no retry, no auth, no local-reply mapping."""
     return (
         _ADMIN

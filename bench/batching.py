@@ -29,18 +29,35 @@ MAX_BATCH = 32
 async def run(root: Path, *, seconds: float, warmup: float) -> dict[str, Any]:
     layers, est_ms = calibrate_matmul_layers(1.0, 8)
     models = {
-        "numpy-linear": {"path": EXAMPLES / "numpy-linear", "width": 4, "params": {"scale": 2.0},
-                         "description": "examples/models/numpy-linear: x @ W (4x3), trivially cheap"},
-        "bench-matmul": {"path": matmul_package(root / "pkg" / "bench-matmul", layers), "width": MATMUL_WIDTH,
-                         "params": {}, "description": f"numpy, {layers} tanh(x @ W) layers of width {MATMUL_WIDTH} "
-                         f"(calibrated: ~{est_ms:.2f} ms per batch of 8, one BLAS thread)"},
-    }  # fmt: skip
-    entries = [{"id": m, "path": v["path"], "max_batch_size": MAX_BATCH, "idle_timeout_secs": 3600}
-               for m, v in models.items()]  # fmt: skip
-    out: dict[str, Any] = {"settings": {"seconds": seconds, "concurrency": list(CONCURRENCY), "max_batch_size": MAX_BATCH,
-                                        "max_batch_delay_ms": 0, "instances": 1, "request_rows": 1,
-                                        "client": "grpc.aio direct to Triton, separate process"},
-                           "models": {}}  # fmt: skip
+        "numpy-linear": {
+            "path": EXAMPLES / "numpy-linear",
+            "width": 4,
+            "params": {"scale": 2.0},
+            "description": "examples/models/numpy-linear: x @ W (4x3), trivially cheap",
+        },
+        "bench-matmul": {
+            "path": matmul_package(root / "pkg" / "bench-matmul", layers),
+            "width": MATMUL_WIDTH,
+            "params": {},
+            "description": f"numpy, {layers} tanh(x @ W) layers of width {MATMUL_WIDTH} "
+            f"(calibrated: ~{est_ms:.2f} ms per batch of 8, one BLAS thread)",
+        },
+    }
+    entries = [
+        {"id": m, "path": v["path"], "max_batch_size": MAX_BATCH, "idle_timeout_secs": 3600} for m, v in models.items()
+    ]
+    out: dict[str, Any] = {
+        "settings": {
+            "seconds": seconds,
+            "concurrency": list(CONCURRENCY),
+            "max_batch_size": MAX_BATCH,
+            "max_batch_delay_ms": 0,
+            "instances": 1,
+            "request_rows": 1,
+            "client": "grpc.aio direct to Triton, separate process",
+        },
+        "models": {},
+    }
     async with serving_stack(root / "stack", entries) as stack:
         admin = stack.lifecycle.triton
         async with LoadWorker() as worker:
@@ -48,22 +65,36 @@ async def run(root: Path, *, seconds: float, warmup: float) -> dict[str, Any]:
                 await stack.lifecycle.ensure_ready(model)
                 rows = []
                 for concurrency in CONCURRENCY:
-                    job = Job("grpc", direct_urls(stack)["grpc"], model, concurrency, seconds,
-                              shape=[1, info["width"]], warmup_secs=warmup)  # fmt: skip
+                    job = Job(
+                        "grpc",
+                        direct_urls(stack)["grpc"],
+                        model,
+                        concurrency,
+                        seconds,
+                        shape=[1, info["width"]],
+                        warmup_secs=warmup,
+                    )
                     before = await admin.model_stats(model)
                     r = await worker.run(job)
                     after = await admin.model_stats(model)
                     executions = max(1, after.execution_count - before.execution_count)
                     inferences = after.inference_count - before.inference_count
                     # the warm-up's requests are in the statistics too; their batches look alike
-                    rows.append({"concurrency": concurrency, "rows_per_s": round(r.rps, 1), "p50_ms": r.p50_ms,
-                                 "p99_ms": r.p99_ms, "errors": r.errors,
-                                 "mean_executed_batch": round(inferences / executions, 2),
-                                 # Triton's inference_stats durations are per request: a batch's compute time
-                                 # is counted once for every request in it.
-                                 "triton_compute_ms_per_batch": round(
-                                     (after.compute_infer_ns - before.compute_infer_ns) / max(1, inferences) / 1e6,
-                                     3)})  # fmt: skip
+                    rows.append(
+                        {
+                            "concurrency": concurrency,
+                            "rows_per_s": round(r.rps, 1),
+                            "p50_ms": r.p50_ms,
+                            "p99_ms": r.p99_ms,
+                            "errors": r.errors,
+                            "mean_executed_batch": round(inferences / executions, 2),
+                            # Triton's inference_stats durations are per request: a batch's compute time
+                            # is counted once for every request in it.
+                            "triton_compute_ms_per_batch": round(
+                                (after.compute_infer_ns - before.compute_infer_ns) / max(1, inferences) / 1e6, 3
+                            ),
+                        }
+                    )
                 batches = sorted({max(1, round(row["mean_executed_batch"])) for row in rows} | {1, 8})
                 ceiling = inprocess_ceiling(info["path"], batches, max(0.3, seconds / 4), info["width"], info["params"])
                 for row in rows:

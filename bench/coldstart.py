@@ -84,11 +84,15 @@ async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
                     if len(mine) != 1:
                         raise RuntimeError(f"expected one Triton load of {model} per cold request, saw {loads}")
                     if cycle:
-                        samples[model].append({"first_response_s": first, "triton_load_s": mine[0],
-                                               "overhead_s": first - mine[0]})  # fmt: skip
+                        samples[model].append(
+                            {"first_response_s": first, "triton_load_s": mine[0], "overhead_s": first - mine[0]}
+                        )
         admin.load = real_load
-    out: dict[str, Any] = {"cycles": cycles, "protocol": "HTTP through the gateway (Envoy 404 retry -> activator)",
-                           "models": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "cycles": cycles,
+        "protocol": "HTTP through the gateway (Envoy 404 retry -> activator)",
+        "models": {},
+    }
     for model, rows in samples.items():
         first = summary([r["first_response_s"] for r in rows])
         load = summary([r["triton_load_s"] for r in rows])

@@ -30,14 +30,22 @@ async def run(root: Path, *, seconds: float, warmup: float) -> dict[str, Any]:
         t_http, t_grpc = (Upstream.parse(u) for u in (stack.triton_process.http_url, stack.triton_process.grpc_url))
         ports = {n: (free_port(), free_port()) for n in ("bare", "ceiling")}
         bare = EnvoyProcess(
-            bare_envoy_bootstrap(http_port=ports["bare"][0], grpc_port=ports["bare"][1],
-                                 triton_http=(t_http.host, t_http.port), triton_grpc=(t_grpc.host, t_grpc.port)),
-            root / "bare_envoy", listen=[("127.0.0.1", p) for p in ports["bare"]], name="bare",
-        )  # fmt: skip
+            bare_envoy_bootstrap(
+                http_port=ports["bare"][0],
+                grpc_port=ports["bare"][1],
+                triton_http=(t_http.host, t_http.port),
+                triton_grpc=(t_grpc.host, t_grpc.port),
+            ),
+            root / "bare_envoy",
+            listen=[("127.0.0.1", p) for p in ports["bare"]],
+            name="bare",
+        )
         ceiling = EnvoyProcess(
             ceiling_bootstrap(http_port=ports["ceiling"][0], grpc_port=ports["ceiling"][1]),
-            root / "ceiling_envoy", listen=[("127.0.0.1", p) for p in ports["ceiling"]], name="ceiling",
-        )  # fmt: skip
+            root / "ceiling_envoy",
+            listen=[("127.0.0.1", p) for p in ports["ceiling"]],
+            name="ceiling",
+        )
         bare.start()
         ceiling.start()
         try:
@@ -45,9 +53,11 @@ async def run(root: Path, *, seconds: float, warmup: float) -> dict[str, Any]:
                 "direct": direct_urls(stack),
                 "bare_envoy": {"http": f"http://127.0.0.1:{ports['bare'][0]}", "grpc": f"127.0.0.1:{ports['bare'][1]}"},
                 "gateway": gateway_urls(stack),
-                "client_ceiling": {"http": f"http://127.0.0.1:{ports['ceiling'][0]}",
-                                   "grpc": f"127.0.0.1:{ports['ceiling'][1]}"},
-            }  # fmt: skip
+                "client_ceiling": {
+                    "http": f"http://127.0.0.1:{ports['ceiling'][0]}",
+                    "grpc": f"127.0.0.1:{ports['ceiling'][1]}",
+                },
+            }
             retries_before = _retries(stack)
             rows = []
             async with LoadWorker() as worker:
@@ -56,8 +66,15 @@ async def run(root: Path, *, seconds: float, warmup: float) -> dict[str, Any]:
                         results = {}
                         for name in TARGETS:
                             headers = {"x-api-key": API_KEY} if name == "gateway" else {}
-                            job = Job(protocol, targets[name][protocol], MODEL, concurrency, seconds,
-                                      headers=headers, warmup_secs=warmup)  # fmt: skip
+                            job = Job(
+                                protocol,
+                                targets[name][protocol],
+                                MODEL,
+                                concurrency,
+                                seconds,
+                                headers=headers,
+                                warmup_secs=warmup,
+                            )
                             results[name] = await worker.run(job)
                         rows += _rows(protocol, concurrency, results)
             retries = _retries(stack) - retries_before
@@ -66,12 +83,17 @@ async def run(root: Path, *, seconds: float, warmup: float) -> dict[str, Any]:
             ceiling.stop()
     return {
         "model": f"{MODEL}: numpy y = 2x, one 1x4 FP32 row per request, max_batch_size 8, 1 instance",
-        "settings": {"seconds": seconds, "warmup_secs": warmup, "concurrency": list(CONCURRENCY),
-                     "envoy_concurrency": 2, "client": "grpc.aio / aiohttp in a separate process"},
+        "settings": {
+            "seconds": seconds,
+            "warmup_secs": warmup,
+            "concurrency": list(CONCURRENCY),
+            "envoy_concurrency": 2,
+            "client": "grpc.aio / aiohttp in a separate process",
+        },
         "gateway_retries_during_run": retries,
         "rows": rows,
         "ratios": _ratios(rows),
-    }  # fmt: skip
+    }
 
 
 def _retries(stack: Any) -> int:
@@ -83,15 +105,23 @@ def _rows(protocol: str, concurrency: int, results: dict[str, Any]) -> list[dict
     base, ceiling = results["direct"], results["client_ceiling"]
     rows = []
     for name, r in results.items():
-        rows.append({
-            "protocol": protocol, "concurrency": concurrency, "target": name,
-            "requests": r.requests, "errors": r.errors, "first_error": r.first_error,
-            "rps": round(r.rps, 1),
-            "throughput_vs_direct": round(r.rps / base.rps, 3) if base.rps else None,
-            "share_of_client_ceiling": round(r.rps / ceiling.rps, 3) if ceiling.rps else None,
-            "p50_ms": r.p50_ms, "p99_ms": r.p99_ms,
-            "added_p50_ms": round(r.p50_ms - base.p50_ms, 3), "added_p99_ms": round(r.p99_ms - base.p99_ms, 3),
-        })  # fmt: skip
+        rows.append(
+            {
+                "protocol": protocol,
+                "concurrency": concurrency,
+                "target": name,
+                "requests": r.requests,
+                "errors": r.errors,
+                "first_error": r.first_error,
+                "rps": round(r.rps, 1),
+                "throughput_vs_direct": round(r.rps / base.rps, 3) if base.rps else None,
+                "share_of_client_ceiling": round(r.rps / ceiling.rps, 3) if ceiling.rps else None,
+                "p50_ms": r.p50_ms,
+                "p99_ms": r.p99_ms,
+                "added_p50_ms": round(r.p50_ms - base.p50_ms, 3),
+                "added_p99_ms": round(r.p99_ms - base.p99_ms, 3),
+            }
+        )
     return rows
 
 

@@ -30,7 +30,8 @@ from controlplane.triton.launcher import EmbeddedTriton
 ROOT = Path(__file__).resolve().parents[1]
 IN_FEATURES, HIDDEN, OUT_FEATURES = 64, 256, 10
 
-PACKAGE = f'''
+PACKAGE = f"""
+import numpy as np
 
 
 def build():
@@ -58,7 +59,7 @@ class Model:
 
     def export_module(self):
         return self.module, {{"x": np.zeros((2, {IN_FEATURES}), np.float32)}}
-'''
+"""
 MANIFEST = {
     "inputs": [{"name": "x", "datatype": "FP32", "dims": [IN_FEATURES]}],
     "outputs": [{"name": "logits", "datatype": "FP32", "dims": [OUT_FEATURES]}],
@@ -92,64 +93,72 @@ async def run(root: Path, *, seconds: float, repeats: int) -> dict[str, Any]:
         "model": f"MLP {IN_FEATURES}-{HIDDEN}-{HIDDEN}-{OUT_FEATURES} (torch, 1 intra-op thread)",
         "settings": {"max_batch_size": 32, "instances": 1, "seconds": seconds, "repeats": repeats},
     }
+    root.mkdir(parents=True, exist_ok=True)
     pkg = root / "torch-mlp"
-    if True:
-        pkg.mkdir()
-        (pkg / "snooze_model.py").write_text(textwrap.dedent(PACKAGE))
-        (pkg / "snooze_model.json").write_text(json.dumps(MANIFEST))
-        start = time.perf_counter()
-        decision = prefer_native(pkg, max_batch_size=32, out_dir=root / "onnx-mlp")
-        if not decision.native:
-            raise SystemExit(f"export failed: {decision.reason}")
-        worst = max(c["max_abs"] for c in decision.report["comparisons"])
-        results["conversion"] = {
-            "exporter": decision.exporter,
-            "export_secs": round(decision.export_secs, 3),
-            "worker_total_secs": round(time.perf_counter() - start, 3),
-            "parity_max_abs": worst,
-            "parity_comparisons": len(decision.report["comparisons"]),
-        }
-        models = {"custom-torch": pkg, "onnx-export": decision.publish_path}
-        specs = [resolve(DeploymentSpec(id=m, path=p, max_batch_size=32)) for m, p in models.items()]
-        repo = root / "repo"
-        render_repository(specs, repo, embedded_target())
-        with EmbeddedTriton(repo, root / "work") as triton:
-            async with TritonAdminClient(triton.http_url) as admin, LoadWorker() as worker:
-                times = await load_times(admin, list(models), repeats)
-                results["cold_start_secs"] = {
-                    m: {"median": round(statistics.median(t), 4), "all": [round(v, 4) for v in t]}
-                    for m, t in times.items()
-                }
-                results["throughput"] = {}
-                results["stub_rss_mb"] = {}
-                for model in models:
-                    await admin.load(model)
-                    job = Job("grpc", triton.grpc_url, model, 4, 0.5, shape=[1, IN_FEATURES], output_name="logits")
-                    await worker.run(job)  # warm-up
-                    results["stub_rss_mb"][model] = round(stub_rss_mb(triton, model), 1)
-                    for concurrency in (1, 32):
-                        before = await admin.model_stats(model)
-                        r = await worker.run(Job("grpc", triton.grpc_url, model, concurrency, seconds,
-                                                 shape=[1, IN_FEATURES], output_name="logits"))
-                        served = {"requests": r.requests, "errors": r.errors, "rps": r.rps, "p50_ms": r.p50_ms,
-                                  "p99_ms": r.p99_ms}
-                        after = await admin.model_stats(model)
-                        executions = max(1, after.execution_count - before.execution_count)
-                        inferences = after.inference_count - before.inference_count
-                        results["throughput"].setdefault(model, {})[f"c{concurrency}"] = {
-                            **{k: round(v, 3) for k, v in served.items()},
-                            "mean_executed_batch": round(inferences / executions, 2),
-                        }
-                    await admin.unload(model, wait=True)
+    pkg.mkdir()
+    (pkg / "snooze_model.py").write_text(textwrap.dedent(PACKAGE))
+    (pkg / "snooze_model.json").write_text(json.dumps(MANIFEST))
+    start = time.perf_counter()
+    decision = prefer_native(pkg, max_batch_size=32, out_dir=root / "onnx-mlp")
+    if not decision.native:
+        raise RuntimeError(f"export failed: {decision.reason}")
+    worst = max(c["max_abs"] for c in decision.report["comparisons"])
+    results["conversion"] = {
+        "exporter": decision.exporter,
+        "export_secs": round(decision.export_secs, 3),
+        "worker_total_secs": round(time.perf_counter() - start, 3),
+        "parity_max_abs": worst,
+        "parity_comparisons": len(decision.report["comparisons"]),
+    }
+    models = {"custom-torch": pkg, "onnx-export": decision.publish_path}
+    specs = [resolve(DeploymentSpec(id=m, path=p, max_batch_size=32)) for m, p in models.items()]
+    repo = root / "repo"
+    render_repository(specs, repo, embedded_target())
+    with EmbeddedTriton(repo, root / "work") as triton:
+        async with TritonAdminClient(triton.http_url) as admin, LoadWorker() as worker:
+            times = await load_times(admin, list(models), repeats)
+            results["cold_start_secs"] = {
+                m: {"median": round(statistics.median(t), 4), "all": [round(v, 4) for v in t]} for m, t in times.items()
+            }
+            results["throughput"] = {}
+            results["stub_rss_mb"] = {}
+            for model in models:
+                await admin.load(model)
+                job = Job("grpc", triton.grpc_url, model, 4, 0.5, shape=[1, IN_FEATURES], output_name="logits")
+                await worker.run(job)  # warm-up
+                results["stub_rss_mb"][model] = round(stub_rss_mb(triton, model), 1)
+                for concurrency in (1, 32):
+                    before = await admin.model_stats(model)
+                    r = await worker.run(
+                        Job(
+                            "grpc",
+                            triton.grpc_url,
+                            model,
+                            concurrency,
+                            seconds,
+                            shape=[1, IN_FEATURES],
+                            output_name="logits",
+                        )
+                    )
+                    served = {
+                        "requests": r.requests,
+                        "errors": r.errors,
+                        "rps": r.rps,
+                        "p50_ms": r.p50_ms,
+                        "p99_ms": r.p99_ms,
+                    }
+                    after = await admin.model_stats(model)
+                    executions = max(1, after.execution_count - before.execution_count)
+                    inferences = after.inference_count - before.inference_count
+                    results["throughput"].setdefault(model, {})[f"c{concurrency}"] = {
+                        **{k: round(v, 3) for k, v in served.items()},
+                        "mean_executed_batch": round(inferences / executions, 2),
+                    }
+                await admin.unload(model, wait=True)
     cold = results["cold_start_secs"]
     tput = results["throughput"]
     results["ratios_onnx_vs_custom"] = {
         "cold_start": round(cold["onnx-export"]["median"] / cold["custom-torch"]["median"], 3),
-        **{
-            f"rps_{c}": round(tput["onnx-export"][c]["rps"] / tput["custom-torch"][c]["rps"], 3)
-            for c in ("c1", "c32")
-        },
+        **{f"rps_{c}": round(tput["onnx-export"][c]["rps"] / tput["custom-torch"][c]["rps"], 3) for c in ("c1", "c32")},
     }
     return results
-
-

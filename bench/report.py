@@ -30,13 +30,20 @@ def plot_gateway(res: dict[str, Any], path: Path) -> str:
     conc = sorted({r["concurrency"] for r in rows})
     fig, axes = plt.subplots(2, 2, figsize=(9, 6))
     for col, protocol in enumerate(("grpc", "http")):
-        for row_i, (metric, label) in enumerate((("throughput_vs_direct", "throughput / direct Triton"),
-                                                 ("p50_ms", "p50 latency (ms)"))):  # fmt: skip
+        for row_i, (metric, label) in enumerate(
+            (("throughput_vs_direct", "throughput / direct Triton"), ("p50_ms", "p50 latency (ms)"))
+        ):
             ax = axes[row_i][col]
             width = 0.2
             for i, target in enumerate(TARGET_COLORS):
-                vals = [next(r[metric] for r in rows if r["protocol"] == protocol and r["concurrency"] == c
-                             and r["target"] == target) for c in conc]  # fmt: skip
+                vals = [
+                    next(
+                        r[metric]
+                        for r in rows
+                        if r["protocol"] == protocol and r["concurrency"] == c and r["target"] == target
+                    )
+                    for c in conc
+                ]
                 xs = [j + (i - 1.5) * width for j in range(len(conc))]
                 ax.bar(xs, vals, width, label=target, color=TARGET_COLORS[target])
             ax.set_xticks(range(len(conc)), [f"c={c}" for c in conc])
@@ -72,8 +79,13 @@ def plot_batching(res: dict[str, Any], path: Path) -> str:
         rows = res["models"][model]["rows"]
         xs = range(len(rows))
         ax.bar([x - 0.2 for x in xs], [r["rows_per_s"] for r in rows], 0.4, label="through Triton", color="#4c72b0")
-        ax.bar([x + 0.2 for x in xs], [r["inprocess_rows_per_s"] for r in rows], 0.4, label="in-process predict",
-               color="#8c8c8c")  # fmt: skip
+        ax.bar(
+            [x + 0.2 for x in xs],
+            [r["inprocess_rows_per_s"] for r in rows],
+            0.4,
+            label="in-process predict",
+            color="#8c8c8c",
+        )
         ax.set_yscale("log")
         ax.set_xticks(list(xs), [f"c={r['concurrency']}\nbatch {r['mean_executed_batch']:.1f}" for r in rows])
         ax.set_title(model, fontsize=10)
@@ -100,8 +112,12 @@ def plot_scale_to_zero(res: dict[str, Any], path: Path) -> str:
     return _save(fig, path)
 
 
-PLOTS = {"gateway": plot_gateway, "coldstart": plot_coldstart, "batching": plot_batching,
-         "scale_to_zero": plot_scale_to_zero}  # fmt: skip
+PLOTS = {
+    "gateway": plot_gateway,
+    "coldstart": plot_coldstart,
+    "batching": plot_batching,
+    "scale_to_zero": plot_scale_to_zero,
+}
 
 
 def write_plots(results: dict[str, Any], plot_dir: Path) -> dict[str, str]:
@@ -132,31 +148,42 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
         out.append(
             "- **Gateway** throughput vs direct Triton (c=1 / 8 / 32): gRPC "
             + " / ".join(f"{r[f'grpc_c{c}']['gateway_vs_direct']:.2f}" for c in (1, 8, 32))
-            + ", HTTP " + " / ".join(f"{r[f'http_c{c}']['gateway_vs_direct']:.2f}" for c in (1, 8, 32))
+            + ", HTTP "
+            + " / ".join(f"{r[f'http_c{c}']['gateway_vs_direct']:.2f}" for c in (1, 8, 32))
             + "; the bare Envoy hop: gRPC "
             + " / ".join(f"{r[f'grpc_c{c}']['bare_envoy_vs_direct']:.2f}" for c in (1, 8, 32))
-            + ", HTTP " + " / ".join(f"{r[f'http_c{c}']['bare_envoy_vs_direct']:.2f}" for c in (1, 8, 32))
+            + ", HTTP "
+            + " / ".join(f"{r[f'http_c{c}']['bare_envoy_vs_direct']:.2f}" for c in (1, 8, 32))
             + f". Added p50 at c=1: gateway {r['grpc_c1']['gateway_added_p50_ms']:.2f} ms (gRPC), "
             f"{r['http_c1']['gateway_added_p50_ms']:.2f} ms (HTTP)."
         )
     if c := sec.get("coldstart"):
-        parts = [f"{m} {v['first_response_vs_triton_load']:.2f}x (+{_ms(v['overhead_s']['median'])})"
-                 for m, v in c["models"].items()]  # fmt: skip
-        out.append("- **Cold start** through the gateway vs Triton's own load time (median over "
-                   f"{c['cycles']} cycles): " + ", ".join(parts) + ".")  # fmt: skip
+        parts = [
+            f"{m} {v['first_response_vs_triton_load']:.2f}x (+{_ms(v['overhead_s']['median'])})"
+            for m, v in c["models"].items()
+        ]
+        out.append(
+            "- **Cold start** through the gateway vs Triton's own load time (median over "
+            f"{c['cycles']} cycles): " + ", ".join(parts) + "."
+        )
     if b := sec.get("batching"):
         parts = []
         for m, v in b["models"].items():
             last = v["rows"][-1]
-            parts.append(f"{m} {last['triton_vs_inprocess']:.3f} of in-process at c={last['concurrency']} "
-                         f"(mean batch {last['mean_executed_batch']})")  # fmt: skip
-        out.append("- **Batching** (Triton rows/s / in-process predict rows/s, same batch size): " + "; ".join(parts) + ".")
+            parts.append(
+                f"{m} {last['triton_vs_inprocess']:.3f} of in-process at c={last['concurrency']} "
+                f"(mean batch {last['mean_executed_batch']})"
+            )
+        out.append(
+            "- **Batching** (Triton rows/s / in-process predict rows/s, same batch size): " + "; ".join(parts) + "."
+        )
     if z := sec.get("scale_to_zero"):
         ret = z["loaded_increment_returned"]
         out.append(
-            f"- **Scale to zero** ({z['model']}): Triton tree RSS after idle unload / before = {z['after_vs_before']:.3f} "
+            f"- **Scale to zero** ({z['model']}): Triton tree RSS after idle unload / before = "
+            f"{z['after_vs_before']:.3f} "
             f"({'within' if z['after_within_5pct_of_before'] else 'NOT within'} 5%); "
-            f"{100 * ret:.1f}% of the loaded increment returned." if ret is not None else ""
+            + (f"{100 * ret:.1f}% of the loaded increment returned." if ret is not None else "")
         )
     if s := sec.get("scale"):
         cp = s["control_plane"]
@@ -182,6 +209,14 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         f"> Load average at start {m['load_average']}, at end {results['load_average_end']}: this machine is shared"
         " (other test suites run on it), so absolute numbers are noisy; ratios taken back to back are steadier.",
         "",
+        "Sections (wall time, finished): "
+        + "; ".join(
+            f"{k} {v['wall_s']:.0f} s, {v['finished']}" + (" (quick)" if v.get("quick") else "")
+            for k, v in results.get("section_meta", {}).items()
+            if k in sec
+        )
+        + ". A run with `--only` re-measures those sections and keeps the others from earlier runs.",
+        "",
         "## Summary",
         "",
         *_summary_lines(sec),
@@ -201,18 +236,43 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             f"Retries to the activator during the run: {g['gateway_retries_during_run']} (warm traffic never "
             "touches Python).",
             "",
-            _table(["protocol", "c", "gateway/direct", "bare/direct", "gateway/bare", "+p50 gateway (ms)",
-                    "+p50 bare (ms)", "direct/client ceiling", "client-bound?"],
-                   [[k.split("_")[0], k.split("_c")[1], v["gateway_vs_direct"], v["bare_envoy_vs_direct"],
-                     v["gateway_vs_bare_envoy"], v["gateway_added_p50_ms"], v["bare_envoy_added_p50_ms"],
-                     v["direct_share_of_client_ceiling"], "yes" if v["client_bound"] else "no"]
-                    for k, v in g["ratios"].items()]),  # fmt: skip
+            _table(
+                [
+                    "protocol",
+                    "c",
+                    "gateway/direct",
+                    "bare/direct",
+                    "gateway/bare",
+                    "+p50 gateway (ms)",
+                    "+p50 bare (ms)",
+                    "direct/client ceiling",
+                    "client-bound?",
+                ],
+                [
+                    [
+                        k.split("_")[0],
+                        k.split("_c")[1],
+                        v["gateway_vs_direct"],
+                        v["bare_envoy_vs_direct"],
+                        v["gateway_vs_bare_envoy"],
+                        v["gateway_added_p50_ms"],
+                        v["bare_envoy_added_p50_ms"],
+                        v["direct_share_of_client_ceiling"],
+                        "yes" if v["client_bound"] else "no",
+                    ]
+                    for k, v in g["ratios"].items()
+                ],
+            ),
             "",
             "Absolute numbers:",
             "",
-            _table(["protocol", "c", "target", "req/s", "p50 ms", "p99 ms", "errors"],
-                   [[r["protocol"], r["concurrency"], r["target"], r["rps"], r["p50_ms"], r["p99_ms"], r["errors"]]
-                    for r in g["rows"]]),  # fmt: skip
+            _table(
+                ["protocol", "c", "target", "req/s", "p50 ms", "p99 ms", "errors"],
+                [
+                    [r["protocol"], r["concurrency"], r["target"], r["rps"], r["p50_ms"], r["p99_ms"], r["errors"]]
+                    for r in g["rows"]
+                ],
+            ),
             "",
         ]
         if "gateway" in plots:
@@ -221,19 +281,32 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         lines += [
             "## Cold start: first response through the gateway vs Triton's load time",
             "",
-            f"{c['cycles']} cycles per model (plus one uncounted warm-up cycle), models interleaved. Each cycle unloads "
+            f"{c['cycles']} cycles per model (plus one uncounted warm-up cycle), models interleaved. "
+            "Each cycle unloads "
             "the model through the lifecycle manager, then times one HTTP inference through the gateway on an open "
             "connection (404 from Triton -> Envoy retry -> activator -> load -> forward). `Triton load` is the "
             "duration of the very `TritonAdminClient.load` call the lifecycle made for that request; overhead = "
             "first response - Triton load, per cycle.",
             "",
-            _table(["model", "first response / Triton load", "Triton load median / p90 / max",
-                    "first response median / p90 / max", "overhead median / p90 / max"],
-                   [[f"{mdl} ({v['description']})", v["first_response_vs_triton_load"],
-                     " / ".join(_ms(v["triton_load_s"][k]) for k in ("median", "p90", "max")),
-                     " / ".join(_ms(v["first_response_s"][k]) for k in ("median", "p90", "max")),
-                     " / ".join(_ms(v["overhead_s"][k]) for k in ("median", "p90", "max"))]
-                    for mdl, v in c["models"].items()]),  # fmt: skip
+            _table(
+                [
+                    "model",
+                    "first response / Triton load",
+                    "Triton load median / p90 / max",
+                    "first response median / p90 / max",
+                    "overhead median / p90 / max",
+                ],
+                [
+                    [
+                        f"{mdl} ({v['description']})",
+                        v["first_response_vs_triton_load"],
+                        " / ".join(_ms(v["triton_load_s"][k]) for k in ("median", "p90", "max")),
+                        " / ".join(_ms(v["first_response_s"][k]) for k in ("median", "p90", "max")),
+                        " / ".join(_ms(v["overhead_s"][k]) for k in ("median", "p90", "max")),
+                    ]
+                    for mdl, v in c["models"].items()
+                ],
+            ),
             "",
         ]
         if "coldstart" in plots:
@@ -243,9 +316,11 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         lines += [
             "## Batching: through Triton vs `predict` in-process",
             "",
-            f"Batch-1 requests over gRPC straight to Triton (its dynamic batcher, max_batch_size {st['max_batch_size']}, "
+            "Batch-1 requests over gRPC straight to Triton (its dynamic batcher, "
+            f"max_batch_size {st['max_batch_size']}, "
             f"max delay {st['max_batch_delay_ms']} ms, {st['instances']} instance), {st['seconds']} s per cell. The "
-            "ceiling is the same `predict` called in a fresh interpreter on batches of the size Triton executed "
+            "ceiling is the same `predict` called in a fresh interpreter (best of short rounds) on batches of the size "
+            "Triton executed "
             "(mean executed batch = inference_count / execution_count from Triton's statistics). BLAS is pinned to "
             "one thread in every process.",
             "",
@@ -255,11 +330,31 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
                 f"**{mdl}**: {v['description']}; predict costs {v['predict_ms_batch_1']:.3f} ms at batch 1 and "
                 f"{v['predict_ms_batch_8']:.3f} ms at batch 8 in-process.",
                 "",
-                _table(["c", "mean executed batch", "Triton rows/s", "in-process rows/s (same batch)", "Triton / in-process",
-                        "Triton compute ms per batch", "p50 ms", "p99 ms"],
-                       [[r["concurrency"], r["mean_executed_batch"], r["rows_per_s"], r["inprocess_rows_per_s"],
-                         r["triton_vs_inprocess"], r["triton_compute_ms_per_batch"], r["p50_ms"], r["p99_ms"]]
-                        for r in v["rows"]]),  # fmt: skip
+                _table(
+                    [
+                        "c",
+                        "mean executed batch",
+                        "Triton rows/s",
+                        "in-process rows/s (same batch)",
+                        "Triton / in-process",
+                        "Triton compute ms per batch",
+                        "p50 ms",
+                        "p99 ms",
+                    ],
+                    [
+                        [
+                            r["concurrency"],
+                            r["mean_executed_batch"],
+                            r["rows_per_s"],
+                            r["inprocess_rows_per_s"],
+                            r["triton_vs_inprocess"],
+                            r["triton_compute_ms_per_batch"],
+                            r["p50_ms"],
+                            r["p99_ms"],
+                        ]
+                        for r in v["rows"]
+                    ],
+                ),
                 "",
             ]
         if "batching" in plots:
@@ -273,11 +368,30 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             f"wake -> {z['settings']['traffic']} -> idle unload; RSS of tritonserver and its stubs sampled every "
             f"{int(1000 * z['settings']['sample_interval_secs'])} ms.",
             "",
-            _table(["before (MiB)", "loaded median (MiB)", "loaded peak (MiB)", "after each cycle (MiB)", "after / before",
-                    "within 5%?", "loaded increment returned", "last after / first after"],
-                   [[r["before"], r["loaded_median"], r["loaded_peak"], ", ".join(map(str, r["after_each_cycle"])),
-                     z["after_vs_before"], "yes" if z["after_within_5pct_of_before"] else "no",
-                     z["loaded_increment_returned"], z["last_cycle_after_vs_first_cycle_after"]]]),  # fmt: skip
+            _table(
+                [
+                    "before (MiB)",
+                    "loaded median (MiB)",
+                    "loaded peak (MiB)",
+                    "after each cycle (MiB)",
+                    "after / before",
+                    "within 5%?",
+                    "loaded increment returned",
+                    "last after / first after",
+                ],
+                [
+                    [
+                        r["before"],
+                        r["loaded_median"],
+                        r["loaded_peak"],
+                        ", ".join(map(str, r["after_each_cycle"])),
+                        z["after_vs_before"],
+                        "yes" if z["after_within_5pct_of_before"] else "no",
+                        z["loaded_increment_returned"],
+                        z["last_cycle_after_vs_first_cycle_after"],
+                    ]
+                ],
+            ),
             "",
             f"Wake-up (first request) {', '.join(f'{v:.2f} s' for v in z['first_request_s'])}; idle unload came "
             f"{', '.join(f'{v:.1f} s' for v in z['idle_unload_after_traffic_s'])} after traffic stopped; errors "
@@ -285,9 +399,12 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             "",
         ]
         if not z["after_within_5pct_of_before"]:
-            lines += ["`before` is a freshly started tritonserver that has never loaded a python-backend model; the "
-                      "first load maps the python backend library into the server process and it stays there. "
-                      "Compare `last after / first after` for growth per cycle.", ""]  # fmt: skip
+            lines += [
+                "`before` is a freshly started tritonserver that has never loaded a python-backend model; the "
+                "first load maps the python backend library into the server process and it stays there. "
+                "Compare `last after / first after` for growth per cycle.",
+                "",
+            ]
         if "scale_to_zero" in plots:
             lines += [f"![scale to zero]({plot_rel}/{plots['scale_to_zero']})", ""]
     if s := sec.get("scale"):
@@ -296,27 +413,48 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         lines += [
             f"## Scale: {n} published models",
             "",
-            _table(["measure", "value"], [
-                [f"render + write {n} tiny numpy packages", f"{rd['total_s']} s ({rd['per_model_ms']} ms/model: resolve "
-                 f"{rd['resolve_s']} s, render {rd['render_s']} s, write {rd['write_s']} s)"],
-                [f"static validation of {vd['models']} of them", f"{vd['total_s']} s ({vd['per_model_ms']} ms/model; "
-                 f"{vd['note']}; ok={vd['ok']})"],
-                [f"control-plane RSS, {n} vs 0 models", f"{cp[f'rss_{n}_vs_0_models']}x ({cp[f'rss_mib_{n}_models']} vs "
-                 f"{cp['rss_mib_0_models']} MiB, {cp['rss_kib_per_published_model']} KiB per model)"],
-                [f"control-plane idle CPU, {n} models", f"{100 * cp[f'idle_cpu_share_{n}_models']:.2f}% of one core "
-                 f"(0 models: {100 * cp['idle_cpu_share_0_models']:.2f}%; {cp['idle_window_s']} s window, sweep every "
-                 f"{cp['sweep_interval_secs']} s)"],
-                [f"Triton idle CPU, {n} models (the sweeper's polls)", f"{100 * cp[f'triton_idle_cpu_share_{n}_models']:.2f}%"],
-                ["stack start, 0 / n models", f"{cp['start_s_0_models']} s / {cp[f'start_s_{n}_models']} s"],
-            ]),  # fmt: skip
+            _table(
+                ["measure", "value"],
+                [
+                    [
+                        f"render + write {n} tiny numpy packages",
+                        f"{rd['total_s']} s ({rd['per_model_ms']} ms/model: resolve "
+                        f"{rd['resolve_s']} s, render {rd['render_s']} s, write {rd['write_s']} s)",
+                    ],
+                    [
+                        f"static validation of {vd['models']} of them",
+                        f"{vd['total_s']} s ({vd['per_model_ms']} ms/model; {vd['note']}; ok={vd['ok']})",
+                    ],
+                    [
+                        f"control-plane RSS, {n} vs 0 models",
+                        f"{cp[f'rss_{n}_vs_0_models']}x ({cp[f'rss_mib_{n}_models']} vs "
+                        f"{cp['rss_mib_0_models']} MiB, {cp['rss_kib_per_published_model']} KiB per model)",
+                    ],
+                    [
+                        f"control-plane idle CPU, {n} models",
+                        f"{100 * cp[f'idle_cpu_share_{n}_models']:.2f}% of one core "
+                        f"(0 models: {100 * cp['idle_cpu_share_0_models']:.2f}%; {cp['idle_window_s']} s window, "
+                        "sweep every "
+                        f"{cp['sweep_interval_secs']} s)",
+                    ],
+                    [
+                        f"Triton idle CPU, {n} models (the sweeper's polls)",
+                        f"{100 * cp[f'triton_idle_cpu_share_{n}_models']:.2f}%",
+                    ],
+                    ["stack start, 0 / n models", f"{cp['start_s_0_models']} s / {cp[f'start_s_{n}_models']} s"],
+                ],
+            ),
             "",
             f"The control plane is measured in a fresh `ServingStack` process: {cp['process']}.",
             "",
         ]
     if nat := sec.get("native"):
         lines += ["## Native (ONNX export) vs custom torch", "", "```", _json_block(nat), "```", ""]
-    lines += ["Raw numbers: `report.json` next to this file. Re-run: `make bench` (about 7 minutes) or "
-              "`python -m bench --quick` / `--only SECTION`.", ""]  # fmt: skip
+    lines += [
+        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (7-11 minutes on 2 cores) or "
+        "`python -m bench --quick` / `--only SECTION`.",
+        "",
+    ]
     return "\n".join(lines)
 
 

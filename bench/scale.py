@@ -37,8 +37,13 @@ def render_all(packages: list[Path], repo: Path) -> dict[str, float]:
         t3 = time.perf_counter()
         t_resolve, t_render, t_write = t_resolve + t1 - t0, t_render + t2 - t1, t_write + t3 - t2
     total = t_resolve + t_render + t_write
-    return {"total_s": round(total, 3), "per_model_ms": round(1000 * total / len(packages), 2),
-            "resolve_s": round(t_resolve, 3), "render_s": round(t_render, 3), "write_s": round(t_write, 3)}  # fmt: skip
+    return {
+        "total_s": round(total, 3),
+        "per_model_ms": round(1000 * total / len(packages), 2),
+        "resolve_s": round(t_resolve, 3),
+        "render_s": round(t_render, 3),
+        "write_s": round(t_write, 3),
+    }
 
 
 def validate(repo: Path, models: list[str]) -> dict[str, Any]:
@@ -47,8 +52,13 @@ def validate(repo: Path, models: list[str]) -> dict[str, Any]:
     start = time.perf_counter()
     report = validate_repository(repo, models=models)
     secs = time.perf_counter() - start
-    return {"models": len(models), "total_s": round(secs, 3), "per_model_ms": round(1000 * secs / len(models), 1),
-            "ok": report.ok, "failures": len(report.failures)}  # fmt: skip
+    return {
+        "models": len(models),
+        "total_s": round(secs, 3),
+        "per_model_ms": round(1000 * secs / len(models), 1),
+        "ok": report.ok,
+        "failures": len(report.failures),
+    }
 
 
 def probe(repo: Path, idle_secs: float) -> dict[str, Any]:
@@ -72,8 +82,11 @@ def run(root: Path, *, n: int, validate_n: int, idle_secs: float) -> dict[str, A
     return {
         "models": n,
         "render": rendered,
-        "validate_static": {**validated, "extrapolated_total_s_for_all": round(validated["per_model_ms"] * n / 1000, 1),
-                            "note": "static checks incl. one import probe (a child interpreter) per model"},
+        "validate_static": {
+            **validated,
+            "extrapolated_total_s_for_all": round(validated["per_model_ms"] * n / 1000, 1),
+            "note": "static checks incl. one import probe (a child interpreter) per model",
+        },
         "control_plane": {
             "process": "ServingStack (lifecycle, activator, API, Envoy and Triton supervision) in one Python process",
             "rss_mib_0_models": round(empty["rss"] / mib, 1),
@@ -100,8 +113,16 @@ async def _probe_main(repo: Path, idle_secs: float) -> dict[str, Any]:
     from controlplane.triton.launcher import free_port
 
     work = repo.parent / f"probe-{repo.name}"
-    settings = Settings(work_dir=work, model_repository=repo, http_port=free_port(), grpc_port=free_port(),
-                        api_port=free_port(), auth="off", shutdown_grace_secs=1, log_level="warning")  # fmt: skip
+    settings = Settings(
+        work_dir=work,
+        model_repository=repo,
+        http_port=free_port(),
+        grpc_port=free_port(),
+        api_port=free_port(),
+        auth="off",
+        shutdown_grace_secs=1,
+        log_level="warning",
+    )
     stack = ServingStack(settings, None, console=Console(file=io.StringIO()))
     start = time.perf_counter()
     await stack.start()

@@ -43,16 +43,28 @@ class RssSampler(threading.Thread):
         return [v for t, v in self.samples if start <= t <= end]
 
 
-async def run(root: Path, *, model: str, idle_timeout: float, baseline_secs: float, traffic_secs: float,
-              cycles: int = 2, settle_secs: float = 2.0) -> dict[str, Any]:  # fmt: skip
+async def run(
+    root: Path,
+    *,
+    model: str,
+    idle_timeout: float,
+    baseline_secs: float,
+    traffic_secs: float,
+    cycles: int = 2,
+    settle_secs: float = 2.0,
+) -> dict[str, Any]:
     entries = [{"id": model, "path": EXAMPLES / model, "idle_timeout_secs": idle_timeout}]
     events: list[dict[str, float]] = []
     first_s, rps, errors = [], [], 0
     async with serving_stack(root / "stack", entries, sweep_interval_secs=0.5) as stack:
         triton = stack.triton_process
         published = stack.store.get(model)
-        tensors = dict(shape=[1, *published.inputs[0].dims], input_name=published.inputs[0].name,
-                       output_name=published.outputs[0].name, headers={"x-api-key": API_KEY})  # fmt: skip
+        tensors = dict(
+            shape=[1, *published.inputs[0].dims],
+            input_name=published.inputs[0].name,
+            output_name=published.outputs[0].name,
+            headers={"x-api-key": API_KEY},
+        )
         target = gateway_urls(stack)["grpc"]
         sampler = RssSampler(triton.process_tree_rss)
         sampler.start()
@@ -84,14 +96,23 @@ async def run(root: Path, *, model: str, idle_timeout: float, baseline_secs: flo
     after = afters[-1]
     return {
         "model": model,
-        "settings": {"idle_timeout_secs": idle_timeout, "sweep_interval_secs": 0.5, "sample_interval_secs": INTERVAL,
-                     "cycles": cycles, "traffic": f"gRPC through the gateway, concurrency 8, {traffic_secs} s"},
+        "settings": {
+            "idle_timeout_secs": idle_timeout,
+            "sweep_interval_secs": 0.5,
+            "sample_interval_secs": INTERVAL,
+            "cycles": cycles,
+            "traffic": f"gRPC through the gateway, concurrency 8, {traffic_secs} s",
+        },
         "first_request_s": [round(v, 3) for v in first_s],
         "traffic_rps": [round(v, 1) for v in rps],
         "errors": errors,
-        "rss_mib": {"before": round(before / mib, 1), "loaded_median": round(loaded / mib, 1),
-                    "loaded_peak": round(max(loaded_samples) / mib, 1),
-                    "after_each_cycle": [round(a / mib, 1) for a in afters], "after": round(after / mib, 1)},
+        "rss_mib": {
+            "before": round(before / mib, 1),
+            "loaded_median": round(loaded / mib, 1),
+            "loaded_peak": round(max(loaded_samples) / mib, 1),
+            "after_each_cycle": [round(a / mib, 1) for a in afters],
+            "after": round(after / mib, 1),
+        },
         "after_vs_before": round(after / before, 4),
         "after_within_5pct_of_before": abs(after / before - 1) <= TOLERANCE,
         "loaded_increment_returned": round((loaded - after) / (loaded - before), 4) if loaded > before else None,

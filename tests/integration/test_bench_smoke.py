@@ -31,8 +31,12 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out-dir", str(out)],
-        cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=230,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = out / "report.md"
     assert report.is_file()
