@@ -99,5 +99,6 @@ async def test_soak_30s(serve):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 async def test_soak_5min(serve):
     await soak(serve, 300, "mixed soak 5 min")
