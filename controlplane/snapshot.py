@@ -43,7 +43,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -59,7 +58,7 @@ from controlplane.lifecycle import ModelState
 from controlplane.render import DEPLOYMENT_FILE, parse_config, render_model
 from controlplane.settings import Settings
 from controlplane.spec import discover, resolve
-from controlplane.stack import ServingStack
+from controlplane.stack import ServingStack, stop_signals
 from controlplane.store import PublishedModel
 from controlplane.validate import warmup_infer
 
@@ -499,38 +498,26 @@ def _client_headers(settings: Settings) -> dict[str, str]:
 async def serve_snapshot(entry: SnapshotEntrypoint, standby: bool) -> int:
     """Run the state machine, then serve until SIGINT/SIGTERM. 0 = served and stopped on a signal,
     1 = the restore checks refused to serve."""
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            entry.say("stopping")
-            stopping.set()
-        elif entry.stack is not None:
+    def force() -> None:
+        if entry.stack is not None:
             entry.stack.force()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    work = asyncio.create_task(entry.run(standby))
-    halt = asyncio.create_task(stopping.wait())
-    try:
-        await asyncio.wait({work, halt}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
+    with stop_signals(lambda: entry.say("stopping"), force) as stopping:
+        work = asyncio.create_task(entry.run(standby))
+        halt = asyncio.create_task(stopping.wait())
+        try:
+            await asyncio.wait({work, halt}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+                return 0
+            if not work.result():
+                return 1
+            if entry.stack is not None:
+                entry.console.print(entry.stack.banner(), highlight=False)
+            await halt
             return 0
-        if not work.result():
-            return 1
-        if entry.stack is not None:
-            entry.console.print(entry.stack.banner(), highlight=False)
-        await halt
-        return 0
-    finally:
-        halt.cancel()
-        await entry.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        finally:
+            halt.cancel()
+            await entry.stop()

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import uvicorn
@@ -197,30 +198,40 @@ class ServingStack:
         return "\n".join(lines)
 
 
-async def serve_until_signal(stack: ServingStack) -> int:
+@contextlib.contextmanager
+def stop_signals(on_first: Callable[[], None], on_again: Callable[[], None]) -> Iterator[asyncio.Event]:
+    """While the block runs, the first SIGINT/SIGTERM calls ``on_first`` and sets the yielded event;
+    any later one calls ``on_again`` (skip the graceful wait)."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = 0
+    stopping = asyncio.Event()
 
     def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            stack.console.print("stopping: draining in-flight requests (Ctrl-C again to force)")
-            stop.set()
+        if stopping.is_set():
+            on_again()
         else:
-            stack.force()
+            on_first()
+            stopping.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     try:
-        await stack.start()
-        stack.console.print(stack.banner(), highlight=False)
-        await stop.wait()
+        yield stopping
     finally:
-        await stack.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def serve_until_signal(stack: ServingStack) -> int:
+    def say_stopping() -> None:
+        stack.console.print("stopping: draining in-flight requests (Ctrl-C again to force)")
+
+    with stop_signals(say_stopping, stack.force) as stopping:
+        try:
+            await stack.start()
+            stack.console.print(stack.banner(), highlight=False)
+            await stopping.wait()
+        finally:
+            await stack.stop()
     return 0
 
 
