@@ -44,7 +44,7 @@ bench: install-dev examples
 	$(PY) -m bench
 
 lint: install-dev
-	$(VENV)/bin/ruff check controlplane python_backend converters tests bench
+	$(VENV)/bin/ruff check controlplane python_backend converters tests bench examples
 
 clean:
 	rm -rf .snooze build dist *.egg-info

@@ -42,7 +42,9 @@ class SnoozeMetrics:
             "snooze_scale_events", "Instance count changes by the autoscaler", ["model", "direction"], registry=r
         )
         self.instances = Gauge("snooze_model_instances", "Loaded instances per model", ["model"], registry=r)
-        self.memory_bytes = Gauge("snooze_model_memory_bytes", "Measured footprint per loaded model", ["model"], registry=r)
+        self.memory_bytes = Gauge(
+            "snooze_model_memory_bytes", "Measured footprint per loaded model", ["model"], registry=r
+        )
         self.state = Gauge("snooze_model_state", "1 for the model's current state", ["model", "state"], registry=r)
         self.auth_failures = Counter(
             "snooze_auth_failures", "Refused control-API requests", ["surface", "reason"], registry=r

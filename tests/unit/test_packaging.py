@@ -21,7 +21,8 @@ def test_wheel_contains_runtime_data(tmp_path: Path) -> None:
             (source / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, source / rel)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(source)],
         check=True,
         capture_output=True,
     )

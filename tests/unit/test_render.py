@@ -113,7 +113,8 @@ def test_onnx_renders_native_on_full_and_python_on_embedded(tmp_path: Path) -> N
 
 
 def test_onnx_tensorrt_accelerator(tmp_path: Path) -> None:
-    spec = resolve(DeploymentSpec(id="relu", path=onnx_pkg(tmp_path / "o"), device="gpu", onnx_tensorrt=True, fp16=True))
+    deployment = DeploymentSpec(id="relu", path=onnx_pkg(tmp_path / "o"), device="gpu", onnx_tensorrt=True, fp16=True)
+    spec = resolve(deployment)
     config = render_model(spec, FULL_TARGET).config
     accel = config.optimization.execution_accelerators.gpu_execution_accelerator[0]
     assert accel.name == "tensorrt" and accel.parameters["precision_mode"] == "FP16"
