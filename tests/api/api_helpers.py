@@ -1,11 +1,9 @@
-"""Helpers of the API tests: a lifecycle stand-in, package archives, repository digests."""
+"""Helpers of the API tests: a lifecycle stand-in, package archives."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import os
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,18 +99,6 @@ def tar_gz(folder: Path, *, top: str | None = None) -> bytes:
             tar.add(path, arcname=f"{top}/{path.relative_to(folder)}" if top else str(path.relative_to(folder)),
                     recursive=False)
     return buf.getvalue()
-
-
-def tree_digest(root: Path) -> str:
-    """A hash of every path, link target and file content under root."""
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        digest.update(str(path.relative_to(root)).encode())
-        if path.is_symlink():
-            digest.update(b"->" + os.readlink(path).encode())
-        elif path.is_file():
-            digest.update(path.read_bytes())
-    return digest.hexdigest()
 
 
 async def upload(

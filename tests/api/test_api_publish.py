@@ -14,8 +14,9 @@ import httpx
 import numpy as np
 import onnx
 import pytest
-from api_helpers import ADMIN, RecordingLifecycle, tar_gz, tree_digest, upload
+from api_helpers import ADMIN, RecordingLifecycle, tar_gz, upload
 from onnx import TensorProto, helper
+from serve_harness import tree_digest
 
 from controlplane.settings import Settings
 from controlplane.store import ModelStore

@@ -13,34 +13,28 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
 import io
 import json
 import os
 import signal
 import subprocess
-import sys
 import tarfile
-import textwrap
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from onnx import TensorProto, helper
-from prometheus_client.parser import text_string_to_metric_families
+from serve_harness import SNOOZECTL, Serve, cmdline, is_alive, tree_digest, until, write_package
 from tritonclient.utils import InferenceServerException
 
-from controlplane.api.client import ControlPlaneClient, ControlPlaneError
-from controlplane.triton.launcher import free_port
+from controlplane.api.client import ControlPlaneError
 
 pytestmark = pytest.mark.integration
 
@@ -48,74 +42,11 @@ API_KEY = "stack-infer-key-8d1f"
 ADMIN_KEY = "stack-admin-key-52c9"
 GRPC_KEY = {"x-api-key": API_KEY}
 HTTP_KEY = {"X-API-Key": API_KEY}
-SNOOZECTL = str(Path(sys.executable).parent / "snoozectl")
-STUB_NAME = "triton_python_backend_stub"
 DEADLINE = 90.0  # generous: every wait below polls and returns as soon as the condition holds
 MIB = 1024 * 1024
-T = TypeVar("T")
-
-MODEL_PY = """
-import os
-import time
-
-import numpy as np
-
-
-class Model:
-    def __init__(self, scale=2.0, crash=False, sleep=0.0, ballast_mb=0, marker=""):
-        self.scale, self.crash, self.sleep, self.ballast_mb, self.marker = scale, crash, sleep, ballast_mb, marker
-
-    def load(self, model_dir, device):
-        # Touched pages, so that the stub's RSS (the measured footprint) holds them.
-        self.ballast = np.ones(self.ballast_mb * 1024 * 1024 // 8) if self.ballast_mb else None
-
-    def predict(self, inputs):
-        x = inputs["x"]
-        if self.crash and (x[:, 0] == -1).any():
-            os._exit(1)  # the stub process dies in the middle of a request
-        hold = bool(self.marker) and (x[:, 0] == -2).any()  # a request that stays in flight for a while
-        if self.sleep or hold:
-            if self.marker:
-                with open(self.marker, "a") as f:
-                    f.write("started\\n")
-            time.sleep(max(self.sleep, 3.0 if hold else 0.0))
-        return {"y": (x * self.scale).astype(np.float32)}
-"""
-
-MANIFEST = {
-    "inputs": [{"name": "x", "datatype": "FP32", "dims": [4]}],
-    "outputs": [{"name": "y", "datatype": "FP32", "dims": [4]}],
-    "params": {"scale": 2.0},
-    "params_schema": {
-        "scale": {"type": "float", "default": 2.0},
-        "crash": {"type": "bool", "default": False},
-        "sleep": {"type": "float", "default": 0.0},
-        "ballast_mb": {"type": "int", "default": 0},
-        "marker": {"type": "str", "default": ""},
-    },
-}
-
 
 # ------------------------------------------------------------------------------------------------
 # helpers
-
-
-def until(condition: Callable[[], T], what: str, timeout: float = DEADLINE, interval: float = 0.1) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
-
-
-def write_package(folder: Path) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
-    (folder / "snooze_model.json").write_text(json.dumps(MANIFEST))
-    return folder
 
 
 def models_toml(entries: list[dict[str, Any]]) -> str:
@@ -130,20 +61,6 @@ def models_toml(entries: list[dict[str, Any]]) -> str:
             lines.append(f"params = {{ {inner} }}")
         lines.append("")
     return "\n".join(lines)
-
-
-def tree_digest(root: Path) -> str:
-    """Every path, kind, mode and byte under ``root``."""
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        st = path.lstat()
-        h.update(f"{rel}\0{st.st_mode}\0".encode())
-        if path.is_symlink():
-            h.update(os.readlink(path).encode())
-        elif path.is_file():
-            h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 def x_rows(values: list[float]) -> np.ndarray:
@@ -175,169 +92,6 @@ def kserve_body(x: np.ndarray) -> dict[str, Any]:
     return {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
 
 
-def _cmdline(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline())
-    except psutil.Error:
-        return ""
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-# ------------------------------------------------------------------------------------------------
-# `snoozectl serve` in a child process
-
-
-@dataclass
-class Serve:
-    """One `snoozectl serve` child process and what the tests need to reach it."""
-
-    work: Path
-    models: Path
-    env: dict[str, str]
-    http_port: int = field(default_factory=free_port)
-    grpc_port: int = field(default_factory=free_port)
-    api_port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-    log: Path | None = None
-    seen: dict[int, psutil.Process] = field(default_factory=dict)  # every descendant ever observed
-
-    @property
-    def http_url(self) -> str:  # tritonclient.http form
-        return f"127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def api_url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
-
-    @property
-    def repo(self) -> Path:
-        return self.work / "model_repository"
-
-    def start(self) -> None:
-        self.log = self.work.parent / f"{self.work.name}-serve.log"
-        cmd = [
-            SNOOZECTL, "serve", "--models", str(self.models), "--work-dir", str(self.work),
-            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--api-port", str(self.api_port),
-        ]  # fmt: skip
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + 120
-        with httpx.Client(timeout=2) as http:
-            while True:
-                if self.proc.poll() is not None:
-                    raise AssertionError(f"snoozectl serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    if http.get(f"{self.api_url}/health/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"snoozectl serve was not ready in 120s:\n{self.log_tail()}")
-                time.sleep(0.1)
-        self.descendants()
-
-    def log_tail(self, lines: int = 60) -> str:
-        if self.log is None or not self.log.exists():
-            return ""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-    def descendants(self) -> list[psutil.Process]:
-        """The serve process's descendants now (also remembered for the orphan checks)."""
-        assert self.proc is not None
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-        for p in children:
-            self.seen.setdefault(p.pid, p)
-        return children
-
-    def tritonserver(self) -> psutil.Process:
-        assert self.proc is not None
-        children = psutil.Process(self.proc.pid).children()
-        [triton] = [p for p in children if p.name() == "tritonserver"]
-        self.seen.setdefault(triton.pid, triton)
-        return triton
-
-    def stub_pids(self, model: str) -> list[int]:
-        """Python-backend stubs of ``model``: children of the serve process's tritonserver."""
-        folder = f"{self.repo}/{model}/"
-        pids = []
-        for p in self.tritonserver().children():
-            line = _cmdline(p)
-            if STUB_NAME in line and folder in line and _alive(p):
-                self.seen.setdefault(p.pid, p)
-                pids.append(p.pid)
-        return pids
-
-    def leftovers(self) -> list[psutil.Process]:
-        """Live processes that belong to this stack: descendants seen, or naming its work dir."""
-        me = os.getpid()
-        found = {pid: p for pid, p in self.seen.items() if _alive(p)}
-        for p in psutil.process_iter():
-            if p.pid != me and p.pid not in found and str(self.work) in _cmdline(p) and _alive(p):
-                found[p.pid] = p
-        return list(found.values())
-
-    def terminate(self, grace: float = 60) -> int | None:
-        """SIGTERM, then SIGKILL of the process group and of every leftover; the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.descendants()
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        with_kill = self.proc.poll() is None
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait(30)
-        for p in self.leftovers():  # tritonserver and Envoy run in sessions of their own
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        return None if with_kill else self.proc.returncode
-
-    # --- control API
-
-    def api(self, key: str | None = ADMIN_KEY) -> ControlPlaneClient:
-        return ControlPlaneClient(self.api_url, key, timeout=120)
-
-    def status(self, model: str) -> dict[str, Any]:
-        with self.api() as api:
-            return api.get(model)["status"]
-
-    def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.api_url}/metrics", timeout=10).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-        return 0.0
-
-    def snoozectl(self, *args: str, key: str = ADMIN_KEY) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "SNOOZE_API_URL": self.api_url, "SNOOZE_API_KEY": key}
-        return subprocess.run([SNOOZECTL, *args], capture_output=True, text=True, env=env, timeout=120)
-
-
 def make_serve(root: Path, models: Path, **env: str) -> Serve:
     base = {k: v for k, v in os.environ.items() if not k.startswith("SNOOZE_")}
     base.update(
@@ -348,12 +102,12 @@ def make_serve(root: Path, models: Path, **env: str) -> Serve:
         SNOOZE_LOG_LEVEL="info",
         **env,
     )
-    return Serve(work=root / "work", models=models, env=base)
+    return Serve(root / "work", base, models=models, admin_key=ADMIN_KEY)
 
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_package(tmp_path_factory.mktemp("stack_package") / "numpy-scale")
+    return write_package(tmp_path_factory.mktemp("stack_package") / "numpy-scale", dims=4, params={"scale": 2.0})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -373,15 +127,15 @@ def budget_stack(tmp_path_factory: pytest.TempPathFactory, package: Path) -> Ite
         {"id": f"lru_{n}", "path": str(package), "memory_mb": 140, "params": {"ballast_mb": BALLAST_MB}} for n in "abc"
     ]
     entries.append(
-        {"id": "slow", "path": str(package), "memory_mb": 1, "params": {"sleep": 1.0, "marker": str(marker)}}
+        {"id": "slow", "path": str(package), "memory_mb": 1, "params": {"predict_sleep": 1.0, "marker": str(marker)}}
     )
     (models / "models.toml").write_text(models_toml(entries))
     serve = make_serve(root, models, SNOOZE_MEMORY_BUDGET_MB=str(BUDGET_MB))
     try:
-        serve.start()
+        serve.start(timeout=120, ready=True)
         yield serve
     finally:
-        serve.terminate()
+        serve.stop()
 
 
 def test_lru_eviction_under_a_small_budget(budget_stack: Serve):
@@ -409,7 +163,7 @@ def test_lru_eviction_under_a_small_budget(budget_stack: Serve):
 
 def test_graceful_shutdown_finishes_in_flight_requests_and_leaves_no_process(budget_stack: Serve):
     s = budget_stack
-    marker = s.work.parent / "slow.started"
+    marker = s.work_dir.parent / "slow.started"
     x = x_rows([5.0])
     np.testing.assert_allclose(http_infer(s.http_url, "slow", x), x * 2)  # awake first
     marker.unlink()
@@ -434,7 +188,7 @@ def test_graceful_shutdown_finishes_in_flight_requests_and_leaves_no_process(bud
     assert code == 0, s.log_tail()
     assert triton_pid in s.seen
     left = s.leftovers()
-    assert left == [], [(p.pid, _cmdline(p)) for p in left]
+    assert left == [], [(p.pid, cmdline(p)) for p in left]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -450,16 +204,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory, package: Path) -> Iterator[S
         {"id": "storm_grpc", "path": str(package), "params": {"scale": 3.0}},
         {"id": "storm_http", "path": str(package), "params": {"scale": 3.0}},
         {"id": "napper", "path": str(package), "idle_timeout_secs": 2},
-        {"id": "crashy", "path": str(package), "params": {"crash": True}},
+        {"id": "crashy", "path": str(package), "params": {"crash": "poison"}},
         {"id": "phoenix", "path": str(package), "params": {"marker": str(root / "phoenix.started")}},
     ]
     (models / "models.toml").write_text(models_toml(entries))
     serve = make_serve(root, models)
     try:
-        serve.start()
+        serve.start(timeout=120, ready=True)
         yield serve
     finally:
-        serve.terminate()
+        serve.stop()
 
 
 STORM = 100
@@ -513,7 +267,7 @@ def test_idle_unload_stops_the_stubs_and_the_next_request_wakes(stack: Serve):
     procs = [stack.seen[pid] for pid in stubs]
 
     until(lambda: stack.status(model)["state"] == "unloaded", "the idle unload")
-    until(lambda: not any(_alive(p) for p in procs) and stack.stub_pids(model) == [], "its stubs to exit")
+    until(lambda: not any(is_alive(p) for p in procs) and stack.stub_pids(model) == [], "its stubs to exit")
     assert stack.metric("snooze_idle_unloads_total", model=model) >= 1
 
     np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
@@ -642,7 +396,7 @@ def _bad_packages(root: Path, package: Path) -> dict[str, tuple[Path, str]]:
 
 def test_bad_uploads_are_refused_and_the_repository_is_unchanged(stack: Serve, package: Path, tmp_path: Path):
     cases = _bad_packages(tmp_path, package)
-    before = tree_digest(stack.repo)
+    before = tree_digest(stack.repository)
     env = {**os.environ, "SNOOZE_API_URL": stack.api_url, "SNOOZE_API_KEY": ADMIN_KEY}
     # The CLI, as users run it (all four at once: they must not disturb each other either).
     runs = {
@@ -661,14 +415,14 @@ def test_bad_uploads_are_refused_and_the_repository_is_unchanged(stack: Serve, p
         body = json.loads(out)
         assert body["ok"] is False and body["code"] == "invalid_package", (case, body)
         assert cases[case][1] in body["error"] and body["hint"], (case, body)
-    assert tree_digest(stack.repo) == before
+    assert tree_digest(stack.repository) == before
     # The same through the API client: a 4xx with the one JSON error shape.
     with stack.api() as api:
         for case, (path, fragment) in cases.items():
             with pytest.raises(ControlPlaneError) as info:
                 api.publish_archive(path, "storm_grpc")
             assert 400 <= info.value.status_code < 500 and fragment in info.value.message, case
-    assert tree_digest(stack.repo) == before
+    assert tree_digest(stack.repository) == before
     # The model those uploads tried to replace still serves.
     x = x_rows([4.0])
     np.testing.assert_allclose(grpc_infer(stack.grpc_url, "storm_grpc", x), x * 3)
@@ -695,7 +449,7 @@ def test_status_json_lists_every_model(stack: Serve):
 
 def test_triton_killed_fails_fast_then_serves_after_the_restart(stack: Serve):
     model = "phoenix"
-    marker = stack.work.parent / "phoenix.started"
+    marker = stack.work_dir.parent / "phoenix.started"
     x, held = x_rows([7.0]), x_rows([-2.0])  # ``held`` stays 3 s in predict
     np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
     client_timeout = 20.0  # short next to load_timeout_secs (300): a hang would exceed it

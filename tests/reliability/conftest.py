@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from reliability_helpers import Serve, write_package
+from serve_harness import Serve, write_package
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +21,8 @@ def serve_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     made: list[Serve] = []
 
     def make(name: str = "serve", **env: str) -> Serve:
-        serve = Serve(tmp_path_factory.mktemp(name) / "work", {f"SNOOZE_{k.upper()}": v for k, v in env.items()})
+        env = {"SNOOZE_SWEEP_INTERVAL_SECS": "0.5", **{f"SNOOZE_{k.upper()}": v for k, v in env.items()}}
+        serve = Serve(tmp_path_factory.mktemp(name) / "work", {**os.environ, **env})
         made.append(serve)
         return serve
 

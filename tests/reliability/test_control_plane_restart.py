@@ -17,7 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 from google.protobuf import text_format
-from reliability_helpers import Serve, Traffic, alive, report, summary, until, write_package
+from reliability_helpers import Traffic, report, summary
+from serve_harness import Serve, alive, until_async, write_package
 from tritonclient.grpc import model_config_pb2
 
 pytestmark = pytest.mark.integration
@@ -42,7 +43,7 @@ def assert_repository_complete(serve: Serve) -> list[str]:
 
 
 async def assert_children_gone(children, what: str) -> float:
-    return await until(lambda: not alive(children), f"{what} to exit with the control plane", timeout=30)
+    return await until_async(lambda: not alive(children), f"{what} to exit with the control plane", timeout=30)
 
 
 async def test_killed_during_traffic_restarts_and_serves_again(serve_factory, package):
@@ -53,7 +54,7 @@ async def test_killed_during_traffic_restarts_and_serves_again(serve_factory, pa
     traffic = Traffic(serve, {"one": 2.0, "two": 2.0}, grpc_clients=4, http_clients=2, timeout=CLIENT_TIMEOUT)
     traffic.start()
     try:
-        await until(lambda: sum(r.ok for r in traffic.results) >= 50, "warm traffic")
+        await until_async(lambda: sum(r.ok for r in traffic.results) >= 50, "warm traffic")
         shm_before = set(Path("/dev/shm").glob("snooze_*"))
         killed_at = time.monotonic()
         children = await asyncio.to_thread(serve.kill9)
@@ -67,7 +68,7 @@ async def test_killed_during_traffic_restarts_and_serves_again(serve_factory, pa
         # removes what is left of the old run's process group.
         assert not alive(stubs), [(p.pid, p.cmdline()[:2]) for p in alive(stubs)]
         up_at = time.monotonic()
-        recovered = await until(
+        recovered = await until_async(
             lambda: {r.client for r in traffic.results if r.ok and r.started > up_at} == set(range(traffic.clients)),
             "every client to be served again",
         )
@@ -119,7 +120,7 @@ async def test_killed_during_a_publish_leaves_no_half_written_model(serve_factor
     def republish() -> None:
         try:
             outcome["response"] = httpx.post(
-                f"{serve.api}/v1/models:from-path",
+                f"{serve.api_url}/v1/models:from-path",
                 json={"id": "big", "path": str(big), "max_batch_size": 2},
                 timeout=120,
             ).status_code
@@ -129,7 +130,9 @@ async def test_killed_during_a_publish_leaves_no_half_written_model(serve_factor
     publisher = threading.Thread(target=republish)
     publisher.start()
     # Kill as soon as the new version is being written into its staging folder.
-    staged = await until(lambda: any(serve.staging.glob("big.*/model")), "the publish to start writing", every=0.002)
+    staged = await until_async(
+        lambda: any(serve.staging.glob("big.*/model")), "the publish to start writing", interval=0.002
+    )
     writing = [p for p in serve.staging.glob("big.*/model/1/package/weights.bin")]
     children = await asyncio.to_thread(serve.kill9)
     publisher.join(60)
@@ -159,7 +162,7 @@ async def test_killed_during_a_publish_leaves_no_half_written_model(serve_factor
     # The stack serves every model, and the interrupted publish can simply be repeated.
     traffic = Traffic(serve, {"keep-a": 2.0, "keep-b": 2.0, "big": 2.0}, grpc_clients=3)
     traffic.start()
-    await until(lambda: {r.model for r in traffic.results if r.ok} == {"keep-a", "keep-b", "big"}, "traffic")
+    await until_async(lambda: {r.model for r in traffic.results if r.ok} == {"keep-a", "keep-b", "big"}, "traffic")
     await asyncio.to_thread(serve.publish, "big", big, max_batch_size=2)
     await asyncio.sleep(1.0)
     results = await traffic.stop()

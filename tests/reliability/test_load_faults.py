@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http.aio as httpaio
-from reliability_helpers import Traffic, report, summary, until, write_package
+from reliability_helpers import Traffic, report, summary
+from serve_harness import until_async, write_package
 from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.integration
@@ -63,7 +64,7 @@ async def infer_error(serve, model: str, protocol: str, timeout: float = 60) -> 
 async def test_out_of_memory_at_load_evicts_retries_once_then_fails_clearly(serve):
     traffic = Traffic(serve, {"steady": 2.0, "victim": 2.0}, grpc_clients=2)
     traffic.start()
-    await until(lambda: {r.model for r in traffic.results if r.ok} == {"steady", "victim"}, "both models served")
+    await until_async(lambda: {r.model for r in traffic.results if r.ok} == {"steady", "victim"}, "both models served")
     await traffic.stop()
     traffic = Traffic(serve, {"steady": 2.0}, grpc_clients=2, http_clients=1).start()  # victim now idle
     try:
@@ -91,19 +92,21 @@ async def test_out_of_memory_at_load_evicts_retries_once_then_fails_clearly(serv
     assert steady["failed"] == 0, steady
     # The evicted model wakes again on its next request.
     traffic = Traffic(serve, {"victim": 2.0}, grpc_clients=1).start()
-    await until(lambda: any(r.ok for r in traffic.results), "the victim to serve again")
+    await until_async(lambda: any(r.ok for r in traffic.results), "the victim to serve again")
     assert summary(await traffic.stop())["failed"] == 0
 
 
 async def test_load_hanging_past_its_timeout_is_abandoned(serve, package):
     traffic = Traffic(serve, {"steady": 2.0}, grpc_clients=2, http_clients=1).start()
     try:
-        await until(lambda: any(r.ok for r in traffic.results), "steady traffic")
+        await until_async(lambda: any(r.ok for r in traffic.results), "steady traffic")
         answers = []
         for _ in (1, 2):  # every request retries the load of a failed model; no stub piles up
             error, secs = await infer_error(serve, "hang", "grpc")
             status = await asyncio.to_thread(serve.status, "hang")
-            stubs_left = await until(lambda: serve.stubs("hang") == [], "the hanging stub to be killed", timeout=10)
+            stubs_left = await until_async(
+                lambda: serve.stub_pids("hang") == [], "the hanging stub to be killed", timeout=10
+            )
             answers.append(round(secs, 2))
             assert error.startswith("StatusCode.UNAVAILABLE"), error
             assert f"load exceeded load_timeout_secs={LOAD_TIMEOUT:g}" in error
@@ -112,7 +115,7 @@ async def test_load_hanging_past_its_timeout_is_abandoned(serve, package):
         # Fixed and republished: served.
         await asyncio.to_thread(serve.publish, "hang", serve.hanging)
         fixed = Traffic(serve, {"hang": 2.0}, grpc_clients=1).start()
-        await until(lambda: any(r.ok for r in fixed.results), "the fixed model to serve")
+        await until_async(lambda: any(r.ok for r in fixed.results), "the fixed model to serve")
         assert summary(await fixed.stop())["failed"] == 0
     finally:
         results = await traffic.stop()

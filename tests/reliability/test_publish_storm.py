@@ -13,7 +13,8 @@ import json
 import httpx
 import pytest
 from google.protobuf import text_format
-from reliability_helpers import Traffic, report, summary, until
+from reliability_helpers import Traffic, report, summary
+from serve_harness import until_async
 from tritonclient.grpc import model_config_pb2
 
 pytestmark = pytest.mark.integration
@@ -28,12 +29,12 @@ async def test_concurrent_publishes_of_one_id(serve_factory, package):
     scales = {1.0} | {float(i + 2) for i in range(PUBLISHES)}
     traffic = Traffic(serve, {"storm": scales}, grpc_clients=3, http_clients=1).start()
     try:
-        await until(lambda: any(r.ok for r in traffic.results), "traffic")
+        await until_async(lambda: any(r.ok for r in traffic.results), "traffic")
         async with httpx.AsyncClient(timeout=180) as http:
             answers = await asyncio.gather(
                 *(
                     http.post(
-                        f"{serve.api}/v1/models:from-path",
+                        f"{serve.api_url}/v1/models:from-path",
                         json={
                             "id": "storm",
                             "path": str(package),
@@ -66,7 +67,7 @@ async def test_concurrent_publishes_of_one_id(serve_factory, package):
 
     # The model serves the winner.
     after = Traffic(serve, {"storm": winner}, grpc_clients=2).start()
-    await until(lambda: sum(r.ok for r in after.results) >= 20, "traffic on the winner")
+    await until_async(lambda: sum(r.ok for r in after.results) >= 20, "traffic on the winner")
     served = summary(await after.stop())
     storm = summary(results)
     report(

@@ -13,7 +13,8 @@ import statistics
 import time
 
 import pytest
-from reliability_helpers import Traffic, report, summary, until
+from reliability_helpers import Traffic, report, summary
+from serve_harness import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -47,8 +48,8 @@ async def cycle(serve, results: list) -> None:
 
 async def steady_rss(serve) -> dict[str, int]:
     """With every model asleep (a point the stack returns to each cycle): median of a few samples."""
-    await until(
-        lambda: all(serve.status(m)["state"] == "unloaded" for m in MODELS) and serve.stubs() == [],
+    await until_async(
+        lambda: all(serve.status(m)["state"] == "unloaded" for m in MODELS) and serve.stub_pids() == [],
         "every model to sleep",
     )
     samples = []

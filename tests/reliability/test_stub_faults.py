@@ -12,7 +12,8 @@ import signal
 import time
 
 import pytest
-from reliability_helpers import Traffic, in_flight_at, report, summary, until
+from reliability_helpers import Traffic, in_flight_at, report, summary
+from serve_harness import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -41,15 +42,15 @@ async def test_stub_dies_mid_traffic(serve, fault):
     traffic = Traffic(serve, models, grpc_clients=2 * GRPC_CLIENTS, http_clients=2 * HTTP_CLIENTS)
     traffic.start()
     try:
-        await until(lambda: sum(r.ok and r.model == model for r in traffic.results) >= 20, "warm traffic")
-        [old] = await asyncio.to_thread(serve.stubs, model)
+        await until_async(lambda: sum(r.ok and r.model == model for r in traffic.results) >= 20, "warm traffic")
+        [old] = await asyncio.to_thread(serve.stub_pids, model)
         fault_at = time.monotonic()
         if fault == "sigkill":
             os.kill(old, signal.SIGKILL)
         else:
             (serve.triggers / fault).touch()  # the next predict call crashes the stub
-        await until(lambda: serve.stubs(model) not in ([], [old]), "a new stub")
-        recovered = await until(
+        await until_async(lambda: serve.stub_pids(model) not in ([], [old]), "a new stub")
+        recovered = await until_async(
             lambda: any(r.ok and r.model == model and r.started > fault_at + 0.5 for r in traffic.results),
             "traffic to resume",
         )

@@ -10,7 +10,8 @@ import asyncio
 import time
 
 import pytest
-from reliability_helpers import Traffic, report, summary, until
+from reliability_helpers import Traffic, report, summary
+from serve_harness import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -26,12 +27,12 @@ async def test_tritonserver_killed_mid_traffic(serve_factory, package):
     traffic = Traffic(serve, {"alpha": 2.0, "beta": 2.0}, grpc_clients=4, http_clients=2, timeout=CLIENT_TIMEOUT)
     traffic.start()
     try:
-        await until(lambda: sum(r.ok for r in traffic.results) >= 50, "warm traffic")
+        await until_async(lambda: sum(r.ok for r in traffic.results) >= 50, "warm traffic")
         triton = await asyncio.to_thread(serve.tritonserver)
         killed_at = time.monotonic()
         triton.kill()
-        await until(lambda: (serve.tritonserver() or triton).pid != triton.pid, "a new tritonserver")
-        recovered = await until(
+        await until_async(lambda: (serve.tritonserver() or triton).pid != triton.pid, "a new tritonserver")
+        recovered = await until_async(
             lambda: {r.model for r in traffic.results if r.ok and r.started > killed_at} == {"alpha", "beta"},
             "traffic to resume on both models",
         )

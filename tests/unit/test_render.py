@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
 import pytest
+from serve_harness import tree_digest
 
 from controlplane.errors import InvalidPackageError
 from controlplane.render import (
@@ -24,15 +24,6 @@ from controlplane.spec import DeploymentSpec, resolve
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tree_digest(root: Path) -> str:
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*")):
-        h.update(str(path.relative_to(root)).encode())
-        if path.is_file():
-            h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 def custom_pkg(folder: Path, **manifest: object) -> Path:

@@ -1,0 +1,409 @@
+"""Shared test harness: `snoozectl serve` as a subprocess on free ports, the scale test model package,
+polling helpers, process-tree and repository inspection.
+
+Used by the integration stack tests (auth on, ``models.toml``) and the reliability suite (``--no-auth``,
+models published through the API). Importable as ``serve_harness`` from any test module: ``tests/``
+is on sys.path (the rootdir conftest.py, pytest's default prepend import mode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+from controlplane.api.client import ControlPlaneClient
+from controlplane.triton.launcher import STUB_NAME, free_port
+
+SNOOZECTL = str(Path(sys.executable).parent / "snoozectl")
+T = TypeVar("T")
+
+# ------------------------------------------------------------------------------------------------
+# The test model package: y = x * scale, x and y FP32 [dims]
+
+MODEL_PY = '''
+import ctypes
+import os
+import time
+
+import numpy as np
+
+
+class Model:
+    """Knobs: ``crash="poison"`` exits on a request whose x[:, 0] is -1; ``crash="segv"|"exit"`` crashes
+    once per ``crash_file`` created; ``marker`` (a file) logs predict calls that sleep, and a request whose
+    x[:, 0] is -2 then stays 3 s in flight; ``ballast_mb`` is held (touched) after load."""
+
+    def __init__(self, scale=2.0, predict_sleep=0.0, load_sleep=0.0, load_error="", crash="", crash_file="",
+                 ballast_mb=0, marker=""):
+        self.scale, self.predict_sleep, self.load_sleep = scale, predict_sleep, load_sleep
+        self.load_error, self.crash, self.crash_file = load_error, crash, crash_file
+        self.ballast_mb, self.marker = ballast_mb, marker
+
+    def load(self, model_dir, device):
+        time.sleep(self.load_sleep)
+        if self.load_error == "memory":
+            raise MemoryError("simulated: cannot allocate the weights")
+        # Touched pages, so that the stub's RSS (the measured footprint) holds them.
+        self.ballast = np.ones(self.ballast_mb * 1024 * 1024 // 8) if self.ballast_mb else None
+
+    def predict(self, inputs):
+        x = inputs["x"]
+        if self.crash == "poison":
+            if (x[:, 0] == -1).any():
+                os._exit(1)  # the stub process dies in the middle of a request
+        elif self.crash and self._triggered():
+            if self.crash == "segv":
+                ctypes.string_at(0)  # SIGSEGV: the stub process dies
+            os._exit(3)
+        hold = bool(self.marker) and (x[:, 0] == -2).any()  # a request that stays in flight for a while
+        if self.predict_sleep or hold:
+            if self.marker:
+                with open(self.marker, "a") as f:
+                    f.write("started\\n")
+            time.sleep(max(self.predict_sleep, 3.0 if hold else 0.0))
+        return {"y": (x * self.scale).astype(np.float32)}
+
+    def _triggered(self):
+        try:
+            os.unlink(self.crash_file)  # one crash per trigger file
+            return True
+        except OSError:
+            return False
+'''
+
+PARAMS_SCHEMA = {
+    "scale": {"type": "float", "default": 2.0},
+    "predict_sleep": {"type": "float", "default": 0.0},
+    "load_sleep": {"type": "float", "default": 0.0},
+    "load_error": {"type": "str", "default": ""},
+    "crash": {"type": "str", "default": ""},
+    "crash_file": {"type": "str", "default": ""},
+    "ballast_mb": {"type": "int", "default": 0},
+    "marker": {"type": "str", "default": ""},
+}
+
+
+def write_package(
+    folder: Path,
+    *,
+    dims: int = 2,
+    params: dict[str, Any] | None = None,
+    load_timeout_secs: float | None = None,
+    weights_mb: int = 0,
+) -> Path:
+    """The test model (``y = x * scale``, x and y: FP32 [dims]); optional manifest ``params`` and
+    ``load_timeout_secs``; an optional weights file of ``weights_mb``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
+    manifest: dict[str, Any] = {
+        "inputs": [{"name": "x", "datatype": "FP32", "dims": [dims]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [dims]}],
+    }
+    if params is not None:
+        manifest["params"] = params
+    manifest["params_schema"] = PARAMS_SCHEMA
+    if load_timeout_secs is not None:
+        manifest["load_timeout_secs"] = load_timeout_secs
+    (folder / "snooze_model.json").write_text(json.dumps(manifest))
+    if weights_mb:
+        chunk = os.urandom(1 << 20)
+        with open(folder / "weights.bin", "wb") as f:
+            for _ in range(weights_mb):
+                f.write(chunk)
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------
+# Polling, processes, trees
+
+
+def until(condition: Callable[[], T], what: str, timeout: float = 90.0, interval: float = 0.1) -> T:
+    """Poll ``condition`` until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+async def until_async(predicate: Callable[[], bool], what: str, timeout: float = 60.0, interval: float = 0.1) -> float:
+    """Poll ``predicate`` (blocking calls run in a thread) from async code; seconds it took."""
+    started = time.monotonic()
+    while not await asyncio.to_thread(predicate):
+        assert time.monotonic() - started < timeout, f"timed out after {timeout:g}s waiting for {what}"
+        await asyncio.sleep(interval)
+    return time.monotonic() - started
+
+
+def tree_digest(root: Path) -> str:
+    """Every path, kind, mode, link target and byte under ``root``."""
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        st = path.lstat()
+        h.update(f"{rel}\0{st.st_mode}\0".encode())
+        if path.is_symlink():
+            h.update(os.readlink(path).encode())
+        elif path.is_file():
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def is_alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def alive(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """The ones still running (zombies count as gone)."""
+    return [p for p in processes if is_alive(p)]
+
+
+def _name(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return p.name()
+    return ""
+
+
+def _accepts(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------------
+# `snoozectl serve` in a child process
+
+_ADMIN: Any = object()  # "the admin key" default of Serve.api (None means no key)
+
+
+class Serve:
+    """`snoozectl serve` as a subprocess (its own session) on free ports; restartable on the same ports
+    and work dir. ``env`` is the whole environment of the child. With ``admin_key`` auth is on (the keys
+    come from ``env``) and the control API calls send it; without, it runs ``--no-auth``. ``models``:
+    a ``--models`` folder (models.toml)."""
+
+    def __init__(self, work_dir: Path, env: dict[str, str], *, models: Path | None = None,
+                 admin_key: str | None = None) -> None:  # fmt: skip
+        self.work_dir = work_dir
+        self.models_dir = models
+        self.env = env
+        self.admin_key = admin_key
+        self.http_port, self.grpc_port, self.api_port = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = work_dir.parent / f"{work_dir.name}.serve.log"
+        self.starts = 0
+        self.seen: dict[int, psutil.Process] = {}  # every descendant ever observed
+
+    @property
+    def http_url(self) -> str:  # tritonclient form
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def repository(self) -> Path:
+        return self.work_dir / "model_repository"
+
+    @property
+    def staging(self) -> Path:
+        return self.work_dir / ".model_repository.staging"
+
+    def start(self, timeout: float = 60.0, *, ready: bool = False) -> float:
+        """Start; wait until the control API (started last) answers /health/live (/health/ready with
+        ``ready``) and both gateway ports accept; seconds taken."""
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        started = time.monotonic()
+        cmd = [
+            SNOOZECTL, "serve", "--work-dir", str(self.work_dir),
+            "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--api-port", str(self.api_port),
+        ]  # fmt: skip
+        if self.models_dir is not None:
+            cmd += ["--models", str(self.models_dir)]
+        if self.admin_key is None:
+            cmd.append("--no-auth")
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True,
+            )  # fmt: skip
+        self.starts += 1
+        health = f"{self.api_url}/health/{'ready' if ready else 'live'}"
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"snoozectl serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(health, timeout=2).status_code == 200 and all(
+                    _accepts(p) for p in (self.http_port, self.grpc_port)
+                ):
+                    break
+            if time.monotonic() - started > timeout:
+                raise AssertionError(f"snoozectl serve not up within {timeout:g}s:\n{self.log_tail()}")
+            time.sleep(0.1)
+        self.descendants()
+        return time.monotonic() - started
+
+    def log_tail(self, lines: int = 60) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    # --- the process tree
+
+    def descendants(self) -> list[psutil.Process]:
+        """The serve process's descendants now (also remembered for the orphan checks)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+        for p in children:
+            self.seen.setdefault(p.pid, p)
+        return children
+
+    def tritonserver(self) -> psutil.Process | None:
+        """The live tritonserver child, or None (dead and not yet restarted)."""
+        found = [p for p in alive(self.descendants()) if _name(p) == "tritonserver"]
+        return found[0] if found else None
+
+    def stub_pids(self, model: str | None = None) -> list[int]:
+        """Live python-backend stub pids (of one model): argv[1] is <repo>/<model>/<version>/model.py."""
+        pids = []
+        for p in self.descendants():
+            with contextlib.suppress(psutil.Error):
+                argv = p.cmdline()
+                if argv and argv[0].endswith(STUB_NAME) and p.status() != psutil.STATUS_ZOMBIE:
+                    if model is None or (len(argv) > 1 and Path(argv[1]).parent.parent.name == model):
+                        pids.append(p.pid)
+        return sorted(pids)
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Live processes that belong to this stack: descendants seen, or naming its work dir."""
+        me = os.getpid()
+        found = {pid: p for pid, p in self.seen.items() if is_alive(p)}
+        for p in psutil.process_iter():
+            if p.pid != me and p.pid not in found and str(self.work_dir) in cmdline(p) and is_alive(p):
+                found[p.pid] = p
+        return list(found.values())
+
+    def rss(self) -> dict[str, int]:
+        """Resident bytes of the control plane process and of the Triton process tree (server + stubs)."""
+        assert self.proc is not None
+        cp = psutil.Process(self.proc.pid).memory_info().rss
+        triton = self.tritonserver()
+        assert triton is not None, "tritonserver is not running"
+        tree = 0
+        for p in [triton, *triton.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                tree += p.memory_info().rss
+        return {"control_plane": cp, "triton_tree": tree}
+
+    def kill9(self) -> list[psutil.Process]:
+        """SIGKILL the control plane alone (its children are left to fend for themselves); returns them."""
+        assert self.proc is not None
+        children = self.descendants()
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        return children
+
+    def stop(self, grace: float = 60) -> int | None:
+        """SIGTERM (graceful), then SIGKILL of the process group and of every leftover; the exit code
+        (None: it had to be killed, or never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.descendants()
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace)
+        with_kill = self.proc.poll() is None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        left = self.leftovers()  # tritonserver and Envoy run in sessions of their own
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(left, timeout=10)
+        return None if with_kill else self.proc.returncode
+
+    # --- control API
+
+    def _headers(self) -> dict[str, str]:
+        return {"X-API-Key": self.admin_key} if self.admin_key else {}
+
+    def api(self, key: str | None = _ADMIN) -> ControlPlaneClient:
+        """A control API client with ``key`` (default: the admin key; None: no key)."""
+        return ControlPlaneClient(self.api_url, self.admin_key if key is _ADMIN else key, timeout=120)
+
+    def publish(self, model_id: str, package: Path, *, timeout: float = 120, **deployment: Any) -> dict[str, Any]:
+        r = httpx.post(
+            f"{self.api_url}/v1/models:from-path",
+            json={"id": model_id, "path": str(package), **deployment},
+            headers=self._headers(),
+            timeout=timeout,
+        )
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    def models(self) -> dict[str, dict[str, Any]]:
+        r = httpx.get(f"{self.api_url}/v1/models", headers=self._headers(), timeout=30)
+        assert r.status_code == 200, r.text
+        return {m["id"]: m for m in r.json()}
+
+    def status(self, model_id: str) -> dict[str, Any]:
+        r = httpx.get(f"{self.api_url}/v1/models/{model_id}", headers=self._headers(), timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["status"]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the control plane's Prometheus metrics (0 when absent)."""
+        text = httpx.get(f"{self.api_url}/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return 0.0
+
+    def snoozectl(self, *args: str, key: str | None = _ADMIN) -> subprocess.CompletedProcess[str]:
+        """The CLI against this stack's control API, with ``key`` (default: the admin key)."""
+        key = self.admin_key if key is _ADMIN else key
+        env = {**os.environ, "SNOOZE_API_URL": self.api_url}
+        if key:
+            env["SNOOZE_API_KEY"] = key
+        return subprocess.run([SNOOZECTL, *args], capture_output=True, text=True, env=env, timeout=120)
