@@ -8,10 +8,13 @@ the repository exactly as it was.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterable
@@ -243,6 +246,23 @@ def _materialise(rendered: RenderedModel, folder: Path) -> None:
         dest.write_bytes(content)
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # filesystem or kernel without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def write_model(rendered: RenderedModel, repo: Path) -> Path:
     """Write one model folder into ``repo`` atomically; an existing folder is replaced whole."""
     repo = Path(repo)
@@ -253,13 +273,15 @@ def write_model(rendered: RenderedModel, repo: Path) -> Path:
     try:
         _materialise(rendered, staging / "model")
         if final.exists():
-            retired = staging / "retired"
-            os.rename(final, retired)
-            try:
-                os.rename(staging / "model", final)
-            except OSError:
-                os.rename(retired, final)  # put the old model back: nothing changed
-                raise
+            # One atomic swap where the kernel offers it: readers never see the model missing.
+            if not _exchange(staging / "model", final):
+                retired = staging / "retired"
+                os.rename(final, retired)
+                try:
+                    os.rename(staging / "model", final)
+                except OSError:
+                    os.rename(retired, final)  # put the old model back: nothing changed
+                    raise
         else:
             os.rename(staging / "model", final)
     finally:

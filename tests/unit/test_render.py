@@ -162,3 +162,30 @@ def test_templates_are_found_from_an_installed_layout() -> None:
 
     names = {p.name for p in resources.files("model_repository_templates").iterdir()}
     assert {"python.pbtxt.j2", "onnxruntime.pbtxt.j2", "tensorrt.pbtxt.j2", "python_model.py.j2"} <= names
+
+
+def test_republish_never_leaves_the_model_missing(tmp_path: Path) -> None:
+    """A reader polling the model folder during many republishes always finds it (atomic swap)."""
+    import threading
+
+    repo = tmp_path / "repo"
+    spec = resolve(DeploymentSpec(id="m", path=custom_pkg(tmp_path / "p")))
+    rendered = render_model(spec, embedded_target())
+    write_model(rendered, repo)
+    missing: list[int] = []
+    done = threading.Event()
+
+    def reader() -> None:
+        while not done.is_set():
+            if not (repo / "m" / DEPLOYMENT_FILE).is_file():
+                missing.append(1)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for _ in range(50):
+            write_model(rendered, repo)
+    finally:
+        done.set()
+        thread.join()
+    assert not missing, f"the model folder was missing {len(missing)} times during republishes"
