@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import socket
@@ -61,8 +62,28 @@ class EmbeddedTritonDist:
         return os.pathsep.join(str(d) for d in dirs)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
+    """A TCP port that was free a moment ago, chosen below the kernel's ephemeral range.
+
+    Between this call and the server's bind, any outgoing connection may be given an ephemeral
+    port; picking outside that range keeps such connections from taking the port meanwhile."""
+    low = _ephemeral_range()[0]
+    candidates = random.sample(range(max(1024, low - 12000), low), 64) if low > 2048 else []
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
