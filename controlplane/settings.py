@@ -25,6 +25,17 @@ class Settings(BaseSettings):
         None, description="HTTP URL of an external Triton; unset = start the embedded tritonserver"
     )
     triton_grpc_url: str | None = Field(None, description="gRPC host:port of an external Triton")
+    triton_metrics_url: str | None = Field(
+        None, description="Metrics URL of an external Triton (pending requests drive idle unload and autoscaling)"
+    )
+    journal_dir: Path | None = Field(
+        None,
+        description="Folder where Triton's python stubs journal the requests they run (shared with Triton; "
+        "default: <work_dir>/journal for the embedded Triton, else what the seen tritonserver was started with)",
+    )
+    triton_wait_secs: float = Field(
+        60.0, description="How long serve waits at start for an external Triton to answer (it may start later)"
+    )
     triton_http_port: int = Field(0, description="Embedded Triton HTTP port (0 = a free port)")
     triton_grpc_port: int = Field(0, description="Embedded Triton gRPC port (0 = a free port)")
     triton_metrics_port: int = Field(0, description="Embedded Triton metrics port (0 = a free port)")
@@ -52,7 +63,8 @@ class Settings(BaseSettings):
     gateway: bool = Field(True, description="Start Envoy; off = clients talk to Triton directly")
 
     # --- lifecycle
-    sweep_interval_secs: float = Field(1.0, description="How often idle models and stub health are checked")
+    sweep_interval_secs: float = Field(1.0, description="How often idle models and Triton's health are checked")
+    watch_interval_secs: float = Field(0.2, description="How often the model processes of loaded models are checked")
     wake_timeout_secs: float | None = Field(
         None, description="Longest a request waits for a cold start (default: the model's load_timeout_secs)"
     )

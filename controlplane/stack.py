@@ -20,12 +20,14 @@ import uvicorn
 from rich.console import Console
 
 from controlplane.errors import SnoozeError
+from controlplane.lifecycle.journal import JOURNAL_ENV
+from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, discover, entry_point_deployments, resolve
 from controlplane.store import ModelStore
-from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.client import TritonAdminClient, wait_for_triton
 from controlplane.triton.launcher import EmbeddedTriton, detect_backends
 
 log = logging.getLogger("snoozeml.stack")
@@ -70,8 +72,15 @@ class ServingStack:
         # Packages from the models folder and from installed distributions' `snoozeml.models` entry points.
         self._publish([*(discover(self.models_dir) if self.models_dir is not None else []), *entry_point_deployments()])
         self.admin = TritonAdminClient(http_url, metrics_url, headers=s.triton_headers())
+        processes, journal_dir = await self._observe_triton(http_url)
         self.lifecycle = LifecycleManager(
-            s, self.store, self.admin, triton_process=self.triton_process, metrics=self.metrics
+            s,
+            self.store,
+            self.admin,
+            triton_process=self.triton_process,
+            processes=processes,
+            journal_dir=journal_dir,
+            metrics=self.metrics,
         )
         await self.lifecycle.start()
         self.activator = Activator(
@@ -104,13 +113,18 @@ class ServingStack:
                 raise SnoozeError(
                     "an external Triton needs both URLs", hint="pass --triton-grpc-url HOST:PORT with --triton-url"
                 )
-            return s.triton_url, s.triton_grpc_url, None, target_by_name(s.target)
+            await wait_for_triton(s.triton_url, s.triton_headers(), s.triton_wait_secs)
+            return s.triton_url, s.triton_grpc_url, s.triton_metrics_url, target_by_name(s.target)
+        admin_key = s.triton_admin_key.get_secret_value() if s.triton_admin_key else None
         self.triton_process = EmbeddedTriton(
             s.repository,
             s.work_dir / "triton",
             http_port=s.triton_http_port or None,
             grpc_port=s.triton_grpc_port or None,
             metrics_port=s.triton_metrics_port or None,
+            journal_dir=s.journal_dir,
+            admin_header=s.triton_admin_header,
+            admin_key=admin_key,
         )
         s.repository.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()
@@ -123,6 +137,37 @@ class ServingStack:
         )
         p = self.triton_process
         return p.http_url, p.grpc_url, p.metrics_url, embedded_target(backends)
+
+    async def _observe_triton(self, http_url: str) -> tuple[TritonProcesses, Path | None]:
+        """How this control plane sees Triton's processes, and where their request journals are; said
+        at start, since memory figures, crash recovery and hang cleanup depend on it."""
+        s = self.settings
+        if self.triton_process is not None:
+            return self.triton_process.processes(), self.triton_process.journal_dir
+        processes = TritonProcesses(http_url=http_url)
+        server = await asyncio.to_thread(processes.server)
+        if server is None:
+            self.console.print(
+                f"[yellow]Triton's processes are not visible from here (no tritonserver listening on the port of "
+                f"{http_url} in this PID namespace): model memory is shown as declared (memory_mb) or unknown, a "
+                "crashed model process is found only through failed requests (which are not retried), and a "
+                "hanging load keeps running in Triton.[/] To see them, run the control plane in Triton's PID "
+                "namespace as the same user (docs/deploy.md).",
+                highlight=False,
+            )
+            return TritonProcesses.unseen(), None
+        found = s.journal_dir or (
+            Path(value) if (value := await asyncio.to_thread(processes.environment, JOURNAL_ENV)) else None
+        )
+        journal_dir = found if found is not None and found.is_dir() else None
+        self.console.print(
+            f"Triton's processes are visible (tritonserver pid {server.pid}): memory measured, crashed model "
+            f"processes recovered, hanging loads killed; request journal: "
+            + (str(journal_dir) if journal_dir else f"[yellow]none[/] ({JOURNAL_ENV} of Triton not reachable here: "
+               "a request that meets a dead model process is not retried)"),
+            highlight=False,
+        )
+        return processes, journal_dir
 
     def _publish(self, deployments: list[DeploymentSpec]) -> None:
         assert self.store is not None

@@ -15,7 +15,15 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # The modules a model folder needs, listed rather than globbed so that stray files (tests, caches,
 # editor backups) never travel into model repositories.
-RUNTIME_MODULES = ("__init__.py", "batching.py", "errors.py", "runners.py", "spec.py", "triton_model.py")
+RUNTIME_MODULES = (
+    "__init__.py",
+    "batching.py",
+    "errors.py",
+    "journal.py",
+    "runners.py",
+    "spec.py",
+    "triton_model.py",
+)
 
 
 def runtime_files() -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from .batching import run_batch
 from .errors import INVALID_INPUT, Failure, describe_failure
+from .journal import RequestJournal
 from .runners import UserThread, build_model, device_for
 from .spec import RuntimeSpec, load_spec, spec_path
 
@@ -58,8 +59,11 @@ class TritonPythonModel:
             # The kind prefix tells the control plane an out-of-memory load apart from a broken model.
             raise RuntimeError(describe_failure(e, spec.model_id, stage, None)[1]) from None
         _log(spec.model_id, f"loaded ({spec.kind}, {spec.tensor_format} tensors) on {device}")
+        self._journal = RequestJournal.from_environment()
 
     def execute(self, requests: list) -> list:
+        if self._journal is not None:
+            self._journal.record(requests)
         arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
         return [self._response(result) for result in run_batch(self._spec, arrays, self._predict)]
 
@@ -73,6 +77,8 @@ class TritonPythonModel:
             except Exception as e:  # the instance goes away regardless; say why it did not unload cleanly
                 _log(self._spec.model_id, describe_failure(e, self._spec.model_id, "unload", None)[1])
         self._worker.stop()
+        if self._journal is not None:
+            self._journal.close()
 
     def _predict(self, inputs: Any) -> Any:
         return self._worker.call(self._model.predict, inputs, timeout=self._spec.request_timeout_secs)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -47,13 +48,14 @@ import numpy as np
 class Model:
     """Knobs: ``crash="poison"`` exits on a request whose x[:, 0] is -1; ``crash="segv"|"exit"`` crashes
     once per ``crash_file`` created; ``marker`` (a file) logs predict calls that sleep, and a request whose
-    x[:, 0] is -2 then stays 3 s in flight; ``ballast_mb`` is held (touched) after load."""
+    x[:, 0] is -2 then stays 3 s in flight; ``ballast_mb`` is held (touched) after load; ``calls`` (a file)
+    gets one line per row predict receives: its x[0] (to count executions)."""
 
     def __init__(self, scale=2.0, predict_sleep=0.0, load_sleep=0.0, load_error="", crash="", crash_file="",
-                 ballast_mb=0, marker=""):
+                 ballast_mb=0, marker="", calls=""):
         self.scale, self.predict_sleep, self.load_sleep = scale, predict_sleep, load_sleep
         self.load_error, self.crash, self.crash_file = load_error, crash, crash_file
-        self.ballast_mb, self.marker = ballast_mb, marker
+        self.ballast_mb, self.marker, self.calls = ballast_mb, marker, calls
 
     def load(self, model_dir, device):
         time.sleep(self.load_sleep)
@@ -64,6 +66,9 @@ class Model:
 
     def predict(self, inputs):
         x = inputs["x"]
+        if self.calls:
+            with open(self.calls, "a") as f:
+                f.write("".join(f"{v:g}\\n" for v in x[:, 0]))
         if self.crash == "poison":
             if (x[:, 0] == -1).any():
                 os._exit(1)  # the stub process dies in the middle of a request
@@ -96,6 +101,7 @@ PARAMS_SCHEMA = {
     "crash_file": {"type": "str", "default": ""},
     "ballast_mb": {"type": "int", "default": 0},
     "marker": {"type": "str", "default": ""},
+    "calls": {"type": "str", "default": ""},
 }
 
 
@@ -193,6 +199,16 @@ def _name(p: psutil.Process) -> str:
     return ""
 
 
+def until_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
+    """The first line ``proc`` writes to its stdout within ``timeout`` seconds ('' if it exits first)."""
+    assert proc.stdout is not None
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    reader.join(timeout)
+    return lines[0].decode().strip() if lines else ""
+
+
 def _accepts(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
         return True
@@ -205,23 +221,54 @@ def _accepts(port: int) -> bool:
 _ADMIN: Any = object()  # "the admin key" default of Serve.api (None means no key)
 
 
+TOPOLOGIES = ("embedded", "two_process")
+
+
 class Serve:
     """`snoozectl serve` as a subprocess (its own session) on free ports; restartable on the same ports
     and work dir. ``env`` is the whole environment of the child. With ``admin_key`` auth is on (the keys
     come from ``env``) and the control API calls send it; without, it runs ``--no-auth``. ``models``:
-    a ``--models`` folder (models.toml)."""
+    a ``--models`` folder (models.toml).
+
+    ``topology``: "embedded" (serve starts tritonserver as its child) or "two_process" (`snoozectl
+    triton` runs tritonserver in a process of its own, and serve connects with --triton-url: the
+    deployed topology of compose and Kubernetes, on one machine)."""
 
     def __init__(self, work_dir: Path, env: dict[str, str], *, models: Path | None = None,
-                 admin_key: str | None = None) -> None:  # fmt: skip
+                 admin_key: str | None = None, topology: str = "embedded") -> None:  # fmt: skip
+        assert topology in TOPOLOGIES, topology
         self.work_dir = work_dir
         self.models_dir = models
         self.env = env
         self.admin_key = admin_key
+        self.topology = topology
         self.http_port, self.grpc_port, self.api_port = free_port(), free_port(), free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.triton_proc: subprocess.Popen[bytes] | None = None  # `snoozectl triton` (two_process)
+        self.triton_urls: dict[str, Any] = {}
         self.log = work_dir.parent / f"{work_dir.name}.serve.log"
+        self.triton_log = work_dir.parent / f"{work_dir.name}.triton.log"
         self.starts = 0
         self.seen: dict[int, psutil.Process] = {}  # every descendant ever observed
+
+    def start_triton(self, timeout: float = 60.0) -> None:
+        """Start `snoozectl triton` over this stack's repository (two_process); its URLs once live."""
+        self.repository.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            SNOOZECTL, "triton", "--model-repository", str(self.repository),
+            "--work-dir", str(self.work_dir.parent / f"{self.work_dir.name}.triton"),
+            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--json",
+        ]  # fmt: skip
+        with open(self.triton_log, "ab") as log:
+            self.triton_proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=self.env,
+                start_new_session=True,
+            )  # fmt: skip
+        assert self.triton_proc.stdout is not None
+        line = until_line(self.triton_proc, timeout)
+        if not line:
+            raise AssertionError(f"snoozectl triton did not start:\n{self.triton_log.read_text(errors='replace')}")
+        self.triton_urls = json.loads(line)
 
     @property
     def http_url(self) -> str:  # tritonclient form
@@ -252,6 +299,14 @@ class Serve:
             SNOOZECTL, "serve", "--work-dir", str(self.work_dir),
             "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port), "--api-port", str(self.api_port),
         ]  # fmt: skip
+        if self.topology == "two_process":
+            if self.triton_proc is None or self.triton_proc.poll() is not None:
+                self.start_triton()
+            urls = self.triton_urls
+            cmd += [
+                "--triton-url", urls["http_url"], "--triton-grpc-url", urls["grpc_url"],
+                "--triton-metrics-url", urls["metrics_url"], "--model-repository", str(self.repository),
+            ]  # fmt: skip
         if self.models_dir is not None:
             cmd += ["--models", str(self.models_dir)]
         if self.admin_key is None:
@@ -285,13 +340,16 @@ class Serve:
     # --- the process tree
 
     def descendants(self) -> list[psutil.Process]:
-        """The serve process's descendants now (also remembered for the orphan checks)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return []
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            return []
+        """The stack's processes now: serve's descendants, and `snoozectl triton`'s with its own
+        process (two_process); also remembered for the orphan checks."""
+        children = []
+        for proc in (self.proc, self.triton_proc):
+            if proc is None or proc.poll() is not None:
+                continue
+            with contextlib.suppress(psutil.Error):
+                children += psutil.Process(proc.pid).children(recursive=True)
+                if proc is self.triton_proc:
+                    children.append(psutil.Process(proc.pid))
         for p in children:
             self.seen.setdefault(p.pid, p)
         return children
@@ -355,12 +413,27 @@ class Serve:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
+        self.stop_triton()
         left = self.leftovers()  # tritonserver and Envoy run in sessions of their own
         for p in left:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         psutil.wait_procs(left, timeout=10)
         return None if with_kill else self.proc.returncode
+
+    def stop_triton(self) -> None:
+        """Stop `snoozectl triton` (two_process): SIGTERM, then SIGKILL of its process group."""
+        proc = self.triton_proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self.descendants()
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
 
     # --- control API
 

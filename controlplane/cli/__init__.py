@@ -34,6 +34,13 @@ def serve(
     api_port: Annotated[int | None, typer.Option(help="Control API port [SNOOZE_API_PORT; 8080]")] = None,
     triton_url: Annotated[str | None, typer.Option(help="Use this Triton (HTTP URL) instead of starting one")] = None,
     triton_grpc_url: Annotated[str | None, typer.Option(help="gRPC host:port of that Triton")] = None,
+    triton_metrics_url: Annotated[str | None, typer.Option(help="Metrics URL of that Triton")] = None,
+    model_repository: Annotated[
+        Path | None, typer.Option(help="Model repository (shared with that Triton) [<work-dir>/model_repository]")
+    ] = None,
+    journal_dir: Annotated[
+        Path | None, typer.Option(help="Triton's request journal folder [SNOOZE_JOURNAL_DIR; found from Triton]")
+    ] = None,
     target: Annotated[str | None, typer.Option(help="Triton's backends: embedded | full [SNOOZE_TARGET]")] = None,
     no_auth: Annotated[bool, typer.Option("--no-auth", help="Disable API keys (local use only)")] = False,
     no_gateway: Annotated[bool, typer.Option("--no-gateway", help="No Envoy: clients use Triton's ports")] = False,
@@ -47,6 +54,7 @@ def serve(
     given = {
         "work_dir": work_dir, "host": host, "http_port": http_port, "grpc_port": grpc_port, "api_port": api_port,
         "triton_url": triton_url, "triton_grpc_url": triton_grpc_url, "target": target,
+        "triton_metrics_url": triton_metrics_url, "model_repository": model_repository, "journal_dir": journal_dir,
     }
     overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
     if no_gateway:
@@ -144,6 +152,9 @@ convert_command.register(app)  # convert torch | onnx-to-trt
 from controlplane.cli import snapshot_command  # noqa: E402
 
 snapshot_command.register(app)  # snapshot-entrypoint: the checkpoint/restore container entrypoint
+from controlplane.cli import triton_command  # noqa: E402
+
+triton_command.register(app)  # triton: the embedded tritonserver alone (the two-process topology)
 
 
 def main() -> None:

@@ -2,15 +2,14 @@
 
 Envoy sends it (see ``envoy.yaml.j2``):
 
-- inference requests that Triton answered "not found" (a sleeping model), "unavailable" or, over
-  gRPC, "Stub process ... is not healthy": the activator wakes the model (``waker.serving``: the
-  lifecycle's single-flight ``ensure_ready``, then the model is held loaded until the forward is
-  done), forwards the request to Triton unchanged and returns
-  Triton's answer unchanged; a dead stub is recovered (``waker.recover``) before the forward. A
-  forward that a live stub answers "not healthy" is not sent again: that request (or one beside it)
-  killed the stub, and a retry would run it, and likely crash the model, once more. The model is
-  recovered and the error returned. Where stubs cannot be seen (no embedded Triton) the request
-  is sent once more after the recovery;
+- inference requests that Triton answered "not found" (a sleeping model), "unavailable" or "Stub
+  process ... is not healthy" (a dead model process): the activator wakes the model
+  (``waker.serving``: the lifecycle's single-flight ``ensure_ready``, then the model is held loaded
+  until the forward is done), forwards the request to Triton unchanged and returns Triton's answer
+  unchanged. A request never runs twice: one that was running in a model process when it died
+  (the lifecycle reads that from the request journal, by the gateway's ``x-snooze-request-id``) is
+  refused with an error that says so, and one that only met the dead process is sent after the
+  model is recovered (``lifecycle.recovery``);
 - model readiness, metadata and config, answered for a published model as if it were loaded (a
   request would succeed), and the repository API (index; load/unload with the admin scope).
 
@@ -39,6 +38,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from controlplane.auth import Scope, check_scope
 from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
+from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.render import VERSION, parse_config
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
@@ -78,8 +78,8 @@ class Waker(Protocol):
     def serving(self, model_id: str, *, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
         """``ensure_ready`` (wake, single flight), then hold the model loaded while the block runs."""
 
-    async def recover(self, model_id: str, cause: str) -> None: ...
-    async def stubs_alive(self, model_id: str) -> bool | None: ...  # None: cannot be seen
+    async def admit(self, model_id: str, request_id: str) -> None: ...  # raises if it ran in a dead process
+    async def after_dead_answer(self, model_id: str, request_id: str) -> None: ...  # raises unless safe to resend
     async def load(self, model_id: str, *, instances: int | None = None) -> Any: ...
     async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
     def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
@@ -104,21 +104,31 @@ class ModelAnswers:
         self.published(name)
         return self.waker.serving(name, timeout=timeout)
 
-    async def forward_healthy(self, name: str, send: Callable[[], Awaitable[T]], dead: Callable[[T], bool]) -> T:
-        """``send()`` the request to a model whose stubs are alive (recovering them first if dead).
+    async def forward(
+        self,
+        name: str,
+        request_id: str,
+        send: Callable[[], Awaitable[T]],
+        dead: Callable[[T], bool],
+        *,
+        timeout: float | None = None,
+    ) -> T:
+        """Wake the model and ``send()`` the request to Triton, at most once to a live model process.
 
-        A "stub not healthy" answer (``dead``) from stubs that were alive means this request (or one
-        batched with it) killed the stub: the model is recovered, the answer returned, and the
-        request not run again. Only when stubs cannot be seen is it sent once more.
+        A request that already ran in a model process that died (Envoy retried its "stub not
+        healthy" answer here) is refused with the crash. One that meets a dead stub here is sent again
+        after recovery only when the journal shows it never reached a live process (``recovery``).
         """
-        alive = await self.waker.stubs_alive(name)
-        if alive is False:
-            await self.waker.recover(name, cause="dead_stub")
-        answer = await send()
-        if not dead(answer):
+        await self.waker.admit(name, request_id)
+        async with self.serving(name, timeout):
+            answer = await send()
+            if not dead(answer):
+                return answer
+            await self.waker.after_dead_answer(name, request_id)
+            answer = await send()
+            if dead(answer):
+                await self.waker.after_dead_answer(name, request_id)
             return answer
-        await self.waker.recover(name, cause="dead_stub")
-        return await send() if alive is None else answer
 
     def state(self, name: str) -> str:
         """The lifecycle state's name (``ModelStatus.state`` is a str enum)."""
@@ -232,12 +242,12 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
         name, version = model_of(request)
         answers.published(name, version)
         body = await request.body()
-        async with answers.serving(name):
-            return await answers.forward_healthy(
-                name,
-                lambda: forwarder.send(request, body),
-                lambda r: r.status_code == 500 and bool(DEAD_STUB.search(r.body.decode("utf-8", "replace"))),
-            )
+        return await answers.forward(
+            name,
+            request.headers.get(REQUEST_ID_HEADER, ""),
+            lambda: forwarder.send(request, body),
+            lambda r: r.status_code == 500 and bool(DEAD_STUB.search(r.body.decode("utf-8", "replace"))),
+        )
 
     async def ready(request: Request) -> Response:
         name, version = model_of(request)
@@ -350,10 +360,14 @@ class GrpcActivator:
 
     async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         name = service_pb2.ModelInferRequest.FromString(request).model_name
-        async with self.answers.serving(name, timeout=context.time_remaining()):
-            answer = await self.answers.forward_healthy(
-                name, lambda: self._try_forward("ModelInfer", request, context), _is_dead_stub
-            )
+        request_id = next((str(m.value) for m in context.invocation_metadata() or () if m.key == REQUEST_ID_HEADER), "")
+        answer = await self.answers.forward(
+            name,
+            request_id,
+            lambda: self._try_forward("ModelInfer", request, context),
+            _is_dead_stub,
+            timeout=context.time_remaining(),
+        )
         if isinstance(answer, grpc.aio.AioRpcError):
             await context.abort(answer.code(), answer.details() or "")
         return answer

@@ -6,12 +6,13 @@ body included, to priority 1 of the same cluster, the activator (``activator.py`
 model and forwards the request. ``wake_buffer_bytes`` bounds the body Envoy keeps for that retry:
 a larger request to a sleeping model is not retried and the client gets Triton's 404.
 
-gRPC: besides NOT_FOUND, UNAVAILABLE (14, e.g. a model being unloaded) and a dead python stub
-(INTERNAL with grpc-message "Stub process '...' is not healthy") are retried to the activator,
-which recovers the model first. HTTP retries only 404: a dead stub's HTTP 500 cannot be told from a
-model's own 500 by status alone (Envoy's retry policy cannot read the body), and retrying every 500
-would run failed inferences twice. The HTTP client gets the 500 once; the lifecycle's sweeper or the
-next request through the activator recovers the model.
+A request that met a dead python stub (gRPC INTERNAL with grpc-message "Stub process '...' is not
+healthy"; HTTP 500 with that text in the body, which a Lua filter on the upstream side of the
+``infer_http`` cluster marks with a header, since a retry policy cannot read bodies) is retried to
+the activator too. Every inference request gets a unique ``x-snooze-request-id`` (kept across the
+retry), which Triton forwards to the model's process; with it the activator tells a request that was
+running when the process died (refused: it never runs twice) from one that only met the dead process
+(sent again after recovery). A model's own errors (HTTP 500 without that text) are never retried.
 
 Gateway metrics are Envoy's own stats: scrape ``EnvoyGateway.prometheus_url``
 (``http://127.0.0.1:<admin_port>/stats/prometheus``, loopback only). Useful series:
@@ -37,6 +38,7 @@ import httpx
 import jinja2
 
 from controlplane.errors import SnoozeError
+from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.processes import log_tail, spawn, stop_group
 from controlplane.settings import Settings
 
@@ -53,10 +55,14 @@ ACTIVATOR_GRPC_METHODS = (
 )
 # gRPC answers retried to the activator: not found / unavailable (sleeping, unloading) and a dead stub.
 GRPC_RETRY_HEADERS = (
-    ("grpc-status", {"exact": "5"}),
-    ("grpc-status", {"exact": "14"}),
-    ("grpc-message", {"safe_regex": {"regex": "Stub process .* is not healthy.*"}}),
+    {"name": "grpc-status", "string_match": {"exact": "5"}},
+    {"name": "grpc-status", "string_match": {"exact": "14"}},
+    {"name": "grpc-message", "string_match": {"safe_regex": {"regex": "Stub process .* is not healthy.*"}}},
 )
+# HTTP: Triton's 500 for a dead stub, marked by the Lua filter on the infer_http cluster.
+DEAD_STUB_HEADER = "x-snooze-dead-stub"
+DEAD_STUB_MARKER = "is not healthy"
+HTTP_RETRY_HEADERS = ({"name": DEAD_STUB_HEADER, "present_match": True},)
 UNAUTHORIZED_MESSAGE = (
     "missing or invalid API key: send it as the X-API-Key header or 'Authorization: Bearer <key>' "
     "(gRPC metadata x-api-key or authorization)"
@@ -153,6 +159,10 @@ def render_bootstrap(
         api_keys=list(api_keys),
         activator_grpc_methods=ACTIVATOR_GRPC_METHODS,
         grpc_retry_headers=GRPC_RETRY_HEADERS,
+        http_retry_headers=HTTP_RETRY_HEADERS,
+        dead_stub_header=DEAD_STUB_HEADER,
+        dead_stub_marker=DEAD_STUB_MARKER,
+        request_id_header=REQUEST_ID_HEADER,
         unauthorized_message=UNAUTHORIZED_MESSAGE,
         max_upstream=MAX_UPSTREAM,
     )

@@ -215,3 +215,20 @@ class TritonAdminClient:
 
     async def pending_request_counts(self) -> dict[str, float]:
         return parse_pending_request_counts(await self.metrics_text())
+
+
+async def wait_for_triton(http_url: str, headers: dict[str, str] | None, timeout: float) -> None:
+    """Return once the Triton at ``http_url`` is live; UnavailableError naming it after ``timeout`` seconds.
+
+    An external Triton may start after the control plane (two containers of one pod start together).
+    """
+    deadline = time.monotonic() + timeout
+    async with TritonAdminClient(http_url, headers=headers, timeout=2.0) as triton:
+        while not await triton.live():
+            if time.monotonic() > deadline:
+                raise UnavailableError(
+                    f"Triton at {http_url} did not become live within {timeout:g}s",
+                    hint="start tritonserver (snoozectl triton, or its container) or fix --triton-url; "
+                    "SNOOZE_TRITON_WAIT_SECS sets how long to wait",
+                )
+            await asyncio.sleep(0.5)

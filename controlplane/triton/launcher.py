@@ -37,10 +37,11 @@ import httpx
 import psutil
 
 from controlplane.errors import TritonLaunchError
+from controlplane.lifecycle.journal import HEADER_FORWARD_ARGS, JOURNAL_ENV, prepare_journal_dir, remove_stale
+from controlplane.lifecycle.processes import STUB_NAME, TritonProcesses
 from controlplane.processes import kill_group, log_tail, spawn, stop_group
 
 MIN_GLIBC = (2, 35)
-STUB_NAME = "triton_python_backend_stub"
 INSTALL_HINT = "pip install 'snoozeml[embedded]'"
 LOG_TAIL_LINES = 40
 SHM_DIR = "/dev/shm"
@@ -263,6 +264,9 @@ class EmbeddedTriton:
         stub_timeout_secs: int = 30,
         exit_timeout_secs: int = 10,
         dist: EmbeddedTritonDist | None = None,
+        journal_dir: Path | None = None,
+        admin_header: str | None = None,
+        admin_key: str | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.work_dir = Path(work_dir).resolve()
@@ -277,6 +281,11 @@ class EmbeddedTriton:
         self.stub_timeout_secs = stub_timeout_secs
         self.exit_timeout_secs = exit_timeout_secs
         self.dist = dist
+        # Where its python stubs journal the requests they run (controlplane/lifecycle/journal.py).
+        self.journal_dir = Path(journal_dir).resolve() if journal_dir else self.work_dir / "journal"
+        # The model-repository API restricted to requests with this header, as in the deployed stacks.
+        self.admin_header = admin_header
+        self.admin_key = admin_key
         # Names this server's /dev/shm regions, so that stop() can remove those a crash leaves behind.
         self.shm_region_prefix = f"snooze_{uuid.uuid4().hex[:8]}_"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -323,8 +332,16 @@ class EmbeddedTriton:
             f"--metrics-address={self.host}",
             f"--metrics-port={self.metrics_port}",
             *(f"--backend-config=python,{kv}" for kv in backend_config),
+            *HEADER_FORWARD_ARGS,
+            *self.restricted_api_args(),
             *self.extra_args,
         ]
+
+    def restricted_api_args(self) -> list[str]:
+        if not self.admin_key:
+            return []
+        rule = f"model-repository:{self.admin_header or 'snooze-admin'}={self.admin_key}"
+        return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
     def environment(self) -> dict[str, str]:
         """The server's environment: bundled libraries and this environment's ``bin/`` first."""
@@ -332,6 +349,7 @@ class EmbeddedTriton:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (self.dist.library_path(), env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
+        env[JOURNAL_ENV] = str(self.journal_dir)
         return env
 
     def start(self, timeout: float = 60) -> None:
@@ -345,6 +363,8 @@ class EmbeddedTriton:
             )
         backend_dir = prepare_backend_dir(self.work_dir, self.dist)
         self._clean_up_after_previous_run()
+        prepare_journal_dir(self.journal_dir)
+        remove_stale(self.journal_dir)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         cmd = self.command(backend_dir)
         with open(self.log_file, "ab") as log:
@@ -482,32 +502,17 @@ class EmbeddedTriton:
         except psutil.NoSuchProcess:
             return []
 
+    def processes(self) -> TritonProcesses:
+        """Its processes (the server and its python-backend stubs), as the lifecycle sees them."""
+        return TritonProcesses(server_pid=lambda: self.pid if self.is_running() else None)
+
     def process_tree_rss(self) -> int:
         """Resident memory in bytes of tritonserver and all its children (the stubs); 0 when stopped."""
-        if not self.is_running():
-            return 0
-        total = 0
-        for p in [psutil.Process(self.pid), *self._children()]:
-            try:
-                total += p.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total
+        return self.processes().tree_rss()
 
     def stub_pids(self, model_name: str | None = None) -> list[int]:
         """Pids of the python-backend stubs, all or those of one model (one stub per instance)."""
-        pids = []
-        for p in self._children():
-            try:
-                argv = p.cmdline()
-            except psutil.Error:
-                continue
-            if not argv or not argv[0].endswith(STUB_NAME):
-                continue
-            # argv[1] is <repo>/<model>/<version>/<model file>.
-            if model_name is None or (len(argv) > 1 and Path(argv[1]).parent.parent.name == model_name):
-                pids.append(p.pid)
-        return sorted(pids)
+        return [stub.pid for stub in self.processes().stubs(model_name)]
 
     def __enter__(self) -> EmbeddedTriton:
         self.start()

@@ -277,31 +277,22 @@ def test_idle_unload_stops_the_stubs_and_the_next_request_wakes(stack: Serve):
 
 
 def test_stub_crash_fails_one_request_then_recovers(stack: Serve):
+    """With auth on: the request that kills the stub fails once (never run again), the next is served.
+    (tests/reliability/test_stub_faults.py counts executions in both topologies.)"""
     model = "crashy"
     x, poison = x_rows([1.0]), x_rows([-1.0])
     np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
-
-    # gRPC: the request that kills the stub fails; the next one is served (Envoy retries a
-    # "stub not healthy" answer to the activator, which recovers the model first).
-    with pytest.raises(InferenceServerException):
-        grpc_infer(stack.grpc_url, model, poison)
-    np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
-    until(lambda: stack.status(model)["state"] == "ready" and stack.stub_pids(model), "the recovery (gRPC)")
-    # The poison ran in Triton and once more through Envoy's retry to the activator (which cannot
-    # tell it apart from a request that found the stub dead), never a third time: 1 load + 2 recoveries.
-    assert stack.status(model)["load_count"] <= 3
-
-    # HTTP: the request that kills the stub fails; the sweeper recovers the model; then it serves.
-    loads = stack.status(model)["load_count"]
-    with pytest.raises(InferenceServerException):
-        http_infer(stack.http_url, model, poison)
-    until(
-        lambda: (st := stack.status(model))["state"] == "ready" and st["load_count"] > loads and stack.stub_pids(model),
-        "the recovery (HTTP)",
-    )
-    np.testing.assert_allclose(http_infer(stack.http_url, model, x), x * 2)
-    np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
-    assert stack.metric("snooze_recoveries_total", model=model, cause="dead_stub") >= 2
+    for protocol, infer in (("gRPC", grpc_infer), ("HTTP", http_infer)):
+        loads = stack.status(model)["load_count"]
+        with pytest.raises(InferenceServerException, match="died while running this request"):
+            infer(stack.grpc_url if protocol == "gRPC" else stack.http_url, model, poison)
+        until(
+            lambda loads=loads: (st := stack.status(model))["state"] == "ready" and st["load_count"] == loads + 1,
+            f"the recovery ({protocol})",
+        )
+        np.testing.assert_allclose(http_infer(stack.http_url, model, x), x * 2)
+        np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
+    assert stack.metric("snooze_recoveries_total", model=model, cause="dead_stub") == 2
 
 
 @pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}])

@@ -7,7 +7,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from serve_harness import Serve, write_package
+from serve_harness import TOPOLOGIES, Serve, write_package
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def topology(request: pytest.FixtureRequest) -> str:
+    """Where Triton runs: serve's child, or its own process beside serve (as in compose and Kubernetes)."""
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +26,9 @@ def serve_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     """Make `snoozectl serve` runners (not started); every one is stopped, children included, afterwards."""
     made: list[Serve] = []
 
-    def make(name: str = "serve", **env: str) -> Serve:
+    def make(name: str = "serve", *, topology: str = "embedded", **env: str) -> Serve:
         env = {"SNOOZE_SWEEP_INTERVAL_SECS": "0.5", **{f"SNOOZE_{k.upper()}": v for k, v in env.items()}}
-        serve = Serve(tmp_path_factory.mktemp(name) / "work", {**os.environ, **env})
+        serve = Serve(tmp_path_factory.mktemp(name) / "work", {**os.environ, **env}, topology=topology)
         made.append(serve)
         return serve
 

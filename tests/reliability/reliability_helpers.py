@@ -152,3 +152,37 @@ def report(name: str, **numbers: Any) -> None:
     if out:
         with open(out, "a", encoding="utf-8") as f:
             f.write(line + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# One request
+
+
+async def infer_once(serve: Serve, model: str, protocol: str, x: np.ndarray, timeout: float = 60) -> np.ndarray | str:
+    """One request through the gateway: the output ``y``, or the error as '<status>: <message>'."""
+    if protocol == "grpc":
+        client: Any = grpcaio.InferenceServerClient(serve.grpc_url)
+        inp: Any = grpcaio.InferInput("x", list(x.shape), "FP32")
+    else:
+        client = httpaio.InferenceServerClient(serve.http_url)
+        inp = httpaio.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    try:
+        if protocol == "grpc":
+            result = await client.infer(model, [inp], client_timeout=timeout)
+        else:
+            result = await asyncio.wait_for(client.infer(model, [inp]), timeout)
+        return result.as_numpy("y")
+    except InferenceServerException as e:
+        return f"{e.status()}: {e.message()}"
+    finally:
+        await client.close()
+
+
+async def infer_error(serve: Serve, model: str, protocol: str, timeout: float = 60) -> tuple[str, float]:
+    """The error a single request (x = ones) gets, which must fail, and how long it took."""
+    started = time.monotonic()
+    answer = await infer_once(serve, model, protocol, np.ones((1, 2), dtype=np.float32), timeout)
+    if not isinstance(answer, str):
+        raise AssertionError(f"a request to {model} succeeded")
+    return answer, time.monotonic() - started

@@ -3,21 +3,17 @@
 Out of memory: the lifecycle evicts the least recently used idle model and retries once, then the
 client gets a clear 503 / UNAVAILABLE naming the cause. A hang: the load is abandoned after the
 model's load_timeout_secs, its stub killed, the model marked failed with that reason, and a later
-request tries again. Traffic on another model loses nothing meanwhile.
+request tries again. Traffic on another model loses nothing meanwhile. Both hold with Triton as the
+control plane's child and with Triton in a process of its own (the deployed topology).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
-import numpy as np
 import pytest
-import tritonclient.grpc.aio as grpcaio
-import tritonclient.http.aio as httpaio
-from reliability_helpers import Traffic, report, summary
+from reliability_helpers import Traffic, infer_error, report, summary
 from serve_harness import until_async, write_package
-from tritonclient.utils import InferenceServerException
 
 pytestmark = pytest.mark.integration
 
@@ -25,9 +21,9 @@ LOAD_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
-def serve(serve_factory, package, tmp_path_factory):
+def serve(serve_factory, package, tmp_path_factory, topology):
     # A budget that fits the three small models this module loads at once, and not much more.
-    serve = serve_factory("loadfaults", memory_budget_mb="600")
+    serve = serve_factory("loadfaults", topology=topology, memory_budget_mb="600")
     serve.start()
     hanging = write_package(tmp_path_factory.mktemp("hang") / "pkg", load_timeout_secs=LOAD_TIMEOUT)
     serve.publish("steady", package)
@@ -36,29 +32,6 @@ def serve(serve_factory, package, tmp_path_factory):
     serve.publish("hang", hanging, params={"load_sleep": 600.0})
     serve.hanging = hanging
     return serve
-
-
-async def infer_error(serve, model: str, protocol: str, timeout: float = 60) -> tuple[str, float]:
-    """The error a single request gets (it must fail) and how long it took."""
-    x = np.ones((1, 2), dtype=np.float32)
-    started = time.monotonic()
-    if protocol == "grpc":
-        client = grpcaio.InferenceServerClient(serve.grpc_url)
-        inp = grpcaio.InferInput("x", [1, 2], "FP32")
-    else:
-        client = httpaio.InferenceServerClient(serve.http_url)
-        inp = httpaio.InferInput("x", [1, 2], "FP32")
-    inp.set_data_from_numpy(x)
-    try:
-        if protocol == "grpc":
-            await client.infer(model, [inp], client_timeout=timeout)
-        else:
-            await asyncio.wait_for(client.infer(model, [inp]), timeout)
-    except InferenceServerException as e:
-        return f"{e.status()}: {e.message()}", time.monotonic() - started
-    finally:
-        await client.close()
-    raise AssertionError(f"a request to {model} succeeded")
 
 
 async def test_out_of_memory_at_load_evicts_retries_once_then_fails_clearly(serve):

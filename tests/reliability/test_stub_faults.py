@@ -1,7 +1,11 @@
-"""A model's python stub dies mid-traffic (SIGKILL, a segfault in predict, os._exit in predict).
+"""A model's python stub dies: mid-traffic (SIGKILL, a segfault in predict, os._exit in predict), under
+a poison request, or while idle.
 
-Failures are bounded by the requests in flight on that model when it died, the model is recovered
-without anyone asking, traffic resumes, and a model next to it loses nothing.
+Failures are bounded by the requests the dead process was running, the model is recovered without
+anyone asking, traffic resumes, and a model next to it loses nothing. A request never runs twice: the
+one that killed its process gets an error saying so, once; a request that arrives after the process
+died is served after recovery. Every scenario runs with Triton as serve's child and with Triton in a
+process of its own (`snoozectl triton`, the deployed topology).
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
-from reliability_helpers import Traffic, in_flight_at, report, summary
+from reliability_helpers import Traffic, in_flight_at, infer_once, report, summary
 from serve_harness import until_async
 
 pytestmark = pytest.mark.integration
@@ -20,15 +25,22 @@ pytestmark = pytest.mark.integration
 GRPC_CLIENTS, HTTP_CLIENTS = 4, 2  # on the faulty model; one request in flight each
 
 
+PROTOCOLS = ("grpc", "http")
+
+
 @pytest.fixture(scope="module")
-def serve(serve_factory, package, tmp_path_factory):
-    serve = serve_factory("stubfaults")
+def serve(serve_factory, package, tmp_path_factory, topology):
+    serve = serve_factory("stubfaults", topology=topology)
     serve.start()
     triggers = tmp_path_factory.mktemp("triggers")
     serve.publish("steady", package)
     serve.publish("victim", package, params={"scale": 3.0})
     for kind in ("segv", "exit"):
         serve.publish(f"crash-{kind}", package, params={"crash": kind, "crash_file": str(triggers / kind)})
+    for protocol in PROTOCOLS:
+        calls = str(triggers / f"calls-{protocol}")
+        serve.publish(f"poison-{protocol}", package, params={"crash": "poison", "calls": calls})
+        serve.publish(f"idle-{protocol}", package, params={"scale": 4.0})
     serve.triggers = triggers
     return serve
 
@@ -64,7 +76,7 @@ async def test_stub_dies_mid_traffic(serve, fault):
     died_at = min((r.ended for r in failed), default=fault_at)
     bound = max(in_flight_at(results, died_at, model), GRPC_CLIENTS + HTTP_CLIENTS)
     report(
-        f"stub {fault} mid-traffic",
+        f"stub {fault} mid-traffic ({serve.topology})",
         failed=f"{faulty['failed']}/{faulty['total']}",
         failed_grpc=sum(r.protocol == "grpc" for r in failed),
         failed_http=sum(r.protocol == "http" for r in failed),
@@ -80,3 +92,54 @@ async def test_stub_dies_mid_traffic(serve, fault):
     assert all(r.ok for r in results if r.model == model and r.started > resumed_at), faulty
     status = await asyncio.to_thread(serve.status, model)
     assert status["state"] == "ready", status
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_poison_request_runs_once_and_its_client_is_told(serve, protocol):
+    model = f"poison-{protocol}"
+    calls = serve.triggers / f"calls-{protocol}"
+    ok = await infer_once(serve, model, protocol, np.array([[1.0, 1.0]], np.float32))
+    assert not isinstance(ok, str), ok
+    [old] = await asyncio.to_thread(serve.stub_pids, model)
+    started = time.monotonic()
+    error = await infer_once(serve, model, protocol, np.array([[-1.0, 1.0]], np.float32))
+    answered = time.monotonic() - started
+    assert isinstance(error, str), "the poison request succeeded"
+    # Executed exactly once: the model saw the poison row once (a retry would have run it again).
+    await asyncio.sleep(1.0)  # a second run, had there been one, would have logged by now
+    rows = calls.read_text().split()
+    assert rows.count("-1") == 1, rows
+    expected = "500" if protocol == "http" else "StatusCode.INTERNAL"
+    assert error.startswith(expected), error
+    for words in ("died while running this request", "exit code 1", "not retried", "being restarted"):
+        assert words in error, error
+    # Recovered: served by a new process, and status says what happened.
+    after = await infer_once(serve, model, protocol, np.array([[3.0, 1.0]], np.float32))
+    assert not isinstance(after, str), after
+    np.testing.assert_allclose(after, [[6.0, 2.0]])
+    assert await asyncio.to_thread(serve.stub_pids, model) not in ([], [old])
+    status = await asyncio.to_thread(serve.status, model)
+    assert status["state"] == "ready" and "exit code 1" in (status["last_crash"] or ""), status
+    report(f"poison request ({serve.topology}, {protocol})", executions=rows.count("-1"),
+           answer_secs=round(answered, 2), client_error=error[:120])  # fmt: skip
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_request_after_its_model_process_died_is_served(serve, protocol):
+    model = f"idle-{protocol}"
+    x = np.array([[1.0, 2.0]], np.float32)
+    first = await infer_once(serve, model, protocol, x)
+    assert not isinstance(first, str), first
+    [old] = await asyncio.to_thread(serve.stub_pids, model)
+    loads = (await asyncio.to_thread(serve.status, model))["load_count"]
+    os.kill(old, signal.SIGKILL)
+    started = time.monotonic()
+    answer = await infer_once(serve, model, protocol, x)  # sent at once: before or after the death is seen
+    recovery = time.monotonic() - started
+    assert not isinstance(answer, str), answer
+    np.testing.assert_allclose(answer, x * 4.0)
+    assert await asyncio.to_thread(serve.stub_pids, model) not in ([], [old])
+    status = await asyncio.to_thread(serve.status, model)
+    assert status["load_count"] == loads + 1 and "SIGKILL" in (status["last_crash"] or ""), status
+    report(f"request after SIGKILL of an idle model process ({serve.topology}, {protocol})",
+           answered_after_secs=round(recovery, 3))  # fmt: skip

@@ -87,8 +87,9 @@ def test_a_queue_between_the_thresholds_keeps_the_count():
 
 
 def test_status_to_dict():
-    status = ModelStatus("m", ModelState.READY, None, 2, 1.5, 300, 1024, 0.4, 1)
+    status = ModelStatus("m", ModelState.READY, None, 2, 1.5, 300, 1024, "measured", 0.4, 1, 2, None)
     assert status.to_dict() == {
         "id": "m", "state": "ready", "reason": None, "instances": 2, "last_access": 1.5,
-        "idle_timeout_secs": 300, "memory_bytes": 1024, "last_cold_start_secs": 0.4, "load_count": 1,
+        "idle_timeout_secs": 300, "memory_bytes": 1024, "memory_source": "measured", "last_cold_start_secs": 0.4,
+        "load_count": 1, "processes": 2, "last_crash": None,
     }

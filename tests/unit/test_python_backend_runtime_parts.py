@@ -168,8 +168,8 @@ def test_runtime_files_are_self_contained_and_portable():
     files = python_backend.runtime_files()
     names = {pathlib.Path(f).name for f in files}
     assert "triton_model.py" in names and all(pathlib.Path(f).is_file() for f in files)
-    allowed = {"__future__", "collections", "dataclasses", "importlib", "json", "numpy", "os",
-               "queue", "sys", "threading", "time", "traceback", "typing"}
+    allowed = {"__future__", "collections", "dataclasses", "importlib", "json", "mmap", "numpy", "os",
+               "queue", "struct", "sys", "threading", "time", "traceback", "typing"}
     for path in files:
         # feature_version: the official image's python backend embeds Python 3.10
         tree = ast.parse(pathlib.Path(path).read_text(), feature_version=(3, 10))

@@ -1,0 +1,30 @@
+"""The model lifecycle: wake on request, idle unload, memory budget (LRU), autoscaling, recovery.
+
+One module per policy: ``state`` (states and the single flight of transitions), ``memory`` (budget
+and LRU eviction), ``autoscale`` (the scaling rule), ``recovery`` (dead model processes and the
+requests they took), ``processes`` (seeing Triton's processes), ``journal`` (which requests a model
+process was running), ``loading`` (Triton loads) and ``manager`` (``LifecycleManager``, which runs them).
+"""
+
+from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
+from controlplane.lifecycle.loading import GENERATION_PARAMETER, config_with_instances, rendered_config
+from controlplane.lifecycle.manager import LifecycleManager
+from controlplane.lifecycle.memory import is_oom_error
+from controlplane.lifecycle.processes import TritonProcesses
+from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate
+from controlplane.lifecycle.state import ModelState, ModelStatus
+
+__all__ = [
+    "GENERATION_PARAMETER",
+    "LifecycleManager",
+    "LoadWindow",
+    "ModelProcessDiedError",
+    "ModelState",
+    "ModelStatus",
+    "RequestFate",
+    "TritonProcesses",
+    "autoscale_step",
+    "config_with_instances",
+    "is_oom_error",
+    "rendered_config",
+]

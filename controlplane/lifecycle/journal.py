@@ -1,0 +1,72 @@
+"""Which requests a model process had received when it died: the request journal, read side.
+
+The gateway gives every inference request a unique ``x-snooze-request-id`` header, which Triton
+forwards to the python backend as a request parameter (``--http-header-forward-pattern`` /
+``--grpc-header-forward-pattern``). Before each batch runs, the runtime in the stub writes the ids of
+that batch to its journal, ``<journal dir>/<pid>-<start ticks>.journal`` (``python_backend/journal.py``
+writes it; both sides agree on the name and the layout below). When a stub dies, its journal holds the
+batch it was running: those requests reached a live model process and must not be run again; any
+other request that failed on the dead stub never reached it and is served after recovery.
+
+Layout: a little-endian u32 byte count, then the ids joined by newlines (UTF-8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from pathlib import Path
+
+from controlplane.lifecycle.processes import StubProcess, read_stat
+
+JOURNAL_ENV = "SNOOZE_JOURNAL_DIR"
+REQUEST_ID_HEADER = "x-snooze-request-id"
+# Triton's flags that hand the header to the python backend as a request parameter.
+HEADER_FORWARD_ARGS = (
+    f"--http-header-forward-pattern=^{REQUEST_ID_HEADER}$",
+    f"--grpc-header-forward-pattern=^{REQUEST_ID_HEADER}$",
+)
+SUFFIX = ".journal"
+
+
+def journal_path(journal_dir: Path, pid: int, start_ticks: int) -> Path:
+    return journal_dir / f"{pid}-{start_ticks}{SUFFIX}"
+
+
+def read_journal(journal_dir: Path, stub: StubProcess) -> set[str] | None:
+    """The request ids of the last batch the stub received; None when it kept no journal."""
+    try:
+        raw = journal_path(journal_dir, stub.pid, stub.start_ticks).read_bytes()
+    except OSError:
+        return None
+    if len(raw) < 4:
+        return set()
+    (size,) = struct.unpack_from("<I", raw)
+    return {i for i in raw[4 : 4 + size].decode("utf-8", "replace").split("\n") if i}
+
+
+def remove_journal(journal_dir: Path, stub: StubProcess) -> None:
+    journal_path(journal_dir, stub.pid, stub.start_ticks).unlink(missing_ok=True)
+
+
+def remove_stale(journal_dir: Path, proc_root: Path = Path("/proc")) -> int:
+    """Remove the journals of processes that are gone (dead, or the pid reused); how many."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for path in journal_dir.glob(f"*{SUFFIX}"):
+            pid, _, ticks = path.name[: -len(SUFFIX)].partition("-")
+            with contextlib.suppress(ValueError):
+                stat = read_stat(int(pid), proc_root)
+                if stat is None or stat.state == "Z" or stat.start_ticks != int(ticks):
+                    path.unlink(missing_ok=True)
+                    removed += 1
+    return removed
+
+
+def prepare_journal_dir(journal_dir: Path) -> Path:
+    """Create the folder the stubs write to; world-writable with the sticky bit is not needed: the
+    control plane and Triton run as the same uid in every topology that can use it."""
+    journal_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(journal_dir, 0o770)
+    return journal_dir

@@ -1,0 +1,222 @@
+"""Loading a model into Triton: the config override, the memory reservation, the OOM retry, the hang limit.
+
+Triton waits for a python model's ``initialize`` (the user's ``load``) without a limit and keeps the
+model LOADING meanwhile, so a load that outlives ``load_timeout_secs`` is abandoned: the stub
+processes it started are killed (where they can be seen), Triton fails the load and the next request
+can try again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from google.protobuf import json_format
+
+from controlplane.errors import SnoozeError, TritonModelLoadError
+from controlplane.lifecycle.autoscale import LoadWindow
+from controlplane.lifecycle.memory import OOM_HINT, MemoryBudget, declared_bytes, is_oom_error
+from controlplane.lifecycle.processes import TritonProcesses
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.metrics import SnoozeMetrics
+from controlplane.render import parse_config
+from controlplane.settings import Settings
+from controlplane.triton.client import TritonAdminClient
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+# After load_timeout_secs, how long Triton gets to fail a load whose stubs were killed; a wake-up
+# waits this much longer than load_timeout_secs, so that it reports the load's failure.
+LOAD_ABANDON_SECS = 5.0
+# A config parameter changed to rebuild every instance: an in-place instance change keeps the
+# existing instances, a reload whose config differs replaces them all.
+GENERATION_PARAMETER = "snooze_generation"
+# How long a load's leftover stubs (instances removed in place) get to exit before the model's
+# processes are noted.
+STUBS_SETTLE_SECS = 3.0
+
+
+def rendered_config(config_text: str, *, where: str) -> dict[str, Any]:
+    """A published config.pbtxt as the JSON a load override takes."""
+    return json_format.MessageToDict(parse_config(config_text, where=where), preserving_proto_field_name=True)
+
+
+def config_with_instances(config: dict[str, Any], instances: int, *, replace: bool = False) -> dict[str, Any]:
+    """``config`` (override JSON) with ``instances`` in its (first, and for snoozeml only) instance group.
+
+    ``replace`` also changes a parameter, which makes Triton build every instance anew instead of
+    updating the instance count in place.
+    """
+    config = json.loads(json.dumps(config))
+    groups = config.setdefault("instance_group", [])
+    if not groups:
+        groups.append({"kind": "KIND_CPU"})
+    groups[0]["count"] = instances
+    if replace:
+        config.setdefault("parameters", {})[GENERATION_PARAMETER] = {"string_value": str(time.time_ns())}
+    return config
+
+
+class Loader:
+    def __init__(
+        self,
+        settings: Settings,
+        states: ModelStates,
+        triton: TritonAdminClient,
+        processes: TritonProcesses,
+        budget: MemoryBudget,
+        metrics: SnoozeMetrics,
+        *,
+        wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
+    ) -> None:
+        self.settings = settings
+        self.states = states
+        self.triton = triton
+        self.processes = processes
+        self.budget = budget
+        self.metrics = metrics
+        self._wait_for_triton = wait_for_triton
+        self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
+
+    async def load(self, rec: ModelRecord, instances: int, *, trigger: str | None = None, how: str = "files") -> None:
+        """Load with ``instances``; ``trigger`` marks a cold start.
+
+        ``how``: "files" loads what is published (a reload picks up new files); "in_place" changes
+        only the instance count of the loaded model; "replace" rebuilds every instance.
+        """
+        rec.model = self.states.store.get(rec.id)  # Triton reads what is published now
+        await self._wait_for_triton(rec)
+        async with self._slots:
+            need = self.budget.estimate(rec, instances)
+            await self.budget.make_room(rec, need)
+            rec.reserved = need
+            started = time.monotonic()
+            try:
+                await self._load_retrying_oom(rec, instances, need, how)
+            finally:
+                rec.reserved = 0
+            elapsed = time.monotonic() - started
+        await self.loaded(rec, instances)
+        if trigger is not None:
+            rec.last_cold_start = elapsed
+            self.metrics.cold_starts.labels(model=rec.id, trigger=trigger).inc()
+            self.metrics.cold_start_seconds.labels(model=rec.id).observe(elapsed)
+            log.info("model '%s': cold start (%s) in %.3fs", rec.id, trigger, elapsed)
+
+    async def _load_retrying_oom(self, rec: ModelRecord, instances: int, need: int, how: str) -> None:
+        config = await self._config(rec, instances, how)
+        timeout = rec.model.load_timeout_secs
+        try:
+            await self._load_within(rec, config, timeout)
+            return
+        except TritonModelLoadError as e:
+            if not is_oom_error(e.reason):
+                raise
+            first = e
+        evicted = await self.budget.evict(rec, max(need, 1), "oom")
+        if not evicted:
+            raise TritonModelLoadError(
+                rec.id,
+                f"out of memory, and no idle model could be unloaded to make room ({first.reason})",
+                hint=OOM_HINT,
+            ) from first
+        log.warning("model '%s': out of memory at load; evicted %s, retrying once", rec.id, evicted)
+        try:
+            await self._load_within(rec, config, timeout)
+        except TritonModelLoadError as e:
+            if not is_oom_error(e.reason):
+                raise
+            raise TritonModelLoadError(
+                rec.id, f"out of memory even after unloading {', '.join(evicted)} ({e.reason})", hint=OOM_HINT
+            ) from e
+
+    async def _load_within(self, rec: ModelRecord, config: dict[str, Any] | None, timeout: float) -> None:
+        """Triton's load, abandoned after ``timeout`` seconds (killing the stubs it started)."""
+        before = {s.pid for s in await self._stubs(rec)}
+        try:
+            load = self.triton.load(rec.id, config=config, timeout=timeout + LOAD_ABANDON_SECS)
+            await asyncio.wait_for(load, timeout)
+            return
+        except TimeoutError:
+            pass
+        started = [s for s in await self._stubs(rec) if s.pid not in before]
+        killed = await asyncio.to_thread(self.processes.kill, started)
+        if self.processes.visible:
+            log.warning("model '%s': load exceeded %gs; killed its model processes %s", rec.id, timeout, killed)
+        else:
+            log.warning(
+                "model '%s': load exceeded %gs; Triton's processes cannot be seen from here, so the hanging "
+                "load keeps running in Triton",
+                rec.id,
+                timeout,
+            )
+        deadline = time.monotonic() + LOAD_ABANDON_SECS
+        with contextlib.suppress(SnoozeError):  # let Triton finish failing it, so a retry starts clean
+            while time.monotonic() < deadline and any(
+                e.name == rec.id and e.state == "LOADING" for e in await self.triton.repository_index()
+            ):
+                await asyncio.sleep(0.1)
+        raise TritonModelLoadError(
+            rec.id,
+            f"load exceeded load_timeout_secs={timeout:g}",
+            hint="make the model's load() faster, or raise load_timeout_secs in its snooze_model.json",
+        )
+
+    async def _config(self, rec: ModelRecord, instances: int, how: str) -> dict[str, Any] | None:
+        """The config override for a load, or None to load config.pbtxt as published."""
+        if how in ("in_place", "replace"):
+            # Start from Triton's own (normalised) config: an override built from config.pbtxt differs
+            # from it in defaults, and Triton then reloads every instance instead of adding or removing
+            # some. Also, a load without an override does not undo an earlier one when the files are
+            # unchanged (measured), so going back to the published count needs an override too.
+            with contextlib.suppress(SnoozeError):
+                current = await self.triton.model_config(rec.id)
+                return config_with_instances(current, instances, replace=how == "replace")
+        if instances == rec.model.deployment.instances:
+            return None
+        return config_with_instances(rendered_config(rec.model.config_text, where=f"model '{rec.id}'"), instances)
+
+    async def _stubs(self, rec: ModelRecord) -> list[Any]:
+        if not rec.is_python:
+            return []
+        return await asyncio.to_thread(self.processes.stubs, rec.id)
+
+    async def loaded(self, rec: ModelRecord, instances: int, *, count: bool = True) -> None:
+        """The model is READY with ``instances``: note its model processes and measure its footprint."""
+        stubs = await self._stubs(rec)
+        deadline = time.monotonic() + STUBS_SETTLE_SECS
+        while stubs and len(stubs) > instances and time.monotonic() < deadline:
+            # An instance fewer in place: Triton ends the leaving stub just after the load returns.
+            await asyncio.sleep(0.05)
+            stubs = await self._stubs(rec)
+        rec.instances = instances
+        rec.stubs = tuple(stubs)
+        if stubs:
+            rec.footprint = await asyncio.to_thread(self.processes.rss, stubs)
+            rec.footprint_instances, rec.footprint_source = instances, "measured"
+        elif (declared := declared_bytes(rec)) is not None:
+            rec.footprint, rec.footprint_instances, rec.footprint_source = declared, instances, "declared"
+        else:
+            rec.footprint_source = None
+        rec.ready_at = time.time()
+        rec.load_count += count
+        rec.scale = LoadWindow()
+        self.states.set_state(rec, ModelState.READY)
+        self.metrics.instances.labels(model=rec.id).set(instances)
+        self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint if rec.footprint_source else 0)
+
+    def forget_loaded(self, rec: ModelRecord) -> None:
+        rec.instances = 0
+        rec.stubs = ()
+        self.metrics.instances.labels(model=rec.id).set(0)
+        self.metrics.memory_bytes.labels(model=rec.id).set(0)
+
+    def load_failed(self, rec: ModelRecord, error: SnoozeError) -> None:
+        kind = "oom" if is_oom_error(str(error)) else "error"
+        self.metrics.load_failures.labels(model=rec.id, kind=kind).inc()
+        log.warning("model '%s': load failed: %s", rec.id, error)

@@ -1,0 +1,641 @@
+"""The lifecycle manager: wake on request, idle unload, memory budget (LRU), autoscaling, recovery.
+
+The policies live in modules of their own (``state`` the state machine and single flight, ``memory``
+the budget and eviction, ``autoscale`` the scaling rule, ``recovery`` what a dead model process means
+for its requests, ``processes`` how Triton's processes are seen, ``loading`` Triton loads); this class
+runs them: the public operations the API and the activator call, the transitions, the sweeper (idle
+unloads, autoscaling, Triton's health) and the process watch (dead model processes).
+
+What Triton 2.51 answers while a model is being unloaded (measured on the embedded tritonserver):
+a request that is already queued or executing when the unload starts completes normally; a request
+that arrives while the model is UNLOADING, or after it is unloaded, gets HTTP 404
+``{"error":"Request for unknown model: '<m>' has no available versions"}`` / gRPC NOT_FOUND with the
+same message (a model Triton never loaded: "... '<m>' is not found"). The gateway retries exactly
+these to the activator, whose ``ensure_ready`` waits for the unload to finish and loads the model
+again, so no request is lost: before unloading, the model is taken out of service here (state
+UNLOADING, so wake-ups wait for the unload instead of racing it) and Triton must report zero
+pending requests for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from controlplane.errors import ConflictError, SnoozeError, UnavailableError
+from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
+from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader
+from controlplane.lifecycle.memory import MemoryBudget
+from controlplane.lifecycle.processes import StubDeath, TritonProcesses
+from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
+from controlplane.metrics import SnoozeMetrics
+from controlplane.settings import Settings
+from controlplane.store import ModelStore
+from controlplane.triton.client import BUSY_STATES, RepositoryEntry, TritonAdminClient
+
+if TYPE_CHECKING:
+    from controlplane.triton.launcher import EmbeddedTriton
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+# Where Triton's processes cannot be seen, a dead stub shows only as failing requests: they reach
+# recover() just after the first of them reloaded the model, and a model (re)loaded this recently
+# is not reloaded again.
+RECOVERY_DEDUP_SECS = 2.0
+
+
+class LifecycleManager:
+    def __init__(
+        self,
+        settings: Settings,
+        store: ModelStore,
+        triton: TritonAdminClient,
+        *,
+        triton_process: EmbeddedTriton | None = None,
+        processes: TritonProcesses | None = None,
+        journal_dir: Path | None = None,
+        metrics: SnoozeMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.triton = triton
+        self.triton_process = triton_process  # the embedded child, which this manager may restart
+        if processes is None:
+            processes = triton_process.processes() if triton_process is not None else TritonProcesses.unseen()
+        self.processes = processes
+        if journal_dir is None and triton_process is not None:
+            journal_dir = triton_process.journal_dir
+        self.journal_dir = journal_dir
+        self.metrics = metrics or SnoozeMetrics()
+        self.states = ModelStates(store, self.metrics)
+        self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self._pending_counts)
+        self.loader = Loader(
+            settings, self.states, triton, processes, self.budget, self.metrics, wait_for_triton=self._wait_for_triton
+        )
+        self._triton_up = asyncio.Event()
+        self._triton_up.set()
+        self._server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------------------------------------
+    # Start, stop, sweep, watch
+
+    async def start(self) -> None:
+        """Adopt what Triton has loaded (a restarted control plane keeps its models), start sweeping
+        and watching model processes."""
+        await self._resync(full=True)
+        server = await asyncio.to_thread(self.processes.server)
+        self._server_seen = server.pid if server is not None else None
+        if not self._tasks:
+            self._tasks = [
+                asyncio.create_task(
+                    self._every(self.settings.sweep_interval_secs, self.sweep, "sweep"), name="snooze-sweeper"
+                ),
+                asyncio.create_task(
+                    self._every(self.settings.watch_interval_secs, self.watch, "process watch"), name="snooze-watch"
+                ),
+            ]
+
+    async def stop(self) -> None:
+        """Stop sweeping and wait for running transitions; models stay loaded in Triton."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self.states.wait_all()
+
+    @staticmethod
+    async def _every(interval: float, job: Callable[[], Awaitable[None]], what: str) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await job()
+            except SnoozeError as e:
+                log.warning("lifecycle %s: %s", what, e)
+            except Exception:  # the loop must outlive any one bad pass
+                log.exception("lifecycle %s failed", what)
+
+    @property
+    def observes_processes(self) -> bool:
+        """Whether Triton's processes can be seen (memory measured, crashes detected, hangs killed)."""
+        return self.processes.visible
+
+    async def sweep(self) -> None:
+        """One pass: Triton alive, state vs Triton's index, idle unloads, autoscaling."""
+        if not await self._check_triton():
+            return
+        await self._resync(full=False)
+        ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
+        await asyncio.gather(*(self._refresh_access(r) for r in ready))
+        pending = await self._pending_counts()
+        now = time.time()
+        for rec in ready:
+            if rec.op is not None or rec.state is not ModelState.READY:
+                continue
+            dep = rec.model.deployment
+            queued = pending.get(rec.id, 0.0)
+            if now - rec.idle_since >= dep.idle_timeout_secs and rec.users == 0 and queued == 0:
+                self.states.spawn(
+                    rec, ModelState.UNLOADING, "idle", self._unload_op(rec, "idle", seen_access=rec.idle_since)
+                )
+            elif self.settings.autoscale and rec.id in pending and rec.instances > 0:
+                self._autoscale(rec, queued)
+
+    def _autoscale(self, rec: ModelRecord, queued: float) -> None:
+        dep = rec.model.deployment
+        target = autoscale_step(
+            rec.scale,
+            pending=queued,
+            instances=rec.instances,
+            base=dep.instances,
+            max_instances=max(dep.max_instances, dep.instances),
+            threshold=self.settings.autoscale_queue_threshold,
+            window_secs=self.settings.autoscale_window_secs,
+            idle_timeout_secs=dep.idle_timeout_secs,
+            now=time.monotonic(),
+        )
+        if target != rec.instances:
+            direction = "up" if target > rec.instances else "down"
+            log.info("model '%s': scaling %s to %d instances (%g pending)", rec.id, direction, target, queued)
+            self.states.spawn(
+                rec, ModelState.READY, f"scaling to {target} instances", self._rescale_op(rec, target, direction)
+            )
+
+    async def watch(self) -> None:
+        """One pass over the processes of every loaded python model: a crashed one starts its recovery."""
+        watched = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None and r.stubs]
+        if not watched:
+            return
+        found = await asyncio.to_thread(lambda: [(r, self._crashes(r)) for r in watched])
+        for rec, deaths in found:
+            if deaths and rec.op is None and rec.state is ModelState.READY:
+                self._start_recovery(rec, deaths)
+
+    def _crashes(self, rec: ModelRecord) -> list[StubDeath]:
+        """Dead processes of a loaded model. A stub Triton reaped itself was ended on purpose (an
+        instance fewer), unless the model now has fewer processes than instances."""
+        deaths = self.processes.deaths(rec.stubs)
+        crashed = [d for d in deaths if not d.reaped]
+        if len(crashed) < len(deaths):
+            live = self.processes.stubs(rec.id)
+            if len(live) >= rec.instances:
+                rec.stubs = tuple(live)
+                return crashed
+        return deaths
+
+    def _start_recovery(self, rec: ModelRecord, deaths: list[StubDeath]) -> asyncio.Task[None] | None:
+        """Note the deaths (and the requests they took) and reload the model, unless a transition runs."""
+        note_deaths(rec, deaths, self.journal_dir)
+        if rec.op is not None or rec.state is not ModelState.READY:
+            return rec.op
+        what = ", ".join(f"{d.stub.instance or d.stub.pid} {d.describe()}" for d in deaths)
+        return self.states.spawn(rec, ModelState.LOADING, f"recovering: process died ({what})", self._recover_op(rec))
+
+    # ------------------------------------------------------------------------------------------
+    # What the activator and the API call
+
+    async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None:
+        """Return once the model is READY, loading it (single flight) if needed.
+
+        Raises NotFoundError if it is not published, UnavailableError (with retry_after) if the load
+        fails or outlives ``timeout`` (default: settings.wake_timeout_secs, else the model's
+        load_timeout_secs).
+        """
+        rec = self.states.get(model_id)
+        if rec is not None and rec.state is ModelState.READY:
+            rec.touched = time.time()
+            return
+        rec = self.states.record(model_id, refresh=True)
+        wait = (
+            timeout
+            if timeout is not None
+            else (self.settings.wake_timeout_secs or rec.model.load_timeout_secs + LOAD_ABANDON_SECS)
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        started = time.monotonic()
+        self.metrics.wake_waits.labels(model=model_id).inc()
+        rec.users += 1
+        try:
+            while rec.state is not ModelState.READY:
+                op = rec.op or self.states.spawn(
+                    rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request")
+                )
+                try:
+                    await asyncio.wait_for(asyncio.shield(op), max(deadline - loop.time(), 0))
+                except TimeoutError:
+                    self.metrics.wake_timeouts.labels(model=model_id).inc()
+                    raise UnavailableError(
+                        f"model '{model_id}' is not ready after {wait:g}s (it is {rec.state.value})",
+                        hint="retry later; if its load takes longer, raise the model's load_timeout_secs "
+                        "(or SNOOZE_WAKE_TIMEOUT_SECS)",
+                        retry_after=self._retry_after(rec),
+                    ) from None
+                except SnoozeError as e:
+                    if rec.state is ModelState.FAILED:
+                        raise UnavailableError(
+                            f"model '{model_id}' is unavailable: {rec.reason}",
+                            hint=e.hint or "fix the model and publish it again; the next request retries the load",
+                            retry_after=self._retry_after(rec),
+                        ) from e
+        finally:
+            rec.users -= 1
+            self.metrics.wake_wait_seconds.labels(model=model_id).observe(time.monotonic() - started)
+        rec.touched = time.time()
+
+    @contextlib.asynccontextmanager
+    async def serving(self, model_id: str, *, timeout: float | None = None) -> AsyncIterator[None]:
+        """``ensure_ready``, then keep the model from idle unload and eviction until the block ends
+        (for the activator's forward: between the wake-up and Triton receiving the request)."""
+        rec = self.states.record(model_id)
+        rec.users += 1
+        try:
+            await self.ensure_ready(model_id, timeout=timeout)
+            yield
+        finally:
+            rec.users -= 1
+            rec.touched = time.time()
+
+    def touch(self, model_id: str) -> None:
+        rec = self.states.get(model_id)
+        if rec is None and self.store.exists(model_id):
+            rec = self.states.record(model_id)
+        if rec is not None:
+            rec.touched = time.time()
+
+    async def admit(self, model_id: str, request_id: str) -> None:
+        """Before the activator sends a request on: refuse one that already reached a model process
+        that died (``ModelProcessDiedError``), so that no request runs twice.
+
+        Where Triton's processes cannot be seen, a request for a model Triton has loaded can only have
+        come here because Triton failed it, and it may have run: it is refused too.
+        """
+        rec = self.states.record(model_id)
+        fate, death = await self._fate(rec, request_id)
+        if fate is RequestFate.RAN or (fate is RequestFate.UNKNOWN and recent_deaths(rec)):
+            raise ModelProcessDiedError(model_id, death)  # unknown: a process died without a journal
+        if (
+            not self.processes.can_observe
+            and rec.state is ModelState.READY
+            and rec.op is None
+            and time.time() - rec.ready_at >= RECOVERY_DEDUP_SECS
+        ):
+            self.states.spawn(rec, ModelState.LOADING, "recovering: a request failed", self._recover_op(rec))
+            raise ModelProcessDiedError(model_id, None)
+
+    async def after_dead_answer(self, model_id: str, request_id: str) -> None:
+        """Triton answered the activator's send with "stub not healthy". Returns once the model is
+        recovered when the request never reached a live model process (send it again); raises
+        ``ModelProcessDiedError`` (recovery goes on) when it did, or when that cannot be told."""
+        rec = self.states.record(model_id)
+        fate, death = await self._fate(rec, request_id)
+        if fate is RequestFate.NOT_RUN:
+            await self.recover(model_id, "dead_stub")
+            return
+        if rec.op is None and rec.state is ModelState.READY and not rec.stubs:
+            self.states.spawn(rec, ModelState.LOADING, "recovering: a request failed", self._recover_op(rec))
+        raise ModelProcessDiedError(model_id, death)
+
+    async def _fate(self, rec: ModelRecord, request_id: str) -> tuple[RequestFate, StubDeath | None]:
+        # The watch may not have passed since the death: look at the model's processes first.
+        if rec.stubs and rec.state is ModelState.READY:
+            deaths = await asyncio.to_thread(self._crashes, rec)
+            if deaths:
+                self._start_recovery(rec, deaths)
+        return fate_of(rec, request_id)
+
+    async def recover(self, model_id: str, cause: str) -> None:
+        """Reload a model whose python stub died (Triton 2.51 does not restart stubs).
+
+        Where the processes can be seen, a model whose processes are all alive is left alone (someone
+        recovered it already); where they cannot, a model (re)loaded in the last seconds is.
+        """
+        rec = self.states.record(model_id)
+        if rec.op is not None:
+            await self.states.settle(rec)
+        if rec.state is ModelState.READY:
+            if rec.stubs:
+                deaths = await asyncio.to_thread(self._crashes, rec)
+                if not deaths:
+                    return
+                op = self._start_recovery(rec, deaths)
+            elif time.time() - rec.ready_at < RECOVERY_DEDUP_SECS:
+                return
+            else:
+                op = self.states.spawn(rec, ModelState.LOADING, f"recovering: {cause}", self._recover_op(rec))
+        elif rec.state is ModelState.FAILED:
+            op = self.states.spawn(rec, ModelState.LOADING, f"recovering: {cause}", self._recover_op(rec))
+        else:
+            return  # not loaded: the next wake-up loads it fresh
+        if op is None:
+            return
+        try:
+            await asyncio.shield(op)
+        except SnoozeError as e:
+            raise UnavailableError(
+                f"model '{model_id}' could not be recovered ({cause}): {rec.reason}",
+                hint=e.hint,
+                retry_after=self._retry_after(rec),
+            ) from e
+
+    async def load(self, model_id: str, *, instances: int | None = None) -> ModelStatus:
+        """Load (API): cold load, or change the instance count of a loaded model in place."""
+        rec = self.states.record(model_id, refresh=True)
+        dep = rec.model.deployment
+        limit = max(dep.max_instances, dep.instances)
+        if instances is not None and not 1 <= instances <= limit:
+            raise ConflictError(
+                f"model '{model_id}': {instances} instances requested, allowed 1..{limit}",
+                hint="raise the model's max_instances and publish it again",
+            )
+        await self.states.settle(rec)
+        if rec.state is ModelState.READY:
+            if instances is not None and instances != rec.instances:
+                scaling = self._rescale_op(rec, instances, None)
+                await asyncio.shield(
+                    self.states.spawn(rec, ModelState.READY, f"scaling to {instances} instances", scaling)
+                )
+        else:
+            await asyncio.shield(
+                self.states.spawn(rec, ModelState.LOADING, "loading", self._cold_load_op(rec, "api", instances))
+            )
+        return self.status(model_id)
+
+    async def unload(self, model_id: str, *, reason: str = "api") -> ModelStatus:
+        rec = self.states.record(model_id)
+        await self.states.settle(rec)
+        if rec.state is ModelState.READY:
+            await asyncio.shield(self.states.spawn(rec, ModelState.UNLOADING, reason, self._unload_op(rec, reason)))
+        elif rec.state is ModelState.FAILED:
+            self.states.set_state(rec, ModelState.UNLOADED)
+        return self.status(model_id)
+
+    async def published(self, model_id: str) -> None:
+        """After a (re)publish: reload a loaded model so it runs the new files and config.
+
+        A failed reload leaves Triton serving the previous version: the model stays READY and its
+        status reason says what failed.
+        """
+        rec = self.states.get(model_id)
+        if rec is None:
+            return
+        await self.states.settle(rec)
+        rec.model = self.store.get(model_id)
+        if rec.state is ModelState.FAILED:
+            self.states.set_state(rec, ModelState.UNLOADED, "republished; loads on the next request")
+        elif rec.state is ModelState.READY:
+            await asyncio.shield(
+                self.states.spawn(rec, ModelState.READY, "reloading after publish", self._reload_op(rec))
+            )
+
+    async def forget(self, model_id: str) -> None:
+        """Before a delete: unload the model if loaded and drop its state and metrics."""
+        rec = self.states.get(model_id)
+        if rec is None:
+            return
+        await self.states.settle(rec)
+        if rec.state is ModelState.READY:
+            await asyncio.shield(
+                self.states.spawn(rec, ModelState.UNLOADING, "deleted", self._unload_op(rec, "deleted"))
+            )
+        self.states.drop(model_id)
+
+    def status(self, model_id: str) -> ModelStatus:
+        rec = self.states.record(model_id)
+        loaded = rec.loaded
+        measured = loaded and rec.footprint_source is not None
+        return ModelStatus(
+            id=rec.id,
+            state=rec.state,
+            reason=rec.reason,
+            instances=rec.instances,
+            last_access=rec.last_access,
+            idle_timeout_secs=rec.model.deployment.idle_timeout_secs,
+            memory_bytes=rec.footprint if measured else None,
+            memory_source=rec.footprint_source if measured else None,
+            last_cold_start_secs=rec.last_cold_start,
+            load_count=rec.load_count,
+            processes=len(rec.stubs) if loaded and rec.stubs else None,
+            last_crash=rec.last_crash,
+        )
+
+    def statuses(self) -> list[ModelStatus]:
+        ids = set(self.store.ids()) | set(self.states.records)
+        return [self.status(i) for i in sorted(ids)]
+
+    # ------------------------------------------------------------------------------------------
+    # Transitions (each runs as the model's single op task)
+
+    async def _cold_load_op(self, rec: ModelRecord, trigger: str, instances: int | None = None) -> None:
+        try:
+            await self.loader.load(rec, instances or rec.model.deployment.instances, trigger=trigger)
+        except SnoozeError as e:
+            self.loader.load_failed(rec, e)
+            self.states.set_state(rec, ModelState.FAILED, str(e.message))
+            raise
+
+    async def _recover_op(self, rec: ModelRecord) -> None:
+        """Out of service first, then a fresh load.
+
+        The unload returns at once and from then on Triton answers 404, which the gateway sends to the
+        activator, which waits for this op: no request meets the dead stub any more. Triton 2.51 may
+        never finish unloading a model whose dead stub failed a request (measured: over 90 s), but a
+        load right after the unload request builds new instances in ~0.15 s (measured).
+        """
+        instances = rec.instances or rec.model.deployment.instances
+        cause = "dead_stub" if rec.deaths else "failed_request"
+        try:
+            with contextlib.suppress(SnoozeError):
+                await self.triton.unload(rec.id, wait=False)
+            await self.loader.load(rec, instances)
+        except SnoozeError as e:
+            self.loader.load_failed(rec, e)
+            self.states.set_state(rec, ModelState.FAILED, str(e.message))
+            raise
+        self.metrics.recoveries.labels(model=rec.id, cause=cause).inc()
+        log.info("model '%s': recovered with %d new instance(s)", rec.id, instances)
+
+    async def _rescale_op(self, rec: ModelRecord, instances: int, direction: str | None) -> None:
+        before = rec.instances
+        try:
+            await self.loader.load(rec, instances, how="in_place")
+        except SnoozeError as e:
+            # Triton keeps the model as it was when a reload fails.
+            self.states.set_state(rec, ModelState.READY, f"scaling to {instances} instances failed: {e.message}")
+            rec.scale = LoadWindow()
+            if direction is None:
+                raise
+            log.warning("model '%s': %s", rec.id, rec.reason)
+            return
+        if direction is not None:
+            self.metrics.scale_events.labels(model=rec.id, direction=direction).inc()
+        log.info("model '%s': %d -> %d instances", rec.id, before, instances)
+
+    async def _reload_op(self, rec: ModelRecord) -> None:
+        try:
+            await self.loader.load(rec, rec.model.deployment.instances)
+        except SnoozeError as e:
+            self.loader.load_failed(rec, e)
+            self.states.set_state(
+                rec,
+                ModelState.READY,
+                f"the republished model failed to load; Triton keeps serving the previous version: {e.message}",
+            )
+
+    async def _unload_op(self, rec: ModelRecord, reason: str, *, seen_access: float | None = None) -> bool:
+        """Unload; for idle unloads and evictions (``seen_access`` given) first make sure nothing uses it.
+
+        Returns False when the model turned out to be in use and stays READY.
+        """
+        if seen_access is not None:
+            # The model is already out of service (UNLOADING: wake-ups wait for this op). Anything
+            # still queued in Triton, a wake-up waiting, or a request since the decision keeps it.
+            await self._refresh_access(rec)
+            pending = (await self._pending_counts()).get(rec.id, 0.0)
+            if pending > 0 or rec.users > 0 or rec.idle_since > seen_access:
+                self.states.set_state(rec, ModelState.READY)
+                return False
+        try:
+            await self.triton.unload(rec.id, wait=True)
+        except SnoozeError as e:
+            self.states.set_state(rec, ModelState.FAILED, f"unload ({reason}) failed: {e}")
+            raise
+        self.loader.forget_loaded(rec)
+        self.states.set_state(rec, ModelState.UNLOADED, reason)
+        if reason == "idle":
+            self.metrics.idle_unloads.labels(model=rec.id).inc()
+        elif reason in ("memory", "oom"):
+            self.metrics.evictions.labels(model=rec.id, reason=reason).inc()
+        log.info("model '%s': unloaded (%s)", rec.id, reason)
+        return True
+
+    async def _evict_one(self, victim: ModelRecord, reason: str, for_model: str) -> bool:
+        op = self.states.spawn(
+            victim,
+            ModelState.UNLOADING,
+            f"evicted ({reason}) for '{for_model}'",
+            self._unload_op(victim, reason, seen_access=victim.idle_since),
+        )
+        return bool(await asyncio.shield(op))
+
+    # ------------------------------------------------------------------------------------------
+    # Observing Triton
+
+    async def _refresh_access(self, rec: ModelRecord) -> None:
+        with contextlib.suppress(SnoozeError):
+            stats = await self.triton.model_stats(rec.id)
+            rec.triton_last = max(rec.triton_last, stats.last_inference_ms / 1000)
+
+    async def _pending_counts(self) -> dict[str, float]:
+        """Pending requests per model from Triton's metrics; empty when they cannot be read."""
+        if self.triton.metrics_url is None:
+            return {}
+        try:
+            return await self.triton.pending_request_counts()
+        except SnoozeError as e:
+            log.warning("cannot read Triton's pending request counts: %s", e)
+            return {}
+
+    async def _check_triton(self) -> bool:
+        """False while tritonserver is down; restarts the embedded one when settings allow. A Triton
+        seen in a shared PID namespace that went away (its container restarted) means the same:
+        every model is unloaded, and the index is read again when it is back."""
+        proc = self.triton_process
+        if proc is not None:
+            if not proc.is_running():
+                self._triton_down(f"tritonserver (pid {proc.pid}) died")
+                if not self.settings.restart_triton:
+                    return False
+                try:
+                    await asyncio.to_thread(proc.restart)
+                except SnoozeError as e:
+                    log.error("restarting tritonserver failed (retrying at the next sweep): %s", e)
+                    return False
+                self.metrics.triton_restarts.inc()
+                log.warning("tritonserver restarted (pid %s)", proc.pid)
+        elif self._server_seen is not None:
+            server = await asyncio.to_thread(self.processes.server)
+            if server is None or server.pid != self._server_seen:
+                self._triton_down(f"tritonserver (pid {self._server_seen}) went away")
+                if server is None:
+                    return False
+                self._server_seen = server.pid
+                log.warning("tritonserver is back (pid %s)", server.pid)
+        if not self._triton_up.is_set():
+            await self._resync(full=True)  # raises on failure: the next sweep tries again
+            self._triton_up.set()
+        return True
+
+    def _triton_down(self, what: str) -> None:
+        if not self._triton_up.is_set():
+            return
+        self._triton_up.clear()
+        log.error("%s; every model is unloaded", what)
+        for rec in self.states.values():
+            if rec.op is None:
+                self.loader.forget_loaded(rec)
+                self.states.set_state(rec, ModelState.UNLOADED, "tritonserver died")
+
+    async def _wait_for_triton(self, rec: ModelRecord) -> None:
+        if self._triton_up.is_set():
+            return
+        if self.triton_process is not None and not self.settings.restart_triton:
+            raise UnavailableError(
+                f"model '{rec.id}' cannot load: tritonserver is not running",
+                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
+            )
+        try:
+            await asyncio.wait_for(self._triton_up.wait(), rec.model.load_timeout_secs)
+        except TimeoutError:
+            raise UnavailableError(
+                f"model '{rec.id}' cannot load: tritonserver has not come back", retry_after=5
+            ) from None
+
+    async def _resync(self, *, full: bool) -> None:
+        """Align states with Triton's repository index.
+
+        full (start, after a Triton restart): every idle model takes Triton's word. Otherwise only
+        models whose state Triton contradicts (unloaded or loaded behind snoozeml's back) change;
+        a state changed by a transition while the index was fetched is left alone.
+        """
+        generations = {m: r.generation for m, r in self.states.records.items()}
+        entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
+        new = self.store.ids() if full else [n for n, e in entries.items() if e.state in BUSY_STATES]
+        for model_id in new:
+            if self.states.get(model_id) is None and self.store.exists(model_id):
+                self.states.record(model_id)
+        for model_id, rec in list(self.states.records.items()):
+            if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
+                continue
+            if not self.store.exists(model_id):
+                continue
+            triton_ready = (e := entries.get(model_id)) is not None and e.state == "READY"
+            if triton_ready and rec.state is not ModelState.READY:
+                await self._adopt(rec)
+            elif not triton_ready and rec.state is ModelState.READY:
+                self.loader.forget_loaded(rec)
+                self.states.set_state(rec, ModelState.UNLOADED, "not loaded in Triton")
+            elif full and not triton_ready and rec.state is ModelState.FAILED:
+                self.states.set_state(rec, ModelState.UNLOADED, rec.reason)
+
+    async def _adopt(self, rec: ModelRecord) -> None:
+        """A model Triton already has loaded becomes READY here, with its instances and footprint."""
+        rec.model = self.store.get(rec.id)
+        try:
+            config = await self.triton.model_config(rec.id)
+        except SnoozeError:
+            return
+        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        await self.loader.loaded(rec, instances, count=False)
+
+    def _retry_after(self, rec: ModelRecord) -> float:
+        return max(1.0, round(rec.last_cold_start or 1.0, 1))
+

@@ -1,0 +1,133 @@
+"""The memory budget: what each model holds, what a load will need, and least-recently-used eviction.
+
+A model's footprint is measured (the RSS of its model processes, where they can be seen) or declared
+(its ``memory_mb``); a load reserves its estimate while it runs. When a load would exceed the budget,
+idle models are unloaded, least recently used first, until it fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.settings import Settings
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+MIB = 1024 * 1024
+# How a load failure says "out of memory": the python_backend runtime's kind prefix, Python's
+# exception name, and the wording of CUDA, onnxruntime and cuDNN.
+OOM_MARKERS = ("[snooze:oom]", "memoryerror", "out of memory")
+OOM_HINT = (
+    "give the machine more memory, lower memory_budget_mb so fewer models stay loaded, or declare the "
+    "model's memory_mb so the budget keeps room for it"
+)
+
+# Unload ``victim`` (idle) to make room for ``for_model``; False when it turned out to be in use.
+EvictFn = Callable[[ModelRecord, str, str], Awaitable[bool]]
+
+
+def is_oom_error(text: str) -> bool:
+    lowered = text.lower()
+    return any(marker in lowered for marker in OOM_MARKERS)
+
+
+def declared_bytes(rec: ModelRecord) -> int | None:
+    mb = rec.model.deployment.memory_mb
+    return int(mb * MIB) if mb else None
+
+
+class MemoryBudget:
+    def __init__(
+        self,
+        settings: Settings,
+        states: ModelStates,
+        *,
+        evict: EvictFn,
+        pending: Callable[[], Awaitable[dict[str, float]]],
+    ) -> None:
+        self.settings = settings
+        self.states = states
+        self._evict_one = evict
+        self._pending = pending
+
+    def estimate(self, rec: ModelRecord, instances: int) -> int:
+        """Bytes the model will hold with ``instances``: its last measurement, else its declared
+        memory_mb, else the average of the models measured so far, else 0 (per instance, scaled)."""
+        if rec.footprint and rec.footprint_instances:
+            per = rec.footprint / rec.footprint_instances
+        elif rec.model.deployment.memory_mb:
+            per = rec.model.deployment.memory_mb * MIB / rec.model.deployment.instances
+        else:
+            known = [
+                r.footprint / r.footprint_instances
+                for r in self.states.values()
+                if r.footprint and r.footprint_instances
+            ]
+            per = sum(known) / len(known) if known else 0
+        return int(per * instances)
+
+    def used(self, exclude: ModelRecord) -> int:
+        used = 0
+        for r in self.states.values():
+            if r is exclude:
+                continue
+            if r.state is ModelState.LOADING:
+                used += r.reserved
+            elif r.loaded:
+                used += r.footprint or 0
+        return used
+
+    async def make_room(self, rec: ModelRecord, need: int) -> None:
+        """Evict idle models until ``need`` more bytes fit; UnavailableError when they cannot."""
+        if self.settings.memory_budget_mb is None:
+            return
+        budget = int(self.settings.memory_budget_mb * MIB)
+        if need > budget:
+            raise UnavailableError(
+                f"model '{rec.id}' needs about {need / MIB:.0f} MiB, more than the whole memory budget "
+                f"({self.settings.memory_budget_mb:g} MiB)",
+                hint="raise SNOOZE_MEMORY_BUDGET_MB, or load the model with fewer instances",
+            )
+        while self.used(rec) + need > budget:
+            if not await self.evict(rec, self.used(rec) + need - budget, "memory"):
+                busy = sorted(
+                    r.id
+                    for r in self.states.values()
+                    if r is not rec
+                    and (r.footprint or r.reserved)
+                    and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
+                )
+                raise UnavailableError(
+                    f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
+                    f"{self.used(rec) / MIB:.0f} of {self.settings.memory_budget_mb:g} MiB are held by models in use "
+                    f"({', '.join(busy)})",
+                    hint="retry when they are idle, or raise SNOOZE_MEMORY_BUDGET_MB",
+                    retry_after=5,
+                )
+
+    async def evict(self, rec: ModelRecord, amount: int, reason: str) -> list[str]:
+        """Unload least-recently-used idle models until ``amount`` bytes are freed; their ids."""
+        pending = await self._pending()
+        candidates = sorted(
+            (r for r in self.states.values() if r is not rec and r.state is ModelState.READY),
+            key=lambda r: r.idle_since,
+        )
+        freed, evicted = 0, []
+        for victim in candidates:
+            if freed >= amount:
+                break
+            if victim.op is not None or victim.users > 0 or pending.get(victim.id, 0.0) > 0:
+                continue
+            size = victim.footprint or 0
+            try:
+                unloaded = await self._evict_one(victim, reason, rec.id)
+            except SnoozeError as e:
+                log.warning("model '%s': eviction failed: %s", victim.id, e)
+                continue
+            if unloaded:
+                freed += size
+                evicted.append(victim.id)
+        return evicted

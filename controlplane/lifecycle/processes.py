@@ -1,0 +1,288 @@
+"""Triton's processes as the control plane sees them: the tritonserver process and its python-backend stubs.
+
+One observer for every topology where the processes can be seen: tritonserver as this process's
+child (embedded), or in a PID namespace shared with it (``snoozectl triton`` beside ``snoozectl
+serve``, docker compose ``pid: "service:triton"``, a Kubernetes pod with ``shareProcessNamespace``).
+Where it cannot find the server (a remote Triton), ``visible`` is False and nothing is measured.
+
+A stub is named by its pid *and* its start time (``/proc/<pid>/stat`` field 22): pids are reused, the
+pair is not. Triton 2.51 does not reap a stub that died (measured: it stays a zombie until the model
+is unloaded), so the zombie's ``exit_code`` field (52) tells how it ended.
+
+Stub command line (tritonserver 2.51)::
+
+    <backend-dir>/python/triton_python_backend_stub <repo>/<model>/<version>/model.py <shm-region>
+        <shm-default-bytes> <shm-growth-bytes> <tritonserver-pid> <backend-dir>/python <ipc-handle>
+        <model>_<group>_<instance> DEFAULT
+
+The model is the model file's grandparent folder (an instance group may rename the instance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import psutil
+
+log = logging.getLogger("snoozeml.processes")
+
+STUB_NAME = "triton_python_backend_stub"
+SERVER_NAME = "tritonserver"
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    state: str  # R, S, D, Z (zombie), ...
+    start_ticks: int
+    exit_status: int | None  # the wait status a zombie will be reaped with (Linux >= 3.5)
+
+
+def read_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
+    """Fields of ``/proc/<pid>/stat``; None when the process is gone (or never was)."""
+    try:
+        raw = (proc_root / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its last ')'.
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        state, start = fields[0].decode(), int(fields[19])
+        exit_status = int(fields[49]) if len(fields) > 49 else None
+    except (IndexError, ValueError):
+        return None
+    return ProcStat(state, start, exit_status if state == "Z" else None)
+
+
+def describe_exit(status: int | None) -> str:
+    """A wait status in words: 'exit code 3', 'killed by signal 11 (SIGSEGV)', or unknown."""
+    if status is None:
+        return "exit status unknown"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        with contextlib.suppress(ValueError):
+            return f"killed by signal {sig} ({signal.Signals(sig).name})"
+        return f"killed by signal {sig}"
+    if os.WIFEXITED(status):
+        return f"exit code {os.WEXITSTATUS(status)}"
+    return f"wait status {status}"
+
+
+@dataclass(frozen=True)
+class StubProcess:
+    """One python-backend stub: one instance of one model."""
+
+    pid: int
+    start_ticks: int
+    model: str
+    instance: str
+
+
+@dataclass(frozen=True)
+class StubDeath:
+    stub: StubProcess
+    exit_status: int | None  # None: already reaped or pid reused, so unknown
+    # Triton reaps the stubs it ends itself (unload, fewer instances) and leaves a crashed one a
+    # zombie (measured), so a reaped stub was most likely ended on purpose.
+    reaped: bool = False
+
+    def describe(self) -> str:
+        return describe_exit(self.exit_status)
+
+
+def _stub_of(p: psutil.Process, proc_root: Path) -> StubProcess | None:
+    try:
+        argv = p.cmdline()
+    except psutil.Error:
+        return None
+    if len(argv) < 2 or not argv[0].endswith(STUB_NAME):
+        return None
+    stat = read_stat(p.pid, proc_root)
+    if stat is None or stat.state == "Z":
+        return None
+    instance = argv[8] if len(argv) > 8 else ""
+    return StubProcess(p.pid, stat.start_ticks, Path(argv[1]).parent.parent.name, instance)
+
+
+def listening_ports(pid: int, proc_root: Path = Path("/proc")) -> set[int]:
+    """TCP ports process ``pid`` listens on, read in *its* network namespace (``/proc/<pid>/net``).
+
+    psutil reads the caller's namespace, which is not Triton's in docker compose. Needs the same uid
+    (or CAP_SYS_PTRACE) to list the process's sockets; an empty set when it cannot.
+    """
+    base = proc_root / str(pid)
+    inodes = set()
+    try:
+        fds = list((base / "fd").iterdir())
+    except OSError:
+        return set()
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if (link := os.readlink(fd)).startswith("socket:["):
+                inodes.add(link[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (base / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            # local_address is HEXIP:HEXPORT, st 0A is LISTEN, field 9 the socket inode.
+            if len(f) > 9 and f[3] == "0A" and f[9] in inodes:
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _port_of(url: str) -> int | None:
+    parts = urlsplit(url if "//" in url else f"//{url}")
+    try:
+        return parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return None
+
+
+class TritonProcesses:
+    """Finds tritonserver (``server_pid`` for a child, else by the port it listens on) and its stubs.
+
+    The server is looked up again whenever the one found before is gone (Triton restarted, by the
+    embedded launcher or by its container runtime).
+    """
+
+    def __init__(
+        self,
+        *,
+        server_pid: Callable[[], int | None] | None = None,
+        http_url: str | None = None,
+        proc_root: Path = Path("/proc"),
+    ) -> None:
+        self._server_pid = server_pid
+        self._port = _port_of(http_url) if http_url else None
+        self.proc_root = proc_root
+        self._server: psutil.Process | None = None
+        self._server_start: int | None = None
+
+    @classmethod
+    def unseen(cls) -> TritonProcesses:
+        """An observer that sees nothing (a remote Triton, or observation turned off)."""
+        return cls()
+
+    # --- the server
+
+    def server(self) -> psutil.Process | None:
+        """The tritonserver process, or None when it cannot be seen (not running, or elsewhere)."""
+        if self._server is not None:
+            stat = read_stat(self._server.pid, self.proc_root)
+            if stat is not None and stat.state != "Z" and stat.start_ticks == self._server_start:
+                return self._server
+            self._server = self._server_start = None
+        found = self._find_server()
+        if found is not None:
+            stat = read_stat(found.pid, self.proc_root)
+            if stat is not None and stat.state != "Z":
+                self._server, self._server_start = found, stat.start_ticks
+        return self._server
+
+    @property
+    def visible(self) -> bool:
+        return self.server() is not None
+
+    @property
+    def can_observe(self) -> bool:
+        """Whether this observer has a way to find the server at all (a child pid or a port)."""
+        return self._server_pid is not None or self._port is not None
+
+    def _find_server(self) -> psutil.Process | None:
+        if self._server_pid is not None:
+            pid = self._server_pid()
+            if pid is None:
+                return None
+            with contextlib.suppress(psutil.Error):
+                return psutil.Process(pid)
+            return None
+        if self._port is None:
+            return None
+        for p in psutil.process_iter(["name"]):
+            if p.info.get("name") == SERVER_NAME and self._port in listening_ports(p.pid, self.proc_root):
+                return p
+        return None
+
+    def environment(self, name: str) -> str | None:
+        """A variable of the server's environment (its stubs inherit it); None when unseen or unset."""
+        server = self.server()
+        if server is None:
+            return None
+        try:
+            raw = (self.proc_root / str(server.pid) / "environ").read_bytes()
+        except OSError:
+            return None
+        prefix = f"{name}=".encode()
+        for entry in raw.split(b"\0"):
+            if entry.startswith(prefix):
+                return entry[len(prefix) :].decode("utf-8", "replace")
+        return None
+
+    # --- stubs
+
+    def stubs(self, model: str | None = None) -> list[StubProcess]:
+        """Live stubs of the server, all or one model's, by pid."""
+        server = self.server()
+        if server is None:
+            return []
+        try:
+            children = server.children()
+        except psutil.Error:
+            return []
+        found = [s for s in (_stub_of(p, self.proc_root) for p in children) if s is not None]
+        return sorted((s for s in found if model is None or s.model == model), key=lambda s: s.pid)
+
+    def alive(self, stub: StubProcess) -> bool:
+        stat = read_stat(stub.pid, self.proc_root)
+        return stat is not None and stat.state != "Z" and stat.start_ticks == stub.start_ticks
+
+    def death(self, stub: StubProcess) -> StubDeath | None:
+        """None while the stub lives; else how it ended (when still knowable)."""
+        stat = read_stat(stub.pid, self.proc_root)
+        if stat is not None and stat.start_ticks == stub.start_ticks:
+            if stat.state != "Z":
+                return None
+            return StubDeath(stub, stat.exit_status)
+        return StubDeath(stub, None, reaped=True)
+
+    def deaths(self, stubs: Iterable[StubProcess]) -> list[StubDeath]:
+        return [d for d in (self.death(s) for s in stubs) if d is not None]
+
+    def rss(self, stubs: Iterable[StubProcess]) -> int:
+        total = 0
+        for stub in stubs:
+            with contextlib.suppress(psutil.Error):
+                total += psutil.Process(stub.pid).memory_info().rss
+        return total
+
+    def kill(self, stubs: Iterable[StubProcess]) -> list[int]:
+        """SIGKILL these stubs (those still alive); their pids."""
+        killed = []
+        for stub in stubs:
+            if self.alive(stub):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(stub.pid, signal.SIGKILL)
+                    killed.append(stub.pid)
+        return killed
+
+    def tree_rss(self) -> int:
+        """Resident bytes of tritonserver and all its descendants; 0 when not visible."""
+        server = self.server()
+        if server is None:
+            return 0
+        total = 0
+        with contextlib.suppress(psutil.Error):
+            for p in [server, *server.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    total += p.memory_info().rss
+        return total

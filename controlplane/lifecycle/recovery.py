@@ -1,0 +1,110 @@
+"""When a model process dies: which requests it took with it, and what the client is told.
+
+Triton 2.51 does not restart a dead python-backend stub: the model stays READY and every request
+sent to that instance fails with "Stub process '<instance>' is not healthy." after about a second
+(measured). The lifecycle watches the stubs of every loaded model (``processes.TritonProcesses``),
+and when one dies it takes the model out of service (Triton answers 404 from then on, which the
+gateway sends to the activator, which waits) and loads it again.
+
+A request that failed on the dead stub reaches the activator by the gateway's retry. The journal
+(``journal.py``) says whether it was in the batch the process was running when it died: then it ran
+(or was running) and is never sent again: its client gets a ``ModelProcessDiedError``. Otherwise it
+never reached a live model process and is sent again after recovery, so the client sees only a
+slower answer. Where that cannot be told (Triton's processes or journals cannot be seen), the request
+is not sent again either: at most once, always.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import Enum
+from pathlib import Path
+
+from controlplane.errors import SnoozeError
+from controlplane.lifecycle.journal import read_journal, remove_journal
+from controlplane.lifecycle.processes import StubDeath
+from controlplane.lifecycle.state import ModelRecord, SeenDeath
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+# Request ids of dead processes kept per model, for retried requests that arrive late.
+CRASHED_REQUESTS_KEPT = 4096
+DEATHS_KEPT = 32
+# A failed request reaches the activator about a second after the death (Triton's own wait); one
+# that comes much later is not attributed to a death at all.
+RECENT_DEATH_SECS = 120.0
+
+
+class RequestFate(str, Enum):
+    RAN = "ran"  # it was in the batch of a model process that died: never run it again
+    NOT_RUN = "not_run"  # it never reached a live model process: safe to send after recovery
+    UNKNOWN = "unknown"  # cannot be told (processes or journals not visible): do not send again
+
+
+class ModelProcessDiedError(SnoozeError):
+    """A request ran in a model process that died under it; it is not retried."""
+
+    status_code = 500
+    code = "model_process_died"
+
+    def __init__(self, model_id: str, death: StubDeath | None) -> None:
+        if death is not None:
+            what = (
+                f"model '{model_id}': its process (instance {death.stub.instance or '?'}, pid {death.stub.pid}) "
+                f"died while running this request ({death.describe()})"
+            )
+        else:
+            what = f"model '{model_id}': its process died while this request was in flight (it may have run)"
+        super().__init__(
+            f"{what}; the request was not retried, because it may have had effects or may crash the model "
+            "again; the model is being restarted",
+            hint="look at the model's log for the crash; send the request again only if running it twice is safe",
+        )
+        self.model_id = model_id
+        self.death = death
+
+
+def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | None) -> list[StubDeath]:
+    """Record newly seen deaths of the model's processes and the requests each was running; the new ones."""
+    known = {seen.death.stub for seen in rec.deaths}
+    new = [d for d in deaths if d.stub not in known]
+    for death in new:
+        ids = read_journal(journal_dir, death.stub) if journal_dir is not None else None
+        rec.deaths.append(SeenDeath(death, time.monotonic(), journaled=ids is not None))
+        rec.last_crash = f"{death.stub.instance or death.stub.pid}: {death.describe()} at {time.strftime('%H:%M:%S')}"
+        for request_id in ids or ():
+            rec.crashed_requests[request_id] = death
+        if journal_dir is not None:
+            remove_journal(journal_dir, death.stub)
+        log.warning(
+            "model '%s': process %s (pid %d) died (%s)%s",
+            rec.id,
+            death.stub.instance,
+            death.stub.pid,
+            death.describe(),
+            f" while running {len(ids)} request(s)" if ids else "",
+        )
+    del rec.deaths[:-DEATHS_KEPT]
+    while len(rec.crashed_requests) > CRASHED_REQUESTS_KEPT:
+        rec.crashed_requests.pop(next(iter(rec.crashed_requests)))
+    return new
+
+
+def fate_of(rec: ModelRecord, request_id: str) -> tuple[RequestFate, StubDeath | None]:
+    """What happened to request ``request_id``, which failed on a dead process of the model (or was
+    retried to the activator for another reason).
+
+    RAN when a dead process's journal holds it. NOT_RUN when the model's processes died recently and
+    every one of those deaths left a journal that does not hold it. UNKNOWN otherwise.
+    """
+    if request_id and request_id in rec.crashed_requests:
+        return RequestFate.RAN, rec.crashed_requests[request_id]
+    recent = recent_deaths(rec)
+    if request_id and recent and all(seen.journaled for seen in recent):
+        return RequestFate.NOT_RUN, None
+    return RequestFate.UNKNOWN, None
+
+
+def recent_deaths(rec: ModelRecord) -> list[SeenDeath]:
+    return [seen for seen in rec.deaths if time.monotonic() - seen.at < RECENT_DEATH_SECS]

@@ -1,0 +1,182 @@
+"""Model states and the single flight of their transitions.
+
+Per model: ``unloaded -> loading -> ready -> unloading -> unloaded``, plus ``failed`` with the reason.
+Every transition of one model runs as a single asyncio task (``ModelRecord.op``): whoever needs the
+model while a transition runs awaits that task instead of starting another one. That is the single
+flight of wake-ups (N concurrent first requests share one Triton load), and it also orders wake-ups
+after unloads and recoveries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from controlplane.errors import SnoozeError
+from controlplane.lifecycle.autoscale import LoadWindow
+from controlplane.lifecycle.processes import StubDeath, StubProcess
+from controlplane.metrics import SnoozeMetrics
+from controlplane.store import ModelStore, PublishedModel
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+
+class ModelState(str, Enum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    id: str
+    state: ModelState
+    reason: str | None
+    instances: int  # loaded instances (0 when not loaded)
+    last_access: float | None  # epoch seconds: Triton's last_inference or an activator wake-up
+    idle_timeout_secs: float
+    memory_bytes: int | None  # measured footprint while loaded (None: not loaded, or not measurable)
+    memory_source: str | None  # "measured" (its processes' RSS), "declared" (memory_mb), or None: unknown
+    last_cold_start_secs: float | None
+    load_count: int  # successful Triton loads (cold starts, reloads, rescales, recoveries)
+    processes: int | None  # live model processes (python backend), None when they cannot be seen
+    last_crash: str | None  # how its last model process died, and when (None: never seen dying)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "state": self.state.value,
+            "reason": self.reason,
+            "instances": self.instances,
+            "last_access": self.last_access,
+            "idle_timeout_secs": self.idle_timeout_secs,
+            "memory_bytes": self.memory_bytes,
+            "memory_source": self.memory_source,
+            "last_cold_start_secs": self.last_cold_start_secs,
+            "load_count": self.load_count,
+            "processes": self.processes,
+            "last_crash": self.last_crash,
+        }
+
+
+@dataclass(frozen=True)
+class SeenDeath:
+    death: StubDeath
+    at: float  # monotonic seconds when it was noticed
+    journaled: bool  # its journal was read: the requests it was running are known
+
+
+@dataclass
+class ModelRecord:
+    id: str
+    model: PublishedModel
+    state: ModelState = ModelState.UNLOADED
+    reason: str | None = None
+    instances: int = 0
+    touched: float = 0.0  # epoch seconds of the last activator wake-up / touch()
+    triton_last: float = 0.0  # epoch seconds of Triton's last_inference
+    ready_at: float = 0.0  # epoch seconds of the last completed load
+    footprint: int | None = None  # last measured bytes; kept after unload to estimate the next load
+    footprint_instances: int = 0
+    footprint_source: str | None = None  # "measured" or "declared"
+    reserved: int = 0  # bytes set aside while loading
+    stubs: tuple[StubProcess, ...] = ()  # the model processes its last load started (when visible)
+    deaths: list[SeenDeath] = field(default_factory=list)  # recent deaths of its processes, oldest first
+    crashed_requests: dict[str, StubDeath] = field(default_factory=dict)  # request id -> the death it was in
+    last_crash: str | None = None
+    last_cold_start: float | None = None
+    load_count: int = 0
+    users: int = 0  # wake-ups waiting for this model, and serving() blocks using it
+    op: asyncio.Task[Any] | None = None
+    generation: int = 0  # bumped on every state change; guards decisions made across an await
+    scale: LoadWindow = field(default_factory=LoadWindow)
+
+    @property
+    def last_access(self) -> float | None:
+        return max(self.touched, self.triton_last) or None
+
+    @property
+    def idle_since(self) -> float:
+        return max(self.touched, self.triton_last, self.ready_at)
+
+    @property
+    def is_python(self) -> bool:
+        return self.model.backend == "python"
+
+    @property
+    def loaded(self) -> bool:
+        return self.state in (ModelState.READY, ModelState.UNLOADING)
+
+
+class ModelStates:
+    """The records of every model this control plane has seen, and their transitions (one at a time)."""
+
+    def __init__(self, store: ModelStore, metrics: SnoozeMetrics) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.records: dict[str, ModelRecord] = {}
+
+    def get(self, model_id: str) -> ModelRecord | None:
+        return self.records.get(model_id)
+
+    def record(self, model_id: str, *, refresh: bool = False) -> ModelRecord:
+        """The model's record (created for a published model; NotFoundError otherwise). ``refresh``
+        re-reads what is published for a model that is not loaded and not in transition."""
+        rec = self.records.get(model_id)
+        if rec is None:
+            rec = ModelRecord(model_id, self.store.get(model_id))
+            self.records[model_id] = rec
+            self.metrics.set_state(model_id, rec.state.value)
+        elif refresh and rec.op is None and rec.state is not ModelState.READY:
+            rec.model = self.store.get(model_id)
+        return rec
+
+    def drop(self, model_id: str) -> None:
+        self.records.pop(model_id, None)
+        self.metrics.forget(model_id)
+
+    def values(self) -> list[ModelRecord]:
+        return list(self.records.values())
+
+    def set_state(self, rec: ModelRecord, state: ModelState, reason: str | None = None) -> None:
+        rec.state, rec.reason = state, reason
+        rec.generation += 1
+        self.metrics.set_state(rec.id, state.value)
+
+    def spawn(
+        self, rec: ModelRecord, state: ModelState, reason: str | None, coro: Coroutine[Any, Any, Any]
+    ) -> asyncio.Task[Any]:
+        """Enter ``state`` and run ``coro`` as the model's one transition."""
+        if rec.op is not None:
+            coro.close()
+            raise RuntimeError(f"model '{rec.id}' already has a transition running")  # a bug here, not a user error
+        self.set_state(rec, state, reason)
+        task = asyncio.create_task(coro, name=f"snooze-{rec.id}-{state.value}")
+        rec.op = task
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if rec.op is t:
+                rec.op = None
+            if not t.cancelled() and t.exception() is not None:  # retrieved here; callers re-raise their own
+                log.debug("model '%s': transition failed: %s", rec.id, t.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    async def settle(self, rec: ModelRecord) -> None:
+        """Wait until no transition runs for the model (their failures are in the model's state)."""
+        while rec.op is not None:
+            with contextlib.suppress(SnoozeError):
+                await asyncio.shield(rec.op)
+
+    async def wait_all(self) -> None:
+        ops = [r.op for r in self.records.values() if r.op is not None]
+        if ops:
+            await asyncio.gather(*ops, return_exceptions=True)

@@ -1,0 +1,74 @@
+"""The request journal: the runtime's writer and the control plane's reader agree on name and layout."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from controlplane.lifecycle import journal as reader
+from controlplane.lifecycle.processes import StubProcess, read_stat
+from python_backend import journal as writer
+
+
+class FakeRequest:
+    def __init__(self, parameters: dict[str, object]) -> None:
+        self._parameters = json.dumps(parameters, separators=(",", ":"))
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+def me() -> StubProcess:
+    stat = read_stat(os.getpid())
+    assert stat is not None
+    return StubProcess(os.getpid(), stat.start_ticks, "m", "m_0_0")
+
+
+@pytest.mark.parametrize(
+    ("parameters", "expected"),
+    [
+        ('{"x-snooze-request-id":"abc-1"}', "abc-1"),
+        ('{"foo":1,"x-snooze-request-id":"abc-2","bar":"x"}', "abc-2"),
+        ('{"x-snooze-request-id": "spaced"}', "spaced"),
+        ('{"X-Snooze-Request-Id":"capitals"}', "capitals"),
+        ('{"foo":1}', ""),
+        ("{}", ""),
+    ],
+)
+def test_request_id_from_parameters(parameters, expected):
+    assert writer.request_id(parameters) == expected
+
+
+def test_the_reader_finds_the_last_batch_the_writer_recorded(tmp_path: Path):
+    journal = writer.RequestJournal(str(tmp_path))
+    assert writer.start_ticks() == me().start_ticks  # both sides name this process the same way
+    assert reader.read_journal(tmp_path, me()) == set()
+    journal.record([FakeRequest({"x-snooze-request-id": f"r{i}"}) for i in range(3)])
+    assert reader.read_journal(tmp_path, me()) == {"r0", "r1", "r2"}
+    journal.record([FakeRequest({"x-snooze-request-id": "last"}), FakeRequest({})])
+    assert reader.read_journal(tmp_path, me()) == {"last"}  # only the batch now running
+    journal.close()
+    assert reader.read_journal(tmp_path, me()) is None  # a clean unload leaves nothing
+
+
+def test_no_journal_dir_means_no_journal(monkeypatch, tmp_path: Path):
+    monkeypatch.delenv(writer.JOURNAL_ENV, raising=False)
+    assert writer.RequestJournal.from_environment() is None
+    monkeypatch.setenv(writer.JOURNAL_ENV, str(tmp_path / "missing"))
+    assert writer.RequestJournal.from_environment() is None  # unusable: the model still serves
+    monkeypatch.setenv(writer.JOURNAL_ENV, str(tmp_path))
+    journal = writer.RequestJournal.from_environment()
+    assert journal is not None
+    journal.close()
+
+
+def test_stale_journals_are_removed(tmp_path: Path):
+    journal = writer.RequestJournal(str(tmp_path))
+    (tmp_path / "999999999-1.journal").write_bytes(b"\0\0\0\0")  # no such process
+    (tmp_path / f"{os.getpid()}-1.journal").write_bytes(b"\0\0\0\0")  # this pid, another start: reused
+    assert reader.remove_stale(tmp_path) == 2
+    assert [p.name for p in tmp_path.iterdir()] == [Path(journal.path).name]
+    journal.close()

@@ -1,0 +1,115 @@
+"""Seeing Triton's processes: /proc parsing, a stub's death and how it ended, the server by its port.
+
+Real processes stand in for Triton's: this test process plays tritonserver, and Python children started
+with the stub's argv[0] and a model file's path play its python-backend stubs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from controlplane.lifecycle.processes import (
+    STUB_NAME,
+    TritonProcesses,
+    describe_exit,
+    listening_ports,
+    read_stat,
+)
+
+
+def fake_stub(repo: Path, model: str, instance: str, code: str = "import time; time.sleep(60)") -> subprocess.Popen:
+    model_file = repo / model / "1" / "model.py"
+    model_file.parent.mkdir(parents=True, exist_ok=True)
+    model_file.write_text(code)
+    argv = [f"/backends/python/{STUB_NAME}", str(model_file), "shm", "1", "1", str(os.getpid()), "/b", "ipc"]
+    return subprocess.Popen([*argv, instance, "DEFAULT"], executable=sys.executable)
+
+
+def wait_state(pid: int, state: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while (stat := read_stat(pid)) is None or stat.state != state:
+        assert time.monotonic() < deadline, f"pid {pid} never reached state {state}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def observer() -> TritonProcesses:
+    return TritonProcesses(server_pid=os.getpid)
+
+
+def test_stubs_by_model_and_how_each_died(observer: TritonProcesses, tmp_path: Path):
+    a = fake_stub(tmp_path, "alpha", "alpha_0_0")
+    b = fake_stub(tmp_path, "beta", "beta_0_0", code="import os, time; time.sleep(0.3); os._exit(3)")
+    try:
+        deadline = time.monotonic() + 10
+        while len(observer.stubs()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        [alpha] = observer.stubs("alpha")
+        [beta] = observer.stubs("beta")
+        assert (alpha.pid, alpha.instance, beta.model) == (a.pid, "alpha_0_0", "beta")
+        assert observer.death(alpha) is None and observer.alive(alpha)
+        assert observer.rss([alpha]) > 0
+        wait_state(b.pid, "Z")  # not reaped: as Triton leaves a crashed stub
+        death = observer.death(beta)
+        assert death is not None and not death.reaped and death.describe() == "exit code 3"
+        assert observer.stubs("beta") == []  # a zombie is no live stub
+        os.kill(a.pid, signal.SIGKILL)
+        wait_state(a.pid, "Z")
+        assert observer.death(alpha).describe() == "killed by signal 9 (SIGKILL)"
+        a.wait()  # reaped, as Triton reaps the stubs it ends itself
+        gone = observer.death(alpha)
+        assert gone is not None and gone.reaped and gone.describe() == "exit status unknown"
+    finally:
+        for p in (a, b):
+            p.kill()
+            p.wait()
+
+
+def test_a_reused_pid_is_not_the_same_stub(observer: TritonProcesses, tmp_path: Path):
+    p = fake_stub(tmp_path, "m", "m_0_0")
+    try:
+        deadline = time.monotonic() + 10
+        while not observer.stubs("m"):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        [stub] = observer.stubs("m")
+        other = type(stub)(stub.pid, stub.start_ticks + 1, stub.model, stub.instance)
+        assert observer.death(stub) is None
+        assert observer.death(other) is not None  # same pid, another start time: that process is gone
+    finally:
+        p.kill()
+        p.wait()
+
+
+@pytest.mark.parametrize(
+    ("status", "words"),
+    [(0, "exit code 0"), (256, "exit code 1"), (11, "killed by signal 11 (SIGSEGV)"), (None, "exit status unknown")],
+)
+def test_describe_exit(status, words):
+    assert describe_exit(status) == words
+
+
+def test_listening_ports_and_finding_a_server_by_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert port in listening_ports(os.getpid())
+        # Only a process named tritonserver counts: this one listens on the port but is not it.
+        assert TritonProcesses(http_url=f"http://127.0.0.1:{port}").server() is None
+    assert listening_ports(2**22 + 7) == set()  # no such process
+
+
+def test_an_unseen_triton_sees_nothing():
+    unseen = TritonProcesses.unseen()
+    assert not unseen.visible and not unseen.can_observe
+    assert unseen.stubs() == [] and unseen.tree_rss() == 0 and unseen.environment("PATH") is None
