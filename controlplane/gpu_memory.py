@@ -32,15 +32,23 @@ are different processes. What can be mapped:
   run with ``pid: host`` / ``hostPID: true``): NVML pids are its pids; Triton's stubs in a nested
   namespace are still seen by their host pid, the outermost NSpid entry, which is what NVML reports.
   Whether this is the initial namespace is told by ``/proc/self/ns/pid``: the kernel gives the
-  initial PID namespace the fixed inode number 0xEFFFFFFC (``PROC_PID_INIT_INO``).
+  initial PID namespace the fixed inode number 0xEFFFFFFC (``PROC_PID_INIT_INO``); and /proc must be
+  this namespace's own (NSpid of ``/proc/self`` has one entry).
 - The control plane in its own namespace, with the host's /proc mounted read-only somewhere
   (``host_proc_root``): ``<host_proc>/self`` resolves to this process, whose NSpid there has one
   entry per namespace level, so its length gives our depth ``d`` below the host. A process with host
   pid N whose NSpid (in the host's /proc) has ``d + 1`` entries and whose ``ns/pid`` is ours has our
-  pid ``NSpid[d]``. Processes of other containers fail the namespace test and stay unmapped.
+  pid ``NSpid[d]``. Processes of other containers fail the namespace test and stay unmapped. Setting
+  ``host_proc_root`` asserts that the folder is the host's /proc; reading a process's ``ns/pid``
+  needs ptrace-read access to it (the same uid is enough), and where it is refused the pid stays
+  unmapped.
 - Anything else (compose's ``pid: "service:triton"``, Kubernetes' ``shareProcessNamespace``
   without the host's /proc): cannot be mapped. ``NvmlPidMap.reason`` says why, and the caller falls
   back to per-load deltas. A pid that cannot be mapped is never guessed.
+
+That NVML reports host pids is NVIDIA's statement, not measured here (no GPU on the development
+machines). Should a driver translate pids to the caller's namespace, a container without the host's
+/proc would fall back to deltas needlessly, and ``host_proc_root`` would map wrongly.
 
 No code here raises when there is no GPU: a missing ``nvidia-ml-py`` or driver gives a reader with
 no devices and ``unavailable`` set to why.
