@@ -3,8 +3,9 @@
 ``SNOOZE_GPU_MEMORY_BUDGET_MB`` is one number that applies to each GPU on its own. A load that
 would take a GPU past it first unloads the least recently used idle models holding memory on that
 GPU (``plan_gpu_eviction``); a load that fails with a GPU out-of-memory (``is_cuda_oom``) evicts
-and retries once, as for host memory. Everything here is pure: the lifecycle gathers the numbers,
-unloads the victims, and calls again if one of them could not be unloaded.
+idle models on its GPUs (``plan_gpu_oom_eviction``) and retries once, as for host memory.
+Everything here is pure: the lifecycle gathers the numbers, unloads the victims, and calls again if
+one of them could not be unloaded.
 """
 
 from __future__ import annotations
@@ -124,6 +125,33 @@ def _raise_full(
         "(instance_group gpus)",
         retry_after=5,
     )
+
+
+def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuResident]) -> list[str]:
+    """After a load failed with a GPU out-of-memory: the idle models to unload before its one retry.
+
+    Per GPU in ``need`` (every GPU a resident holds memory on, when ``need`` is empty because the
+    placement is unknown), idle residents holding memory there, least recently used first, until they
+    free the need there (at least one model, as a need of 0 means "not known"). Best effort: [] when
+    no idle model holds memory there, and the caller reports the out-of-memory with ``GPU_OOM_HINT``.
+    """
+    residents = list(residents)
+    amounts = {d: max(n, 1) for d, n in need.items()}
+    if not amounts:
+        amounts = {d: 1 for r in residents for d, b in r.bytes_by_device.items() if b > 0}
+    candidates = sorted((r for r in residents if r.evictable), key=lambda r: (r.last_access, r.model))
+    victims: list[GpuResident] = []
+    freed: dict[int, int] = {}
+    for device, amount in sorted(amounts.items()):
+        for r in candidates:
+            if freed.get(device, 0) >= amount:
+                break
+            if any(v is r for v in victims) or r.bytes_by_device.get(device, 0) <= 0:
+                continue
+            victims.append(r)
+            for d, b in r.bytes_by_device.items():
+                freed[d] = freed.get(d, 0) + b
+    return [r.model for r in sorted(victims, key=lambda r: (r.last_access, r.model))]
 
 
 def gpu_instances_per_device(config: Mapping[str, Any], devices: Sequence[int]) -> dict[int, int]:

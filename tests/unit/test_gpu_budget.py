@@ -12,6 +12,7 @@ from controlplane.gpu_budget import (
     gpu_instances_per_device,
     is_cuda_oom,
     plan_gpu_eviction,
+    plan_gpu_oom_eviction,
 )
 from controlplane.lifecycle import is_oom_error, rendered_config
 
@@ -96,6 +97,21 @@ def test_more_than_the_whole_budget_is_refused_up_front():
 def test_a_gpu_over_budget_that_the_model_does_not_need_is_left_alone():
     residents = [resident("a", 1, gpu1=1200)]  # the budget was lowered while a stayed loaded
     assert plan_gpu_eviction("m", {0: 100 * MIB, 1: 0}, residents, 1000) == []
+
+
+def test_after_a_gpu_oom_idle_models_on_the_needed_gpus_go_until_the_need_is_freed():
+    residents = [
+        resident("a", 10, gpu0=600),
+        resident("b", 5, gpu0=300),
+        resident("c", 1, gpu1=200),
+        resident("busy", 0, evictable=False, gpu0=5000),
+    ]
+    assert plan_gpu_oom_eviction(mib(gpu0=200), residents) == ["b"]
+    assert plan_gpu_oom_eviction(mib(gpu0=800), residents) == ["b", "a"]
+    assert plan_gpu_oom_eviction(mib(gpu0=5000), residents) == ["b", "a"]  # best effort: all that is idle there
+    assert plan_gpu_oom_eviction({0: 0}, residents) == ["b"]  # need not known: one model
+    assert plan_gpu_oom_eviction({}, residents) == ["c", "b"]  # placement not known: one per GPU
+    assert plan_gpu_oom_eviction(mib(gpu2=100), residents) == []
 
 
 # ---------------------------------------------------------------------------------------------
