@@ -70,6 +70,12 @@ class Settings(BaseSettings):
     )
     max_concurrent_loads: int = Field(1, ge=1, description="Loads running at once (weights loading is memory-hungry)")
     memory_budget_mb: float | None = Field(None, description="Memory for loaded models; unset = no limit")
+    gpu_memory_budget_mb: float | None = Field(
+        None,
+        gt=0,
+        description="GPU memory for loaded models, per GPU (the same budget applies to each GPU on its own); "
+        "unset = no limit",
+    )
     autoscale: bool = Field(True, description="Add instances when a model's queue stays long")
     autoscale_queue_threshold: float = Field(4.0, description="Pending requests per instance that triggers scale-up")
     autoscale_window_secs: float = Field(5.0, description="How long the queue must stay above the threshold")

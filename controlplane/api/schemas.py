@@ -29,6 +29,9 @@ class ModelStatusBody(BaseModel):
     last_access: float | None = Field(None, description="Epoch seconds of the last request, None if never")
     idle_timeout_secs: float | None = None
     memory_bytes: int | None = None
+    gpu_memory_bytes: dict[str, int] | None = Field(
+        None, description="Measured GPU memory per GPU index while loaded; None where GPU memory is not measured"
+    )
     last_cold_start_secs: float | None = None
     load_count: int = 0
 

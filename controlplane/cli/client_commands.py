@@ -101,8 +101,17 @@ def _state(status: dict[str, Any]) -> str:
     return f"{text} ({escape(status['reason'])})" if state == "failed" and status.get("reason") else text
 
 
+def _gpu_memory(per_device: dict[str, int] | None) -> str:
+    """``{"0": 512 MiB, "1": 0}`` -> ``gpu0 512.0 MiB``; GPUs holding nothing are left out."""
+    held = sorted((int(device), n) for device, n in (per_device or {}).items() if n)
+    return ", ".join(f"gpu{device} {_memory(n)}" for device, n in held) or "-"
+
+
 def _status_table(models: list[dict[str, Any]]) -> Table:
-    table = Table("model", "state", "instances", "last access", "idle timeout", "memory", "last cold start")
+    # the GPU column only where the server measures GPU memory: CPU-only servers keep the narrower table
+    gpu = any(model["status"].get("gpu_memory_bytes") is not None for model in models)
+    columns = ["model", "state", "instances", "last access", "idle timeout", "memory"]
+    table = Table(*columns, *(["GPU memory"] if gpu else []), "last cold start")
     table.columns[0].no_wrap = True  # a model id is what users copy: never cut it
     for model in models:
         s = model["status"]
@@ -110,6 +119,7 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
         table.add_row(
             model["id"], _state(s), str(s.get("instances", 0)), _ago(s.get("last_access")),
             _duration(s.get("idle_timeout_secs")), _memory(s.get("memory_bytes")),
+            *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
             "-" if cold is None else f"{cold:.2f}s",
         )
     return table

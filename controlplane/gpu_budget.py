@@ -1,0 +1,186 @@
+"""The GPU memory budget: which idle models to unload before a load, and what a GPU out-of-memory says.
+
+``SNOOZE_GPU_MEMORY_BUDGET_MB`` is one number that applies to each GPU on its own. A load that
+would take a GPU past it first unloads the least recently used idle models holding memory on that
+GPU (``plan_gpu_eviction``); a load that fails with a GPU out-of-memory (``is_cuda_oom``) evicts
+idle models on its GPUs (``plan_gpu_oom_eviction``) and retries once, as for host memory.
+Everything here is pure: the lifecycle gathers the numbers, unloads the victims, and calls again if
+one of them could not be unloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.errors import UnavailableError
+
+MIB = 1024 * 1024
+GPU_OOM_HINT = (
+    "lower SNOOZE_GPU_MEMORY_BUDGET_MB below what the GPU really has free so that idle models are unloaded "
+    "first, give the model fewer instances, or place it on another GPU (instance_group gpus)"
+)
+
+# Wordings only a GPU allocation failure uses: PyTorch, the CUDA driver and runtime APIs, cuDNN,
+# cuBLAS, TensorRT ("Error Code 2: OutOfMemory", "Requested amount of GPU memory ... could not be
+# allocated") and the OutOfMemoryError classes of torch and CuPy.
+_GPU_OOM_MARKERS = (
+    "cuda out of memory",
+    "cuda_error_out_of_memory",
+    "cudaerrormemoryallocation",
+    "cudnn_status_alloc_failed",
+    "cublas_status_alloc_failed",
+    "outofmemory",
+    "requested amount of gpu memory",
+)
+# Wordings that say an allocation failed without naming the device: onnxruntime's arena ("Failed to
+# allocate memory for requested buffer of size N") serves CPU and CUDA alike, and "out of memory" is
+# also what a host allocation says.
+_ANY_DEVICE_OOM_MARKERS = ("out of memory", "failed to allocate memory")
+# Words that put such a failure on the GPU: "CUDA failure 2: out of memory ; GPU=0",
+# "[TRT] ... Cuda Error in allocate: 2 (out of memory)".
+_GPU_CONTEXT = ("cuda", "gpu", "cudnn", "tensorrt", "[trt]")
+
+
+def is_cuda_oom(text: str, *, on_gpu: bool = False) -> bool:
+    """Whether a load or inference error says a GPU allocation failed.
+
+    ``on_gpu``: the model runs on a GPU, so a failure that does not name its device (onnxruntime's
+    arena, a bare "out of memory") counts as well.
+    """
+    lowered = text.lower()
+    if any(marker in lowered for marker in _GPU_OOM_MARKERS):
+        return True
+    if not any(marker in lowered for marker in _ANY_DEVICE_OOM_MARKERS):
+        return False
+    return on_gpu or any(word in lowered for word in _GPU_CONTEXT)
+
+
+@dataclass(frozen=True)
+class GpuResident:
+    """A model that holds (or, while loading, has reserved) GPU memory."""
+
+    model: str
+    bytes_by_device: Mapping[int, int]
+    last_access: float  # epoch seconds; the least recent goes first
+    evictable: bool  # READY with no users, no pending requests and no transition running
+
+
+def plan_gpu_eviction(
+    model: str, need: Mapping[int, int], residents: Iterable[GpuResident], budget_mb: float | None
+) -> list[str]:
+    """The models to unload so that ``model``'s ``need`` (bytes per GPU) fits under the per-GPU budget.
+
+    Per GPU the model needs room on, idle residents holding memory there are taken least recently
+    used first; a victim frees its memory on every GPU it holds. ``residents`` leaves out ``model``
+    itself and includes loading models (with their reservation, not evictable). Returns the victims,
+    least recently used first ([] when it fits or there is no budget); raises ``UnavailableError``
+    naming the model, the GPU and the MiB when even unloading every idle model would not do.
+    """
+    if budget_mb is None:
+        return []
+    budget = int(budget_mb * MIB)
+    for device, amount in sorted(need.items()):
+        if amount > budget:
+            raise UnavailableError(
+                f"model '{model}' needs about {amount / MIB:.0f} MiB on GPU {device}, more than the whole GPU "
+                f"memory budget ({budget_mb:g} MiB per GPU)",
+                hint="raise SNOOZE_GPU_MEMORY_BUDGET_MB, or load the model with fewer instances on that GPU",
+            )
+    residents = list(residents)
+    held: dict[int, int] = {}
+    for r in residents:
+        for device, amount in r.bytes_by_device.items():
+            held[device] = held.get(device, 0) + amount
+    candidates = sorted((r for r in residents if r.evictable), key=lambda r: (r.last_access, r.model))
+    victims: list[GpuResident] = []
+    for device, amount in sorted(need.items()):
+        if amount <= 0:
+            continue
+        for r in candidates:
+            if held.get(device, 0) + amount <= budget:
+                break
+            if any(v is r for v in victims) or r.bytes_by_device.get(device, 0) <= 0:
+                continue
+            victims.append(r)
+            for d, b in r.bytes_by_device.items():
+                held[d] -= b
+        if held.get(device, 0) + amount > budget:
+            _raise_full(model, device, amount, held.get(device, 0), budget_mb, residents, victims)
+    return [r.model for r in sorted(victims, key=lambda r: (r.last_access, r.model))]
+
+
+def _raise_full(
+    model: str, device: int, amount: int, held: int, budget_mb: float, residents: list[GpuResident],
+    victims: list[GpuResident],
+) -> None:
+    busy = sorted(
+        r.model for r in residents if all(v is not r for v in victims) and r.bytes_by_device.get(device, 0) > 0
+    )
+    raise UnavailableError(
+        f"GPU memory budget full on GPU {device}: model '{model}' needs about {amount / MIB:.0f} MiB and "
+        f"{held / MIB:.0f} of {budget_mb:g} MiB are held by models in use ({', '.join(busy)})",
+        hint="retry when they are idle, raise SNOOZE_GPU_MEMORY_BUDGET_MB, or place the model on another GPU "
+        "(instance_group gpus)",
+        retry_after=5,
+    )
+
+
+def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuResident]) -> list[str]:
+    """After a load failed with a GPU out-of-memory: the idle models to unload before its one retry.
+
+    Per GPU in ``need`` (every GPU a resident holds memory on, when ``need`` is empty because the
+    placement is unknown), idle residents holding memory there, least recently used first, until they
+    free the need there (at least one model, as a need of 0 means "not known"). Best effort: [] when
+    no idle model holds memory there, and the caller reports the out-of-memory with ``GPU_OOM_HINT``.
+    """
+    residents = list(residents)
+    amounts = {d: max(n, 1) for d, n in need.items()}
+    if not amounts:
+        amounts = {d: 1 for r in residents for d, b in r.bytes_by_device.items() if b > 0}
+    candidates = sorted((r for r in residents if r.evictable), key=lambda r: (r.last_access, r.model))
+    victims: list[GpuResident] = []
+    freed: dict[int, int] = {}
+    for device, amount in sorted(amounts.items()):
+        for r in candidates:
+            if freed.get(device, 0) >= amount:
+                break
+            if any(v is r for v in victims) or r.bytes_by_device.get(device, 0) <= 0:
+                continue
+            victims.append(r)
+            for d, b in r.bytes_by_device.items():
+                freed[d] = freed.get(d, 0) + b
+    return [r.model for r in sorted(victims, key=lambda r: (r.last_access, r.model))]
+
+
+def gpu_instances_per_device(config: Mapping[str, Any], devices: Sequence[int]) -> dict[int, int]:
+    """How many instances of a model Triton puts on each GPU, from its config (the load-override JSON).
+
+    Triton places ``count`` instances of a KIND_GPU group on each GPU in ``gpus``, or on each visible
+    GPU when ``gpus`` is empty; KIND_AUTO means GPU when there is one. KIND_CPU and KIND_MODEL hold none
+    that Triton places (a KIND_MODEL model picks its own device).
+    """
+    placed: dict[int, int] = {}
+    for group in config.get("instance_group") or [{}]:
+        kind = group.get("kind", "KIND_AUTO")
+        if kind not in ("KIND_GPU", "KIND_AUTO") or not devices:
+            continue
+        count = int(group.get("count") or 1)
+        for device in group.get("gpus") or devices:
+            placed[int(device)] = placed.get(int(device), 0) + count
+    return placed
+
+
+def estimate_gpu_need(
+    instances_by_device: Mapping[int, int],
+    measured: Mapping[int, int] | None = None,
+    measured_instances: Mapping[int, int] | None = None,
+    per_instance_fallback: int = 0,
+) -> dict[int, int]:
+    """Bytes a load will take on each GPU: per instance as last measured on that GPU, else the average
+    per instance of the GPUs it was measured on, else ``per_instance_fallback`` (declared or typical)."""
+    measured, measured_instances = measured or {}, measured_instances or {}
+    per_device = {d: measured[d] / n for d, n in measured_instances.items() if n > 0 and d in measured}
+    average = sum(per_device.values()) / len(per_device) if per_device else per_instance_fallback
+    return {d: int(per_device.get(d, average) * n) for d, n in instances_by_device.items() if n > 0}

@@ -1,0 +1,54 @@
+"""`snoozectl status` rendering: the GPU memory column appears only where the server measures GPU memory."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from controlplane.cli.client_commands import _status_table
+
+MIB = 1024 * 1024
+
+
+def model(model_id: str, **status: object) -> dict:
+    base = {
+        "id": model_id, "state": "ready", "reason": None, "instances": 1, "last_access": None,
+        "idle_timeout_secs": 300, "memory_bytes": 64 * MIB, "last_cold_start_secs": 0.5, "load_count": 1,
+    }
+    return {"id": model_id, "status": {**base, **status}}
+
+
+def render(models: list[dict]) -> tuple[list[str], str]:
+    table = _status_table(models)
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(table)
+    return [str(c.header) for c in table.columns], out.getvalue()
+
+
+def row(text: str, model_id: str) -> list[str]:
+    line = next(line for line in text.splitlines() if f" {model_id} " in line)
+    return [cell.strip() for cell in line.strip("│┃| \n").split("│")]
+
+
+BEFORE = ["model", "state", "instances", "last access", "idle timeout", "memory", "last cold start"]
+
+
+def test_status_without_gpu_memory_renders_as_before():
+    for models in ([model("cpu")], [model("cpu", gpu_memory_bytes=None)]):  # key absent, or null from the API
+        headers, text = render(models)
+        assert headers == BEFORE
+        assert row(text, "cpu") == ["cpu", "ready", "1", "never", "5m", "64.0 MiB", "0.50s"]
+
+
+def test_status_with_gpu_memory_shows_each_gpu_holding_some():
+    models = [
+        model("vision", gpu_memory_bytes={"1": 2048 * MIB, "0": 512 * MIB, "2": 0}),
+        model("cpu", gpu_memory_bytes={}),
+        model("asleep", state="unloaded", instances=0, memory_bytes=None, gpu_memory_bytes=None),
+    ]
+    headers, text = render(models)
+    assert headers == [*BEFORE[:6], "GPU memory", BEFORE[6]]
+    assert row(text, "vision")[6] == "gpu0 512.0 MiB, gpu1 2048.0 MiB"
+    assert row(text, "cpu")[6] == "-"
+    assert row(text, "asleep")[5:7] == ["-", "-"]
