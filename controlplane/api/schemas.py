@@ -29,6 +29,11 @@ class ModelStatusBody(BaseModel):
     last_access: float | None = Field(None, description="Epoch seconds of the last request, None if never")
     idle_timeout_secs: float | None = None
     memory_bytes: int | None = None
+    memory_source: str | None = Field(
+        None, description="measured (RSS of the model's processes) | declared (its memory_mb) | None: unknown"
+    )
+    processes: int | None = Field(None, description="Live model processes while loaded; None where not seen")
+    last_crash: str | None = Field(None, description="How the model's last process died, and when")
     gpu_memory_bytes: dict[str, int] | None = Field(
         None, description="Measured GPU memory per GPU index while loaded; None where GPU memory is not measured"
     )

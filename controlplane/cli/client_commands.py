@@ -91,6 +91,17 @@ def _memory(nbytes: int | None) -> str:
     return "-" if not nbytes else f"{nbytes / 2**20:.1f} MiB"
 
 
+def _memory_cell(status: dict[str, Any]) -> str:
+    """Measured memory as is; declared (memory_mb, where Triton's processes cannot be seen) marked so;
+    a loaded model whose memory nobody knows says so rather than showing nothing."""
+    source = status.get("memory_source", "measured")
+    if status.get("memory_bytes") and source == "declared":
+        return f"~{_memory(status['memory_bytes'])} (declared)"
+    if not status.get("memory_bytes") and status.get("state") in ("ready", "unloading"):
+        return "unknown"
+    return _memory(status.get("memory_bytes"))
+
+
 _STATE_STYLE = {"ready": "green", "loading": "yellow", "unloading": "yellow", "failed": "bold red"}
 
 
@@ -118,7 +129,7 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
         cold = s.get("last_cold_start_secs")
         table.add_row(
             model["id"], _state(s), str(s.get("instances", 0)), _ago(s.get("last_access")),
-            _duration(s.get("idle_timeout_secs")), _memory(s.get("memory_bytes")),
+            _duration(s.get("idle_timeout_secs")), _memory_cell(s),
             *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
             "-" if cold is None else f"{cold:.2f}s",
         )

@@ -52,3 +52,16 @@ def test_status_with_gpu_memory_shows_each_gpu_holding_some():
     assert row(text, "vision")[6] == "gpu0 512.0 MiB, gpu1 2048.0 MiB"
     assert row(text, "cpu")[6] == "-"
     assert row(text, "asleep")[5:7] == ["-", "-"]
+
+
+def test_memory_says_whether_it_is_measured_declared_or_unknown():
+    models = [
+        model("measured", memory_source="measured"),
+        model("declared", memory_source="declared", memory_bytes=140 * MIB),
+        model("unknown", memory_source=None, memory_bytes=None),
+        model("asleep", state="unloaded", memory_source=None, memory_bytes=None),
+    ]
+    _, text = render(models)
+    assert [row(text, m)[5] for m in ("measured", "declared", "unknown", "asleep")] == [
+        "64.0 MiB", "~140.0 MiB (declared)", "unknown", "-",
+    ]
