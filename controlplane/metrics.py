@@ -45,6 +45,10 @@ class SnoozeMetrics:
         self.memory_bytes = Gauge(
             "snooze_model_memory_bytes", "Measured footprint per loaded model", ["model"], registry=r
         )
+        self.gpu_memory_bytes = Gauge(
+            "snooze_model_gpu_memory_bytes", "Measured GPU memory per loaded model and GPU", ["model", "gpu"],
+            registry=r,
+        )
         self.state = Gauge("snooze_model_state", "1 for the model's current state", ["model", "state"], registry=r)
         self.auth_failures = Counter(
             "snooze_auth_failures", "Refused control-API requests", ["surface", "reason"], registry=r
@@ -67,6 +71,8 @@ class SnoozeMetrics:
                 self.state.remove(model, s)
             except KeyError:
                 pass
+        for labels in [k for k in self.gpu_memory_bytes._metrics if k[0] == model]:  # no public way to list
+            self.gpu_memory_bytes.remove(*labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

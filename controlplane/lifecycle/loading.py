@@ -19,7 +19,10 @@ from typing import Any
 from google.protobuf import json_format
 
 from controlplane.errors import SnoozeError, TritonModelLoadError
+from controlplane.gpu_budget import GPU_OOM_HINT, is_cuda_oom
+from controlplane.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.autoscale import LoadWindow
+from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.memory import OOM_HINT, MemoryBudget, declared_bytes, is_oom_error
 from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
@@ -70,6 +73,7 @@ class Loader:
         triton: TritonAdminClient,
         processes: TritonProcesses,
         budget: MemoryBudget,
+        gpu: GpuMemory,
         metrics: SnoozeMetrics,
         *,
         wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
@@ -79,6 +83,7 @@ class Loader:
         self.triton = triton
         self.processes = processes
         self.budget = budget
+        self.gpu = gpu
         self.metrics = metrics
         self._wait_for_triton = wait_for_triton
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
@@ -93,46 +98,60 @@ class Loader:
         await self._wait_for_triton(rec)
         async with self._slots:
             need = self.budget.estimate(rec, instances)
+            placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
+            gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
+            await self.gpu.make_room(rec, gpu_need)
             await self.budget.make_room(rec, need)
-            rec.reserved = need
+            rec.reserved, rec.gpu_reserved = need, gpu_need
+            delta = await self.gpu.before_load()
             started = time.monotonic()
             try:
-                await self._load_retrying_oom(rec, instances, need, how)
+                await self._load_retrying_oom(rec, instances, need, gpu_need, how)
             finally:
-                rec.reserved = 0
+                rec.reserved, rec.gpu_reserved = 0, {}
             elapsed = time.monotonic() - started
-        await self.loaded(rec, instances)
+            await self.loaded(rec, instances, gpu_delta=delta)
+        await self.gpu.enforce(rec)
         if trigger is not None:
             rec.last_cold_start = elapsed
             self.metrics.cold_starts.labels(model=rec.id, trigger=trigger).inc()
             self.metrics.cold_start_seconds.labels(model=rec.id).observe(elapsed)
             log.info("model '%s': cold start (%s) in %.3fs", rec.id, trigger, elapsed)
 
-    async def _load_retrying_oom(self, rec: ModelRecord, instances: int, need: int, how: str) -> None:
+    async def _load_retrying_oom(
+        self, rec: ModelRecord, instances: int, need: int, gpu_need: dict[int, int], how: str
+    ) -> None:
         config = await self._config(rec, instances, how)
         timeout = rec.model.load_timeout_secs
         try:
             await self._load_within(rec, config, timeout)
             return
         except TritonModelLoadError as e:
-            if not is_oom_error(e.reason):
+            on_gpu = bool(gpu_need)
+            if not (is_cuda_oom(e.reason, on_gpu=on_gpu) or is_oom_error(e.reason)):
                 raise
-            first = e
-        evicted = await self.budget.evict(rec, max(need, 1), "oom")
+            first, cuda = e, is_cuda_oom(e.reason, on_gpu=on_gpu)
+        # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same LRU, once.
+        if cuda:
+            evicted = await self.gpu.evict_for_oom(rec, gpu_need)
+        else:
+            evicted = await self.budget.evict(rec, max(need, 1), "oom")
         if not evicted:
             raise TritonModelLoadError(
                 rec.id,
                 f"out of memory, and no idle model could be unloaded to make room ({first.reason})",
-                hint=OOM_HINT,
+                hint=GPU_OOM_HINT if cuda else OOM_HINT,
             ) from first
         log.warning("model '%s': out of memory at load; evicted %s, retrying once", rec.id, evicted)
         try:
             await self._load_within(rec, config, timeout)
         except TritonModelLoadError as e:
-            if not is_oom_error(e.reason):
+            if not (is_oom_error(e.reason) or is_cuda_oom(e.reason, on_gpu=bool(gpu_need))):
                 raise
             raise TritonModelLoadError(
-                rec.id, f"out of memory even after unloading {', '.join(evicted)} ({e.reason})", hint=OOM_HINT
+                rec.id,
+                f"out of memory even after unloading {', '.join(evicted)} ({e.reason})",
+                hint=GPU_OOM_HINT if cuda else OOM_HINT,
             ) from e
 
     async def _load_within(self, rec: ModelRecord, config: dict[str, Any] | None, timeout: float) -> None:
@@ -186,8 +205,10 @@ class Loader:
             return []
         return await asyncio.to_thread(self.processes.stubs, rec.id)
 
-    async def loaded(self, rec: ModelRecord, instances: int, *, count: bool = True) -> None:
-        """The model is READY with ``instances``: note its model processes and measure its footprint."""
+    async def loaded(
+        self, rec: ModelRecord, instances: int, *, count: bool = True, gpu_delta: GpuLoadDelta | None = None
+    ) -> None:
+        """The model is READY with ``instances``: note its model processes and measure its footprints."""
         stubs = await self._stubs(rec)
         deadline = time.monotonic() + STUBS_SETTLE_SECS
         while stubs and len(stubs) > instances and time.monotonic() < deadline:
@@ -203,6 +224,7 @@ class Loader:
             rec.footprint, rec.footprint_instances, rec.footprint_source = declared, instances, "declared"
         else:
             rec.footprint_source = None
+        await self.gpu.measure(rec, instances, gpu_delta)
         rec.ready_at = time.time()
         rec.load_count += count
         rec.scale = LoadWindow()
@@ -213,10 +235,11 @@ class Loader:
     def forget_loaded(self, rec: ModelRecord) -> None:
         rec.instances = 0
         rec.stubs = ()
+        self.gpu.forget(rec)
         self.metrics.instances.labels(model=rec.id).set(0)
         self.metrics.memory_bytes.labels(model=rec.id).set(0)
 
     def load_failed(self, rec: ModelRecord, error: SnoozeError) -> None:
-        kind = "oom" if is_oom_error(str(error)) else "error"
+        kind = "oom" if is_oom_error(str(error)) or is_cuda_oom(str(error)) else "error"
         self.metrics.load_failures.labels(model=rec.id, kind=kind).inc()
         log.warning("model '%s': load failed: %s", rec.id, error)

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from controlplane.errors import ConflictError, SnoozeError, UnavailableError
+from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
+from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.processes import StubDeath, TritonProcesses
@@ -61,7 +63,10 @@ class LifecycleManager:
         processes: TritonProcesses | None = None,
         journal_dir: Path | None = None,
         metrics: SnoozeMetrics | None = None,
+        gpu_reader: GpuProcessReader | None = None,
+        gpu_pid_map: NvmlPidMap | None = None,
     ) -> None:
+        """``gpu_reader`` / ``gpu_pid_map``: NVML and its pid mapping (tests inject them: no GPU here)."""
         self.settings = settings
         self.store = store
         self.triton = triton
@@ -75,8 +80,24 @@ class LifecycleManager:
         self.metrics = metrics or SnoozeMetrics()
         self.states = ModelStates(store, self.metrics)
         self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self._pending_counts)
+        self.gpu = GpuMemory(
+            settings,
+            self.states,
+            processes,
+            evict=self._evict_one,
+            pending=self._pending_counts,
+            reader=gpu_reader,
+            pid_map=gpu_pid_map,
+        )
         self.loader = Loader(
-            settings, self.states, triton, processes, self.budget, self.metrics, wait_for_triton=self._wait_for_triton
+            settings,
+            self.states,
+            triton,
+            processes,
+            self.budget,
+            self.gpu,
+            self.metrics,
+            wait_for_triton=self._wait_for_triton,
         )
         self._triton_up = asyncio.Event()
         self._triton_up.set()
@@ -111,6 +132,7 @@ class LifecycleManager:
                 await task
         self._tasks = []
         await self.states.wait_all()
+        self.gpu.close()
 
     @staticmethod
     async def _every(interval: float, job: Callable[[], Awaitable[None]], what: str) -> None:
@@ -425,6 +447,7 @@ class LifecycleManager:
             load_count=rec.load_count,
             processes=len(rec.stubs) if loaded and rec.stubs else None,
             last_crash=rec.last_crash,
+            gpu_memory_bytes=self.gpu.status_bytes(rec),
         )
 
     def statuses(self) -> list[ModelStatus]:
@@ -512,7 +535,7 @@ class LifecycleManager:
         self.states.set_state(rec, ModelState.UNLOADED, reason)
         if reason == "idle":
             self.metrics.idle_unloads.labels(model=rec.id).inc()
-        elif reason in ("memory", "oom"):
+        elif reason in ("memory", "oom", "gpu_memory", "gpu_oom"):
             self.metrics.evictions.labels(model=rec.id, reason=reason).inc()
         log.info("model '%s': unloaded (%s)", rec.id, reason)
         return True

@@ -48,6 +48,7 @@ class ModelStatus:
     load_count: int  # successful Triton loads (cold starts, reloads, rescales, recoveries)
     processes: int | None  # live model processes (python backend), None when they cannot be seen
     last_crash: str | None  # how its last model process died, and when (None: never seen dying)
+    gpu_memory_bytes: dict[str, int] | None = None  # per GPU index while loaded; None: no GPU measured
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -63,6 +64,7 @@ class ModelStatus:
             "load_count": self.load_count,
             "processes": self.processes,
             "last_crash": self.last_crash,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
         }
 
 
@@ -87,6 +89,9 @@ class ModelRecord:
     footprint_instances: int = 0
     footprint_source: str | None = None  # "measured" or "declared"
     reserved: int = 0  # bytes set aside while loading
+    gpu_footprint: dict[int, int] | None = None  # last measured bytes per GPU index
+    gpu_instances: int = 0
+    gpu_reserved: dict[int, int] = field(default_factory=dict)  # per GPU, while loading
     stubs: tuple[StubProcess, ...] = ()  # the model processes its last load started (when visible)
     deaths: list[SeenDeath] = field(default_factory=list)  # recent deaths of its processes, oldest first
     crashed_requests: dict[str, StubDeath] = field(default_factory=dict)  # request id -> the death it was in

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from controlplane.errors import ConflictError, NotFoundError, UnavailableError
+from controlplane.gpu_memory import GpuDevice, GpuProcessUse
 from controlplane.lifecycle import LifecycleManager, ModelState
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
@@ -29,7 +30,8 @@ from controlplane.triton.launcher import EmbeddedTriton
 
 pytestmark = pytest.mark.integration
 
-DEADLINE = 30.0  # generous: a 2-core machine under load
+DEADLINE = 30.0
+MIB = 1024 * 1024  # generous: a 2-core machine under load
 
 MODEL_PY = '''
 import time
@@ -46,6 +48,8 @@ class Model:
             raise MemoryError("simulated: cannot allocate the weights")
         if self.load_error == "runtime":
             raise RuntimeError("simulated: broken weights")
+        if self.load_error == "cuda":
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
 
     def predict(self, inputs):
         time.sleep(self.predict_sleep)
@@ -109,10 +113,11 @@ async def make_manager(
     """Started managers over the module's Triton; afterwards every model is unloaded again."""
     made: list[tuple[LifecycleManager, TritonAdminClient]] = []
 
-    async def make(**settings: object) -> LifecycleManager:
+    async def make(gpu_reader: object = None, **settings: object) -> LifecycleManager:
         admin = TritonAdminClient(triton.http_url, triton.metrics_url)
+        extra = {} if gpu_reader is None else {"gpu_reader": gpu_reader, "gpu_pid_map": IdentityPidMap()}
         manager = LifecycleManager(
-            Settings(**{"sweep_interval_secs": 0.2, **settings}), store, admin, triton_process=triton
+            Settings(**{"sweep_interval_secs": 0.2, **settings}), store, admin, triton_process=triton, **extra
         )
         made.append((manager, admin))
         await manager.start()
@@ -376,3 +381,70 @@ async def test_triton_killed_is_restarted_and_resynced(make_manager, publish, tr
 
     await manager.ensure_ready(model)
     assert await output(triton, model) == [2.0, 4.0]
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU memory. No GPU here: NVML is replaced at its boundary by a reader that reports, for the real stub
+# processes of this Triton, the video memory each model's processes would hold on GPU 0. Everything
+# else (loads, evictions, the OOM retry) is the real lifecycle against the real tritonserver.
+
+GPU_MB = 600
+
+
+class IdentityPidMap:
+    """NVML's pids are ours (the control plane in the host's PID namespace)."""
+
+    reason = None
+
+    def visible_pid(self, nvml_pid: int) -> int:
+        return nvml_pid
+
+
+class FakeNvml:
+    """GpuProcessReader: one 16 GiB GPU; each stub of a model named ``gpu-*`` holds GPU_MB on it."""
+
+    def __init__(self, triton: EmbeddedTriton) -> None:
+        self.triton = triton
+
+    def _uses(self) -> list[GpuProcessUse]:
+        return [
+            GpuProcessUse(0, "GPU-fake-0", stub.pid, GPU_MB * MIB)
+            for stub in self.triton.processes().stubs()
+            if stub.model.startswith("gpu-")
+        ]
+
+    def devices(self) -> list[GpuDevice]:
+        used = sum(u.used_bytes or 0 for u in self._uses())
+        return [GpuDevice(0, "GPU-fake-0", 16 * 1024 * MIB, used)]
+
+    def processes(self) -> list[GpuProcessUse]:
+        return self._uses()
+
+
+async def test_gpu_memory_budget_evicts_the_least_recently_used_model_per_gpu(make_manager, publish, triton):
+    a, b, c = publish("gpu-a"), publish("gpu-b"), publish("gpu-c")
+    manager = await make_manager(gpu_reader=FakeNvml(triton), gpu_memory_budget_mb=2 * GPU_MB + 100)
+    for model in (a, b):
+        await manager.ensure_ready(model)
+        assert manager.status(model).gpu_memory_bytes == {"0": GPU_MB * MIB}
+    await output(triton, a)  # b is now the least recently used
+    await asyncio.sleep(1.1)  # Triton's last_inference has a resolution of its stats refresh
+    await manager.ensure_ready(c)  # its first load: measured afterwards, then the budget is enforced
+    await until(lambda: manager.status(b).state is ModelState.UNLOADED, "b evicted for c")
+    assert manager.status(b).reason == "gpu_memory" and manager.status(b).gpu_memory_bytes is None
+    assert {manager.status(m).state for m in (a, c)} == {ModelState.READY}
+    await manager.ensure_ready(b)  # measured before: a (now least recent) is evicted before b loads
+    assert manager.status(a).state is ModelState.UNLOADED and manager.status(a).reason == "gpu_memory"
+    assert sample(manager, "snooze_model_gpu_memory_bytes", model=b, gpu="0") == GPU_MB * MIB
+    assert sample(manager, "snooze_evictions_total", model=a, reason="gpu_memory") == 1
+
+
+async def test_cuda_out_of_memory_at_load_evicts_on_the_gpu_and_retries_once(make_manager, publish, triton):
+    victim, hog = publish("gpu-victim"), publish("gpu-hog", params={"load_error": "cuda"})
+    manager = await make_manager(gpu_reader=FakeNvml(triton))
+    await manager.ensure_ready(victim)
+    with pytest.raises(UnavailableError, match="gpu-hog.*out of memory even after unloading gpu-victim") as info:
+        await manager.ensure_ready(hog)
+    assert info.value.hint and "GPU" in info.value.hint
+    assert manager.status(victim).state is ModelState.UNLOADED and manager.status(victim).reason == "gpu_oom"
+    assert sample(manager, "snooze_load_failures_total", model=hog, kind="oom") == 1

@@ -1,0 +1,175 @@
+"""Video memory per model and GPU: measured, budgeted per GPU, least recently used evicted first.
+
+Measured per process through NVML where NVML's pids map to the ones seen here
+(``controlplane.gpu_memory``), else as what a load added to each GPU's used memory (loads are
+serialised, ``max_concurrent_loads`` = 1, for that to hold). ``SNOOZE_GPU_MEMORY_BUDGET_MB`` applies to
+each GPU on its own: before a load, idle models holding memory on the GPUs it needs are unloaded until
+its estimate fits; after it, a measurement above the estimate evicts again; a load that fails with a
+CUDA out-of-memory evicts idle models on its GPUs and is retried once. Without a GPU (no NVML, no
+device) every call here is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from controlplane.gpu_budget import (
+    GpuResident,
+    estimate_gpu_need,
+    gpu_instances_per_device,
+    plan_gpu_eviction,
+    plan_gpu_oom_eviction,
+)
+from controlplane.gpu_memory import GpuLoadDelta, GpuProcessReader, NvmlPidMap, NvmlReader, per_model_gpu_bytes
+from controlplane.lifecycle.memory import EvictFn
+from controlplane.lifecycle.processes import TritonProcesses
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.settings import Settings
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+
+class GpuMemory:
+    def __init__(
+        self,
+        settings: Settings,
+        states: ModelStates,
+        processes: TritonProcesses,
+        *,
+        evict: EvictFn,
+        pending: Callable[[], Awaitable[dict[str, float]]],
+        reader: GpuProcessReader | None = None,
+        pid_map: NvmlPidMap | None = None,
+    ) -> None:
+        self.settings = settings
+        self.states = states
+        self.processes = processes
+        self.reader: GpuProcessReader = reader if reader is not None else NvmlReader()
+        self.pid_map = pid_map if pid_map is not None else NvmlPidMap()
+        self._evict_one = evict
+        self._pending = pending
+        self._devices: list[int] | None = None  # GPU indices, read once
+
+    async def devices(self) -> list[int]:
+        if self._devices is None:
+            self._devices = [d.index for d in await asyncio.to_thread(self.reader.devices)]
+        return self._devices
+
+    async def need(self, rec: ModelRecord, instances: int, config: dict[str, Any]) -> dict[int, int]:
+        """Bytes per GPU the load will hold: as last measured (per instance), else the average per
+        instance of the models measured so far, on the GPUs its config places instances on."""
+        devices = await self.devices()
+        if not devices:
+            return {}
+        placed = gpu_instances_per_device(config, devices)
+        if rec.gpu_footprint and rec.gpu_instances:
+            scale = instances / rec.gpu_instances
+            if not placed:  # a KIND_CPU/KIND_MODEL instance that uses a GPU itself: where it was seen
+                return {d: int(b * scale) for d, b in rec.gpu_footprint.items()}
+            per_device = {d: rec.gpu_instances for d in rec.gpu_footprint}
+            return estimate_gpu_need(placed, rec.gpu_footprint, per_device)
+        known = [
+            sum(r.gpu_footprint.values()) / r.gpu_instances
+            for r in self.states.values()
+            if r.gpu_footprint and r.gpu_instances
+        ]
+        return estimate_gpu_need(placed, per_instance_fallback=int(sum(known) / len(known)) if known else 0)
+
+    async def residents(self, exclude: ModelRecord) -> list[GpuResident]:
+        pending = await self._pending()
+        found = []
+        for r in self.states.values():
+            if r is exclude:
+                continue
+            held = r.gpu_reserved if r.state is ModelState.LOADING else (r.gpu_footprint if r.loaded else None)
+            if not held:
+                continue
+            evictable = r.state is ModelState.READY and r.op is None and r.users == 0 and not pending.get(r.id)
+            found.append(GpuResident(r.id, dict(held), r.idle_since, evictable))
+        return found
+
+    async def make_room(self, rec: ModelRecord, need: dict[int, int]) -> None:
+        """Unload idle models, least recently used first, until ``need`` fits each GPU's budget."""
+        budget = self.settings.gpu_memory_budget_mb
+        if budget is None or not need:
+            return
+        for _ in range(len(self.states.records) + 1):  # each pass unloads at least one model, or stops
+            victims = plan_gpu_eviction(rec.id, need, await self.residents(rec), budget)
+            if not victims:
+                return
+            if not await self._evict(victims, rec, "gpu_memory"):
+                return
+
+    async def enforce(self, rec: ModelRecord) -> None:
+        """After a load measured more than its estimate: evict others until every GPU is within budget."""
+        budget = self.settings.gpu_memory_budget_mb
+        if budget is None or not rec.gpu_footprint:
+            return
+        others = await self.residents(rec)
+        victims = plan_gpu_eviction(rec.id, rec.gpu_footprint, others, budget)
+        await self._evict(victims, rec, "gpu_memory")
+
+    async def evict_for_oom(self, rec: ModelRecord, need: dict[int, int]) -> list[str]:
+        """A load failed with a CUDA out-of-memory: unload idle models on its GPUs (best effort)."""
+        victims = plan_gpu_oom_eviction(need, await self.residents(rec))
+        return await self._evict(victims, rec, "gpu_oom")
+
+    async def _evict(self, victims: list[str], rec: ModelRecord, reason: str) -> list[str]:
+        evicted = []
+        for model_id in victims:
+            victim = self.states.get(model_id)
+            if victim is None or victim.op is not None or victim.state is not ModelState.READY:
+                continue
+            if await self._evict_one(victim, reason, rec.id):
+                evicted.append(model_id)
+        return evicted
+
+    async def before_load(self) -> GpuLoadDelta | None:
+        if not await self.devices():
+            return None
+        return GpuLoadDelta(await asyncio.to_thread(self.reader.devices))
+
+    async def measure(self, rec: ModelRecord, instances: int, delta: GpuLoadDelta | None) -> None:
+        """The model's GPU memory now: per process where NVML's pids can be mapped, else what its load
+        added to each GPU (an in-place rescale adds to what it held)."""
+        if not await self.devices():
+            return
+        found = None
+        if rec.stubs:
+            pids = {rec.id: [s.pid for s in rec.stubs]}
+            found = await asyncio.to_thread(per_model_gpu_bytes, pids, self.reader, self.pid_map)
+        if found is not None:
+            per_device = found.get(rec.id, {})
+        elif delta is not None:
+            added = delta.added(await asyncio.to_thread(self.reader.devices))
+            per_device = dict(rec.gpu_footprint or {}) if rec.loaded else {}
+            for device, amount in added.items():
+                per_device[device] = per_device.get(device, 0) + amount
+        else:
+            return
+        rec.gpu_footprint, rec.gpu_instances = {d: b for d, b in per_device.items() if b > 0}, instances
+        for device in await self.devices():
+            self.states.metrics.gpu_memory_bytes.labels(model=rec.id, gpu=str(device)).set(
+                rec.gpu_footprint.get(device, 0)
+            )
+
+    def forget(self, rec: ModelRecord) -> None:
+        for device in self._devices or []:
+            self.states.metrics.gpu_memory_bytes.labels(model=rec.id, gpu=str(device)).set(0)
+
+    @staticmethod
+    def status_bytes(rec: ModelRecord) -> dict[str, int] | None:
+        if not rec.loaded or rec.gpu_footprint is None:
+            return None
+        return {str(d): b for d, b in sorted(rec.gpu_footprint.items())}
+
+    def close(self) -> None:
+        close = getattr(self.reader, "close", None)
+        if callable(close):
+            close()
+
+
+__all__ = ["EvictFn", "GpuMemory"]
