@@ -96,7 +96,7 @@ def replay(
     preloaded: bool = False,
 ) -> ReplayResult:
     """Replay sorted request times against ``policy`` over ``[start, end]`` (default: first to last request)."""
-    times = sorted(arrivals)
+    times = sorted(float(t) for t in arrivals)  # plain floats: numpy scalars would leak into report.json
     start = times[0] if start is None else start
     end = times[-1] if end is None else end
     res = ReplayResult(name or policy.kind, duration_s=end - start)
@@ -294,11 +294,11 @@ def read_trace(path: Path) -> dict[str, list[float]]:
     return per_model
 
 
-def _costs(measured: dict[str, Any] | None, override: float | None) -> tuple[dict[str, float], str]:
+def _costs(measured: dict[str, Any] | None) -> tuple[dict[str, float], str]:
     if measured and measured.get("models"):
         costs = {m: v["first_response_s"]["median"] for m, v in measured["models"].items()}
         return {**COLD_START_SECS, **costs}, "first-response medians of the coldstart section of this report"
-    return dict(COLD_START_SECS), "reference first-response medians (bench/keepalive_replay.py COLD_START_SECS)"
+    return dict(COLD_START_SECS), "reference first-response medians (COLD_START_SECS in bench/keepalive_replay.py)"
 
 
 def _replay_set(
@@ -325,25 +325,25 @@ def run(
     root: Path | None = None, *, seed: int = 20200715, trace_file: Path | None = None,
     cold_start_secs: float | None = None, measured: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``keepalive`` bench section: synthetic traces (or ``trace_file``) under every policy."""
+    """The ``keepalive`` bench section: every policy over the synthetic traces, or over ``trace_file``
+    (each model with ``cold_start_secs``, else the cost of the example model of its name, else 1 s)."""
     started = time.perf_counter()
-    costs, source = _costs(measured, cold_start_secs)
-    default_cost = cold_start_secs if cold_start_secs is not None else DEFAULT_COLD_START_SECS
+    costs, source = _costs(measured)
+    default_cost = DEFAULT_COLD_START_SECS
     if trace_file is not None:
         per_model = read_trace(trace_file)
-        traces = [
-            (m, m, f"{trace_file.name}: {m}", sorted(ts), min(ts), max(ts), False) for m, ts in per_model.items()
-        ]
+        traces = [(m, m, trace_file.name, sorted(ts), min(ts), max(ts), False) for m, ts in per_model.items()]
         if cold_start_secs is not None:
-            costs = {}
-            source = "--cold-start-secs"
+            costs, default_cost, source = {}, cold_start_secs, "--cold-start-secs"
+        else:
+            source += f"; {DEFAULT_COLD_START_SECS:g} s for other models"
     else:
         traces = []
         for i, spec in enumerate(SYNTHETIC):
             arrivals = spec.make(np.random.default_rng(seed + i))
             traces.append((spec.name, spec.model, spec.description, arrivals, 0.0, spec.days * DAY, spec.periodic))
     return {
-        "source": str(trace_file) if trace_file else f"synthetic, seed {seed}",
+        "source": str(trace_file) if trace_file else f"synthetic, seed {seed} (+ trace index)",
         "cold_start_secs": {m: costs.get(m, default_cost) for m in sorted({t[1] for t in traces})},
         "cold_start_source": source,
         "fixed_timeouts_s": list(FIXED_TIMEOUTS),
@@ -351,4 +351,3 @@ def run(
         "traces": _replay_set(traces, costs, default_cost),
         "replay_wall_s": round(time.perf_counter() - started, 2),
     }
-
