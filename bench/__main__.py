@@ -4,9 +4,12 @@
     python -m bench --quick               # short durations, few cycles (smoke test, < 1 min)
     python -m bench --only coldstart      # one section (repeatable); merged into the existing report.json
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
+    python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
-Sections: gateway, coldstart, batching, scale_to_zero, scale (default), native (opt-in: torch custom vs
-its ONNX export). Loopback only; each measurement is bounded in time and requests.
+Sections: gateway, coldstart, batching, scale_to_zero, scale, keepalive (default), native (opt-in: torch
+custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each measurement is bounded in time
+and requests. keepalive replays the keep-alive policies in virtual time (no server, seconds): see
+bench/keepalive_replay.py for the traces and the trace file format.
 """
 
 from __future__ import annotations
@@ -37,8 +40,8 @@ from typing import Any  # noqa: E402
 
 from bench.common import machine  # noqa: E402
 
-DEFAULT_SECTIONS = ("gateway", "coldstart", "batching", "scale_to_zero", "scale")
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "native")
+DEFAULT_SECTIONS = ("gateway", "coldstart", "batching", "scale_to_zero", "scale", "keepalive")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
 
 
@@ -58,6 +61,8 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             },
             "scale": {"n": 10, "validate_n": 3, "idle_secs": 0.5},
             "native": {"seconds": 0.5, "repeats": 1},
+            "keepalive": {},  # virtual time: the full replay takes seconds, quick or not
+            "keepalive_replay": {},
         }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
@@ -73,6 +78,8 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         },
         "scale": {"n": 200, "validate_n": 200, "idle_secs": 10.0},
         "native": {"seconds": 5.0, "repeats": 5},
+        "keepalive": {},
+        "keepalive_replay": {},
     }
 
 
@@ -101,6 +108,10 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
         from bench import native
 
         return await native.run(root, **kw)
+    if name in ("keepalive", "keepalive_replay"):
+        from bench import keepalive_replay
+
+        return keepalive_replay.run(root, **kw)
     raise ValueError(name)
 
 
@@ -117,7 +128,27 @@ def main(argv: list[str] | None = None) -> int:
         help=f"run only this section (repeatable): {', '.join(ALL_SECTIONS)}",
     )
     parser.add_argument("--out-dir", type=Path, default=BENCH_DIR, help="where report.md, report.json, plots/ go")
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        metavar="TRACE_FILE",
+        help="replay the keep-alive policies over this trace (CSV lines 'model,timestamp'); implies --only "
+        "keepalive_replay",
+    )
+    parser.add_argument(
+        "--cold-start-secs",
+        type=float,
+        metavar="SECS",
+        help="with --replay: the cold-start cost of every model in the trace (default: the example model of the "
+        "same name, else 1.0)",
+    )
     args = parser.parse_args(argv)
+    if args.replay is not None:
+        if not args.replay.is_file():
+            parser.error(f"--replay {args.replay}: no such file (expected CSV lines 'model,timestamp')")
+        args.only = [*(args.only or ()), "keepalive_replay"]
+    elif "keepalive_replay" in (args.only or ()):
+        parser.error("--only keepalive_replay needs --replay TRACE_FILE")
     sections = list(dict.fromkeys(args.only or DEFAULT_SECTIONS))
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         {
             "command": "python -m bench"
             + (" --quick" if args.quick else "")
-            + "".join(f" --only {s}" for s in args.only or ()),
+            + "".join(f" --only {s}" for s in args.only or () if s != "keepalive_replay" or not args.replay)
+            + (f" --replay {args.replay}" if args.replay else ""),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "machine": machine(),
             "quick": args.quick,
@@ -143,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         for name in sections:
             print(f"[bench] {name} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
+            kw = p[name]
+            if name in ("keepalive", "keepalive_replay"):  # charge the cold starts measured in this report
+                kw = {**kw, "measured": results["sections"].get("coldstart")}
+            if name == "keepalive_replay":
+                kw = {**kw, "trace_file": args.replay, "cold_start_secs": args.cold_start_secs}
             try:
-                results["sections"][name] = asyncio.run(run_section(name, Path(tmp) / name, p[name]))
+                results["sections"][name] = asyncio.run(run_section(name, Path(tmp) / name, kw))
             except Exception as exc:  # noqa: BLE001 - one broken section must not lose the others
                 traceback.print_exc()
                 results["sections"].pop(name, None)

@@ -151,6 +151,11 @@ class DeploymentSpec(BaseModel):
     max_batch_size: int = Field(8, ge=0, description="0 disables batching (no batch axis)")
     max_batch_delay_ms: float = Field(0, ge=0, description="Dynamic batcher max queue delay")
     idle_timeout_secs: float = Field(300, gt=0, description="Unload after this long without traffic")
+    keep_alive: Literal["fixed", "adaptive"] = Field(
+        "fixed",
+        description="fixed: unload after idle_timeout_secs; adaptive: learn keep-alive and pre-warm windows from "
+        "the model's own idle times (controlplane/keepalive.py), idle_timeout_secs where no pattern is found",
+    )
     instances: int = Field(1, ge=1, description="Instances loaded on wake-up")
     max_instances: int = Field(4, ge=1, description="Upper bound for the autoscaler")
     memory_mb: float | None = Field(None, gt=0, description="Declared footprint, when not measurable")

@@ -157,6 +157,10 @@ def publish(
     max_batch_size: Annotated[int | None, typer.Option(help="0 disables batching")] = None,
     max_batch_delay_ms: Annotated[float | None, typer.Option(help="Dynamic batcher max queue delay")] = None,
     idle_timeout: Annotated[float | None, typer.Option(help="Unload after this many idle seconds")] = None,
+    keep_alive: Annotated[
+        str | None,
+        typer.Option(help="fixed (idle timeout) | adaptive (learned keep-alive and pre-warm windows)"),
+    ] = None,
     instances: Annotated[int | None, typer.Option(help="Instances loaded on wake-up")] = None,
     max_instances: Annotated[int | None, typer.Option(help="Upper bound for the autoscaler")] = None,
     memory_mb: Annotated[float | None, typer.Option(help="Declared memory footprint")] = None,
@@ -181,8 +185,8 @@ def publish(
 
     options = {
         "device": device, "max_batch_size": max_batch_size, "max_batch_delay_ms": max_batch_delay_ms,
-        "idle_timeout_secs": idle_timeout, "instances": instances, "max_instances": max_instances,
-        "memory_mb": memory_mb,
+        "idle_timeout_secs": idle_timeout, "keep_alive": keep_alive, "instances": instances,
+        "max_instances": max_instances, "memory_mb": memory_mb,
     }
     deployment = {k: v for k, v in options.items() if v is not None}
     with _client(url, api_key, as_json) as client, ExitStack() as native:

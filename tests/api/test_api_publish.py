@@ -56,6 +56,18 @@ async def test_upload_publishes_validated_model_and_tells_lifecycle(
     assert ("published", "m1") in lifecycle.calls
 
 
+async def test_keep_alive_policy_is_stored_with_the_published_model(
+    client: httpx.AsyncClient, make_package: Callable[..., Path], store: ModelStore
+) -> None:
+    archive = tar_gz(make_package())
+    r = await upload(client, archive, deployment={"keep_alive": "adaptive", "idle_timeout_secs": 60})
+    assert r.status_code == 201, r.text
+    assert r.json()["deployment"]["keep_alive"] == "adaptive"
+    assert store.get("m1").deployment.keep_alive == "adaptive"  # survives a control-plane restart
+    r = await upload(client, archive, model_id="m2")
+    assert r.status_code == 201 and r.json()["deployment"]["keep_alive"] == "fixed"
+
+
 async def test_single_top_level_folder_is_the_package(
     client: httpx.AsyncClient, make_package: Callable[..., Path], store: ModelStore
 ) -> None:
@@ -228,6 +240,7 @@ async def test_errors_name_the_upload_not_the_temporary_folder(
     [
         ({"max_batch_size": -1}, "field 'max_batch_size'"),
         ({"colour": "red"}, "unknown field 'colour'"),
+        ({"keep_alive": "smart"}, "field 'keep_alive': Input should be 'fixed' or 'adaptive'"),
         ({"path": "/etc"}, "must not set 'path'"),
         ({"id": "other"}, "several model ids"),
         ({"params": {"nope": 1}}, "nope"),

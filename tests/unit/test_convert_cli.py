@@ -223,3 +223,10 @@ def test_publish_no_convert_and_no_hook_send_the_custom_package(tmp_path: Path, 
     assert result.exit_code == 0, result.output
     assert "serving the custom package (python backend)" in result.output and "has no export hook" in result.output
     assert recording[-1]["path"] == no_hook.resolve() and recording[-1]["id"] == "plain"
+
+
+def test_publish_sends_the_keep_alive_policy(tmp_path: Path, recording: list[dict]) -> None:
+    pkg = _package(tmp_path)
+    result = runner.invoke(app, ["publish", str(pkg), "--no-convert", "--keep-alive", "adaptive", "--json"])
+    assert result.exit_code == 0, result.output
+    assert recording[-1]["deployment"] == {"keep_alive": "adaptive"}

@@ -141,6 +141,18 @@ def test_models_toml_resolves_paths_and_rejects_unknown_keys(tmp_path: Path) -> 
         load_models_toml(toml)
 
 
+def test_keep_alive_policy_is_fixed_by_default_and_adaptive_on_request(tmp_path: Path) -> None:
+    write_custom(tmp_path / "pkgs" / "net")
+    toml = tmp_path / "models.toml"
+    toml.write_text('[[models]]\nid = "net"\npath = "pkgs/net"\n[[models]]\nid = "ad"\npath = "pkgs/net"\n'
+                    'keep_alive = "adaptive"\n')
+    fixed, adaptive = load_models_toml(toml)
+    assert (fixed.keep_alive, adaptive.keep_alive) == ("fixed", "adaptive")
+    toml.write_text('[[models]]\nid = "net"\npath = "pkgs/net"\nkeep_alive = "smart"\n')
+    with pytest.raises(InvalidPackageError, match=r"\(id 'net'\).*field 'keep_alive'.*'fixed' or 'adaptive'"):
+        load_models_toml(toml)
+
+
 def test_duplicate_ids_are_rejected(tmp_path: Path) -> None:
     write_custom(tmp_path / "a")
     toml = tmp_path / "models.toml"
