@@ -6,7 +6,7 @@
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
-Sections: gateway, coldstart, batching, scale_to_zero, scale, keepalive (default), native (opt-in: torch
+Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive (default), native (opt-in: torch
 custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each measurement is bounded in time
 and requests. keepalive replays the keep-alive policies in virtual time (no server, seconds): see
 bench/keepalive_replay.py for the traces and the trace file format.
@@ -40,7 +40,7 @@ from typing import Any  # noqa: E402
 
 from bench.common import machine  # noqa: E402
 
-DEFAULT_SECTIONS = ("gateway", "coldstart", "batching", "scale_to_zero", "scale", "keepalive")
+DEFAULT_SECTIONS = ("gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive")
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -61,6 +61,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             },
             "scale": {"n": 10, "validate_n": 3, "idle_secs": 0.5},
             "native": {"seconds": 0.5, "repeats": 1},
+            "recovery": {"cycles": 1},
             "keepalive": {},  # virtual time: the full replay takes seconds, quick or not
             "keepalive_replay": {},
         }
@@ -78,6 +79,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         },
         "scale": {"n": 200, "validate_n": 200, "idle_secs": 10.0},
         "native": {"seconds": 5.0, "repeats": 5},
+        "recovery": {"cycles": 10},
         "keepalive": {},
         "keepalive_replay": {},
     }
@@ -108,6 +110,10 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
         from bench import native
 
         return await native.run(root, **kw)
+    if name == "recovery":
+        from bench import recovery
+
+        return await recovery.run(root, **kw)
     if name in ("keepalive", "keepalive_replay"):
         from bench import keepalive_replay
 

@@ -225,6 +225,16 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
             f"{s['validate_static']['per_model_ms']:.0f} ms/model; control-plane RSS {n} vs 0 models "
             f"{cp[f'rss_{n}_vs_0_models']:.3f}x; idle CPU {100 * cp[f'idle_cpu_share_{n}_models']:.1f}% of one core."
         )
+    if r := sec.get("recovery"):
+        t = r["topologies"]
+        out.append(
+            "- **Recovery** after a model process dies (median of "
+            f"{r['cycles']} cycles): killed while idle, back on a new process in "
+            + ", ".join(f"{_ms(t[k]['recovered']['median'])} ({k})" for k in t)
+            + "; a poison request's client told in "
+            + ", ".join(f"{_ms(t[k]['error']['median'])} ({k})" for k in t)
+            + "."
+        )
     if k := sec.get("keepalive"):
         out.append(_keepalive_summary(k))
     return out
@@ -505,6 +515,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             f"The control plane is measured in a fresh `ServingStack` process: {cp['process']}.",
             "",
         ]
+    lines += _recovery_lines(sec.get("recovery"))
     lines += _keepalive_sections(sec, plots, plot_rel)
     if nat := sec.get("native"):
         lines += ["## Native (ONNX export) vs custom torch", "", "```", _json_block(nat), "```", ""]
@@ -520,6 +531,35 @@ def _json_block(data: Any) -> str:
     import json
 
     return json.dumps(data, indent=1)[:4000]
+
+
+def _recovery_lines(r: dict[str, Any] | None) -> list[str]:
+    if not r:
+        return []
+    names = {
+        "answered": "request sent right after SIGKILL of the idle process: answered in",
+        "recovered": "SIGKILL -> model READY on a new process",
+        "error": "poison request: its client gets the crash error in",
+        "serving_again": "poison request sent -> first successful request after it",
+    }
+    rows = []
+    for key, label in names.items():
+        row = [label]
+        for data in r["topologies"].values():
+            v = data.get(key, {})
+            row.append(f"{_ms(v['median'])} (p90 {_ms(v['p90'])})" if v else "-")
+        rows.append(row)
+    return [
+        "## Recovery after a model process dies, per topology",
+        "",
+        f"{r['cycles']} cycles per topology, interleaved, gRPC through the gateway; load average at the end "
+        f"{r['load_average']}. embedded = tritonserver is serve's child; two_process = `snoozectl triton` "
+        "beside serve (the compose / Kubernetes topology on one machine). About a second of each answer "
+        "that meets the dead process is Triton's own wait before it says \"Stub process ... is not healthy\".",
+        "",
+        _table(["", *r["topologies"]], rows),
+        "",
+    ]
 
 
 def _keepalive_sections(sec: dict[str, Any], plots: dict[str, str], plot_rel: str) -> list[str]:

@@ -21,10 +21,11 @@ SECTION_KEYS = {
     "batching": {"settings", "models"},
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
     "scale": {"models", "render", "validate_static", "control_plane"},
+    "recovery": {"cycles", "load_average", "topologies"},
 }
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     if not (ROOT / "examples" / "models" / "onnx-mlp" / "model.onnx").is_file():
         pytest.skip("examples/models/onnx-mlp/model.onnx missing: run `make examples`")
@@ -35,7 +36,7 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
         env={**os.environ, "TMPDIR": str(tmp_path)},
         capture_output=True,
         text=True,
-        timeout=230,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = out / "report.md"
@@ -55,3 +56,5 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert {r["target"] for r in rows} == {"direct", "bare_envoy", "gateway", "client_ceiling"}
     assert {(r["protocol"], r["concurrency"]) for r in rows} == {(p, c) for p in ("grpc", "http") for c in (1, 8, 32)}
     assert set(data["sections"]["coldstart"]["models"]) == {"numpy-linear", "onnx-mlp"}
+    assert set(data["sections"]["recovery"]["topologies"]) == {"embedded", "two_process"}
+    assert "## Recovery after a model process dies, per topology" in text
