@@ -32,6 +32,9 @@ def register(app: typer.Typer) -> None:
         journal_dir: Annotated[
             Path | None, typer.Option(help="Request journal folder [SNOOZE_JOURNAL_DIR; <work-dir>/journal]")
         ] = None,
+        exit_timeout_secs: Annotated[
+            int, typer.Option(help="On stop, how long Triton waits for in-flight requests and unloads")
+        ] = 30,
         as_json: Annotated[bool, typer.Option("--json", help="Print the URLs as one JSON line once live")] = False,
     ) -> None:
         """Run tritonserver alone (explicit model control) until Ctrl-C; serve connects with --triton-url.
@@ -52,7 +55,7 @@ def register(app: typer.Typer) -> None:
                 http_port=http_port or None,
                 grpc_port=grpc_port or None,
                 metrics_port=metrics_port or None,
-                exit_timeout_secs=30,
+                exit_timeout_secs=exit_timeout_secs,
                 journal_dir=journal_dir or settings.journal_dir,
                 admin_header=settings.triton_admin_header,
                 admin_key=key,
