@@ -380,6 +380,39 @@ def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
         assert info.value.status() == "500"
 
 
+def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
+    """The snapshot gate (``close_gate``): requests on HTTP and gRPC connections opened before it closed,
+    for a loaded and a sleeping model, get 503 / UNAVAILABLE and reach neither Triton nor the activator."""
+    warm, asleep = stack.publish("gw_gate"), stack.publish("gw_gate_asleep")
+    stack.loop.run(stack.lifecycle.ensure_ready(warm))
+    x = _x()
+    with stack.http() as h, stack.grpc() as g, httpx.Client(base_url=stack.gateway.http_url, headers=KEY) as raw:
+        np.testing.assert_allclose(http_infer(h, warm, x), x * 3)
+        np.testing.assert_allclose(grpc_infer(g, warm, x), x * 3)
+        assert raw.get(f"/v2/models/{warm}/ready").status_code == 200  # a keep-alive connection, now idle
+        served = stack.loop.run(stack.admin.model_stats(warm)).success_count
+        stack.gateway.close_gate()
+        try:
+            assert stack.gateway.gate_closed()
+            for model in (warm, asleep):
+                with pytest.raises(InferenceServerException) as info:
+                    http_infer(h, model, x)
+                assert info.value.status() == "503" and "snapshot" in info.value.message()
+                with pytest.raises(InferenceServerException) as info:
+                    grpc_infer(g, model, x)
+                assert info.value.status() == "StatusCode.UNAVAILABLE" and "snapshot" in info.value.message()
+            answer = raw.post(f"/v2/models/{warm}/infer", json={"inputs": []})
+            assert answer.status_code == 503 and "snapshot" in answer.json()["error"]
+            assert stack.loop.run(stack.admin.model_stats(warm)).success_count == served
+            assert not stack.triton_ready(asleep)
+        finally:
+            stack.gateway.open_gate()
+        assert not stack.gateway.gate_closed()
+        np.testing.assert_allclose(http_infer(h, warm, x), x * 3)
+        np.testing.assert_allclose(grpc_infer(g, warm, x), x * 3)
+        assert stack.loop.run(stack.admin.model_stats(warm)).success_count == served + 2
+
+
 def test_auth_off_renders_no_auth_filter():
     common: dict[str, Any] = dict(
         host="127.0.0.1", http_port=1, grpc_port=2, admin_port=0, wake_buffer_bytes=1024,
