@@ -223,6 +223,8 @@ class LifecycleManager:
         self._triton_up = asyncio.Event()
         self._triton_up.set()
         self._sweeper: asyncio.Task[None] | None = None
+        self._resumed: asyncio.Future[None] | None = None  # set while paused; resolved by resume()
+        self._sweeping = asyncio.Lock()  # held through one sweep, so that pause() can wait for it
 
     # ------------------------------------------------------------------------------------------
     # Start, stop, sweep
@@ -244,11 +246,36 @@ class LifecycleManager:
         if ops:
             await asyncio.gather(*ops, return_exceptions=True)
 
+    async def pause(self) -> None:
+        """Hold every change until ``resume()`` (a checkpoint is being taken): no sweep (so no idle unload,
+        autoscaling, dead-stub recovery or resync), and wake-ups, ``recover()`` and the API's load, unload,
+        publish and delete wait instead of acting. Returns once the sweep and the transitions already under
+        way have finished."""
+        if self._resumed is None:
+            self._resumed = asyncio.get_running_loop().create_future()
+        async with self._sweeping:
+            pass
+        while ops := [r.op for r in self._models.values() if r.op is not None]:
+            await asyncio.gather(*ops, return_exceptions=True)
+
+    def resume(self) -> None:
+        """End ``pause()``: whatever waited goes on, the sweeper sweeps again."""
+        if self._resumed is not None and not self._resumed.done():
+            self._resumed.set_result(None)
+        self._resumed = None
+
+    @property
+    def paused(self) -> bool:
+        return self._resumed is not None
+
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self.settings.sweep_interval_secs)
+            while self._resumed is not None:  # paused: no sweep until resume()
+                await asyncio.shield(self._resumed)
             try:
-                await self.sweep()
+                async with self._sweeping:
+                    await self.sweep()
             except SnoozeError as e:
                 log.warning("lifecycle sweep: %s", e)
             except Exception:  # the sweeper must outlive any one bad sweep
@@ -325,7 +352,12 @@ class LifecycleManager:
         rec.users += 1
         try:
             while rec.state is not ModelState.READY:
-                op = rec.op or self._spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
+                # While paused, the wake-up waits for resume() (within its deadline) instead of loading.
+                op = (
+                    rec.op
+                    or self._resumed
+                    or self._spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
+                )
                 try:
                     await asyncio.wait_for(asyncio.shield(op), max(deadline - loop.time(), 0))
                 except TimeoutError:
@@ -371,8 +403,7 @@ class LifecycleManager:
     async def recover(self, model_id: str, cause: str) -> None:
         """Unload and reload a model whose python stub died (Triton 2.51 does not restart stubs)."""
         rec = self._record(model_id)
-        if rec.op is not None:
-            await self._settle(rec)
+        await self._settle(rec)
         if rec.state is ModelState.READY:
             if time.time() - rec.ready_at < RECOVERY_DEDUP_SECS and not self._dead_stubs([rec]):
                 return
@@ -503,10 +534,11 @@ class LifecycleManager:
         return task
 
     async def _settle(self, rec: _Model) -> None:
-        """Wait until no transition runs for the model (their failures are in the model's state)."""
-        while rec.op is not None:
+        """Wait until no transition runs for the model (their failures are in the model's state) and the
+        manager is not paused."""
+        while (busy := rec.op or self._resumed) is not None:
             with contextlib.suppress(SnoozeError):
-                await asyncio.shield(rec.op)
+                await asyncio.shield(busy)
 
     async def _cold_load_op(self, rec: _Model, trigger: str, instances: int | None = None) -> None:
         try:
