@@ -17,22 +17,28 @@ it owns (``ready-for-snapshot``, ``triton-restore-ready``, ``restore-failed``) l
 of the container, before it starts anything; ``restore-complete`` belongs to the agent and is left
 alone.
 
-Capture: start the stack, load the models, one real inference each, stop admitting at the gateway
-(Envoy drain), wait until Envoy has no request in flight, Triton's pending count is zero for every
-model and no model is loading or unloading, write the fingerprint, then ``ready-for-snapshot``.
-The process then waits for ``restore-complete``: the checkpoint freezes it in that wait, the
-restored image wakes up in it.
+Capture: start the stack, load the models, one real inference each, then quiesce: close the gateway's
+snapshot gate (every request on every connection, also one opened before, is answered 503 / gRPC
+UNAVAILABLE by Envoy and reaches neither Triton nor the activator), drain Envoy's listeners (no new
+connection) and wait until it has no request in flight, pause the lifecycle (no sweep: no idle
+unload, autoscaling or dead-stub recovery; wake-ups and recoveries wait) once its running transitions
+are done, and wait until Triton's pending count is zero for every model and no model is loading or
+unloading. Write the fingerprint, then ``ready-for-snapshot``. The process then waits for
+``restore-complete`` with nothing running in it: the checkpoint freezes it in that wait, the restored
+image wakes up in it.
 
 Restore (``restore-complete`` seen): compute the fingerprint again and refuse to serve if it differs
-(naming the part that differs), restart Envoy to admit traffic again (a drained Envoy cannot
-undrain), check Triton live/ready and the control API, run one inference per ready model through
-the gateway, then write ``triton-restore-ready``.
+(naming the part that differs; the lifecycle stays paused and the gate closed), resume the lifecycle,
+restart Envoy (a drained Envoy cannot admit again; the fresh one starts with the gate open), check
+Triton live/ready and the control API, run one inference per ready model through the gateway, then
+write ``triton-restore-ready``.
 
-Standby (``SNAPSHOT_RESTORE_STANDBY=1``, the restore placeholder): start nothing (no Triton, no
-ports, no work-dir writes) and poll for ``restore-complete``. In a real restore this process is
-replaced by the restored process image and never sees the file. If it does see it, it was not
-replaced: it cold-starts (start, load, warm up), compares with the captured fingerprint when
-``snapshot-fingerprint.json`` is in the control folder, and runs the same restore checks.
+Standby (``SNAPSHOT_RESTORE_STANDBY=1``, the restore placeholder): in a restore pod the agent restores
+the captured process beside this one, as a sibling process in the same container. The placeholder
+stays inert for its whole life: it starts nothing (no Triton, no Envoy, no port, no work-dir write),
+logs when ``restore-complete`` appears (the restored sibling serves and writes
+``triton-restore-ready``), and sleeps until SIGTERM/SIGINT, then exits 0. It does not exit by itself,
+because it may be the container's main process, whose exit would end the restored sibling too.
 """
 
 from __future__ import annotations
@@ -319,32 +325,35 @@ class SnapshotEntrypoint:
         self.quiesce_timeout = quiesce_timeout
         self.console = console or Console(stderr=True)
         self.stack: ServingStack | None = None
-        self._drained = False
 
     def say(self, message: str) -> None:
         self.console.print(f"snapshot: {message}", highlight=False, markup=False)
 
-    async def run(self, standby: bool) -> bool:
-        """Run until the workload serves after a restore (True) or refused to (False)."""
+    def _clear_stale(self) -> None:
         removed = self.control.clear_stale()
         if removed:
             self.say(f"removed stale {', '.join(removed)} from {self.control.path}")
-        if standby:
-            self.say(f"{STANDBY_ENV}=1: restore placeholder, starting nothing; waiting for {RESTORE_COMPLETE}")
-            await self.control.wait_for(RESTORE_COMPLETE)
-            self.say(f"{RESTORE_COMPLETE} seen but this process was not replaced by a restored image: cold start")
-            captured = self.control.read_json(FINGERPRINT_FILE)
-            await self._start_and_warm(self.make_settings())
-        else:
-            await self._start_and_warm(self.make_settings())
-            await self._quiesce()
-            captured = self._fingerprint(self.stack.settings)  # type: ignore[union-attr]
-            self.control.write_json(FINGERPRINT_FILE, captured)
-            self.control.write(READY_FOR_SNAPSHOT, f"{time.time():.3f}\n")
-            self.say(f"wrote {READY_FOR_SNAPSHOT} (fingerprint {captured['digest'][:12]}); now waiting")
-            await self.control.wait_for(RESTORE_COMPLETE)
-            self.say(f"{RESTORE_COMPLETE} seen: resuming")
+
+    async def run(self) -> bool:
+        """Capture, then run until the workload serves after a restore (True) or refused to (False)."""
+        self._clear_stale()
+        await self._start_and_warm(self.make_settings())
+        await self._quiesce()
+        captured = self._fingerprint(self.stack.settings)  # type: ignore[union-attr]
+        self.control.write_json(FINGERPRINT_FILE, captured)
+        self.control.write(READY_FOR_SNAPSHOT, f"{time.time():.3f}\n")
+        self.say(f"wrote {READY_FOR_SNAPSHOT} (fingerprint {captured['digest'][:12]}); now waiting")
+        await self.control.wait_for(RESTORE_COMPLETE)
+        self.say(f"{RESTORE_COMPLETE} seen: resuming")
         return await self._resume(captured)
+
+    async def stand_by(self) -> None:
+        """The restore placeholder: never starts anything; returns only when cancelled (on a signal)."""
+        self._clear_stale()
+        self.say(f"{STANDBY_ENV}=1: restore placeholder; it starts nothing, the agent restores the captured process")
+        await self.control.wait_for(RESTORE_COMPLETE)
+        self.say(f"{RESTORE_COMPLETE} seen: the restored process serves beside this one; staying inert until SIGTERM")
+        await asyncio.Event().wait()
 
     async def stop(self) -> None:
         if self.stack is not None:
@@ -400,19 +409,30 @@ class SnapshotEntrypoint:
             ) from exc
 
     async def _quiesce(self) -> None:
-        """Stop admitting at the gateway; wait until nothing is in flight anywhere."""
+        """Close the gate, drain the gateway, pause the lifecycle; wait until nothing is in flight anywhere."""
         stack = self.stack
         assert stack is not None and stack.gateway is not None and stack.admin is not None
         assert stack.lifecycle is not None
         deadline = time.monotonic() + self.quiesce_timeout
-        self._drained = True
+        # Gate first: requests already past it (a wake-up at the activator included) finish with the
+        # lifecycle still running; none can follow, not even over a connection opened before the drain.
+        await asyncio.to_thread(stack.gateway.close_gate)
         await asyncio.to_thread(stack.gateway.drain, self.quiesce_timeout)
+        try:
+            await asyncio.wait_for(stack.lifecycle.pause(), max(deadline - time.monotonic(), 0))
+        except TimeoutError:
+            moving = [s.id for s in stack.lifecycle.statuses() if s.state in (ModelState.LOADING, ModelState.UNLOADING)]
+            raise SnapshotError(
+                f"the model lifecycle did not settle within {self.quiesce_timeout:.0f}s "
+                f"(loading/unloading: {', '.join(moving) or 'none'})",
+                hint="raise --quiesce-timeout, or fix the model whose load or unload hangs (load_timeout_secs)",
+            ) from None
         while True:
             active = await asyncio.to_thread(stack.gateway.active_requests)
             pending = {m: n for m, n in (await stack.admin.pending_request_counts()).items() if n > 0}
             moving = [s.id for s in stack.lifecycle.statuses() if s.state in (ModelState.LOADING, ModelState.UNLOADING)]
             if not active and not pending and not moving:
-                self.say("gateway drained; no request in flight at Envoy or Triton")
+                self.say("gateway gated and drained, lifecycle paused; no request in flight at Envoy or Triton")
                 return
             if time.monotonic() >= deadline:
                 raise SnapshotError(
@@ -429,7 +449,7 @@ class SnapshotEntrypoint:
 
     # ------------------------------------------------------------------ restore
 
-    async def _resume(self, captured: dict[str, Any] | None) -> bool:
+    async def _resume(self, captured: dict[str, Any]) -> bool:
         try:
             await self._restore_checks(captured)
         except SnoozeError as exc:
@@ -440,26 +460,22 @@ class SnapshotEntrypoint:
             return False
         return True
 
-    async def _restore_checks(self, captured: dict[str, Any] | None) -> None:
+    async def _restore_checks(self, captured: dict[str, Any]) -> None:
         stack = self.stack
         assert stack is not None and stack.admin is not None and stack.lifecycle is not None
         assert stack.store is not None and stack.gateway is not None
         settings = self.make_settings()
         current = self._fingerprint(settings)
-        if captured is None:
-            self.say(f"no {FINGERPRINT_FILE} from a capture in {self.control.path}: nothing to compare")
-        else:
-            differences = fingerprint_differences(captured, current)
-            if differences:
-                raise SnapshotError(
-                    "the configuration differs from the one the snapshot was taken with: " + "; ".join(differences),
-                    hint="restore with the capture's configuration, or take a new snapshot with this one",
-                )
-        if self._drained:
-            # A drained Envoy cannot admit again: a fresh one on the same ports can.
-            await asyncio.to_thread(stack.gateway.stop)
-            await asyncio.to_thread(stack.gateway.start)
-            self._drained = False
+        differences = fingerprint_differences(captured, current)
+        if differences:
+            raise SnapshotError(
+                "the configuration differs from the one the snapshot was taken with: " + "; ".join(differences),
+                hint="restore with the capture's configuration, or take a new snapshot with this one",
+            )
+        stack.lifecycle.resume()
+        # The capture drained Envoy, which cannot admit again: a fresh one on the same ports can, gate open.
+        await asyncio.to_thread(stack.gateway.stop)
+        await asyncio.to_thread(stack.gateway.start)
         if not await stack.admin.live() or not await stack.admin.ready():
             raise SnapshotError(
                 f"Triton at {stack.admin.http_url} is not live and ready after the restore",
@@ -496,14 +512,14 @@ def _client_headers(settings: Settings) -> dict[str, str]:
 
 
 async def serve_snapshot(entry: SnapshotEntrypoint, standby: bool) -> int:
-    """Run the state machine, then serve until SIGINT/SIGTERM. 0 = served and stopped on a signal,
-    1 = the restore checks refused to serve."""
+    """Run the state machine (or stand by), then serve until SIGINT/SIGTERM. 0 = served (or stood by) and
+    stopped on a signal, 1 = the restore checks refused to serve."""
     def force() -> None:
         if entry.stack is not None:
             entry.stack.force()
 
     with stop_signals(lambda: entry.say("stopping"), force) as stopping:
-        work = asyncio.create_task(entry.run(standby))
+        work = asyncio.create_task(entry.stand_by() if standby else entry.run())
         halt = asyncio.create_task(stopping.wait())
         try:
             await asyncio.wait({work, halt}, return_when=asyncio.FIRST_COMPLETED)

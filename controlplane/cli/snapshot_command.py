@@ -42,9 +42,9 @@ def snapshot_entrypoint(
     """Checkpoint/restore entrypoint: start, load, warm up, drain, write ready-for-snapshot; after
     restore-complete check health and one inference per model, write triton-restore-ready, serve.
 
-    Needs SNAPSHOT_CONTROL_DIR; SNAPSHOT_RESTORE_STANDBY=1 (restore placeholder) starts nothing until
-    restore-complete appears. Exit status 1 when the restored process refuses to serve (the reason is
-    in $SNAPSHOT_CONTROL_DIR/restore-failed)."""
+    Needs SNAPSHOT_CONTROL_DIR; SNAPSHOT_RESTORE_STANDBY=1 (restore placeholder) starts nothing, ever:
+    the agent restores the captured process beside it, and it sleeps until SIGTERM (exit 0). Exit status
+    1 when the restored process refuses to serve (the reason is in $SNAPSHOT_CONTROL_DIR/restore-failed)."""
     from controlplane.settings import Settings
     from controlplane.snapshot import (
         ControlDir,

@@ -20,6 +20,12 @@ Gateway metrics are Envoy's own stats: scrape ``EnvoyGateway.prometheus_url``
 ``envoy_http_downstream_rq_time``, ``envoy_cluster_upstream_rq_retry{envoy_cluster_name="infer_http|infer_grpc"}``
 (wake retries), ``envoy_cluster_retry_or_shadow_abandoned`` (requests over ``wake_buffer_bytes``) and
 ``envoy_http_api_key_auth_*`` / 401 counts for auth refusals.
+
+The snapshot gate: the first route of each listener answers every request with 503 (HTTP: the KServe
+JSON error shape; gRPC: UNAVAILABLE) while the runtime key ``GATE_RUNTIME_KEY`` is at 100%.
+``EnvoyGateway.close_gate()`` / ``open_gate()`` set it through the admin ``/runtime_modify`` (the
+bootstrap has an admin runtime layer for this). Unlike a listener drain it also holds for connections
+opened before: a route is chosen per request. Open, it costs one runtime lookup per request.
 """
 
 from __future__ import annotations
@@ -68,6 +74,10 @@ UNAUTHORIZED_MESSAGE = (
     "(gRPC metadata x-api-key or authorization)"
 )
 MAX_UPSTREAM = 100_000
+GATE_RUNTIME_KEY = "snooze.gateway.closed"
+GATE_CLOSED_MESSAGE = (
+    "snoozeml is not admitting requests: a snapshot of this workload is being taken; retry once it is restored"
+)
 
 
 class GatewayError(SnoozeError):
@@ -165,6 +175,8 @@ def render_bootstrap(
         request_id_header=REQUEST_ID_HEADER,
         unauthorized_message=UNAUTHORIZED_MESSAGE,
         max_upstream=MAX_UPSTREAM,
+        gate_runtime_key=GATE_RUNTIME_KEY,
+        gate_closed_message=GATE_CLOSED_MESSAGE,
     )
 
 
@@ -306,11 +318,11 @@ class EnvoyProcess:
     def _admin_get(self, path: str) -> httpx.Response:
         return self._admin("GET", path)
 
-    def _admin(self, method: str, path: str) -> httpx.Response:
+    def _admin(self, method: str, path: str, params: dict[str, str] | None = None) -> httpx.Response:
         if not self.is_running() or self.admin_url is None:
             raise GatewayError("Envoy is not running")
         try:
-            r = httpx.request(method, f"{self.admin_url}{path}", timeout=5)
+            r = httpx.request(method, f"{self.admin_url}{path}", params=params, timeout=5)
         except httpx.TransportError as e:
             raise GatewayError(f"Envoy admin at {self.admin_url} is not reachable: {e}") from e
         if r.status_code != 200:
@@ -409,6 +421,18 @@ class EnvoyGateway(EnvoyProcess):
             binary=binary,
             name="gateway",
         )
+
+    def close_gate(self) -> None:
+        """Answer every request with 503 (gRPC UNAVAILABLE) from now on, on open connections too."""
+        self._admin("POST", "/runtime_modify", {GATE_RUNTIME_KEY: "100"})
+
+    def open_gate(self) -> None:
+        self._admin("POST", "/runtime_modify", {GATE_RUNTIME_KEY: "0"})
+
+    def gate_closed(self) -> bool:
+        """What Envoy's runtime says now (the bootstrap's default, 0%, is open)."""
+        entry = self._admin_get("/runtime?format=json").json().get("entries", {}).get(GATE_RUNTIME_KEY, {})
+        return entry.get("final_value", "0") not in ("", "0")
 
     @property
     def http_url(self) -> str:

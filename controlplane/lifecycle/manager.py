@@ -103,6 +103,7 @@ class LifecycleManager:
         self._triton_up.set()
         self._server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
         self._tasks: list[asyncio.Task[None]] = []
+        self._passing = asyncio.Lock()  # held through one periodic pass, so that pause() can wait for it
 
     # ------------------------------------------------------------------------------------------
     # Start, stop, sweep, watch
@@ -134,12 +135,36 @@ class LifecycleManager:
         await self.states.wait_all()
         self.gpu.close()
 
-    @staticmethod
-    async def _every(interval: float, job: Callable[[], Awaitable[None]], what: str) -> None:
+    async def pause(self) -> None:
+        """Hold every change until ``resume()`` (a checkpoint is being taken): no sweep, process watch or
+        store follow (so no idle unload, autoscaling, recovery or resync), and wake-ups, ``recover()`` and
+        the API's load, unload, publish and delete wait instead of acting. Returns once the passes and
+        transitions already under way have finished."""
+        if self.states.resumed is None:
+            self.states.resumed = asyncio.get_running_loop().create_future()
+        async with self._passing:
+            pass
+        while ops := [r.op for r in self.states.values() if r.op is not None]:
+            await asyncio.gather(*ops, return_exceptions=True)
+
+    def resume(self) -> None:
+        """End ``pause()``: whatever waited goes on, and the periodic passes run again."""
+        if self.states.resumed is not None and not self.states.resumed.done():
+            self.states.resumed.set_result(None)
+        self.states.resumed = None
+
+    @property
+    def paused(self) -> bool:
+        return self.states.resumed is not None
+
+    async def _every(self, interval: float, job: Callable[[], Awaitable[None]], what: str) -> None:
         while True:
             await asyncio.sleep(interval)
+            while self.states.resumed is not None:  # paused: no pass until resume()
+                await asyncio.shield(self.states.resumed)
             try:
-                await job()
+                async with self._passing:
+                    await job()
             except SnoozeError as e:
                 log.warning("lifecycle %s: %s", what, e)
             except Exception:  # the loop must outlive any one bad pass
@@ -216,7 +241,7 @@ class LifecycleManager:
     def _start_recovery(self, rec: ModelRecord, deaths: list[StubDeath]) -> asyncio.Task[None] | None:
         """Note the deaths (and the requests they took) and reload the model, unless a transition runs."""
         note_deaths(rec, deaths, self.journal_dir)
-        if rec.op is not None or rec.state is not ModelState.READY:
+        if rec.op is not None or rec.state is not ModelState.READY or self.paused:
             return rec.op
         what = ", ".join(f"{d.stub.instance or d.stub.pid} {d.describe()}" for d in deaths)
         return self.states.spawn(rec, ModelState.LOADING, f"recovering: process died ({what})", self._recover_op(rec))
@@ -248,8 +273,11 @@ class LifecycleManager:
         rec.users += 1
         try:
             while rec.state is not ModelState.READY:
-                op = rec.op or self.states.spawn(
-                    rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request")
+                # While paused, a wake-up waits for resume() (within its deadline) instead of loading.
+                op = (
+                    rec.op
+                    or self.states.resumed
+                    or self.states.spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
                 )
                 try:
                     await asyncio.wait_for(asyncio.shield(op), max(deadline - loop.time(), 0))
@@ -341,8 +369,7 @@ class LifecycleManager:
         recovered it already); where they cannot, a model (re)loaded in the last seconds is.
         """
         rec = self.states.record(model_id)
-        if rec.op is not None:
-            await self.states.settle(rec)
+        await self.states.settle(rec)
         if rec.state is ModelState.READY:
             if rec.stubs:
                 deaths = await asyncio.to_thread(self._crashes, rec)

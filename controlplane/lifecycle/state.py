@@ -127,6 +127,7 @@ class ModelStates:
         self.store = store
         self.metrics = metrics
         self.records: dict[str, ModelRecord] = {}
+        self.resumed: asyncio.Future[None] | None = None  # set while paused (a checkpoint is being taken)
 
     def get(self, model_id: str) -> ModelRecord | None:
         return self.records.get(model_id)
@@ -176,10 +177,11 @@ class ModelStates:
         return task
 
     async def settle(self, rec: ModelRecord) -> None:
-        """Wait until no transition runs for the model (their failures are in the model's state)."""
-        while rec.op is not None:
+        """Wait until no transition runs for the model (their failures are in the model's state) and
+        the lifecycle is not paused."""
+        while (busy := rec.op or self.resumed) is not None:
             with contextlib.suppress(SnoozeError):
-                await asyncio.shield(rec.op)
+                await asyncio.shield(busy)
 
     async def wait_all(self) -> None:
         ops = [r.op for r in self.records.values() if r.op is not None]

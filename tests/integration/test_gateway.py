@@ -14,6 +14,7 @@ import os
 import signal
 import textwrap
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,6 +379,49 @@ def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
     with stack.http() as h:  # HTTP: a Lua filter marks the dead stub's 500 for the same retry
         np.testing.assert_allclose(http_infer(h, name, x), x * 3)
     assert stack.recoveries(name) == 2
+
+
+def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
+    """The snapshot gate (``close_gate``): requests on HTTP and gRPC connections opened before it closed,
+    for a loaded and a sleeping model, get 503 / UNAVAILABLE and reach neither Triton nor the activator."""
+    warm, asleep = stack.publish("gw_gate"), stack.publish("gw_gate_asleep")
+    stack.loop.run(stack.lifecycle.ensure_ready(warm))
+    x = _x()
+    with stack.http() as h, stack.grpc() as g, httpx.Client(base_url=stack.gateway.http_url, headers=KEY) as raw:
+        np.testing.assert_allclose(http_infer(h, warm, x), x * 3)
+        np.testing.assert_allclose(grpc_infer(g, warm, x), x * 3)
+        assert raw.get(f"/v2/models/{warm}/ready").status_code == 200  # a keep-alive connection, now idle
+        served = _successes(stack, warm, at_least=2)  # Triton counts a request just after answering it
+        stack.gateway.close_gate()
+        try:
+            assert stack.gateway.gate_closed()
+            for model in (warm, asleep):
+                with pytest.raises(InferenceServerException) as info:
+                    http_infer(h, model, x)
+                assert info.value.status() == "503" and "snapshot" in info.value.message()
+                with pytest.raises(InferenceServerException) as info:
+                    grpc_infer(g, model, x)
+                assert info.value.status() == "StatusCode.UNAVAILABLE" and "snapshot" in info.value.message()
+            answer = raw.post(f"/v2/models/{warm}/infer", json={"inputs": []})
+            assert answer.status_code == 503 and "snapshot" in answer.json()["error"]
+            time.sleep(0.5)
+            assert _successes(stack, warm) == served
+            assert not stack.triton_ready(asleep)
+        finally:
+            stack.gateway.open_gate()
+        assert not stack.gateway.gate_closed()
+        np.testing.assert_allclose(http_infer(h, warm, x), x * 3)
+        np.testing.assert_allclose(grpc_infer(g, warm, x), x * 3)
+        assert _successes(stack, warm, at_least=served + 2) == served + 2
+
+
+def _successes(stack: Stack, name: str, at_least: int = 0) -> int:
+    """Triton's count of successful requests for the model, once it reached ``at_least`` (5 s at most)."""
+    deadline = time.monotonic() + 5
+    while (count := stack.loop.run(stack.admin.model_stats(name)).success_count) < at_least:
+        assert time.monotonic() < deadline, f"Triton counts {count} requests for {name}, expected {at_least}"
+        time.sleep(0.05)
+    return count
 
 
 def test_auth_off_renders_no_auth_filter():

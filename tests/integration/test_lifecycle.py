@@ -358,6 +358,42 @@ async def test_republish_reloads_and_a_failed_reload_keeps_the_old_model(make_ma
     assert triton.stub_pids(model) == [] and model not in {s.id for s in manager.statuses() if s.state == "ready"}
 
 
+async def test_pause_holds_every_change_until_resume(make_manager, publish, triton):
+    """What a checkpoint needs: pause() lets a running load finish, then nothing changes (no idle unload,
+    no dead-stub recovery by the sweeper, wake-ups, recover() and API loads wait) until resume()."""
+    idle, crashy, asleep = publish("pause-idle", idle_timeout_secs=3), publish("pause-crashy"), publish("pause-asleep")
+    slow = publish("pause-slow", params={"load_sleep": 1.0})
+    manager = await make_manager()  # sweeps every 0.2 s
+    await manager.ensure_ready(crashy)
+    loading = asyncio.create_task(manager.ensure_ready(slow))
+    await until(lambda: manager.status(slow).state is ModelState.LOADING, "the slow load to start")
+    await manager.ensure_ready(idle)
+
+    await manager.pause()
+    assert manager.paused and loading.done() and manager.status(slow).state is ModelState.READY
+    os.kill(triton.stub_pids(crashy)[0], signal.SIGKILL)
+    await until(lambda: triton.stub_pids(crashy) == [], "the stub to die")
+    waiting = [
+        asyncio.create_task(manager.ensure_ready(asleep)),
+        asyncio.create_task(manager.recover(crashy, "stub_unhealthy")),
+        asyncio.create_task(manager.unload(slow)),
+    ]
+    await asyncio.sleep(3.5)  # past idle's timeout, many sweep intervals
+    assert not any(task.done() for task in waiting)
+    assert [manager.status(m).state for m in (idle, crashy, asleep, slow)] == [
+        ModelState.READY, ModelState.READY, ModelState.UNLOADED, ModelState.READY,
+    ]  # fmt: skip
+    assert triton.stub_pids(crashy) == []
+    assert sample(manager, "snooze_recoveries_total", model=crashy, cause="dead_stub") == 0
+    assert (await infer(triton, asleep)).status_code == 404
+
+    manager.resume()
+    await asyncio.wait_for(asyncio.gather(*waiting), DEADLINE)
+    assert not manager.paused and manager.status(asleep).state is ModelState.READY
+    assert await output(triton, crashy) == [2.0, 4.0] and manager.status(slow).state is ModelState.UNLOADED
+    await until(lambda: manager.status(idle).state is ModelState.UNLOADED, "the idle unload after resume")
+
+
 async def test_start_adopts_models_triton_has_loaded(make_manager, publish, triton):
     model = publish("adopted", instances=2)
     async with TritonAdminClient(triton.http_url) as admin:

@@ -1,9 +1,14 @@
 """The checkpoint/restore workload contract end to end: `snoozectl snapshot-entrypoint` as a real
 subprocess (embedded tritonserver, Envoy, control API on free ports), a simulated snapshot agent
-(the test writes restore-complete), and checks against Triton's own HTTP and metrics ports."""
+(the test writes restore-complete), and checks against Triton's own HTTP and metrics ports.
+
+The simulated agent cannot checkpoint: the captured process goes on from its wait for
+restore-complete as a restored one would, and a restore placeholder is a second entrypoint process
+with the same control folder and ports, beside it as the restored process is in a restore pod."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -20,7 +25,9 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.client import parse_pending_request_counts
 from controlplane.triton.launcher import free_port
@@ -38,6 +45,23 @@ class Model:
     def predict(self, inputs):
         return {{"y": (inputs["x"] * {factor}).astype(np.float32)}}
 """
+# Appends a line to a marker file per execution: what ran in the model, whichever way it got there.
+# The slow load keeps the gateway up before the capture long enough for a client to connect.
+COUNTED_MODEL_PY = """
+import time
+
+import numpy as np
+
+
+class Model:
+    def load(self, model_dir, device):
+        time.sleep(3)
+
+    def predict(self, inputs):
+        with open({marker!r}, "a") as f:
+            f.write("executed\\n")
+        return {{"y": (inputs["x"] * 2).astype(np.float32)}}
+"""
 MANIFEST = {
     "inputs": [{"name": "x", "datatype": "FP32", "dims": [2]}],
     "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}],
@@ -45,10 +69,10 @@ MANIFEST = {
 START_TIMEOUT = 180  # a 2-core machine: tritonserver + python stubs + Envoy
 
 
-def _package(models: Path, name: str, factor: int) -> None:
+def _package(models: Path, name: str, factor: int, source: str | None = None) -> None:
     folder = models / name
     folder.mkdir(parents=True)
-    (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY.format(factor=factor)))
+    (folder / "snooze_model.py").write_text(textwrap.dedent(source or MODEL_PY.format(factor=factor)))
     (folder / "snooze_model.json").write_text(json.dumps(MANIFEST))
 
 
@@ -74,13 +98,13 @@ def _accepts(port: int) -> bool:
 class Entrypoint:
     """One `snoozectl snapshot-entrypoint` subprocess with fixed free ports; always killed."""
 
-    def __init__(self, root: Path, models: Path, *, standby: bool = False) -> None:
+    def __init__(self, root: Path, models: Path, *, standby: bool = False, ports: dict[str, int] | None = None) -> None:
         self.control = root / "control"
         self.control.mkdir(exist_ok=True)
         self.work = root / "work"
-        self.log = root / "entrypoint.log"
-        ports = {name: free_port() for name in ("http", "grpc", "api", "triton_http", "triton_grpc", "triton_metrics")}
-        self.ports = ports
+        self.log = root / ("standby.log" if standby else "entrypoint.log")
+        names = ("http", "grpc", "api", "triton_http", "triton_grpc", "triton_metrics")
+        self.ports = ports = ports or {name: free_port() for name in names}
         snoozectl = shutil.which("snoozectl", path=str(Path(sys.executable).parent))
         assert snoozectl, "snoozectl is not installed next to this interpreter"
         self.command = [
@@ -168,8 +192,8 @@ def models(tmp_path: Path) -> Path:
 def entrypoint(tmp_path: Path, models: Path) -> Iterator[Callable[..., Entrypoint]]:
     started: list[Entrypoint] = []
 
-    def make(*, standby: bool = False) -> Entrypoint:
-        ep = Entrypoint(tmp_path, models, standby=standby)
+    def make(*, standby: bool = False, ports: dict[str, int] | None = None) -> Entrypoint:
+        ep = Entrypoint(tmp_path, models, standby=standby, ports=ports)
         started.append(ep)
         return ep
 
@@ -207,22 +231,91 @@ def test_capture_then_restore(entrypoint: Callable[..., Entrypoint], models: Pat
     assert not ep.file("restore-failed").exists()
 
 
-def test_standby_starts_nothing_until_restore_complete(entrypoint: Callable[..., Entrypoint]) -> None:
-    ep = entrypoint(standby=True)
-    ep.file("ready-for-snapshot").write_text("stale\n")
-    ep.start()
-    _wait("the stale ready-for-snapshot to go", lambda: not ep.file("ready-for-snapshot").exists(), 30, ep.proc)
-    time.sleep(2)  # long enough for a start-up to show (tritonserver is a child within ~1 s)
+def _inert(ep: Entrypoint) -> None:
+    """No child process (tritonserver, Envoy), no listening socket, no sentinel of its own."""
+    assert ep.proc is not None and ep.proc.poll() is None, "the placeholder must not exit on its own"
     process = psutil.Process(ep.proc.pid)
     assert process.children(recursive=True) == [], "standby must not start tritonserver or Envoy"
     assert [c for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN] == []
-    assert not any(_accepts(port) for port in ep.ports.values())
-    assert not ep.work.exists(), "standby must not touch the work dir"
+
+
+def test_standby_placeholder_stays_inert_beside_the_restored_process(entrypoint: Callable[..., Entrypoint]) -> None:
+    placeholder = entrypoint(standby=True)
+    placeholder.file("ready-for-snapshot").write_text("stale\n")
+    placeholder.start()
+    _wait("the stale ready-for-snapshot to go", lambda: not placeholder.file("ready-for-snapshot").exists(), 30)
+    time.sleep(2)  # long enough for a start-up to show (tritonserver is a child within ~1 s)
+    _inert(placeholder)
+    assert not any(_accepts(port) for port in placeholder.ports.values())
+    assert not placeholder.work.exists(), "standby must not touch the work dir"
+
+    # The captured process, on the same ports and control folder, goes on as the restored sibling.
+    captured = entrypoint(ports=placeholder.ports).start()
+    captured.wait_for("ready-for-snapshot")
+    captured.file("restore-complete").write_text("")  # the agent
+    captured.wait_for("triton-restore-ready", timeout=60)
+    _wait("the placeholder to see restore-complete", lambda: "restore-complete seen" in placeholder.log_text(), 30)
+    time.sleep(3)  # a cold start (the old behaviour) had tritonserver and Envoy up well within this
+    _inert(placeholder)
+    np.testing.assert_allclose(captured.infer_through_gateway("double"), [[2.0, 4.0]])
+    assert not captured.file("restore-failed").exists()
+    assert "address already in use" not in (placeholder.log_text() + captured.log_text()).lower()
+
+    placeholder.proc.send_signal(signal.SIGTERM)
+    assert placeholder.proc.wait(timeout=30) == 0
+    np.testing.assert_allclose(captured.infer_through_gateway("double"), [[2.0, 4.0]])
+
+
+def _gate_closed(ep: Entrypoint) -> bool:
+    """Envoy's runtime value of the snapshot gate, read from its admin endpoint."""
+    admin = (ep.work / "envoy" / "gateway.admin").read_text().strip()
+    entries = httpx.get(f"http://{admin}/runtime?format=json", timeout=5).json()["entries"]
+    return entries.get("snooze.gateway.closed", {}).get("final_value", "0") not in ("", "0")
+
+
+def test_no_request_runs_between_ready_for_snapshot_and_restore_complete(
+    entrypoint: Callable[..., Entrypoint], models: Path, tmp_path: Path
+) -> None:
+    marker = tmp_path / "executions.txt"
+    _package(models, "counted", 2, COUNTED_MODEL_PY.format(marker=str(marker)))
+    ep = entrypoint().start()
+
+    def executions() -> int:
+        return len(marker.read_text().splitlines()) if marker.exists() else 0
+
+    # Connect while the capture still loads models: a keep-alive HTTP connection and a gRPC channel.
+    _wait("the gateway to listen", lambda: _accepts(ep.ports["http"]) and _accepts(ep.ports["grpc"]), 120, ep.proc)
+    keep_alive = http.client.HTTPConnection("127.0.0.1", ep.ports["http"], timeout=30)
+    keep_alive.request("GET", "/v2/health/live")
+    assert keep_alive.getresponse().read() == b"" and keep_alive.sock is not None
+    channel = grpcclient.InferenceServerClient(f"127.0.0.1:{ep.ports['grpc']}")
+    assert channel.is_server_live()
+
+    ep.wait_for("ready-for-snapshot")
+    assert executions() == 1  # the warm-up
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]})
+    keep_alive.request("POST", "/v2/models/counted/infer", body, {"Content-Type": "application/json"})
+    answer = keep_alive.getresponse()
+    assert answer.status == 503 and "snapshot" in json.loads(answer.read())["error"]
+    x = grpcclient.InferInput("x", [1, 2], "FP32")
+    x.set_data_from_numpy(np.array([[1.0, 2.0]], dtype=np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        channel.infer("counted", [x])
+    assert info.value.status() == "StatusCode.UNAVAILABLE"
+    assert not _accepts(ep.ports["http"]), "the gateway admits no new connection either"
+    time.sleep(3)  # past several sweep intervals: nothing may run late or in the background either
+    assert executions() == 1 and ep.triton_stats("counted")["inference_stats"]["success"]["count"] == 1
+    assert ep.pending() and all(n == 0 for n in ep.pending().values())
 
     ep.file("restore-complete").write_text("")
-    ep.wait_for("triton-restore-ready")
-    np.testing.assert_allclose(ep.infer_through_gateway("double"), [[2.0, 4.0]])
-    assert not ep.file("ready-for-snapshot").exists(), "a standby process is never snapshotted"
+    ep.wait_for("triton-restore-ready", timeout=60)
+    assert executions() == 2, "only the post-restore check ran: nothing sent while paused was run late"
+    assert not _gate_closed(ep)
+    np.testing.assert_allclose(channel.infer("counted", [x]).as_numpy("y"), [[2.0, 4.0]])  # the same channel
+    np.testing.assert_allclose(ep.infer_through_gateway("counted"), [[2.0, 4.0]])
+    assert executions() == 4
+    channel.close()
+    keep_alive.close()
 
 
 def test_changed_configuration_refuses_to_resume(entrypoint: Callable[..., Entrypoint], models: Path) -> None:

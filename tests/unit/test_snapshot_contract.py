@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
 from pydantic import SecretStr
+from rich.console import Console
 
 from controlplane.settings import Settings
 from controlplane.snapshot import (
@@ -18,6 +22,7 @@ from controlplane.snapshot import (
     STANDBY_ENV,
     TRITON_RESTORE_READY,
     ControlDir,
+    SnapshotEntrypoint,
     SnapshotError,
     _settings_part,
     control_dir_from_env,
@@ -104,3 +109,26 @@ def test_fingerprint_differences_name_the_part() -> None:
         "settings.http_port: 8000 at capture, 9000 now",
     ]
     assert "format" in fingerprint_differences({**captured, "format": 0}, current)[0]
+
+
+async def test_standby_stays_inert_after_restore_complete(tmp_path: Path) -> None:
+    """The placeholder builds no settings and no stack, before or after restore-complete; it waits to be
+    cancelled (serve_snapshot cancels it on SIGTERM and exits 0)."""
+
+    def make_settings() -> Settings:
+        raise AssertionError("a restore placeholder must not prepare a stack")
+
+    out = io.StringIO()
+    entry = SnapshotEntrypoint(ControlDir(tmp_path), make_settings, None, console=Console(file=out, width=200))
+    (tmp_path / READY_FOR_SNAPSHOT).write_text("stale")
+    waiting = asyncio.create_task(entry.stand_by())
+    await asyncio.sleep(0.5)
+    (tmp_path / RESTORE_COMPLETE).write_text("")
+    await asyncio.sleep(1.0)  # five polls
+    assert not waiting.done() and entry.stack is None
+    assert "restore-complete seen" in out.getvalue() and "inert" in out.getvalue()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RESTORE_COMPLETE]  # the stale file went, nothing came
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    await entry.stop()
