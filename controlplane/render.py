@@ -8,16 +8,20 @@ the repository exactly as it was.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import platform
+import re
 import shutil
+import socket
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -263,12 +267,30 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def _writer() -> str:
+    """``<host>.<pid>``: who writes a staging folder. The repository may be shared by the nodes of a fleet
+    (one filesystem, several machines), so a pid alone does not name a writer."""
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "localhost"
+    return f"{host}.{os.getpid()}"
+
+
+@contextlib.contextmanager
+def repository_lock(repo: Path) -> Iterator[None]:
+    """Serialise writers of one repository across processes and machines (flock on the shared filesystem)."""
+    with open(_staging_root(Path(repo)) / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def write_model(rendered: RenderedModel, repo: Path) -> Path:
     """Write one model folder into ``repo`` atomically; an existing folder is replaced whole."""
     repo = Path(repo)
     repo.mkdir(parents=True, exist_ok=True)
-    # <model>.<pid>.<random>: recover_staging() tells a killed writer's leftovers by the pid.
-    staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}.{os.getpid()}.", dir=_staging_root(repo)))
+    # <model>@<host>.<pid>.<random>: recover_staging() tells a killed writer's leftovers by host and pid.
+    staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}@{_writer()}.", dir=_staging_root(repo)))
     final = repo / rendered.model_id
     try:
         _materialise(rendered, staging / "model")
@@ -300,7 +322,7 @@ def remove_model(repo: Path, model_id: str) -> bool:
     final = Path(repo) / model_id
     if not final.exists():
         return False
-    graveyard = _staging_root(Path(repo)) / f"{model_id}.{os.getpid()}.removed{uuid.uuid4().hex[:8]}"
+    graveyard = _staging_root(Path(repo)) / f"{model_id}@{_writer()}.removed{uuid.uuid4().hex[:8]}"
     os.rename(final, graveyard)
     shutil.rmtree(graveyard, ignore_errors=True)
     return True
@@ -328,9 +350,17 @@ def recover_staging(repo: Path) -> list[str]:
     if not root.is_dir():
         return []
     removed = []
+    host = _writer().rpartition(".")[0]
     for entry in sorted(root.iterdir()):
-        model_id, _, rest = entry.name.rpartition(".")
-        model_id, _, pid = model_id.rpartition(".")
+        model_id, at, writer = entry.name.partition("@")
+        if at:  # <model>@<host>.<pid>.<random>: only this host's writers can be checked from here
+            writer_host, _, rest = writer.rpartition(".")
+            writer_host, _, pid = writer_host.rpartition(".")
+            if writer_host != host:
+                continue
+        else:  # written before fleets: <model>.<pid>.<random>
+            model_id, _, rest = entry.name.rpartition(".")
+            model_id, _, pid = model_id.rpartition(".")
         if not model_id or not pid.isdigit() or not rest or _pid_alive(int(pid)):
             continue
         retired, final = entry / "retired", Path(repo) / model_id

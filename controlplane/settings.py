@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     # --- lifecycle
     sweep_interval_secs: float = Field(1.0, description="How often idle models and Triton's health are checked")
     watch_interval_secs: float = Field(0.2, description="How often the model processes of loaded models are checked")
+    store_poll_secs: float = Field(
+        1.0, description="How often the repository is checked for models another node republished or deleted"
+    )
     wake_timeout_secs: float | None = Field(
         None, description="Longest a request waits for a cold start (default: the model's load_timeout_secs)"
     )

@@ -24,6 +24,7 @@ from controlplane.lifecycle.journal import JOURNAL_ENV
 from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import TritonTarget, embedded_target, target_by_name
+from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, discover, entry_point_deployments, resolve
 from controlplane.store import ModelStore
@@ -32,13 +33,6 @@ from controlplane.triton.launcher import EmbeddedTriton, detect_backends
 
 log = logging.getLogger("snoozeml.stack")
 
-
-class _QuietUvicorn(uvicorn.Server):
-    """uvicorn inside our loop: the stack owns the signals."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[override]
-        yield
 
 
 class ServingStack:
@@ -53,7 +47,7 @@ class ServingStack:
         self.lifecycle = None
         self.activator = None
         self.gateway = None
-        self._api: _QuietUvicorn | None = None
+        self._api: EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._force = asyncio.Event()
 
@@ -93,7 +87,7 @@ class ServingStack:
             store=self.store, lifecycle=self.lifecycle, metrics=self.metrics, settings=s, triton=self.admin
         )
         app = create_app(s, services)
-        self._api = _QuietUvicorn(
+        self._api = EmbeddedUvicorn(
             uvicorn.Config(app, host=s.host, port=s.api_port, log_level="warning", access_log=False, lifespan="off")
         )
         self._api_task = asyncio.create_task(self._api.serve())

@@ -3,6 +3,7 @@ folder carries its ``snooze_deployment.json``, so a restarted control plane reco
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from controlplane.render import (
     recover_staging,
     remove_model,
     render_model,
+    repository_lock,
     write_model,
 )
 from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec
@@ -66,6 +68,27 @@ class ModelStore:
         self._lock = threading.Lock()
         self.repository.mkdir(parents=True, exist_ok=True)
         recover_staging(self.repository)  # what a killed control plane left half-written
+        self._seen = self._identities()  # what changes() compares with
+
+    def _identities(self) -> dict[str, tuple[int, int]]:
+        """Every published model's deployment record as (inode, mtime): a new publish writes a new file."""
+        found = {}
+        for folder in self.repository.iterdir():
+            with contextlib.suppress(OSError):
+                st = (folder / DEPLOYMENT_FILE).stat()
+                found[folder.name] = (st.st_ino, st.st_mtime_ns)
+        return found
+
+    def changes(self) -> tuple[list[str], list[str]]:
+        """(republished, deleted): models another writer of this repository (another node of a fleet
+        sharing it) published again or deleted since the last call. New models need nothing: a
+        request wakes them. This store's own writes are not reported."""
+        with self._lock:
+            now = self._identities()
+            changed = sorted(m for m, identity in now.items() if m in self._seen and self._seen[m] != identity)
+            deleted = sorted(m for m in self._seen if m not in now)
+            self._seen = now
+        return changed, deleted
 
     def list(self) -> list[PublishedModel]:
         models = []
@@ -91,11 +114,15 @@ class ModelStore:
     def publish(self, spec: ModelSpec) -> PublishedModel:
         """Render (validating everything) and move the model folder into place in one rename."""
         rendered = render_model(spec, self.target)
-        with self._lock:
+        with self._lock, repository_lock(self.repository):
             folder = write_model(rendered, self.repository)
+            st = (folder / DEPLOYMENT_FILE).stat()
+            self._seen[folder.name] = (st.st_ino, st.st_mtime_ns)  # only its own write: others' stay news
         return PublishedModel.read(folder)
 
     def delete(self, model_id: str) -> None:
-        with self._lock:
-            if not remove_model(self.repository, model_id):
-                raise NotFoundError(f"model '{model_id}' is not published")
+        with self._lock, repository_lock(self.repository):
+            removed = remove_model(self.repository, model_id)
+            self._seen.pop(model_id, None)
+        if not removed:
+            raise NotFoundError(f"model '{model_id}' is not published")

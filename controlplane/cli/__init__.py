@@ -155,6 +155,9 @@ snapshot_command.register(app)  # snapshot-entrypoint: the checkpoint/restore co
 from controlplane.cli import triton_command  # noqa: E402
 
 triton_command.register(app)  # triton: the embedded tritonserver alone (the two-process topology)
+from controlplane.cli import fleet_command  # noqa: E402
+
+fleet_command.register(app)  # fleet up: N nodes behind a model-affine gateway
 
 
 def main() -> None:

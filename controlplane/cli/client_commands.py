@@ -118,11 +118,26 @@ def _gpu_memory(per_device: dict[str, int] | None) -> str:
     return ", ".join(f"gpu{device} {_memory(n)}" for device, n in held) or "-"
 
 
+def _nodes(per_node: dict[str, dict[str, Any]] | None) -> str:
+    """A fleet's view: the nodes holding the model, each with its state when not ready and its memory."""
+    if not per_node:
+        return "-"
+    cells = []
+    for name, s in sorted(per_node.items()):
+        state = "" if s.get("state") == "ready" else f" {s.get('state')}"
+        memory = f" {_memory(s['memory_bytes'])}" if s.get("memory_bytes") else ""
+        cells.append(f"{name}{state}{memory}")
+    return ", ".join(cells)
+
+
 def _status_table(models: list[dict[str, Any]]) -> Table:
     # the GPU column only where the server measures GPU memory: CPU-only servers keep the narrower table
     gpu = any(model["status"].get("gpu_memory_bytes") is not None for model in models)
+    fleet = any("nodes" in model["status"] for model in models)  # a fleet API answered
     columns = ["model", "state", "instances", "last access", "idle timeout", "memory"]
-    table = Table(*columns, *(["GPU memory"] if gpu else []), "last cold start")
+    columns += ["GPU memory"] if gpu else []
+    columns += ["nodes"] if fleet else []
+    table = Table(*columns, "last cold start")
     table.columns[0].no_wrap = True  # a model id is what users copy: never cut it
     for model in models:
         s = model["status"]
@@ -131,6 +146,7 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
             model["id"], _state(s), str(s.get("instances", 0)), _ago(s.get("last_access")),
             _duration(s.get("idle_timeout_secs")), _memory_cell(s),
             *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
+            *([_nodes(s.get("nodes"))] if fleet else []),
             "-" if cold is None else f"{cold:.2f}s",
         )
     return table

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import re
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -40,6 +40,7 @@ from controlplane.auth import Scope, check_scope
 from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
 from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.render import VERSION, parse_config
+from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
 
@@ -438,13 +439,6 @@ class GrpcActivator:
 # Both, in the control plane's event loop
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside the control plane's loop: the control plane owns SIGINT/SIGTERM, not uvicorn."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
 
 def _bind(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -482,7 +476,7 @@ class Activator:
         self._client: httpx.AsyncClient | None = None
         self._grpc: GrpcActivator | None = None
         self._grpc_server: grpc.aio.Server | None = None
-        self._uvicorn: _EmbeddedUvicorn | None = None
+        self._uvicorn: EmbeddedUvicorn | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
 
     @property
@@ -498,7 +492,7 @@ class Activator:
         app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client))
         sock = _bind(self.host, self.settings.activator_http_port)
         self.http_port = sock.getsockname()[1]
-        self._uvicorn = _EmbeddedUvicorn(
+        self._uvicorn = EmbeddedUvicorn(
             uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=300)
         )
         self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))

@@ -122,6 +122,9 @@ class LifecycleManager:
                 asyncio.create_task(
                     self._every(self.settings.watch_interval_secs, self.watch, "process watch"), name="snooze-watch"
                 ),
+                asyncio.create_task(
+                    self._every(self.settings.store_poll_secs, self.follow_store, "store"), name="snooze-store"
+                ),
             ]
 
     async def stop(self) -> None:
@@ -215,6 +218,17 @@ class LifecycleManager:
             self.states.spawn(
                 rec, ModelState.READY, f"scaling to {target} instances", self._rescale_op(rec, target, direction)
             )
+
+    async def follow_store(self) -> None:
+        """Apply what another writer of the repository did (another node of a fleet sharing it): a
+        republished model that is loaded here is reloaded, a deleted one is unloaded and forgotten."""
+        changed, deleted = await asyncio.to_thread(self.store.changes)
+        for model_id in deleted:
+            log.info("model '%s': deleted from the shared store; unloading it here", model_id)
+            await self.forget(model_id)
+        for model_id in changed:
+            log.info("model '%s': republished in the shared store; reloading it here if loaded", model_id)
+            await self.published(model_id)
 
     async def watch(self) -> None:
         """One pass over the processes of every loaded python model: a crashed one starts its recovery."""

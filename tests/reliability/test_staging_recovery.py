@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from controlplane.render import recover_staging
+from controlplane.render import _writer, recover_staging
 
 
 def dead_pid() -> int:
@@ -41,3 +41,21 @@ def test_a_killed_writers_leftovers_are_removed_and_a_retired_model_put_back(tmp
     assert (repo / "swapped" / "config.pbtxt").read_text() == 'name: "swapped"'
     assert sorted(p.name for p in repo.iterdir()) == ["kept", "swapped"]
     assert sorted(p.name for p in staging.iterdir()) == [f"busy.{os.getpid()}.ghi789", "something-else"]
+
+
+def test_a_shared_repository_keeps_other_hosts_writers(tmp_path):
+    """Fleet nodes share one repository: a staging folder is this host's to clean only if this host wrote it."""
+    repo = tmp_path / "model_repository"
+    staging = tmp_path / ".model_repository.staging"
+    repo.mkdir()
+    host = _writer().rpartition(".")[0]
+    gone = dead_pid()
+    (staging / f"mine@{host}.{gone}.abc123" / "model").mkdir(parents=True)
+    (staging / f"live@{host}.{os.getpid()}.def456").mkdir()
+    # Another node's writer: its pid means nothing here, whether or not a process has it on this host.
+    (staging / f"theirs@other-node.{gone}.ghi789" / "model").mkdir(parents=True)
+
+    assert recover_staging(repo) == [f"mine@{host}.{gone}.abc123"]
+    assert sorted(p.name for p in staging.iterdir()) == [
+        f"live@{host}.{os.getpid()}.def456", f"theirs@other-node.{gone}.ghi789",
+    ]

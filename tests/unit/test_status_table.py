@@ -65,3 +65,17 @@ def test_memory_says_whether_it_is_measured_declared_or_unknown():
     assert [row(text, m)[5] for m in ("measured", "declared", "unknown", "asleep")] == [
         "64.0 MiB", "~140.0 MiB (declared)", "unknown", "-",
     ]
+
+
+def test_a_fleet_status_names_the_nodes_holding_each_model():
+    models = [
+        model("hot", instances=2, nodes={
+            "node-2": {"state": "ready", "instances": 1, "memory_bytes": 40 * MIB},
+            "node-1": {"state": "loading", "instances": 1, "memory_bytes": None},
+        }),
+        model("asleep", state="unloaded", instances=0, memory_bytes=None, nodes={}),
+    ]
+    headers, text = render(models)
+    assert headers == [*BEFORE[:6], "nodes", BEFORE[6]]
+    assert row(text, "hot")[6] == "node-1 loading, node-2 40.0 MiB"
+    assert row(text, "asleep")[6] == "-"

@@ -1,0 +1,203 @@
+"""The fleet gateway: one Envoy in front of the nodes, routing each model to the node that owns it.
+
+Ownership is Envoy's consistent hashing (a ring of node names) on the model name with bounded load: a
+model normally lives on one node, and a hot one spills onto the next node(s) of the ring, which wake
+it by their own retry-to-activator path; its spilled copies unload by their own idle timeout. The
+model name is put in a header by a Lua filter (HTTP: the path; gRPC: the request message's name field),
+so no Python runs on the hot path. Nodes are health-checked; a dead node's models are answered by the
+next node of the ring (a cold start there) and come back when it does. Several fleet gateways over the
+same nodes give the same answers: the ring depends on the node names only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from controlplane.gateway.envoy import (
+    MAX_UPSTREAM,
+    UNAUTHORIZED_MESSAGE,
+    ApiKey,
+    EnvoyProcess,
+    GatewayError,
+)
+
+MODEL_HEADER = "x-snooze-model"
+# A node may take this % of the average load (requests in flight) before the ring's next node helps.
+HASH_BALANCE_FACTOR = 150
+
+HTTP_LUA = f"""
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local path = headers:get(":path") or ""
+  local model = string.match(path, "^/v2/models/([^/?]+)") or string.match(path, "^/v2/repository/models/([^/?]+)")
+  if model then
+    headers:replace("{MODEL_HEADER}", model)
+  else
+    headers:remove("{MODEL_HEADER}")
+  end
+end
+"""
+
+# gRPC: the model name is a field of the request message (field 1; field 2 of the repository calls).
+# A small protobuf walk over the first bytes of the body (5 bytes of gRPC framing, then the message).
+GRPC_LUA = f"""
+local NAME_FIELD = {{
+  ["/inference.GRPCInferenceService/ModelInfer"] = 1,
+  ["/inference.GRPCInferenceService/ModelReady"] = 1,
+  ["/inference.GRPCInferenceService/ModelMetadata"] = 1,
+  ["/inference.GRPCInferenceService/ModelConfig"] = 1,
+  ["/inference.GRPCInferenceService/ModelStatistics"] = 1,
+  ["/inference.GRPCInferenceService/RepositoryModelLoad"] = 2,
+  ["/inference.GRPCInferenceService/RepositoryModelUnload"] = 2,
+}}
+
+local function varint(s, i)
+  local value, scale = 0, 1
+  while i <= #s do
+    local b = s:byte(i)
+    i = i + 1
+    value = value + (b % 128) * scale
+    if b < 128 then
+      return value, i
+    end
+    scale = scale * 128
+  end
+  return nil, i
+end
+
+local function string_field(s, wanted)
+  local i = 6
+  while i <= #s do
+    local key
+    key, i = varint(s, i)
+    if key == nil then
+      return nil
+    end
+    local number, wire = math.floor(key / 8), key % 8
+    if wire == 2 then
+      local size
+      size, i = varint(s, i)
+      if size == nil then
+        return nil
+      end
+      if number == wanted then
+        return s:sub(i, i + size - 1)
+      end
+      i = i + size
+    elseif wire == 0 then
+      local _
+      _, i = varint(s, i)
+    elseif wire == 1 then
+      i = i + 8
+    elseif wire == 5 then
+      i = i + 4
+    else
+      return nil
+    end
+  end
+  return nil
+end
+
+function envoy_on_request(handle)
+  handle:headers():remove("{MODEL_HEADER}")
+  local wanted = NAME_FIELD[handle:headers():get(":path")]
+  if wanted == nil then
+    return
+  end
+  local body = handle:body()
+  if body == nil then
+    return
+  end
+  local model = string_field(body:getBytes(0, math.min(body:length(), 4096)), wanted)
+  if model then
+    -- headers() again: a handle taken before body() does not outlive it
+    handle:headers():replace("{MODEL_HEADER}", model)
+  end
+end
+"""
+
+
+@dataclass(frozen=True)
+class NodeAddress:
+    """One node's gateway (and control API): what the fleet gateway and the fleet API talk to."""
+
+    name: str  # stable: the ring position (a StatefulSet pod name, node-1, ...)
+    host: str
+    http_port: int
+    grpc_port: int
+    api_port: int
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.host}:{self.api_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+
+def render_fleet_bootstrap(
+    nodes: Sequence[NodeAddress],
+    *,
+    host: str,
+    http_port: int,
+    grpc_port: int,
+    admin_port: int = 0,
+    api_keys: Sequence[ApiKey] = (),
+    buffer_bytes: int = 8 * 1024 * 1024,
+    dns: bool = False,
+    health_interval: str = "1s",
+    hash_balance_factor: int = HASH_BALANCE_FACTOR,
+) -> str:
+    """The fleet gateway's Envoy bootstrap. ``dns``: node hosts are DNS names to resolve (STRICT_DNS)."""
+    if not nodes:
+        raise GatewayError("a fleet needs at least one node", hint="pass --nodes N (N >= 1)")
+    template = resources.files("controlplane.fleet").joinpath("fleet.yaml.j2").read_text(encoding="utf-8")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    return env.from_string(template).render(
+        nodes=list(nodes),
+        host=host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        admin_port=admin_port,
+        api_keys=list(api_keys),
+        buffer_bytes=buffer_bytes,
+        dns=dns,
+        health_interval=health_interval,
+        hash_balance_factor=hash_balance_factor,
+        model_header=MODEL_HEADER,
+        http_lua=HTTP_LUA,
+        grpc_lua=GRPC_LUA,
+        unauthorized_message=UNAUTHORIZED_MESSAGE,
+        max_upstream=MAX_UPSTREAM,
+    )
+
+
+class FleetGateway:
+    """The fleet gateway's Envoy, as a child process."""
+
+    def __init__(
+        self, nodes: Sequence[NodeAddress], work_dir: Path, *, host: str, http_port: int, grpc_port: int,
+        api_keys: Sequence[ApiKey] = (),
+    ) -> None:  # fmt: skip
+        bootstrap = render_fleet_bootstrap(
+            nodes, host=host, http_port=http_port, grpc_port=grpc_port, api_keys=api_keys
+        )
+        connect = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        self.process = EnvoyProcess(
+            bootstrap, work_dir, listen=[(connect, http_port), (connect, grpc_port)], name="fleet-gateway"
+        )
+
+    def start(self) -> None:
+        self.process.start()
+
+    def stop(self) -> None:
+        self.process.stop()
+
+    def stats(self) -> dict[str, int]:
+        return self.process.stats()

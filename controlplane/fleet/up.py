@@ -1,0 +1,208 @@
+"""`snoozectl fleet up`: N nodes and the fleet gateway on one machine (development, demos, tests).
+
+Each node is a `snoozectl serve` process (its own embedded tritonserver, lifecycle, activator and node
+gateway) over one shared model store folder; the first node publishes ``--models`` into it (validated
+once), the others serve what is in the store. The fleet gateway (Envoy) routes every model to its
+owner node; the fleet API merges the nodes' control APIs. A node that dies is started again on the
+same ports (as Kubernetes restarts a pod), and rejoins the ring under its name. Ctrl-C stops them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from rich.console import Console
+
+from controlplane.errors import SnoozeError
+from controlplane.fleet.api import create_fleet_app
+from controlplane.fleet.gateway import FleetGateway, NodeAddress
+from controlplane.gateway.envoy import gateway_keys
+from controlplane.processes import spawn, stop_group
+from controlplane.servers import EmbeddedUvicorn
+from controlplane.settings import Settings
+from controlplane.triton.launcher import free_port
+
+log = logging.getLogger("snoozeml.fleet")
+SNOOZECTL = str(Path(sys.executable).parent / "snoozectl")
+NODE_START_SECS = 120.0
+RESTART_DELAY_SECS = 1.0
+
+
+class NodeProcess:
+    """One node: `snoozectl serve` over the shared store, on fixed ports (kept across restarts)."""
+
+    def __init__(
+        self, address: NodeAddress, work_dir: Path, store: Path, *, models: Path | None, no_auth: bool
+    ) -> None:
+        self.address = address
+        self.work_dir = work_dir
+        self.store = store
+        self.models = models
+        self.no_auth = no_auth
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = work_dir.parent / f"{address.name}.log"
+        self.starts = 0
+
+    def command(self) -> list[str]:
+        a = self.address
+        cmd = [
+            SNOOZECTL, "serve", "--work-dir", str(self.work_dir), "--model-repository", str(self.store),
+            "--host", a.host, "--http-port", str(a.http_port), "--grpc-port", str(a.grpc_port),
+            "--api-port", str(a.api_port),
+        ]  # fmt: skip
+        if self.models is not None:
+            cmd += ["--models", str(self.models)]
+        if self.no_auth:
+            cmd.append("--no-auth")
+        return cmd
+
+    def start(self) -> None:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as out:
+            self.proc = spawn(
+                self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.starts += 1
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    async def wait_ready(self, timeout: float = NODE_START_SECS) -> None:
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while True:
+                if not self.running():
+                    raise SnoozeError(
+                        f"fleet node {self.address.name} exited during start-up; last lines of {self.log}:\n"
+                        + "\n".join(self.log.read_text(errors="replace").splitlines()[-30:]),
+                        hint="read the node's log; a busy port or a broken package are the usual causes",
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get(f"{self.address.api_url}/health/ready")).status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise SnoozeError(f"fleet node {self.address.name} not ready within {timeout:g}s (log {self.log})")
+                await asyncio.sleep(0.2)
+
+    def stop(self, grace: float = 30) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, grace)
+
+
+class Fleet:
+    def __init__(
+        self, settings: Settings, *, nodes: int, models: Path | None, work_dir: Path, console: Console | None = None
+    ) -> None:  # fmt: skip
+        if nodes < 1:
+            raise SnoozeError(f"a fleet needs at least one node, got --nodes {nodes}", hint="pass --nodes 3")
+        self.settings = settings
+        self.work_dir = work_dir.resolve()
+        self.store = self.work_dir / "store"
+        self.console = console or Console(stderr=True)
+        no_auth = settings.auth == "off"
+        self.nodes = [
+            NodeProcess(
+                NodeAddress(f"node-{i}", "127.0.0.1", free_port(), free_port(), free_port()),
+                self.work_dir / f"node-{i}",
+                self.store,
+                models=models if i == 1 else None,
+                no_auth=no_auth,
+            )
+            for i in range(1, nodes + 1)
+        ]
+        self.gateway: FleetGateway | None = None
+        self._api: uvicorn.Server | None = None
+        self._api_task: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+
+    @property
+    def addresses(self) -> list[NodeAddress]:
+        return [n.address for n in self.nodes]
+
+    async def start(self) -> None:
+        s = self.settings
+        self.store.mkdir(parents=True, exist_ok=True)
+        first, rest = self.nodes[0], self.nodes[1:]
+        first.start()  # it publishes --models into the store: once, before the others read it
+        await first.wait_ready()
+        for node in rest:
+            node.start()
+        await asyncio.gather(*(n.wait_ready() for n in rest))
+        self.gateway = FleetGateway(
+            self.addresses, self.work_dir / "gateway", host=s.host, http_port=s.http_port, grpc_port=s.grpc_port,
+            api_keys=gateway_keys(s),
+        )  # fmt: skip
+        await asyncio.to_thread(self.gateway.start)
+        connect = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
+        app = create_fleet_app(s, lambda: self.addresses, gateway_http_url=f"http://{connect}:{s.http_port}")
+        self._api = EmbeddedUvicorn(
+            uvicorn.Config(app, host=s.host, port=s.api_port, log_level="warning", access_log=False, lifespan="on")
+        )
+        self._api_task = asyncio.create_task(self._api.serve())
+        while not self._api.started:
+            if self._api_task.done():
+                await self._api_task
+                raise SnoozeError(f"the fleet API could not listen on {s.host}:{s.api_port}", hint="pass --api-port")
+            await asyncio.sleep(0.02)
+        self._supervisor = asyncio.create_task(self._supervise())
+
+    async def _supervise(self) -> None:
+        """Start a node that died again, on its ports and under its name (it rejoins the ring)."""
+        while True:
+            await asyncio.sleep(RESTART_DELAY_SECS)
+            for node in self.nodes:
+                if node.proc is not None and not node.running():
+                    self.console.print(f"[yellow]{node.address.name} exited ({node.proc.returncode}); restarting[/]")
+                    node.start()
+
+    async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        if self._api is not None and self._api_task is not None:
+            self._api.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._api_task, 10)
+        if self.gateway is not None:
+            await asyncio.to_thread(self.gateway.stop)
+        await asyncio.gather(*(asyncio.to_thread(n.stop) for n in self.nodes))
+
+    def banner(self) -> str:
+        s = self.settings
+        lines = [
+            f"fleet gateway: http://{s.host}:{s.http_port} (HTTP)  {s.host}:{s.grpc_port} (gRPC)",
+            f"fleet API: http://{s.host}:{s.api_port}  (snoozectl status --url http://{s.host}:{s.api_port})",
+            f"store: {self.store}",
+        ]
+        for n in self.nodes:
+            lines.append(f"  {n.address.name}: gateway {n.address.http_url}, API {n.address.api_url}, log {n.log}")
+        return "\n".join(lines)
+
+
+
+async def run_fleet(fleet: Fleet) -> int:
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        await fleet.start()
+        fleet.console.print(fleet.banner(), highlight=False)
+        await stopping.wait()
+        fleet.console.print("stopping the fleet")
+    finally:
+        await fleet.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return 0
+
