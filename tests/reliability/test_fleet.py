@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,6 +174,7 @@ async def test_a_storm_spills_a_hot_model_and_the_spilled_copy_goes_when_it_cool
 
 
 def test_a_publish_through_the_fleet_reaches_every_node_and_a_delete_leaves_them(fleet: Fleet, package: Path):
+    traffic = BackgroundTraffic(fleet, MODELS[:4])  # other models keep serving through the publishes
     r = fleet.api.post("/v1/models:from-path", json={"id": "late", "path": str(package), "params": {"scale": 3.0}})
     assert r.status_code == 201, r.text
     published = time.monotonic()
@@ -197,8 +199,11 @@ def test_a_publish_through_the_fleet_reaches_every_node_and_a_delete_leaves_them
     r = fleet.api.delete("/v1/models/late")
     assert r.status_code == 204, r.text
     until(lambda: fleet.api.get("/v1/models/late").status_code == 404, "every node to forget it", timeout=10)
-    report("publish through the fleet", visible_on_every_node_secs=round(seen_secs, 2))
+    ok, failures = traffic.stop()
+    report("publish through the fleet", visible_on_every_node_secs=round(seen_secs, 2), traffic_ok=ok,
+           traffic_failed=len(failures))  # fmt: skip
     assert seen_secs <= 2.0
+    assert ok > 0 and failures == [], failures[:3]
 
 
 def test_the_fleet_checks_keys(fleet: Fleet):
@@ -245,6 +250,30 @@ async def test_a_killed_node_is_replaced_by_the_ring_then_rejoins(fleet: Fleet):
            every_model_answers_after_secs=round(answered_all, 2), rejoined_after_secs=round(rejoin, 1))  # fmt: skip
     assert answered_all < 10
     assert failed <= len(owned)  # at most one failure per model the dead node owned
+
+
+class BackgroundTraffic:
+    """Sequential HTTP requests over ``models`` in a thread until stop(): (answered, errors)."""
+
+    def __init__(self, fleet: Fleet, models: list[str]) -> None:
+        self.ok, self.failures = 0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(fleet, models), daemon=True)
+        self._thread.start()
+
+    def _run(self, fleet: Fleet, models: list[str]) -> None:
+        while not self._stop.is_set():
+            for model in models:
+                try:
+                    fleet.infer_http(model)
+                    self.ok += 1
+                except InferenceServerException as e:
+                    self.failures.append(f"{model}: {e}")
+
+    def stop(self) -> tuple[int, list[str]]:
+        self._stop.set()
+        self._thread.join(60)
+        return self.ok, self.failures
 
 
 def _node_ready(fleet: Fleet, name: str) -> bool:
