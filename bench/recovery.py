@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import json
 import os
 import signal
@@ -30,10 +29,9 @@ from typing import Any
 
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
-from rich.console import Console
 from tritonclient.utils import InferenceServerException
 
-from bench.common import ADMIN_KEY, API_KEY, fp32, summary, write_package
+from bench.common import API_KEY, fp32, serving_stack, summary, write_package
 
 MODEL = "crashy"
 SOURCE = '''
@@ -57,51 +55,31 @@ TOPOLOGIES = ("embedded", "two_process")
 
 @contextlib.asynccontextmanager
 async def _stack(root: Path, topology: str) -> AsyncIterator[Any]:
-    from controlplane.settings import Settings
-    from controlplane.stack import ServingStack
-    from controlplane.triton.launcher import free_port
-
+    """The crashy model served by `snoozectl serve` in this process; two_process: over a `snoozectl triton`."""
     package = write_package(root / "pkg", SOURCE, [fp32("x", 4)], [fp32("y", 4)])
-    models = root / "models"
-    models.mkdir(parents=True, exist_ok=True)
-    (models / "models.toml").write_text(f'[[models]]\nid = "{MODEL}"\npath = {json.dumps(str(package))}\n')
-    repository = root / "work" / "model_repository"
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = {"log_level": "error"}
     triton = None
     if topology == "two_process":
+        repository = root / "work" / "model_repository"
         repository.mkdir(parents=True, exist_ok=True)
         triton = subprocess.Popen(
             [str(Path(sys.executable).parent / "snoozectl"), "triton", "--model-repository", str(repository),
              "--work-dir", str(root / "triton"), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
-             "--json"],
+             "--exit-timeout-secs", "5", "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         assert triton.stdout is not None
         urls = json.loads(await asyncio.to_thread(triton.stdout.readline))
-        overrides = {
+        overrides |= {
             "triton_url": urls["http_url"],
             "triton_grpc_url": urls["grpc_url"],
             "triton_metrics_url": urls["metrics_url"],
             "model_repository": repository,
         }
-    settings = Settings(
-        work_dir=root / "work",
-        http_port=free_port(),
-        grpc_port=free_port(),
-        api_port=free_port(),
-        api_keys=[API_KEY],
-        admin_keys=[ADMIN_KEY],
-        autoscale=False,
-        shutdown_grace_secs=1,
-        log_level="error",
-        **overrides,
-    )
-    stack = ServingStack(settings, models, console=Console(file=io.StringIO()))
     try:
-        await stack.start()
-        yield stack
+        async with serving_stack(root, [{"id": MODEL, "path": package}], **overrides) as stack:
+            yield stack
     finally:
-        await stack.stop()
         if triton is not None:
             triton.send_signal(signal.SIGTERM)
             await asyncio.to_thread(triton.wait, 60)

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
-
-import jinja2
 
 from controlplane.gateway.envoy import (
     MAX_UPSTREAM,
@@ -24,6 +21,7 @@ from controlplane.gateway.envoy import (
     ApiKey,
     EnvoyProcess,
     GatewayError,
+    render_template,
 )
 
 MODEL_HEADER = "x-snooze-model"
@@ -157,9 +155,9 @@ def render_fleet_bootstrap(
     """The fleet gateway's Envoy bootstrap. ``dns``: node hosts are DNS names to resolve (STRICT_DNS)."""
     if not nodes:
         raise GatewayError("a fleet needs at least one node", hint="pass --nodes N (N >= 1)")
-    template = resources.files("controlplane.fleet").joinpath("fleet.yaml.j2").read_text(encoding="utf-8")
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
-    return env.from_string(template).render(
+    return render_template(
+        "controlplane.fleet",
+        "fleet.yaml.j2",
         nodes=list(nodes),
         host=host,
         http_port=http_port,

@@ -138,6 +138,13 @@ def gateway_keys(settings: Settings) -> list[ApiKey]:
     return keys
 
 
+def render_template(package: str, name: str, **values: object) -> str:
+    """An Envoy bootstrap template of ``package`` rendered with ``values`` (every name must be given)."""
+    template = resources.files(package).joinpath(name).read_text(encoding="utf-8")
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    return env.from_string(template).render(**values)
+
+
 def render_bootstrap(
     *,
     host: str,
@@ -154,9 +161,9 @@ def render_bootstrap(
     """The Envoy bootstrap YAML. No ``api_keys`` = no auth filter (auth off)."""
     if wake_buffer_bytes <= 0:
         raise GatewayError(f"wake_buffer_bytes must be positive, got {wake_buffer_bytes}")
-    template = resources.files("controlplane.gateway").joinpath("envoy.yaml.j2").read_text(encoding="utf-8")
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
-    return env.from_string(template).render(
+    return render_template(
+        "controlplane.gateway",
+        "envoy.yaml.j2",
         host=host,
         http_port=http_port,
         grpc_port=grpc_port,
