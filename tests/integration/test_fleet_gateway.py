@@ -170,12 +170,20 @@ def test_the_gateway_checks_keys(gateway: GatewayProcess):
     assert gateway.api.get("/v1/nodes", headers={"X-API-Key": API_KEY}).status_code == 403  # inference scope
 
 
-def test_without_envoy_the_gateway_exits_non_zero(tmp_path: Path):
-    """Nodes not in DNS yet (a cold cluster): it still starts, not ready; its Envoy killed, it exits 1
-    (the kubelet then restarts it)."""
-    gw = GatewayProcess(tmp_path, ["--node", "node-0=node-0.nodes.invalid", "--no-auth"], dict(os.environ))
+def test_a_statefulsets_pods_before_they_exist_then_envoy_killed(tmp_path: Path):
+    """`--statefulset` as the Kubernetes overlay runs it, before any pod is in DNS (a cold cluster): it
+    starts, routes to the pods' DNS names, is live but not ready; its Envoy killed, it exits 1 (the
+    kubelet then restarts it)."""
+    pods = ["--statefulset", "snooze-node", "--service", "snooze-nodes", "--replicas", "3", "--namespace", "snooze"]
+    gw = GatewayProcess(tmp_path, [*pods, "--no-auth"], dict(os.environ))
     try:
         until(gw.live, "the fleet gateway to come up", timeout=60)
+        nodes = gw.api.get("/v1/nodes").json()
+        assert [(n["name"], n["api_url"], n["ready"]) for n in nodes] == [
+            (f"snooze-node-{i}", f"http://snooze-node-{i}.snooze-nodes.snooze.svc:8080", False) for i in range(3)
+        ]
+        bootstrap = (tmp_path / "gateway" / "fleet-gateway.yaml").read_text()
+        assert bootstrap.count('address: "snooze-node-2.snooze-nodes.snooze.svc", port_value: 8001') == 1
         r = gw.api.get("/health/ready")
         assert r.status_code == 503 and "no node" in r.json()["error"]
         gw.envoy().kill()
