@@ -109,6 +109,12 @@ def fleet_nodes(
 ) -> list[NodeAddress]:
     """The node list of `snoozectl fleet gateway`: the ``--node`` specs, or a StatefulSet's pods."""
     ports = {"http_port": http_port, "grpc_port": grpc_port, "api_port": api_port}
+    for key, port in ports.items():
+        if not 1 <= port <= 65535:
+            flag = "--node-" + key.replace("_", "-")
+            raise SnoozeError(
+                f"{flag} {port} is not a port", hint="ports are 1..65535 (the nodes' defaults: 8000, 8001, 8080)"
+            )
     pod_flags = {"--statefulset": statefulset, "--service": service, "--replicas": replicas}
     if specs and any(v is not None for v in (*pod_flags.values(), namespace)):
         raise SnoozeError(

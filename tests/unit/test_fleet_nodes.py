@@ -80,6 +80,7 @@ def test_the_node_list_from_either_flag_set():
         (["a=h"], {"namespace": "ns"}, "name the nodes twice"),
         (["a=h1", "a=h2"], {}, "node name\\(s\\) a given twice"),
         (["a=h:1:2:3", "b=h:1:5:6"], {}, "several nodes at h:1"),
+        (["a=h"], {"grpc_port": 0}, "--node-grpc-port 0 is not a port"),
     ],
 )
 def test_node_list_errors(specs: list[str], flags: dict[str, object], error: str):
