@@ -181,10 +181,10 @@ class FleetGateway:
 
     def __init__(
         self, nodes: Sequence[NodeAddress], work_dir: Path, *, host: str, http_port: int, grpc_port: int,
-        api_keys: Sequence[ApiKey] = (),
+        api_keys: Sequence[ApiKey] = (), dns: bool = False,
     ) -> None:  # fmt: skip
         bootstrap = render_fleet_bootstrap(
-            nodes, host=host, http_port=http_port, grpc_port=grpc_port, api_keys=api_keys
+            nodes, host=host, http_port=http_port, grpc_port=grpc_port, api_keys=api_keys, dns=dns
         )
         connect = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.process = EnvoyProcess(
@@ -196,6 +196,9 @@ class FleetGateway:
 
     def stop(self) -> None:
         self.process.stop()
+
+    def running(self) -> bool:
+        return self.process.is_running()
 
     def stats(self) -> dict[str, int]:
         return self.process.stats()

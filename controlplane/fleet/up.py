@@ -3,7 +3,8 @@
 Each node is a `snoozectl serve` process (its own embedded tritonserver, lifecycle, activator and node
 gateway) over one shared model store folder; the first node publishes ``--models`` into it (validated
 once), the others serve what is in the store. The fleet gateway (Envoy) routes every model to its
-owner node; the fleet API merges the nodes' control APIs. A node that dies is started again on the
+owner node; the fleet API merges the nodes' control APIs (both: controlplane.fleet.frontend, shared with
+`snoozectl fleet gateway`). A node that dies is started again on the
 same ports (as Kubernetes restarts a pod), and rejoins the ring under its name. Ctrl-C stops them all.
 """
 
@@ -12,22 +13,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 from rich.console import Console
 
 from controlplane.errors import SnoozeError
-from controlplane.fleet.api import create_fleet_app
-from controlplane.fleet.gateway import FleetGateway, NodeAddress
-from controlplane.gateway.envoy import gateway_keys
+from controlplane.fleet.frontend import FleetFrontend
+from controlplane.fleet.gateway import NodeAddress
 from controlplane.processes import spawn, stop_group
-from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
 from controlplane.triton.launcher import free_port
 
@@ -119,9 +116,7 @@ class Fleet:
             )
             for i in range(1, nodes + 1)
         ]
-        self.gateway: FleetGateway | None = None
-        self._api: uvicorn.Server | None = None
-        self._api_task: asyncio.Task[None] | None = None
+        self.frontend: FleetFrontend | None = None
         self._supervisor: asyncio.Task[None] | None = None
 
     @property
@@ -129,7 +124,6 @@ class Fleet:
         return [n.address for n in self.nodes]
 
     async def start(self) -> None:
-        s = self.settings
         self.store.mkdir(parents=True, exist_ok=True)
         first, rest = self.nodes[0], self.nodes[1:]
         first.start()  # it publishes --models into the store: once, before the others read it
@@ -137,22 +131,8 @@ class Fleet:
         for node in rest:
             node.start()
         await asyncio.gather(*(n.wait_ready() for n in rest))
-        self.gateway = FleetGateway(
-            self.addresses, self.work_dir / "gateway", host=s.host, http_port=s.http_port, grpc_port=s.grpc_port,
-            api_keys=gateway_keys(s),
-        )  # fmt: skip
-        await asyncio.to_thread(self.gateway.start)
-        connect = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
-        app = create_fleet_app(s, lambda: self.addresses, gateway_http_url=f"http://{connect}:{s.http_port}")
-        self._api = EmbeddedUvicorn(
-            uvicorn.Config(app, host=s.host, port=s.api_port, log_level="warning", access_log=False, lifespan="on")
-        )
-        self._api_task = asyncio.create_task(self._api.serve())
-        while not self._api.started:
-            if self._api_task.done():
-                await self._api_task
-                raise SnoozeError(f"the fleet API could not listen on {s.host}:{s.api_port}", hint="pass --api-port")
-            await asyncio.sleep(0.02)
+        self.frontend = FleetFrontend(self.settings, self.addresses, self.work_dir / "gateway")
+        await self.frontend.start()
         self._supervisor = asyncio.create_task(self._supervise())
 
     async def _supervise(self) -> None:
@@ -169,40 +149,16 @@ class Fleet:
             self._supervisor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._supervisor
-        if self._api is not None and self._api_task is not None:
-            self._api.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._api_task, 10)
-        if self.gateway is not None:
-            await asyncio.to_thread(self.gateway.stop)
+        if self.frontend is not None:
+            await self.frontend.stop()
         await asyncio.gather(*(asyncio.to_thread(n.stop) for n in self.nodes))
 
+    def failure(self) -> str | None:
+        """The front's failure (a dead node is restarted by the supervisor instead)."""
+        return self.frontend.failure() if self.frontend is not None else None
+
     def banner(self) -> str:
-        s = self.settings
-        lines = [
-            f"fleet gateway: http://{s.host}:{s.http_port} (HTTP)  {s.host}:{s.grpc_port} (gRPC)",
-            f"fleet API: http://{s.host}:{s.api_port}  (snoozectl status --url http://{s.host}:{s.api_port})",
-            f"store: {self.store}",
-        ]
+        lines = [*(self.frontend.banner_lines() if self.frontend else []), f"store: {self.store}"]
         for n in self.nodes:
             lines.append(f"  {n.address.name}: gateway {n.address.http_url}, API {n.address.api_url}, log {n.log}")
         return "\n".join(lines)
-
-
-
-async def run_fleet(fleet: Fleet) -> int:
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
-    try:
-        await fleet.start()
-        fleet.console.print(fleet.banner(), highlight=False)
-        await stopping.wait()
-        fleet.console.print("stopping the fleet")
-    finally:
-        await fleet.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-    return 0
-
