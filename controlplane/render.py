@@ -231,12 +231,29 @@ def parse_config(text: str, *, where: str) -> model_config_pb2.ModelConfig:
 # Writing, atomically
 
 
+INNER_STAGING = ".snooze-staging"
+
+
+def _staging_roots(repo: Path) -> tuple[Path, Path]:
+    return repo.parent / f".{repo.name}.staging", repo / INNER_STAGING
+
+
 def _staging_root(repo: Path) -> Path:
-    """Staging lives beside the repository (same filesystem, so rename is atomic) and outside it
-    (Triton must never see a half-written folder)."""
-    root = repo.parent / f".{repo.name}.staging"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
+    """Staging must be on the repository's filesystem (rename is atomic only there). Beside the
+    repository where its parent is writable and on that filesystem, so Triton never sees it; else (the
+    repository is a volume's mount root, as in the containers) a hidden folder inside it, which Triton
+    lists in its index but never loads, and which snoozeml skips."""
+    outside, inside = _staging_roots(repo)
+    with contextlib.suppress(OSError):
+        outside.mkdir(parents=True, exist_ok=True)
+        if _same_filesystem(outside, repo):
+            return outside
+    inside.mkdir(parents=True, exist_ok=True)
+    return inside
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    return a.stat().st_dev == b.stat().st_dev
 
 
 def _materialise(rendered: RenderedModel, folder: Path) -> None:
@@ -346,12 +363,17 @@ def recover_staging(repo: Path) -> list[str]:
     put back. Folders of live processes, and names not written by this module, are left alone.
     Returns the names of the folders removed.
     """
-    root = Path(repo).parent / f".{Path(repo).name}.staging"
-    if not root.is_dir():
-        return []
+    removed = []
+    for root in _staging_roots(Path(repo)):
+        if root.is_dir():
+            removed += _recover_in(root, Path(repo))
+    return removed
+
+
+def _recover_in(root: Path, repo: Path) -> list[str]:
     removed = []
     host = _writer().rpartition(".")[0]
-    for entry in sorted(root.iterdir()):
+    for entry in sorted(p for p in root.iterdir() if p.is_dir()):
         model_id, at, writer = entry.name.partition("@")
         if at:  # <model>@<host>.<pid>.<random>: only this host's writers can be checked from here
             writer_host, _, rest = writer.rpartition(".")

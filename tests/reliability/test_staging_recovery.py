@@ -59,3 +59,24 @@ def test_a_shared_repository_keeps_other_hosts_writers(tmp_path):
     assert sorted(p.name for p in staging.iterdir()) == [
         f"live@{host}.{os.getpid()}.def456", f"theirs@other-node.{gone}.ghi789",
     ]
+
+
+def test_a_repository_at_a_mount_root_stages_inside_itself(tmp_path, monkeypatch):
+    """In the containers the repository is a volume's mount root: its parent is another filesystem, where a
+    rename into the repository would not be atomic. Staging then lives in a hidden folder inside it."""
+    from serve_harness import write_package
+
+    from controlplane import render
+    from controlplane.render import INNER_STAGING
+    from controlplane.spec import DeploymentSpec, resolve
+    from controlplane.store import ModelStore
+
+    monkeypatch.setattr(render, "_same_filesystem", lambda a, b: False)
+    repo = tmp_path / "models"
+    store = ModelStore(repo, render.embedded_target())
+    store.publish(resolve(DeploymentSpec(id="m", path=write_package(tmp_path / "pkg"))))
+    assert (repo / INNER_STAGING).is_dir() and store.ids() == ["m"]
+    host = _writer().rpartition(".")[0]
+    (repo / INNER_STAGING / f"m@{host}.{dead_pid()}.abc123" / "model").mkdir(parents=True)
+    assert len(recover_staging(repo)) == 1
+    assert [p.name for p in (repo / INNER_STAGING).iterdir() if p.is_dir()] == []
