@@ -33,6 +33,11 @@ class Settings(BaseSettings):
         description="Folder where Triton's python stubs journal the requests they run (shared with Triton; "
         "default: <work_dir>/journal for the embedded Triton, else what the seen tritonserver was started with)",
     )
+    observe_triton_processes: bool = Field(
+        True,
+        description="Look for an external Triton's processes (a shared PID namespace); false = treat it as "
+        "remote: memory declared, crashes found by errors only",
+    )
     triton_wait_secs: float = Field(
         60.0, description="How long serve waits at start for an external Triton to answer (it may start later)"
     )

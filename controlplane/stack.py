@@ -139,14 +139,18 @@ class ServingStack:
         if self.triton_process is not None:
             return self.triton_process.processes(), self.triton_process.journal_dir
         processes = TritonProcesses(http_url=http_url)
-        server = await asyncio.to_thread(processes.server)
+        server = await asyncio.to_thread(processes.server) if s.observe_triton_processes else None
         if server is None:
+            why = (
+                f"no tritonserver listening on the port of {http_url} in this PID namespace"
+                if s.observe_triton_processes
+                else "SNOOZE_OBSERVE_TRITON_PROCESSES=false"
+            )
             self.console.print(
-                f"[yellow]Triton's processes are not visible from here (no tritonserver listening on the port of "
-                f"{http_url} in this PID namespace): model memory is shown as declared (memory_mb) or unknown, a "
-                "crashed model process is found only through failed requests (which are not retried), and a "
-                "hanging load keeps running in Triton.[/] To see them, run the control plane in Triton's PID "
-                "namespace as the same user (docs/deploy.md).",
+                f"[yellow]Triton's processes are not visible from here ({why}): model memory is shown as declared "
+                "(memory_mb) or unknown, a crashed model process is found only through failed requests (which are "
+                "not retried), and a hanging load keeps running in Triton.[/] To see them, run the control plane in "
+                "Triton's PID namespace as the same user (docs/deploy.md).",
                 highlight=False,
             )
             return TritonProcesses.unseen(), None

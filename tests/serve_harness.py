@@ -476,7 +476,7 @@ class Serve:
     def snoozectl(self, *args: str, key: str | None = _ADMIN) -> subprocess.CompletedProcess[str]:
         """The CLI against this stack's control API, with ``key`` (default: the admin key)."""
         key = self.admin_key if key is _ADMIN else key
-        env = {**os.environ, "SNOOZE_API_URL": self.api_url}
+        env = {**os.environ, "SNOOZE_API_URL": self.api_url, "COLUMNS": "200"}  # tables unwrapped
         if key:
             env["SNOOZE_API_KEY"] = key
         return subprocess.run([SNOOZECTL, *args], capture_output=True, text=True, env=env, timeout=120)
