@@ -99,6 +99,7 @@ async def run(
                     for policy in POLICIES:  # one after the other: a cold load beside a warm request slows it
                         await call(http, policy)
                 end = t0 + (requests - 1) * period_s
+                await asyncio.sleep(2 * overrides["sweep_interval_secs"])  # the sweeper hears the last request
         finally:
             sampler.cancel()
         out = {}

@@ -38,7 +38,8 @@ widened by ``MARGIN``, the pre-warm starts a load time early, and when the windo
 time on record while the requests in the tail still come faster than the price, it is stretched by
 ``TAIL_SPAN`` mean tail gaps (the histogram cannot show what lies past its longest gap).
 
-Parameters (ours, and why):
+Parameters (ours, and why; ``MIN_SAMPLES`` and ``MIN_UNLOADED_SECS`` are defaults a server may lower with
+``SNOOZE_KEEP_ALIVE_MIN_SAMPLES`` / ``SNOOZE_KEEP_ALIVE_MIN_UNLOADED_SECS``, for callers whose period is seconds):
 
 - ``HISTORY = 128`` idle times per model (1 KiB): two hours of a model called every minute, a day of one
   called every ten minutes, five days of an hourly one; recent enough to follow a changing caller.

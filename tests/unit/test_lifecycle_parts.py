@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane import keepalive
 from controlplane.keepalive import AdaptiveKeepAlive, FixedKeepAlive
 from controlplane.lifecycle import (
     GENERATION_PARAMETER,
@@ -212,3 +213,9 @@ def test_eviction_takes_unused_prewarms_first_then_the_least_recently_used():
     assert [r.id for r in sorted([old, recent, bet], key=eviction_order)] == ["bet", "old", "recent"]
     w.request(bet, 16.0)  # used now: plain LRU again
     assert [r.id for r in sorted([old, recent, bet], key=eviction_order)] == ["old", "recent", "bet"]
+
+
+def test_the_server_defaults_are_the_policy_defaults():
+    fields = Settings.model_fields
+    assert fields["keep_alive_min_samples"].default == keepalive.MIN_SAMPLES
+    assert fields["keep_alive_min_unloaded_secs"].default == keepalive.MIN_UNLOADED_SECS
