@@ -1,15 +1,17 @@
 """`make bench` / `python -m bench`: every benchmark against the embedded stack, one report.
 
-    python -m bench                       # all default sections (7-11 min on 2 cores), writes bench/report.md
-    python -m bench --quick               # short durations, few cycles (smoke test, < 1 min)
+    python -m bench                       # all default sections (9-13 min on 2 cores), writes bench/report.md
+    python -m bench --quick               # short durations, few cycles (smoke test, 1-2 min)
     python -m bench --only coldstart      # one section (repeatable); merged into the existing report.json
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
-Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive (default), native (opt-in: torch
-custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each measurement is bounded in time
-and requests. keepalive replays the keep-alive policies in virtual time (no server, seconds): see
-bench/keepalive_replay.py for the traces and the trace file format.
+Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live (default),
+native (opt-in: torch custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each measurement
+is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no server,
+seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
+periodic caller through the real stack against an adaptive and a fixed copy of one model
+(bench/keepalive_live.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ from typing import Any  # noqa: E402
 
 from bench.common import machine  # noqa: E402
 
-DEFAULT_SECTIONS = ("gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive")
+DEFAULT_SECTIONS = (
+    "gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "keepalive_live",
+)  # fmt: skip
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -63,6 +67,9 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "native": {"seconds": 0.5, "repeats": 1},
             "recovery": {"cycles": 1},
             "keepalive": {},  # virtual time: the full replay takes seconds, quick or not
+            "keepalive_live": {
+                "period_s": 4.0, "idle_timeout_s": 1.0, "requests": 7, "min_samples": 3, "min_unloaded_s": 1.0,
+            },
             "keepalive_replay": {},
         }
     return {
@@ -81,6 +88,10 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "native": {"seconds": 5.0, "repeats": 5},
         "recovery": {"cycles": 10},
         "keepalive": {},
+        # the issue's run: period 8 s, fixed timeout 2 s; the policy learns from 3 idle times (10 by default)
+        "keepalive_live": {
+            "period_s": 8.0, "idle_timeout_s": 2.0, "requests": 16, "min_samples": 3, "min_unloaded_s": 2.0,
+        },
         "keepalive_replay": {},
     }
 
@@ -114,6 +125,10 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
         from bench import recovery
 
         return await recovery.run(root, **kw)
+    if name == "keepalive_live":
+        from bench import keepalive_live
+
+        return await keepalive_live.run(root, **kw)
     if name in ("keepalive", "keepalive_replay"):
         from bench import keepalive_replay
 

@@ -237,6 +237,16 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
         )
     if k := sec.get("keepalive"):
         out.append(_keepalive_summary(k))
+    if live := sec.get("keepalive_live"):
+        a, f = live["policies"]["adaptive"], live["policies"]["fixed"]
+        out.append(
+            f"- **Keep-alive, live** (a caller every {live['period_s']:g} s, idle timeout "
+            f"{live['idle_timeout_s']:g} s, {live['requests']} requests through the gateway): adaptive served "
+            f"{a['warm_pct']:.0f}% warm "
+            f"({a['warm_after_learning']} of the {a['requests_after_learning']} after it learned), loaded "
+            f"{a['loaded_pct']:.0f}% of the time, {a['prewarm_loads']} pre-warms ({a['prewarm_wasted']} wasted); "
+            f"fixed {f['warm_pct']:.0f}% warm, loaded {f['loaded_pct']:.0f}%."
+        )
     return out
 
 
@@ -517,10 +527,11 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         ]
     lines += _recovery_lines(sec.get("recovery"))
     lines += _keepalive_sections(sec, plots, plot_rel)
+    lines += _keepalive_live_lines(sec.get("keepalive_live"))
     if nat := sec.get("native"):
         lines += ["## Native (ONNX export) vs custom torch", "", "```", _json_block(nat), "```", ""]
     lines += [
-        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (7-11 minutes on 2 cores) or "
+        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (9-13 minutes on 2 cores) or "
         "`python -m bench --quick` / `--only SECTION`.",
         "",
     ]
@@ -629,3 +640,50 @@ def _keepalive_lines(k: dict[str, Any], name: str, plots: dict[str, str], plot_r
     if name in plots:
         lines += [f"![keep-alive]({plot_rel}/{plots[name]})", ""]
     return lines
+
+
+def _keepalive_live_lines(live: dict[str, Any] | None) -> list[str]:
+    if not live:
+        return []
+    rows = []
+    for policy, r in live["policies"].items():
+        latency = " / ".join("-" if r[k] is None else f"{r[k]:.0f} ms" for k in ("latency_warm_ms", "latency_cold_ms"))
+        rows.append(
+            [
+                f"{policy} ({r['windows']['reason']})",
+                f"{r['warm']} of {r['requests']} ({r['warm_pct']}%)",
+                f"{r['warm_after_learning']} of {r['requests_after_learning']}",
+                r["request_loads"],
+                f"{r['prewarm_loads']} ({r['prewarm_used']} / {r['prewarm_wasted']})",
+                f"{r['unloaded_between_requests']} of {r['requests'] - 1}",
+                f"{r['loaded_pct']}%",
+                latency,
+                r["errors"],
+            ]
+        )
+    return [
+        "## Keep-alive in the real stack: a periodic caller, adaptive vs fixed",
+        "",
+        f"Two copies of {live['model']} under the same traffic: one request to each every {live['period_s']:g} s "
+        f"through the gateway, {live['requests']} requests, idle timeout {live['idle_timeout_s']:g} s (shorter than "
+        "the period: the fixed policy unloads before every request). The adaptive policy learns its windows from "
+        f"{live['min_samples']} idle times and may unload when the model then stays out at least "
+        f"{live['min_unloaded_s']:g} s (`SNOOZE_KEEP_ALIVE_MIN_SAMPLES` / `SNOOZE_KEEP_ALIVE_MIN_UNLOADED_SECS`; "
+        "10 and 60 s by default, lowered for a run of minutes). Warm: the request did not wait for the model to "
+        "wake (`snooze_wake_waits`), neither a cold start nor a pre-warm still loading. Loaded: the model was "
+        "loading, ready or unloading (sampled every 100 ms from the first request to the last). Pre-warms: "
+        "`snooze_prewarm_loads` (used / wasted: `snooze_prewarm_outcomes`).",
+        "",
+        _table(
+            ["policy (its window at the end)", "warm", "warm after learning", "request loads", "pre-warms (used / "
+             "wasted)", "unloaded between requests", "loaded", "median latency warm / cold", "errors"],
+            rows,
+        ),
+        "",
+        "Warm requests in order (adaptive): "
+        + " ".join("W" if w else "c" for w in live["policies"]["adaptive"]["warm_by_request"])
+        + "; idle times it learned from (s): "
+        + ", ".join(f"{x:g}" for x in live["policies"]["adaptive"]["idle_times_s"])
+        + ".",
+        "",
+    ]

@@ -2,8 +2,9 @@
 
 ``SNOOZE_GPU_MEMORY_BUDGET_MB`` is one number that applies to each GPU on its own. A load that
 would take a GPU past it first unloads the least recently used idle models holding memory on that
-GPU (``plan_gpu_eviction``); a load that fails with a GPU out-of-memory (``is_cuda_oom``) evicts
-idle models on its GPUs (``plan_gpu_oom_eviction``) and retries once, as for host memory.
+GPU (``plan_gpu_eviction``; a pre-warmed model not used yet goes before any other); a load that fails
+with a GPU out-of-memory (``is_cuda_oom``) evicts idle models on its GPUs (``plan_gpu_oom_eviction``)
+and retries once, as for host memory.
 Everything here is pure: the lifecycle gathers the numbers, unloads the victims, and calls again if
 one of them could not be unloaded.
 """
@@ -65,6 +66,11 @@ class GpuResident:
     bytes_by_device: Mapping[int, int]
     last_access: float  # epoch seconds; the least recent goes first
     evictable: bool  # READY with no users, no pending requests and no transition running
+    prewarmed_unused: bool = False  # loaded by a pre-warm and not used yet: evicted before any other
+
+
+def _eviction_order(r: GpuResident) -> tuple[bool, float, str]:
+    return (not r.prewarmed_unused, r.last_access, r.model)
 
 
 def plan_gpu_eviction(
@@ -93,7 +99,7 @@ def plan_gpu_eviction(
     for r in residents:
         for device, amount in r.bytes_by_device.items():
             held[device] = held.get(device, 0) + amount
-    candidates = sorted((r for r in residents if r.evictable), key=lambda r: (r.last_access, r.model))
+    candidates = sorted((r for r in residents if r.evictable), key=_eviction_order)
     victims: list[GpuResident] = []
     for device, amount in sorted(need.items()):
         if amount <= 0:
@@ -108,7 +114,7 @@ def plan_gpu_eviction(
                 held[d] -= b
         if held.get(device, 0) + amount > budget:
             _raise_full(model, device, amount, held.get(device, 0), budget_mb, residents, victims)
-    return [r.model for r in sorted(victims, key=lambda r: (r.last_access, r.model))]
+    return [r.model for r in sorted(victims, key=_eviction_order)]
 
 
 def _raise_full(
@@ -139,7 +145,7 @@ def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuReside
     amounts = {d: max(n, 1) for d, n in need.items()}
     if not amounts:
         amounts = {d: 1 for r in residents for d, b in r.bytes_by_device.items() if b > 0}
-    candidates = sorted((r for r in residents if r.evictable), key=lambda r: (r.last_access, r.model))
+    candidates = sorted((r for r in residents if r.evictable), key=_eviction_order)
     victims: list[GpuResident] = []
     freed: dict[int, int] = {}
     for device, amount in sorted(amounts.items()):
@@ -151,7 +157,7 @@ def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuReside
             victims.append(r)
             for d, b in r.bytes_by_device.items():
                 freed[d] = freed.get(d, 0) + b
-    return [r.model for r in sorted(victims, key=lambda r: (r.last_access, r.model))]
+    return [r.model for r in sorted(victims, key=_eviction_order)]
 
 
 def gpu_instances_per_device(config: Mapping[str, Any], devices: Sequence[int]) -> dict[int, int]:

@@ -7,6 +7,8 @@ Both policies answer the same questions, so the lifecycle calls one thing per mo
   when the sweeper sees it advance: several requests within one sweep count as one);
 - ``on_loaded(t, prewarm=..., explicit=..., load_secs=...)`` / ``on_unloaded(t)``: the model became ready
   / left memory;
+- ``on_served(t)``: a request already reported at its arrival was answered at ``t`` (the activator's forward
+  ended): the fixed timeout counts from there, as it does from a load;
 - ``decide(now, loaded=...)``: ``KEEP``, ``UNLOAD`` or ``PREWARM`` at this instant, and
   ``next_decision_at(now)``: when that answer may change next if no request comes;
 - ``keep_alive_until(last_request)`` and ``prewarm_at(last_request)``: the window behind ``decide``;
@@ -36,7 +38,8 @@ widened by ``MARGIN``, the pre-warm starts a load time early, and when the windo
 time on record while the requests in the tail still come faster than the price, it is stretched by
 ``TAIL_SPAN`` mean tail gaps (the histogram cannot show what lies past its longest gap).
 
-Parameters (ours, and why):
+Parameters (ours, and why; ``MIN_SAMPLES`` and ``MIN_UNLOADED_SECS`` are defaults a server may lower with
+``SNOOZE_KEEP_ALIVE_MIN_SAMPLES`` / ``SNOOZE_KEEP_ALIVE_MIN_UNLOADED_SECS``, for callers whose period is seconds):
 
 - ``HISTORY = 128`` idle times per model (1 KiB): two hours of a model called every minute, a day of one
   called every ten minutes, five days of an hourly one; recent enough to follow a changing caller.
@@ -157,6 +160,12 @@ class FixedKeepAlive:
         if explicit:
             self._held_until = now + self.idle_timeout_secs
 
+    def on_served(self, now: float) -> None:
+        """A request reported by ``on_request`` at its arrival was answered at ``now``. The fixed window counts
+        from the last moment the model was in use; a learned one from the request (like a cold start's load)."""
+        if self._anchor is not None and self._load_restarts_window(False):
+            self._anchor = max(self._anchor, now)
+
     def on_unloaded(self, now: float) -> None:
         if self.prewarmed_unused:
             self.prewarm_wasted += 1
@@ -217,6 +226,10 @@ class FixedKeepAlive:
     def samples(self) -> int:
         return 0
 
+    def idle_times(self) -> list[float]:
+        """The idle times on record, oldest first."""
+        return []
+
     def _record_idle(self, secs: float) -> None:
         pass
 
@@ -229,14 +242,32 @@ class AdaptiveKeepAlive(FixedKeepAlive):
 
     kind: KeepAliveKind = "adaptive"
 
-    def __init__(self, idle_timeout_secs: float, *, history: int | None = None) -> None:
+    def __init__(
+        self,
+        idle_timeout_secs: float,
+        *,
+        history: int | None = None,
+        min_samples: int = MIN_SAMPLES,
+        min_unloaded_secs: float = MIN_UNLOADED_SECS,
+    ) -> None:
+        """``min_samples`` / ``min_unloaded_secs``: MIN_SAMPLES and MIN_UNLOADED_SECS for this model (the
+        server's ``keep_alive_min_samples`` / ``keep_alive_min_unloaded_secs``; lower for callers whose period
+        is seconds, and for tests)."""
         super().__init__(idle_timeout_secs)
+        if min_samples < 1 or min_unloaded_secs < 0:
+            raise ValueError(
+                f"min_samples must be >= 1 and min_unloaded_secs >= 0, got {min_samples} and {min_unloaded_secs}"
+            )
+        self.min_samples, self.min_unloaded_secs = min_samples, min_unloaded_secs
         self._idle: deque[float] = deque(maxlen=history or HISTORY)
         self._cached: Window | None = None
 
     @property
     def samples(self) -> int:
         return len(self._idle)
+
+    def idle_times(self) -> list[float]:
+        return list(self._idle)
 
     def _record_idle(self, secs: float) -> None:
         self._idle.append(secs)
@@ -258,23 +289,27 @@ class AdaptiveKeepAlive(FixedKeepAlive):
             self._cached = self._learn()
         return self._cached
 
+    def windows(self) -> dict[str, Any]:
+        return {**super().windows(), "min_samples": self.min_samples}
+
     def _learn(self) -> Window:
-        if len(self._idle) < MIN_SAMPLES:
+        if len(self._idle) < self.min_samples:
             return Window(
-                self.idle_timeout_secs, reason=f"learning: {len(self._idle)} of {MIN_SAMPLES} idle times seen"
+                self.idle_timeout_secs, reason=f"learning: {len(self._idle)} of {self.min_samples} idle times seen"
             )
         idle = np.sort(np.fromiter(self._idle, dtype=float))
         price = 1.0 / self.idle_timeout_secs
-        min_start = (MIN_UNLOADED_SECS + self.load_secs) / (1 - MARGIN)
+        min_start = (self.min_unloaded_secs + self.load_secs) / (1 - MARGIN)
         start, end, caught = best_window(idle, price=price, min_start=min_start)
         if caught == 0:
             reason = f"requests too sparse to keep loaded (most idle times beyond {self.idle_timeout_secs:g} s)"
             return Window(MIN_KEEP_ALIVE_SECS, pattern=True, reason=reason)
         reason = f"{100 * caught:.0f}% of recent idle times fall in {start:.1f}-{end:.1f} s"
         keep = max(end * (1 + MARGIN), MIN_KEEP_ALIVE_SECS)
-        if end == idle[-1]:  # the window reaches the longest idle time seen: beyond it, trust the tail's rate
-            tail = idle[-TAIL_SAMPLES:] - idle[-TAIL_SAMPLES - 1]
-            rate = TAIL_SAMPLES / max(float(tail.sum()), 1e-9)
+        tail_n = min(TAIL_SAMPLES, idle.size - 1)  # fewer only where min_samples is set below TAIL_SAMPLES + 1
+        if end == idle[-1] and tail_n > 0:  # the window reaches the longest idle time seen: trust the tail's rate
+            tail = idle[-tail_n:] - idle[-tail_n - 1]
+            rate = tail_n / max(float(tail.sum()), 1e-9)
             if rate > price:
                 keep = max(keep, end + TAIL_SPAN / rate)
         prewarm = start * (1 - MARGIN) - self.load_secs if start else None
@@ -307,10 +342,17 @@ def best_window(idle: np.ndarray, *, price: float, min_start: float) -> tuple[fl
     return float(lo[a, 0]), float(idle[b]), float(caught[a, b]) / n
 
 
-def keep_alive_policy(kind: KeepAliveKind, idle_timeout_secs: float) -> FixedKeepAlive:
-    """The policy a deployment asks for (``keep_alive`` and ``idle_timeout_secs`` of ``DeploymentSpec``)."""
+def keep_alive_policy(
+    kind: KeepAliveKind,
+    idle_timeout_secs: float,
+    *,
+    min_samples: int = MIN_SAMPLES,
+    min_unloaded_secs: float = MIN_UNLOADED_SECS,
+) -> FixedKeepAlive:
+    """The policy a deployment asks for (``keep_alive`` and ``idle_timeout_secs`` of ``DeploymentSpec``); the
+    keyword arguments tune the adaptive one (``AdaptiveKeepAlive``)."""
     if kind == "adaptive":
-        return AdaptiveKeepAlive(idle_timeout_secs)
+        return AdaptiveKeepAlive(idle_timeout_secs, min_samples=min_samples, min_unloaded_secs=min_unloaded_secs)
     if kind == "fixed":
         return FixedKeepAlive(idle_timeout_secs)
     raise ValueError(f"keep_alive must be 'fixed' or 'adaptive', got {kind!r}")

@@ -21,6 +21,15 @@ class SnoozeMetrics:
             "snooze_cold_start_seconds", "Time from load start to ready", ["model"],
             buckets=_COLD_START_BUCKETS, registry=r,
         )
+        self.prewarm_loads = Counter(
+            "snooze_prewarm_loads", "Loads started by the adaptive keep-alive ahead of a predicted request",
+            ["model"], registry=r,
+        )
+        self.prewarm_outcomes = Counter(
+            "snooze_prewarm_outcomes",
+            "Pre-warm loads by what became of them: used (a request came while loaded) or wasted (unloaded unused)",
+            ["model", "outcome"], registry=r,
+        )
         self.load_failures = Counter("snooze_load_failures", "Failed loads", ["model", "kind"], registry=r)
         self.wake_waits = Counter(
             "snooze_wake_waits", "Requests that waited for a model to wake", ["model"], registry=r

@@ -87,6 +87,19 @@ class Settings(BaseSettings):
     autoscale: bool = Field(True, description="Add instances when a model's queue stays long")
     autoscale_queue_threshold: float = Field(4.0, description="Pending requests per instance that triggers scale-up")
     autoscale_window_secs: float = Field(5.0, description="How long the queue must stay above the threshold")
+    # the defaults are controlplane.keepalive.MIN_SAMPLES / MIN_UNLOADED_SECS (not imported: it loads numpy)
+    keep_alive_min_samples: int = Field(
+        10,
+        ge=1,
+        description='Models with keep_alive = "adaptive": idle times seen before the learned windows replace '
+        "idle_timeout_secs",
+    )
+    keep_alive_min_unloaded_secs: float = Field(
+        60.0,
+        ge=0,
+        description='Models with keep_alive = "adaptive": unload between requests and pre-warm only when the model '
+        "then stays out of memory at least this long (lower it for callers whose period is seconds)",
+    )
 
     # --- control API
     allow_local_paths: bool = Field(

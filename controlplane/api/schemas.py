@@ -39,6 +39,13 @@ class ModelStatusBody(BaseModel):
     )
     last_cold_start_secs: float | None = None
     load_count: int = 0
+    keep_alive: dict[str, Any] | None = Field(
+        None,
+        description="The keep-alive policy now: policy (fixed | adaptive), pattern (a learned window is in use), "
+        "reason, samples (idle times on record), min_samples (adaptive), keep_alive_secs (stay loaded this long "
+        "after a request), prewarm_after_secs (adaptive: unload after a request and load again this long after "
+        "it; null: no pre-warm), prewarm_loads / prewarm_used / prewarm_wasted, prewarmed_unused",
+    )
 
 
 class ModelSummary(BaseModel):

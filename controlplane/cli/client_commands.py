@@ -87,6 +87,31 @@ def _duration(secs: float | None) -> str:
     return f"{secs:g}s"
 
 
+def _keep_alive(status: dict[str, Any]) -> str:
+    """The keep-alive policy's current windows: ``fixed 5m``, ``learning 3/10 (5m)`` (the fixed timeout until then),
+    ``adaptive: pre-warm +6.2s, keep +30s`` (after each request), ``adaptive: keep +45s``."""
+    timeout = _duration(status.get("idle_timeout_secs"))
+    policy = status.get("keep_alive")
+    if not policy:  # a server from before keep-alive policies
+        return timeout
+    if policy["policy"] == "fixed":
+        return f"fixed {timeout}"
+    if not policy["pattern"]:
+        return f"learning {policy['samples']}/{policy.get('min_samples', '?')} ({timeout})"
+    keep = _span(policy["keep_alive_secs"])
+    if policy.get("prewarm_after_secs") is None:
+        return f"adaptive: keep +{keep}"
+    return f"adaptive: pre-warm +{_span(policy['prewarm_after_secs'])}, keep +{keep}"
+
+
+def _span(secs: float) -> str:
+    """A learned window edge, three digits at most: ``6.2s``, ``45s``, ``11.5m``, ``2.5h``."""
+    for unit, size in (("h", 7200), ("m", 120)):
+        if secs >= size:
+            return f"{secs / (size // 2):.3g}{unit}"
+    return f"{secs:.3g}s"
+
+
 def _memory(nbytes: int | None) -> str:
     return "-" if not nbytes else f"{nbytes / 2**20:.1f} MiB"
 
@@ -134,7 +159,7 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
     # the GPU column only where the server measures GPU memory: CPU-only servers keep the narrower table
     gpu = any(model["status"].get("gpu_memory_bytes") is not None for model in models)
     fleet = any("nodes" in model["status"] for model in models)  # a fleet API answered
-    columns = ["model", "state", "instances", "last access", "idle timeout", "memory"]
+    columns = ["model", "state", "instances", "last access", "keep-alive", "memory"]
     columns += ["GPU memory"] if gpu else []
     columns += ["nodes"] if fleet else []
     table = Table(*columns, "last cold start")
@@ -144,7 +169,7 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
         cold = s.get("last_cold_start_secs")
         table.add_row(
             model["id"], _state(s), str(s.get("instances", 0)), _ago(s.get("last_access")),
-            _duration(s.get("idle_timeout_secs")), _memory_cell(s),
+            _keep_alive(s), _memory_cell(s),
             *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
             *([_nodes(s.get("nodes"))] if fleet else []),
             "-" if cold is None else f"{cold:.2f}s",

@@ -5,17 +5,19 @@ Measured per process through NVML where NVML's pids map to the ones seen here
 serialised, ``max_concurrent_loads`` = 1, for that to hold). ``SNOOZE_GPU_MEMORY_BUDGET_MB`` applies to
 each GPU on its own: before a load, idle models holding memory on the GPUs it needs are unloaded until
 its estimate fits; after it, a measurement above the estimate evicts again; a load that fails with a
-CUDA out-of-memory evicts idle models on its GPUs and is retried once. Without a GPU (no NVML, no
-device) every call here is a no-op.
+CUDA out-of-memory evicts idle models on its GPUs and is retried once. A pre-warm evicts nothing
+(``fits``). Without a GPU (no NVML, no device) every call here is a no-op.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from controlplane.errors import UnavailableError
 from controlplane.gpu_budget import (
     GpuResident,
     estimate_gpu_need,
@@ -88,8 +90,20 @@ class GpuMemory:
             if not held:
                 continue
             evictable = r.state is ModelState.READY and r.op is None and r.users == 0 and not pending.get(r.id)
-            found.append(GpuResident(r.id, dict(held), r.idle_since, evictable))
+            found.append(GpuResident(r.id, dict(held), r.idle_since, evictable, r.prewarmed_unused))
         return found
+
+    async def fits(self, rec: ModelRecord, need: dict[int, int]) -> bool:
+        """Whether ``need`` fits each GPU's budget beside what the other models hold, without evicting."""
+        budget = self.settings.gpu_memory_budget_mb
+        if budget is None or not need:
+            return True
+        held = [dataclasses.replace(r, evictable=False) for r in await self.residents(rec)]
+        try:
+            plan_gpu_eviction(rec.id, need, held, budget)  # nothing evictable: it fits or it raises
+        except UnavailableError:
+            return False
+        return True
 
     async def make_room(self, rec: ModelRecord, need: dict[int, int]) -> None:
         """Unload idle models, least recently used first, until ``need`` fits each GPU's budget."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from controlplane.errors import SnoozeError, TritonModelLoadError
+from controlplane.errors import SnoozeError, TritonModelLoadError, UnavailableError
 from controlplane.gpu_budget import GPU_OOM_HINT, is_cuda_oom
 from controlplane.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.autoscale import LoadWindow
@@ -26,6 +26,7 @@ from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.memory import OOM_HINT, MemoryBudget, declared_bytes, is_oom_error
 from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.warmth import Warmth
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import parse_config
 from controlplane.settings import Settings
@@ -42,6 +43,10 @@ GENERATION_PARAMETER = "snooze_generation"
 # How long a load's leftover stubs (instances removed in place) get to exit before the model's
 # processes are noted.
 STUBS_SETTLE_SECS = 3.0
+
+
+class NoRoomToPrewarm(UnavailableError):
+    """A pre-warm whose estimate does not fit the free memory budget: skipped, nothing evicted for it."""
 
 
 def rendered_config(config_text: str, *, where: str) -> dict[str, Any]:
@@ -75,10 +80,12 @@ class Loader:
         budget: MemoryBudget,
         gpu: GpuMemory,
         metrics: SnoozeMetrics,
+        warmth: Warmth,
         *,
         wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
     ) -> None:
         self.settings = settings
+        self.warmth = warmth
         self.states = states
         self.triton = triton
         self.processes = processes
@@ -88,11 +95,20 @@ class Loader:
         self._wait_for_triton = wait_for_triton
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
 
-    async def load(self, rec: ModelRecord, instances: int, *, trigger: str | None = None, how: str = "files") -> None:
-        """Load with ``instances``; ``trigger`` marks a cold start.
+    @property
+    def slot_free(self) -> bool:
+        """A load could start now without waiting for another to end."""
+        return not self._slots.locked()
+
+    async def load(
+        self, rec: ModelRecord, instances: int, *, trigger: str | None = None, how: str = "files", evict: bool = True
+    ) -> float:
+        """Load with ``instances``; the seconds Triton's load took. ``trigger`` marks a cold start ("request",
+        "api") or a pre-warm ("prewarm").
 
         ``how``: "files" loads what is published (a reload picks up new files); "in_place" changes
-        only the instance count of the loaded model; "replace" rebuilds every instance.
+        only the instance count of the loaded model; "replace" rebuilds every instance. ``evict=False``
+        (pre-warms): unload nothing to make room, raise ``NoRoomToPrewarm`` where the estimate does not fit.
         """
         rec.model = self.states.store.get(rec.id)  # Triton reads what is published now
         await self._wait_for_triton(rec)
@@ -100,26 +116,46 @@ class Loader:
             need = self.budget.estimate(rec, instances)
             placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
-            await self.gpu.make_room(rec, gpu_need)
-            await self.budget.make_room(rec, need)
+            if evict:
+                await self.gpu.make_room(rec, gpu_need)
+                await self.budget.make_room(rec, need)
+            elif not (self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)):
+                raise NoRoomToPrewarm(f"model '{rec.id}': not pre-warmed, the free memory budget is too small")
             rec.reserved, rec.gpu_reserved = need, gpu_need
             delta = await self.gpu.before_load()
             started = time.monotonic()
             try:
-                await self._load_retrying_oom(rec, instances, need, gpu_need, how)
+                await self._load_retrying_oom(rec, instances, need, gpu_need, how, evict=evict)
             finally:
                 rec.reserved, rec.gpu_reserved = 0, {}
             elapsed = time.monotonic() - started
             await self.loaded(rec, instances, gpu_delta=delta)
-        await self.gpu.enforce(rec)
-        if trigger is not None:
+        if evict:
+            await self.gpu.enforce(rec)
+        self.warmth.loaded(rec, trigger, elapsed if trigger is not None else None)
+        if trigger == "prewarm":
+            self.metrics.prewarm_loads.labels(model=rec.id).inc()
+            log.info("model '%s': pre-warmed in %.3fs", rec.id, elapsed)
+        elif trigger is not None:
             rec.last_cold_start = elapsed
             self.metrics.cold_starts.labels(model=rec.id, trigger=trigger).inc()
             self.metrics.cold_start_seconds.labels(model=rec.id).observe(elapsed)
             log.info("model '%s': cold start (%s) in %.3fs", rec.id, trigger, elapsed)
+        return elapsed
+
+    async def fits_free(self, rec: ModelRecord, instances: int, *, measured: bool = False) -> bool:
+        """Whether the model with ``instances`` fits the free host and GPU budgets without evicting anything: its
+        estimate, or (``measured``) what it holds now that it is loaded."""
+        if measured:
+            need, gpu_need = rec.footprint or 0, dict(rec.gpu_footprint or {})
+        else:
+            need = self.budget.estimate(rec, instances)
+            placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
+            gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
+        return self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)
 
     async def _load_retrying_oom(
-        self, rec: ModelRecord, instances: int, need: int, gpu_need: dict[int, int], how: str
+        self, rec: ModelRecord, instances: int, need: int, gpu_need: dict[int, int], how: str, *, evict: bool
     ) -> None:
         config = await self._config(rec, instances, how)
         timeout = rec.model.load_timeout_secs
@@ -128,7 +164,7 @@ class Loader:
             return
         except TritonModelLoadError as e:
             on_gpu = bool(gpu_need)
-            if not (is_cuda_oom(e.reason, on_gpu=on_gpu) or is_oom_error(e.reason)):
+            if not evict or not (is_cuda_oom(e.reason, on_gpu=on_gpu) or is_oom_error(e.reason)):
                 raise
             first, cuda = e, is_cuda_oom(e.reason, on_gpu=on_gpu)
         # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same LRU, once.
@@ -233,6 +269,8 @@ class Loader:
         self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint if rec.footprint_source else 0)
 
     def forget_loaded(self, rec: ModelRecord) -> None:
+        """The model left memory (unloaded, evicted, or Triton gone)."""
+        self.warmth.unloaded(rec)
         rec.instances = 0
         rec.stubs = ()
         self.gpu.forget(rec)

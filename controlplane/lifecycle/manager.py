@@ -31,11 +31,12 @@ from controlplane.errors import ConflictError, SnoozeError, UnavailableError
 from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
 from controlplane.lifecycle.gpu import GpuMemory
-from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader
+from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.processes import StubDeath, TritonProcesses
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
+from controlplane.lifecycle.warmth import Warmth
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
@@ -79,6 +80,7 @@ class LifecycleManager:
         self.journal_dir = journal_dir
         self.metrics = metrics or SnoozeMetrics()
         self.states = ModelStates(store, self.metrics)
+        self.warmth = Warmth(settings, self.metrics)
         self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self._pending_counts)
         self.gpu = GpuMemory(
             settings,
@@ -97,6 +99,7 @@ class LifecycleManager:
             self.budget,
             self.gpu,
             self.metrics,
+            self.warmth,
             wait_for_triton=self._wait_for_triton,
         )
         self._triton_up = asyncio.Event()
@@ -179,7 +182,7 @@ class LifecycleManager:
         return self.processes.visible
 
     async def sweep(self) -> None:
-        """One pass: Triton alive, state vs Triton's index, idle unloads, autoscaling."""
+        """One pass: Triton alive, state vs Triton's index, idle unloads, autoscaling, pre-warms."""
         if not await self._check_triton():
             return
         await self._resync(full=False)
@@ -190,14 +193,30 @@ class LifecycleManager:
         for rec in ready:
             if rec.op is not None or rec.state is not ModelState.READY:
                 continue
-            dep = rec.model.deployment
+            if rec.users == 0:  # while the activator forwards, Triton's last_inference is that request's
+                self.warmth.triton_access(rec)
             queued = pending.get(rec.id, 0.0)
-            if now - rec.idle_since >= dep.idle_timeout_secs and rec.users == 0 and queued == 0:
+            if rec.users == 0 and queued == 0 and self.warmth.unload_due(rec, now):
                 self.states.spawn(
                     rec, ModelState.UNLOADING, "idle", self._unload_op(rec, "idle", seen_access=rec.idle_since)
                 )
             elif self.settings.autoscale and rec.id in pending and rec.instances > 0:
                 self._autoscale(rec, queued)
+        await self._prewarm(now)
+
+    async def _prewarm(self, now: float) -> None:
+        """Start a pre-warm a policy asks for: one per pass, while a load slot is free, from free budget only."""
+        for rec in self.states.values():
+            if not self.loader.slot_free:
+                return
+            if rec.op is not None or rec.state is not ModelState.UNLOADED or not self.warmth.prewarm_due(rec, now):
+                continue
+            if not await self.loader.fits_free(rec, rec.model.deployment.instances):
+                continue  # asked again at the next pass: memory may be free by then
+            if rec.op is None and rec.state is ModelState.UNLOADED:
+                self.warmth.prewarm_started(rec)
+                self.states.spawn(rec, ModelState.LOADING, "pre-warm", self._prewarm_op(rec))
+                return
 
     def _autoscale(self, rec: ModelRecord, queued: float) -> None:
         dep = rec.model.deployment
@@ -272,9 +291,11 @@ class LifecycleManager:
         """
         rec = self.states.get(model_id)
         if rec is not None and rec.state is ModelState.READY:
+            self.warmth.request(rec)
             rec.touched = time.time()
             return
         rec = self.states.record(model_id, refresh=True)
+        self.warmth.request(rec)
         wait = (
             timeout
             if timeout is not None
@@ -327,12 +348,14 @@ class LifecycleManager:
         finally:
             rec.users -= 1
             rec.touched = time.time()
+            self.warmth.served(rec, rec.touched)
 
     def touch(self, model_id: str) -> None:
         rec = self.states.get(model_id)
         if rec is None and self.store.exists(model_id):
             rec = self.states.record(model_id)
         if rec is not None:
+            self.warmth.request(rec)
             rec.touched = time.time()
 
     async def admit(self, model_id: str, request_id: str) -> None:
@@ -489,6 +512,7 @@ class LifecycleManager:
             processes=len(rec.stubs) if loaded and rec.stubs else None,
             last_crash=rec.last_crash,
             gpu_memory_bytes=self.gpu.status_bytes(rec),
+            keep_alive=self.warmth.windows(rec),
         )
 
     def statuses(self) -> list[ModelStatus]:
@@ -505,6 +529,25 @@ class LifecycleManager:
             self.loader.load_failed(rec, e)
             self.states.set_state(rec, ModelState.FAILED, str(e.message))
             raise
+
+    async def _prewarm_op(self, rec: ModelRecord) -> None:
+        """A load ahead of a predicted request (the sweeper told the policy it started). A failure is left in
+        the model's state; a request waiting for it loads the model itself."""
+        try:
+            await self.loader.load(rec, rec.model.deployment.instances, trigger="prewarm", evict=False)
+        except NoRoomToPrewarm as e:
+            self.warmth.unloaded(rec)
+            self.states.set_state(rec, ModelState.UNLOADED, str(e.message))
+            return
+        except SnoozeError as e:
+            self.warmth.unloaded(rec)
+            self.loader.load_failed(rec, e)
+            self.states.set_state(rec, ModelState.FAILED, f"pre-warm failed: {e.message}")
+            return
+        if not await self.loader.fits_free(rec, rec.instances, measured=True):
+            # it measured above its estimate: a pre-warm leaves the room to others rather than evicting them
+            self.states.set_state(rec, ModelState.UNLOADING, "pre-warm over the memory budget")
+            await self._unload_op(rec, "memory", seen_access=rec.idle_since)
 
     async def _recover_op(self, rec: ModelRecord) -> None:
         """Out of service first, then a fresh load.
@@ -699,6 +742,7 @@ class LifecycleManager:
             return
         instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         await self.loader.loaded(rec, instances, count=False)
+        self.warmth.loaded(rec, "adopt")
 
     def _retry_after(self, rec: ModelRecord) -> float:
         return max(1.0, round(rec.last_cold_start or 1.0, 1))

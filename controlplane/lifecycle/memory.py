@@ -2,7 +2,8 @@
 
 A model's footprint is measured (the RSS of its model processes, where they can be seen) or declared
 (its ``memory_mb``); a load reserves its estimate while it runs. When a load would exceed the budget,
-idle models are unloaded, least recently used first, until it fits.
+idle models are unloaded until it fits: pre-warmed models no request has used yet first, then the least
+recently used. A pre-warm itself only loads where its estimate fits the free budget (``fits``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ EvictFn = Callable[[ModelRecord, str, str], Awaitable[bool]]
 def is_oom_error(text: str) -> bool:
     lowered = text.lower()
     return any(marker in lowered for marker in OOM_MARKERS)
+
+
+def eviction_order(rec: ModelRecord) -> tuple[bool, float]:
+    """Sort key of eviction candidates: a pre-warm nobody used yet first (it was a bet), then least recently used."""
+    return (not rec.prewarmed_unused, rec.idle_since)
 
 
 def declared_bytes(rec: ModelRecord) -> int | None:
@@ -80,6 +86,12 @@ class MemoryBudget:
                 used += r.footprint or 0
         return used
 
+    def fits(self, rec: ModelRecord, need: int) -> bool:
+        """Whether ``need`` more bytes fit the budget beside what the other models hold, without evicting."""
+        if self.settings.memory_budget_mb is None:
+            return True
+        return self.used(rec) + need <= int(self.settings.memory_budget_mb * MIB)
+
     async def make_room(self, rec: ModelRecord, need: int) -> None:
         """Evict idle models until ``need`` more bytes fit; UnavailableError when they cannot."""
         if self.settings.memory_budget_mb is None:
@@ -109,11 +121,10 @@ class MemoryBudget:
                 )
 
     async def evict(self, rec: ModelRecord, amount: int, reason: str) -> list[str]:
-        """Unload least-recently-used idle models until ``amount`` bytes are freed; their ids."""
+        """Unload idle models (``eviction_order``) until ``amount`` bytes are freed; their ids."""
         pending = await self._pending()
         candidates = sorted(
-            (r for r in self.states.values() if r is not rec and r.state is ModelState.READY),
-            key=lambda r: r.idle_since,
+            (r for r in self.states.values() if r is not rec and r.state is ModelState.READY), key=eviction_order
         )
         freed, evicted = 0, []
         for victim in candidates:

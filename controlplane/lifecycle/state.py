@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from controlplane.errors import SnoozeError
+from controlplane.keepalive import FixedKeepAlive
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.processes import StubDeath, StubProcess
 from controlplane.metrics import SnoozeMetrics
@@ -49,6 +50,7 @@ class ModelStatus:
     processes: int | None  # live model processes (python backend), None when they cannot be seen
     last_crash: str | None  # how its last model process died, and when (None: never seen dying)
     gpu_memory_bytes: dict[str, int] | None = None  # per GPU index while loaded; None: no GPU measured
+    keep_alive: dict[str, Any] | None = None  # the keep-alive policy's windows and pre-warm counts (windows())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -65,6 +67,7 @@ class ModelStatus:
             "processes": self.processes,
             "last_crash": self.last_crash,
             "gpu_memory_bytes": self.gpu_memory_bytes,
+            "keep_alive": self.keep_alive,
         }
 
 
@@ -102,6 +105,9 @@ class ModelRecord:
     op: asyncio.Task[Any] | None = None
     generation: int = 0  # bumped on every state change; guards decisions made across an await
     scale: LoadWindow = field(default_factory=LoadWindow)
+    keep_alive: FixedKeepAlive | None = None  # its keep-alive policy, built on first use (``warmth``)
+    access_reported: float = 0.0  # the last triton_last the sweeper handed to the policy
+    prewarms_counted: tuple[int, int] = (0, 0)  # the policy's used / wasted pre-warms already in the metrics
 
     @property
     def last_access(self) -> float | None:
@@ -110,6 +116,11 @@ class ModelRecord:
     @property
     def idle_since(self) -> float:
         return max(self.touched, self.triton_last, self.ready_at)
+
+    @property
+    def prewarmed_unused(self) -> bool:
+        """Loaded by a pre-warm and no request since: the first to go under memory pressure."""
+        return self.keep_alive is not None and self.keep_alive.prewarmed_unused
 
     @property
     def is_python(self) -> bool:

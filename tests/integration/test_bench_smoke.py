@@ -22,6 +22,7 @@ SECTION_KEYS = {
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
     "scale": {"models", "render", "validate_static", "control_plane"},
     "recovery": {"cycles", "load_average", "topologies"},
+    "keepalive_live": {"period_s", "idle_timeout_s", "requests", "policies"},
 }
 
 
@@ -58,3 +59,5 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert set(data["sections"]["coldstart"]["models"]) == {"numpy-linear", "onnx-mlp"}
     assert set(data["sections"]["recovery"]["topologies"]) == {"embedded", "two_process"}
     assert "## Recovery after a model process dies, per topology" in text
+    assert set(data["sections"]["keepalive_live"]["policies"]) == {"adaptive", "fixed"}
+    assert "## Keep-alive in the real stack: a periodic caller, adaptive vs fixed" in text

@@ -484,3 +484,75 @@ async def test_cuda_out_of_memory_at_load_evicts_on_the_gpu_and_retries_once(mak
     assert info.value.hint and "GPU" in info.value.hint
     assert manager.status(victim).state is ModelState.UNLOADED and manager.status(victim).reason == "gpu_oom"
     assert sample(manager, "snooze_load_failures_total", model=hog, kind="oom") == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Adaptive keep-alive. The policy's history is given by hand (a caller every 5 s whose last request came 4 s
+# ago) so that the pre-warm is due at once; the periodic caller in real time is tests/integration/
+# test_keepalive_live.py.
+
+PERIOD = 5.0
+
+
+def learned_periodic_caller(manager: LifecycleManager, model: str) -> None:
+    """The model's policy has seen a request every PERIOD s, the last one 4 s ago: its pre-warm is due."""
+    now = time.time()
+    for k in range(4, 0, -1):
+        manager.warmth.request(manager.states.record(model), now - 4 - (k - 1) * PERIOD)
+    assert manager.status(model).keep_alive["pattern"]
+
+
+async def test_prewarm_loads_ahead_of_the_request_counted_apart_then_unloads_between_requests(
+    make_manager, publish, triton
+):
+    model = publish("prewarmed", keep_alive="adaptive", idle_timeout_secs=1)
+    manager = await make_manager(keep_alive_min_samples=3, keep_alive_min_unloaded_secs=0.5)
+    learned_periodic_caller(manager, model)
+
+    await until(lambda: manager.status(model).state is ModelState.READY, "the pre-warm")
+    status = manager.status(model)
+    assert status.keep_alive["prewarmed_unused"] and status.keep_alive["prewarm_loads"] == 1
+    assert sample(manager, "snooze_prewarm_loads_total", model=model) == 1
+    assert sample(manager, "snooze_cold_starts_total", model=model, trigger="request") == 0
+
+    assert await output(triton, model) == [2.0, 4.0]  # the predicted request, straight to Triton: warm
+    await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the unload until the next pre-warm")
+    assert manager.status(model).reason == "idle"
+    assert sample(manager, "snooze_prewarm_outcomes_total", model=model, outcome="used") == 1
+    assert sample(manager, "snooze_prewarm_outcomes_total", model=model, outcome="wasted") == 0
+    assert manager.status(model).keep_alive["samples"] == 4  # the request was heard once
+
+
+async def test_prewarm_uses_free_budget_only_and_an_unused_prewarm_is_evicted_first(make_manager, publish, triton):
+    idle, newcomer = publish("budget-idle"), publish("budget-new")
+    bet = publish("budget-bet", keep_alive="adaptive", idle_timeout_secs=60)
+    manager = await make_manager(keep_alive_min_samples=3, keep_alive_min_unloaded_secs=0.5)
+    await manager.ensure_ready(idle)
+    size = manager.status(idle).memory_bytes
+    assert size
+    manager.settings.memory_budget_mb = 1.5 * size / MIB  # the pre-warm would need idle's memory
+    learned_periodic_caller(manager, bet)
+    for _ in range(5):  # sweeps pass (every 0.2 s) and leave everything as it is
+        await manager.sweep()
+    assert manager.status(bet).state is ModelState.UNLOADED and manager.status(idle).state is ModelState.READY
+    assert sample(manager, "snooze_prewarm_loads_total", model=bet) == 0
+    assert sample(manager, "snooze_evictions_total", model=idle, reason="memory") == 0
+
+    manager.settings.memory_budget_mb = 2.5 * size / MIB  # room for one more: the pre-warm goes ahead
+    await until(lambda: manager.status(bet).state is ModelState.READY, "the pre-warm")
+    assert manager.status(idle).state is ModelState.READY
+
+    await manager.ensure_ready(newcomer)  # a third does not fit: the unused pre-warm goes, not the older idle model
+    assert manager.status(bet).state is ModelState.UNLOADED and manager.status(idle).state is ModelState.READY
+    assert sample(manager, "snooze_evictions_total", model=bet, reason="memory") == 1
+    assert sample(manager, "snooze_prewarm_outcomes_total", model=bet, outcome="wasted") == 1
+
+
+async def test_a_model_adopted_at_start_is_unloaded_by_its_policy(make_manager, publish, triton):
+    model = publish("adopted-adaptive", keep_alive="adaptive", idle_timeout_secs=1)
+    async with TritonAdminClient(triton.http_url) as admin:
+        await admin.load(model)
+    manager = await make_manager()
+    assert manager.status(model).state is ModelState.READY
+    await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the idle unload of the adopted model")
+    assert manager.status(model).keep_alive["reason"].startswith("learning")

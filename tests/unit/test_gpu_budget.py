@@ -61,6 +61,16 @@ def test_a_victim_frees_every_gpu_it_holds():
     assert plan_gpu_eviction("m", mib(gpu0=300, gpu1=600), residents, 1000) == ["e", "d"]
 
 
+def test_a_prewarmed_model_nobody_used_goes_before_the_least_recently_used():
+    residents = [
+        resident("old", 1, gpu0=300),
+        GpuResident("bet", {0: 300 * MIB}, last_access=50, evictable=True, prewarmed_unused=True),
+    ]
+    assert plan_gpu_eviction("m", mib(gpu0=500), residents, 1000) == ["bet"]
+    assert plan_gpu_eviction("m", mib(gpu0=800), residents, 1000) == ["bet", "old"]
+    assert plan_gpu_oom_eviction(mib(gpu0=100), residents) == ["bet"]
+
+
 def test_ties_in_last_access_are_broken_by_name():
     residents = [resident("y", 5, gpu0=500), resident("x", 5, gpu0=500)]
     assert plan_gpu_eviction("m", mib(gpu0=100), residents, 1000) == ["x"]

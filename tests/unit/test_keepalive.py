@@ -263,3 +263,32 @@ def test_bench_replays_a_trace_file(tmp_path: Path) -> None:
     text = (tmp_path / "out" / "report.md").read_text()
     assert "## Keep-alive policies replayed in virtual time: trace" in text
     assert (tmp_path / "out" / "plots" / "keepalive_replay.png").stat().st_size > 0
+
+
+def test_a_server_may_lower_min_samples_and_min_unloaded_for_callers_with_a_period_of_seconds() -> None:
+    """The done-when's caller (every 8 s, idle timeout 2 s): the defaults keep it loaded (unloading for under 60 s
+    is not worth a load); lowered, it is unloaded after each request and pre-warmed before the next, after three
+    idle times (fewer than TAIL_SAMPLES + 1: the tail estimate works with what there is)."""
+    times = 1000 + np.arange(12) * 8.0
+    default = keep_alive_policy("adaptive", 2)
+    _feed(default, times)
+    assert default.windows()["prewarm_after_secs"] is None
+    tuned = keep_alive_policy("adaptive", 2, min_samples=3, min_unloaded_secs=2)
+    _feed(tuned, times[:3])
+    assert not tuned.windows()["pattern"] and tuned.windows()["reason"] == "learning: 2 of 3 idle times seen"
+    tuned.on_request(float(times[3]))
+    tuned.on_loaded(float(times[3]) + 0.5, load_secs=0.5)
+    w = tuned.windows()
+    assert w["pattern"] and w["min_samples"] == 3 and w["prewarm_after_secs"] == pytest.approx(8 * 0.9 - 0.5)
+    assert tuned.decide(float(times[3]) + 1, loaded=True) is Action.UNLOAD
+    with pytest.raises(ValueError, match="min_samples must be >= 1"):
+        AdaptiveKeepAlive(2, min_samples=0)
+
+
+def test_the_fixed_timeout_counts_from_the_end_of_a_forward_the_learned_window_from_the_request() -> None:
+    fixed, adaptive = FixedKeepAlive(10), AdaptiveKeepAlive(10, min_samples=1, min_unloaded_secs=0)
+    for policy in (fixed, adaptive):
+        _feed(policy, [0.0, 100.0])
+        policy.on_served(103.0)  # the activator's forward of the request at 100 ended at 103
+    assert fixed.keep_alive_until(100) == 110 and fixed.next_decision_at(104) == 113
+    assert adaptive.next_decision_at(100.5) == pytest.approx(100 + adaptive.windows()["prewarm_after_secs"])

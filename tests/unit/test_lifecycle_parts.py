@@ -1,9 +1,14 @@
-"""The pure parts of the lifecycle: OOM detection, load overrides, the autoscaling rule, status."""
+"""The pure parts of the lifecycle: OOM detection, load overrides, the autoscaling rule, status, and what the
+keep-alive policies hear from the lifecycle (``warmth``, on a fake clock)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from controlplane import keepalive
+from controlplane.keepalive import AdaptiveKeepAlive, FixedKeepAlive
 from controlplane.lifecycle import (
     GENERATION_PARAMETER,
     LoadWindow,
@@ -14,6 +19,13 @@ from controlplane.lifecycle import (
     is_oom_error,
     rendered_config,
 )
+from controlplane.lifecycle.memory import eviction_order
+from controlplane.lifecycle.state import ModelRecord
+from controlplane.lifecycle.warmth import FORWARD_STAMP_SLACK_SECS, Warmth
+from controlplane.metrics import SnoozeMetrics
+from controlplane.settings import Settings
+from controlplane.spec import DeploymentSpec
+from controlplane.store import PublishedModel
 
 CONFIG = """
 name: "m"
@@ -91,5 +103,119 @@ def test_status_to_dict():
     assert status.to_dict() == {
         "id": "m", "state": "ready", "reason": None, "instances": 2, "last_access": 1.5,
         "idle_timeout_secs": 300, "memory_bytes": 1024, "memory_source": "measured", "last_cold_start_secs": 0.4,
-        "load_count": 1, "processes": 2, "last_crash": None, "gpu_memory_bytes": None,
+        "load_count": 1, "processes": 2, "last_crash": None, "gpu_memory_bytes": None, "keep_alive": None,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# warmth: the lifecycle's events as the keep-alive policies hear them
+
+
+class Clock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(model_id: str = "m", **deployment: object) -> ModelRecord:
+    dep = DeploymentSpec(id=model_id, path=Path("."), **deployment)
+    return ModelRecord(model_id, PublishedModel(model_id, Path("."), dep, "custom", "python", [], [], {}, {}, 60, 60))
+
+
+def warmth(clock: Clock, **settings: object) -> tuple[Warmth, SnoozeMetrics]:
+    metrics = SnoozeMetrics()
+    return Warmth(Settings(**settings), metrics, clock=clock), metrics
+
+
+def test_a_request_the_activator_forwarded_is_heard_once_at_its_arrival():
+    clock = Clock()
+    w, _ = warmth(clock)
+    rec = record(keep_alive="adaptive", idle_timeout_secs=60)
+    w.request(rec, 1000.0)  # the activator woke the model for it
+    rec.touched = 1001.5  # the forward ended; Triton stamped the request just after that
+    rec.triton_last = 1001.5 + FORWARD_STAMP_SLACK_SECS / 2
+    w.triton_access(rec)
+    assert rec.keep_alive is not None and rec.keep_alive.last_request == 1000.0 and rec.keep_alive.samples == 0
+    rec.triton_last = 1009.0  # a request straight from the gateway to Triton
+    w.triton_access(rec)
+    w.triton_access(rec)  # the sweeper reads the same stamp again
+    assert rec.keep_alive.idle_times() == [9.0]
+
+
+def test_fixed_timeout_counts_from_the_last_use_as_before():
+    clock = Clock()
+    w, _ = warmth(clock)
+    rec = record(idle_timeout_secs=10)
+    w.request(rec, 1000.0)
+    clock.now = 1001.0
+    w.loaded(rec, "request", load_secs=1.0)
+    w.served(rec, 1001.5)  # the activator's forward ended
+    assert not w.unload_due(rec, 1011.4) and w.unload_due(rec, 1011.5)
+    rec.touched, rec.triton_last = 1001.5, 1001.6  # that forward's own stamp: use, not a new request
+    w.triton_access(rec)
+    assert not w.unload_due(rec, 1011.5) and w.unload_due(rec, 1011.6)
+    assert isinstance(rec.keep_alive, FixedKeepAlive) and rec.keep_alive.samples == 0
+
+
+def test_a_changed_deployment_gets_a_new_policy_that_still_unloads_the_loaded_model():
+    clock = Clock(500.0)
+    w, _ = warmth(clock)
+    rec = record(idle_timeout_secs=300)
+    rec.state, rec.ready_at = rec.state.READY, 100.0
+    assert type(w.policy(rec)) is FixedKeepAlive
+    rec.model = record(keep_alive="adaptive", idle_timeout_secs=120).model  # republished
+    policy = w.policy(rec)
+    assert isinstance(policy, AdaptiveKeepAlive) and w.policy(rec) is policy
+    assert not w.unload_due(rec, 219.0) and w.unload_due(rec, 220.0)  # 120 s from its load, not never
+
+
+def test_settings_tune_the_adaptive_policy_and_prewarm_outcomes_reach_the_metrics():
+    clock = Clock()
+    w, metrics = warmth(clock, keep_alive_min_samples=3, keep_alive_min_unloaded_secs=2)
+    rec = record(keep_alive="adaptive", idle_timeout_secs=2)
+    for t in (1000.0, 1008.0, 1016.0, 1024.0):  # a caller every 8 s: learned after three idle times
+        w.request(rec, t)
+    clock.now = 1024.5
+    w.loaded(rec, "request", load_secs=0.5)
+    window = w.windows(rec)
+    assert window["pattern"] and window["min_samples"] == 3
+    assert window["prewarm_after_secs"] == pytest.approx(8 * 0.9 - 0.5)
+    assert w.unload_due(rec, 1024.6)  # unloaded between requests
+    w.unloaded(rec)
+    assert not w.prewarm_due(rec, 1030.0) and w.prewarm_due(rec, 1030.7)
+    clock.now = 1030.7
+    w.prewarm_started(rec)
+    assert rec.prewarmed_unused and not w.prewarm_due(rec, 1031.0)  # one pre-warm per predicted request
+    clock.now = 1031.2
+    w.loaded(rec, "prewarm", load_secs=0.5)
+    w.request(rec, 1032.0)  # it came: used
+    assert not rec.prewarmed_unused
+    clock.now = 1038.7
+    w.unloaded(rec)
+    w.prewarm_started(rec)
+    clock.now = 1070.0
+    w.unloaded(rec)  # nobody came: wasted
+    used = metrics.registry.get_sample_value("snooze_prewarm_outcomes_total", {"model": "m", "outcome": "used"})
+    wasted = metrics.registry.get_sample_value("snooze_prewarm_outcomes_total", {"model": "m", "outcome": "wasted"})
+    assert (used, wasted) == (1, 1)
+
+
+def test_eviction_takes_unused_prewarms_first_then_the_least_recently_used():
+    clock = Clock()
+    w, _ = warmth(clock, keep_alive_min_samples=1, keep_alive_min_unloaded_secs=0)
+    old, recent, bet = record("old"), record("recent"), record("bet", keep_alive="adaptive", idle_timeout_secs=2)
+    old.touched, recent.touched, bet.touched = 10.0, 20.0, 30.0
+    w.request(bet, 0.0)
+    w.request(bet, 8.0)
+    w.prewarm_started(bet)
+    assert [r.id for r in sorted([old, recent, bet], key=eviction_order)] == ["bet", "old", "recent"]
+    w.request(bet, 16.0)  # used now: plain LRU again
+    assert [r.id for r in sorted([old, recent, bet], key=eviction_order)] == ["old", "recent", "bet"]
+
+
+def test_the_server_defaults_are_the_policy_defaults():
+    fields = Settings.model_fields
+    assert fields["keep_alive_min_samples"].default == keepalive.MIN_SAMPLES
+    assert fields["keep_alive_min_unloaded_secs"].default == keepalive.MIN_UNLOADED_SECS

@@ -1,4 +1,5 @@
-"""`snoozectl status` rendering: the GPU memory column appears only where the server measures GPU memory."""
+"""`snoozectl status` rendering: the GPU memory column appears only where the server measures GPU memory; the
+keep-alive column shows the policy's current windows."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def row(text: str, model_id: str) -> list[str]:
     return [cell.strip() for cell in line.strip("│┃| \n").split("│")]
 
 
-BEFORE = ["model", "state", "instances", "last access", "idle timeout", "memory", "last cold start"]
+BEFORE = ["model", "state", "instances", "last access", "keep-alive", "memory", "last cold start"]
 
 
 def test_status_without_gpu_memory_renders_as_before():
@@ -79,3 +80,31 @@ def test_a_fleet_status_names_the_nodes_holding_each_model():
     assert headers == [*BEFORE[:6], "nodes", BEFORE[6]]
     assert row(text, "hot")[6] == "node-1 loading, node-2 40.0 MiB"
     assert row(text, "asleep")[6] == "-"
+
+
+def _windows(policy: str, *, pattern: bool = False, samples: int = 0, keep: float = 300,
+             prewarm: float | None = None) -> dict:  # fmt: skip
+    """What the server's keep-alive policy reports (``FixedKeepAlive.windows()``)."""
+    w = {
+        "policy": policy, "pattern": pattern, "reason": "", "samples": samples, "keep_alive_secs": keep,
+        "prewarm_after_secs": prewarm, "prewarm_loads": 0, "prewarm_used": 0, "prewarm_wasted": 0,
+        "prewarmed_unused": False,
+    }
+    return w | ({"min_samples": 10} if policy == "adaptive" else {})
+
+
+def test_keep_alive_column_shows_the_policy_and_its_current_windows():
+    models = [
+        model("fixed", keep_alive=_windows("fixed")),
+        model("learning", keep_alive=_windows("adaptive", samples=3)),
+        model("periodic", keep_alive=_windows("adaptive", pattern=True, samples=40, keep=690.04, prewarm=540.3)),
+        model("seconds", keep_alive=_windows("adaptive", pattern=True, samples=5, keep=30, prewarm=6.2049)),
+        model("daily", keep_alive=_windows("adaptive", pattern=True, samples=20, keep=95040, prewarm=77760)),
+        model("bursty", keep_alive=_windows("adaptive", pattern=True, samples=128, keep=45)),
+        model("sparse", keep_alive=_windows("adaptive", pattern=True, samples=12, keep=30), idle_timeout_secs=60),
+    ]
+    _, text = render(models)
+    assert [row(text, m)[4] for m in ("fixed", "learning", "periodic", "seconds", "daily", "bursty", "sparse")] == [
+        "fixed 5m", "learning 3/10 (5m)", "adaptive: pre-warm +9m, keep +11.5m", "adaptive: pre-warm +6.2s, keep +30s",
+        "adaptive: pre-warm +21.6h, keep +26.4h", "adaptive: keep +45s", "adaptive: keep +30s",
+    ]
