@@ -36,11 +36,12 @@ from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.processes import StubDeath, TritonProcesses
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
+from controlplane.lifecycle.triton_sync import TritonSync
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
-from controlplane.triton.client import BUSY_STATES, RepositoryEntry, TritonAdminClient
+from controlplane.triton.client import TritonAdminClient
 
 if TYPE_CHECKING:
     from controlplane.triton.launcher import EmbeddedTriton
@@ -81,13 +82,16 @@ class LifecycleManager:
         self.metrics = metrics or SnoozeMetrics()
         self.states = ModelStates(store, self.metrics)
         self.warmth = Warmth(settings, self.metrics)
-        self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self._pending_counts)
+        self.sync = TritonSync(
+            settings, store, self.states, triton, processes, self.metrics, triton_process=triton_process
+        )
+        self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self.sync.pending_counts)
         self.gpu = GpuMemory(
             settings,
             self.states,
             processes,
             evict=self._evict_one,
-            pending=self._pending_counts,
+            pending=self.sync.pending_counts,
             reader=gpu_reader,
             pid_map=gpu_pid_map,
         )
@@ -100,11 +104,9 @@ class LifecycleManager:
             self.gpu,
             self.metrics,
             self.warmth,
-            wait_for_triton=self._wait_for_triton,
+            wait_for_triton=self.sync.wait_until_up,
         )
-        self._triton_up = asyncio.Event()
-        self._triton_up.set()
-        self._server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
+        self.sync.loader, self.sync.warmth = self.loader, self.warmth
         self._tasks: list[asyncio.Task[None]] = []
         self._passing = asyncio.Lock()  # held through one periodic pass, so that pause() can wait for it
 
@@ -114,9 +116,7 @@ class LifecycleManager:
     async def start(self) -> None:
         """Adopt what Triton has loaded (a restarted control plane keeps its models), start sweeping
         and watching model processes."""
-        await self._resync(full=True)
-        server = await asyncio.to_thread(self.processes.server)
-        self._server_seen = server.pid if server is not None else None
+        await self.sync.start()
         if not self._tasks:
             self._tasks = [
                 asyncio.create_task(
@@ -183,12 +183,12 @@ class LifecycleManager:
 
     async def sweep(self) -> None:
         """One pass: Triton alive, state vs Triton's index, idle unloads, autoscaling, pre-warms."""
-        if not await self._check_triton():
+        if not await self.sync.check():
             return
-        await self._resync(full=False)
+        await self.sync.resync(full=False)
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
-        await asyncio.gather(*(self._refresh_access(r) for r in ready))
-        pending = await self._pending_counts()
+        await asyncio.gather(*(self.sync.refresh_access(r) for r in ready))
+        pending = await self.sync.pending_counts()
         now = time.time()
         for rec in ready:
             if rec.op is not None or rec.state is not ModelState.READY:
@@ -605,8 +605,8 @@ class LifecycleManager:
         if seen_access is not None:
             # The model is already out of service (UNLOADING: wake-ups wait for this op). Anything
             # still queued in Triton, a wake-up waiting, or a request since the decision keeps it.
-            await self._refresh_access(rec)
-            pending = (await self._pending_counts()).get(rec.id, 0.0)
+            await self.sync.refresh_access(rec)
+            pending = (await self.sync.pending_counts()).get(rec.id, 0.0)
             if pending > 0 or rec.users > 0 or rec.idle_since > seen_access:
                 self.states.set_state(rec, ModelState.READY)
                 return False
@@ -632,117 +632,6 @@ class LifecycleManager:
             self._unload_op(victim, reason, seen_access=victim.idle_since),
         )
         return bool(await asyncio.shield(op))
-
-    # ------------------------------------------------------------------------------------------
-    # Observing Triton
-
-    async def _refresh_access(self, rec: ModelRecord) -> None:
-        with contextlib.suppress(SnoozeError):
-            stats = await self.triton.model_stats(rec.id)
-            rec.triton_last = max(rec.triton_last, stats.last_inference_ms / 1000)
-
-    async def _pending_counts(self) -> dict[str, float]:
-        """Pending requests per model from Triton's metrics; empty when they cannot be read."""
-        if self.triton.metrics_url is None:
-            return {}
-        try:
-            return await self.triton.pending_request_counts()
-        except SnoozeError as e:
-            log.warning("cannot read Triton's pending request counts: %s", e)
-            return {}
-
-    async def _check_triton(self) -> bool:
-        """False while tritonserver is down; restarts the embedded one when settings allow. A Triton
-        seen in a shared PID namespace that went away (its container restarted) means the same:
-        every model is unloaded, and the index is read again when it is back."""
-        proc = self.triton_process
-        if proc is not None:
-            if not proc.is_running():
-                self._triton_down(f"tritonserver (pid {proc.pid}) died")
-                if not self.settings.restart_triton:
-                    return False
-                try:
-                    await asyncio.to_thread(proc.restart)
-                except SnoozeError as e:
-                    log.error("restarting tritonserver failed (retrying at the next sweep): %s", e)
-                    return False
-                self.metrics.triton_restarts.inc()
-                log.warning("tritonserver restarted (pid %s)", proc.pid)
-        elif self._server_seen is not None:
-            server = await asyncio.to_thread(self.processes.server)
-            if server is None or server.pid != self._server_seen:
-                self._triton_down(f"tritonserver (pid {self._server_seen}) went away")
-                if server is None:
-                    return False
-                self._server_seen = server.pid
-                log.warning("tritonserver is back (pid %s)", server.pid)
-        if not self._triton_up.is_set():
-            await self._resync(full=True)  # raises on failure: the next sweep tries again
-            self._triton_up.set()
-        return True
-
-    def _triton_down(self, what: str) -> None:
-        if not self._triton_up.is_set():
-            return
-        self._triton_up.clear()
-        log.error("%s; every model is unloaded", what)
-        for rec in self.states.values():
-            if rec.op is None:
-                self.loader.forget_loaded(rec)
-                self.states.set_state(rec, ModelState.UNLOADED, "tritonserver died")
-
-    async def _wait_for_triton(self, rec: ModelRecord) -> None:
-        if self._triton_up.is_set():
-            return
-        if self.triton_process is not None and not self.settings.restart_triton:
-            raise UnavailableError(
-                f"model '{rec.id}' cannot load: tritonserver is not running",
-                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
-            )
-        try:
-            await asyncio.wait_for(self._triton_up.wait(), rec.model.load_timeout_secs)
-        except TimeoutError:
-            raise UnavailableError(
-                f"model '{rec.id}' cannot load: tritonserver has not come back", retry_after=5
-            ) from None
-
-    async def _resync(self, *, full: bool) -> None:
-        """Align states with Triton's repository index.
-
-        full (start, after a Triton restart): every idle model takes Triton's word. Otherwise only
-        models whose state Triton contradicts (unloaded or loaded behind snoozeml's back) change;
-        a state changed by a transition while the index was fetched is left alone.
-        """
-        generations = {m: r.generation for m, r in self.states.records.items()}
-        entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
-        new = self.store.ids() if full else [n for n, e in entries.items() if e.state in BUSY_STATES]
-        for model_id in new:
-            if self.states.get(model_id) is None and self.store.exists(model_id):
-                self.states.record(model_id)
-        for model_id, rec in list(self.states.records.items()):
-            if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
-                continue
-            if not self.store.exists(model_id):
-                continue
-            triton_ready = (e := entries.get(model_id)) is not None and e.state == "READY"
-            if triton_ready and rec.state is not ModelState.READY:
-                await self._adopt(rec)
-            elif not triton_ready and rec.state is ModelState.READY:
-                self.loader.forget_loaded(rec)
-                self.states.set_state(rec, ModelState.UNLOADED, "not loaded in Triton")
-            elif full and not triton_ready and rec.state is ModelState.FAILED:
-                self.states.set_state(rec, ModelState.UNLOADED, rec.reason)
-
-    async def _adopt(self, rec: ModelRecord) -> None:
-        """A model Triton already has loaded becomes READY here, with its instances and footprint."""
-        rec.model = self.store.get(rec.id)
-        try:
-            config = await self.triton.model_config(rec.id)
-        except SnoozeError:
-            return
-        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
-        await self.loader.loaded(rec, instances, count=False)
-        self.warmth.loaded(rec, "adopt")
 
     def _retry_after(self, rec: ModelRecord) -> float:
         return max(1.0, round(rec.last_cold_start or 1.0, 1))

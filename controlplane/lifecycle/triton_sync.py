@@ -1,0 +1,175 @@
+"""Triton's health and repository index, as the lifecycle follows them.
+
+The embedded tritonserver is restarted when it dies; one seen in a shared PID namespace that went away
+(its container restarted) means the same. Either way every model is taken as unloaded and the index is
+read again when Triton is back. Each sweep also aligns states with the index (models loaded or unloaded
+behind snoozeml's back) and reads Triton's own last-access times and queue lengths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.processes import TritonProcesses
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.metrics import SnoozeMetrics
+from controlplane.settings import Settings
+from controlplane.store import ModelStore
+from controlplane.triton.client import BUSY_STATES, RepositoryEntry, TritonAdminClient
+
+if TYPE_CHECKING:
+    from controlplane.lifecycle.loading import Loader
+    from controlplane.lifecycle.warmth import Warmth
+    from controlplane.triton.launcher import EmbeddedTriton
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+
+class TritonSync:
+    def __init__(
+        self,
+        settings: Settings,
+        store: ModelStore,
+        states: ModelStates,
+        triton: TritonAdminClient,
+        processes: TritonProcesses,
+        metrics: SnoozeMetrics,
+        *,
+        triton_process: EmbeddedTriton | None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.states = states
+        self.triton = triton
+        self.processes = processes
+        self.metrics = metrics
+        self.triton_process = triton_process  # the embedded child, which may be restarted
+        self.up = asyncio.Event()
+        self.up.set()
+        self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
+        self.loader: Loader | None = None  # set by the manager (the loader waits on this sync)
+        self.warmth: Warmth | None = None
+
+    async def start(self) -> None:
+        await self.resync(full=True)
+        server = await asyncio.to_thread(self.processes.server)
+        self.server_seen = server.pid if server is not None else None
+
+
+    async def refresh_access(self, rec: ModelRecord) -> None:
+        with contextlib.suppress(SnoozeError):
+            stats = await self.triton.model_stats(rec.id)
+            rec.triton_last = max(rec.triton_last, stats.last_inference_ms / 1000)
+
+    async def pending_counts(self) -> dict[str, float]:
+        """Pending requests per model from Triton's metrics; empty when they cannot be read."""
+        if self.triton.metrics_url is None:
+            return {}
+        try:
+            return await self.triton.pending_request_counts()
+        except SnoozeError as e:
+            log.warning("cannot read Triton's pending request counts: %s", e)
+            return {}
+
+    async def check(self) -> bool:
+        """False while tritonserver is down; restarts the embedded one when settings allow. A Triton
+        seen in a shared PID namespace that went away (its container restarted) means the same:
+        every model is unloaded, and the index is read again when it is back."""
+        proc = self.triton_process
+        if proc is not None:
+            if not proc.is_running():
+                self.down(f"tritonserver (pid {proc.pid}) died")
+                if not self.settings.restart_triton:
+                    return False
+                try:
+                    await asyncio.to_thread(proc.restart)
+                except SnoozeError as e:
+                    log.error("restarting tritonserver failed (retrying at the next sweep): %s", e)
+                    return False
+                self.metrics.triton_restarts.inc()
+                log.warning("tritonserver restarted (pid %s)", proc.pid)
+        elif self.server_seen is not None:
+            server = await asyncio.to_thread(self.processes.server)
+            if server is None or server.pid != self.server_seen:
+                self.down(f"tritonserver (pid {self.server_seen}) went away")
+                if server is None:
+                    return False
+                self.server_seen = server.pid
+                log.warning("tritonserver is back (pid %s)", server.pid)
+        if not self.up.is_set():
+            await self.resync(full=True)  # raises on failure: the next sweep tries again
+            self.up.set()
+        return True
+
+    def down(self, what: str) -> None:
+        if not self.up.is_set():
+            return
+        self.up.clear()
+        log.error("%s; every model is unloaded", what)
+        for rec in self.states.values():
+            if rec.op is None:
+                self._loader.forget_loaded(rec)
+                self.states.set_state(rec, ModelState.UNLOADED, "tritonserver died")
+
+    async def wait_until_up(self, rec: ModelRecord) -> None:
+        if self.up.is_set():
+            return
+        if self.triton_process is not None and not self.settings.restart_triton:
+            raise UnavailableError(
+                f"model '{rec.id}' cannot load: tritonserver is not running",
+                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
+            )
+        try:
+            await asyncio.wait_for(self.up.wait(), rec.model.load_timeout_secs)
+        except TimeoutError:
+            raise UnavailableError(
+                f"model '{rec.id}' cannot load: tritonserver has not come back", retry_after=5
+            ) from None
+
+    async def resync(self, *, full: bool) -> None:
+        """Align states with Triton's repository index.
+
+        full (start, after a Triton restart): every idle model takes Triton's word. Otherwise only
+        models whose state Triton contradicts (unloaded or loaded behind snoozeml's back) change;
+        a state changed by a transition while the index was fetched is left alone.
+        """
+        generations = {m: r.generation for m, r in self.states.records.items()}
+        entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
+        new = self.store.ids() if full else [n for n, e in entries.items() if e.state in BUSY_STATES]
+        for model_id in new:
+            if self.states.get(model_id) is None and self.store.exists(model_id):
+                self.states.record(model_id)
+        for model_id, rec in list(self.states.records.items()):
+            if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
+                continue
+            if not self.store.exists(model_id):
+                continue
+            triton_ready = (e := entries.get(model_id)) is not None and e.state == "READY"
+            if triton_ready and rec.state is not ModelState.READY:
+                await self.adopt(rec)
+            elif not triton_ready and rec.state is ModelState.READY:
+                self._loader.forget_loaded(rec)
+                self.states.set_state(rec, ModelState.UNLOADED, "not loaded in Triton")
+            elif full and not triton_ready and rec.state is ModelState.FAILED:
+                self.states.set_state(rec, ModelState.UNLOADED, rec.reason)
+
+    async def adopt(self, rec: ModelRecord) -> None:
+        """A model Triton already has loaded becomes READY here, with its instances and footprint."""
+        rec.model = self.store.get(rec.id)
+        try:
+            config = await self.triton.model_config(rec.id)
+        except SnoozeError:
+            return
+        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        await self._loader.loaded(rec, instances, count=False)
+        if self.warmth is not None:
+            self.warmth.loaded(rec, "adopt")
+
+    @property
+    def _loader(self) -> Loader:
+        assert self.loader is not None, "TritonSync.loader is set by the LifecycleManager"
+        return self.loader
