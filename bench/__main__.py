@@ -6,8 +6,8 @@
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
-Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive (default), native (opt-in: torch
-custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each measurement is bounded in time
+Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, fleet (default), native (opt-in:
+torch custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each measurement is bounded in time
 and requests. keepalive replays the keep-alive policies in virtual time (no server, seconds): see
 bench/keepalive_replay.py for the traces and the trace file format.
 """
@@ -40,7 +40,7 @@ from typing import Any  # noqa: E402
 
 from bench.common import machine  # noqa: E402
 
-DEFAULT_SECTIONS = ("gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive")
+DEFAULT_SECTIONS = ("gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "fleet")
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -64,6 +64,18 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "recovery": {"cycles": 1},
             "keepalive": {},  # virtual time: the full replay takes seconds, quick or not
             "keepalive_replay": {},
+            "fleet": {
+                "nodes": 2,
+                "models": 6,
+                "idle_timeout": 5.0,
+                "rate": 5.0,
+                "seconds": 4.0,
+                "cycles": 1,
+                "sample_secs": 0.5,
+                "hop_seconds": 0.3,
+                "hop_warmup": 0.3,
+                "hop_repeats": 1,
+            },
         }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
@@ -82,6 +94,18 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "recovery": {"cycles": 10},
         "keepalive": {},
         "keepalive_replay": {},
+        "fleet": {
+            "nodes": 3,
+            "models": 24,
+            "idle_timeout": 20.0,
+            "rate": 10.0,
+            "seconds": 60.0,
+            "cycles": 2,
+            "sample_secs": 0.5,
+            "hop_seconds": 2.0,
+            "hop_warmup": 2.0,
+            "hop_repeats": 3,
+        },
     }
 
 
@@ -114,6 +138,10 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
         from bench import recovery
 
         return await recovery.run(root, **kw)
+    if name == "fleet":
+        from bench import fleet
+
+        return await fleet.run(root, **kw)
     if name in ("keepalive", "keepalive_replay"):
         from bench import keepalive_replay
 

@@ -22,6 +22,7 @@ SECTION_KEYS = {
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
     "scale": {"models", "render", "validate_static", "control_plane"},
     "recovery": {"cycles", "load_average", "topologies"},
+    "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
 }
 
 
@@ -48,7 +49,7 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert {"cpu_model", "cores", "python"} <= set(data["machine"])
     for section, keys in SECTION_KEYS.items():
         assert keys <= set(data["sections"][section]), section
-    for plot in ("gateway", "coldstart", "batching", "scale_to_zero"):
+    for plot in ("gateway", "coldstart", "batching", "scale_to_zero", "fleet"):
         png = out / "plots" / f"{plot}.png"
         assert png.is_file() and png.stat().st_size > 1000, plot
         assert f"plots/{plot}.png" in text
@@ -58,3 +59,9 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert set(data["sections"]["coldstart"]["models"]) == {"numpy-linear", "onnx-mlp"}
     assert set(data["sections"]["recovery"]["topologies"]) == {"embedded", "two_process"}
     assert "## Recovery after a model process dies, per topology" in text
+    fleet = data["sections"]["fleet"]
+    assert [p["policy"] for p in fleet["phases"]] == ["affine", "round_robin"]
+    assert all(p["requests"] == fleet["settings"]["trace_requests"] and p["samples"] for p in fleet["phases"])
+    assert set(fleet["policies"]) == {"affine", "round_robin"} and "mean_memory_affine_vs_rr" in fleet["ratios"]
+    assert set(fleet["hop"]["ratios"]) == {f"{p}_c{c}" for p in ("grpc", "http") for c in (1, 8)}
+    assert "## Fleet: model-affine routing vs round robin over the same nodes" in text
