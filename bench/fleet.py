@@ -291,6 +291,7 @@ def _phase_summary(phase: dict[str, Any], seconds: float, cold_ms: float) -> dic
     latencies = sorted(r[2] for r in records if r[2] is not None)
     errors = [r[3] for r in records if r[3] is not None]
     window = [s for s in phase["samples"] if s[0] <= seconds] or phase["samples"]
+    steady = [s for s in window if s[0] >= seconds / 2] or window  # every phase starts empty: the ramp left out
     c = phase["counters"]
     return {
         "policy": phase["policy"],
@@ -310,6 +311,8 @@ def _phase_summary(phase: dict[str, Any], seconds: float, cold_ms: float) -> dic
         "mean_instances": round(statistics.fmean(s[1] for s in window), 2),
         "peak_instances": max(s[1] for s in window),
         "mean_memory_mib": round(statistics.fmean(s[2] for s in window), 1),
+        "second_half_mean_instances": round(statistics.fmean(s[1] for s in steady), 2),
+        "second_half_mean_memory_mib": round(statistics.fmean(s[2] for s in steady), 1),
         "peak_memory_mib": max(s[2] for s in window),
         "max_client_late_ms": phase["max_late_ms"],
         "samples": [s[:3] for s in phase["samples"]],
@@ -339,6 +342,8 @@ def _policy_summary(phases: list[dict[str, Any]], summaries: list[dict[str, Any]
         "mean_instances": round(statistics.fmean(s["mean_instances"] for s in summaries), 2),
         "peak_instances": max(s["peak_instances"] for s in summaries),
         "mean_memory_mib": round(statistics.fmean(s["mean_memory_mib"] for s in summaries), 1),
+        "second_half_mean_instances": round(statistics.fmean(s["second_half_mean_instances"] for s in summaries), 2),
+        "second_half_mean_memory_mib": round(statistics.fmean(s["second_half_mean_memory_mib"] for s in summaries), 1),
         "peak_memory_mib": max(s["peak_memory_mib"] for s in summaries),
         "placements": max(s["placements"] for s in summaries),
     }
@@ -477,6 +482,9 @@ async def run(
             "mean_memory_affine_vs_rr": _ratio(a["mean_memory_mib"], r["mean_memory_mib"]),
             "peak_memory_affine_vs_rr": _ratio(a["peak_memory_mib"], r["peak_memory_mib"]),
             "mean_instances_affine_vs_rr": _ratio(a["mean_instances"], r["mean_instances"]),
+            "second_half_memory_affine_vs_rr": _ratio(
+                a["second_half_mean_memory_mib"], r["second_half_mean_memory_mib"]
+            ),
             "client_cold_starts_affine_vs_rr": _ratio(a["client_cold_starts"], r["client_cold_starts"]),
             "p99_affine_vs_rr": _ratio(a["p99_ms"], r["p99_ms"]),
         },
