@@ -81,6 +81,25 @@ def zipf_trace(
 
 # ------------------------------------------------------------------------------ the nodes
 
+_COUNTERS = {
+    "snooze_wake_waits_total": "wake_waits",
+    "snooze_idle_unloads_total": "idle_unloads",
+    "snooze_wake_timeouts_total": "wake_timeouts",
+    "snooze_cold_start_seconds_sum": "load_secs",
+}
+
+
+def _counters(metrics_text: str) -> dict[str, float]:
+    """One node's counters, summed over models, from its /metrics."""
+    out = dict.fromkeys(("wake_waits", "request_loads", "idle_unloads", "wake_timeouts", "load_secs"), 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in _COUNTERS:
+                out[_COUNTERS[sample.name]] += sample.value
+            elif sample.name == "snooze_cold_starts_total" and sample.labels.get("trigger") == "request":
+                out["request_loads"] += sample.value
+    return out
+
 
 class Nodes:
     """N `snoozectl serve` nodes over one store (the first publishes the models), and their control APIs."""
@@ -134,25 +153,11 @@ class Nodes:
             if m["id"] == model and m["status"]["state"] in HELD
         )  # fmt: skip
 
-    async def counters(self) -> dict[str, float]:
-        """Summed over the nodes: requests that waited for a wake, loads caused by traffic, idle unloads,
-        wake timeouts, and the seconds those loads took."""
+    async def counters(self) -> dict[str, dict[str, float]]:
+        """Per node: requests that waited for a wake, loads caused by traffic, idle unloads, wake timeouts, and
+        the seconds those loads took."""
         answers = await asyncio.gather(*(self.http.get(f"{a.api_url}/metrics") for a in self.addresses))
-        out = dict.fromkeys(("wake_waits", "request_loads", "idle_unloads", "wake_timeouts", "load_secs"), 0.0)
-        names = {
-            "snooze_wake_waits_total": "wake_waits",
-            "snooze_idle_unloads_total": "idle_unloads",
-            "snooze_wake_timeouts_total": "wake_timeouts",
-            "snooze_cold_start_seconds_sum": "load_secs",
-        }
-        for r in answers:
-            for family in text_string_to_metric_families(r.text):
-                for sample in family.samples:
-                    if sample.name in names:
-                        out[names[sample.name]] += sample.value
-                    elif sample.name == "snooze_cold_starts_total" and sample.labels.get("trigger") == "request":
-                        out["request_loads"] += sample.value
-        return out
+        return {a.name: _counters(r.text) for a, r in zip(self.addresses, answers, strict=True)}
 
     async def unload_all(self, timeout: float = 120) -> None:
         """Every node lets every model go (its control API); returns once none holds one."""
@@ -282,7 +287,8 @@ async def _phase(
         "max_late_ms": replay["max_late_ms"],
         "samples": samples,
         "placements": len(seen),
-        "counters": {k: round(after[k] - before[k], 3) for k in after},
+        "counters": {k: round(sum(after[n][k] - before[n][k] for n in after), 3) for k in next(iter(after.values()))},
+        "loads_per_node": [int(after[n]["request_loads"] - before[n]["request_loads"]) for n in after],
     }
 
 
@@ -290,6 +296,7 @@ def _phase_summary(phase: dict[str, Any], seconds: float, cold_ms: float) -> dic
     records = phase["records"]
     latencies = sorted(r[2] for r in records if r[2] is not None)
     errors = [r[3] for r in records if r[3] is not None]
+    slow = [v for v in latencies if v > cold_ms]  # sorted: the requests that met a cold start
     window = [s for s in phase["samples"] if s[0] <= seconds] or phase["samples"]
     steady = [s for s in window if s[0] >= seconds / 2] or window  # every phase starts empty: the ramp left out
     c = phase["counters"]
@@ -302,7 +309,10 @@ def _phase_summary(phase: dict[str, Any], seconds: float, cold_ms: float) -> dic
         "p99_ms": round(percentile(latencies, 99), 2),
         "max_ms": round(latencies[-1], 1) if latencies else None,
         "client_cold_starts": int(c["wake_waits"]),
-        "slow_requests": sum(1 for v in latencies if v > cold_ms),
+        "slow_requests": len(slow),
+        "slow_median_ms": round(statistics.median(slow), 1) if slow else None,
+        "slow_max_ms": round(slow[-1], 1) if slow else None,
+        "loads_per_node": phase["loads_per_node"],
         "request_loads": int(c["request_loads"]),
         "idle_unloads": int(c["idle_unloads"]),
         "wake_timeouts": int(c["wake_timeouts"]),
@@ -320,8 +330,9 @@ def _phase_summary(phase: dict[str, Any], seconds: float, cold_ms: float) -> dic
     }
 
 
-def _policy_summary(phases: list[dict[str, Any]], summaries: list[dict[str, Any]]) -> dict[str, Any]:
+def _policy_summary(phases: list[dict[str, Any]], summaries: list[dict[str, Any]], cold_ms: float) -> dict[str, Any]:
     latencies = sorted(r[2] for p in phases for r in p["records"] if r[2] is not None)
+    slow = [v for v in latencies if v > cold_ms]
     total = {
         k: sum(s[k] for s in summaries)
         for k in (
@@ -339,6 +350,9 @@ def _policy_summary(phases: list[dict[str, Any]], summaries: list[dict[str, Any]
         **total,
         "p50_ms": round(percentile(latencies, 50), 2),
         "p99_ms": round(percentile(latencies, 99), 2),
+        "slow_median_ms": round(statistics.median(slow), 1) if slow else None,
+        "slow_max_ms": round(slow[-1], 1) if slow else None,
+        "loads_per_node": [sum(col) for col in zip(*(s["loads_per_node"] for s in summaries), strict=True)],
         "mean_instances": round(statistics.fmean(s["mean_instances"] for s in summaries), 2),
         "peak_instances": max(s["peak_instances"] for s in summaries),
         "mean_memory_mib": round(statistics.fmean(s["mean_memory_mib"] for s in summaries), 1),
@@ -449,7 +463,9 @@ async def run(
     cold_ms = max(COLD_FLOOR_MS, 10 * percentile(warm, 50)) if warm else COLD_FLOOR_MS
     summaries = [_phase_summary(p, seconds, cold_ms) for p in phases]
     policies = {
-        name: _policy_summary([p for p in phases if p["policy"] == name], [s for s in summaries if s["policy"] == name])
+        name: _policy_summary(
+            [p for p in phases if p["policy"] == name], [s for s in summaries if s["policy"] == name], cold_ms
+        )
         for name in POLICIES
     }
     a, r = policies["affine"], policies["round_robin"]

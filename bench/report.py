@@ -697,7 +697,7 @@ def _fleet_reading(f: dict[str, Any]) -> list[str]:
     st, a, r = f["settings"], f["policies"]["affine"], f["policies"]["round_robin"]
     last_affine = next(ph for ph in reversed(f["phases"]) if ph["policy"] == "affine")
     spills = a["placements"] - st["models"]
-    return [
+    lines = [
         f"Reading: round robin sends every node 1/{st['nodes']} of each model's requests, so every node ends up "
         f"holding most models ({r['placements']} (node, model) pairs loaded at some point vs {a['placements']} for "
         f"{st['models']} models), and a model whose requests on one node come further apart than idle_timeout is "
@@ -710,9 +710,38 @@ def _fleet_reading(f: dict[str, Any]) -> list[str]:
             else ""
         )
         + " The ring balances model names, not traffic: models held per node at the end of the last affine phase "
-        f"{', '.join(map(str, last_affine['models_per_node_end']))}.",
+        f"{', '.join(map(str, last_affine['models_per_node_end']))}; loads by traffic per node "
+        f"{', '.join(map(str, a['loads_per_node']))} (affine) vs {', '.join(map(str, r['loads_per_node']))} "
+        "(round robin).",
         "",
     ]
+    if a["p99_ms"] > r["p99_ms"]:
+        lines[-2] += " " + _fleet_p99_reading(a, r)
+    return lines
+
+
+def _fleet_p99_reading(a: dict[str, Any], r: dict[str, Any]) -> str:
+    """Why affine's p99 can be above round robin's with fewer cold starts, from what this run measured."""
+    text = (
+        "Affine's p99 is higher although it has fewer cold starts: under both policies p99 falls among the slow "
+        f"requests ({100 * a['slow_requests'] / a['requests']:.1f}% and "
+        f"{100 * r['slow_requests'] / r['requests']:.1f}% of all requests)"
+    )
+    if (a["slow_median_ms"] or 0) > (r["slow_median_ms"] or 0):
+        text += f", and affine's slow requests wait longer (median {a['slow_median_ms']} vs {r['slow_median_ms']} ms)"
+    else:
+        text += (
+            f"; their medians are close ({a['slow_median_ms']} vs {r['slow_median_ms']} ms) and the tail decides "
+            f"(slowest {a['slow_max_ms']} vs {r['slow_max_ms']} ms)"
+        )
+    share = {k: max(v["loads_per_node"]) / max(1, sum(v["loads_per_node"])) for k, v in (("a", a), ("r", r))}
+    if share["a"] > share["r"]:
+        text += (
+            f". Affine's loads pile up on fewer nodes (the busiest node ran {100 * share['a']:.0f}% of them vs "
+            f"{100 * share['r']:.0f}%) and a node loads one model at a time (max_concurrent_loads 1), so a cold "
+            "request there can wait for other models' loads before its own"
+        )
+    return text + "."
 
 
 def _fleet_lines(f: dict[str, Any] | None, plots: dict[str, str], plot_rel: str) -> list[str]:
@@ -738,12 +767,12 @@ def _fleet_lines(f: dict[str, Any] | None, plots: dict[str, str], plot_rel: str)
         "",
         _table(
             ["policy", "phases", *_FLEET_COLUMNS.values(), "(node, model) pairs loaded", "mean / peak instances",
-             "mean / peak MiB", "second-half mean MiB", "p50 ms", "p99 ms"],
+             "mean / peak MiB", "second-half mean MiB", "p50 ms", "p99 ms", "slow: median / max ms"],
             [
                 [name, p["phases"], *(p[k] for k in _FLEET_COLUMNS), p["placements"],
                  f"{p['mean_instances']} / {p['peak_instances']}",
                  f"{p['mean_memory_mib']:.0f} / {p['peak_memory_mib']:.0f}", f"{p['second_half_mean_memory_mib']:.0f}",
-                 p["p50_ms"], p["p99_ms"]]
+                 p["p50_ms"], p["p99_ms"], f"{p['slow_median_ms']} / {p['slow_max_ms']}"]
                 for name, p in pol.items()
             ],
         ),
@@ -758,12 +787,13 @@ def _fleet_lines(f: dict[str, Any] | None, plots: dict[str, str], plot_rel: str)
         "",
         _table(
             ["#", "policy", *_FLEET_COLUMNS.values(), "mean / peak instances", "mean / peak MiB", "p50 ms", "p99 ms",
-             "mean load s", "models held per node at the end", "client late max ms"],
+             "mean load s", "loads per node", "models held per node at the end", "client late max ms"],
             [
                 [i + 1, ph["policy"], *(ph[k] for k in _FLEET_COLUMNS),
                  f"{ph['mean_instances']} / {ph['peak_instances']}",
                  f"{ph['mean_memory_mib']:.0f} / {ph['peak_memory_mib']:.0f}", ph["p50_ms"], ph["p99_ms"],
-                 ph["mean_load_s"], ", ".join(map(str, ph["models_per_node_end"])), ph["max_client_late_ms"]]
+                 ph["mean_load_s"], ", ".join(map(str, ph["loads_per_node"])),
+                 ", ".join(map(str, ph["models_per_node_end"])), ph["max_client_late_ms"]]
                 for i, ph in enumerate(f["phases"])
             ],
         ),
