@@ -289,6 +289,7 @@ async def _phase(
         "placements": len(seen),
         "counters": {k: round(sum(after[n][k] - before[n][k] for n in after), 3) for k in next(iter(after.values()))},
         "loads_per_node": [int(after[n]["request_loads"] - before[n]["request_loads"]) for n in after],
+        "load_average_1m": round(os.getloadavg()[0], 2),  # the machine is shared: other work shows here
     }
 
 
@@ -325,6 +326,7 @@ def _phase_summary(phase: dict[str, Any], seconds: float, cold_ms: float) -> dic
         "second_half_mean_memory_mib": round(statistics.fmean(s[2] for s in steady), 1),
         "peak_memory_mib": max(s[2] for s in window),
         "max_client_late_ms": phase["max_late_ms"],
+        "load_average_1m": phase["load_average_1m"],
         "samples": [s[:3] for s in phase["samples"]],
         "models_per_node_end": window[-1][3],
     }

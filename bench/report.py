@@ -783,17 +783,20 @@ def _fleet_lines(f: dict[str, Any] | None, plots: dict[str, str], plot_rel: str)
         f"cold starts {ratios['client_cold_starts_affine_vs_rr']}, p99 {ratios['p99_affine_vs_rr']}.",
         "",
         *_fleet_reading(f),
-        "Per phase (the time means and peaks cover the trace's duration):",
+        "Per phase (the time means and peaks cover the trace's duration; `client late` is how far behind its "
+        "schedule the open-loop client sent a request at worst, and with the load average it shows other work on "
+        "this shared machine):",
         "",
         _table(
             ["#", "policy", *_FLEET_COLUMNS.values(), "mean / peak instances", "mean / peak MiB", "p50 ms", "p99 ms",
-             "mean load s", "loads per node", "models held per node at the end", "client late max ms"],
+             "mean load s", "loads per node", "models held per node at the end", "client late max ms",
+             "load average (1 min) at the end"],
             [
                 [i + 1, ph["policy"], *(ph[k] for k in _FLEET_COLUMNS),
                  f"{ph['mean_instances']} / {ph['peak_instances']}",
                  f"{ph['mean_memory_mib']:.0f} / {ph['peak_memory_mib']:.0f}", ph["p50_ms"], ph["p99_ms"],
                  ph["mean_load_s"], ", ".join(map(str, ph["loads_per_node"])),
-                 ", ".join(map(str, ph["models_per_node_end"])), ph["max_client_late_ms"]]
+                 ", ".join(map(str, ph["models_per_node_end"])), ph["max_client_late_ms"], ph["load_average_1m"]]
                 for i, ph in enumerate(f["phases"])
             ],
         ),
