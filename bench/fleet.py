@@ -243,10 +243,10 @@ async def fleet(
 
 
 async def _sample(nodes: Nodes, start: float, every: float, done: asyncio.Event, out: list[Any], seen: set) -> None:
-    """Every ``every`` s: [t, instances, MiB, models held per node, held models not yet measured]."""
+    """Every ``every`` s: [t, instances, MiB, models held per node]."""
     while not done.is_set():
         t = time.perf_counter() - start
-        instances, memory, unmeasured, per_node = 0, 0, 0, []
+        instances, memory, per_node = 0, 0, []
         for node, ms in (await nodes.statuses()).items():
             held = [m for m in ms if m["status"]["state"] in HELD]
             per_node.append(len(held))
@@ -254,8 +254,7 @@ async def _sample(nodes: Nodes, start: float, every: float, done: asyncio.Event,
             for m in held:
                 instances += int(m["status"].get("instances") or 0)
                 memory += int(m["status"].get("memory_bytes") or 0)
-                unmeasured += not m["status"].get("memory_bytes")
-        out.append([round(t, 2), instances, round(memory / 2**20, 1), per_node, unmeasured])
+        out.append([round(t, 2), instances, round(memory / 2**20, 1), per_node])
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done.wait(), max(0.0, every - (time.perf_counter() - start - t)))
 
