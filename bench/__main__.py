@@ -1,15 +1,15 @@
 """`make bench` / `python -m bench`: every benchmark against the embedded stack, one report.
 
-    python -m bench                       # all default sections (9-13 min on 2 cores), writes bench/report.md
-    python -m bench --quick               # short durations, few cycles (smoke test, 1-2 min)
+    python -m bench                       # all default sections (13-18 min on 2 cores), writes bench/report.md
+    python -m bench --quick               # short durations, few cycles (smoke test, about 2 min)
     python -m bench --only coldstart      # one section (repeatable); merged into the existing report.json
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
-Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live (default),
-native (opt-in: torch custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each measurement
-is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no server,
-seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
+Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live, fleet
+(default), native (opt-in: torch custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each
+measurement is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no
+server, seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
 periodic caller through the real stack against an adaptive and a fixed copy of one model
 (bench/keepalive_live.py).
 """
@@ -43,7 +43,7 @@ from typing import Any  # noqa: E402
 from bench.common import machine  # noqa: E402
 
 DEFAULT_SECTIONS = (
-    "gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "keepalive_live",
+    "gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "keepalive_live", "fleet",
 )  # fmt: skip
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
@@ -71,6 +71,18 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
                 "period_s": 4.0, "idle_timeout_s": 1.0, "requests": 7, "min_samples": 3, "min_unloaded_s": 1.0,
             },
             "keepalive_replay": {},
+            "fleet": {
+                "nodes": 2,
+                "models": 6,
+                "idle_timeout": 5.0,
+                "rate": 5.0,
+                "seconds": 4.0,
+                "cycles": 1,
+                "sample_secs": 0.5,
+                "hop_seconds": 0.3,
+                "hop_warmup": 0.3,
+                "hop_repeats": 1,
+            },
         }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
@@ -93,6 +105,18 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "period_s": 8.0, "idle_timeout_s": 2.0, "requests": 16, "min_samples": 3, "min_unloaded_s": 2.0,
         },
         "keepalive_replay": {},
+        "fleet": {
+            "nodes": 3,
+            "models": 24,
+            "idle_timeout": 20.0,
+            "rate": 10.0,
+            "seconds": 60.0,
+            "cycles": 2,
+            "sample_secs": 0.5,
+            "hop_seconds": 2.0,
+            "hop_warmup": 2.0,
+            "hop_repeats": 3,
+        },
     }
 
 
@@ -129,6 +153,10 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
         from bench import keepalive_live
 
         return await keepalive_live.run(root, **kw)
+    if name == "fleet":
+        from bench import fleet
+
+        return await fleet.run(root, **kw)
     if name in ("keepalive", "keepalive_replay"):
         from bench import keepalive_replay
 

@@ -24,6 +24,8 @@ import numpy as np
 
 LOOPBACK = ("127.0.0.1", "localhost")
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+# One JSON line per job and per answer; a replay's answer lists every request.
+LINE_LIMIT = 64 * 1024 * 1024
 
 
 @dataclass
@@ -168,6 +170,55 @@ async def run_job(job: Job) -> LoadResult:
     raise ValueError(f"unknown protocol {job.protocol!r}")
 
 
+@dataclass
+class ReplayJob:
+    """An open-loop trace over gRPC: request i goes to ``models[trace[i][1]]`` at ``trace[i][0]`` seconds after
+    the start, whether or not the requests before it were answered (a cold start does not slow the arrivals)."""
+
+    target: str  # host:port
+    models: list[str]
+    trace: list[tuple[float, int]]
+    headers: dict[str, str] = field(default_factory=dict)
+    shape: list[int] = field(default_factory=lambda: [1, 4])
+    input_name: str = "x"
+    timeout_secs: float = 120.0
+
+
+async def run_replay(job: ReplayJob) -> dict[str, Any]:
+    """Per request: [sent at (s after the start), model index, latency ms or None, error or None]; and how late
+    the client fired its latest request behind the schedule (open loop on a busy machine)."""
+    import grpc
+
+    check_loopback(job.target.rsplit(":", 1)[0])
+    x = np.ones(job.shape, dtype=np.float32)
+    payloads = [infer_request_bytes(m, x, job.input_name) for m in job.models]
+    metadata = tuple((k.lower(), v) for k, v in job.headers.items())
+    records: list[list[Any]] = []
+    late = 0.0
+    async with grpc.aio.insecure_channel(job.target) as channel:
+        call = channel.unary_unary(INFER_METHOD)
+
+        async def one(sent: float, index: int) -> None:
+            try:
+                await call(payloads[index], metadata=metadata, timeout=job.timeout_secs)
+                records.append([round(sent, 4), index, round((time.perf_counter() - start - sent) * 1000, 3), None])
+            except Exception as exc:  # noqa: BLE001 - counted and reported, the replay goes on
+                records.append([round(sent, 4), index, None, f"{type(exc).__name__}: {str(exc)[:200]}"])
+
+        tasks = []
+        start = time.perf_counter()
+        for offset, index in job.trace:
+            delay = offset - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            sent = time.perf_counter() - start
+            late = max(late, sent - offset)
+            tasks.append(asyncio.create_task(one(sent, index)))
+        await asyncio.gather(*tasks)
+    records.sort(key=lambda r: r[0])
+    return {"records": records, "max_late_ms": round(late * 1000, 1), "seconds": time.perf_counter() - start}
+
+
 class LoadWorker:
     """The load generator in a child process (its own interpreter and GIL), driven job by job."""
 
@@ -182,6 +233,7 @@ class LoadWorker:
             "--worker",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
+            limit=LINE_LIMIT,
         )
         return self
 
@@ -209,14 +261,30 @@ class LoadWorker:
             raise RuntimeError(f"load worker: {data['exception']}")
         return LoadResult(**data)
 
+    async def replay(self, job: ReplayJob) -> dict[str, Any]:
+        """``run_replay`` in the worker; its answer."""
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write((json.dumps(asdict(job)) + "\n").encode())
+        await proc.stdin.drain()
+        end = job.trace[-1][0] if job.trace else 0.0
+        line = await asyncio.wait_for(proc.stdout.readline(), end + job.timeout_secs + 60)
+        if not line:
+            raise RuntimeError(f"the load worker exited (code {await proc.wait()})")
+        data = json.loads(line)
+        if "exception" in data:
+            raise RuntimeError(f"load worker: {data['exception']}")
+        return data
+
 
 def _worker_main() -> None:
     async def loop() -> None:
-        reader = asyncio.StreamReader()
+        reader = asyncio.StreamReader(limit=LINE_LIMIT)
         await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while line := await reader.readline():
             try:
-                out = asdict(await run_job(Job(**json.loads(line))))
+                job = json.loads(line)
+                out = await run_replay(ReplayJob(**job)) if "trace" in job else asdict(await run_job(Job(**job)))
             except Exception as exc:  # noqa: BLE001 - sent back to the parent
                 out = {"exception": f"{type(exc).__name__}: {exc}"}
             sys.stdout.write(json.dumps(out) + "\n")

@@ -27,6 +27,8 @@ from controlplane.gateway.envoy import (
 MODEL_HEADER = "x-snooze-model"
 # A node may take this % of the average load (requests in flight) before the ring's next node helps.
 HASH_BALANCE_FACTOR = 150
+# ring_hash: each model to its owner node (model-affine); round_robin: every node in turn (a baseline).
+LB_POLICIES = ("ring_hash", "round_robin")
 
 HTTP_LUA = f"""
 function envoy_on_request(handle)
@@ -151,10 +153,16 @@ def render_fleet_bootstrap(
     dns: bool = False,
     health_interval: str = "1s",
     hash_balance_factor: int = HASH_BALANCE_FACTOR,
+    lb_policy: str = "ring_hash",
 ) -> str:
-    """The fleet gateway's Envoy bootstrap. ``dns``: node hosts are DNS names to resolve (STRICT_DNS)."""
+    """The fleet gateway's Envoy bootstrap. ``dns``: node hosts are DNS names to resolve (STRICT_DNS).
+    ``lb_policy``: "ring_hash" (model-affine, the fleet's routing) or "round_robin" (a baseline)."""
     if not nodes:
         raise GatewayError("a fleet needs at least one node", hint="pass --nodes N (N >= 1)")
+    if lb_policy not in LB_POLICIES:
+        raise GatewayError(
+            f"fleet gateway lb_policy {lb_policy!r} is not a policy", hint=f"use one of {', '.join(LB_POLICIES)}"
+        )
     return render_template(
         "controlplane.fleet",
         "fleet.yaml.j2",
@@ -168,6 +176,7 @@ def render_fleet_bootstrap(
         dns=dns,
         health_interval=health_interval,
         hash_balance_factor=hash_balance_factor,
+        lb_policy=lb_policy,
         model_header=MODEL_HEADER,
         http_lua=HTTP_LUA,
         grpc_lua=GRPC_LUA,
@@ -181,11 +190,12 @@ class FleetGateway:
 
     def __init__(
         self, nodes: Sequence[NodeAddress], work_dir: Path, *, host: str, http_port: int, grpc_port: int,
-        api_keys: Sequence[ApiKey] = (), dns: bool = False,
+        api_keys: Sequence[ApiKey] = (), dns: bool = False, lb_policy: str = "ring_hash",
     ) -> None:  # fmt: skip
         bootstrap = render_fleet_bootstrap(
-            nodes, host=host, http_port=http_port, grpc_port=grpc_port, api_keys=api_keys, dns=dns
-        )
+            nodes, host=host, http_port=http_port, grpc_port=grpc_port, api_keys=api_keys, dns=dns,
+            lb_policy=lb_policy,
+        )  # fmt: skip
         connect = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.process = EnvoyProcess(
             bootstrap, work_dir, listen=[(connect, http_port), (connect, grpc_port)], name="fleet-gateway"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -35,12 +36,15 @@ RESTART_DELAY_SECS = 1.0
 
 
 class NodeProcess:
-    """One node: `snoozectl serve` over the shared store, on fixed ports (kept across restarts)."""
+    """One node: `snoozectl serve` over the shared store, on fixed ports (kept across restarts).
+    ``env``: SNOOZE_* settings for this node on top of the inherited environment (keys, timings)."""
 
     def __init__(
-        self, address: NodeAddress, work_dir: Path, store: Path, *, models: Path | None, no_auth: bool
-    ) -> None:
+        self, address: NodeAddress, work_dir: Path, store: Path, *, models: Path | None, no_auth: bool,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.address = address
+        self.env = env
         self.work_dir = work_dir
         self.store = store
         self.models = models
@@ -66,8 +70,9 @@ class NodeProcess:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = spawn(
-                self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+                self.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **self.env} if self.env else None,
+            )  # fmt: skip
         self.starts += 1
 
     def running(self) -> bool:

@@ -23,6 +23,7 @@ SECTION_KEYS = {
     "scale": {"models", "render", "validate_static", "control_plane"},
     "recovery": {"cycles", "load_average", "topologies"},
     "keepalive_live": {"period_s", "idle_timeout_s", "requests", "policies"},
+    "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
 }
 
 
@@ -49,7 +50,7 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert {"cpu_model", "cores", "python"} <= set(data["machine"])
     for section, keys in SECTION_KEYS.items():
         assert keys <= set(data["sections"][section]), section
-    for plot in ("gateway", "coldstart", "batching", "scale_to_zero"):
+    for plot in ("gateway", "coldstart", "batching", "scale_to_zero", "fleet"):
         png = out / "plots" / f"{plot}.png"
         assert png.is_file() and png.stat().st_size > 1000, plot
         assert f"plots/{plot}.png" in text
@@ -61,3 +62,9 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert "## Recovery after a model process dies, per topology" in text
     assert set(data["sections"]["keepalive_live"]["policies"]) == {"adaptive", "fixed"}
     assert "## Keep-alive in the real stack: a periodic caller, adaptive vs fixed" in text
+    fleet = data["sections"]["fleet"]
+    assert [p["policy"] for p in fleet["phases"]] == ["affine", "round_robin"]
+    assert all(p["requests"] == fleet["settings"]["trace_requests"] and p["samples"] for p in fleet["phases"])
+    assert set(fleet["policies"]) == {"affine", "round_robin"} and "mean_memory_affine_vs_rr" in fleet["ratios"]
+    assert set(fleet["hop"]["ratios"]) == {f"{p}_c{c}" for p in ("grpc", "http") for c in (1, 8)}
+    assert "## Fleet: model-affine routing vs round robin over the same nodes" in text

@@ -46,6 +46,21 @@ def test_the_fleet_bootstrap_is_valid_for_envoy(tmp_path: Path, dns: bool):
     EnvoyProcess(bootstrap, tmp_path).validate()
 
 
+def test_the_round_robin_bootstrap_ignores_the_model_and_is_valid_for_envoy(tmp_path: Path):
+    bootstrap = render_fleet_bootstrap(NODES, host="127.0.0.1", http_port=1, grpc_port=2, lb_policy="round_robin")
+    affine = render_fleet_bootstrap(NODES, host="127.0.0.1", http_port=1, grpc_port=2)
+    assert bootstrap.count("load_balancing_policies.round_robin.v3.RoundRobin") == 2  # HTTP and gRPC clusters
+    assert "ring_hash" not in bootstrap and "hash_balance_factor" not in bootstrap
+    assert affine.count("ring_hash.v3.RingHash") == 2 and "round_robin" not in affine
+    EnvoyProcess(bootstrap, tmp_path).validate()
+
+
+def test_an_unknown_lb_policy_is_named_with_the_choices():
+    with pytest.raises(GatewayError, match="'least_request'") as err:
+        render_fleet_bootstrap(NODES, host="127.0.0.1", http_port=1, grpc_port=2, lb_policy="least_request")
+    assert "ring_hash" in err.value.hint and "round_robin" in err.value.hint
+
+
 def test_a_fleet_needs_nodes():
     with pytest.raises(GatewayError, match="at least one node"):
         render_fleet_bootstrap([], host="127.0.0.1", http_port=1, grpc_port=2)
