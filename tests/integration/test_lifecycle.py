@@ -292,7 +292,9 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
 
 
 async def test_autoscale_up_under_load_and_down_when_idle(make_manager, publish, triton):
-    model = publish("busy", params={"predict_sleep": 0.05}, max_batch_size=1, max_instances=2, idle_timeout_secs=4)
+    # idle_timeout 6 s: the scale-down comes after 3 s of low load, well before the idle unload (a slow,
+    # shared machine once let the unload win a 2 s vs 4 s race).
+    model = publish("busy", params={"predict_sleep": 0.05}, max_batch_size=1, max_instances=2, idle_timeout_secs=6)
     manager = await make_manager(autoscale_queue_threshold=2, autoscale_window_secs=0.5)
     await manager.ensure_ready(model)
     failures: list[str] = []
@@ -317,10 +319,11 @@ async def test_autoscale_up_under_load_and_down_when_idle(make_manager, publish,
     await until(lambda: len(triton.stub_pids(model)) == 2, "two stubs")
     assert sample(manager, "snooze_scale_events_total", model=model, direction="up") == 1
 
-    # Low load for idle_timeout / 2 = 2 s removes the extra instance, before the idle unload (4 s).
+    # Low load for idle_timeout / 2 = 3 s removes the extra instance, before the idle unload (6 s).
     await until(lambda: manager.status(model).instances == 1, "scale-down")
-    assert manager.status(model).state is ModelState.READY
-    assert sample(manager, "snooze_scale_events_total", model=model, direction="down") == 1
+    status = manager.status(model)
+    assert status.state is ModelState.READY, status
+    assert sample(manager, "snooze_scale_events_total", model=model, direction="down") == 1, status
     await until(lambda: len(triton.stub_pids(model)) == 1, "the extra stub to exit")
 
 
