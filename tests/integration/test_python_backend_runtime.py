@@ -263,7 +263,11 @@ def test_bad_request_fails_alone_in_a_shared_batch(triton):
     np.testing.assert_array_equal(good2["y"], np.full((1, 3), 3, np.float32))
     # Both good requests went through one predict call: the batch was shared, and survived.
     assert good1["rows"].tolist() == [[2]] and good2["rows"].tolist() == [[2]]
-    stats = triton["http"].get_inference_statistics(model)["model_stats"][0]
+    # Triton reports an execution's statistics after its responses are sent: wait for them.
+    deadline = time.monotonic() + 5
+    while (stats := triton["http"].get_inference_statistics(model)["model_stats"][0])["inference_count"] < 2:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
     assert stats["execution_count"] == 1 < stats["inference_count"]
 
 

@@ -126,6 +126,32 @@ def test_user_thread_timeout_then_busy_then_recovers():
         worker.stop()
 
 
+def test_user_thread_without_timeout_waits_however_long_the_call_takes():
+    worker = UserThread("t")
+    try:
+        assert worker.call(lambda: time.sleep(0.3) or "slow", timeout=None) == "slow"
+        # beyond what a lock wait accepts (threading.TIMEOUT_MAX): no limit, not an OverflowError
+        assert worker.call(lambda: "huge", timeout=1e300) == "huge"
+        assert not worker.busy
+    finally:
+        worker.stop()
+
+
+def test_user_thread_stop_does_not_wait_for_an_overrunning_call():
+    worker = UserThread("t")
+    release = threading.Event()
+    try:
+        with pytest.raises(Exception, match="did not finish"):
+            worker.call(release.wait, timeout=0.05)
+        start = time.monotonic()
+        worker.stop()
+        assert time.monotonic() - start < 0.5 and worker.busy
+    finally:
+        release.set()
+    worker._thread.join(5)  # the loop ends once the overrunning call returns
+    assert not worker._thread.is_alive()
+
+
 def test_user_thread_passes_user_timeout_error_through():
     worker = UserThread("t")
 
