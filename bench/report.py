@@ -177,6 +177,16 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
         out.append(
             "- **Batching** (Triton rows/s / in-process predict rows/s, same batch size): " + "; ".join(parts) + "."
         )
+        if rc := b.get("runtime_vs_handwritten"):
+            t = rc["targets"]
+            out.append(
+                f"- **Runtime vs hand-written model** (median of {rc['settings']['pairs']} interleaved pairs): "
+                f"{rc['c1']['added_ms']:+.3f} ms per request at c=1 "
+                f"({'meets' if t['added_ms_c1_met'] else 'misses'} <= {t['added_ms_c1_max']} ms), "
+                f"{rc['c32']['ratio']:.3f}x throughput at c=32 "
+                f"({'meets' if t['ratio_c32_met'] else 'misses'} >= {t['ratio_c32_min']}x); "
+                f"load average {rc['load_average_start'][0]:.2f} -> {rc['load_average_end'][0]:.2f}."
+            )
     if z := sec.get("scale_to_zero"):
         ret = z["loaded_increment_returned"]
         out.append(
@@ -194,6 +204,61 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
             f"{cp[f'rss_{n}_vs_0_models']:.3f}x; idle CPU {100 * cp[f'idle_cpu_share_{n}_models']:.1f}% of one core."
         )
     return out
+
+
+def _runtime_cost_lines(rc: dict[str, Any] | None) -> list[str]:
+    if not rc:  # a report.json from before this comparison existed
+        return []
+    st, t = rc["settings"], rc["targets"]
+    rows = []
+    for c in ("c1", "c32"):
+        v = rc[c]
+        added = f"{v['added_ms']:+.4f}" if "added_ms" in v else "-"
+        rows.append(
+            [
+                c[1:],
+                v["handwritten_rps"],
+                v["runtime_rps"],
+                v["ratio"],
+                added,
+                f"{v['compute_added_ms']:+.4f}",
+                v["mean_executed_batch"],
+                v["errors"],
+            ]
+        )
+    verdict = ("Too few pairs to judge the targets (quick run). " if st["pairs"] < 3 else "") + (
+        f"Targets: at most {t['added_ms_c1_max']} ms added at c=1 "
+        f"({'met' if t['added_ms_c1_met'] else 'NOT met'}), at least {t['ratio_c32_min']}x at c=32 "
+        f"({'met' if t['ratio_c32_met'] else 'NOT met'})."
+    )
+    return [
+        "### snoozeml's runtime vs a hand-written python-backend model",
+        "",
+        f"{rc['model']}. Both in one Triton (max_batch_size {st['max_batch_size']}, request_timeout_secs "
+        f"{st['request_timeout_secs']} for the runtime), batch-1 gRPC requests straight to Triton carrying the "
+        f"gateway's request-id header; {st['pairs']} interleaved pairs of {st['seconds']} s per concurrency (the "
+        "order alternates), medians of the per-pair values. Added ms at c=1 = 1/rps(runtime) - 1/rps(hand-written); "
+        "compute added = the difference of Triton's compute_infer per request (the stub's execute as Triton sees it). "
+        f"Load average (1 min) {rc['load_average_start'][0]:.2f} at the start, {rc['load_average_end'][0]:.2f} "
+        "at the end.",
+        "",
+        _table(
+            [
+                "c",
+                "hand-written req/s",
+                "runtime req/s",
+                "runtime / hand-written",
+                "added ms per request",
+                "compute added ms",
+                "mean executed batch (runtime)",
+                "errors",
+            ],
+            rows,
+        ),
+        "",
+        verdict,
+        "",
+    ]
 
 
 def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> str:
@@ -365,6 +430,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             ]
         if "batching" in plots:
             lines += [f"![batching]({plot_rel}/{plots['batching']})", ""]
+        lines += _runtime_cost_lines(b.get("runtime_vs_handwritten"))
     if z := sec.get("scale_to_zero"):
         r = z["rss_mib"]
         lines += [
@@ -457,7 +523,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
     if nat := sec.get("native"):
         lines += ["## Native (ONNX export) vs custom torch", "", "```", _json_block(nat), "```", ""]
     lines += [
-        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (7-11 minutes on 2 cores) or "
+        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (8-13 minutes on 2 cores) or "
         "`python -m bench --quick` / `--only SECTION`.",
         "",
     ]

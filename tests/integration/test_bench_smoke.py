@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 SECTION_KEYS = {
     "gateway": {"rows", "ratios", "gateway_retries_during_run", "settings"},
     "coldstart": {"cycles", "models"},
-    "batching": {"settings", "models"},
+    "batching": {"settings", "models", "runtime_vs_handwritten"},
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
     "scale": {"models", "render", "validate_static", "control_plane"},
 }
@@ -55,3 +55,8 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert {r["target"] for r in rows} == {"direct", "bare_envoy", "gateway", "client_ceiling"}
     assert {(r["protocol"], r["concurrency"]) for r in rows} == {(p, c) for p in ("grpc", "http") for c in (1, 8, 32)}
     assert set(data["sections"]["coldstart"]["models"]) == {"numpy-linear", "onnx-mlp"}
+    runtime_cost = data["sections"]["batching"]["runtime_vs_handwritten"]
+    assert runtime_cost["c1"]["errors"] == runtime_cost["c32"]["errors"] == 0
+    assert runtime_cost["c1"]["runtime_rps"] > 0 and runtime_cost["c32"]["handwritten_rps"] > 0
+    assert {"added_ms_c1_met", "ratio_c32_met"} <= set(runtime_cost["targets"])
+    assert "snoozeml's runtime vs a hand-written python-backend model" in text
