@@ -231,6 +231,18 @@ def _runtime_cost_lines(rc: dict[str, Any] | None) -> list[str]:
         f"({'met' if t['added_ms_c1_met'] else 'NOT met'}), at least {t['ratio_c32_min']}x at c=32 "
         f"({'met' if t['ratio_c32_met'] else 'NOT met'})."
     )
+    micro = rc.get("execute_inprocess")
+    micro_lines = []
+    if micro:
+        b1, b32 = micro["batch_1"], micro["batch_32"]
+        micro_lines = [
+            "In-process `execute()` with stand-in pb_utils objects (best of short rounds, no Triton): batch 1 "
+            f"hand-written {b1['handwritten_us']} us, runtime {b1['runtime_us']} us; batch 32 {b32['handwritten_us']} "
+            f"us vs {b32['runtime_us']} us ({b32['added_us_per_request']} us added per request). Of the runtime's "
+            f"cost, the hand-off to the user thread that enforces request_timeout_secs is {micro['handoff_us']} us "
+            "per execute.",
+            "",
+        ]
     return [
         "### snoozeml's runtime vs a hand-written python-backend model",
         "",
@@ -258,6 +270,7 @@ def _runtime_cost_lines(rc: dict[str, Any] | None) -> list[str]:
         "",
         verdict,
         "",
+        *micro_lines,
     ]
 
 

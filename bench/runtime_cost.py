@@ -4,20 +4,26 @@ both loaded in one embedded Triton, batch-1 requests over gRPC straight to Trito
 
 Interleaved pairs (the order alternates), repeated, medians: at concurrency 1 the added cost is
 1/rps(runtime) - 1/rps(hand-written) per pair; at concurrency 32 the throughput ratio. Requests carry the
-gateway's request-id header, as they do in production, so the runtime journals a real id.
+gateway's request-id header, as they do in production, so the runtime journals a real id. Before Triton
+starts, both models' execute() in-process (bench/_execute_micro.py): the runtime's own Python cost, and
+how much of it is the hand-off to the user thread that request_timeout_secs needs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 from bench._load import Job, LoadWorker
-from bench.common import EXAMPLES
+from bench.common import EXAMPLES, ROOT
 from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.render import embedded_target, render_repository
 from controlplane.spec import DeploymentSpec, resolve
@@ -77,6 +83,13 @@ def build_repository(repo: Path) -> dict[str, Any]:
     return {"request_timeout_secs": spec.package.manifest.request_timeout_secs, "scale": scale}
 
 
+def execute_micro(repo: Path) -> dict[str, Any]:
+    """bench/_execute_micro.py in a fresh interpreter: this process's threads and imports must not count."""
+    cmd = [sys.executable, "-m", "bench._execute_micro", str(repo), RUNTIME, HANDWRITTEN]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 async def _measure(worker: LoadWorker, admin: TritonAdminClient, job: Job) -> dict[str, Any]:
     before = await admin.model_stats(job.model)
     r = await worker.run(job)
@@ -127,6 +140,7 @@ async def run(root: Path, *, seconds: float, pairs: int, warmup: float) -> dict[
         },
         "load_average_start": [round(v, 2) for v in os.getloadavg()],
     }
+    results["execute_inprocess"] = await asyncio.to_thread(execute_micro, repo)
     header = {REQUEST_ID_HEADER: "bench-0123456789abcdef"}
     with EmbeddedTriton(repo, root / "work") as triton:
         async with TritonAdminClient(triton.http_url) as admin, LoadWorker() as worker:
