@@ -3,7 +3,7 @@
 or the machine's scheduling noise (best of short rounds), and the part of it that is the hand-off to
 the user thread (UserThread.call of a no-op).
 
-    python -m bench._execute_micro REPO RUNTIME_MODEL HANDWRITTEN_MODEL   # prints one JSON line
+    python -m bench._execute_micro REPO RUNTIME HANDWRITTEN RUNTIME_NO_LIMIT   # prints one JSON line
 """
 
 from __future__ import annotations
@@ -96,12 +96,13 @@ def best_us(fn: Any, arg: Any, calls: int, rounds: int = 15) -> float:
     return best * 1e6
 
 
-def main(repo: str, runtime_name: str, handwritten_name: str) -> dict[str, Any]:
+def main(repo: str, runtime_name: str, handwritten_name: str, no_limit_name: str) -> dict[str, Any]:
     install_stand_in()
     stdout = sys.stdout
     with tempfile.TemporaryDirectory() as journal_dir:
         os.environ["SNOOZE_JOURNAL_DIR"] = journal_dir  # journaled, as under the embedded Triton
         runtime = load_model(repo, runtime_name)
+        no_limit = load_model(repo, no_limit_name)
         sys.stdout = stdout  # the runtime points stdout at stderr for user prints
         handwritten = load_model(repo, handwritten_name)
         try:
@@ -111,16 +112,19 @@ def main(repo: str, runtime_name: str, handwritten_name: str) -> dict[str, Any]:
                 calls = max(50, 2000 // batch)
                 hand_us = best_us(handwritten.execute, requests, calls)
                 runtime_us = best_us(runtime.execute, requests, calls)
+                no_limit_us = best_us(no_limit.execute, requests, calls)
                 out[f"batch_{batch}"] = {
                     "handwritten_us": round(hand_us, 2),
                     "runtime_us": round(runtime_us, 2),
+                    "runtime_no_limit_us": round(no_limit_us, 2),
                     "added_us_per_request": round((runtime_us - hand_us) / batch, 2),
                 }
             out["handoff_us"] = round(best_us(lambda _: runtime._worker.call(int), None, 2000), 2)
             return out
         finally:
             runtime.finalize()
+            no_limit.finalize()
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(*sys.argv[1:4])))
+    print(json.dumps(main(*sys.argv[1:5])))

@@ -1,9 +1,10 @@
 """What snoozeml's python-backend runtime adds per request: the numpy example rendered by snoozeml vs a
 hand-written `TritonPythonModel` calling the same `predict` (no validation, no user thread, no journal),
-both loaded in one embedded Triton, batch-1 requests over gRPC straight to Triton.
+both loaded in one embedded Triton, batch-1 requests over gRPC straight to Triton. A third model, the same
+rendering with request_timeout_secs null, shows what the hand-off that enforces the limit costs.
 
-Interleaved pairs (the order alternates), repeated, medians: at concurrency 1 the added cost is
-1/rps(runtime) - 1/rps(hand-written) per pair; at concurrency 32 the throughput ratio. Requests carry the
+Interleaved rounds (the order rotates), repeated, medians of per-round values: at concurrency 1 the added
+cost is 1/rps(runtime) - 1/rps(hand-written); at concurrency 32 the throughput ratio. Requests carry the
 gateway's request-id header, as they do in production, so the runtime journals a real id. Before Triton
 starts, both models' execute() in-process (bench/_execute_micro.py): the runtime's own Python cost, and
 how much of it is the hand-off to the user thread that request_timeout_secs needs.
@@ -32,7 +33,9 @@ from controlplane.triton.launcher import EmbeddedTriton
 
 MODEL = "numpy-linear"
 RUNTIME = "rt-runtime"
+NO_LIMIT = "rt-runtime-nolimit"
 HANDWRITTEN = "rt-handwritten"
+MODELS = (HANDWRITTEN, RUNTIME, NO_LIMIT)
 MAX_BATCH = 32
 CONCURRENCY = (1, 32)
 TARGET_ADDED_MS_C1 = 0.05
@@ -70,9 +73,16 @@ class TritonPythonModel:
 
 
 def build_repository(repo: Path) -> dict[str, Any]:
-    """The runtime model rendered by snoozeml, and the hand-written one with the same config.pbtxt."""
-    spec = resolve(DeploymentSpec(id=RUNTIME, path=EXAMPLES / MODEL, max_batch_size=MAX_BATCH))
-    render_repository([spec], repo, embedded_target())
+    """The runtime model rendered by snoozeml (with and without a time limit), and the hand-written one
+    with the same config.pbtxt."""
+    spec, no_limit = (
+        resolve(DeploymentSpec(id=name, path=EXAMPLES / MODEL, max_batch_size=MAX_BATCH))
+        for name in (RUNTIME, NO_LIMIT)
+    )
+    render_repository([spec, no_limit], repo, embedded_target())
+    # snoozeml's manifest requires a limit; a runtime spec may have none (as a hand-edited one would).
+    runtime_json = repo / NO_LIMIT / "1" / "snooze_runtime.json"
+    runtime_json.write_text(json.dumps({**json.loads(runtime_json.read_text()), "request_timeout_secs": None}))
     hand = repo / HANDWRITTEN
     (hand / "1").mkdir(parents=True)
     config = (repo / RUNTIME / "config.pbtxt").read_text()
@@ -85,7 +95,7 @@ def build_repository(repo: Path) -> dict[str, Any]:
 
 def execute_micro(repo: Path) -> dict[str, Any]:
     """bench/_execute_micro.py in a fresh interpreter: this process's threads and imports must not count."""
-    cmd = [sys.executable, "-m", "bench._execute_micro", str(repo), RUNTIME, HANDWRITTEN]
+    cmd = [sys.executable, "-m", "bench._execute_micro", str(repo), RUNTIME, HANDWRITTEN, NO_LIMIT]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -107,22 +117,33 @@ async def _measure(worker: LoadWorker, admin: TritonAdminClient, job: Job) -> di
     }
 
 
-def _summarise(concurrency: int, pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    def med(values: list[float]) -> float:
-        return round(statistics.median(values), 4)
+def _med(values: list[float]) -> float:
+    return round(statistics.median(values), 4)
 
+
+def _versus(model: str, concurrency: int, rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """`model` against the hand-written one, per round (both measured in it), then the median."""
     out: dict[str, Any] = {
-        "handwritten_rps": med([p[HANDWRITTEN]["rps"] for p in pairs]),
-        "runtime_rps": med([p[RUNTIME]["rps"] for p in pairs]),
-        "ratio": med([p[RUNTIME]["rps"] / p[HANDWRITTEN]["rps"] for p in pairs]),
-        "compute_added_ms": med([p[RUNTIME]["compute_infer_ms"] - p[HANDWRITTEN]["compute_infer_ms"] for p in pairs]),
-        "mean_executed_batch": med([p[RUNTIME]["mean_executed_batch"] for p in pairs]),
-        "errors": sum(p[m]["errors"] for p in pairs for m in (RUNTIME, HANDWRITTEN)),
-        "pairs": pairs,
+        "rps": _med([r[model]["rps"] for r in rounds]),
+        "ratio": _med([r[model]["rps"] / r[HANDWRITTEN]["rps"] for r in rounds]),
+        "compute_added_ms": _med([r[model]["compute_infer_ms"] - r[HANDWRITTEN]["compute_infer_ms"] for r in rounds]),
+        "mean_executed_batch": _med([r[model]["mean_executed_batch"] for r in rounds]),
     }
     if concurrency == 1:  # closed loop, one request in flight: 1/rps is the time per request
-        out["added_ms"] = med([1000 / p[RUNTIME]["rps"] - 1000 / p[HANDWRITTEN]["rps"] for p in pairs])
+        out["added_ms"] = _med([1000 / r[model]["rps"] - 1000 / r[HANDWRITTEN]["rps"] for r in rounds])
     return out
+
+
+def _summarise(concurrency: int, rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    runtime = _versus(RUNTIME, concurrency, rounds)
+    return {
+        "handwritten_rps": _med([r[HANDWRITTEN]["rps"] for r in rounds]),
+        "runtime_rps": runtime.pop("rps"),
+        **runtime,
+        "no_limit": _versus(NO_LIMIT, concurrency, rounds),
+        "errors": sum(r[m]["errors"] for r in rounds for m in MODELS),
+        "rounds": rounds,
+    }
 
 
 async def run(root: Path, *, seconds: float, pairs: int, warmup: float) -> dict[str, Any]:
@@ -144,12 +165,12 @@ async def run(root: Path, *, seconds: float, pairs: int, warmup: float) -> dict[
     header = {REQUEST_ID_HEADER: "bench-0123456789abcdef"}
     with EmbeddedTriton(repo, root / "work") as triton:
         async with TritonAdminClient(triton.http_url) as admin, LoadWorker() as worker:
-            for model in (RUNTIME, HANDWRITTEN):
+            for model in MODELS:
                 await admin.load(model)
             for concurrency in CONCURRENCY:
                 rounds = []
                 for i in range(pairs):
-                    order = (RUNTIME, HANDWRITTEN) if i % 2 else (HANDWRITTEN, RUNTIME)  # neither always first
+                    order = MODELS[i % len(MODELS) :] + MODELS[: i % len(MODELS)]  # none always first
                     pair = {}
                     for model in order:
                         job = Job(

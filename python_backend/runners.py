@@ -197,3 +197,37 @@ class UserThread:
     def stop(self) -> None:
         """Let the thread end after its current call; never waits for an overrunning call."""
         self._jobs.put(_STOP)
+
+
+class CallingThread:
+    """The runner of a model without request_timeout_secs (null or 0): user code runs on the thread that
+    calls it, the stub's, which also runs initialize, so import, load and predict still share one thread.
+
+    With no limit there is nothing to answer early, so the stub's thread may as well wait inside predict
+    and save the hand-off to a UserThread, most of the runtime's cost per request. A call that does have
+    a limit (unload at finalize) gets a thread of its own, which can be left behind if it hangs.
+    """
+
+    busy = False  # no call is ever left running past a limit on this thread
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def call(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, what: str = "predict"
+    ) -> Any:
+        if timeout is None:
+            return fn(*args)
+        helper = UserThread(f"{self.name}-{what}")
+        try:
+            return helper.call(fn, *args, timeout=timeout, what=what)
+        finally:
+            helper.stop()
+
+    def stop(self) -> None:
+        """Nothing to stop: no thread of its own."""
+
+
+def runner_for(spec: RuntimeSpec, name: str) -> UserThread | CallingThread:
+    """A UserThread when predict has a time limit to enforce, else the stub's own thread."""
+    return UserThread(name) if spec.request_timeout_secs else CallingThread(name)

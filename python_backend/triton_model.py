@@ -14,7 +14,7 @@ from typing import Any
 from .batching import BatchPlan
 from .errors import INVALID_INPUT, Failure, describe_failure
 from .journal import RequestJournal
-from .runners import UserThread, build_model, device_for
+from .runners import build_model, device_for, runner_for
 from .spec import RuntimeSpec, load_spec, spec_path
 
 PACKAGE_DIR = "package"
@@ -48,7 +48,7 @@ class TritonPythonModel:
 
         package_dir = os.path.join(version_dir, PACKAGE_DIR)
         device = device_for(args.get("model_instance_kind", "CPU"), args.get("model_instance_device_id", "0"))
-        self._worker = UserThread(name=f"snooze-{args.get('model_instance_name', spec.model_id)}")
+        self._worker = runner_for(spec, f"snooze-{args.get('model_instance_name', spec.model_id)}")
         stage = "import"
         try:
             self._model = self._worker.call(build_model, spec, package_dir, what="import")
