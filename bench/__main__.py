@@ -1,6 +1,6 @@
 """`make bench` / `python -m bench`: every benchmark against the embedded stack, one report.
 
-    python -m bench                       # all default sections (8-13 min on 2 cores), writes bench/report.md
+    python -m bench                       # all default sections (9-13 min on 2 cores), writes bench/report.md
     python -m bench --quick               # short durations, few cycles (smoke test, < 1 min)
     python -m bench --only coldstart      # one section (repeatable); merged into the existing report.json
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere

@@ -544,7 +544,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
     if nat := sec.get("native"):
         lines += ["## Native (ONNX export) vs custom torch", "", "```", _json_block(nat), "```", ""]
     lines += [
-        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (8-13 minutes on 2 cores) or "
+        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (9-13 minutes on 2 cores) or "
         "`python -m bench --quick` / `--only SECTION`.",
         "",
     ]
