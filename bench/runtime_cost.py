@@ -131,6 +131,8 @@ def _versus(model: str, concurrency: int, rounds: list[dict[str, dict[str, Any]]
     }
     if concurrency == 1:  # closed loop, one request in flight: 1/rps is the time per request
         out["added_ms"] = _med([1000 / r[model]["rps"] - 1000 / r[HANDWRITTEN]["rps"] for r in rounds])
+        # the same from median latencies: steadier when other processes stall a round now and then
+        out["added_p50_ms"] = _med([r[model]["p50_ms"] - r[HANDWRITTEN]["p50_ms"] for r in rounds])
     return out
 
 
