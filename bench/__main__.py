@@ -1,6 +1,6 @@
 """`make bench` / `python -m bench`: every benchmark against the embedded stack, one report.
 
-    python -m bench                       # all default sections (13-18 min on 2 cores), writes bench/report.md
+    python -m bench                       # all default sections (15-20 min on 2 cores), writes bench/report.md
     python -m bench --quick               # short durations, few cycles (smoke test, about 2 min)
     python -m bench --only coldstart      # one section (repeatable); merged into the existing report.json
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
@@ -54,7 +54,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
             "coldstart": {"cycles": 1, "models": ["numpy-linear", "onnx-mlp"]},
-            "batching": {"seconds": 0.2, "warmup": 0.05},
+            "batching": {"seconds": 0.2, "warmup": 0.05, "pairs": 1, "pair_seconds": 0.2},
             "scale_to_zero": {
                 "model": "numpy-linear",
                 "idle_timeout": 1.0,
@@ -87,7 +87,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
         "coldstart": {"cycles": 20, "models": ["numpy-linear", "torch-mlp", "onnx-mlp"]},
-        "batching": {"seconds": 4.0, "warmup": 0.5},
+        "batching": {"seconds": 4.0, "warmup": 0.5, "pairs": 7, "pair_seconds": 2.0},
         "scale_to_zero": {
             "model": "torch-mlp",
             "idle_timeout": 3.0,

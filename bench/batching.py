@@ -3,7 +3,8 @@ grpc.aio clients, direct to Triton) vs the same `predict` called in-process on b
 Triton actually executed (the ceiling), with the mean executed batch size from Triton's statistics.
 
 Two models: the numpy example (trivially cheap: the ratio measures pure serving cost) and a numpy
-dense-layer model calibrated so that one predict on a batch of 8 costs about 1 ms here.
+dense-layer model calibrated so that one predict on a batch of 8 costs about 1 ms here. Then what the
+runtime adds over a hand-written python-backend model doing the same work (bench/runtime_cost.py).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench import runtime_cost
 from bench._load import Job, LoadWorker
 from bench.common import (
     EXAMPLES,
@@ -26,7 +28,7 @@ CONCURRENCY = (1, 8, 32)
 MAX_BATCH = 32
 
 
-async def run(root: Path, *, seconds: float, warmup: float) -> dict[str, Any]:
+async def run(root: Path, *, seconds: float, warmup: float, pairs: int, pair_seconds: float) -> dict[str, Any]:
     layers, est_ms = calibrate_matmul_layers(1.0, 8)
     models = {
         "numpy-linear": {
@@ -109,4 +111,8 @@ async def run(root: Path, *, seconds: float, warmup: float) -> dict[str, Any]:
                     "predict_ms_batch_8": round(ceiling[8]["ms_per_call"], 4),
                     "rows": rows,
                 }
+    # After the stack is gone: its own Triton and control plane must not share the CPUs with this one.
+    out["runtime_vs_handwritten"] = await runtime_cost.run(
+        root / "runtime_cost", seconds=pair_seconds, pairs=pairs, warmup=warmup
+    )
     return out

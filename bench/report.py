@@ -240,6 +240,16 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
         out.append(
             "- **Batching** (Triton rows/s / in-process predict rows/s, same batch size): " + "; ".join(parts) + "."
         )
+        if rc := b.get("runtime_vs_handwritten"):
+            t = rc["targets"]
+            out.append(
+                f"- **Runtime vs hand-written model** (median of {rc['settings']['pairs']} interleaved rounds): "
+                f"{rc['c1']['added_ms']:+.3f} ms per request at c=1 "
+                f"({'meets' if t['added_ms_c1_met'] else 'misses'} <= {t['added_ms_c1_max']} ms), "
+                f"{rc['c32']['ratio']:.3f}x throughput at c=32 "
+                f"({'meets' if t['ratio_c32_met'] else 'misses'} >= {t['ratio_c32_min']}x); "
+                f"load average {rc['load_average_start'][0]:.2f} -> {rc['load_average_end'][0]:.2f}."
+            )
     if z := sec.get("scale_to_zero"):
         ret = z["loaded_increment_returned"]
         out.append(
@@ -315,6 +325,85 @@ def _keepalive_summary(k: dict[str, Any]) -> str:
         + "; ".join(parts)
         + "."
     )
+
+
+def _runtime_cost_rows(rc: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for c in ("c1", "c32"):
+        v = rc[c]
+        limit = rc["settings"]["request_timeout_secs"]
+        for label, w in ((f"runtime (limit {limit} s)", v), ("runtime, no limit", v.get("no_limit"))):
+            if w is None:  # a report.json from before the no-limit model was measured
+                continue
+            rows.append(
+                [
+                    c[1:],
+                    label,
+                    w.get("rps", v["runtime_rps"]),
+                    v["handwritten_rps"],
+                    w["ratio"],
+                    f"{w['added_ms']:+.4f}" if "added_ms" in w else "-",
+                    f"{w['added_p50_ms']:+.4f}" if "added_p50_ms" in w else "-",
+                    f"{w['compute_added_ms']:+.4f}",
+                    w["mean_executed_batch"],
+                ]
+            )
+    return rows
+
+
+def _runtime_cost_lines(rc: dict[str, Any] | None) -> list[str]:
+    if not rc:  # a report.json from before this comparison existed
+        return []
+    st, t = rc["settings"], rc["targets"]
+    verdict = ("Too few rounds to judge the targets (quick run). " if st["pairs"] < 3 else "") + (
+        f"Targets, for the runtime with its time limit: at most {t['added_ms_c1_max']} ms added at c=1 "
+        f"({'met' if t['added_ms_c1_met'] else 'NOT met'}), at least {t['ratio_c32_min']}x at c=32 "
+        f"({'met' if t['ratio_c32_met'] else 'NOT met'}). Errors: {rc['c1']['errors'] + rc['c32']['errors']}."
+    )
+    micro = rc.get("execute_inprocess")
+    micro_lines = []
+    if micro:
+        b1, b32 = micro["batch_1"], micro["batch_32"]
+        micro_lines = [
+            "In-process `execute()` with stand-in pb_utils objects (best of short rounds, no Triton): batch 1 "
+            f"hand-written {b1['handwritten_us']} us, runtime {b1['runtime_us']} us (no limit: "
+            f"{b1.get('runtime_no_limit_us', '-')} us); batch 32 {b32['handwritten_us']} us vs {b32['runtime_us']} us "
+            f"({b32['added_us_per_request']} us added per request). Of the runtime's cost, the hand-off to the user "
+            f"thread that enforces request_timeout_secs is {micro['handoff_us']} us per execute.",
+            "",
+        ]
+    return [
+        "### snoozeml's runtime vs a hand-written python-backend model",
+        "",
+        f"{rc['model']}. All in one Triton (max_batch_size {st['max_batch_size']}); the runtime as rendered "
+        f"(request_timeout_secs {st['request_timeout_secs']}: predict runs on a user thread that the limit needs) "
+        "and with request_timeout_secs null (predict on the stub's own thread). Batch-1 gRPC requests straight to "
+        f"Triton carrying the gateway's request-id header; {st['pairs']} interleaved rounds of {st['seconds']} s per "
+        "model and concurrency (the order rotates), medians of the per-round values. Added ms at c=1 = "
+        "1/rps(runtime) - 1/rps(hand-written) (the target's measure); added p50 = the same from median latencies, "
+        "which a stalled round moves less; compute added = the difference of Triton's compute_infer per request "
+        "(the stub's execute as Triton sees it). Load average (1 min) "
+        f"{rc['load_average_start'][0]:.2f} at the start, {rc['load_average_end'][0]:.2f} at the end.",
+        "",
+        _table(
+            [
+                "c",
+                "model",
+                "req/s",
+                "hand-written req/s",
+                "vs hand-written",
+                "added ms per request",
+                "added p50 ms",
+                "compute added ms",
+                "mean executed batch",
+            ],
+            _runtime_cost_rows(rc),
+        ),
+        "",
+        verdict,
+        "",
+        *micro_lines,
+    ]
 
 
 def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> str:
@@ -486,6 +575,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             ]
         if "batching" in plots:
             lines += [f"![batching]({plot_rel}/{plots['batching']})", ""]
+        lines += _runtime_cost_lines(b.get("runtime_vs_handwritten"))
     if z := sec.get("scale_to_zero"):
         r = z["rss_mib"]
         lines += [
@@ -582,7 +672,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
     if nat := sec.get("native"):
         lines += ["## Native (ONNX export) vs custom torch", "", "```", _json_block(nat), "```", ""]
     lines += [
-        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (13-18 minutes on 2 cores) or "
+        "Raw numbers: `report.json` next to this file. Re-run: `make bench` (15-20 minutes on 2 cores) or "
         "`python -m bench --quick` / `--only SECTION`.",
         "",
     ]

@@ -208,34 +208,123 @@ def run_batch(spec: RuntimeSpec, requests: Sequence[Arrays], predict: Callable[[
     fails its neighbours. A failure inside predict (or of its outputs) fails the requests that shared
     that predict call: which request caused it cannot be known.
     """
-    results: list[Any] = [None] * len(requests)
-    valid: list[int] = []
-    batch_sizes: dict[int, int | None] = {}
-    for i, arrays in enumerate(requests):
-        try:
-            batch_sizes[i] = check_request(spec, arrays)
-            valid.append(i)
-        except InvalidInput as e:
-            results[i] = Failure(*describe_failure(e, spec.model_id, "predict", None))
+    return BatchPlan(spec).run(requests, predict)
 
-    if spec.tensor_format == "raw":
-        groups = [valid] if valid else []
-    else:
-        groups = [[valid[j] for j in g] for g in group_for_collation(spec, [requests[i] for i in valid])]
 
-    for group in groups:
-        sizes = [batch_sizes[i] for i in group]
-        rows = sum(sizes) if spec.batched else None
-        try:
-            if spec.tensor_format == "raw":
-                raw_inputs = {t.name: [requests[i][t.name] for i in group] for t in spec.inputs}
-                answers = check_raw_outputs(spec, predict(raw_inputs), sizes)
+def _compiled(tensors: Sequence[TensorSpec]) -> tuple[tuple[str, np.dtype, tuple[int, ...], bool], ...]:
+    return tuple((t.name, t.dtype, t.dims, -1 in t.dims) for t in tensors)
+
+
+class BatchPlan:
+    """`run_batch` for one model, its signature compiled once (an instance keeps one for its life).
+
+    The checks of the request path accept a well-formed request or result in a few comparisons; anything
+    they do not accept at once goes through check_request / check_outputs, which accept what is valid
+    (wildcard dims, castable dtypes) and word every error, so both paths answer alike.
+    """
+
+    def __init__(self, spec: RuntimeSpec) -> None:
+        self.spec = spec
+        self.model_id = spec.model_id
+        self.batched = spec.batched
+        self.max_batch_size = spec.max_batch_size
+        self.raw = spec.tensor_format == "raw"
+        self.inputs = _compiled(spec.inputs)
+        self.outputs = _compiled(spec.outputs)
+        # Without -1 dims every valid request has the same per-sample shapes: one collation group.
+        self.one_group = not any(wildcard for *_, wildcard in self.inputs)
+
+    def batch_size(self, arrays: Arrays) -> int | None:
+        """check_request's answer for a request; raises its InvalidInput for one it rejects."""
+        if len(arrays) == len(self.inputs):
+            rows = -1
+            for name, dtype, dims, wildcard in self.inputs:
+                array = arrays.get(name)
+                if array is None or array.dtype != dtype:
+                    break
+                shape = array.shape
+                if not self.batched:
+                    if shape != dims and (not wildcard or not _dims_match(dims, shape)):
+                        break
+                    continue
+                if not shape or (shape[0] != rows and rows != -1):
+                    break
+                rows = shape[0]
+                if shape[1:] != dims and (not wildcard or not _dims_match(dims, shape[1:])):
+                    break
             else:
-                outputs = check_outputs(spec, predict(collate(spec, [requests[i] for i in group])), rows)
-                answers = split(outputs, sizes) if spec.batched else [outputs]
-        except Exception as e:  # user code can raise anything; each becomes a per-request error
-            failure = Failure(*describe_failure(e, spec.model_id, "predict", rows))
-            answers = [failure] * len(group)
-        for i, answer in zip(group, answers, strict=True):
-            results[i] = answer
-    return results
+                if not self.batched:
+                    return None
+                if 1 <= rows <= self.max_batch_size:
+                    return rows
+        return check_request(self.spec, arrays)
+
+    def checked_outputs(self, outputs: Any, rows: int | None) -> Arrays:
+        """check_outputs' answer for a numpy-format result: arrays that already conform pass as they are."""
+        if type(outputs) is dict:
+            checked = {}
+            for name, dtype, dims, wildcard in self.outputs:
+                array = outputs.get(name)
+                if type(array) is not np.ndarray or array.dtype != dtype or not array.flags.c_contiguous:
+                    break
+                shape = array.shape
+                if self.batched:
+                    if not shape or shape[0] != rows:
+                        break
+                    shape = shape[1:]
+                if shape != dims and (not wildcard or not _dims_match(dims, shape)):
+                    break
+                checked[name] = array
+            else:
+                return checked
+        return check_outputs(self.spec, outputs, rows)
+
+    def run(self, requests: Sequence[Arrays], predict: Callable[[Any], Any]) -> list[Any]:
+        if len(requests) == 1:  # the common case at low load: no grouping, collation or split
+            return [self._run_one(requests[0], predict)]
+        results: list[Any] = [None] * len(requests)
+        valid: list[int] = []
+        batch_sizes: dict[int, int | None] = {}
+        for i, arrays in enumerate(requests):
+            try:
+                batch_sizes[i] = self.batch_size(arrays)
+                valid.append(i)
+            except InvalidInput as e:
+                results[i] = self._failure(e, None)
+
+        if self.raw or (self.one_group and self.batched):
+            groups = [valid] if valid else []
+        else:
+            groups = [[valid[j] for j in g] for g in group_for_collation(self.spec, [requests[i] for i in valid])]
+
+        for group in groups:
+            sizes = [batch_sizes[i] for i in group]
+            rows = sum(sizes) if self.batched else None
+            try:
+                if self.raw:
+                    raw_inputs = {name: [requests[i][name] for i in group] for name, *_ in self.inputs}
+                    answers = check_raw_outputs(self.spec, predict(raw_inputs), sizes)
+                else:
+                    outputs = self.checked_outputs(predict(collate(self.spec, [requests[i] for i in group])), rows)
+                    answers = split(outputs, sizes) if self.batched else [outputs]
+            except Exception as e:  # user code can raise anything; each becomes a per-request error
+                answers = [self._failure(e, rows)] * len(group)
+            for i, answer in zip(group, answers, strict=True):
+                results[i] = answer
+        return results
+
+    def _run_one(self, arrays: Arrays, predict: Callable[[Any], Any]) -> Any:
+        try:
+            rows = self.batch_size(arrays)
+        except InvalidInput as e:
+            return self._failure(e, None)
+        try:
+            if self.raw:
+                raw_inputs = {name: [arrays[name]] for name, *_ in self.inputs}
+                return check_raw_outputs(self.spec, predict(raw_inputs), [rows])[0]
+            return self.checked_outputs(predict(dict(arrays)), rows)
+        except Exception as e:  # user code can raise anything; it becomes this request's error
+            return self._failure(e, rows)
+
+    def _failure(self, exc: BaseException, rows: int | None) -> Failure:
+        return Failure(*describe_failure(exc, self.model_id, "predict", rows))

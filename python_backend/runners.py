@@ -114,9 +114,15 @@ _STOP = object()
 class _Call:
     """One call handed to the user thread, and its outcome."""
 
+    __slots__ = ("fn", "args", "what", "done", "finished", "result", "error", "started")
+
     def __init__(self, fn: Callable[..., Any], args: tuple, what: str) -> None:
         self.fn, self.args, self.what = fn, args, what
-        self.done = threading.Event()
+        # A bare lock, held until the call ends: the cheapest wake-up there is (an Event is a Condition
+        # plus a new lock per wait), and the hand-off is most of the runtime's cost per request.
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.finished = False
         self.result: Any = None
         self.error: BaseException | None = None
         self.started = 0.0
@@ -142,8 +148,9 @@ class UserThread:
         self._thread.start()
 
     def _loop(self) -> None:
+        jobs = self._jobs
         while True:
-            call = self._jobs.get()
+            call = jobs.get()
             if call is _STOP:
                 return
             call.started = time.monotonic()
@@ -151,12 +158,13 @@ class UserThread:
                 call.result = call.fn(*call.args)
             except BaseException as e:  # handed to the caller, who maps it to an error response
                 call.error = e
-            call.done.set()
+            call.finished = True
+            call.done.release()
 
     @property
     def busy(self) -> bool:
         """True while a call that overran its timeout is still running."""
-        if self._overrun is not None and self._overrun.done.is_set():
+        if self._overrun is not None and self._overrun.finished:
             self._overrun = None
         return self._overrun is not None
 
@@ -173,7 +181,9 @@ class UserThread:
             )
         call = _Call(fn, args, what)
         self._jobs.put(call)
-        if not call.done.wait(timeout):
+        if timeout is None or timeout > threading.TIMEOUT_MAX:
+            call.done.acquire()
+        elif not call.done.acquire(True, max(timeout, 0.0)):
             self._overrun = call
             raise PredictTimeout(
                 f"{what} did not finish within request_timeout_secs={timeout:g} s; make {what} faster, "
@@ -187,3 +197,37 @@ class UserThread:
     def stop(self) -> None:
         """Let the thread end after its current call; never waits for an overrunning call."""
         self._jobs.put(_STOP)
+
+
+class CallingThread:
+    """The runner of a model without request_timeout_secs (null or 0): user code runs on the thread that
+    calls it, the stub's, which also runs initialize, so import, load and predict still share one thread.
+
+    With no limit there is nothing to answer early, so the stub's thread may as well wait inside predict
+    and save the hand-off to a UserThread, most of the runtime's cost per request. A call that does have
+    a limit (unload at finalize) gets a thread of its own, which can be left behind if it hangs.
+    """
+
+    busy = False  # no call is ever left running past a limit on this thread
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def call(
+        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, what: str = "predict"
+    ) -> Any:
+        if timeout is None:
+            return fn(*args)
+        helper = UserThread(f"{self.name}-{what}")
+        try:
+            return helper.call(fn, *args, timeout=timeout, what=what)
+        finally:
+            helper.stop()
+
+    def stop(self) -> None:
+        """Nothing to stop: no thread of its own."""
+
+
+def runner_for(spec: RuntimeSpec, name: str) -> UserThread | CallingThread:
+    """A UserThread when predict has a time limit to enforce, else the stub's own thread."""
+    return UserThread(name) if spec.request_timeout_secs else CallingThread(name)

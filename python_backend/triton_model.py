@@ -11,10 +11,10 @@ import os
 import sys
 from typing import Any
 
-from .batching import run_batch
+from .batching import BatchPlan
 from .errors import INVALID_INPUT, Failure, describe_failure
 from .journal import RequestJournal
-from .runners import UserThread, build_model, device_for
+from .runners import build_model, device_for, runner_for
 from .spec import RuntimeSpec, load_spec, spec_path
 
 PACKAGE_DIR = "package"
@@ -48,7 +48,7 @@ class TritonPythonModel:
 
         package_dir = os.path.join(version_dir, PACKAGE_DIR)
         device = device_for(args.get("model_instance_kind", "CPU"), args.get("model_instance_device_id", "0"))
-        self._worker = UserThread(name=f"snooze-{args.get('model_instance_name', spec.model_id)}")
+        self._worker = runner_for(spec, f"snooze-{args.get('model_instance_name', spec.model_id)}")
         stage = "import"
         try:
             self._model = self._worker.call(build_model, spec, package_dir, what="import")
@@ -60,12 +60,19 @@ class TritonPythonModel:
             raise RuntimeError(describe_failure(e, spec.model_id, stage, None)[1]) from None
         _log(spec.model_id, f"loaded ({spec.kind}, {spec.tensor_format} tensors) on {device}")
         self._journal = RequestJournal.from_environment()
+        # Decided once here, not per request: the compiled signature and the bound calls of the request path.
+        self._plan = BatchPlan(spec)
+        self._user_predict = self._model.predict
+        self._call = self._worker.call
+        self._timeout = spec.request_timeout_secs
+        self._response_cls = pb_utils.InferenceResponse
+        self._tensor_cls = pb_utils.Tensor
 
     def execute(self, requests: list) -> list:
         if self._journal is not None:
             self._journal.record(requests)
         arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
-        return [self._response(result) for result in run_batch(self._spec, arrays, self._predict)]
+        return [self._response(result) for result in self._plan.run(arrays, self._predict)]
 
     def finalize(self) -> None:
         unload = getattr(self._model, "unload", None)
@@ -81,17 +88,16 @@ class TritonPythonModel:
             self._journal.close()
 
     def _predict(self, inputs: Any) -> Any:
-        return self._worker.call(self._model.predict, inputs, timeout=self._spec.request_timeout_secs)
+        return self._call(self._user_predict, inputs, timeout=self._timeout)
 
     def _response(self, result: Any) -> Any:
-        pb = self._pb
-        if isinstance(result, Failure):
-            return pb.InferenceResponse(error=self._error(result))
+        if type(result) is Failure:
+            return self._response_cls(error=self._error(result))
         try:
-            tensors = [pb.Tensor(name, array) for name, array in result.items()]
-            return pb.InferenceResponse(output_tensors=tensors)
+            tensor = self._tensor_cls
+            return self._response_cls(output_tensors=[tensor(name, array) for name, array in result.items()])
         except Exception as e:  # a value pb_utils cannot serialise fails this request, not the batch
-            return pb.InferenceResponse(
+            return self._response_cls(
                 error=self._error(Failure(*describe_failure(e, self._spec.model_id, "predict output", None)))
             )
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 SECTION_KEYS = {
     "gateway": {"rows", "ratios", "gateway_retries_during_run", "settings"},
     "coldstart": {"cycles", "models"},
-    "batching": {"settings", "models"},
+    "batching": {"settings", "models", "runtime_vs_handwritten"},
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
     "scale": {"models", "render", "validate_static", "control_plane"},
     "recovery": {"cycles", "load_average", "topologies"},
@@ -68,3 +68,10 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert set(fleet["policies"]) == {"affine", "round_robin"} and "mean_memory_affine_vs_rr" in fleet["ratios"]
     assert set(fleet["hop"]["ratios"]) == {f"{p}_c{c}" for p in ("grpc", "http") for c in (1, 8)}
     assert "## Fleet: model-affine routing vs round robin over the same nodes" in text
+    runtime_cost = data["sections"]["batching"]["runtime_vs_handwritten"]
+    assert runtime_cost["c1"]["errors"] == runtime_cost["c32"]["errors"] == 0
+    assert runtime_cost["c1"]["runtime_rps"] > 0 and runtime_cost["c32"]["handwritten_rps"] > 0
+    assert {"added_ms_c1_met", "ratio_c32_met"} <= set(runtime_cost["targets"])
+    micro = runtime_cost["execute_inprocess"]
+    assert micro["batch_1"]["runtime_us"] > micro["handoff_us"] > 0
+    assert "snoozeml's runtime vs a hand-written python-backend model" in text

@@ -263,7 +263,11 @@ def test_bad_request_fails_alone_in_a_shared_batch(triton):
     np.testing.assert_array_equal(good2["y"], np.full((1, 3), 3, np.float32))
     # Both good requests went through one predict call: the batch was shared, and survived.
     assert good1["rows"].tolist() == [[2]] and good2["rows"].tolist() == [[2]]
-    stats = triton["http"].get_inference_statistics(model)["model_stats"][0]
+    # Triton reports an execution's statistics after its responses are sent: wait for them.
+    deadline = time.monotonic() + 5
+    while (stats := triton["http"].get_inference_statistics(model)["model_stats"][0])["inference_count"] < 2:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
     assert stats["execution_count"] == 1 < stats["inference_count"]
 
 
@@ -372,6 +376,46 @@ def test_predict_past_request_timeout(triton):
     assert busy in e.value.message()
     time.sleep(max(0.0, started + 3.3 - time.monotonic()))
     assert call(0)["secs"].tolist() == [[0.0]]
+
+
+THREADS_MODEL = """
+    import threading
+
+    import numpy as np
+
+
+    class Model:
+        def load(self, model_dir, device):
+            self.load_thread = threading.get_ident()
+
+        def predict(self, inputs):
+            here = threading.get_ident()
+            flags = [here == self.load_thread, here == threading.main_thread().ident]
+            return {"flags": np.array([flags] * len(inputs["x"]), dtype=np.int64)}
+"""
+
+
+@pytest.mark.parametrize(("timeout", "on_stub_thread"), [(None, True), (30, False)])
+def test_predict_runs_where_load_ran_off_the_stub_thread_only_with_a_limit(triton, timeout, on_stub_thread):
+    """Without request_timeout_secs there is no hand-off: load and predict run on the stub's own thread.
+
+    With one, both run on the user thread. Either way they share a thread, and requests are validated.
+    """
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "max_batch_size": 2,
+        "request_timeout_secs": timeout,
+        "inputs": [t("x", "FP32", [1])],
+        "outputs": [t("flags", "INT64", [2])],
+    }
+    name = f"pbrt-threads-{timeout or 'none'}"
+    model = load(triton, name, runtime, {"snooze_model.py": THREADS_MODEL}, config_max_batch_size=8)
+    got = infer(grpcclient, triton["grpc"], model, {"x": np.zeros((2, 1), np.float32)}, ["flags"])
+    assert got["flags"].tolist() == [[1, int(on_stub_thread)]] * 2
+    with pytest.raises(InferenceServerException) as e:
+        infer(grpcclient, triton["grpc"], model, {"x": np.zeros((3, 1), np.float32)}, ["flags"])
+    assert f"[snooze:invalid_input] model '{name}': batch size 3 is outside 1..2" in e.value.message()
 
 
 def tiny_onnx() -> tuple[bytes, np.ndarray, np.ndarray]:

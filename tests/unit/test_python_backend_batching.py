@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from python_backend.batching import (
+    BatchPlan,
     check_outputs,
     check_raw_outputs,
     check_request,
@@ -61,6 +62,98 @@ def test_check_request_rejects(arrays, needle):
     with pytest.raises(InvalidInput) as e:
         check_request(make_spec(), arrays)
     assert needle in str(e.value)
+
+
+def _outcome(check, *args):
+    try:
+        return "ok", check(*args)
+    except (InvalidInput, BadModelOutput) as e:
+        return type(e).__name__, str(e)
+
+
+EXACT_DIMS = [{"name": "x", "datatype": "FP32", "dims": [3]}, {"name": "n", "datatype": "INT64", "dims": [2, 1]}]
+REQUESTS_TO_CHECK = [
+    req(1),
+    req(4, s_len=9),
+    {"x": np.zeros((1, 3), np.float32)},
+    {**req(1), "z": np.zeros((1,), np.float32)},
+    {"x": np.zeros((1, 3), np.float32), "z": req(1)["s"]},
+    req(1, x_dtype=np.int32),
+    req(1, x_dtype=np.float64),
+    {"x": np.zeros((1, 4), np.float32), "s": req(1)["s"]},
+    {"x": np.zeros(3, np.float32), "s": req(1)["s"]},
+    {"x": np.float32(1), "s": req(1)["s"]},
+    {"x": np.zeros((2, 3), np.float32), "s": req(1)["s"]},
+    {"x": np.zeros((1, 3), np.float32), "s": np.zeros((1,), object)},
+    req(5),
+    {"x": np.zeros((0, 3), np.float32), "s": np.zeros((0, 1), object)},
+    {"x": np.zeros((2, 3), np.float32), "n": np.zeros((2, 2, 1), np.int64)},
+    {"x": np.zeros((2, 3), np.float32), "n": np.zeros((2, 1, 2), np.int64)},
+    {"x": np.zeros((2, 3), np.float32), "n": np.zeros((3, 2, 1), np.int64)},
+    {"x": np.zeros((3,), np.float32), "n": np.zeros((2, 1), np.int64)},
+    {"x": np.zeros((1, 3), np.float32), "n": np.zeros((2, 1), np.int64)},
+]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        make_spec(),
+        make_spec(inputs=EXACT_DIMS),
+        make_spec(max_batch_size=0, inputs=EXACT_DIMS),
+        make_spec(max_batch_size=0),
+    ],
+    ids=["wildcard", "exact", "unbatched-exact", "unbatched-wildcard"],
+)
+@pytest.mark.parametrize("i", range(len(REQUESTS_TO_CHECK)))
+def test_compiled_request_check_answers_like_check_request(spec, i):
+    """The request path's compiled check accepts, rejects and words its errors exactly as check_request."""
+    arrays = REQUESTS_TO_CHECK[i]
+    assert _outcome(BatchPlan(spec).batch_size, arrays) == _outcome(check_request, spec, arrays)
+
+
+OUTPUTS_TO_CHECK = [
+    {"y": np.ones((2, 3), np.float32)},
+    {"y": np.ones((2, 3), np.float32), "debug": 1},
+    {"y": np.ones((2, 3), np.float64)},
+    {"y": np.ones((3, 2), np.float32).T},
+    {"y": np.ma.masked_array(np.ones((2, 3), np.float32))},
+    {"y": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]},
+    [1, 2],
+    {},
+    {"y": np.ones((3, 3), np.float32)},
+    {"y": np.float32(1)},
+    {"y": np.ones((2, 4), np.float32)},
+    {"y": np.ones((2, 3, 1), np.float32)},
+    {"y": np.array([["a"] * 3] * 2, dtype=object)},
+]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [make_spec(), make_spec(outputs=[{"name": "y", "datatype": "FP32", "dims": [-1]}]), make_spec(max_batch_size=0)],
+    ids=["exact", "wildcard", "unbatched"],
+)
+@pytest.mark.parametrize("i", range(len(OUTPUTS_TO_CHECK)))
+def test_compiled_output_check_answers_like_check_outputs(spec, i):
+    """Same arrays (dtype, shape, contiguity) or the same worded error as check_outputs."""
+    outputs = OUTPUTS_TO_CHECK[i]
+    rows = 2 if spec.batched else None
+    fast, slow = _outcome(BatchPlan(spec).checked_outputs, outputs, rows), _outcome(check_outputs, spec, outputs, rows)
+    assert fast[0] == slow[0]
+    if fast[0] != "ok":
+        assert fast[1] == slow[1]
+        return
+    assert list(fast[1]) == list(slow[1])
+    for name, array in fast[1].items():
+        assert type(array) is np.ndarray and array.flags.c_contiguous
+        assert array.dtype == slow[1][name].dtype and array.shape == slow[1][name].shape
+        np.testing.assert_array_equal(array, slow[1][name])
+
+
+def test_conforming_outputs_pass_through_without_a_copy():
+    y = np.ones((2, 3), np.float32)
+    assert BatchPlan(make_spec()).checked_outputs({"y": y}, 2)["y"] is y
 
 
 def test_wildcard_dims_accept_any_size():
@@ -187,6 +280,44 @@ def test_run_batch_raw_passes_lists():
     results = run_batch(spec, [req(1), req(2)], predict)
     assert [a.shape for a in seen["x"]] == [(1, 3), (2, 3)]
     np.testing.assert_array_equal(results[1]["y"], req(2)["x"] + 1)
+
+
+def test_single_request_path_answers_like_a_shared_batch():
+    """A batch of one skips grouping, collation and split; its answers and errors are the same."""
+    spec = make_spec()
+
+    def predict(inputs):
+        if inputs["x"][0, 0] < 0:
+            raise ValueError("negative")
+        if inputs["x"][0, 0] > 100:
+            return {"y": inputs["x"][:, :2]}
+        return {"y": inputs["x"] * 2}
+
+    bad_dtype, bad_value, bad_output = req(1, x_dtype=np.int32), req(1, start=-50.0), req(1, start=500.0)
+    for request in (req(2), bad_dtype, bad_value, bad_output):
+        (alone,) = run_batch(spec, [request], predict)
+        # in a shared batch with an invalid neighbour, the request has its own predict call too
+        shared = run_batch(spec, [request, req(1, x_dtype=np.int64)], predict)[0]
+        assert type(alone) is type(shared)
+        if isinstance(alone, Failure):
+            assert (alone.kind, alone.message.split(" at ")[0]) == (shared.kind, shared.message.split(" at ")[0])
+        else:
+            np.testing.assert_array_equal(alone["y"], shared["y"])
+    assert "input 'x' is INT32" in run_batch(spec, [bad_dtype], predict)[0].message
+    assert "output 'y' has shape [1, 2]" in run_batch(spec, [bad_output], predict)[0].message
+
+
+def test_single_request_raw_format_gets_lists_of_one():
+    spec = make_spec(tensor_format="raw")
+    seen = {}
+
+    def predict(inputs):
+        seen.update(inputs)
+        return {"y": [inputs["x"][0] + 1]}
+
+    (result,) = run_batch(spec, [req(2)], predict)
+    assert [a.shape for a in seen["x"]] == [(2, 3)] and len(seen["s"]) == 1
+    np.testing.assert_array_equal(result["y"], req(2)["x"] + 1)
 
 
 def test_run_batch_unbatched_calls_predict_per_request():

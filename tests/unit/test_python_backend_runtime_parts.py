@@ -13,7 +13,7 @@ import pytest
 
 import python_backend
 from python_backend.errors import describe_failure, is_oom, traceback_summary
-from python_backend.runners import UserThread, build_model, device_for
+from python_backend.runners import CallingThread, UserThread, build_model, device_for, runner_for
 from python_backend.spec import SpecError, load_spec, parse_spec
 
 BASE = {
@@ -126,6 +126,32 @@ def test_user_thread_timeout_then_busy_then_recovers():
         worker.stop()
 
 
+def test_user_thread_without_timeout_waits_however_long_the_call_takes():
+    worker = UserThread("t")
+    try:
+        assert worker.call(lambda: time.sleep(0.3) or "slow", timeout=None) == "slow"
+        # beyond what a lock wait accepts (threading.TIMEOUT_MAX): no limit, not an OverflowError
+        assert worker.call(lambda: "huge", timeout=1e300) == "huge"
+        assert not worker.busy
+    finally:
+        worker.stop()
+
+
+def test_user_thread_stop_does_not_wait_for_an_overrunning_call():
+    worker = UserThread("t")
+    release = threading.Event()
+    try:
+        with pytest.raises(Exception, match="did not finish"):
+            worker.call(release.wait, timeout=0.05)
+        start = time.monotonic()
+        worker.stop()
+        assert time.monotonic() - start < 0.5 and worker.busy
+    finally:
+        release.set()
+    worker._thread.join(5)  # the loop ends once the overrunning call returns
+    assert not worker._thread.is_alive()
+
+
 def test_user_thread_passes_user_timeout_error_through():
     worker = UserThread("t")
 
@@ -138,6 +164,36 @@ def test_user_thread_passes_user_timeout_error_through():
         assert not worker.busy
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize(
+    ("timeout", "runner"), [(60, UserThread), (0.5, UserThread), (None, CallingThread), (0, CallingThread)]
+)
+def test_a_thread_hand_off_only_when_there_is_a_limit_to_enforce(timeout, runner):
+    spec = parse_spec({**BASE, "request_timeout_secs": timeout})
+    worker = runner_for(spec, "t")
+    try:
+        assert type(worker) is runner
+    finally:
+        worker.stop()
+
+
+def test_calling_thread_runs_calls_inline_and_limited_calls_on_a_thread_of_their_own():
+    worker = CallingThread("t")
+    here = threading.get_ident()
+    assert worker.call(threading.get_ident) == here
+    with pytest.raises(ZeroDivisionError):
+        worker.call(lambda: 1 / 0)
+    assert worker.call(threading.get_ident, timeout=5, what="unload") != here
+    release = threading.Event()
+    try:
+        with pytest.raises(Exception) as e:
+            worker.call(release.wait, timeout=0.05, what="unload")
+        assert e.value.kind == "timeout" and "unload did not finish within" in str(e.value)
+        assert not worker.busy
+    finally:
+        release.set()
+    worker.stop()
 
 
 def test_build_model_imports_entrypoint_with_params(tmp_path, monkeypatch):
