@@ -10,6 +10,7 @@ client is wrapped with a timer), so overhead = first response - Triton load, per
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ def _request(model: Any) -> tuple[bytes, dict[str, str]]:
 
 
 async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
+    load_start = [round(v, 2) for v in os.getloadavg()]
     entries = [{"id": m, "path": EXAMPLES / m, "idle_timeout_secs": 3600} for m in models]
     async with serving_stack(root / "stack", entries) as stack:
         admin = stack.lifecycle.triton
@@ -90,9 +92,11 @@ async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
                     await wait_state(stack, model, "unloaded", 60)
                     direct_start = time.perf_counter()
                     await real_load(model)
+                    loaded = time.perf_counter()
                     async with http.post(f"{triton}/v2/models/{model}/infer", data=body, headers=headers) as r:
                         await r.read()
                     direct = time.perf_counter() - direct_start
+                    first_infer = time.perf_counter() - loaded
                     await stack.lifecycle.sweep()  # adopt the model loaded behind its back
                     if cycle:
                         samples[model].append({
@@ -100,12 +104,15 @@ async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
                             "triton_load_s": mine[0],
                             "overhead_s": first - mine[0],
                             "direct_load_and_first_infer_s": direct,
+                            "direct_load_s": direct - first_infer,
+                            "direct_first_infer_s": first_infer,
                             "overhead_vs_direct_s": first - direct,
                         })
         admin.load = real_load
     out: dict[str, Any] = {
         "cycles": cycles,
         "protocol": "HTTP through the gateway (Envoy 404 retry -> activator)",
+        "load_average": {"start": load_start, "end": [round(v, 2) for v in os.getloadavg()]},
         "models": {},
     }
     for model, rows in samples.items():
@@ -113,6 +120,10 @@ async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
         load = summary([r["triton_load_s"] for r in rows])
         overhead = summary([r["overhead_s"] for r in rows])
         direct = summary([r["direct_load_and_first_infer_s"] for r in rows])
+        decomposition = {
+            key: summary([r[key] for r in rows if key in r])
+            for key in ("direct_load_s", "direct_first_infer_s", "overhead_vs_direct_s")
+        }
         overhead_direct = summary([r["overhead_vs_direct_s"] for r in rows])
         out["models"][model] = {
             "description": MODELS.get(model, model),
@@ -121,6 +132,7 @@ async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
             "overhead_s": overhead,
             "direct_load_and_first_infer_s": direct,
             "overhead_vs_direct_s": overhead_direct,
+            "decomposition_s": decomposition,
             "first_response_vs_triton_load": round(first["median"] / load["median"], 3) if load else None,
             "samples": [{k: round(v, 4) for k, v in r.items()} for r in rows],
         }

@@ -525,6 +525,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             ),
             "",
         ]
+        lines += _coldstart_decomposition(c)
         if "coldstart" in plots:
             lines += [f"![cold start]({plot_rel}/{plots['coldstart']})", ""]
     if b := sec.get("batching"):
@@ -683,6 +684,30 @@ def _json_block(data: Any) -> str:
     import json
 
     return json.dumps(data, indent=1)[:4000]
+
+
+def _coldstart_decomposition(c: dict[str, Any]) -> list[str]:
+    """A first response split into Triton's load, the fresh stub's first inference, and snoozeml's share."""
+    keys = ("direct_load_s", "direct_first_infer_s", "overhead_vs_direct_s")
+    rows = [
+        [m, *(_ms(v["decomposition_s"][k]["median"]) for k in keys), _ms(v["first_response_s"]["median"])]
+        for m, v in c["models"].items()
+        if v.get("decomposition_s")
+    ]
+    if not rows:  # a report.json from before the decomposition was measured
+        return []
+    la = c.get("load_average", {})
+    return [
+        "Decomposition of a first response (medians; Triton's load and the first inference of a fresh stub are "
+        "measured straight against Triton in the same cycle; the rest is snoozeml's lifecycle and gateway). Load "
+        f"average at the section's start {la.get('start')}, end {la.get('end')}.",
+        "",
+        _table(
+            ["model", "Triton load", "first inference of a fresh stub", "lifecycle + gateway", "first response"],
+            rows,
+        ),
+        "",
+    ]
 
 
 def _recovery_lines(r: dict[str, Any] | None) -> list[str]:
