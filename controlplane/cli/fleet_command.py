@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from controlplane.cli.output import fail
 from controlplane.errors import SnoozeError
+
+if TYPE_CHECKING:
+    from controlplane.settings import Settings
 
 fleet_app = typer.Typer(help="A fleet of nodes behind one model-affine gateway.", no_args_is_help=True)
 
@@ -33,15 +36,10 @@ def up(
     Keys come from SNOOZE_API_KEYS / SNOOZE_ADMIN_KEYS (the same on every node and the gateway)."""
     from controlplane.fleet.frontend import run_until_signal
     from controlplane.fleet.up import Fleet
-    from controlplane.settings import Settings
     from controlplane.stack import prepare_process
 
-    given = {"host": host, "http_port": http_port, "grpc_port": grpc_port, "api_port": api_port}
-    overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
-    if no_auth:
-        overrides["auth"] = "off"
     try:
-        settings = Settings(**overrides)
+        settings = _settings(host=host, http_port=http_port, grpc_port=grpc_port, api_port=api_port, no_auth=no_auth)
         console = prepare_process(settings)
         fleet = Fleet(settings, nodes=nodes, models=models, work_dir=work_dir, console=console)
         code = asyncio.run(run_until_signal(fleet, console))
@@ -85,25 +83,30 @@ def gateway(
     Keys come from SNOOZE_API_KEYS / SNOOZE_ADMIN_KEYS, the same as the nodes'. Exits 1 if its Envoy dies."""
     from controlplane.fleet.frontend import FleetFrontend, run_until_signal
     from controlplane.fleet.nodes import fleet_nodes, needs_dns
-    from controlplane.settings import Settings
     from controlplane.stack import prepare_process
 
-    given = {"host": host, "http_port": http_port, "grpc_port": grpc_port, "api_port": api_port}
-    overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
-    if no_auth:
-        overrides["auth"] = "off"
     try:
         nodes = fleet_nodes(
             node or [], statefulset=statefulset, service=service, replicas=replicas, namespace=namespace,
             http_port=node_http_port, grpc_port=node_grpc_port, api_port=node_api_port,
         )  # fmt: skip
-        settings = Settings(**overrides)
+        settings = _settings(host=host, http_port=http_port, grpc_port=grpc_port, api_port=api_port, no_auth=no_auth)
         console = prepare_process(settings)
         frontend = FleetFrontend(settings, nodes, work_dir.resolve(), dns=needs_dns(nodes))
         code = asyncio.run(run_until_signal(frontend, console))
     except SnoozeError as exc:
         raise fail(exc) from None
     raise typer.Exit(code)
+
+
+def _settings(*, no_auth: bool, **given: object) -> Settings:
+    """The fleet front's Settings: the flags that were given over the SNOOZE_* environment."""
+    from controlplane.settings import Settings
+
+    overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
+    if no_auth:
+        overrides["auth"] = "off"
+    return Settings(**overrides)
 
 
 def register(app: typer.Typer) -> None:
