@@ -267,7 +267,7 @@ async def test_out_of_memory_load_evicts_and_retries_once(make_manager, publish,
 
 async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton):
     model = publish("crashy")
-    manager = await make_manager(sweep_interval_secs=3600)  # sweep by hand
+    manager = await make_manager(sweep_interval_secs=3600, watch_interval_secs=3600)  # watch by hand
     await manager.ensure_ready(model)
     [stub] = triton.stub_pids(model)
     os.kill(stub, signal.SIGKILL)
@@ -276,9 +276,10 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
     r = await infer(triton, model)  # Triton 2.51 keeps the model READY with a dead stub
     assert r.status_code == 500 and "is not healthy" in r.json()["error"]
 
-    await manager.sweep()
+    await manager.watch()  # the process watch finds the dead stub and starts the recovery
     await until(lambda: manager.status(model).state is ModelState.READY, "the recovery")
     assert sample(manager, "snooze_recoveries_total", model=model, cause="dead_stub") == 1
+    assert "killed by signal 9 (SIGKILL)" in (manager.status(model).last_crash or "")
     assert await output(triton, model) == [2.0, 4.0]
 
     # The activator's path: a request failed with "not healthy", it calls recover().
