@@ -37,7 +37,7 @@ import time
 from typing import Any, NoReturn
 
 from . import RUNTIME_MODULES
-from .errors import INTERNAL, RemoteFailure, describe_failure, without_prefix
+from .errors import INTERNAL, PredictTimeout, RemoteFailure, describe_failure, without_prefix
 from .journal import JOURNAL_ENV, clear_batch, own_file, start_ticks
 from .prefork_protocol import (
     ERROR,
@@ -239,6 +239,7 @@ class PreforkedModel:
         self._peer = PeerRegion()
         self._lock = threading.Lock()  # one conversation with the worker at a time, and the death watch
         self._closing = False
+        self._overrun: float | None = None  # monotonic start of a call that overran request_timeout_secs
         self._note: dict[str, Any] = {}
         self.in_stub: Any = None  # the model, when no parent could be had
 
@@ -334,26 +335,71 @@ class PreforkedModel:
     def predict(self, inputs: dict[str, Any]) -> Any:
         if self.in_stub is not None:
             return self.in_stub.predict(inputs)
+        return self.predict_within(inputs, None)
+
+    @property
+    def direct_predict(self) -> Any:
+        """``predict_within`` when a worker serves (the stub may call it from any thread), else None."""
+        return self.predict_within if self.in_stub is None and self._conn is not None else None
+
+    def predict_within(self, inputs: dict[str, Any], timeout: float | None) -> Any:
+        """``predict`` with ``request_timeout_secs``, straight from the stub's thread: the worker is a
+        process of its own, so no user thread in the stub is needed (one thread hand-over less per
+        batch). After a timeout the instance stays busy until the worker answers, as in the stub."""
         with self._lock:
             conn = self._conn
-            if conn is None or self._worker_gone():
+            if conn is None:
+                self._die(ran=False, when="before a batch")
+            if self._overrun is not None and not self._drain_overrun(conn):
+                raise PredictTimeout(
+                    "this instance is still running a predict call that overran its timeout (started "
+                    f"{time.monotonic() - self._overrun:.0f} s ago); requests fail until it returns. "
+                    "Reload the model to recover now, or raise request_timeout_secs"
+                )
+            if self._worker_gone():
                 self._die(ran=False, when="before a batch")
             try:
                 send_tensors(conn, INFER, self._region, inputs)
             except OSError:
                 self._die(ran=False, when="before a batch")
-            try:
-                kind, body, fd = recv_frame(conn)
-            except (PeerClosed, OSError):
-                self._die(ran=True, when="while running a batch")
-            if kind == RESULT:
-                return read_tensors(body, fd, self._peer, copy=True)
-            if fd is not None:
-                os.close(fd)
-            if kind == ERROR:
-                payload = parse_json(kind, body)
-                raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
-            raise ProtocolError(f"expected RESULT or ERROR from the worker, got frame type {kind}")
+            if timeout and not self._answered(timeout):
+                self._overrun = time.monotonic()
+                raise PredictTimeout(
+                    f"predict did not finish within request_timeout_secs={timeout:g} s; make predict faster, "
+                    "send smaller batches or raise request_timeout_secs. The instance stays busy until the call "
+                    "returns (its worker keeps running it); reload the model to free it"
+                )
+            return self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> Any:
+        try:
+            kind, body, fd = recv_frame(conn)
+        except (PeerClosed, OSError):
+            self._die(ran=True, when="while running a batch")
+        if kind == RESULT:
+            return read_tensors(body, fd, self._peer, copy=True)
+        if fd is not None:
+            os.close(fd)
+        if kind == ERROR:
+            payload = parse_json(kind, body)
+            raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
+        raise ProtocolError(f"expected RESULT or ERROR from the worker, got frame type {kind}")
+
+    def _answered(self, timeout: float) -> bool:
+        """Whether the worker's answer (or its end) is readable within ``timeout`` seconds."""
+        assert self._poll is not None
+        return bool(self._poll.poll(max(1, int(timeout * 1000))))
+
+    def _drain_overrun(self, conn: socket.socket) -> bool:
+        """The late answer of a call that overran: dropped once it is there (True), else False."""
+        if not self._answered(0.001):
+            return False
+        try:
+            self._answer(conn)
+        except RemoteFailure:
+            pass  # its requests were answered with the timeout already
+        self._overrun = None
+        return True
 
     def _worker_gone(self) -> bool:
         """The worker closed its end (it ended) although no answer is due: one poll(2), no waiting."""
@@ -373,6 +419,12 @@ class PreforkedModel:
             if conn is None:
                 return
             payload: dict[str, Any] = {}
+            if self._overrun is not None and not self._drain_overrun(conn):
+                _log(self.spec.model_id, "skipping unload(): a predict call that overran its timeout still runs")
+                conn.close()
+                self._wait_for_worker(grace=0.0)
+                self._remove_note()
+                return
             try:
                 send_frame(conn, SHUTDOWN)
                 kind, body, fd = recv_frame(conn)
@@ -389,11 +441,11 @@ class PreforkedModel:
             if payload:
                 raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
 
-    def _wait_for_worker(self) -> None:
-        """Return once the worker process is gone (its memory with it), killing it after WORKER_EXIT_SECS."""
+    def _wait_for_worker(self, grace: float = WORKER_EXIT_SECS) -> None:
+        """Return once the worker process is gone (its memory with it), killing it after ``grace`` seconds."""
         if self._pidfd is None:
             return
-        ready, _, _ = select.select([self._pidfd], [], [], WORKER_EXIT_SECS)
+        ready, _, _ = select.select([self._pidfd], [], [], grace)
         if not ready:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)

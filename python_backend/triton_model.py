@@ -59,6 +59,8 @@ class TritonPythonModel:
             # The kind prefix tells the control plane an out-of-memory load apart from a broken model.
             raise RuntimeError(describe_failure(e, spec.model_id, stage, None)[1]) from None
         _log(spec.model_id, f"loaded ({spec.kind}, {spec.tensor_format} tensors) on {device}")
+        # A preforked model's worker is a process of its own: its batches need no user thread here.
+        self._direct = getattr(self._model, "direct_predict", None)
         self._journal = RequestJournal.from_environment()
 
     def execute(self, requests: list) -> list:
@@ -81,6 +83,8 @@ class TritonPythonModel:
             self._journal.close()
 
     def _predict(self, inputs: Any) -> Any:
+        if self._direct is not None:
+            return self._direct(inputs, self._spec.request_timeout_secs)
         return self._worker.call(self._model.predict, inputs, timeout=self._spec.request_timeout_secs)
 
     def _response(self, result: Any) -> Any:
