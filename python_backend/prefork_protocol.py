@@ -52,6 +52,7 @@ _TABLE = struct.Struct("<QIB")  # region size (0: unchanged), entries, encoding
 _SEGMENT = struct.Struct("<QQ")  # PICKLED: offset, length
 _ENTRY = struct.Struct("<QQBBH")  # ARRAYS: offset, length, ndim, dtype length, name length; shape, dtype, name
 ARRAYS, PICKLED = 0, 1
+_NOT_TAKEN, _TAKEN = bytes(8), struct.pack("<Q", 1)
 _PLAIN_KINDS = frozenset("biufc")
 _FDS = socket.CMSG_SPACE(array.array("i", [0]).itemsize)
 
@@ -116,12 +117,19 @@ def _aligned(n: int) -> int:
 
 
 class Region:
-    """This side's shared-memory region: written here, mapped by the peer. Grows by replacement."""
+    """This side's shared-memory region: written here, mapped by the peer. Grows by replacement.
+
+    Its first ``ALIGN`` bytes are a header the peer writes: a non-zero u64 at offset 0 once it has taken
+    the frame's tensors (a worker that dies before that never ran the batch)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.size = 0
         self.map: mmap.mmap | None = None
+
+    def taken(self) -> bool:
+        """Whether the peer took the tensors of the last frame sent (it wrote the header)."""
+        return self.map is not None and self.map[:8] != _NOT_TAKEN
 
     def reserve(self, needed: int) -> int | None:
         """Make room for ``needed`` bytes; the new memfd to send when the region was replaced (the
@@ -141,7 +149,7 @@ class Region:
 
 
 class PeerRegion:
-    """The peer's region, mapped here to read from."""
+    """The peer's region, mapped here to read from (and to write its header: ``take``)."""
 
     def __init__(self) -> None:
         self.view: memoryview | None = None
@@ -171,12 +179,13 @@ def send_tensors(sock: socket.socket, kind: int, region: Region, obj: Any) -> No
         buffers: list[pickle.PickleBuffer] = []
         stream = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
         raws = [memoryview(stream), *(b.raw() for b in buffers)]
-    offsets, end = [], 0
+    offsets, end = [], ALIGN  # the header first
     for raw in raws:
         offsets.append(end)
         end = _aligned(end + raw.nbytes)
     fd = region.reserve(end)
     assert region.map is not None
+    region.map[:8] = _NOT_TAKEN
     for raw, offset in zip(raws, offsets, strict=True):
         region.map[offset : offset + raw.nbytes] = raw
     parts = [_TABLE.pack(region.size if fd is not None else 0, len(raws), encoding)]
@@ -195,9 +204,10 @@ def send_tensors(sock: socket.socket, kind: int, region: Region, obj: Any) -> No
             os.close(fd)
 
 
-def read_tensors(body: bytes, fd: int | None, peer: PeerRegion, *, copy: bool) -> Any:
+def read_tensors(body: bytes, fd: int | None, peer: PeerRegion, *, copy: bool, take: bool = False) -> Any:
     """The object an INFER or RESULT frame carries. ``copy=False``: arrays view the peer's region and
-    are valid until the peer writes its next frame; ``copy=True``: arrays own their memory."""
+    are valid until the peer writes its next frame; ``copy=True``: arrays own their memory. ``take``:
+    tell the peer (its region's header) that the tensors reached this process."""
     if len(body) < _TABLE.size:
         raise ProtocolError("tensor frame shorter than its header")
     size, count, encoding = _TABLE.unpack_from(body)
@@ -209,6 +219,8 @@ def read_tensors(body: bytes, fd: int | None, peer: PeerRegion, *, copy: bool) -
         os.close(fd)
     if peer.view is None:
         raise ProtocolError("a tensor frame before the peer's region")
+    if take:
+        peer.view[:8] = _TAKEN
     try:
         if encoding == ARRAYS:
             return _read_arrays(body, count, peer.view, copy)

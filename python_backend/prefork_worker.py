@@ -154,7 +154,7 @@ def _serve_requests(conn: socket.socket, spec: RuntimeSpec, model: Any) -> int:
         if kind != INFER:
             raise ProtocolError(f"a worker expects INFER or SHUTDOWN, got frame type {kind}")
         # In place: the stub writes its next INFER only after this call's RESULT.
-        inputs = read_tensors(body, fd, peer, copy=False)
+        inputs = read_tensors(body, fd, peer, copy=False, take=True)
         rows = _rows(spec, inputs)
         try:
             outputs = _conform(spec, inputs, model.predict(inputs), rows)

@@ -375,7 +375,9 @@ class PreforkedModel:
         try:
             kind, body, fd = recv_frame(conn)
         except (PeerClosed, OSError):
-            self._die(ran=True, when="while running a batch")
+            # ran only if the worker took the batch (it marks our region) before it died
+            ran = self._region.taken()
+            self._die(ran=ran, when="while running a batch" if ran else "before it took the batch")
         if kind == RESULT:
             return read_tensors(body, fd, self._peer, copy=True)
         if fd is not None:

@@ -82,6 +82,9 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
             kill_workers([worker])  # its parent does too; a parent that is gone cannot
             new[i] = death = dataclasses.replace(death, worker=worker)
         ids = read_journal(journal_dir, death.stub) if journal_dir is not None else None
+        if ids is not None and worker is not None and worker.ran is False:
+            # its worker died before taking the batch: whatever the stub journaled meanwhile never ran
+            ids = set()
         rec.deaths.append(SeenDeath(death, time.monotonic(), journaled=ids is not None))
         rec.last_crash = f"{death.stub.instance or death.stub.pid}: {death.describe()} at {time.strftime('%H:%M:%S')}"
         for request_id in ids or ():
