@@ -188,6 +188,16 @@ def is_alive(p: psutil.Process) -> bool:
         return False
 
 
+def alive_pids(pids: Iterable[int]) -> list[int]:
+    """The pids that still run (zombies count as gone)."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if is_alive(psutil.Process(pid)):
+                found.append(pid)
+    return found
+
+
 def alive(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
     """The ones still running (zombies count as gone)."""
     return [p for p in processes if is_alive(p)]
@@ -392,6 +402,17 @@ class Serve:
                         if is_alive(psutil.Process(pid)):
                             found.append((pid, stub))
         return found
+
+    def noted_workers(self, model: str) -> list[int]:
+        """Every preforked worker a stub of ``model`` ever noted (alive or not): to check they are gone."""
+        pids = []
+        for folder in self.journal_dirs():
+            for note in folder.glob("*.worker") if folder.is_dir() else ():
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    raw = json.loads(note.read_text())
+                    if raw.get("model") == model:
+                        pids.append(int(raw["pid"]))
+        return sorted(pids)
 
     def model_pids(self, model: str, worker: str = "in-stub") -> list[int]:
         """The processes that run the model's code: its stubs, or its preforked workers."""
