@@ -173,7 +173,7 @@ def send_tensors(sock: socket.socket, kind: int, region: Region, obj: Any) -> No
     if _plain_arrays(obj):
         encoding = ARRAYS
         names = list(obj)
-        raws = [memoryview(np.ascontiguousarray(obj[n])).cast("B") for n in names]
+        raws = [memoryview(np.ascontiguousarray(obj[n]).reshape(-1).view(np.uint8)) for n in names]
     else:
         encoding = PICKLED
         buffers: list[pickle.PickleBuffer] = []

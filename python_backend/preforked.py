@@ -61,7 +61,7 @@ from .prefork_protocol import (
     send_json,
     send_tensors,
 )
-from .spec import RuntimeSpec
+from .spec import SPEC_FILE, RuntimeSpec
 
 PARENT_CONNECT_SECS = 15.0  # the parent binds its socket first thing: a slow start on a busy machine
 STATUS_ASK_SECS = 3.0  # how long a stub waits for the parent to say how its worker ended
@@ -146,8 +146,8 @@ class ParentIdentity:
         return hashlib.sha256(raw.encode()).hexdigest()[:24]
 
 
-def parent_identity(spec: RuntimeSpec, interpreter: str) -> ParentIdentity:
-    triton = os.getppid()  # the stub is tritonserver's child
+def parent_identity(spec: RuntimeSpec, interpreter: str, server_pid: int | None = None) -> ParentIdentity:
+    triton = server_pid or os.getppid()  # the stub is tritonserver's child
     return ParentIdentity(
         interpreter,
         runtime_digest(),
@@ -227,9 +227,11 @@ def _pidfd(pid: int) -> int | None:
 class PreforkedModel:
     """The user model's stand-in in the stub: the model itself runs in a preforked worker."""
 
-    def __init__(self, spec: RuntimeSpec, package_dir: str) -> None:
+    def __init__(self, spec: RuntimeSpec, package_dir: str, *, server_pid: int | None = None) -> None:
+        """``server_pid``: the tritonserver whose life bounds the parent's (default: this stub's parent)."""
         self.spec = spec
         self.package_dir = package_dir
+        self.server_pid = server_pid
         self.worker_pid: int | None = None
         self._identity: ParentIdentity | None = None
         self._conn: socket.socket | None = None
@@ -287,10 +289,11 @@ class PreforkedModel:
         interpreter = find_interpreter()
         if interpreter is None:
             raise PreforkUnavailable("no Python interpreter to run it: sys.executable is not set")
-        self._identity = identity = parent_identity(self.spec, interpreter)
+        self._identity = identity = parent_identity(self.spec, interpreter, self.server_pid)
         conn = connect_parent(identity)
         request = {
-            "spec_path": os.path.join(os.path.dirname(_RUNTIME_DIR), "snooze_runtime.json"),
+            # <version>/package is the package, <version>/snooze_runtime.json its spec (docs/internals.md)
+            "spec_path": os.path.join(os.path.dirname(os.path.abspath(model_dir)), SPEC_FILE),
             "package_dir": model_dir,
             "device": device,
             "stub_pid": os.getpid(),
