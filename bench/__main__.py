@@ -54,7 +54,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
             "coldstart": {"cycles": 1, "models": ["numpy-linear", "onnx-mlp"]},
-            "batching": {"seconds": 0.2, "warmup": 0.05},
+            "batching": {"seconds": 0.2, "warmup": 0.05, "torch_rounds": 0},
             "scale_to_zero": {
                 "model": "numpy-linear",
                 "idle_timeout": 1.0,
@@ -74,8 +74,12 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
-        "coldstart": {"cycles": 20, "models": ["numpy-linear", "torch-mlp", "onnx-mlp"]},
-        "batching": {"seconds": 4.0, "warmup": 0.5},
+        "coldstart": {
+            "cycles": 20,
+            "models": ["numpy-linear", "torch-mlp", "torch-mlp-preforked", "torch-mlp-onnx", "onnx-mlp"],
+            "memory_copies": 5,
+        },
+        "batching": {"seconds": 4.0, "warmup": 0.5, "torch_rounds": 3},
         "scale_to_zero": {
             "model": "torch-mlp",
             "idle_timeout": 3.0,
