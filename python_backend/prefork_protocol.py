@@ -71,11 +71,12 @@ def abstract_name(key: str) -> bytes:
 
 
 def send_frame(sock: socket.socket, kind: int, body: bytes = b"", fd: int | None = None) -> None:
+    """One frame; a closed peer raises (EPIPE) instead of sending SIGPIPE to this process."""
     data = bytes((kind,)) + body
     if fd is None:
-        sock.sendall(data)
+        sock.sendall(data, socket.MSG_NOSIGNAL)
     else:
-        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], socket.MSG_NOSIGNAL)
 
 
 def send_json(sock: socket.socket, kind: int, payload: dict[str, Any]) -> None:
@@ -173,7 +174,8 @@ def send_tensors(sock: socket.socket, kind: int, region: Region, obj: Any) -> No
     if _plain_arrays(obj):
         encoding = ARRAYS
         names = list(obj)
-        raws = [memoryview(np.ascontiguousarray(obj[n]).reshape(-1).view(np.uint8)) for n in names]
+        # written as they are, no view; ascontiguousarray would turn a 0-d array into 1-d
+        raws: list[Any] = [a if (a := obj[n]).flags.c_contiguous else np.ascontiguousarray(a) for n in names]
     else:
         encoding = PICKLED
         buffers: list[pickle.PickleBuffer] = []
@@ -190,10 +192,9 @@ def send_tensors(sock: socket.socket, kind: int, region: Region, obj: Any) -> No
         region.map[offset : offset + raw.nbytes] = raw
     parts = [_TABLE.pack(region.size if fd is not None else 0, len(raws), encoding)]
     if encoding == ARRAYS:
-        for name, raw, offset in zip(names, raws, offsets, strict=True):
-            array = obj[name]
-            dtype, label = array.dtype.str.encode(), name.encode()
-            parts.append(_ENTRY.pack(offset, raw.nbytes, array.ndim, len(dtype), len(label)))
+        for name, array, offset in zip(names, raws, offsets, strict=True):
+            dtype, label = _dtype_code(array.dtype), name.encode()
+            parts.append(_ENTRY.pack(offset, array.nbytes, array.ndim, len(dtype), len(label)))
             parts.append(struct.pack(f"<{array.ndim}q", *array.shape) + dtype + label)
     else:
         parts.extend(_SEGMENT.pack(off, raw.nbytes) for off, raw in zip(offsets, raws, strict=True))
@@ -262,6 +263,14 @@ def _read_pickled(body: bytes, count: int, view: memoryview, copy: bool) -> Any:
 
 
 _DTYPES: dict[bytes, np.dtype] = {}
+_CODES: dict[np.dtype, bytes] = {}
+
+
+def _dtype_code(dtype: np.dtype) -> bytes:
+    code = _CODES.get(dtype)
+    if code is None:
+        code = _CODES[dtype] = dtype.str.encode()
+    return code
 
 
 def _dtype(code: bytes) -> np.dtype:

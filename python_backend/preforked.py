@@ -30,6 +30,7 @@ import select
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -242,6 +243,7 @@ class PreforkedModel:
         self._lock = threading.Lock()  # one conversation with the worker at a time, and the death watch
         self._closing = False
         self._overrun: float | None = None  # monotonic start of a call that overran request_timeout_secs
+        self._timeout: float | None = None  # the receive timeout set on the connection
         self._note: dict[str, Any] = {}
         self.in_stub: Any = None  # the model, when no parent could be had
 
@@ -359,24 +361,33 @@ class PreforkedModel:
                     f"{time.monotonic() - self._overrun:.0f} s ago); requests fail until it returns. "
                     "Reload the model to recover now, or raise request_timeout_secs"
                 )
-            if self._worker_gone():
-                self._die(ran=False, when="before a batch")
             try:
                 send_tensors(conn, INFER, self._region, inputs)
-            except OSError:
+            except OSError:  # EPIPE: the worker had closed its end, it ended before this batch
                 self._die(ran=False, when="before a batch")
-            if timeout and not self._answered(timeout):
+            self._set_timeout(conn, timeout)
+            try:
+                return self._answer(conn)
+            except BlockingIOError:  # SO_RCVTIMEO passed: no answer within the timeout
                 self._overrun = time.monotonic()
                 raise PredictTimeout(
                     f"predict did not finish within request_timeout_secs={timeout:g} s; make predict faster, "
                     "send smaller batches or raise request_timeout_secs. The instance stays busy until the call "
                     "returns (its worker keeps running it); reload the model to free it"
-                )
-            return self._answer(conn)
+                ) from None
+
+    def _set_timeout(self, conn: socket.socket, timeout: float | None) -> None:
+        """The kernel's receive timeout (SO_RCVTIMEO: no poll(2) per batch); 0 waits for ever."""
+        if timeout != self._timeout:
+            secs = timeout or 0.0
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
+            self._timeout = timeout
 
     def _answer(self, conn: socket.socket) -> Any:
         try:
             kind, body, fd = recv_frame(conn)
+        except BlockingIOError:
+            raise
         except (PeerClosed, OSError):
             # ran only if the worker took the batch (it marks our region) before it died
             ran = self._region.taken()
@@ -399,16 +410,13 @@ class PreforkedModel:
         """The late answer of a call that overran: dropped once it is there (True), else False."""
         if not self._answered(0.001):
             return False
+        self._set_timeout(conn, None)
         try:
             self._answer(conn)
         except RemoteFailure:
             pass  # its requests were answered with the timeout already
         self._overrun = None
         return True
-
-    def _worker_gone(self) -> bool:
-        """The worker closed its end (it ended) although no answer is due: one poll(2), no waiting."""
-        return self._poll is not None and bool(self._poll.poll(0))
 
     # --- unload
 
@@ -431,6 +439,7 @@ class PreforkedModel:
                 self._remove_note()
                 return
             try:
+                self._set_timeout(conn, None)
                 send_frame(conn, SHUTDOWN)
                 kind, body, fd = recv_frame(conn)
                 if fd is not None:
