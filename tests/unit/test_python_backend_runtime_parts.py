@@ -31,6 +31,7 @@ def test_parse_spec_defaults():
     spec = parse_spec(BASE)
     assert spec.tensor_format == "numpy" and spec.class_name == "Model"
     assert spec.params == {} and spec.env == {} and spec.request_timeout_secs is None
+    assert spec.worker == "in-stub" and spec.preload == ()
     assert spec.inputs[0].dtype.name == "float32"
 
 
@@ -47,6 +48,8 @@ def test_parse_spec_defaults():
         ({"inputs": [{"name": "x", "datatype": "BF16", "dims": [1]}]}, "datatype 'BF16' is not supported"),
         ({"inputs": [{"name": "x", "datatype": "FP32", "dims": [-2]}]}, "dims must be a list of integers"),
         ({"outputs": []}, "must each declare at least one tensor"),
+        ({"worker": "forked"}, "'worker' is 'forked'; expected one of ['in-stub', 'preforked']"),
+        ({"preload": ["torch", "no such"]}, "'preload' must be a list of module names"),
     ],
 )
 def test_parse_spec_rejects(change, needle):
