@@ -53,7 +53,9 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
     if quick:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
-            "coldstart": {"cycles": 1, "models": ["numpy-linear", "onnx-mlp"]},
+            "coldstart": {
+                "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "onnx-mlp"], "memory_copies": 2,
+            },
             "batching": {"seconds": 0.2, "warmup": 0.05, "torch_rounds": 0},
             "scale_to_zero": {
                 "model": "numpy-linear",

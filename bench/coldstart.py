@@ -65,7 +65,7 @@ def _request(model: Any) -> tuple[bytes, dict[str, str]]:
 
 def _entries(root: Path, models: list[str], memory_copies: int) -> list[dict[str, Any]]:
     torch = [m for m in models if m in TORCH_VARIANTS]
-    variants = torch_variant_entries(root, MAX_BATCH, idle_timeout_secs=3600) if torch else {}
+    variants = torch_variant_entries(root, MAX_BATCH, torch, idle_timeout_secs=3600) if torch else {}
     entries = []
     for m in models:
         entries.append({"id": m, **variants[m]} if m in variants else {"id": m, "path": EXAMPLES / m})

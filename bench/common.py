@@ -259,19 +259,24 @@ TORCH_VARIANTS = {
 }
 
 
-def torch_variant_entries(root: Path, max_batch_size: int, **deployment: Any) -> dict[str, dict[str, Any]]:
+def torch_variant_entries(
+    root: Path, max_batch_size: int, variants: Any = tuple(TORCH_VARIANTS), **deployment: Any
+) -> dict[str, dict[str, Any]]:
     """models.toml entries for the torch example as in-stub, preforked and exported ONNX (exported here)."""
-    from controlplane.native import prefer_native
-
-    decision = prefer_native(EXAMPLES / "torch-mlp", max_batch_size=max_batch_size, out_dir=root / "torch-mlp-onnx")
-    if not decision.native:
-        raise RuntimeError(f"the torch example did not export to ONNX: {decision.reason}")
     common = {"max_batch_size": max_batch_size, **deployment}
-    return {
+    entries = {
         "torch-mlp": {"path": EXAMPLES / "torch-mlp", **common},
         "torch-mlp-preforked": {"path": EXAMPLES / "torch-mlp", "worker": "preforked", **common},
-        "torch-mlp-onnx": {"path": decision.publish_path, **common},
     }
+    if "torch-mlp-onnx" in variants:
+        from controlplane.native import prefer_native
+
+        out = root / "torch-mlp-onnx"
+        decision = prefer_native(EXAMPLES / "torch-mlp", max_batch_size=max_batch_size, out_dir=out)
+        if not decision.native:
+            raise RuntimeError(f"the torch example did not export to ONNX: {decision.reason}")
+        entries["torch-mlp-onnx"] = {"path": decision.publish_path, **common}
+    return {m: e for m, e in entries.items() if m in variants}
 
 
 def _pss(pids: list[int]) -> int:
