@@ -116,6 +116,14 @@ def preload(modules: tuple[str, ...]) -> tuple[dict[str, float], dict[str, str]]
     return seconds, failed
 
 
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # an odd torch build: nothing to warn about
+        return False
+
+
 def _log(message: str) -> None:
     print(f"snooze prefork parent {os.getpid()}: {message}", file=sys.stderr, flush=True)
 
@@ -184,6 +192,9 @@ class PreloadedParent:
         threads = native_threads()
         # BLAS thread pools survive a fork (they re-create themselves); other native threads may not.
         _log(f"preloaded {imported} for Triton pid {self.config.triton_pid}; {threads} native thread(s)")
+        if _cuda_initialised():
+            _log("a preloaded module initialised CUDA: a CUDA context does not survive a fork, so GPU models "
+                 "forked from this parent will fail; preload only modules that leave CUDA alone at import")
         gc.collect()
         gc.freeze()  # the imported objects stay out of the collector's way: fewer pages copied per worker
         record = self._write_record(imported, failed, threads)
