@@ -38,7 +38,7 @@ from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, 
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
 from controlplane.lifecycle.triton_sync import TritonSync
 from controlplane.lifecycle.warmth import Warmth
-from controlplane.lifecycle.workers import parent_status, parents
+from controlplane.lifecycle.workers import parent_status, parents, parents_bytes
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
@@ -188,6 +188,8 @@ class LifecycleManager:
         if not await self.sync.check():
             return
         await self.sync.resync(full=False)
+        if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
+            self.budget.overhead = await asyncio.to_thread(parents_bytes, self.journal_dir, self.processes.proc_root)
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
         await asyncio.gather(*(self.sync.refresh_access(r) for r in ready))
         pending = await self.sync.pending_counts()
