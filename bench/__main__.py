@@ -53,8 +53,10 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
     if quick:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
-            "coldstart": {"cycles": 1, "models": ["numpy-linear", "onnx-mlp"]},
-            "batching": {"seconds": 0.2, "warmup": 0.05, "pairs": 1, "pair_seconds": 0.2},
+            "coldstart": {
+                "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "onnx-mlp"], "memory_copies": 2,
+            },
+            "batching": {"seconds": 0.2, "warmup": 0.05, "pairs": 1, "pair_seconds": 0.2, "torch_rounds": 0},
             "scale_to_zero": {
                 "model": "numpy-linear",
                 "idle_timeout": 1.0,
@@ -86,8 +88,12 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
-        "coldstart": {"cycles": 20, "models": ["numpy-linear", "torch-mlp", "onnx-mlp"]},
-        "batching": {"seconds": 4.0, "warmup": 0.5, "pairs": 7, "pair_seconds": 2.0},
+        "coldstart": {
+            "cycles": 20,
+            "models": ["numpy-linear", "torch-mlp", "torch-mlp-preforked", "torch-mlp-onnx", "onnx-mlp"],
+            "memory_copies": 5,
+        },
+        "batching": {"seconds": 4.0, "warmup": 0.5, "pairs": 7, "pair_seconds": 2.0, "torch_rounds": 3},
         "scale_to_zero": {
             "model": "torch-mlp",
             "idle_timeout": 3.0,

@@ -5,6 +5,11 @@ HTTP inference through the snoozeml gateway on an already open connection: Trito
 retries to the activator, which loads the model (single flight) and forwards. Triton's load time is the
 duration of the very `TritonAdminClient.load` call the lifecycle makes for that request (the admin
 client is wrapped with a timer), so overhead = first response - Triton load, per cycle.
+
+The torch example runs three ways (``bench.common.TORCH_VARIANTS``): in its stub, in a preforked worker
+(forked from a parent that has imported torch) and as its ONNX export. For those, the memory a loaded
+model holds is measured too, for one copy and for ``memory_copies`` copies loaded together: as the
+lifecycle accounts it and as the kernel does (PSS of the stubs, workers and preloaded parents).
 """
 
 from __future__ import annotations
@@ -18,14 +23,27 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from bench.common import API_KEY, EXAMPLES, gateway_urls, serving_stack, summary, wait_state
+from bench.common import (
+    API_KEY,
+    EXAMPLES,
+    TORCH_VARIANTS,
+    gateway_urls,
+    model_memory,
+    serving_stack,
+    summary,
+    torch_variant_entries,
+    wait_state,
+)
 from controlplane.dtypes import parse_dtype
 
 MODELS = {
     "numpy-linear": "numpy custom model (examples/models/numpy-linear)",
-    "torch-mlp": "torch custom model, torch imported in load() (examples/models/torch-mlp)",
+    "torch-mlp": "torch custom model, torch imported in load() (examples/models/torch-mlp), in its stub",
+    "torch-mlp-preforked": "the same torch model in a worker forked from a parent that preloaded torch",
+    "torch-mlp-onnx": "the same torch model exported to ONNX, python-backend onnxruntime runner",
     "onnx-mlp": "ONNX model, python-backend onnxruntime runner on the embedded target (examples/models/onnx-mlp)",
 }
+MAX_BATCH = 8  # the deployment default
 
 
 def _request(model: Any) -> tuple[bytes, dict[str, str]]:
@@ -46,9 +64,41 @@ def _request(model: Any) -> tuple[bytes, dict[str, str]]:
     return body, headers
 
 
-async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
+def _entries(root: Path, models: list[str], memory_copies: int) -> list[dict[str, Any]]:
+    torch = [m for m in models if m in TORCH_VARIANTS]
+    variants = torch_variant_entries(root, MAX_BATCH, torch, idle_timeout_secs=3600) if torch else {}
+    entries = []
+    for m in models:
+        entries.append({"id": m, **variants[m]} if m in variants else {"id": m, "path": EXAMPLES / m})
+        entries[-1]["idle_timeout_secs"] = 3600
+    for m in torch:  # copies for the memory of several loaded at once
+        entries += [{**variants[m], "id": f"{m}-copy{i}"} for i in range(2, memory_copies + 1)]
+    return entries
+
+
+async def _memory(stack: Any, models: list[str], copies: int) -> dict[str, Any]:
+    """Memory of each torch variant loaded alone: one copy, then ``copies`` copies (nothing else loaded)."""
+    out: dict[str, Any] = {}
+    everything = [s.id for s in stack.lifecycle.statuses()]
+    for model in [m for m in models if m in TORCH_VARIANTS]:
+        group = [model] + [f"{model}-copy{i}" for i in range(2, copies + 1)]
+        row: dict[str, Any] = {}
+        for n in (1, copies):
+            for other in everything:
+                await stack.lifecycle.unload(other, reason="bench")
+            for m in group[:n]:
+                await stack.lifecycle.ensure_ready(m)
+            await asyncio.sleep(0.5)  # let the loads' page faults settle
+            row[f"{n}_loaded"] = model_memory(stack, group[:n])
+        out[model] = row
+    for other in everything:
+        await stack.lifecycle.unload(other, reason="bench")
+    return out
+
+
+async def run(root: Path, *, cycles: int, models: list[str], memory_copies: int = 5) -> dict[str, Any]:
     load_start = [round(v, 2) for v in os.getloadavg()]
-    entries = [{"id": m, "path": EXAMPLES / m, "idle_timeout_secs": 3600} for m in models]
+    entries = _entries(root, models, memory_copies)
     async with serving_stack(root / "stack", entries) as stack:
         admin = stack.lifecycle.triton
         loads: list[tuple[str, float]] = []
@@ -109,11 +159,14 @@ async def run(root: Path, *, cycles: int, models: list[str]) -> dict[str, Any]:
                             "overhead_vs_direct_s": first - direct,
                         })
         admin.load = real_load
+        memory = await _memory(stack, models, memory_copies)
     out: dict[str, Any] = {
         "cycles": cycles,
         "protocol": "HTTP through the gateway (Envoy 404 retry -> activator)",
         "load_average": {"start": load_start, "end": [round(v, 2) for v in os.getloadavg()]},
         "models": {},
+        "memory": memory,
+        "memory_copies": memory_copies,
     }
     for model, rows in samples.items():
         first = summary([r["first_response_s"] for r in rows])

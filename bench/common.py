@@ -248,3 +248,63 @@ def summary(values: list[float]) -> dict[str, float]:
         "max": round(v[-1], 4),
         "min": round(v[0], 4),
     }
+
+
+# ------------------------------------------------------------------------------ the torch example, three ways
+
+TORCH_VARIANTS = {
+    "torch-mlp": "in the stub (worker = in-stub, the default)",
+    "torch-mlp-preforked": "in a worker forked from a parent that preloaded torch (worker = preforked)",
+    "torch-mlp-onnx": "its ONNX export (snoozectl convert / publish --prefer-native), onnxruntime runner",
+}
+
+
+def torch_variant_entries(
+    root: Path, max_batch_size: int, variants: Any = tuple(TORCH_VARIANTS), **deployment: Any
+) -> dict[str, dict[str, Any]]:
+    """models.toml entries for the torch example as in-stub, preforked and exported ONNX (exported here)."""
+    common = {"max_batch_size": max_batch_size, **deployment}
+    entries = {
+        "torch-mlp": {"path": EXAMPLES / "torch-mlp", **common},
+        "torch-mlp-preforked": {"path": EXAMPLES / "torch-mlp", "worker": "preforked", **common},
+    }
+    if "torch-mlp-onnx" in variants:
+        from controlplane.native import prefer_native
+
+        out = root / "torch-mlp-onnx"
+        decision = prefer_native(EXAMPLES / "torch-mlp", max_batch_size=max_batch_size, out_dir=out)
+        if not decision.native:
+            raise RuntimeError(f"the torch example did not export to ONNX: {decision.reason}")
+        entries["torch-mlp-onnx"] = {"path": decision.publish_path, **common}
+    return {m: e for m, e in entries.items() if m in variants}
+
+
+def _pss(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            total += psutil.Process(pid).memory_full_info().pss
+    return total
+
+
+def model_memory(stack: Any, models: list[str]) -> dict[str, Any]:
+    """What ``models`` (loaded) hold: as the lifecycle accounts it (their memory_bytes, plus the preloaded
+    parents it counts once) and as the kernel does (PSS of their stubs, workers and those parents: shared
+    pages split between the processes that map them, so the sum is the memory they take together)."""
+    from controlplane.lifecycle.workers import parents, workers_of
+
+    processes = stack.triton_process.processes()
+    journal = stack.lifecycle.journal_dir
+    stubs = [s for m in models for s in processes.stubs(m)]
+    workers = workers_of(journal, stubs)
+    parent_pids = [p.pid for p in parents(journal)] if workers else []
+    runtime = stack.lifecycle.runtime()
+    accounted = sum(stack.lifecycle.status(m).memory_bytes or 0 for m in models)
+    return {
+        "models": len(models),
+        "accounted_mib": round((accounted + (runtime["overhead_bytes"] if workers else 0)) / 2**20, 1),
+        "models_accounted_mib": round(accounted / 2**20, 1),
+        "pss_mib": round(_pss([s.pid for s in stubs] + [w.pid for w in workers] + parent_pids) / 2**20, 1),
+        "parents_pss_mib": round(_pss(parent_pids) / 2**20, 1),
+        "processes": len(stubs) + len(workers) + len(parent_pids),
+    }

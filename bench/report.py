@@ -229,6 +229,8 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
             "- **Cold start** through the gateway vs Triton's own load time (median over "
             f"{c['cycles']} cycles): " + ", ".join(parts) + "."
         )
+        if (w := _worker_summary(c)) is not None:
+            out.append(w)
     if b := sec.get("batching"):
         parts = []
         for m, v in b["models"].items():
@@ -249,6 +251,13 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
                 f"{rc['c32']['ratio']:.3f}x throughput at c=32 "
                 f"({'meets' if t['ratio_c32_met'] else 'misses'} >= {t['ratio_c32_min']}x); "
                 f"load average {rc['load_average_start'][0]:.2f} -> {rc['load_average_end'][0]:.2f}."
+            )
+        if t := b.get("torch_workers"):
+            pf = t["variants"]["torch-mlp-preforked"]
+            out.append(
+                f"- **Preforked per request** (the torch example, c=1): +{pf['c1_p50_added_ms']:.3f} ms p50 "
+                f"(+{pf['c1_compute_added_us']:.0f} µs of Triton compute) over the stub; at c=32 "
+                f"{pf['c32_vs_in_stub']:.2f}x the stub's throughput."
             )
     if z := sec.get("scale_to_zero"):
         ret = z["loaded_increment_returned"]
@@ -308,6 +317,25 @@ def _fleet_summary(f: dict[str, Any]) -> str:
         f"throughput vs the node's own gateway {hop['grpc_c1']['throughput_fleet_vs_node']:.2f} (c=1) / "
         f"{hop['grpc_c8']['throughput_fleet_vs_node']:.2f} (c=8)."
     )
+def _worker_summary(c: dict[str, Any]) -> str | None:
+    m, mem = c["models"], c.get("memory") or {}
+    if not {"torch-mlp", "torch-mlp-preforked"} <= set(m):
+        return None
+    n = c.get("memory_copies")
+    text = (
+        "- **Preforked workers** (the torch example): first response through the gateway "
+        f"{_ms(m['torch-mlp-preforked']['first_response_s']['median'])} preforked vs "
+        f"{_ms(m['torch-mlp']['first_response_s']['median'])} in the stub"
+    )
+    if "torch-mlp-onnx" in m:
+        text += f" and {_ms(m['torch-mlp-onnx']['first_response_s']['median'])} as ONNX"
+    if {"torch-mlp", "torch-mlp-preforked"} <= set(mem):
+        pf, stub = mem["torch-mlp-preforked"][f"{n}_loaded"], mem["torch-mlp"][f"{n}_loaded"]
+        text += (
+            f"; {n} copies loaded take {pf['pss_mib']:.0f} MiB preforked vs {stub['pss_mib']:.0f} MiB in the stub "
+            f"(PSS, {pf['pss_mib'] / stub['pss_mib']:.2f}x)"
+        )
+    return text + "."
 
 
 def _keepalive_summary(k: dict[str, Any]) -> str:
@@ -528,6 +556,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         lines += _coldstart_decomposition(c)
         if "coldstart" in plots:
             lines += [f"![cold start]({plot_rel}/{plots['coldstart']})", ""]
+        lines += _memory_lines(c)
     if b := sec.get("batching"):
         st = b["settings"]
         lines += [
@@ -577,6 +606,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         if "batching" in plots:
             lines += [f"![batching]({plot_rel}/{plots['batching']})", ""]
         lines += _runtime_cost_lines(b.get("runtime_vs_handwritten"))
+        lines += _torch_worker_lines(b.get("torch_workers"))
     if z := sec.get("scale_to_zero"):
         r = z["rss_mib"]
         lines += [
@@ -678,6 +708,59 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         "",
     ]
     return "\n".join(lines)
+
+
+def _memory_lines(c: dict[str, Any]) -> list[str]:
+    memory = c.get("memory")
+    if not memory:
+        return []
+    n = c["memory_copies"]
+    rows = []
+    for model, m in memory.items():
+        one, many = m["1_loaded"], m[f"{n}_loaded"]
+        rows.append([
+            model, one["accounted_mib"], one["pss_mib"], many["accounted_mib"], many["pss_mib"],
+            round(many["pss_mib"] / n, 1), many["parents_pss_mib"] or "-",
+        ])  # fmt: skip
+    return [
+        f"**Memory of the torch example loaded** (MiB; one copy, then {n} copies loaded together, nothing else "
+        "loaded). `accounted`: what the lifecycle charges (the models' memory_bytes: stub RSS, plus a preforked "
+        "worker's USS; plus the preloaded parent, counted once). `PSS`: the kernel's proportional set size summed "
+        "over the stubs, workers and parent (shared pages split between the processes that map them): what they "
+        "take together.",
+        "",
+        _table(
+            ["model", "1: accounted", "1: PSS", f"{n}: accounted", f"{n}: PSS", f"{n}: PSS per copy", "parent PSS"],
+            rows,
+        ),
+        "",
+    ]
+
+
+def _torch_worker_lines(t: dict[str, Any] | None) -> list[str]:
+    if not t:
+        return []
+    rows = [
+        [
+            f"{model} ({v['description']})", v["c1_p50_ms"], v["c1_p50_added_ms"], v["c1_triton_compute_us"],
+            v["c1_compute_added_us"], v["c32_rows_per_s"], v["c32_vs_in_stub"], v["c32_mean_executed_batch"],
+            v["errors"],
+        ]
+        for model, v in t["variants"].items()
+    ]  # fmt: skip
+    return [
+        "**The torch example, three ways** (batch-1 gRPC requests straight to Triton, max_batch_size 32; "
+        f"{t['rounds']} interleaved rounds of {t['seconds']} s per cell, medians; `added` = this model minus the "
+        "in-stub model of the same round, median over rounds; Triton compute = compute_infer per request, which "
+        "at c=1 is per batch).",
+        "",
+        _table(
+            ["model", "c=1 p50 ms", "added ms", "c=1 Triton compute µs", "added µs", "c=32 rows/s", "vs in-stub",
+             "c=32 mean batch", "errors"],
+            rows,
+        ),  # fmt: skip
+        "",
+    ]
 
 
 def _json_block(data: Any) -> str:

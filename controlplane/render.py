@@ -142,6 +142,8 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
         "env": dict(manifest.env),
         "params": spec.params,
         "request_timeout_secs": manifest.request_timeout_secs,
+        "worker": spec.deployment.worker,
+        "preload": list(manifest.preload),
         "max_batch_size": spec.deployment.max_batch_size,
         "inputs": [t.model_dump() for t in spec.package.inputs],
         "outputs": [t.model_dump() for t in spec.package.outputs],

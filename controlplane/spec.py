@@ -35,6 +35,7 @@ ONNX_FILE = "model.onnx"
 PLAN_FILE = "model.plan"
 ENTRY_POINT_GROUP = "snoozeml.models"
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
+MODULE_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 _IGNORED_NAMES = {"__pycache__", ".git", ".ipynb_checkpoints", ".DS_Store"}
 
 
@@ -106,6 +107,10 @@ class Manifest(BaseModel):
     request_timeout_secs: float = Field(60, gt=0)
     tensor_format: Literal["numpy", "raw"] = "numpy"
     env: dict[str, str] = Field(default_factory=dict)
+    preload: list[str] = Field(
+        default_factory=list,
+        description="Modules the preloaded parent of a preforked model imports (numpy always), e.g. ['torch']",
+    )
     inputs: list[TensorSpec] | None = None
     outputs: list[TensorSpec] | None = None
     params_schema: dict[str, ParamSpec] = Field(default_factory=dict)
@@ -120,6 +125,14 @@ class Manifest(BaseModel):
         if value is not None:
             python_specifier(value)
         return value
+
+    @field_validator("preload")
+    @classmethod
+    def _check_preload(cls, value: list[str]) -> list[str]:
+        bad = [m for m in value if not re.fullmatch(MODULE_NAME_PATTERN, m)]
+        if bad:
+            raise ValueError(f"preload {bad}: each entry is an importable module name such as 'torch' or 'PIL.Image'")
+        return list(dict.fromkeys(value))
 
     @field_validator("entrypoint")
     @classmethod
@@ -155,6 +168,11 @@ class DeploymentSpec(BaseModel):
         "fixed",
         description="fixed: unload after idle_timeout_secs; adaptive: learn keep-alive and pre-warm windows from "
         "the model's own idle times (controlplane/keepalive.py), idle_timeout_secs where no pattern is found",
+    )
+    worker: Literal["in-stub", "preforked"] = Field(
+        "in-stub",
+        description="custom models: in-stub runs the model in its python-backend stub; preforked runs it in a "
+        "worker forked from a parent that has imported the package's 'preload' modules (fast cold starts)",
     )
     instances: int = Field(1, ge=1, description="Instances loaded on wake-up")
     max_instances: int = Field(4, ge=1, description="Upper bound for the autoscaler")
@@ -424,6 +442,12 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
             raise InvalidPackageError(
                 f"model '{deployment.id}': {exc}", hint="or set max_batch_size = 0 for this model"
             ) from exc
+    if deployment.worker == "preforked" and package.kind is not PackageKind.CUSTOM:
+        raise InvalidPackageError(
+            f"model '{deployment.id}': worker = \"preforked\" applies to custom models (snooze_model.py); "
+            f"this package is {package.kind.value}",
+            hint='remove worker = "preforked" for this model',
+        )
     if deployment.max_instances < deployment.instances:
         raise InvalidPackageError(
             f"model '{deployment.id}': max_instances ({deployment.max_instances}) is below "

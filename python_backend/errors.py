@@ -52,6 +52,21 @@ class PredictTimeout(SnoozeError):
     kind = TIMEOUT
 
 
+class RemoteFailure(SnoozeError):
+    """A failure a preforked worker process already described: its kind and message (without the
+    prefix), so that the stub's answer reads exactly as if the model ran in the stub."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def without_prefix(kind: str, model_id: str, message: str) -> str:
+    """``message`` as describe_failure wrote it, less its ``[snooze:<kind>] model '<id>':`` prefix."""
+    head = prefix(kind, model_id) + " "
+    return message[len(head) :] if message.startswith(head) else message
+
+
 def prefix(kind: str, model_id: str) -> str:
     return f"[snooze:{kind}] model '{model_id}':"
 

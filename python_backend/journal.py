@@ -48,9 +48,30 @@ def request_id(parameters: str) -> str:
     return ""
 
 
+def own_file(directory: str, suffix: str) -> str:
+    """``<directory>/<pid>-<start ticks><suffix>``: a file about this process (journal, worker note)."""
+    return os.path.join(directory, f"{os.getpid()}-{start_ticks()}{suffix}")
+
+
+def clear_batch() -> None:
+    """Empty this process's journal: the batch in it never reached a model process (its preforked
+    worker was already gone), so the control plane may send those requests again after recovery."""
+    directory = os.environ.get(JOURNAL_ENV)
+    if not directory:
+        return
+    try:
+        fd = os.open(own_file(directory, ".journal"), os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, struct.pack("<I", 0), 0)  # the same page the journal's map writes: seen at once
+    finally:
+        os.close(fd)
+
+
 class RequestJournal:
     def __init__(self, directory: str) -> None:
-        self.path = os.path.join(directory, f"{os.getpid()}-{start_ticks()}.journal")
+        self.path = own_file(directory, ".journal")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
         try:
             os.ftruncate(fd, SIZE)

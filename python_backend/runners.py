@@ -102,7 +102,12 @@ class OnnxRunner:
 
 
 def build_model(spec: RuntimeSpec, package_dir: str) -> Any:
-    """Instantiate what the instance serves: the user's `Model(**params)` or an OnnxRunner."""
+    """Instantiate what the instance serves: the user's `Model(**params)` or an OnnxRunner; for a
+    preforked model, its stand-in (preforked.py: the model itself runs in a worker process)."""
+    if spec.worker == "preforked":
+        from .preforked import PreforkedModel  # only preforked models load that machinery
+
+        return PreforkedModel(spec, package_dir)
     if spec.kind == "onnx":
         return OnnxRunner(spec.onnx_file, [t.name for t in spec.outputs], **spec.params)
     return import_user_class(spec, package_dir)(**spec.params)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ WIRE_TO_NUMPY: dict[str, np.dtype] = {
 
 KINDS = ("custom", "onnx")
 TENSOR_FORMATS = ("numpy", "raw")
+# Where the user's code runs: in the stub itself, or in a worker forked from a preloaded parent.
+WORKERS = ("in-stub", "preforked")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class SpecError(SnoozeError, ValueError):
@@ -69,6 +73,8 @@ class RuntimeSpec:
     env: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     request_timeout_secs: float | None = None  # None or 0: no limit
+    worker: str = "in-stub"  # one of WORKERS
+    preload: tuple[str, ...] = ()  # modules a preforked model's parent imports (numpy always)
 
     @property
     def batched(self) -> bool:
@@ -129,6 +135,8 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
     if timeout is not None and bad_timeout:
         raise fail(f"'request_timeout_secs' must be a number >= 0 or null, got {timeout!r}")
 
+    worker, preload = _parse_worker(raw, fail)
+
     inputs = _parse_tensors(raw.get("inputs"), "inputs", fail)
     outputs = _parse_tensors(raw.get("outputs"), "outputs", fail)
     if not inputs or not outputs:
@@ -147,7 +155,19 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
         env=dict(env),
         params=dict(params),
         request_timeout_secs=float(timeout) if timeout else None,
+        worker=worker,
+        preload=tuple(preload),
     )
+
+
+def _parse_worker(raw: dict[str, Any], fail) -> tuple[str, list[str]]:
+    worker = raw.get("worker") or "in-stub"
+    if worker not in WORKERS:
+        raise fail(f"'worker' is {worker!r}; expected one of {list(WORKERS)}")
+    preload = raw.get("preload") or []
+    if not isinstance(preload, list) or not all(isinstance(m, str) and _MODULE_NAME.match(m) for m in preload):
+        raise fail(f"'preload' must be a list of module names (e.g. [\"torch\"]), got {preload!r}")
+    return worker, preload
 
 
 def _parse_tensors(items: Any, key: str, fail) -> tuple[TensorSpec, ...]:

@@ -59,6 +59,8 @@ class TritonPythonModel:
             # The kind prefix tells the control plane an out-of-memory load apart from a broken model.
             raise RuntimeError(describe_failure(e, spec.model_id, stage, None)[1]) from None
         _log(spec.model_id, f"loaded ({spec.kind}, {spec.tensor_format} tensors) on {device}")
+        # A preforked model's worker is a process of its own: its batches need no user thread here.
+        self._direct = getattr(self._model, "direct_predict", None)
         self._journal = RequestJournal.from_environment()
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
         self._plan = BatchPlan(spec)
@@ -88,6 +90,8 @@ class TritonPythonModel:
             self._journal.close()
 
     def _predict(self, inputs: Any) -> Any:
+        if self._direct is not None:
+            return self._direct(inputs, self._timeout)
         return self._call(self._user_predict, inputs, timeout=self._timeout)
 
     def _response(self, result: Any) -> Any:

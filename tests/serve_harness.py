@@ -188,6 +188,16 @@ def is_alive(p: psutil.Process) -> bool:
         return False
 
 
+def alive_pids(pids: Iterable[int]) -> list[int]:
+    """The pids that still run (zombies count as gone)."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if is_alive(psutil.Process(pid)):
+                found.append(pid)
+    return found
+
+
 def alive(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
     """The ones still running (zombies count as gone)."""
     return [p for p in processes if is_alive(p)]
@@ -222,6 +232,7 @@ _ADMIN: Any = object()  # "the admin key" default of Serve.api (None means no ke
 
 
 TOPOLOGIES = ("embedded", "two_process")
+WORKERS = ("in-stub", "preforked")  # where a custom model's code runs (the deployment's `worker`)
 
 
 class Serve:
@@ -369,6 +380,43 @@ class Serve:
                     if model is None or (len(argv) > 1 and Path(argv[1]).parent.parent.name == model):
                         pids.append(p.pid)
         return sorted(pids)
+
+    def journal_dirs(self) -> list[Path]:
+        """Where Triton's stubs journal (and name their preforked workers): embedded, or two_process."""
+        return [self.work_dir / "triton" / "journal", self.work_dir.parent / f"{self.work_dir.name}.triton" / "journal"]
+
+    def worker_pids(self, model: str | None = None) -> list[int]:
+        """Live preforked workers (of one model), from the notes their stubs write beside their journals."""
+        return sorted(pid for pid, _ in self.workers(model))
+
+    def workers(self, model: str | None = None) -> list[tuple[int, int]]:
+        """(worker pid, its stub's pid) of live preforked workers (of one model)."""
+        found = []
+        for stub in self.stub_pids(model):
+            with contextlib.suppress(OSError, ValueError, KeyError, psutil.Error):
+                ticks = int(Path(f"/proc/{stub}/stat").read_text().rsplit(")", 1)[1].split()[19])
+                for folder in self.journal_dirs():
+                    note = folder / f"{stub}-{ticks}.worker"
+                    if note.exists():
+                        pid = int(json.loads(note.read_text())["pid"])
+                        if is_alive(psutil.Process(pid)):
+                            found.append((pid, stub))
+        return found
+
+    def noted_workers(self, model: str) -> list[int]:
+        """Every preforked worker a stub of ``model`` ever noted (alive or not): to check they are gone."""
+        pids = []
+        for folder in self.journal_dirs():
+            for note in folder.glob("*.worker") if folder.is_dir() else ():
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    raw = json.loads(note.read_text())
+                    if raw.get("model") == model:
+                        pids.append(int(raw["pid"]))
+        return sorted(pids)
+
+    def model_pids(self, model: str, worker: str = "in-stub") -> list[int]:
+        """The processes that run the model's code: its stubs, or its preforked workers."""
+        return self.worker_pids(model) if worker == "preforked" else self.stub_pids(model)
 
     def leftovers(self) -> list[psutil.Process]:
         """Live processes that belong to this stack: descendants seen, or naming its work dir."""

@@ -12,12 +12,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive
 
 from controlplane.api.operations import ModelOperations, describe_validation_errors
-from controlplane.api.schemas import ErrorBody, LoadRequest, ModelDetail, ModelStatusBody, ModelSummary
+from controlplane.api.schemas import (
+    ErrorBody,
+    LoadRequest,
+    ModelDetail,
+    ModelStatusBody,
+    ModelSummary,
+    RuntimeBody,
+)
 from controlplane.api.services import ControlPlaneServices
 from controlplane.auth import Scope, check_scope
 from controlplane.errors import AuthError, InvalidPackageError, SnoozeError, UnavailableError
@@ -183,6 +191,14 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
     @router.get("/models", response_model=list[ModelSummary], tags=["models"], summary="List published models")
     async def list_models() -> list[dict[str, Any]]:
         return await ops.list()
+
+    @router.get(
+        "/runtime", response_model=RuntimeBody, tags=["models"], summary="Processes shared by models",
+        description="The preloaded parents of preforked models: what each imported and the memory it holds "
+        "itself (the pages its workers share with it, counted once; also counted in the memory budget).",
+    )
+    async def runtime() -> dict[str, Any]:
+        return await run_in_threadpool(services.lifecycle.runtime)
 
     @router.get(
         "/models/{model_id}", response_model=ModelDetail, tags=["models"], summary="Describe one model",

@@ -160,6 +160,9 @@ class ControlPlaneClient:
     def list(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/models")
 
+    def runtime(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/runtime")
+
     def get(self, model_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/models/{model_id}")
 

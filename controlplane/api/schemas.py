@@ -30,7 +30,9 @@ class ModelStatusBody(BaseModel):
     idle_timeout_secs: float | None = None
     memory_bytes: int | None = None
     memory_source: str | None = Field(
-        None, description="measured (RSS of the model's processes) | declared (its memory_mb) | None: unknown"
+        None,
+        description="measured (RSS of the model's processes, plus the USS of its preforked workers) | declared "
+        "(its memory_mb) | None: unknown",
     )
     processes: int | None = Field(None, description="Live model processes while loaded; None where not seen")
     last_crash: str | None = Field(None, description="How the model's last process died, and when")
@@ -39,6 +41,9 @@ class ModelStatusBody(BaseModel):
     )
     last_cold_start_secs: float | None = None
     load_count: int = 0
+    worker: str | None = Field(
+        None, description="custom models: where the model's code runs, in-stub | preforked (a forked worker)"
+    )
     keep_alive: dict[str, Any] | None = Field(
         None,
         description="The keep-alive policy now: policy (fixed | adaptive), pattern (a learned window is in use), "
@@ -46,6 +51,24 @@ class ModelStatusBody(BaseModel):
         "after a request), prewarm_after_secs (adaptive: unload after a request and load again this long after "
         "it; null: no pre-warm), prewarm_loads / prewarm_used / prewarm_wasted, prewarmed_unused",
     )
+
+
+class PreloadedParentBody(BaseModel):
+    """One preloaded parent of preforked models (``controlplane/lifecycle/workers.py``)."""
+
+    pid: int
+    preload: list[str] = Field(description="Modules it imported (numpy always)")
+    failed: dict[str, str] = Field(default_factory=dict, description="Modules it could not import, and why")
+    python: str = Field(description="The interpreter it runs")
+    import_secs: dict[str, float] = Field(default_factory=dict, description="Seconds each import took")
+    memory_bytes: int | None = Field(None, description="Its own memory (RSS): what its workers share, counted once")
+    unique_bytes: int | None = Field(None, description="USS: what would leave if it ended")
+    workers: int = Field(0, description="Workers it forked that are still running")
+
+
+class RuntimeBody(BaseModel):
+    preloaded_parents: list[PreloadedParentBody]
+    overhead_bytes: int = Field(0, description="Memory the budget counts beside the models' own (the parents')")
 
 
 class ModelSummary(BaseModel):

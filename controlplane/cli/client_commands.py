@@ -177,6 +177,24 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
     return table
 
 
+def _runtime(client: Any) -> dict[str, Any]:
+    """The processes models share (preloaded parents); empty where the server has no such route (a fleet API)."""
+    from controlplane.api.client import ControlPlaneError
+
+    try:
+        return client.runtime()
+    except ControlPlaneError:
+        return {}
+
+
+def _parent_line(parent: dict[str, Any]) -> str:
+    failed = f", could not import {', '.join(parent['failed'])}" if parent.get("failed") else ""
+    return (
+        f"preloaded parent pid {parent['pid']} ({', '.join(parent.get('preload', []))}): "
+        f"{_memory(parent.get('memory_bytes'))}, {parent.get('workers', 0)} worker(s){failed}"
+    )
+
+
 def _upload_progress(as_json: bool) -> tuple[Progress | None, Callable[[int, int], None] | None]:
     if as_json:
         return None, None
@@ -202,6 +220,10 @@ def publish(
         str | None,
         typer.Option(help="fixed (idle timeout) | adaptive (learned keep-alive and pre-warm windows)"),
     ] = None,
+    worker: Annotated[
+        str | None,
+        typer.Option(help="custom models: in-stub | preforked (forked from a parent that preloaded the framework)"),
+    ] = None,
     instances: Annotated[int | None, typer.Option(help="Instances loaded on wake-up")] = None,
     max_instances: Annotated[int | None, typer.Option(help="Upper bound for the autoscaler")] = None,
     memory_mb: Annotated[float | None, typer.Option(help="Declared memory footprint")] = None,
@@ -226,7 +248,7 @@ def publish(
 
     options = {
         "device": device, "max_batch_size": max_batch_size, "max_batch_delay_ms": max_batch_delay_ms,
-        "idle_timeout_secs": idle_timeout, "keep_alive": keep_alive, "instances": instances,
+        "idle_timeout_secs": idle_timeout, "keep_alive": keep_alive, "worker": worker, "instances": instances,
         "max_instances": max_instances, "memory_mb": memory_mb,
     }
     deployment = {k: v for k, v in options.items() if v is not None}
@@ -280,12 +302,15 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
     """Published models: state, instances, last access, idle timeout, memory, last cold start."""
     with _client(url, api_key, as_json) as client:
         models = client.list()
+        runtime = _runtime(client)
     if as_json:
         print(json.dumps(models))
     elif not models:
         _out.print("no models published (publish one with `snoozectl publish <folder>`)")
     else:
         _out.print(_status_table(models))
+        for parent in runtime.get("preloaded_parents", []):
+            _out.print(_parent_line(parent), highlight=False)
 
 
 def load(

@@ -2,10 +2,10 @@
 
 One module per policy: ``state`` (states and the single flight of transitions), ``memory`` (budget
 and LRU eviction), ``gpu`` (GPU memory and its budget), ``autoscale`` (the scaling rule), ``recovery``
-(dead model processes and the requests they took), ``processes`` (seeing Triton's processes),
-``journal`` (which requests a model process was running), ``loading`` (Triton loads), ``warmth``
-(keep-alive and pre-warm), ``triton_sync`` (Triton's health and index) and ``manager``
-(``LifecycleManager``, which runs them).
+(dead model processes and the requests they took), ``processes`` (seeing Triton's processes), ``workers``
+(preforked workers and their preloaded parents), ``journal`` (which requests a model process was running),
+``loading`` (Triton loads), ``warmth`` (keep-alive and pre-warm), ``triton_sync`` (Triton's health and
+index) and ``manager`` (``LifecycleManager``, which runs them).
 """
 
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step

@@ -153,7 +153,8 @@ class GpuMemory:
             return
         found = None
         if rec.stubs:
-            pids = {rec.id: [s.pid for s in rec.stubs]}
+            # a preforked model's CUDA context is its worker's, not its stub's
+            pids = {rec.id: [s.pid for s in rec.stubs] + [w.pid for w in rec.workers]}
             found = await asyncio.to_thread(per_model_gpu_bytes, pids, self.reader, self.pid_map)
         if found is not None:
             per_device = found.get(rec.id, {})

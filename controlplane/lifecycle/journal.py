@@ -14,6 +14,7 @@ Layout: a little-endian u32 byte count, then the ids joined by newlines (UTF-8).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import struct
 from pathlib import Path
@@ -28,6 +29,9 @@ HEADER_FORWARD_ARGS = (
     f"--grpc-header-forward-pattern=^{REQUEST_ID_HEADER}$",
 )
 SUFFIX = ".journal"
+# Files of preforked models beside the journals (python_backend/preforked.py, prefork_parent.py).
+WORKER_SUFFIX = ".worker"
+PARENT_PREFIX, PARENT_SUFFIX = "prefork-", ".parent"
 
 
 def journal_path(journal_dir: Path, pid: int, start_ticks: int) -> Path:
@@ -47,20 +51,40 @@ def read_journal(journal_dir: Path, stub: StubProcess) -> set[str] | None:
 
 
 def remove_journal(journal_dir: Path, stub: StubProcess) -> None:
+    """The dead stub's journal and, for a preforked model, its worker note (``workers.py``)."""
     journal_path(journal_dir, stub.pid, stub.start_ticks).unlink(missing_ok=True)
+    (journal_dir / f"{stub.pid}-{stub.start_ticks}{WORKER_SUFFIX}").unlink(missing_ok=True)
+
+
+def _owner(path: Path) -> tuple[int, int] | None:
+    """(pid, start ticks) of the process a file of the journal folder is about; None: not ours."""
+    name = path.name
+    for suffix in (SUFFIX, WORKER_SUFFIX):
+        if name.endswith(suffix):
+            pid, _, ticks = name[: -len(suffix)].partition("-")
+            with contextlib.suppress(ValueError):
+                return int(pid), int(ticks)
+            return None
+    if name.startswith(PARENT_PREFIX) and name.endswith(PARENT_SUFFIX):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            return int(raw["pid"]), int(raw["start_ticks"])
+    return None
 
 
 def remove_stale(journal_dir: Path, proc_root: Path = Path("/proc")) -> int:
-    """Remove the journals of processes that are gone (dead, or the pid reused); how many."""
+    """Remove the journals, worker notes and parent records of processes that are gone (dead, or the
+    pid reused); how many."""
     removed = 0
     with contextlib.suppress(OSError):
-        for path in journal_dir.glob(f"*{SUFFIX}"):
-            pid, _, ticks = path.name[: -len(SUFFIX)].partition("-")
-            with contextlib.suppress(ValueError):
-                stat = read_stat(int(pid), proc_root)
-                if stat is None or stat.state == "Z" or stat.start_ticks != int(ticks):
-                    path.unlink(missing_ok=True)
-                    removed += 1
+        for path in journal_dir.iterdir():
+            owner = _owner(path)
+            if owner is None:
+                continue
+            stat = read_stat(owner[0], proc_root)
+            if stat is None or stat.state == "Z" or stat.start_ticks != owner[1]:
+                path.unlink(missing_ok=True)
+                removed += 1
     return removed
 
 

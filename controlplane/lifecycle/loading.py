@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format
@@ -27,6 +28,7 @@ from controlplane.lifecycle.memory import OOM_HINT, MemoryBudget, declared_bytes
 from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
+from controlplane.lifecycle.workers import kill_workers, parents_bytes, worker_bytes, workers_of
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import parse_config
 from controlplane.settings import Settings
@@ -83,8 +85,10 @@ class Loader:
         warmth: Warmth,
         *,
         wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
+        journal_dir: Path | None = None,
     ) -> None:
         self.settings = settings
+        self.journal_dir = journal_dir  # where preforked models' stubs name their workers (workers.py)
         self.warmth = warmth
         self.states = states
         self.triton = triton
@@ -200,7 +204,9 @@ class Loader:
         except TimeoutError:
             pass
         started = [s for s in await self._stubs(rec) if s.pid not in before]
+        workers = workers_of(self.journal_dir, started)  # read first: the notes go with their stubs
         killed = await asyncio.to_thread(self.processes.kill, started)
+        killed += await asyncio.to_thread(kill_workers, workers)
         if self.processes.visible:
             log.warning("model '%s': load exceeded %gs; killed its model processes %s", rec.id, timeout, killed)
         else:
@@ -253,8 +259,9 @@ class Loader:
             stubs = await self._stubs(rec)
         rec.instances = instances
         rec.stubs = tuple(stubs)
+        rec.workers = tuple(workers_of(self.journal_dir, stubs))
         if stubs:
-            rec.footprint = await asyncio.to_thread(self.processes.rss, stubs)
+            rec.footprint = await asyncio.to_thread(self._footprint, rec)
             rec.footprint_instances, rec.footprint_source = instances, "measured"
         elif (declared := declared_bytes(rec)) is not None:
             rec.footprint, rec.footprint_instances, rec.footprint_source = declared, instances, "declared"
@@ -268,11 +275,21 @@ class Loader:
         self.metrics.instances.labels(model=rec.id).set(instances)
         self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint if rec.footprint_source else 0)
 
+    def _footprint(self, rec: ModelRecord) -> int:
+        """The stubs' RSS, plus what their preforked workers add (USS: pages shared with the parent are
+        the parent's, counted once in the budget's overhead)."""
+        used = self.processes.rss(rec.stubs)
+        if rec.workers:
+            used += worker_bytes(rec.workers, self.processes.proc_root)
+            self.budget.overhead = parents_bytes(self.journal_dir, self.processes.proc_root)
+        return used
+
     def forget_loaded(self, rec: ModelRecord) -> None:
         """The model left memory (unloaded, evicted, or Triton gone)."""
         self.warmth.unloaded(rec)
         rec.instances = 0
         rec.stubs = ()
+        rec.workers = ()
         self.gpu.forget(rec)
         self.metrics.instances.labels(model=rec.id).set(0)
         self.metrics.memory_bytes.labels(model=rec.id).set(0)

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from controlplane.errors import ConflictError, SnoozeError, UnavailableError
 from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
@@ -38,6 +38,7 @@ from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, 
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
 from controlplane.lifecycle.triton_sync import TritonSync
 from controlplane.lifecycle.warmth import Warmth
+from controlplane.lifecycle.workers import parent_status, parents, parents_bytes
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
@@ -105,6 +106,7 @@ class LifecycleManager:
             self.metrics,
             self.warmth,
             wait_for_triton=self.sync.wait_until_up,
+            journal_dir=journal_dir,
         )
         self.sync.loader, self.sync.warmth = self.loader, self.warmth
         self._tasks: list[asyncio.Task[None]] = []
@@ -186,6 +188,8 @@ class LifecycleManager:
         if not await self.sync.check():
             return
         await self.sync.resync(full=False)
+        if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
+            self.budget.overhead = await asyncio.to_thread(parents_bytes, self.journal_dir, self.processes.proc_root)
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
         await asyncio.gather(*(self.sync.refresh_access(r) for r in ready))
         pending = await self.sync.pending_counts()
@@ -513,11 +517,20 @@ class LifecycleManager:
             last_crash=rec.last_crash,
             gpu_memory_bytes=self.gpu.status_bytes(rec),
             keep_alive=self.warmth.windows(rec),
+            worker=rec.model.deployment.worker if rec.is_python and rec.model.kind == "custom" else None,
         )
 
     def statuses(self) -> list[ModelStatus]:
         ids = set(self.store.ids()) | set(self.states.records)
         return [self.status(i) for i in sorted(ids)]
+
+    def runtime(self) -> dict[str, Any]:
+        """What serves models besides their own processes: the preloaded parents of preforked models, each
+        with its own memory (the pages its workers share with it, counted once; blocking: psutil reads)."""
+        found = parents(self.journal_dir, self.processes.proc_root)
+        lines = [parent_status(p) for p in found]
+        self.budget.overhead = sum(line["memory_bytes"] or 0 for line in lines)
+        return {"preloaded_parents": lines, "overhead_bytes": self.budget.overhead}
 
     # ------------------------------------------------------------------------------------------
     # Transitions (each runs as the model's single op task)

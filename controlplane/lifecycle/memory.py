@@ -1,9 +1,11 @@
 """The memory budget: what each model holds, what a load will need, and least-recently-used eviction.
 
-A model's footprint is measured (the RSS of its model processes, where they can be seen) or declared
-(its ``memory_mb``); a load reserves its estimate while it runs. When a load would exceed the budget,
-idle models are unloaded until it fits: pre-warmed models no request has used yet first, then the least
-recently used. A pre-warm itself only loads where its estimate fits the free budget (``fits``).
+A model's footprint is measured (the RSS of its model processes, plus the USS of their preforked workers,
+where they can be seen) or declared (its ``memory_mb``); a load reserves its estimate while it runs. The
+preloaded parents of preforked models hold memory of their own, counted once as ``overhead``. When a
+load would exceed the budget, idle models are unloaded until it fits: pre-warmed models no request
+has used yet first, then the least recently used. A pre-warm itself only loads where its estimate
+fits the free budget (``fits``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class MemoryBudget:
         self.states = states
         self._evict_one = evict
         self._pending = pending
+        # Bytes held outside any model: the preloaded parents of preforked models (measured at their loads).
+        self.overhead = 0
 
     def estimate(self, rec: ModelRecord, instances: int) -> int:
         """Bytes the model will hold with ``instances``: its last measurement, else its declared
@@ -76,7 +80,7 @@ class MemoryBudget:
         return int(per * instances)
 
     def used(self, exclude: ModelRecord) -> int:
-        used = 0
+        used = self.overhead
         for r in self.states.values():
             if r is exclude:
                 continue
@@ -112,10 +116,11 @@ class MemoryBudget:
                     and (r.footprint or r.reserved)
                     and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
                 )
+                parents = f", {self.overhead / MIB:.0f} MiB of it by preloaded parents" if self.overhead else ""
                 raise UnavailableError(
                     f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
                     f"{self.used(rec) / MIB:.0f} of {self.settings.memory_budget_mb:g} MiB are held by models in use "
-                    f"({', '.join(busy)})",
+                    f"({', '.join(busy)}){parents}",
                     hint="retry when they are idle, or raise SNOOZE_MEMORY_BUDGET_MB",
                     retry_after=5,
                 )

@@ -27,6 +27,7 @@ import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
@@ -91,8 +92,12 @@ class StubDeath:
     # Triton reaps the stubs it ends itself (unload, fewer instances) and leaves a crashed one a
     # zombie (measured), so a reaped stub was most likely ended on purpose.
     reaped: bool = False
+    # A preforked model's stub exits when its worker dies: the worker (workers.WorkerProcess) and how it ended.
+    worker: Any = None
 
     def describe(self) -> str:
+        if self.worker is not None and self.worker.exit_status is not None:
+            return f"its worker pid {self.worker.pid} {self.worker.describe()}"
         return describe_exit(self.exit_status)
 
 

@@ -16,6 +16,7 @@ is not sent again either: at most once, always.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from enum import Enum
@@ -25,6 +26,7 @@ from controlplane.errors import SnoozeError
 from controlplane.lifecycle.journal import read_journal, remove_journal
 from controlplane.lifecycle.processes import StubDeath
 from controlplane.lifecycle.state import ModelRecord, SeenDeath
+from controlplane.lifecycle.workers import kill_workers, worker_of
 
 log = logging.getLogger("snoozeml.lifecycle")
 
@@ -49,7 +51,12 @@ class ModelProcessDiedError(SnoozeError):
     code = "model_process_died"
 
     def __init__(self, model_id: str, death: StubDeath | None) -> None:
-        if death is not None:
+        if death is not None and death.worker is not None:
+            what = (
+                f"model '{model_id}': its preforked worker process (pid {death.worker.pid}, instance "
+                f"{death.stub.instance or '?'}) died while running this request ({death.worker.describe()})"
+            )
+        elif death is not None:
             what = (
                 f"model '{model_id}': its process (instance {death.stub.instance or '?'}, pid {death.stub.pid}) "
                 f"died while running this request ({death.describe()})"
@@ -69,8 +76,15 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
     """Record newly seen deaths of the model's processes and the requests each was running; the new ones."""
     known = {seen.death.stub for seen in rec.deaths}
     new = [d for d in deaths if d.stub not in known]
-    for death in new:
+    for i, death in enumerate(new):
+        worker = worker_of(journal_dir, death.stub)
+        if worker is not None:
+            kill_workers([worker])  # its parent does too; a parent that is gone cannot
+            new[i] = death = dataclasses.replace(death, worker=worker)
         ids = read_journal(journal_dir, death.stub) if journal_dir is not None else None
+        if ids is not None and worker is not None and worker.ran is False:
+            # its worker died before taking the batch: whatever the stub journaled meanwhile never ran
+            ids = set()
         rec.deaths.append(SeenDeath(death, time.monotonic(), journaled=ids is not None))
         rec.last_crash = f"{death.stub.instance or death.stub.pid}: {death.describe()} at {time.strftime('%H:%M:%S')}"
         for request_id in ids or ():

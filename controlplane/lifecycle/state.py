@@ -21,6 +21,7 @@ from controlplane.errors import SnoozeError
 from controlplane.keepalive import FixedKeepAlive
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.processes import StubDeath, StubProcess
+from controlplane.lifecycle.workers import WorkerProcess
 from controlplane.metrics import SnoozeMetrics
 from controlplane.store import ModelStore, PublishedModel
 
@@ -51,6 +52,7 @@ class ModelStatus:
     last_crash: str | None  # how its last model process died, and when (None: never seen dying)
     gpu_memory_bytes: dict[str, int] | None = None  # per GPU index while loaded; None: no GPU measured
     keep_alive: dict[str, Any] | None = None  # the keep-alive policy's windows and pre-warm counts (windows())
+    worker: str | None = None  # custom python models: where the model's code runs, "in-stub" or "preforked"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -68,6 +70,7 @@ class ModelStatus:
             "last_crash": self.last_crash,
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "keep_alive": self.keep_alive,
+            "worker": self.worker,
         }
 
 
@@ -96,6 +99,7 @@ class ModelRecord:
     gpu_instances: int = 0
     gpu_reserved: dict[int, int] = field(default_factory=dict)  # per GPU, while loading
     stubs: tuple[StubProcess, ...] = ()  # the model processes its last load started (when visible)
+    workers: tuple[WorkerProcess, ...] = ()  # their preforked workers (worker = "preforked")
     deaths: list[SeenDeath] = field(default_factory=list)  # recent deaths of its processes, oldest first
     crashed_requests: dict[str, StubDeath] = field(default_factory=dict)  # request id -> the death it was in
     last_crash: str | None = None

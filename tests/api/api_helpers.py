@@ -86,6 +86,9 @@ class RecordingLifecycle:
     async def published(self, model_id: str) -> None:
         self.calls.append(("published", model_id))
 
+    def runtime(self) -> dict[str, Any]:
+        return {"preloaded_parents": [], "overhead_bytes": 0}
+
     async def forget(self, model_id: str) -> None:
         self.calls.append(("forget", model_id))
         self.states.pop(model_id, None)

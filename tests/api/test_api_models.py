@@ -98,3 +98,9 @@ async def test_unknown_route_answers_the_json_error_shape(client: httpx.AsyncCli
     r = await client.get("/v1/nothing", headers=ADMIN)
     assert r.status_code == 404
     assert set(r.json()) == {"error", "code", "hint"}
+
+
+async def test_runtime_lists_the_preloaded_parents_for_admins(client: httpx.AsyncClient) -> None:
+    r = await client.get("/v1/runtime", headers=ADMIN)
+    assert r.status_code == 200 and r.json() == {"preloaded_parents": [], "overhead_bytes": 0}
+    assert (await client.get("/v1/runtime")).status_code == 401

@@ -57,7 +57,9 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     rows = data["sections"]["gateway"]["rows"]
     assert {r["target"] for r in rows} == {"direct", "bare_envoy", "gateway", "client_ceiling"}
     assert {(r["protocol"], r["concurrency"]) for r in rows} == {(p, c) for p in ("grpc", "http") for c in (1, 8, 32)}
-    assert set(data["sections"]["coldstart"]["models"]) == {"numpy-linear", "onnx-mlp"}
+    assert set(data["sections"]["coldstart"]["models"]) == {"numpy-linear", "torch-mlp-preforked", "onnx-mlp"}
+    memory = data["sections"]["coldstart"]["memory"]["torch-mlp-preforked"]
+    assert memory["2_loaded"]["processes"] == 5  # two stubs, two workers, one preloaded parent
     assert set(data["sections"]["recovery"]["topologies"]) == {"embedded", "two_process"}
     assert "## Recovery after a model process dies, per topology" in text
     assert set(data["sections"]["keepalive_live"]["policies"]) == {"adaptive", "fixed"}

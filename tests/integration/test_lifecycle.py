@@ -1,7 +1,9 @@
 """LifecycleManager against a real embedded tritonserver: wake, idle unload, LRU, OOM, recovery, autoscale.
 
 The module runs its own tritonserver over its own repository (models published through ModelStore),
-so that killing and restarting it cannot disturb other test modules.
+so that killing and restarting it cannot disturb other test modules. The tests where the model's
+process matters (memory, crashes, load failures, unloads) run for both workers: the model in its stub,
+and in a worker forked from a preloaded parent (``worker = "preforked"``; its id ends in ``-pf``).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from controlplane.errors import ConflictError, NotFoundError, UnavailableError
 from controlplane.gpu_memory import GpuDevice, GpuProcessUse
 from controlplane.lifecycle import LifecycleManager, ModelState
+from controlplane.lifecycle.workers import alive, workers_of
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
@@ -38,11 +42,13 @@ import time
 
 
 class Model:
-    def __init__(self, scale=2.0, predict_sleep=0.0, load_sleep=0.0, unload_sleep=0.0, load_error=""):
+    def __init__(self, scale=2.0, predict_sleep=0.0, load_sleep=0.0, unload_sleep=0.0, load_error="", ballast_mb=0):
         self.scale, self.predict_sleep, self.unload_sleep = scale, predict_sleep, unload_sleep
-        self.load_sleep, self.load_error = load_sleep, load_error
+        self.load_sleep, self.load_error, self.ballast_mb = load_sleep, load_error, ballast_mb
 
     def load(self, model_dir, device):
+        self.ballast = bytearray(self.ballast_mb * 1024 * 1024)
+        self.ballast[::4096] = b"x" * len(self.ballast[::4096])  # every page written: resident, the model's own
         time.sleep(self.load_sleep)
         if self.load_error == "memory":
             raise MemoryError("simulated: cannot allocate the weights")
@@ -68,8 +74,10 @@ MANIFEST = {
         "load_sleep": {"type": "float", "default": 0.0},
         "unload_sleep": {"type": "float", "default": 0.0},
         "load_error": {"type": "str", "default": ""},
+        "ballast_mb": {"type": "int", "default": 0},
     },
 }
+WORKERS = ("in-stub", "preforked")
 
 
 @pytest.fixture(scope="module")
@@ -99,11 +107,22 @@ def store(triton: EmbeddedTriton) -> ModelStore:
 
 @pytest.fixture
 def publish(store: ModelStore, package: Path) -> Callable[..., str]:
+    """Publish the test package; a preforked model's id gets ``-pf`` (one id per worker kind)."""
+
     def publish(model_id: str, params: dict | None = None, **deployment: object) -> str:
+        if deployment.get("worker") == "preforked" and not model_id.endswith("-pf"):
+            model_id = f"{model_id}-pf"
         store.publish(resolve(DeploymentSpec(id=model_id, path=package, params=params or {}, **deployment)))
         return model_id
 
     return publish
+
+
+def model_pids(triton: EmbeddedTriton, model: str) -> list[int]:
+    """The processes running the model's code: its stubs, or (preforked) their live workers."""
+    stubs = triton.processes().stubs(model)
+    workers = [w for w in workers_of(triton.journal_dir, stubs) if alive(w.pid, w.start_ticks)]
+    return sorted(w.pid for w in workers) if workers else [s.pid for s in stubs]
 
 
 @pytest.fixture
@@ -155,8 +174,9 @@ def sample(manager: LifecycleManager, name: str, **labels: str) -> float:
     return manager.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-async def test_wake_single_flight(make_manager, publish, triton):
-    model = publish("wake")
+@pytest.mark.parametrize("worker", WORKERS)
+async def test_wake_single_flight(make_manager, publish, triton, worker):
+    model = publish("wake", worker=worker)
     manager = await make_manager()
     assert manager.status(model).state is ModelState.UNLOADED
 
@@ -166,11 +186,33 @@ async def test_wake_single_flight(make_manager, publish, triton):
     assert status.state is ModelState.READY and status.load_count == 1 and status.instances == 1
     assert sample(manager, "snooze_cold_starts_total", model=model, trigger="request") == 1
     assert status.last_cold_start_secs and status.last_cold_start_secs > 0
-    assert status.memory_bytes and status.memory_bytes > 0  # RSS of the stub
-    assert len(triton.stub_pids(model)) == 1
+    assert status.memory_bytes and status.memory_bytes > 0  # RSS of the stub (plus its worker's USS)
+    assert len(triton.stub_pids(model)) == 1 and len(model_pids(triton, model)) == 1
+    assert status.worker == worker
     assert await output(triton, model) == [2.0, 4.0]
     with pytest.raises(NotFoundError, match="not-published"):
         await manager.ensure_ready("not-published")
+
+
+async def test_a_preforked_workers_memory_is_its_models_and_leaves_with_its_unload(make_manager, publish, triton):
+    model = publish("heavy", params={"ballast_mb": 64}, worker="preforked")
+    manager = await make_manager()
+    await manager.ensure_ready(model)
+    [stub] = triton.processes().stubs(model)
+    [worker] = workers_of(triton.journal_dir, [stub])
+    own = psutil.Process(worker.pid).memory_full_info().uss
+    stub_rss = psutil.Process(stub.pid).memory_info().rss
+    [parent] = [p for p in manager.runtime()["preloaded_parents"] if worker.pid in
+                {c.pid for c in psutil.Process(p["pid"]).children()}]  # fmt: skip
+    status = manager.status(model)
+    assert own >= 64 * MIB  # what load() allocated is the worker's own (USS)
+    # charged: its stub and what its worker adds, not the pages the worker shares with its parent
+    assert 64 * MIB <= status.memory_bytes - stub_rss * 0.9 < own * 1.1 + 16 * MIB, (status, own, stub_rss)
+    assert parent["memory_bytes"] > 0 and manager.loader.budget.overhead >= parent["memory_bytes"]
+
+    await manager.unload(model)
+    assert not psutil.pid_exists(worker.pid)  # the worker, and its memory, left with the unload
+    assert psutil.pid_exists(parent["pid"])  # the parent stays for the next cold start
 
 
 async def test_wake_deadline_then_the_load_completes(make_manager, publish):
@@ -183,17 +225,19 @@ async def test_wake_deadline_then_the_load_completes(make_manager, publish):
     assert manager.status(model).load_count == 1
 
 
-async def test_idle_unload_and_wake_again(make_manager, publish, triton):
-    model = publish("idle", idle_timeout_secs=1)
+@pytest.mark.parametrize("worker", WORKERS)
+async def test_idle_unload_and_wake_again(make_manager, publish, triton, worker):
+    model = publish("idle", idle_timeout_secs=1, worker=worker)
     manager = await make_manager()
     await manager.ensure_ready(model)
+    [process] = model_pids(triton, model)
     before = time.time()
     assert await output(triton, model) == [2.0, 4.0]
     await until(lambda: (manager.status(model).last_access or 0) >= before - 1, "Triton's last_inference")
 
     await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the idle unload")
     assert manager.status(model).reason == "idle"
-    assert triton.stub_pids(model) == []
+    assert triton.stub_pids(model) == [] and not psutil.pid_exists(process)
     assert sample(manager, "snooze_idle_unloads_total", model=model) == 1
     assert (await infer(triton, model)).status_code == 404  # what the gateway retries to the activator
 
@@ -213,15 +257,18 @@ async def test_wake_waits_for_an_unload_in_progress(make_manager, publish, trito
     assert await output(triton, model) == [2.0, 4.0]
 
 
-async def test_lru_eviction_under_memory_budget(make_manager, publish, triton):
-    a, b, c = publish("lru-a"), publish("lru-b"), publish("lru-c")
+@pytest.mark.parametrize("worker", WORKERS)
+async def test_lru_eviction_under_memory_budget(make_manager, publish, triton, worker):
+    a, b, c = (publish(f"lru-{n}", worker=worker) for n in "abc")
     manager = await make_manager()
     await manager.ensure_ready(a)
     await manager.ensure_ready(b)
     await output(triton, b)  # b is used last: a is the least recently used
     sizes = [manager.status(m).memory_bytes or 0 for m in (a, b)]
     assert all(sizes)
-    manager.settings.memory_budget_mb = sum(sizes) * 1.25 / (1024 * 1024)  # two models fit, three do not
+    parents = manager.loader.budget.overhead  # preforked: the preloaded parent, counted once
+    assert (parents > 0) == (worker == "preforked")
+    manager.settings.memory_budget_mb = (sum(sizes) * 1.25 + parents) / (1024 * 1024)  # two fit, three do not
 
     await manager.ensure_ready(c)
 
@@ -231,8 +278,9 @@ async def test_lru_eviction_under_memory_budget(make_manager, publish, triton):
     assert await output(triton, c) == [2.0, 4.0]
 
 
-async def test_load_failure_is_reported_then_fixed(make_manager, publish, triton):
-    model = publish("broken", params={"load_error": "runtime"})
+@pytest.mark.parametrize("worker", WORKERS)
+async def test_load_failure_is_reported_then_fixed(make_manager, publish, triton, worker):
+    model = publish("broken", params={"load_error": "runtime"}, worker=worker)
     manager = await make_manager()
     for attempt in (1, 2):  # every request retries the load of a failed model
         with pytest.raises(UnavailableError, match="broken.*simulated: broken weights"):
@@ -241,19 +289,21 @@ async def test_load_failure_is_reported_then_fixed(make_manager, publish, triton
         assert status.state is ModelState.FAILED and "simulated: broken weights" in status.reason
         assert sample(manager, "snooze_load_failures_total", model=model, kind="error") == attempt
 
-    publish("broken")  # fixed
+    publish(model, worker=worker)  # fixed
     await manager.published(model)
     assert manager.status(model).state is ModelState.UNLOADED
     await manager.ensure_ready(model)
     assert await output(triton, model) == [2.0, 4.0]
 
 
-async def test_out_of_memory_load_evicts_and_retries_once(make_manager, publish, triton):
-    victim, hog = publish("oom-victim"), publish("oom-hog", params={"load_error": "memory"})
+@pytest.mark.parametrize("worker", WORKERS)
+async def test_out_of_memory_load_evicts_and_retries_once(make_manager, publish, triton, worker):
+    victim = publish("oom-victim", worker=worker)
+    hog = publish("oom-hog", params={"load_error": "memory"}, worker=worker)
     manager = await make_manager()
     await manager.ensure_ready(victim)
 
-    with pytest.raises(UnavailableError, match="oom-hog.*out of memory even after unloading oom-victim") as info:
+    with pytest.raises(UnavailableError, match=f"{hog}.*out of memory even after unloading {victim}") as info:
         await manager.ensure_ready(hog)
 
     assert info.value.hint and "memory" in info.value.hint
@@ -265,25 +315,26 @@ async def test_out_of_memory_load_evicts_and_retries_once(make_manager, publish,
         await manager.ensure_ready(hog)  # nothing left to evict: fails without a second attempt
 
 
-async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton):
-    model = publish("crashy")
-    manager = await make_manager(sweep_interval_secs=3600, watch_interval_secs=3600)  # watch by hand
+@pytest.mark.parametrize("worker", WORKERS)
+async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton, worker):
+    model = publish("crashy", worker=worker)
+    manager = await make_manager(sweep_interval_secs=3600, watch_interval_secs=3600)  # passes by hand
     await manager.ensure_ready(model)
-    [stub] = triton.stub_pids(model)
-    os.kill(stub, signal.SIGKILL)
+    [process] = model_pids(triton, model)  # preforked: its worker, whose death takes the stub along
+    os.kill(process, signal.SIGKILL)
     await until(lambda: triton.stub_pids(model) == [], "the stub to die")
 
     r = await infer(triton, model)  # Triton 2.51 keeps the model READY with a dead stub
     assert r.status_code == 500 and "is not healthy" in r.json()["error"]
 
-    await manager.watch()  # the process watch finds the dead stub and starts the recovery
+    await manager.watch()
     await until(lambda: manager.status(model).state is ModelState.READY, "the recovery")
     assert sample(manager, "snooze_recoveries_total", model=model, cause="dead_stub") == 1
-    assert "killed by signal 9 (SIGKILL)" in (manager.status(model).last_crash or "")
+    assert "SIGKILL" in (manager.status(model).last_crash or "")
     assert await output(triton, model) == [2.0, 4.0]
 
     # The activator's path: a request failed with "not healthy", it calls recover().
-    os.kill(triton.stub_pids(model)[0], signal.SIGKILL)
+    os.kill(model_pids(triton, model)[0], signal.SIGKILL)
     await until(lambda: triton.stub_pids(model) == [], "the stub to die")
     await manager.recover(model, "stub_unhealthy")
     assert await output(triton, model) == [2.0, 4.0]
@@ -328,11 +379,14 @@ async def test_autoscale_up_under_load_and_down_when_idle(make_manager, publish,
     await until(lambda: len(triton.stub_pids(model)) == 1, "the extra stub to exit")
 
 
-async def test_api_load_with_instances_and_unload(make_manager, publish, triton):
-    model = publish("api-model", max_instances=3)
+@pytest.mark.parametrize("worker", WORKERS)
+async def test_api_load_with_instances_and_unload(make_manager, publish, triton, worker):
+    model = publish("api-model", max_instances=3, worker=worker)
     manager = await make_manager()
     status = await manager.load(model, instances=2)
     assert (status.state, status.instances) == (ModelState.READY, 2) and len(triton.stub_pids(model)) == 2
+    processes = model_pids(triton, model)
+    assert len(processes) == 2
     assert (await manager.load(model, instances=1)).instances == 1
     await until(lambda: len(triton.stub_pids(model)) == 1, "one stub")
     with pytest.raises(ConflictError, match="api-model.*1..3"):
@@ -340,6 +394,7 @@ async def test_api_load_with_instances_and_unload(make_manager, publish, triton)
     status = await manager.unload(model)
     assert status.state is ModelState.UNLOADED and status.instances == 0 and status.memory_bytes is None
     await until(lambda: triton.stub_pids(model) == [], "the stubs to exit")
+    assert not any(psutil.pid_exists(p) for p in processes)
 
 
 async def test_republish_reloads_and_a_failed_reload_keeps_the_old_model(make_manager, publish, triton):

@@ -2,7 +2,9 @@
 
 Each model folder follows docs/internals.md by hand (config.pbtxt, model.py from the template,
 a copy of python_backend/, package/, snooze_runtime.json), so these tests pin the runtime's side of
-the contract independently of the renderer.
+the contract independently of the renderer. Every test runs for both workers: the model in its stub,
+and the model in a worker forked from a preloaded parent (``worker: "preforked"``), which must answer
+exactly alike.
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ def build_model(
     return spec
 
 
+@pytest.fixture(scope="module", params=["in-stub", "preforked"])
+def worker(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def triton(embedded_triton):
     """The session tritonserver (tests/conftest.py) plus clients; models here are prefixed `pbrt-`."""
@@ -100,6 +107,11 @@ def load(triton, name: str, runtime: dict, files: dict, **kw) -> str:
     build_model(triton["repo"], name, runtime, files, **kw)
     triton["http"].load_model(name)
     return name
+
+
+def named(base: str, worker: str) -> str:
+    """One model folder per worker kind (the session's Triton keeps both)."""
+    return base if worker == "in-stub" else f"{base}-pf"
 
 
 def infer(client_mod, client, model: str, arrays: dict[str, np.ndarray], outputs: list[str]):
@@ -151,7 +163,7 @@ MIXED_MODEL = """
 
 
 @pytest.fixture(scope="module")
-def mixed_model(triton, tmp_path_factory):
+def mixed_model(triton, tmp_path_factory, worker):
     marker = tmp_path_factory.mktemp("pbrt") / "unloaded"
     runtime = {
         "kind": "custom",
@@ -162,8 +174,9 @@ def mixed_model(triton, tmp_path_factory):
         "env": {"PBRT_SUFFIX": "-sfx", "PBRT_UNLOAD_MARKER": str(marker)},
         "inputs": [t("a", "FP32", [2]), t("n", "INT64", [1]), t("s", "BYTES", [1])],
         "outputs": [t("out", "FP32", [2]), t("tag", "BYTES", [1]), t("info", "BYTES", [1])],
+        "worker": worker,
     }
-    return load(triton, "pbrt-mixed", runtime, {"snooze_model.py": MIXED_MODEL}), marker
+    return load(triton, named("pbrt-mixed", worker), runtime, {"snooze_model.py": MIXED_MODEL}), marker
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -200,8 +213,9 @@ RAW_MODEL = """
 """
 
 
-def test_raw_tensor_format(triton):
+def test_raw_tensor_format(triton, worker):
     runtime = {
+        "worker": worker,
         "kind": "custom",
         "entrypoint": "snooze_model.py",
         "tensor_format": "raw",
@@ -209,7 +223,7 @@ def test_raw_tensor_format(triton):
         "inputs": [t("x", "FP32", [-1])],
         "outputs": [t("y", "FP32", [-1]), t("count", "INT64", [1])],
     }
-    model = load(triton, "pbrt-raw", runtime, {"snooze_model.py": RAW_MODEL})
+    model = load(triton, named("pbrt-raw", worker), runtime, {"snooze_model.py": RAW_MODEL})
     x = np.array([[1, 2, 3], [4, 5, 6]], dtype=np.float32)
     got = infer(grpcclient, triton["grpc"], model, {"x": x}, ["y", "count"])
     np.testing.assert_array_equal(got["y"], x[:, ::-1] * 10)
@@ -230,10 +244,11 @@ BATCH_MODEL = """
 """
 
 
-def test_bad_request_fails_alone_in_a_shared_batch(triton):
+def test_bad_request_fails_alone_in_a_shared_batch(triton, worker):
     # config.pbtxt allows batches of 8 but the runtime spec only 2: a request of 3 passes Triton's own
     # checks, reaches the batch, and must be rejected by the runtime without failing its neighbours.
     runtime = {
+        "worker": worker,
         "kind": "custom",
         "entrypoint": "snooze_model.py",
         "max_batch_size": 2,
@@ -241,7 +256,7 @@ def test_bad_request_fails_alone_in_a_shared_batch(triton):
         "outputs": [t("y", "FP32", [3]), t("rows", "INT64", [1])],
     }
     model = load(
-        triton, "pbrt-batch", runtime, {"snooze_model.py": BATCH_MODEL},
+        triton, named("pbrt-batch", worker), runtime, {"snooze_model.py": BATCH_MODEL},
         queue_delay_us=500_000, config_max_batch_size=8,
     )
     requests = [np.full((rows, 3), value, np.float32) for rows, value in ((1, 1), (3, 5), (1, 2))]
@@ -257,7 +272,7 @@ def test_bad_request_fails_alone_in_a_shared_batch(triton):
         good1, bad, good2 = pool.map(send, requests)
 
     assert isinstance(bad, InferenceServerException)
-    assert "[snooze:invalid_input] model 'pbrt-batch': batch size 3 is outside 1..2" in bad.message()
+    assert f"[snooze:invalid_input] model '{model}': batch size 3 is outside 1..2" in bad.message()
     assert bad.status() == "StatusCode.INVALID_ARGUMENT"
     np.testing.assert_array_equal(good1["y"], np.full((1, 3), 2, np.float32))
     np.testing.assert_array_equal(good2["y"], np.full((1, 3), 3, np.float32))
@@ -299,15 +314,16 @@ FAULTY_MODEL = """
 
 
 @pytest.fixture(scope="module")
-def faulty_model(triton):
+def faulty_model(triton, worker):
     runtime = {
+        "worker": worker,
         "kind": "custom",
         "entrypoint": "snooze_model.py",
         "max_batch_size": 4,
         "inputs": [t("mode", "INT64", [1]), t("x", "FP32", [3])],
         "outputs": [t("y", "FP32", [3])],
     }
-    return load(triton, "pbrt-faulty", runtime, {"snooze_model.py": FAULTY_MODEL})
+    return load(triton, named("pbrt-faulty", worker), runtime, {"snooze_model.py": FAULTY_MODEL})
 
 
 def faulty_call(triton, model, mode, rows=2):
@@ -318,19 +334,19 @@ def faulty_call(triton, model, mode, rows=2):
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
-        (1, "[snooze:oom] model 'pbrt-faulty': predict ran out of memory on a batch of 2 "
+        (1, "[snooze:oom] model '{model}': predict ran out of memory on a batch of 2 "
             "(MemoryError: simulated"),
-        (2, "[snooze:internal] model 'pbrt-faulty': output 'y' has 1 rows but the batch has 2"),
-        (3, "[snooze:internal] model 'pbrt-faulty': predict raised ValueError: mode 3 is not allowed at "
+        (2, "[snooze:internal] model '{model}': output 'y' has 1 rows but the batch has 2"),
+        (3, "[snooze:internal] model '{model}': predict raised ValueError: mode 3 is not allowed at "
             "snooze_model.py:7 in _check <- snooze_model.py:21 in predict; fix the model's predict"),
-        (4, "[snooze:internal] model 'pbrt-faulty': output 'y' is object, which cannot be cast to its "
+        (4, "[snooze:internal] model '{model}': output 'y' is object, which cannot be cast to its "
             "declared FP32"),
     ],
 )
 def test_model_errors_are_mapped_and_the_instance_survives(triton, faulty_model, mode, expected):
     with pytest.raises(InferenceServerException) as e:
         faulty_call(triton, faulty_model, mode)
-    assert expected in e.value.message()
+    assert expected.format(model=faulty_model) in e.value.message()
     np.testing.assert_array_equal(faulty_call(triton, faulty_model, 0)["y"], np.ones((2, 3), np.float32))
 
 
@@ -348,8 +364,9 @@ SLEEPY_MODEL = """
 """
 
 
-def test_predict_past_request_timeout(triton):
+def test_predict_past_request_timeout(triton, worker):
     runtime = {
+        "worker": worker,
         "kind": "custom",
         "entrypoint": "snooze_model.py",
         "max_batch_size": 2,
@@ -357,7 +374,7 @@ def test_predict_past_request_timeout(triton):
         "inputs": [t("secs", "FP32", [1])],
         "outputs": [t("secs", "FP32", [1])],
     }
-    model = load(triton, "pbrt-sleepy", runtime, {"snooze_model.py": SLEEPY_MODEL})
+    model = load(triton, named("pbrt-sleepy", worker), runtime, {"snooze_model.py": SLEEPY_MODEL})
 
     def call(secs):
         return infer(httpclient, triton["http"], model, {"secs": np.full((1, 1), secs, np.float32)}, ["secs"])
@@ -366,13 +383,13 @@ def test_predict_past_request_timeout(triton):
     with pytest.raises(InferenceServerException) as e:
         call(3.0)
     assert time.monotonic() - started < 2.5
-    assert "[snooze:timeout] model 'pbrt-sleepy': predict did not finish within request_timeout_secs=1 s" in (
+    assert f"[snooze:timeout] model '{model}': predict did not finish within request_timeout_secs=1 s" in (
         e.value.message()
     )
     # The overrunning call still occupies the instance: fail fast instead of queueing behind it.
     with pytest.raises(InferenceServerException) as e:
         call(0)
-    busy = "[snooze:timeout] model 'pbrt-sleepy': this instance is still running a predict call"
+    busy = f"[snooze:timeout] model '{model}': this instance is still running a predict call"
     assert busy in e.value.message()
     time.sleep(max(0.0, started + 3.3 - time.monotonic()))
     assert call(0)["secs"].tolist() == [[0.0]]
@@ -438,7 +455,9 @@ def tiny_onnx() -> tuple[bytes, np.ndarray, np.ndarray]:
     return model.SerializeToString(), w, b
 
 
-def test_onnx_kind_runs_onnxruntime(triton):
+def test_onnx_kind_runs_onnxruntime(triton, worker):
+    if worker == "preforked":
+        pytest.skip("the control plane serves ONNX packages in the stub only (worker applies to custom models)")
     data, w, b = tiny_onnx()
     runtime = {
         "kind": "onnx",
@@ -468,15 +487,17 @@ OOM_IN_LOAD = """
     ("name", "source", "expected"),
     [
         ("pbrt-load-oom", OOM_IN_LOAD,
-         "[snooze:oom] model 'pbrt-load-oom': load ran out of memory (MemoryError: weights do not fit); "
+         "[snooze:oom] model '{model}': load ran out of memory (MemoryError: weights do not fit); "
          "free memory"),
         ("pbrt-import-error", "import pbrt_not_installed_pkg\n",
-         "[snooze:internal] model 'pbrt-import-error': import raised ModuleNotFoundError: No module named "
+         "[snooze:internal] model '{model}': import raised ModuleNotFoundError: No module named "
          "'pbrt_not_installed_pkg' at snooze_model.py:1 in <module>; fix the entrypoint module"),
     ],
 )
-def test_load_failure_names_kind_and_model(triton, name, source, expected):
+def test_load_failure_names_kind_and_model(triton, worker, name, source, expected):
+    name = named(name, worker)
     runtime = {
+        "worker": worker,
         "kind": "custom",
         "entrypoint": "snooze_model.py",
         "max_batch_size": 1,
@@ -485,13 +506,14 @@ def test_load_failure_names_kind_and_model(triton, name, source, expected):
     }
     with pytest.raises(InferenceServerException) as e:
         load(triton, name, runtime, {"snooze_model.py": source})
-    assert expected in str(e.value)
+    assert expected.format(model=name) in str(e.value)
 
 
 def test_unload_calls_model_unload(triton, mixed_model):
     model, marker = mixed_model
     triton["http"].unload_model(model)
     deadline = time.monotonic() + 30
-    while not marker.exists() and time.monotonic() < deadline:
+    # the file exists a moment before unload() has written it
+    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marker.read_text() == "unloaded"

@@ -7,13 +7,28 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from serve_harness import TOPOLOGIES, Serve, write_package
+from serve_harness import TOPOLOGIES, WORKERS, Serve, write_package
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES)
 def topology(request: pytest.FixtureRequest) -> str:
     """Where Triton runs: serve's child, or its own process beside serve (as in compose and Kubernetes)."""
     return request.param
+
+
+@pytest.fixture(scope="module", params=WORKERS)
+def worker(request: pytest.FixtureRequest) -> str:
+    """Where the model's code runs: its python-backend stub, or a worker forked from a preloaded parent."""
+    return request.param
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m 'not slow' deselection reads the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Preforked workers beside a Triton of its own (two_process) are a long variant: marked slow."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if params.get("topology") == "two_process" and params.get("worker") == "preforked":
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module")

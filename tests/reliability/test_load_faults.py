@@ -4,7 +4,8 @@ Out of memory: the lifecycle evicts the least recently used idle model and retri
 client gets a clear 503 / UNAVAILABLE naming the cause. A hang: the load is abandoned after the
 model's load_timeout_secs, its stub killed, the model marked failed with that reason, and a later
 request tries again. Traffic on another model loses nothing meanwhile. Both hold with Triton as the
-control plane's child and with Triton in a process of its own (the deployed topology).
+control plane's child and with Triton in a process of its own (the deployed topology), and for models
+whose code runs in preforked workers (a hanging load's worker is killed with its stub).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 
 import pytest
 from reliability_helpers import Traffic, infer_error, report, summary
-from serve_harness import until_async, write_package
+from serve_harness import alive_pids, until_async, write_package
 
 pytestmark = pytest.mark.integration
 
@@ -21,16 +22,16 @@ LOAD_TIMEOUT = 3.0
 
 
 @pytest.fixture(scope="module")
-def serve(serve_factory, package, tmp_path_factory, topology):
+def serve(serve_factory, package, tmp_path_factory, topology, worker):
     # A budget that fits the three small models this module loads at once, and not much more.
     serve = serve_factory("loadfaults", topology=topology, memory_budget_mb="600")
     serve.start()
     hanging = write_package(tmp_path_factory.mktemp("hang") / "pkg", load_timeout_secs=LOAD_TIMEOUT)
     serve.publish("steady", package)
-    serve.publish("victim", package)
-    serve.publish("hog", package, params={"load_error": "memory"})
-    serve.publish("hang", hanging, params={"load_sleep": 600.0})
-    serve.hanging = hanging
+    serve.publish("victim", package, worker=worker)
+    serve.publish("hog", package, params={"load_error": "memory"}, worker=worker)
+    serve.publish("hang", hanging, params={"load_sleep": 600.0}, worker=worker)
+    serve.hanging, serve.worker = hanging, worker
     return serve
 
 
@@ -51,7 +52,7 @@ async def test_out_of_memory_at_load_evicts_retries_once_then_fails_clearly(serv
     hog = await asyncio.to_thread(serve.status, "hog")
     steady = summary(results)
     report(
-        "MemoryError at load",
+        f"MemoryError at load ({serve.topology}, {serve.worker})",
         client_error=grpc_error[:140],
         answer_secs=round(grpc_secs, 2),
         victim=f"{victim['state']} ({victim['reason']})",
@@ -78,15 +79,19 @@ async def test_load_hanging_past_its_timeout_is_abandoned(serve, package):
             error, secs = await infer_error(serve, "hang", "grpc")
             status = await asyncio.to_thread(serve.status, "hang")
             stubs_left = await until_async(
-                lambda: serve.stub_pids("hang") == [], "the hanging stub to be killed", timeout=10
+                lambda: serve.stub_pids("hang") == [] and not alive_pids(serve.noted_workers("hang")),
+                "the hanging stub (and its worker) to be killed",
+                timeout=10,
             )
             answers.append(round(secs, 2))
             assert error.startswith("StatusCode.UNAVAILABLE"), error
             assert f"load exceeded load_timeout_secs={LOAD_TIMEOUT:g}" in error
             assert status["state"] == "failed" and f"load_timeout_secs={LOAD_TIMEOUT:g}" in status["reason"], status
             assert LOAD_TIMEOUT <= secs <= LOAD_TIMEOUT + 10, secs
+        if serve.worker == "preforked":
+            assert serve.noted_workers("hang"), "no worker was forked for the hanging load"
         # Fixed and republished: served.
-        await asyncio.to_thread(serve.publish, "hang", serve.hanging)
+        await asyncio.to_thread(serve.publish, "hang", serve.hanging, worker=serve.worker)
         fixed = Traffic(serve, {"hang": 2.0}, grpc_clients=1).start()
         await until_async(lambda: any(r.ok for r in fixed.results), "the fixed model to serve")
         assert summary(await fixed.stop())["failed"] == 0
@@ -94,7 +99,7 @@ async def test_load_hanging_past_its_timeout_is_abandoned(serve, package):
         results = await traffic.stop()
     steady = summary(results)
     report(
-        "load() hangs past load_timeout_secs",
+        f"load() hangs past load_timeout_secs ({serve.topology}, {serve.worker})",
         client_error=error[:120],
         answer_secs=answers,
         stub_killed_within_secs=round(stubs_left, 2),

@@ -5,7 +5,9 @@ Failures are bounded by the requests the dead process was running, the model is 
 anyone asking, traffic resumes, and a model next to it loses nothing. A request never runs twice: the
 one that killed its process gets an error saying so, once; a request that arrives after the process
 died is served after recovery. Every scenario runs with Triton as serve's child and with Triton in a
-process of its own (`snoozectl triton`, the deployed topology).
+process of its own (`snoozectl triton`, the deployed topology), and with the models' code in their stubs
+and in preforked workers (where a dying worker takes its stub with it, so the same recovery applies;
+what is killed is then the worker).
 """
 
 from __future__ import annotations
@@ -29,19 +31,21 @@ PROTOCOLS = ("grpc", "http")
 
 
 @pytest.fixture(scope="module")
-def serve(serve_factory, package, tmp_path_factory, topology):
+def serve(serve_factory, package, tmp_path_factory, topology, worker):
     serve = serve_factory("stubfaults", topology=topology)
     serve.start()
     triggers = tmp_path_factory.mktemp("triggers")
     serve.publish("steady", package)
-    serve.publish("victim", package, params={"scale": 3.0})
+    serve.publish("victim", package, params={"scale": 3.0}, worker=worker)
     for kind in ("segv", "exit"):
-        serve.publish(f"crash-{kind}", package, params={"crash": kind, "crash_file": str(triggers / kind)})
+        params = {"crash": kind, "crash_file": str(triggers / kind)}
+        serve.publish(f"crash-{kind}", package, params=params, worker=worker)
     for protocol in PROTOCOLS:
         calls = str(triggers / f"calls-{protocol}")
-        serve.publish(f"poison-{protocol}", package, params={"crash": "poison", "calls": calls})
-        serve.publish(f"idle-{protocol}", package, params={"scale": 4.0})
+        serve.publish(f"poison-{protocol}", package, params={"crash": "poison", "calls": calls}, worker=worker)
+        serve.publish(f"idle-{protocol}", package, params={"scale": 4.0}, worker=worker)
     serve.triggers = triggers
+    serve.worker = worker
     return serve
 
 
@@ -55,13 +59,13 @@ async def test_stub_dies_mid_traffic(serve, fault):
     traffic.start()
     try:
         await until_async(lambda: sum(r.ok and r.model == model for r in traffic.results) >= 20, "warm traffic")
-        [old] = await asyncio.to_thread(serve.stub_pids, model)
+        [old] = await asyncio.to_thread(serve.model_pids, model, serve.worker)
         fault_at = time.monotonic()
         if fault == "sigkill":
             os.kill(old, signal.SIGKILL)
         else:
-            (serve.triggers / fault).touch()  # the next predict call crashes the stub
-        await until_async(lambda: serve.stub_pids(model) not in ([], [old]), "a new stub")
+            (serve.triggers / fault).touch()  # the next predict call crashes the model's process
+        await until_async(lambda: serve.model_pids(model, serve.worker) not in ([], [old]), "a new model process")
         recovered = await until_async(
             lambda: any(r.ok and r.model == model and r.started > fault_at + 0.5 for r in traffic.results),
             "traffic to resume",
@@ -76,7 +80,7 @@ async def test_stub_dies_mid_traffic(serve, fault):
     died_at = min((r.ended for r in failed), default=fault_at)
     bound = max(in_flight_at(results, died_at, model), GRPC_CLIENTS + HTTP_CLIENTS)
     report(
-        f"stub {fault} mid-traffic ({serve.topology})",
+        f"stub {fault} mid-traffic ({serve.topology}, {serve.worker})",
         failed=f"{faulty['failed']}/{faulty['total']}",
         failed_grpc=sum(r.protocol == "grpc" for r in failed),
         failed_http=sum(r.protocol == "http" for r in failed),
@@ -100,7 +104,7 @@ async def test_a_poison_request_runs_once_and_its_client_is_told(serve, protocol
     calls = serve.triggers / f"calls-{protocol}"
     ok = await infer_once(serve, model, protocol, np.array([[1.0, 1.0]], np.float32))
     assert not isinstance(ok, str), ok
-    [old] = await asyncio.to_thread(serve.stub_pids, model)
+    [old] = await asyncio.to_thread(serve.model_pids, model, serve.worker)
     started = time.monotonic()
     error = await infer_once(serve, model, protocol, np.array([[-1.0, 1.0]], np.float32))
     answered = time.monotonic() - started
@@ -117,10 +121,12 @@ async def test_a_poison_request_runs_once_and_its_client_is_told(serve, protocol
     after = await infer_once(serve, model, protocol, np.array([[3.0, 1.0]], np.float32))
     assert not isinstance(after, str), after
     np.testing.assert_allclose(after, [[6.0, 2.0]])
-    assert await asyncio.to_thread(serve.stub_pids, model) not in ([], [old])
+    assert await asyncio.to_thread(serve.model_pids, model, serve.worker) not in ([], [old])
     status = await asyncio.to_thread(serve.status, model)
     assert status["state"] == "ready" and "exit code 1" in (status["last_crash"] or ""), status
-    report(f"poison request ({serve.topology}, {protocol})", executions=rows.count("-1"),
+    if serve.worker == "preforked":  # the client is told it was the worker
+        assert f"preforked worker process (pid {old}" in error, error
+    report(f"poison request ({serve.topology}, {serve.worker}, {protocol})", executions=rows.count("-1"),
            answer_secs=round(answered, 2), client_error=error[:120])  # fmt: skip
 
 
@@ -130,7 +136,7 @@ async def test_a_request_after_its_model_process_died_is_served(serve, protocol)
     x = np.array([[1.0, 2.0]], np.float32)
     first = await infer_once(serve, model, protocol, x)
     assert not isinstance(first, str), first
-    [old] = await asyncio.to_thread(serve.stub_pids, model)
+    [old] = await asyncio.to_thread(serve.model_pids, model, serve.worker)
     loads = (await asyncio.to_thread(serve.status, model))["load_count"]
     os.kill(old, signal.SIGKILL)
     started = time.monotonic()
@@ -138,8 +144,8 @@ async def test_a_request_after_its_model_process_died_is_served(serve, protocol)
     recovery = time.monotonic() - started
     assert not isinstance(answer, str), answer
     np.testing.assert_allclose(answer, x * 4.0)
-    assert await asyncio.to_thread(serve.stub_pids, model) not in ([], [old])
+    assert await asyncio.to_thread(serve.model_pids, model, serve.worker) not in ([], [old])
     status = await asyncio.to_thread(serve.status, model)
     assert status["load_count"] == loads + 1 and "SIGKILL" in (status["last_crash"] or ""), status
-    report(f"request after SIGKILL of an idle model process ({serve.topology}, {protocol})",
+    report(f"request after SIGKILL of an idle model process ({serve.topology}, {serve.worker}, {protocol})",
            answered_after_secs=round(recovery, 3))  # fmt: skip

@@ -153,6 +153,33 @@ def test_keep_alive_policy_is_fixed_by_default_and_adaptive_on_request(tmp_path:
         load_models_toml(toml)
 
 
+def test_worker_is_in_stub_by_default_and_preforked_on_request(tmp_path: Path) -> None:
+    from controlplane.render import runtime_config
+
+    write_custom(tmp_path / "pkgs" / "net", {"preload": ["torch", "PIL.Image", "torch"]})
+    toml = tmp_path / "models.toml"
+    toml.write_text('[[models]]\nid = "a"\npath = "pkgs/net"\n[[models]]\nid = "b"\npath = "pkgs/net"\n'
+                    'worker = "preforked"\n')
+    stub, forked = load_models_toml(toml)
+    assert (stub.worker, forked.worker) == ("in-stub", "preforked")
+    config = runtime_config(resolve(forked))
+    assert (config["worker"], config["preload"]) == ("preforked", ["torch", "PIL.Image"])  # deduplicated
+    toml.write_text('[[models]]\nid = "a"\npath = "pkgs/net"\nworker = "forked"\n')
+    with pytest.raises(InvalidPackageError, match=r"\(id 'a'\).*field 'worker'.*'in-stub' or 'preforked'"):
+        load_models_toml(toml)
+
+
+def test_preload_names_modules(tmp_path: Path) -> None:
+    write_custom(tmp_path / "m", {"preload": ["torch", "not a module"]})
+    with pytest.raises(InvalidPackageError, match=r"field 'preload'.*\['not a module'\].*importable module name"):
+        load_package(tmp_path / "m")
+
+
+def test_preforked_applies_to_custom_models_only() -> None:
+    with pytest.raises(InvalidPackageError, match=r"model 'o': worker = \"preforked\" applies to custom models.*onnx"):
+        resolve(DeploymentSpec(id="o", path=EXAMPLES / "onnx-mlp", worker="preforked"))
+
+
 def test_duplicate_ids_are_rejected(tmp_path: Path) -> None:
     write_custom(tmp_path / "a")
     toml = tmp_path / "models.toml"

@@ -108,3 +108,12 @@ def test_keep_alive_column_shows_the_policy_and_its_current_windows():
         "fixed 5m", "learning 3/10 (5m)", "adaptive: pre-warm +9m, keep +11.5m", "adaptive: pre-warm +6.2s, keep +30s",
         "adaptive: pre-warm +21.6h, keep +26.4h", "adaptive: keep +45s", "adaptive: keep +30s",
     ]
+
+
+def test_a_preloaded_parent_gets_a_line_of_its_own():
+    from controlplane.cli.client_commands import _parent_line
+
+    parent = {"pid": 42, "preload": ["numpy", "torch"], "memory_bytes": 230 * MIB, "workers": 3, "failed": {}}
+    assert _parent_line(parent) == "preloaded parent pid 42 (numpy, torch): 230.0 MiB, 3 worker(s)"
+    parent["failed"] = {"torchvision": "ModuleNotFoundError: No module named 'torchvision'"}
+    assert _parent_line(parent).endswith(", could not import torchvision")

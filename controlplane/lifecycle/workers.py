@@ -1,0 +1,183 @@
+"""Preforked workers and their preloaded parents, as the control plane sees them.
+
+A preforked model's code runs in a worker process forked from a parent that has already imported
+the model's framework (``python_backend/prefork_parent.py``). Neither is a child of tritonserver, so
+they are found through files in the request journal folder (``python_backend/preforked.py`` and
+``prefork_parent.py`` write them; both sides agree on the names and fields below):
+
+- ``<stub pid>-<stub start ticks>.worker``: the stub's worker: ``{"model", "pid", "start_ticks",
+  "parent_key"}``, plus ``"exit_status"`` (a wait status), ``"ended"`` and ``"ran"`` once the worker
+  died and took its stub with it;
+- ``prefork-<key>.parent``: one parent: ``{"pid", "start_ticks", "preload", "import_secs", "failed",
+  "python", "triton_pid", ...}``.
+
+Memory: a worker shares its parent's pages copy-on-write, so a model is charged what its worker adds
+(its USS: pages no other process maps), and the parent's own memory is a line of its own in status
+and in the memory budget: pages shared with the parent are counted once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from controlplane.lifecycle.journal import PARENT_PREFIX, PARENT_SUFFIX, WORKER_SUFFIX
+from controlplane.lifecycle.processes import StubProcess, describe_exit, read_stat
+
+
+@dataclass(frozen=True)
+class WorkerProcess:
+    """A stub's preforked worker, as its note says."""
+
+    pid: int
+    start_ticks: int
+    model: str
+    stub_pid: int
+    exit_status: int | None = None
+    ended: str | None = None  # when it died: "while running a batch", "while idle", ...
+    ran: bool | None = None  # whether the batch its stub journaled had reached it
+
+    def describe(self) -> str:
+        return describe_exit(self.exit_status)
+
+
+@dataclass(frozen=True)
+class PreloadedParent:
+    pid: int
+    start_ticks: int
+    key: str
+    preload: tuple[str, ...]
+    failed: dict[str, str]
+    python: str
+    import_secs: dict[str, float]
+
+
+def worker_note_path(journal_dir: Path, stub: StubProcess) -> Path:
+    return journal_dir / f"{stub.pid}-{stub.start_ticks}{WORKER_SUFFIX}"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw if isinstance(raw, dict) else None
+
+
+def worker_of(journal_dir: Path | None, stub: StubProcess) -> WorkerProcess | None:
+    """The preforked worker of ``stub`` (alive or not), or None for an in-stub model."""
+    if journal_dir is None:
+        return None
+    raw = _read_json(worker_note_path(journal_dir, stub))
+    if raw is None:
+        return None
+    try:
+        status = raw.get("exit_status")
+        return WorkerProcess(
+            int(raw["pid"]),
+            int(raw.get("start_ticks") or 0),
+            str(raw.get("model") or stub.model),
+            stub.pid,
+            int(status) if isinstance(status, int) else None,
+            raw.get("ended"),
+            raw.get("ran"),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def workers_of(journal_dir: Path | None, stubs: Iterable[StubProcess]) -> list[WorkerProcess]:
+    return [w for w in (worker_of(journal_dir, s) for s in stubs) if w is not None]
+
+
+def alive(pid: int, start_ticks: int, proc_root: Path = Path("/proc")) -> bool:
+    stat = read_stat(pid, proc_root)
+    return stat is not None and stat.state != "Z" and (not start_ticks or stat.start_ticks == start_ticks)
+
+
+def unique_bytes(pids: Iterable[int]) -> int:
+    """USS: the memory that leaves when these processes end (pages no other process maps)."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            total += psutil.Process(pid).memory_full_info().uss
+    return total
+
+
+def worker_bytes(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc")) -> int:
+    return unique_bytes(w.pid for w in workers if alive(w.pid, w.start_ticks, proc_root))
+
+
+def kill_workers(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc")) -> list[int]:
+    """SIGKILL these workers (those still alive); their pids."""
+    killed = []
+    for worker in workers:
+        if alive(worker.pid, worker.start_ticks, proc_root):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(worker.pid, signal.SIGKILL)
+                killed.append(worker.pid)
+    return killed
+
+
+def parents(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> list[PreloadedParent]:
+    """The live preloaded parents that write their records to ``journal_dir``."""
+    if journal_dir is None:
+        return []
+    found = []
+    with contextlib.suppress(OSError):
+        for path in sorted(journal_dir.glob(f"{PARENT_PREFIX}*{PARENT_SUFFIX}")):
+            raw = _read_json(path)
+            if raw is None:
+                continue
+            try:
+                parent = PreloadedParent(
+                    int(raw["pid"]),
+                    int(raw["start_ticks"]),
+                    str(raw.get("key") or path.stem),
+                    tuple(raw.get("preload") or ()),
+                    dict(raw.get("failed") or {}),
+                    str(raw.get("python") or ""),
+                    dict(raw.get("import_secs") or {}),
+                )
+            except (KeyError, TypeError, ValueError):
+                continue
+            if alive(parent.pid, parent.start_ticks, proc_root):
+                found.append(parent)
+    return found
+
+
+def parent_status(parent: PreloadedParent) -> dict[str, Any]:
+    """One parent's line in status: its own memory (RSS: the pages its workers share, counted once)."""
+    rss = uss = None
+    workers = 0
+    with contextlib.suppress(psutil.Error):
+        proc = psutil.Process(parent.pid)
+        info = proc.memory_full_info()
+        rss, uss = info.rss, info.uss
+        workers = len(proc.children())
+    return {
+        "pid": parent.pid,
+        "preload": list(parent.preload),
+        "failed": parent.failed,
+        "python": parent.python,
+        "import_secs": parent.import_secs,
+        "memory_bytes": rss,
+        "unique_bytes": uss,
+        "workers": workers,
+    }
+
+
+def parents_bytes(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> int:
+    total = 0
+    for parent in parents(journal_dir, proc_root):
+        with contextlib.suppress(psutil.Error):
+            total += psutil.Process(parent.pid).memory_info().rss
+    return total

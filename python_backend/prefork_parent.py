@@ -1,0 +1,421 @@
+"""The preloaded parent: one single-threaded process per (interpreter, runtime, preload set, env, Triton)
+that has imported the modules its models declare and forks one worker per model instance on request.
+
+A stub that needs it starts it (preforked.py) as ``python -c <boot> snooze-prefork <config JSON>``;
+the boot code forks once more, so the parent is nobody's child but stays in Triton's process group
+(stopping the stack's group stops it too). It binds its abstract socket before importing anything:
+a second parent started in a race finds the name taken and exits at once, and stubs that connect
+meanwhile wait in the listen queue until the imports are done. It never initialises CUDA (a CUDA
+context does not survive a fork): workers do, in ``load``.
+
+Supervision, all on one thread (``selectors``): the tritonserver it serves (a pidfd) — when it is
+gone, so is the parent, killing any worker left; each worker's stub (a pidfd) — when a stub is gone,
+its worker is killed (a worker stuck in C code holding the GIL cannot watch for itself); SIGCHLD —
+workers are reaped here, and their wait status is kept for the STATUS question a stub asks when its
+worker died under it. Only processes of the same uid may connect (SO_PEERCRED).
+
+Where ``$SNOOZE_JOURNAL_DIR`` is set, ``prefork-<key>.parent`` (JSON) in it says the parent exists:
+the control plane shows its memory in status and counts it in the memory budget.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import gc
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+from . import prefork_worker
+from .journal import start_ticks
+from .prefork_protocol import (
+    EXITED,
+    SPAWN,
+    STATUS,
+    PeerClosed,
+    ProtocolError,
+    abstract_name,
+    parse_json,
+    recv_frame,
+    send_json,
+)
+
+ALWAYS_PRELOADED = ("numpy",)
+STATUS_WAIT_SECS = 2.0  # a STATUS question about a live worker waits this long for it to be reaped
+REAPED_KEPT = 1024
+POLL_SECS = 1.0  # without pidfds: how often Triton is looked at
+PR_SET_NAME = 15
+RECORD_SUFFIX = ".parent"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParentConfig:
+    key: str
+    preload: tuple[str, ...]
+    env: dict[str, str]
+    triton_pid: int
+    triton_start_ticks: int
+    journal_dir: str | None
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ParentConfig:
+        return cls(
+            str(raw["key"]),
+            tuple(raw.get("preload") or ()),
+            {str(k): str(v) for k, v in (raw.get("env") or {}).items()},
+            int(raw["triton_pid"]),
+            int(raw["triton_start_ticks"]),
+            raw.get("journal_dir") or None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "preload": list(self.preload)}
+
+
+def record_path(journal_dir: str, key: str) -> str:
+    return os.path.join(journal_dir, f"prefork-{key}{RECORD_SUFFIX}")
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps`` and psutil show (/proc/<pid>/comm), so parents and workers are easy to tell."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+
+
+def native_threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def preload(modules: tuple[str, ...]) -> tuple[dict[str, float], dict[str, str]]:
+    """Import numpy and ``modules``; seconds per module, and the error of each that failed."""
+    seconds: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    for name in dict.fromkeys((*ALWAYS_PRELOADED, *modules)):
+        started = time.perf_counter()
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # the worker's own import will fail with the model's name on it
+            failed[name] = f"{type(e).__name__}: {e}"
+            _log(f"could not preload {name!r} ({failed[name]}); models that need it import it themselves")
+        seconds[name] = round(time.perf_counter() - started, 4)
+    return seconds, failed
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # an odd torch build: nothing to warn about
+        return False
+
+
+def _log(message: str) -> None:
+    print(f"snooze prefork parent {os.getpid()}: {message}", file=sys.stderr, flush=True)
+
+
+def _pidfd(pid: int, ticks: int) -> int | None:
+    """A pidfd for ``pid`` if it is still the process started at ``ticks``; -1 when it is gone;
+    None when this kernel has no pidfd_open (then it is polled)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except AttributeError:
+        return None
+    except OSError as e:
+        return None if e.errno == errno.ENOSYS else -1
+    try:
+        if start_ticks(pid) == ticks:
+            return fd
+    except (OSError, ValueError, IndexError):
+        pass
+    os.close(fd)
+    return -1
+
+
+def _alive(pid: int, ticks: int) -> bool:
+    try:
+        return start_ticks(pid) == ticks
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+@dataclasses.dataclass
+class _Worker:
+    pid: int
+    stub_pid: int
+    stub_fd: int | None  # pidfd of its stub (None: polled)
+    stub_ticks: int
+
+
+class PreloadedParent:
+    def __init__(self, config: ParentConfig) -> None:
+        self.config = config
+        self.selector = selectors.DefaultSelector()
+        self.listener: socket.socket | None = None
+        self.triton_fd: int | None = None
+        self.wake_r = self.wake_w = -1
+        self.workers: dict[int, _Worker] = {}
+        self.clients: set[socket.socket] = set()
+        self.reaped: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self.questions: dict[socket.socket, tuple[int, float]] = {}  # STATUS asked about a live worker
+
+    def run(self) -> int:
+        set_process_name("snooze-prefork")
+        os.environ.update(self.config.env)  # libraries read some settings at import (OMP_NUM_THREADS, ...)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(abstract_name(self.config.key))
+        except OSError:
+            listener.close()
+            return 0  # another parent for the same key won the race: it serves
+        listener.listen(128)
+        self.listener = listener
+        triton = _pidfd(self.config.triton_pid, self.config.triton_start_ticks)
+        if triton == -1:
+            return 0
+        self.triton_fd = triton
+        imported, failed = preload(self.config.preload)
+        threads = native_threads()
+        # BLAS thread pools survive a fork (they re-create themselves); other native threads may not.
+        _log(f"preloaded {imported} for Triton pid {self.config.triton_pid}; {threads} native thread(s)")
+        if _cuda_initialised():
+            _log("a preloaded module initialised CUDA: a CUDA context does not survive a fork, so GPU models "
+                 "forked from this parent will fail; preload only modules that leave CUDA alone at import")
+        gc.collect()
+        gc.freeze()  # the imported objects stay out of the collector's way: fewer pages copied per worker
+        record = self._write_record(imported, failed, threads)
+        try:
+            self._setup_signals()
+            self._loop()
+        finally:
+            if record:
+                with contextlib.suppress(OSError):
+                    os.unlink(record)
+        return 0
+
+    # --- setup
+
+    def _write_record(self, imported: dict[str, float], failed: dict[str, str], threads: int) -> str | None:
+        directory = self.config.journal_dir
+        if not directory or not os.path.isdir(directory):
+            return None
+        path = record_path(directory, self.config.key)
+        record = {
+            "pid": os.getpid(),
+            "start_ticks": start_ticks(),
+            "key": self.config.key,
+            "python": sys.executable,
+            "python_version": ".".join(map(str, sys.version_info[:3])),
+            "preload": list(imported),
+            "import_secs": imported,
+            "failed": failed,
+            "threads": threads,
+            "triton_pid": self.config.triton_pid,
+            "started_at": time.time(),
+        }
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(record, f)
+            os.replace(tmp, path)
+        except OSError:
+            return None
+        return path
+
+    def _setup_signals(self) -> None:
+        self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that the wake-up fd hears it
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        assert self.listener is not None
+        self.listener.setblocking(False)
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
+        if self.triton_fd is not None:
+            self.selector.register(self.triton_fd, selectors.EVENT_READ, "triton")
+
+    # --- the loop
+
+    def _loop(self) -> None:
+        while True:
+            for key, _ in self.selector.select(self._timeout()):
+                tag = key.data
+                if tag == "accept":
+                    self._accept()
+                elif tag == "triton":
+                    self._stop()
+                    return
+                elif tag == "wake":
+                    with contextlib.suppress(OSError):
+                        os.read(self.wake_r, 512)
+                elif isinstance(tag, _Worker):
+                    self._stub_gone(tag)
+                else:
+                    self._request(tag)
+            self._reap()
+            self._answer_questions()
+            if self.triton_fd is None and not _alive(self.config.triton_pid, self.config.triton_start_ticks):
+                self._stop()
+                return
+            self._poll_stubs()
+
+    def _timeout(self) -> float:
+        if self.questions:
+            return max(0.0, min(deadline for _, deadline in self.questions.values()) - time.monotonic())
+        polled = self.triton_fd is None or any(w.stub_fd is None for w in self.workers.values())
+        return POLL_SECS if polled else 60.0
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        try:
+            conn, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if uid != os.getuid():  # the abstract namespace has no permissions: only our own user may ask
+            conn.close()
+            return
+        conn.setblocking(True)
+        self.clients.add(conn)
+        self.selector.register(conn, selectors.EVENT_READ, conn)
+
+    def _request(self, conn: socket.socket) -> None:
+        self.selector.unregister(conn)
+        try:
+            kind, body, fd = recv_frame(conn)
+            if fd is not None:
+                os.close(fd)
+            payload = parse_json(kind, body)
+            if kind == SPAWN:
+                self._spawn(conn, prefork_worker.SpawnRequest.from_json(payload))
+                return
+            if kind == STATUS:
+                self._status(conn, int(payload.get("pid", 0)))
+                return
+            raise ProtocolError(f"the parent answers SPAWN and STATUS, got frame type {kind}")
+        except (PeerClosed, ProtocolError, OSError, ValueError) as e:
+            if not isinstance(e, PeerClosed):
+                _log(f"dropped a request: {e}")
+            self._close(conn)
+
+    def _spawn(self, conn: socket.socket, request: prefork_worker.SpawnRequest) -> None:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                self._forget_in_child(conn)
+                prefork_worker.reset_signals()
+                set_process_name("snooze-worker")
+            except BaseException:
+                os._exit(prefork_worker.EXIT_CRASHED)
+            prefork_worker.serve(conn, request)  # never returns
+        self._close(conn)
+        stub_fd = _pidfd(request.stub_pid, request.stub_start_ticks)
+        worker = _Worker(pid, request.stub_pid, stub_fd if stub_fd != -1 else None, request.stub_start_ticks)
+        self.workers[pid] = worker
+        if stub_fd == -1:
+            self._stub_gone(worker)
+        elif stub_fd is not None:
+            self.selector.register(stub_fd, selectors.EVENT_READ, worker)
+
+    def _forget_in_child(self, keep: socket.socket) -> None:
+        """In a fresh worker: close everything of the parent's but the worker's own connection."""
+        self.selector.close()
+        if self.listener is not None:
+            self.listener.close()
+        for conn in list(self.clients):
+            if conn is not keep:
+                conn.close()
+        for fd in (self.triton_fd, self.wake_r, self.wake_w, *(w.stub_fd for w in self.workers.values())):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.workers.clear()
+
+    def _status(self, conn: socket.socket, pid: int) -> None:
+        if pid in self.reaped or pid not in self.workers:
+            self._answer(conn, pid)
+        else:
+            self.questions[conn] = (pid, time.monotonic() + STATUS_WAIT_SECS)
+
+    def _answer(self, conn: socket.socket, pid: int) -> None:
+        with contextlib.suppress(OSError):
+            send_json(conn, EXITED, {"pid": pid, "status": self.reaped.get(pid)})
+        self._close(conn)
+
+    def _answer_questions(self) -> None:
+        now = time.monotonic()
+        for conn, (pid, deadline) in list(self.questions.items()):
+            if pid in self.reaped or now >= deadline:
+                del self.questions[conn]
+                self._answer(conn, pid)
+
+    def _close(self, conn: socket.socket) -> None:
+        self.clients.discard(conn)
+        conn.close()
+
+    # --- workers
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.reaped[pid] = status
+            while len(self.reaped) > REAPED_KEPT:
+                self.reaped.popitem(last=False)
+            worker = self.workers.pop(pid, None)
+            if worker is not None and worker.stub_fd is not None:
+                self.selector.unregister(worker.stub_fd)
+                os.close(worker.stub_fd)
+
+    def _stub_gone(self, worker: _Worker) -> None:
+        """The worker's stub ended: end the worker (reaped with the next SIGCHLD)."""
+        if worker.stub_fd is not None:
+            self.selector.unregister(worker.stub_fd)
+            os.close(worker.stub_fd)
+            worker.stub_fd = None
+        worker.stub_ticks = -1  # never polled again
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker.pid, signal.SIGKILL)
+
+    def _poll_stubs(self) -> None:
+        for worker in list(self.workers.values()):
+            if worker.stub_fd is None and worker.stub_ticks >= 0 and not _alive(worker.stub_pid, worker.stub_ticks):
+                self._stub_gone(worker)
+
+    def _stop(self) -> None:
+        """Triton is gone: so is everything this parent started."""
+        for worker in list(self.workers.values()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker.pid, signal.SIGKILL)
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str]) -> int:
+    """``argv``: the parent's config as one JSON argument (see ParentConfig)."""
+    try:
+        config = ParentConfig.from_json(json.loads(argv[-1]))
+    except (IndexError, KeyError, TypeError, ValueError) as e:
+        _log(f"bad configuration {argv!r}: {e!r}")
+        return 2
+    return PreloadedParent(config).run()

@@ -1,0 +1,510 @@
+"""The stub's side of a preforked model: ``PreforkedModel``, what ``build_model`` returns for a spec
+with ``worker: "preforked"``.
+
+It has the user model's duck type (``load``, ``predict``, ``unload``) and runs on the stub's user
+thread like one (runners.UserThread: ``request_timeout_secs`` works unchanged), but the model lives
+in a worker process forked from a preloaded parent (prefork_parent.py): ``load`` finds or starts the
+parent, asks it for a worker and waits for READY; ``predict`` hands the collated batch over shared
+memory and returns the outputs (prefork_protocol.py); ``unload`` ends the worker and waits until it
+is gone, so its memory leaves with the unload.
+
+When the worker dies, this stub process exits too, so the control plane's dead-stub recovery and
+request journal apply unchanged: a batch that reached the worker ran (at most once, never again); a
+batch that could not reach it (the worker was already gone) is cleared from the journal first, so
+those requests are served after recovery. Before exiting, the stub writes the worker's pid and exit
+status to ``<journal dir>/<stub pid>-<start ticks>.worker``, where the control plane reads it (it
+also reads the worker's pid there, to measure the memory it adds).
+
+If no parent can be had (no interpreter found, the parent cannot start or died before forking), the
+model is loaded in the stub instead, with a warning in Triton's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, NoReturn
+
+from . import RUNTIME_MODULES
+from .errors import INTERNAL, PredictTimeout, RemoteFailure, describe_failure, without_prefix
+from .journal import JOURNAL_ENV, clear_batch, own_file, start_ticks
+from .prefork_protocol import (
+    ERROR,
+    EXITED,
+    FORKED,
+    INFER,
+    READY,
+    RESULT,
+    SHUTDOWN,
+    SPAWN,
+    STATUS,
+    PeerClosed,
+    PeerRegion,
+    ProtocolError,
+    Region,
+    abstract_name,
+    parse_json,
+    read_tensors,
+    recv_frame,
+    send_frame,
+    send_json,
+    send_tensors,
+)
+from .spec import SPEC_FILE, RuntimeSpec
+
+PARENT_CONNECT_SECS = 15.0  # the parent binds its socket first thing: a slow start on a busy machine
+STATUS_ASK_SECS = 3.0  # how long a stub waits for the parent to say how its worker ended
+WORKER_EXIT_SECS = 10.0  # after SHUTDOWN, how long the worker gets to exit before it is killed
+WORKER_NOTE = ".worker"
+# The parent's entry point: fork once more (nobody's child, still in Triton's process group), then
+# import the runtime from this model's folder and run; the runtime folder leaves sys.path afterwards
+# so that it never shadows a model's own modules.
+_BOOT = (
+    "import os, sys\n"
+    "if os.fork():\n"
+    "    os._exit(0)\n"
+    "sys.path.insert(0, sys.argv[2])\n"
+    "from python_backend import prefork_parent\n"
+    "sys.path.remove(sys.argv[2])\n"
+    "sys.exit(prefork_parent.main(sys.argv[1:]))\n"
+)
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class PreforkUnavailable(Exception):
+    """No preloaded parent can serve this model: it loads in the stub instead."""
+
+
+def _log(model_id: str, message: str) -> None:
+    print(f"snooze model '{model_id}': {message}", file=sys.stderr, flush=True)
+
+
+def describe_wait_status(status: int | None) -> str:
+    if status is None:
+        return "exit status unknown"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        with contextlib.suppress(ValueError):
+            return f"killed by signal {sig} ({signal.Signals(sig).name})"
+        return f"killed by signal {sig}"
+    if os.WIFEXITED(status):
+        return f"exit code {os.WEXITSTATUS(status)}"
+    return f"wait status {status}"
+
+
+def exit_code_for(status: int | None) -> int:
+    """The stub's own exit code when its worker ended with ``status`` (the shell's 128 + signal)."""
+    if status is not None and os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    if status is not None and os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return 1
+
+
+def find_interpreter() -> str | None:
+    """The interpreter the stub embeds, as a program: the parent must import what the stub imports."""
+    exe = sys.executable
+    if exe and os.path.isfile(exe) and os.access(exe, os.X_OK):
+        return exe
+    return shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}")
+
+
+def runtime_digest(runtime_dir: str = _RUNTIME_DIR) -> str:
+    """A parent serves only stubs whose runtime files are the same as the ones it imported."""
+    h = hashlib.sha256()
+    for name in RUNTIME_MODULES:
+        with open(os.path.join(runtime_dir, name), "rb") as f:
+            h.update(name.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class ParentIdentity:
+    """What a parent must share with the stubs it serves; its hash names the parent's socket."""
+
+    interpreter: str
+    runtime: str
+    preload: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    triton_pid: int
+    triton_start_ticks: int
+
+    @property
+    def key(self) -> str:
+        raw = json.dumps([os.getuid(), sys.version, *dataclasses.astuple(self)], sort_keys=True)
+        return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def parent_identity(spec: RuntimeSpec, interpreter: str, server_pid: int | None = None) -> ParentIdentity:
+    triton = server_pid or os.getppid()  # the stub is tritonserver's child
+    return ParentIdentity(
+        interpreter,
+        runtime_digest(),
+        tuple(dict.fromkeys(("numpy", *spec.preload))),
+        tuple(sorted(spec.env.items())),
+        triton,
+        start_ticks(triton),
+    )
+
+
+def start_parent(identity: ParentIdentity) -> None:
+    """Start a parent for ``identity`` (it exits at once if another one already serves it)."""
+    config = {
+        "key": identity.key,
+        "preload": list(identity.preload),
+        "env": dict(identity.env),
+        "triton_pid": identity.triton_pid,
+        "triton_start_ticks": identity.triton_start_ticks,
+        "journal_dir": os.environ.get(JOURNAL_ENV) or None,
+    }
+    root = os.path.dirname(_RUNTIME_DIR)
+    proc = subprocess.Popen(
+        [identity.interpreter, "-c", _BOOT, "snooze-prefork", root, json.dumps(config)],
+        stdin=subprocess.DEVNULL,
+        close_fds=True,
+    )
+    proc.wait()  # the boot forks and its first process exits at once
+
+
+def connect_parent(identity: ParentIdentity, timeout: float = PARENT_CONNECT_SECS) -> socket.socket:
+    """A connection to the parent, started first if none listens; PreforkUnavailable when none comes."""
+    deadline = time.monotonic() + timeout
+    started = False
+    delay = 0.002
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(abstract_name(identity.key))
+            return sock
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+        if not started:
+            try:
+                start_parent(identity)
+            except OSError as e:
+                raise PreforkUnavailable(f"the parent could not be started with {identity.interpreter} ({e})") from e
+            started = True
+        if time.monotonic() > deadline:
+            raise PreforkUnavailable(f"no parent listened within {timeout:g} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def ask_exit_status(identity: ParentIdentity, worker_pid: int) -> int | None:
+    """How worker ``worker_pid`` ended, from the parent that reaped it (None: not known)."""
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(STATUS_ASK_SECS)
+        with sock:
+            sock.connect(abstract_name(identity.key))
+            send_json(sock, STATUS, {"pid": worker_pid})
+            kind, body, _ = recv_frame(sock)
+            payload = parse_json(kind, body) if kind == EXITED else {}
+    except (OSError, PeerClosed, ProtocolError):
+        return None
+    status = payload.get("status")
+    return status if isinstance(status, int) else None
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+class PreforkedModel:
+    """The user model's stand-in in the stub: the model itself runs in a preforked worker."""
+
+    def __init__(self, spec: RuntimeSpec, package_dir: str, *, server_pid: int | None = None) -> None:
+        """``server_pid``: the tritonserver whose life bounds the parent's (default: this stub's parent)."""
+        self.spec = spec
+        self.package_dir = package_dir
+        self.server_pid = server_pid
+        self.worker_pid: int | None = None
+        self._identity: ParentIdentity | None = None
+        self._conn: socket.socket | None = None
+        self._pidfd: int | None = None
+        self._poll: select.poll | None = None
+        self._region = Region(f"snooze-in-{spec.model_id}")
+        self._peer = PeerRegion()
+        self._lock = threading.Lock()  # one conversation with the worker at a time, and the death watch
+        self._closing = False
+        self._overrun: float | None = None  # monotonic start of a call that overran request_timeout_secs
+        self._timeout: float | None = None  # the receive timeout set on the connection
+        self._note: dict[str, Any] = {}
+        self.in_stub: Any = None  # the model, when no parent could be had
+
+    # --- load
+
+    def load(self, model_dir: str, device: str) -> None:
+        try:
+            conn = self._spawn(model_dir, device)
+        except PreforkUnavailable as e:
+            _log(self.spec.model_id, f"no preloaded parent ({e}); loading in the stub instead (a slower cold start)")
+            self._load_in_stub(model_dir, device)
+            return
+        self._conn = conn
+        try:
+            kind, body, fd = recv_frame(conn)
+        except PeerClosed:
+            status = ask_exit_status(self._identity, self.worker_pid) if self._identity and self.worker_pid else None
+            self._write_note(exit_status=status, ended="load")
+            raise RemoteFailure(
+                INTERNAL,
+                f"its worker process (pid {self.worker_pid}) died during load ({describe_wait_status(status)}); "
+                "look at the model's log for the cause (a SIGKILL is often the kernel's OOM killer)",
+            ) from None
+        if fd is not None:
+            os.close(fd)
+        payload = parse_json(kind, body)
+        if kind == ERROR:  # the worker ends after saying why
+            self._conn = None
+            conn.close()
+            self._remove_note()
+            raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
+        if kind != READY:
+            raise ProtocolError(f"expected READY from the worker, got frame type {kind}")
+        self._poll = select.poll()
+        self._poll.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+        _log(
+            self.spec.model_id,
+            f"preforked worker pid {self.worker_pid} ready (import {payload.get('import_secs', 0):.3f} s, "
+            f"load {payload.get('load_secs', 0):.3f} s)",
+        )
+        if self._pidfd is not None:
+            threading.Thread(target=self._watch, name="snooze-worker-watch", daemon=True).start()
+
+    def _spawn(self, model_dir: str, device: str) -> socket.socket:
+        interpreter = find_interpreter()
+        if interpreter is None:
+            raise PreforkUnavailable("no Python interpreter to run it: sys.executable is not set")
+        self._identity = identity = parent_identity(self.spec, interpreter, self.server_pid)
+        conn = connect_parent(identity)
+        request = {
+            # <version>/package is the package, <version>/snooze_runtime.json its spec (docs/internals.md)
+            "spec_path": os.path.join(os.path.dirname(os.path.abspath(model_dir)), SPEC_FILE),
+            "package_dir": model_dir,
+            "device": device,
+            "stub_pid": os.getpid(),
+            "stub_start_ticks": start_ticks(),
+        }
+        try:
+            send_json(conn, SPAWN, request)
+            kind, body, fd = recv_frame(conn)  # waits while the parent imports its preload set
+        except (OSError, PeerClosed) as e:
+            conn.close()
+            raise PreforkUnavailable(f"the parent closed the connection before forking ({type(e).__name__})") from e
+        if fd is not None:
+            os.close(fd)
+        if kind != FORKED:
+            conn.close()
+            raise ProtocolError(f"expected FORKED from the worker, got frame type {kind}")
+        payload = parse_json(kind, body)
+        self.worker_pid = int(payload["pid"])
+        self._pidfd = _pidfd(self.worker_pid)
+        self._note = {
+            "model": self.spec.model_id,
+            "pid": self.worker_pid,
+            "start_ticks": int(payload.get("start_ticks", 0)),
+            "parent_key": identity.key,
+        }
+        self._write_note()
+        return conn
+
+    def _load_in_stub(self, model_dir: str, device: str) -> None:
+        from .runners import build_model
+
+        try:
+            model = build_model(dataclasses.replace(self.spec, worker="in-stub"), model_dir)
+        except Exception as e:  # reads as the stub's own import failure would
+            kind, message = describe_failure(e, self.spec.model_id, "import", None)
+            raise RemoteFailure(kind, without_prefix(kind, self.spec.model_id, message)) from None
+        model.load(model_dir, device)
+        self.in_stub = model
+
+    # --- predict
+
+    def predict(self, inputs: dict[str, Any]) -> Any:
+        if self.in_stub is not None:
+            return self.in_stub.predict(inputs)
+        return self.predict_within(inputs, None)
+
+    @property
+    def direct_predict(self) -> Any:
+        """``predict_within`` when a worker serves (the stub may call it from any thread), else None."""
+        return self.predict_within if self.in_stub is None and self._conn is not None else None
+
+    def predict_within(self, inputs: dict[str, Any], timeout: float | None) -> Any:
+        """``predict`` with ``request_timeout_secs``, straight from the stub's thread: the worker is a
+        process of its own, so no user thread in the stub is needed (one thread hand-over less per
+        batch). After a timeout the instance stays busy until the worker answers, as in the stub."""
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                self._die(ran=False, when="before a batch")
+            if self._overrun is not None and not self._drain_overrun(conn):
+                raise PredictTimeout(
+                    "this instance is still running a predict call that overran its timeout (started "
+                    f"{time.monotonic() - self._overrun:.0f} s ago); requests fail until it returns. "
+                    "Reload the model to recover now, or raise request_timeout_secs"
+                )
+            try:
+                send_tensors(conn, INFER, self._region, inputs)
+            except OSError:  # EPIPE: the worker had closed its end, it ended before this batch
+                self._die(ran=False, when="before a batch")
+            self._set_timeout(conn, timeout)
+            try:
+                return self._answer(conn)
+            except BlockingIOError:  # SO_RCVTIMEO passed: no answer within the timeout
+                self._overrun = time.monotonic()
+                raise PredictTimeout(
+                    f"predict did not finish within request_timeout_secs={timeout:g} s; make predict faster, "
+                    "send smaller batches or raise request_timeout_secs. The instance stays busy until the call "
+                    "returns (its worker keeps running it); reload the model to free it"
+                ) from None
+
+    def _set_timeout(self, conn: socket.socket, timeout: float | None) -> None:
+        """The kernel's receive timeout (SO_RCVTIMEO: no poll(2) per batch); 0 waits for ever."""
+        if timeout != self._timeout:
+            secs = timeout or 0.0
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
+            self._timeout = timeout
+
+    def _answer(self, conn: socket.socket) -> Any:
+        try:
+            kind, body, fd = recv_frame(conn)
+        except BlockingIOError:
+            raise
+        except (PeerClosed, OSError):
+            # ran only if the worker took the batch (it marks our region) before it died
+            ran = self._region.taken()
+            self._die(ran=ran, when="while running a batch" if ran else "before it took the batch")
+        if kind == RESULT:
+            return read_tensors(body, fd, self._peer, copy=True)
+        if fd is not None:
+            os.close(fd)
+        if kind == ERROR:
+            payload = parse_json(kind, body)
+            raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
+        raise ProtocolError(f"expected RESULT or ERROR from the worker, got frame type {kind}")
+
+    def _answered(self, timeout: float) -> bool:
+        """Whether the worker's answer (or its end) is readable within ``timeout`` seconds."""
+        assert self._poll is not None
+        return bool(self._poll.poll(max(1, int(timeout * 1000))))
+
+    def _drain_overrun(self, conn: socket.socket) -> bool:
+        """The late answer of a call that overran: dropped once it is there (True), else False."""
+        if not self._answered(0.001):
+            return False
+        self._set_timeout(conn, None)
+        try:
+            self._answer(conn)
+        except RemoteFailure:
+            pass  # its requests were answered with the timeout already
+        self._overrun = None
+        return True
+
+    # --- unload
+
+    def unload(self) -> None:
+        if self.in_stub is not None:
+            unload = getattr(self.in_stub, "unload", None)
+            if callable(unload):
+                unload()
+            return
+        with self._lock:
+            self._closing = True
+            conn, self._conn = self._conn, None
+            if conn is None:
+                return
+            payload: dict[str, Any] = {}
+            if self._overrun is not None and not self._drain_overrun(conn):
+                _log(self.spec.model_id, "skipping unload(): a predict call that overran its timeout still runs")
+                conn.close()
+                self._wait_for_worker(grace=0.0)
+                self._remove_note()
+                return
+            try:
+                self._set_timeout(conn, None)
+                send_frame(conn, SHUTDOWN)
+                kind, body, fd = recv_frame(conn)
+                if fd is not None:
+                    os.close(fd)
+                if kind == ERROR:
+                    payload = parse_json(kind, body)
+            except (OSError, PeerClosed):
+                pass  # it is ending anyway
+            finally:
+                conn.close()
+                self._wait_for_worker()
+                self._remove_note()
+            if payload:
+                raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
+
+    def _wait_for_worker(self, grace: float = WORKER_EXIT_SECS) -> None:
+        """Return once the worker process is gone (its memory with it), killing it after ``grace`` seconds."""
+        if self._pidfd is None:
+            return
+        ready, _, _ = select.select([self._pidfd], [], [], grace)
+        if not ready:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            select.select([self._pidfd], [], [], WORKER_EXIT_SECS)
+
+    # --- the worker's death
+
+    def _watch(self) -> None:
+        """While idle, a worker that ends takes the stub with it (the control plane then recovers)."""
+        assert self._pidfd is not None
+        select.select([self._pidfd], [], [])
+        with self._lock:
+            if not self._closing:
+                self._die(ran=False, when="while idle")
+
+    def _die(self, *, ran: bool, when: str) -> NoReturn:
+        """End this stub because its worker ended; ``ran``: the current batch reached the worker."""
+        status = ask_exit_status(self._identity, self.worker_pid) if self._identity and self.worker_pid else None
+        if not ran:
+            clear_batch()  # it never reached a live model process: the control plane may send it again
+        self._write_note(exit_status=status, ended=when, ran=ran)
+        _log(
+            self.spec.model_id,
+            f"preforked worker pid {self.worker_pid} died {when} ({describe_wait_status(status)}); "
+            "this model process exits so that the model is recovered",
+        )
+        sys.stderr.flush()
+        os._exit(exit_code_for(status))
+
+    # --- the note the control plane reads
+
+    def _write_note(self, **fields: Any) -> None:
+        directory = os.environ.get(JOURNAL_ENV)
+        if not directory or not self._note:
+            return
+        self._note.update(fields)
+        path = own_file(directory, WORKER_NOTE)
+        tmp = f"{path}.tmp"
+        with contextlib.suppress(OSError):
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self._note, f)
+            os.replace(tmp, path)
+
+    def _remove_note(self) -> None:
+        directory = os.environ.get(JOURNAL_ENV)
+        if directory:
+            with contextlib.suppress(OSError):
+                os.unlink(own_file(directory, WORKER_NOTE))

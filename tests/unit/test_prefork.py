@@ -1,0 +1,421 @@
+"""Preforked workers without Triton: the framed protocol, the preloaded parent and the stub's stand-in.
+
+Real processes throughout: a parent started the way a stub starts it, workers forked from it, and a
+``sleep`` process standing in for tritonserver (the parent lives as long as it does; killing it ends
+every parent and worker a test started). Crash semantics exit the stub's process, so they run in a
+child "stub" (``STUB_DRIVER``) whose exit code and notes are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from python_backend import preforked
+from python_backend.errors import PredictTimeout, RemoteFailure
+from python_backend.journal import start_ticks
+from python_backend.prefork_protocol import (
+    INFER,
+    READY,
+    RESULT,
+    PeerClosed,
+    PeerRegion,
+    ProtocolError,
+    Region,
+    read_tensors,
+    recv_frame,
+    send_json,
+    send_tensors,
+)
+from python_backend.preforked import PreforkedModel
+from python_backend.spec import parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# ---------------------------------------------------------------------------------------------
+# The protocol
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def round_trip(pair, obj, *, copy: bool, region: Region | None = None, peer: PeerRegion | None = None):
+    a, b = pair
+    region, peer = region or Region("t"), peer or PeerRegion()
+    send_tensors(a, INFER, region, obj)
+    kind, body, fd = recv_frame(b)
+    assert kind == INFER
+    return read_tensors(body, fd, peer, copy=copy)
+
+
+def test_json_frames_and_a_closed_peer(pair):
+    a, b = pair
+    send_json(a, READY, {"import_secs": 0.5})
+    assert recv_frame(b) == (READY, b'{"import_secs": 0.5}', None)
+    a.close()
+    with pytest.raises(PeerClosed):
+        recv_frame(b)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.array([[1, -2]], dtype=np.int64),
+        np.array([True, False, True]),
+        np.arange(6, dtype=np.float16).reshape(2, 3),
+        np.array(3.5, dtype=np.float64),  # 0-d
+        np.zeros((0, 5), dtype=np.uint8),  # empty
+        np.arange(12, dtype=np.int32).reshape(3, 4).T,  # not contiguous
+    ],
+    ids=["fp32", "int64", "bool", "fp16", "scalar", "empty", "transposed"],
+)
+def test_numeric_arrays_round_trip_without_pickle(pair, array):
+    got = round_trip(pair, {"x": array, "y": array}, copy=True)
+    for name in "xy":
+        assert got[name].dtype == array.dtype and got[name].shape == array.shape
+        np.testing.assert_array_equal(got[name], array)
+
+
+def test_views_share_the_region_and_copies_do_not(pair):
+    region, peer = Region("t"), PeerRegion()
+    view = round_trip(pair, {"x": np.ones(4, np.float32)}, copy=False, region=region, peer=peer)["x"]
+    copied = round_trip(pair, {"x": np.full(4, 2, np.float32)}, copy=True, region=region, peer=peer)["x"]
+    assert view.flags.writeable and view.tolist() == [2.0] * 4  # the second frame overwrote the region
+    assert view.ctypes.data % 64 == 0  # aligned
+    round_trip(pair, {"x": np.full(4, 3, np.float32)}, copy=False, region=region, peer=peer)
+    assert copied.tolist() == [2.0] * 4
+
+
+def test_bytes_tensors_and_lists_are_pickled(pair):
+    strings = np.array([[b"a"], [b"\x00\xff not utf-8"]], dtype=object)
+    raw = {"x": [np.ones((1, 2), np.float32), np.zeros((2, 3), np.float32)], "s": strings}
+    got = round_trip(pair, raw, copy=True)
+    assert got["s"].tolist() == strings.tolist()
+    assert [a.shape for a in got["x"]] == [(1, 2), (2, 3)]
+
+
+def test_a_region_grows_by_replacement_and_old_views_stay_readable(pair):
+    region, peer = Region("t"), PeerRegion()
+    small = round_trip(pair, {"x": np.arange(4, dtype=np.float64)}, copy=False, region=region, peer=peer)["x"]
+    size = region.size
+    big = np.arange(1 << 16, dtype=np.float64)
+    got = round_trip(pair, {"x": big}, copy=False, region=region, peer=peer)["x"]
+    assert region.size > size and region.size >= big.nbytes
+    np.testing.assert_array_equal(got, big)
+    assert small.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_the_receiver_marks_the_senders_region_when_it_takes_the_tensors(pair):
+    a, b = pair
+    region, peer = Region("t"), PeerRegion()
+    send_tensors(a, INFER, region, {"x": np.ones(2)})
+    assert not region.taken()
+    kind, body, fd = recv_frame(b)
+    read_tensors(body, fd, peer, copy=False, take=True)
+    assert region.taken()
+    send_tensors(a, INFER, region, {"x": np.ones(2)})
+    assert not region.taken()  # every frame starts untaken
+
+
+def test_a_frame_that_does_not_match_its_table_is_a_protocol_error(pair):
+    a, b = pair
+    send_tensors(a, RESULT, Region("t"), {"x": np.ones(2)})
+    kind, body, fd = recv_frame(b)
+    with pytest.raises(ProtocolError):
+        read_tensors(body[:-3], fd, PeerRegion(), copy=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent and its workers
+
+MODEL_PY = """
+import os
+import time
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, scale=2.0):
+        self.scale = scale
+
+    def load(self, model_dir, device):
+        self.pid = os.getpid()
+
+    def predict(self, inputs):
+        x = inputs["x"]
+        if (x[:, 0] == -1).any():
+            os._exit(7)
+        if (x[:, 0] == -2).any():
+            time.sleep(float(x[0, 1]))
+        if (x[:, 0] == -3).any():
+            raise MemoryError("simulated")
+        return {"y": x * self.scale, "pid": np.full((len(x), 1), self.pid, np.int64)}
+"""
+
+
+def write_model(root: Path, name: str = "m", **spec: object) -> tuple[dict, Path]:
+    """A model folder as rendered: <version>/package/ and <version>/snooze_runtime.json."""
+    version = root / name / "1"
+    (version / "package").mkdir(parents=True)
+    (version / "package" / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
+    raw = {
+        "format": 1, "model_id": name, "kind": "custom", "entrypoint": "snooze_model.py", "max_batch_size": 8,
+        "worker": "preforked", "inputs": [{"name": "x", "datatype": "FP32", "dims": [2]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}, {"name": "pid", "datatype": "INT64", "dims": [1]}],
+        **spec,
+    }  # fmt: skip
+    (version / "snooze_runtime.json").write_text(json.dumps(raw))
+    return raw, version / "package"
+
+
+@pytest.fixture
+def triton() -> Iterator[subprocess.Popen[bytes]]:
+    """A process standing in for tritonserver: the parents it gets exit with it."""
+    proc = subprocess.Popen(["sleep", "300"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.fixture
+def journal(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "journal"
+    folder.mkdir()
+    monkeypatch.setenv("SNOOZE_JOURNAL_DIR", str(folder))
+    return folder
+
+
+def parent_records(journal: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(journal.glob("prefork-*.parent"))]
+
+
+def until(condition, what: str, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def loaded(triton, journal) -> Iterator:
+    """Load stand-ins in this process; all unloaded before the fake Triton goes (a stand-in whose worker
+    dies ends its process, as a stub does: here that would be pytest)."""
+    made: list[PreforkedModel] = []
+
+    def load(raw: dict, package: Path) -> PreforkedModel:
+        model = PreforkedModel(parse_spec(raw), str(package), server_pid=triton.pid)
+        made.append(model)
+        model.load(str(package), "cpu")
+        return model
+
+    yield load
+    for model in made:
+        model.unload()
+
+
+def test_one_parent_forks_a_worker_per_instance_and_an_unload_ends_it(tmp_path, triton, journal, loaded):
+    raw, package = write_model(tmp_path)
+    first, second = loaded(raw, package), loaded(raw, package)
+    [record] = parent_records(journal)  # one parent for the same preload set
+    assert record["preload"] == ["numpy"] and record["triton_pid"] == triton.pid
+    workers = {first.worker_pid, second.worker_pid}
+    assert len(workers) == 2 and {c.pid for c in psutil.Process(record["pid"]).children()} == workers
+    x = np.array([[1, 2], [3, 4]], np.float32)
+    out = first.predict({"x": x})
+    np.testing.assert_array_equal(out["y"], x * 2)
+    assert out["pid"].ravel().tolist() == [first.worker_pid] * 2  # ran in the worker, not here
+    note = journal / f"{os.getpid()}-{start_ticks()}.worker"
+    assert json.loads(note.read_text())["pid"] == second.worker_pid  # the last stand-in's note (same process)
+    first.unload()
+    assert gone(first.worker_pid) and not gone(second.worker_pid)  # returned once the worker is gone
+    second.unload()
+    assert gone(second.worker_pid) and not gone(record["pid"])  # the parent stays for the next cold start
+
+
+def test_another_preload_set_or_env_gets_its_own_parent(tmp_path, journal, loaded):
+    loaded(*write_model(tmp_path, "a"))
+    loaded(*write_model(tmp_path, "b", preload=["json"]))
+    loaded(*write_model(tmp_path, "c", env={"SNOOZE_TEST_ENV": "1"}))
+    loaded(*write_model(tmp_path, "d"))
+    records = parent_records(journal)
+    assert len(records) == 3 and sorted(r["preload"] for r in records) == [["numpy"], ["numpy"], ["numpy", "json"]]
+
+
+def test_the_parent_ends_with_its_triton_and_takes_its_workers(tmp_path, triton, journal):
+    stub, worker = run_stub(tmp_path, triton, "idle")
+    [record] = parent_records(journal)
+    triton.kill()
+    triton.wait()
+    until(lambda: gone(record["pid"]) and gone(worker), "the parent and its worker to end")
+    assert parent_records(journal) == []  # its record left with it
+    assert stub.wait(10) != 0  # and the stub with its worker (a real stub ends with Triton anyway)
+
+
+def test_a_dead_parent_is_started_again_by_the_next_load(tmp_path, journal, loaded):
+    raw, package = write_model(tmp_path)
+    first = loaded(raw, package)
+    [record] = parent_records(journal)
+    os.kill(record["pid"], signal.SIGKILL)
+    until(lambda: gone(record["pid"]), "the parent to die")
+    second = loaded(raw, package)
+    [again] = [r for r in parent_records(journal) if r["pid"] != record["pid"]]
+    assert second.worker_pid in {c.pid for c in psutil.Process(again["pid"]).children()}
+    # the first worker outlived its parent and still serves its stub
+    assert first.predict({"x": np.ones((1, 2), np.float32)})["y"].tolist() == [[2.0, 2.0]]
+
+
+def parents_of(key: str) -> list[int]:
+    """Live parent processes whose command line names ``key`` (exited ones may linger as zombies)."""
+    found = []
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] == "snooze-prefork" and not gone(p.pid):
+            with contextlib.suppress(psutil.Error):
+                if key in " ".join(p.cmdline()):
+                    found.append(p.pid)
+    return found
+
+
+def test_parents_started_in_a_race_leave_one(tmp_path, triton, journal):
+    raw, _ = write_model(tmp_path)
+    identity = preforked.parent_identity(parse_spec(raw), sys.executable, triton.pid)
+    for _ in range(3):
+        preforked.start_parent(identity)
+    until(lambda: parent_records(journal), "a parent")
+    time.sleep(0.5)  # the others would have bound (and lost) by now
+    assert len(parents_of(identity.key)) == 1 and len(parent_records(journal)) == 1
+
+
+def test_failures_are_described_by_the_worker_as_the_stub_would(tmp_path, loaded):
+    model = loaded(*write_model(tmp_path))
+    with pytest.raises(RemoteFailure) as e:
+        model.predict({"x": np.array([[-3, 0]], np.float32)})
+    assert e.value.kind == "oom" and str(e.value).startswith("predict ran out of memory on a batch of 1")
+    assert model.predict({"x": np.ones((1, 2), np.float32)})["y"].tolist() == [[2.0, 2.0]]  # it survives
+
+
+def test_a_load_failure_ends_the_worker_and_says_why(tmp_path, triton, journal):
+    raw, package = write_model(tmp_path)
+    (package / "snooze_model.py").write_text("import snooze_no_such_module\n")
+    model = PreforkedModel(parse_spec(raw), str(package), server_pid=triton.pid)
+    with pytest.raises(RemoteFailure) as e:
+        model.load(str(package), "cpu")
+    assert e.value.kind == "internal" and "import raised ModuleNotFoundError" in str(e.value)
+    until(lambda: gone(model.worker_pid), "the failed worker to end")
+
+
+def test_request_timeout_leaves_the_instance_busy_until_the_worker_answers(tmp_path, loaded):
+    model = loaded(*write_model(tmp_path))
+    started = time.monotonic()
+    with pytest.raises(PredictTimeout, match="did not finish within request_timeout_secs=0.3 s"):
+        model.predict_within({"x": np.array([[-2, 1.0]], np.float32)}, 0.3)
+    assert time.monotonic() - started < 0.9
+    with pytest.raises(PredictTimeout, match="still running a predict call that overran"):
+        model.predict_within({"x": np.ones((1, 2), np.float32)}, 0.3)
+    time.sleep(max(0.0, started + 1.2 - time.monotonic()))
+    assert model.predict_within({"x": np.ones((1, 2), np.float32)}, 0.3)["y"].tolist() == [[2.0, 2.0]]
+
+
+def test_without_a_parent_the_model_loads_in_the_stub(tmp_path, journal, loaded, monkeypatch, capsys):
+    monkeypatch.setattr(preforked, "find_interpreter", lambda: None)
+    model = loaded(*write_model(tmp_path))
+    assert model.worker_pid is None and model.direct_predict is None
+    assert model.predict({"x": np.ones((1, 2), np.float32)})["pid"].tolist() == [[os.getpid()]]
+    assert "loading in the stub instead" in capsys.readouterr().err
+    assert parent_records(journal) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# A worker's death ends its stub: in a child process standing in for the stub
+
+STUB_DRIVER = """
+import json, os, sys, time
+import numpy as np
+from python_backend.journal import RequestJournal
+from python_backend.preforked import PreforkedModel
+from python_backend.spec import load_spec
+
+spec_path, triton_pid, action = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+package = os.path.join(os.path.dirname(spec_path), "package")
+model = PreforkedModel(load_spec(spec_path), package, server_pid=triton_pid)
+model.load(package, "cpu")
+journal = RequestJournal.from_environment()
+
+class Request:
+    def parameters(self):
+        return json.dumps({"x-snooze-request-id": "req-1"})
+
+journal.record([Request()])
+print(model.worker_pid, flush=True)
+if action == "poison":
+    model.predict({"x": np.array([[-1, 0]], np.float32)})
+time.sleep(60)  # idle: its worker is killed from outside
+"""
+
+
+def run_stub(tmp_path: Path, triton, action: str) -> tuple[subprocess.Popen[str], int]:
+    raw, package = write_model(tmp_path)
+    stub = subprocess.Popen(
+        [sys.executable, "-c", STUB_DRIVER, str(package.parent / "snooze_runtime.json"), str(triton.pid), action],
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env=os.environ.copy(),
+    )  # fmt: skip
+    assert stub.stdout is not None
+    return stub, int(stub.stdout.readline())
+
+
+def notes(journal: Path, stub_pid: int) -> tuple[dict, bytes]:
+    [note] = journal.glob(f"{stub_pid}-*.worker")
+    [entry] = journal.glob(f"{stub_pid}-*.journal")
+    raw = entry.read_bytes()
+    return json.loads(note.read_text()), raw[4 : 4 + int.from_bytes(raw[:4], "little")]
+
+
+def test_a_worker_dying_in_a_batch_ends_its_stub_with_its_status(tmp_path, triton, journal):
+    stub, worker = run_stub(tmp_path, triton, "poison")
+    assert stub.wait(30) == 7  # the worker's exit code
+    note, batch = notes(journal, stub.pid)
+    assert (note["pid"], note["exit_status"], note["ran"]) == (worker, 7 << 8, True)
+    assert batch == b"req-1"  # it reached the worker: never to be run again
+
+
+def test_a_worker_dying_while_idle_ends_its_stub_and_clears_its_batch(tmp_path, triton, journal):
+    stub, worker = run_stub(tmp_path, triton, "idle")
+    os.kill(worker, signal.SIGKILL)
+    assert stub.wait(30) == 128 + signal.SIGKILL
+    note, batch = notes(journal, stub.pid)
+    assert (note["exit_status"], note["ran"], note["ended"]) == (signal.SIGKILL, False, "while idle")
+    assert batch == b""  # it never reached a live model process: the control plane may send it again
+
+
+def test_a_killed_stub_takes_its_worker(tmp_path, triton, journal):
+    stub, worker = run_stub(tmp_path, triton, "idle")
+    stub.kill()
+    stub.wait()
+    until(lambda: gone(worker), "the worker to follow its stub", timeout=10)
