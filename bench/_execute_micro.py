@@ -1,7 +1,7 @@
 """`execute()` of the two models of bench/runtime_cost.py called in-process, with stand-ins for the stub's
 `triton_python_backend_utils` objects: the runtime's own Python cost per execute, without Triton, gRPC
-or the machine's scheduling noise (best of short rounds), and the part of it that is the hand-off to
-the user thread (UserThread.call of a no-op).
+or the machine's scheduling noise (best of short rounds), and what enforcing request_timeout_secs costs
+(the same rendering without a limit has no watchdog).
 
     python -m bench._execute_micro REPO RUNTIME HANDWRITTEN RUNTIME_NO_LIMIT   # prints one JSON line
 """
@@ -119,7 +119,7 @@ def main(repo: str, runtime_name: str, handwritten_name: str, no_limit_name: str
                     "runtime_no_limit_us": round(no_limit_us, 2),
                     "added_us_per_request": round((runtime_us - hand_us) / batch, 2),
                 }
-            out["handoff_us"] = round(best_us(lambda _: runtime._worker.call(int), None, 2000), 2)
+            out["watchdog_us"] = round(out["batch_1"]["runtime_us"] - out["batch_1"]["runtime_no_limit_us"], 2)
             return out
         finally:
             runtime.finalize()

@@ -396,16 +396,18 @@ def _runtime_cost_lines(rc: dict[str, Any] | None) -> list[str]:
             "In-process `execute()` with stand-in pb_utils objects (best of short rounds, no Triton): batch 1 "
             f"hand-written {b1['handwritten_us']} us, runtime {b1['runtime_us']} us (no limit: "
             f"{b1.get('runtime_no_limit_us', '-')} us); batch 32 {b32['handwritten_us']} us vs {b32['runtime_us']} us "
-            f"({b32['added_us_per_request']} us added per request). Of the runtime's cost, the hand-off to the user "
-            f"thread that enforces request_timeout_secs is {micro['handoff_us']} us per execute.",
+            f"({b32['added_us_per_request']} us added per request). Of the runtime's cost, enforcing "
+            f"request_timeout_secs (the watchdog's clock read and stores) is {micro.get('watchdog_us', '-')} us per "
+            "execute.",
             "",
         ]
     return [
         "### snoozeml's runtime vs a hand-written python-backend model",
         "",
         f"{rc['model']}. All in one Triton (max_batch_size {st['max_batch_size']}); the runtime as rendered "
-        f"(request_timeout_secs {st['request_timeout_secs']}: predict runs on a user thread that the limit needs) "
-        "and with request_timeout_secs null (predict on the stub's own thread). Batch-1 gRPC requests straight to "
+        f"(request_timeout_secs {st['request_timeout_secs']}, enforced by a watchdog thread beside the stub's) "
+        "and with request_timeout_secs null (no watchdog); predict runs on the stub's own thread in both. "
+        "Batch-1 gRPC requests straight to "
         f"Triton carrying the gateway's request-id header; {st['pairs']} interleaved rounds of {st['seconds']} s per "
         "model and concurrency (the order rotates), medians of the per-round values. Added ms at c=1 = "
         "1/rps(runtime) - 1/rps(hand-written) (the target's measure); added p50 = the same from median latencies, "

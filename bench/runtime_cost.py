@@ -1,13 +1,13 @@
 """What snoozeml's python-backend runtime adds per request: the numpy example rendered by snoozeml vs a
-hand-written `TritonPythonModel` calling the same `predict` (no validation, no user thread, no journal),
+hand-written `TritonPythonModel` calling the same `predict` (no validation, no time limit, no journal),
 both loaded in one embedded Triton, batch-1 requests over gRPC straight to Triton. A third model, the same
-rendering with request_timeout_secs null, shows what the hand-off that enforces the limit costs.
+rendering with request_timeout_secs null, shows what the watchdog that enforces the limit costs.
 
 Interleaved rounds (the order rotates), repeated, medians of per-round values: at concurrency 1 the added
 cost is 1/rps(runtime) - 1/rps(hand-written); at concurrency 32 the throughput ratio. Requests carry the
 gateway's request-id header, as they do in production, so the runtime journals a real id. Before Triton
 starts, both models' execute() in-process (bench/_execute_micro.py): the runtime's own Python cost, and
-how much of it is the hand-off to the user thread that request_timeout_secs needs.
+how much of it is the watchdog that request_timeout_secs needs.
 """
 
 from __future__ import annotations

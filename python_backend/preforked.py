@@ -1,8 +1,8 @@
 """The stub's side of a preforked model: ``PreforkedModel``, what ``build_model`` returns for a spec
 with ``worker: "preforked"``.
 
-It has the user model's duck type (``load``, ``predict``, ``unload``) and runs on the stub's user
-thread like one (runners.UserThread: ``request_timeout_secs`` works unchanged), but the model lives
+It has the user model's duck type (``load``, ``predict``, ``unload``) and runs on the stub's thread
+like one (``request_timeout_secs`` is enforced by the stub's watchdog, as for any model), but the model lives
 in a worker process forked from a preloaded parent (prefork_parent.py): ``load`` finds or starts the
 parent, asks it for a worker and waits for READY; ``predict`` hands the collated batch over shared
 memory and returns the outputs (prefork_protocol.py); ``unload`` ends the worker and waits until it
@@ -30,7 +30,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ import time
 from typing import Any, NoReturn
 
 from . import RUNTIME_MODULES
-from .errors import INTERNAL, PredictTimeout, RemoteFailure, describe_failure, without_prefix
+from .errors import INTERNAL, RemoteFailure, describe_failure, without_prefix
 from .journal import JOURNAL_ENV, clear_batch, own_file, start_ticks
 from .prefork_protocol import (
     ERROR,
@@ -237,13 +236,10 @@ class PreforkedModel:
         self._identity: ParentIdentity | None = None
         self._conn: socket.socket | None = None
         self._pidfd: int | None = None
-        self._poll: select.poll | None = None
         self._region = Region(f"snooze-in-{spec.model_id}")
         self._peer = PeerRegion()
         self._lock = threading.Lock()  # one conversation with the worker at a time, and the death watch
         self._closing = False
-        self._overrun: float | None = None  # monotonic start of a call that overran request_timeout_secs
-        self._timeout: float | None = None  # the receive timeout set on the connection
         self._note: dict[str, Any] = {}
         self.in_stub: Any = None  # the model, when no parent could be had
 
@@ -277,8 +273,6 @@ class PreforkedModel:
             raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
         if kind != READY:
             raise ProtocolError(f"expected READY from the worker, got frame type {kind}")
-        self._poll = select.poll()
-        self._poll.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
         _log(
             self.spec.model_id,
             f"preforked worker pid {self.worker_pid} ready (import {payload.get('import_secs', 0):.3f} s, "
@@ -340,54 +334,30 @@ class PreforkedModel:
     def predict(self, inputs: dict[str, Any]) -> Any:
         if self.in_stub is not None:
             return self.in_stub.predict(inputs)
-        return self.predict_within(inputs, None)
+        return self.predict_in_worker(inputs)
 
     @property
     def direct_predict(self) -> Any:
-        """``predict_within`` when a worker serves (the stub may call it from any thread), else None."""
-        return self.predict_within if self.in_stub is None and self._conn is not None else None
+        """``predict_in_worker`` when a worker serves, else None: the stub calls it straight from its thread."""
+        return self.predict_in_worker if self.in_stub is None and self._conn is not None else None
 
-    def predict_within(self, inputs: dict[str, Any], timeout: float | None) -> Any:
-        """``predict`` with ``request_timeout_secs``, straight from the stub's thread: the worker is a
-        process of its own, so no user thread in the stub is needed (one thread hand-over less per
-        batch). After a timeout the instance stays busy until the worker answers, as in the stub."""
+    def predict_in_worker(self, inputs: dict[str, Any]) -> Any:
+        """``predict`` in the worker: the batch goes over shared memory, the stub's thread waits for the
+        answer. ``request_timeout_secs`` is the stub's watchdog's to enforce (triton_model.py): it answers
+        an overrunning batch and ends the stub process, which takes the worker with it."""
         with self._lock:
             conn = self._conn
             if conn is None:
                 self._die(ran=False, when="before a batch")
-            if self._overrun is not None and not self._drain_overrun(conn):
-                raise PredictTimeout(
-                    "this instance is still running a predict call that overran its timeout (started "
-                    f"{time.monotonic() - self._overrun:.0f} s ago); requests fail until it returns. "
-                    "Reload the model to recover now, or raise request_timeout_secs"
-                )
             try:
                 send_tensors(conn, INFER, self._region, inputs)
             except OSError:  # EPIPE: the worker had closed its end, it ended before this batch
                 self._die(ran=False, when="before a batch")
-            self._set_timeout(conn, timeout)
-            try:
-                return self._answer(conn)
-            except BlockingIOError:  # SO_RCVTIMEO passed: no answer within the timeout
-                self._overrun = time.monotonic()
-                raise PredictTimeout(
-                    f"predict did not finish within request_timeout_secs={timeout:g} s; make predict faster, "
-                    "send smaller batches or raise request_timeout_secs. The instance stays busy until the call "
-                    "returns (its worker keeps running it); reload the model to free it"
-                ) from None
-
-    def _set_timeout(self, conn: socket.socket, timeout: float | None) -> None:
-        """The kernel's receive timeout (SO_RCVTIMEO: no poll(2) per batch); 0 waits for ever."""
-        if timeout != self._timeout:
-            secs = timeout or 0.0
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
-            self._timeout = timeout
+            return self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> Any:
         try:
             kind, body, fd = recv_frame(conn)
-        except BlockingIOError:
-            raise
         except (PeerClosed, OSError):
             # ran only if the worker took the batch (it marks our region) before it died
             ran = self._region.taken()
@@ -400,23 +370,6 @@ class PreforkedModel:
             payload = parse_json(kind, body)
             raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
         raise ProtocolError(f"expected RESULT or ERROR from the worker, got frame type {kind}")
-
-    def _answered(self, timeout: float) -> bool:
-        """Whether the worker's answer (or its end) is readable within ``timeout`` seconds."""
-        assert self._poll is not None
-        return bool(self._poll.poll(max(1, int(timeout * 1000))))
-
-    def _drain_overrun(self, conn: socket.socket) -> bool:
-        """The late answer of a call that overran: dropped once it is there (True), else False."""
-        if not self._answered(0.001):
-            return False
-        self._set_timeout(conn, None)
-        try:
-            self._answer(conn)
-        except RemoteFailure:
-            pass  # its requests were answered with the timeout already
-        self._overrun = None
-        return True
 
     # --- unload
 
@@ -432,14 +385,7 @@ class PreforkedModel:
             if conn is None:
                 return
             payload: dict[str, Any] = {}
-            if self._overrun is not None and not self._drain_overrun(conn):
-                _log(self.spec.model_id, "skipping unload(): a predict call that overran its timeout still runs")
-                conn.close()
-                self._wait_for_worker(grace=0.0)
-                self._remove_note()
-                return
             try:
-                self._set_timeout(conn, None)
                 send_frame(conn, SHUTDOWN)
                 kind, body, fd = recv_frame(conn)
                 if fd is not None:

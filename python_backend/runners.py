@@ -1,4 +1,4 @@
-"""Building the model object an instance serves, and the thread its code runs on.
+"""Building the model object an instance serves, and the watchdog that limits its predict calls.
 
 Standard library + numpy at import time: onnxruntime is imported inside OnnxRunner.load, and the
 user's module only when the instance initialises (after the spec's env is applied).
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import queue
 import sys
 import threading
 import time
@@ -113,126 +112,112 @@ def build_model(spec: RuntimeSpec, package_dir: str) -> Any:
     return import_user_class(spec, package_dir)(**spec.params)
 
 
-_STOP = object()
-
-
 class _Call:
-    """One call handed to the user thread, and its outcome."""
+    """One call run on a thread of its own, and its outcome."""
 
-    __slots__ = ("fn", "args", "what", "done", "finished", "result", "error", "started")
+    __slots__ = ("fn", "args", "done", "result", "error")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, what: str) -> None:
-        self.fn, self.args, self.what = fn, args, what
-        # A bare lock, held until the call ends: the cheapest wake-up there is (an Event is a Condition
-        # plus a new lock per wait), and the hand-off is most of the runtime's cost per request.
-        self.done = threading.Lock()
-        self.done.acquire()
-        self.finished = False
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
-        self.started = 0.0
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # handed to the caller
+            self.error = e
+        self.done.set()
 
 
-class UserThread:
-    """One long-lived thread that runs all of an instance's user code (load, predict, unload).
+def call_with_limit(fn: Callable[..., Any], *args: Any, timeout: float, what: str, name: str) -> Any:
+    """fn(*args) on a thread of its own; PredictTimeout after `timeout` seconds, the call left running.
 
-    Off the stub's thread because Python cannot kill a thread: when predict overruns
-    request_timeout_secs the stub's thread answers Triton with a timeout while this one carries on.
-    One thread for every call, not one per call, because models keep thread-local state set up in
-    load (torch grad mode, CUDA device and streams) and are not written to run concurrently with
-    themselves. So after a timeout the instance stays busy: later calls fail fast with
-    [snooze:timeout] until the overrunning call returns. Triton 2.51 offers no way for a model to
-    report itself unhealthy; the control plane sees the timeout errors and reloads the model.
+    For unload at finalize: Triton waits for finalize without a limit, and Python cannot stop a thread,
+    so a hanging call is left behind (a daemon thread: the stub process exits after finalize anyway).
+    """
+    call = _Call(fn, args)
+    threading.Thread(target=call.run, name=name, daemon=True).start()
+    if not call.done.wait(timeout):
+        raise PredictTimeout(f"{what} did not finish within {timeout:g} s; make {what} faster")
+    if call.error is not None:
+        raise call.error  # its traceback still holds the user's frames
+    return call.result
+
+
+# The exit status of a stub process the watchdog ended after a predict overran request_timeout_secs;
+# the control plane names it in its crash report (lifecycle/processes.py reads the same number).
+OVERRUN_EXIT_CODE = 124
+# How often an idle watchdog looks for a call in progress; a call is never timed out late because of
+# it (the deadline counts from the call's own start), this only bounds how soon one is noticed.
+WATCHDOG_IDLE_POLL_SECS = 0.5
+
+
+class PredictWatchdog:
+    """Enforces request_timeout_secs on predict calls that run on the stub's own thread.
+
+    User code (import, load, predict) runs on the stub's thread, the one Triton calls initialize and
+    execute on, so thread-local state set up in load (torch grad mode, CUDA device and streams) holds
+    in predict, and a batch costs no hand-off to another thread.
+
+    The request path pays two attribute stores and a clock read per batch, nothing else: the watchdog is
+    a thread of its own that sleeps until the deadline of the call in progress, and the stub's thread
+    never waits on it. Its protocol with the stub's thread:
+
+    - `begin(requests)` before a batch: publishes a claim box holding the requests;
+    - `started = time.monotonic()` before each predict call, `started = None` after the batch;
+    - `finish(box)` after the batch: True if the stub's thread claimed the requests (answer them),
+      False if the watchdog did (it has answered them already).
+
+    Whoever pops the box first answers its requests: list.pop is atomic, so the two threads never
+    both answer one request. When a call overruns, `on_overrun(requests, started)` runs on this
+    thread: Python cannot stop the call, so it answers the requests with the timeout and then ends
+    the process (the call would hold the instance, and whatever memory it holds, for as long as it
+    runs); Triton's request queue then goes to a fresh process once the model is recovered.
     """
 
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._overrun: _Call | None = None  # a call that outlived its timeout and still runs
-        # Daemon: an overrunning call must not keep the stub process alive at unload.
+    def __init__(self, timeout: float, on_overrun: Callable[[Any, float], None], name: str) -> None:
+        self.timeout = timeout
+        self.box: list[Any] = []
+        self.started: float | None = None
+        self._on_overrun = on_overrun
+        self._stopped = False
+        self._idle_poll = min(timeout / 2, WATCHDOG_IDLE_POLL_SECS)
+        # Daemon: the stub process exits after finalize whatever this thread does.
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def _loop(self) -> None:
-        jobs = self._jobs
-        while True:
-            call = jobs.get()
-            if call is _STOP:
-                return
-            call.started = time.monotonic()
-            try:
-                call.result = call.fn(*call.args)
-            except BaseException as e:  # handed to the caller, who maps it to an error response
-                call.error = e
-            call.finished = True
-            call.done.release()
+    def begin(self, requests: Any) -> list[Any]:
+        box = self.box = [requests]
+        return box
 
-    @property
-    def busy(self) -> bool:
-        """True while a call that overran its timeout is still running."""
-        if self._overrun is not None and self._overrun.finished:
-            self._overrun = None
-        return self._overrun is not None
-
-    def call(
-        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, what: str = "predict"
-    ) -> Any:
-        """Run fn(*args) on the user thread; raise PredictTimeout after `timeout` seconds (None: wait)."""
-        if self.busy:
-            stuck = self._overrun
-            raise PredictTimeout(
-                f"this instance is still running a {stuck.what} call that overran its timeout "
-                f"(started {time.monotonic() - stuck.started:.0f} s ago); requests fail until it returns. "
-                "Reload the model to recover now, or raise request_timeout_secs"
-            )
-        call = _Call(fn, args, what)
-        self._jobs.put(call)
-        if timeout is None or timeout > threading.TIMEOUT_MAX:
-            call.done.acquire()
-        elif not call.done.acquire(True, max(timeout, 0.0)):
-            self._overrun = call
-            raise PredictTimeout(
-                f"{what} did not finish within request_timeout_secs={timeout:g} s; make {what} faster, "
-                "send smaller batches or raise request_timeout_secs. The instance stays busy until the "
-                "call returns (Python cannot stop it); reload the model to free it"
-            )
-        if call.error is not None:
-            raise call.error  # its traceback still holds the user's frames
-        return call.result
-
-    def stop(self) -> None:
-        """Let the thread end after its current call; never waits for an overrunning call."""
-        self._jobs.put(_STOP)
-
-
-class CallingThread:
-    """The runner of a model without request_timeout_secs (null or 0): user code runs on the thread that
-    calls it, the stub's, which also runs initialize, so import, load and predict still share one thread.
-
-    With no limit there is nothing to answer early, so the stub's thread may as well wait inside predict
-    and save the hand-off to a UserThread, most of the runtime's cost per request. A call that does have
-    a limit (unload at finalize) gets a thread of its own, which can be left behind if it hangs.
-    """
-
-    busy = False  # no call is ever left running past a limit on this thread
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def call(
-        self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, what: str = "predict"
-    ) -> Any:
-        if timeout is None:
-            return fn(*args)
-        helper = UserThread(f"{self.name}-{what}")
+    @staticmethod
+    def finish(box: list[Any]) -> bool:
         try:
-            return helper.call(fn, *args, timeout=timeout, what=what)
-        finally:
-            helper.stop()
+            box.pop()
+        except IndexError:
+            return False
+        return True
+
+    def _loop(self) -> None:
+        monotonic, sleep = time.monotonic, time.sleep
+        while not self._stopped:
+            box = self.box  # read before started: a start never belongs to an older box than this one
+            started = self.started
+            if started is None:
+                sleep(self._idle_poll)
+                continue
+            wait = started + self.timeout - monotonic()
+            if wait > 0:
+                sleep(wait)
+                continue
+            try:
+                requests = box.pop()
+            except IndexError:  # the batch ended as the deadline came: nothing to answer
+                continue
+            self._on_overrun(requests, started)
+            return
 
     def stop(self) -> None:
-        """Nothing to stop: no thread of its own."""
-
-
-def runner_for(spec: RuntimeSpec, name: str) -> UserThread | CallingThread:
-    """A UserThread when predict has a time limit to enforce, else the stub's own thread."""
-    return UserThread(name) if spec.request_timeout_secs else CallingThread(name)
+        self._stopped = True

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from .batching import BatchPlan
-from .errors import INVALID_INPUT, Failure, describe_failure
+from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure
 from .journal import RequestJournal
-from .runners import build_model, device_for, runner_for
+from .runners import OVERRUN_EXIT_CODE, PredictWatchdog, build_model, call_with_limit, device_for
 from .spec import RuntimeSpec, load_spec, spec_path
 
 PACKAGE_DIR = "package"
@@ -43,56 +44,107 @@ class TritonPythonModel:
         # Before any user import: libraries read their settings (OMP_NUM_THREADS, ...) at import time.
         os.environ.update(spec.env)
         # User code prints freely; stdout of the stub is not the model's to use, and stderr reaches
-        # Triton's log. Process-wide because user code runs on its own thread (runners.UserThread).
+        # Triton's log. Process-wide: unload at finalize runs on a thread of its own.
         sys.stdout = sys.stderr
 
         package_dir = os.path.join(version_dir, PACKAGE_DIR)
         device = device_for(args.get("model_instance_kind", "CPU"), args.get("model_instance_device_id", "0"))
-        self._worker = runner_for(spec, f"snooze-{args.get('model_instance_name', spec.model_id)}")
+        self._instance = args.get("model_instance_name", spec.model_id)
         stage = "import"
         try:
-            self._model = self._worker.call(build_model, spec, package_dir, what="import")
+            self._model = build_model(spec, package_dir)
             stage = "load"
-            self._worker.call(self._model.load, package_dir, device, what="load")
+            self._model.load(package_dir, device)
         except Exception as e:
-            self._worker.stop()
             # The kind prefix tells the control plane an out-of-memory load apart from a broken model.
             raise RuntimeError(describe_failure(e, spec.model_id, stage, None)[1]) from None
         _log(spec.model_id, f"loaded ({spec.kind}, {spec.tensor_format} tensors) on {device}")
-        # A preforked model's worker is a process of its own: its batches need no user thread here.
+        # A preforked model's worker is a process of its own: the stub's thread talks to it directly.
         self._direct = getattr(self._model, "direct_predict", None)
         self._journal = RequestJournal.from_environment()
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
         self._plan = BatchPlan(spec)
-        self._user_predict = self._model.predict
-        self._call = self._worker.call
         self._timeout = spec.request_timeout_secs
         self._response_cls = pb_utils.InferenceResponse
         self._tensor_cls = pb_utils.Tensor
+        # predict runs on this thread (a preforked model's: in its worker, this thread waiting for the
+        # answer); with a time limit, a watchdog beside it answers a call that overruns it.
+        self._user_predict = self._direct or self._model.predict
+        self._predict = self._user_predict
+        self._watch = None
+        if self._timeout:
+            self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")
+            self._predict = self._predict_watched
 
     def execute(self, requests: list) -> list:
         if self._journal is not None:
             self._journal.record(requests)
         arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
-        return [self._response(result) for result in self._plan.run(arrays, self._predict)]
+        watch = self._watch
+        if watch is None:
+            return [self._response(result) for result in self._plan.run(arrays, self._predict)]
+        box = watch.begin(requests)
+        try:
+            results = self._plan.run(arrays, self._predict)
+        finally:
+            watch.started = None
+        if not watch.finish(box):
+            return [None] * len(requests)  # the watchdog answered them: predict overran its limit
+        return [self._response(result) for result in results]
 
     def finalize(self) -> None:
         unload = getattr(self._model, "unload", None)
-        if self._worker.busy:
-            _log(self._spec.model_id, "skipping unload(): a predict call that overran its timeout still runs")
-        elif callable(unload):
+        if self._watch is not None:
+            self._watch.stop()
+        if callable(unload):
             try:
-                self._worker.call(unload, timeout=UNLOAD_TIMEOUT_SECS, what="unload")
+                call_with_limit(
+                    unload, timeout=UNLOAD_TIMEOUT_SECS, what="unload", name=f"snooze-unload-{self._instance}"
+                )
             except Exception as e:  # the instance goes away regardless; say why it did not unload cleanly
                 _log(self._spec.model_id, describe_failure(e, self._spec.model_id, "unload", None)[1])
-        self._worker.stop()
         if self._journal is not None:
             self._journal.close()
 
-    def _predict(self, inputs: Any) -> Any:
-        if self._direct is not None:
-            return self._direct(inputs, self._timeout)
-        return self._call(self._user_predict, inputs, timeout=self._timeout)
+    def _predict_watched(self, inputs: Any) -> Any:
+        self._watch.started = time.monotonic()
+        return self._user_predict(inputs)
+
+    def _overran(self, requests: list, started: float) -> None:
+        """On the watchdog's thread: answer the overrunning batch with the timeout, then end the process.
+
+        Python cannot stop the call, and while it runs the instance takes no other batch (Triton holds
+        them in its queue), so the instance is given a fresh process: the control plane sees this one
+        end (exit code OVERRUN_EXIT_CODE) and recovers the model as after a crash, and the queued
+        requests are served by the new process. Answered through each request's response sender
+        (allowed for non-decoupled models since Triton 23.10): the stub's thread is inside the call.
+        """
+        spec = self._spec
+        failure = Failure(
+            *describe_failure(
+                PredictTimeout(
+                    f"predict did not finish within request_timeout_secs={self._timeout:g} s; make predict "
+                    "faster, send smaller batches or raise request_timeout_secs. Python cannot stop the call, "
+                    "so this instance's process ends and the model is restarted"
+                ),
+                spec.model_id,
+                "predict",
+                None,
+            )
+        )
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for request in requests:
+            try:
+                request.get_response_sender().send(self._response_cls(error=self._error(failure)), flags=final)
+            except Exception as e:  # the client may be gone; the others still get their answer
+                _log(spec.model_id, f"could not send the timeout answer: {e}")
+        _log(
+            spec.model_id,
+            f"predict overran request_timeout_secs={self._timeout:g} s (running for "
+            f"{time.monotonic() - started:.1f} s); ending this instance's process (exit code "
+            f"{OVERRUN_EXIT_CODE}) so that the model restarts",
+        )
+        os._exit(OVERRUN_EXIT_CODE)
 
     def _response(self, result: Any) -> Any:
         if type(result) is Failure:

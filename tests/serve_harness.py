@@ -111,10 +111,11 @@ def write_package(
     dims: int = 2,
     params: dict[str, Any] | None = None,
     load_timeout_secs: float | None = None,
+    request_timeout_secs: float | None = None,
     weights_mb: int = 0,
 ) -> Path:
-    """The test model (``y = x * scale``, x and y: FP32 [dims]); optional manifest ``params`` and
-    ``load_timeout_secs``; an optional weights file of ``weights_mb``."""
+    """The test model (``y = x * scale``, x and y: FP32 [dims]); optional manifest ``params``,
+    ``load_timeout_secs`` and ``request_timeout_secs``; an optional weights file of ``weights_mb``."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
     manifest: dict[str, Any] = {
@@ -126,6 +127,8 @@ def write_package(
     manifest["params_schema"] = PARAMS_SCHEMA
     if load_timeout_secs is not None:
         manifest["load_timeout_secs"] = load_timeout_secs
+    if request_timeout_secs is not None:
+        manifest["request_timeout_secs"] = request_timeout_secs
     (folder / "snooze_model.json").write_text(json.dumps(manifest))
     if weights_mb:
         chunk = os.urandom(1 << 20)

@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from python_backend.runners import OVERRUN_EXIT_CODE
+
 log = logging.getLogger("snoozeml.processes")
 
 STUB_NAME = "triton_python_backend_stub"
@@ -71,7 +73,10 @@ def describe_exit(status: int | None) -> str:
             return f"killed by signal {sig} ({signal.Signals(sig).name})"
         return f"killed by signal {sig}"
     if os.WIFEXITED(status):
-        return f"exit code {os.WEXITSTATUS(status)}"
+        code = os.WEXITSTATUS(status)
+        if code == OVERRUN_EXIT_CODE:  # python_backend's watchdog ended it: not a crash of the model's code
+            return f"exit code {code}: predict overran request_timeout_secs and the runtime ended the process"
+        return f"exit code {code}"
     return f"wait status {status}"
 
 

@@ -4,7 +4,9 @@ a poison request, or while idle.
 Failures are bounded by the requests the dead process was running, the model is recovered without
 anyone asking, traffic resumes, and a model next to it loses nothing. A request never runs twice: the
 one that killed its process gets an error saying so, once; a request that arrives after the process
-died is served after recovery. Every scenario runs with Triton as serve's child and with Triton in a
+died is served after recovery. A predict call past request_timeout_secs is answered with the timeout at
+the limit and its process is ended by the runtime's watchdog (Python cannot stop the call): the same
+recovery follows. Every scenario runs with Triton as serve's child and with Triton in a
 process of its own (`snoozectl triton`, the deployed topology), and with the models' code in their stubs
 and in preforked workers (where a dying worker takes its stub with it, so the same recovery applies;
 what is killed is then the worker).
@@ -20,7 +22,7 @@ import time
 import numpy as np
 import pytest
 from reliability_helpers import Traffic, in_flight_at, infer_once, report, summary
-from serve_harness import until_async
+from serve_harness import until_async, write_package
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +46,10 @@ def serve(serve_factory, package, tmp_path_factory, topology, worker):
         calls = str(triggers / f"calls-{protocol}")
         serve.publish(f"poison-{protocol}", package, params={"crash": "poison", "calls": calls}, worker=worker)
         serve.publish(f"idle-{protocol}", package, params={"scale": 4.0}, worker=worker)
+    limited = write_package(tmp_path_factory.mktemp("limited") / "scale", request_timeout_secs=1)
+    for protocol in PROTOCOLS:  # x[:, 0] == -2 holds predict for 3 s, past the 1 s limit
+        marker = str(triggers / f"overrun-{protocol}")
+        serve.publish(f"overrun-{protocol}", limited, params={"marker": marker}, worker=worker)
     serve.triggers = triggers
     serve.worker = worker
     return serve
@@ -149,3 +155,34 @@ async def test_a_request_after_its_model_process_died_is_served(serve, protocol)
     assert status["load_count"] == loads + 1 and "SIGKILL" in (status["last_crash"] or ""), status
     report(f"request after SIGKILL of an idle model process ({serve.topology}, {serve.worker}, {protocol})",
            answered_after_secs=round(recovery, 3))  # fmt: skip
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_call_past_its_time_limit_is_answered_then_its_model_restarts(serve, protocol):
+    model = f"overrun-{protocol}"
+    marker = serve.triggers / model
+    x = np.array([[1.0, 2.0]], np.float32)
+    first = await infer_once(serve, model, protocol, x)
+    assert not isinstance(first, str), first
+    [old] = await asyncio.to_thread(serve.model_pids, model, serve.worker)
+    started = time.monotonic()
+    error = await infer_once(serve, model, protocol, np.array([[-2.0, 1.0]], np.float32))  # holds 3 s
+    answered = time.monotonic() - started
+    assert isinstance(error, str), "the overrunning request succeeded"
+    assert f"[snooze:timeout] model '{model}': predict did not finish within request_timeout_secs=1 s" in error
+    assert "this instance's process ends and the model is restarted" in error, error
+    assert answered < 2.5, answered  # at the limit, not when the 3 s call would have returned
+    # The next request is not held behind the overrunning call: a new process serves it.
+    after = await infer_once(serve, model, protocol, x)
+    served = time.monotonic() - started
+    assert not isinstance(after, str), after
+    np.testing.assert_allclose(after, x * 2.0)
+    assert served < 3.0 + 2.0, served
+    assert await asyncio.to_thread(serve.model_pids, model, serve.worker) not in ([], [old])
+    status = await asyncio.to_thread(serve.status, model)
+    assert "predict overran request_timeout_secs" in (status["last_crash"] or ""), status
+    # Run once: neither the gateway nor the activator sent the timed-out request again.
+    assert marker.read_text().split().count("started") == 1
+    report(f"predict past request_timeout_secs ({serve.topology}, {serve.worker}, {protocol})",
+           timeout_answer_secs=round(answered, 2), next_request_served_secs=round(served, 2),
+           last_crash=status["last_crash"])  # fmt: skip

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from python_backend import preforked
-from python_backend.errors import PredictTimeout, RemoteFailure
+from python_backend.errors import RemoteFailure
 from python_backend.journal import start_ticks
 from python_backend.prefork_protocol import (
     INFER,
@@ -329,18 +329,6 @@ def test_a_load_failure_ends_the_worker_and_says_why(tmp_path, triton, journal):
         model.load(str(package), "cpu")
     assert e.value.kind == "internal" and "import raised ModuleNotFoundError" in str(e.value)
     until(lambda: gone(model.worker_pid), "the failed worker to end")
-
-
-def test_request_timeout_leaves_the_instance_busy_until_the_worker_answers(tmp_path, loaded):
-    model = loaded(*write_model(tmp_path))
-    started = time.monotonic()
-    with pytest.raises(PredictTimeout, match="did not finish within request_timeout_secs=0.3 s"):
-        model.predict_within({"x": np.array([[-2, 1.0]], np.float32)}, 0.3)
-    assert time.monotonic() - started < 0.9
-    with pytest.raises(PredictTimeout, match="still running a predict call that overran"):
-        model.predict_within({"x": np.ones((1, 2), np.float32)}, 0.3)
-    time.sleep(max(0.0, started + 1.2 - time.monotonic()))
-    assert model.predict_within({"x": np.ones((1, 2), np.float32)}, 0.3)["y"].tolist() == [[2.0, 2.0]]
 
 
 def test_without_a_parent_the_model_loads_in_the_stub(tmp_path, journal, loaded, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""Spec parsing, error mapping, the user-code thread and model building of the python-backend runtime."""
+"""Spec parsing, error mapping, the predict watchdog and model building of the python-backend runtime."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 import python_backend
 from python_backend.errors import describe_failure, is_oom, traceback_summary
-from python_backend.runners import CallingThread, UserThread, build_model, device_for, runner_for
+from python_backend.runners import PredictWatchdog, build_model, call_with_limit, device_for
 from python_backend.spec import SpecError, load_spec, parse_spec
 
 BASE = {
@@ -97,106 +97,75 @@ def test_device_for_instance_kind():
     assert device_for("MODEL", "0") == "cpu"
 
 
-def test_user_thread_runs_every_call_on_one_thread():
-    worker = UserThread("t")
-    try:
-        ids = {worker.call(threading.get_ident) for _ in range(3)}
-        assert len(ids) == 1 and threading.get_ident() not in ids
-        with pytest.raises(ZeroDivisionError):
-            worker.call(lambda: 1 / 0)
-    finally:
-        worker.stop()
-
-
-def test_user_thread_timeout_then_busy_then_recovers():
-    worker = UserThread("t")
-    release = threading.Event()
-    try:
-        with pytest.raises(Exception) as e:
-            worker.call(release.wait, timeout=0.1)
-        assert e.value.kind == "timeout"
-        assert "did not finish within request_timeout_secs=0.1 s" in str(e.value)
-        with pytest.raises(Exception) as e:
-            worker.call(lambda: 1)
-        assert e.value.kind == "timeout" and "still running a predict call" in str(e.value)
-        release.set()
-        deadline = time.monotonic() + 5
-        while worker.busy and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert worker.call(lambda: 7, timeout=1) == 7
-    finally:
-        release.set()
-        worker.stop()
-
-
-def test_user_thread_without_timeout_waits_however_long_the_call_takes():
-    worker = UserThread("t")
-    try:
-        assert worker.call(lambda: time.sleep(0.3) or "slow", timeout=None) == "slow"
-        # beyond what a lock wait accepts (threading.TIMEOUT_MAX): no limit, not an OverflowError
-        assert worker.call(lambda: "huge", timeout=1e300) == "huge"
-        assert not worker.busy
-    finally:
-        worker.stop()
-
-
-def test_user_thread_stop_does_not_wait_for_an_overrunning_call():
-    worker = UserThread("t")
-    release = threading.Event()
-    try:
-        with pytest.raises(Exception, match="did not finish"):
-            worker.call(release.wait, timeout=0.05)
-        start = time.monotonic()
-        worker.stop()
-        assert time.monotonic() - start < 0.5 and worker.busy
-    finally:
-        release.set()
-    worker._thread.join(5)  # the loop ends once the overrunning call returns
-    assert not worker._thread.is_alive()
-
-
-def test_user_thread_passes_user_timeout_error_through():
-    worker = UserThread("t")
-
-    def raises_timeout():
-        raise TimeoutError("upstream service timed out")
-
-    try:
-        with pytest.raises(TimeoutError, match="upstream service"):
-            worker.call(raises_timeout, timeout=5)
-        assert not worker.busy
-    finally:
-        worker.stop()
-
-
-@pytest.mark.parametrize(
-    ("timeout", "runner"), [(60, UserThread), (0.5, UserThread), (None, CallingThread), (0, CallingThread)]
-)
-def test_a_thread_hand_off_only_when_there_is_a_limit_to_enforce(timeout, runner):
-    spec = parse_spec({**BASE, "request_timeout_secs": timeout})
-    worker = runner_for(spec, "t")
-    try:
-        assert type(worker) is runner
-    finally:
-        worker.stop()
-
-
-def test_calling_thread_runs_calls_inline_and_limited_calls_on_a_thread_of_their_own():
-    worker = CallingThread("t")
+def test_call_with_limit_runs_on_a_thread_of_its_own_and_leaves_an_overrunning_call_behind():
     here = threading.get_ident()
-    assert worker.call(threading.get_ident) == here
+    assert call_with_limit(threading.get_ident, timeout=5, what="unload", name="t") != here
     with pytest.raises(ZeroDivisionError):
-        worker.call(lambda: 1 / 0)
-    assert worker.call(threading.get_ident, timeout=5, what="unload") != here
+        call_with_limit(lambda: 1 / 0, timeout=5, what="unload", name="t")
     release = threading.Event()
     try:
+        started = time.monotonic()
         with pytest.raises(Exception) as e:
-            worker.call(release.wait, timeout=0.05, what="unload")
-        assert e.value.kind == "timeout" and "unload did not finish within" in str(e.value)
-        assert not worker.busy
+            call_with_limit(release.wait, timeout=0.1, what="unload", name="t")
+        assert e.value.kind == "timeout" and "unload did not finish within 0.1 s" in str(e.value)
+        assert time.monotonic() - started < 1.0
     finally:
         release.set()
-    worker.stop()
+
+
+class Stub:
+    """Drives a PredictWatchdog the way triton_model.execute does, on this (the 'stub's') thread."""
+
+    def __init__(self, timeout: float) -> None:
+        self.overruns: list[tuple[object, float, float]] = []
+        self.watch = PredictWatchdog(timeout, self._overran, "test-watchdog")
+
+    def _overran(self, requests: object, started: float) -> None:
+        self.overruns.append((requests, started, time.monotonic()))
+
+    def execute(self, requests: object, *predict_secs: float) -> bool:
+        box = self.watch.begin(requests)
+        try:
+            for secs in predict_secs:  # one predict call per collation group
+                self.watch.started = time.monotonic()
+                time.sleep(secs)
+        finally:
+            self.watch.started = None
+        return self.watch.finish(box)
+
+
+def test_watchdog_answers_a_call_that_overruns_at_its_deadline_and_the_stub_answers_nothing():
+    stub = Stub(0.3)
+    try:
+        assert stub.execute("fast", 0.01)
+        assert not stub.execute("slow", 0.8)  # the watchdog claimed these requests
+        [(requests, started, fired)] = stub.overruns
+        assert requests == "slow" and 0.3 <= fired - started < 0.7
+        assert not stub.watch._thread.is_alive()  # it answers one overrun: the process ends after it
+    finally:
+        stub.watch.stop()
+
+
+def test_watchdog_limits_each_predict_call_not_the_batch_and_leaves_calls_within_it_alone():
+    stub = Stub(0.6)
+    try:
+        # Busy for well over the limit in all: many short batches, and one batch of two groups each
+        # within the limit, which a per-batch deadline would have cut.
+        for _ in range(30):
+            assert stub.execute("short", 0.03)
+        assert stub.execute("two groups", 0.35, 0.35)
+        time.sleep(0.5)  # idle, then a call noticed by the idle poll still gets its whole limit
+        assert stub.execute("after idle", 0.3)
+        assert stub.overruns == []
+    finally:
+        stub.watch.stop()
+
+
+def test_watchdog_stops_when_asked():
+    stub = Stub(0.2)
+    stub.watch.stop()
+    stub.watch._thread.join(2)
+    assert not stub.watch._thread.is_alive()
 
 
 def test_build_model_imports_entrypoint_with_params(tmp_path, monkeypatch):
