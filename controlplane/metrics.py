@@ -69,19 +69,13 @@ class SnoozeMetrics:
             self.state.labels(model=model, state=s).set(1.0 if s == state else 0.0)
 
     def forget(self, model: str) -> None:
-        """Drop a deleted model's per-model gauges."""
-        for gauge in (self.instances, self.memory_bytes):
-            try:
-                gauge.remove(model)
-            except KeyError:
-                pass
-        for s in STATES:
-            try:
-                self.state.remove(model, s)
-            except KeyError:
-                pass
-        for labels in [k for k in self.gpu_memory_bytes._metrics if k[0] == model]:  # no public way to list
-            self.gpu_memory_bytes.remove(*labels)
+        """Drop every series of a deleted model: gauges, and counters and histograms too (a model published
+        again under the same id starts from zero, which Prometheus reads as a counter reset)."""
+        for metric in self.registry._collector_to_names:  # no public way to list collectors or series
+            if getattr(metric, "_labelnames", ())[:1] != ("model",):
+                continue
+            for labels in [k for k in list(metric._metrics) if k[0] == model]:
+                metric.remove(*labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

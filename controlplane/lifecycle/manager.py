@@ -122,7 +122,7 @@ class LifecycleManager:
         if not self._tasks:
             self._tasks = [
                 asyncio.create_task(
-                    self._every(self.settings.sweep_interval_secs, self.sweep, "sweep"), name="snooze-sweeper"
+                    self._every(self._sweep_delay, self.sweep, "sweep"), name="snooze-sweeper"
                 ),
                 asyncio.create_task(
                     self._every(self.settings.watch_interval_secs, self.watch, "process watch"), name="snooze-watch"
@@ -165,9 +165,15 @@ class LifecycleManager:
     def paused(self) -> bool:
         return self.states.resumed is not None
 
-    async def _every(self, interval: float, job: Callable[[], Awaitable[None]], what: str) -> None:
+    def _sweep_delay(self) -> float:
+        """The sweep interval, shortened to the next keep-alive decision when one is due sooner."""
+        return self.warmth.sweep_delay(self.states.values(), self.settings.sweep_interval_secs)
+
+    async def _every(
+        self, interval: float | Callable[[], float], job: Callable[[], Awaitable[None]], what: str
+    ) -> None:
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(interval() if callable(interval) else interval)
             while self.states.resumed is not None:  # paused: no pass until resume()
                 await asyncio.shield(self.states.resumed)
             try:

@@ -21,7 +21,7 @@ and GPU: nothing is evicted for it), and a pre-warmed model nobody used yet is t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from controlplane.keepalive import Action, FixedKeepAlive, keep_alive_policy
@@ -32,6 +32,9 @@ from controlplane.settings import Settings
 # Triton stamps last_inference in whole milliseconds and may stamp a request the activator forwarded a moment
 # after the forward's end (measured: +0.5 ms); a stamp this close after it is that request, not a new one
 FORWARD_STAMP_SLACK_SECS = 0.25
+# the sweeper's shortest sleep when a policy's decision is due sooner than its interval (no busy loop on a
+# decision it cannot act on yet, such as a pre-warm waiting for a load slot)
+MIN_SWEEP_GAP_SECS = 0.05
 # loads an operator asked for (or found loaded at start): the policy holds them for the fixed timeout
 EXPLICIT_TRIGGERS = ("api", "adopt")
 
@@ -102,6 +105,16 @@ class Warmth:
 
     def windows(self, rec: ModelRecord) -> dict[str, Any]:
         return self.policy(rec).windows()
+
+    def sweep_delay(self, records: Iterable[ModelRecord], interval: float) -> float:
+        """How long the sweeper may sleep: its interval, or less when a policy's next decision (an unload
+        or a pre-warm) falls sooner, so that a pre-warm starts when its policy says and not up to a whole
+        interval later. Never below ``MIN_SWEEP_GAP_SECS``."""
+        now = self.clock()
+        due = [t for rec in records if rec.keep_alive is not None and (t := rec.keep_alive.next_decision_at(now))]
+        if not due:
+            return interval
+        return min(interval, max(min(due) - now, MIN_SWEEP_GAP_SECS))
 
     def _count(self, rec: ModelRecord) -> None:
         """Pre-warms the policy has since judged used (a request came) or wasted (unloaded unused)."""

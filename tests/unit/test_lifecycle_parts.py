@@ -21,7 +21,7 @@ from controlplane.lifecycle import (
 )
 from controlplane.lifecycle.memory import eviction_order
 from controlplane.lifecycle.state import ModelRecord
-from controlplane.lifecycle.warmth import FORWARD_STAMP_SLACK_SECS, Warmth
+from controlplane.lifecycle.warmth import FORWARD_STAMP_SLACK_SECS, MIN_SWEEP_GAP_SECS, Warmth
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec
@@ -220,3 +220,46 @@ def test_the_server_defaults_are_the_policy_defaults():
     fields = Settings.model_fields
     assert fields["keep_alive_min_samples"].default == keepalive.MIN_SAMPLES
     assert fields["keep_alive_min_unloaded_secs"].default == keepalive.MIN_UNLOADED_SECS
+
+
+def test_forgetting_a_deleted_model_drops_all_its_series_and_only_its():
+    metrics = SnoozeMetrics()
+    for model in ("gone", "kept"):
+        metrics.cold_starts.labels(model=model, trigger="request").inc()
+        metrics.prewarm_loads.labels(model=model).inc()
+        metrics.prewarm_outcomes.labels(model=model, outcome="used").inc()
+        metrics.cold_start_seconds.labels(model=model).observe(0.2)
+        metrics.memory_bytes.labels(model=model).set(1e6)
+        metrics.gpu_memory_bytes.labels(model=model, gpu="0").set(1e6)
+        metrics.set_state(model, "ready")
+    metrics.auth_failures.labels(surface="api", reason="missing").inc()
+    metrics.forget("gone")
+    text = metrics.render().decode()
+    assert 'model="gone"' not in text
+    for name in ("snooze_cold_starts_total", "snooze_prewarm_loads_total", "snooze_prewarm_outcomes_total",
+                 "snooze_cold_start_seconds_count", "snooze_model_memory_bytes", "snooze_model_gpu_memory_bytes",
+                 "snooze_model_state"):  # fmt: skip
+        assert f'{name}{{' in text and any(
+            line.startswith(name) and 'model="kept"' in line for line in text.splitlines()
+        ), name
+    assert 'snooze_auth_failures_total{reason="missing",surface="api"} 1.0' in text
+
+
+def test_the_sweeper_wakes_for_a_policy_decision_due_before_its_next_pass():
+    clock = Clock()
+    w, _ = warmth(clock, keep_alive_min_samples=3, keep_alive_min_unloaded_secs=2)
+    rec, other = record(keep_alive="adaptive", idle_timeout_secs=2), record("other", idle_timeout_secs=300)
+    assert w.sweep_delay([rec, other], 5.0) == 5.0  # no policy has heard anything: the interval
+    for t in (1000.0, 1008.0, 1016.0, 1024.0):  # a caller every 8 s
+        w.request(rec, t)
+    w.request(other, 1024.0)
+    clock.now = 1024.5
+    w.loaded(rec, "request", load_secs=0.5)
+    w.unloaded(rec)
+    prewarm_at = 1024.0 + 8 * 0.9 - 0.5
+    assert w.sweep_delay([rec, other], 60.0) == pytest.approx(prewarm_at - clock.now)
+    assert w.sweep_delay([rec, other], 1.0) == 1.0  # sooner passes stay
+    clock.now = prewarm_at - 0.001  # never a busy loop right before the instant
+    assert w.sweep_delay([rec, other], 60.0) == pytest.approx(MIN_SWEEP_GAP_SECS)
+    clock.now = prewarm_at + 0.1
+    assert w.prewarm_due(rec, clock.now)
