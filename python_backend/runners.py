@@ -152,6 +152,7 @@ OVERRUN_EXIT_CODE = 124
 # How often an idle watchdog looks for a call in progress; a call is never timed out late because of
 # it (the deadline counts from the call's own start), this only bounds how soon one is noticed.
 WATCHDOG_IDLE_POLL_SECS = 0.5
+WATCHDOG_MAX_SLEEP_SECS = 3600.0
 
 
 class PredictWatchdog:
@@ -210,7 +211,7 @@ class PredictWatchdog:
                 continue
             wait = started + self.timeout - monotonic()
             if wait > 0:
-                sleep(wait)
+                sleep(min(wait, WATCHDOG_MAX_SLEEP_SECS))  # time.sleep refuses what no limit needs
                 continue
             try:
                 requests = box.pop()

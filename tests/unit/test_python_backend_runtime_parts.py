@@ -215,3 +215,12 @@ def test_spec_file_round_trip(tmp_path):
     path.write_text(json.dumps({**BASE, "request_timeout_secs": 0, "env": {"A": "1"}}))
     spec = load_spec(str(path))
     assert spec.request_timeout_secs is None and spec.env == {"A": "1"}
+
+
+def test_watchdog_with_a_limit_beyond_what_sleep_accepts_still_runs():
+    stub = Stub(1e300)
+    try:
+        assert stub.execute("any", 0.8)  # long enough to be seen by the idle poll
+        assert stub.watch._thread.is_alive() and stub.overruns == []
+    finally:
+        stub.watch.stop()
