@@ -407,3 +407,14 @@ def test_a_killed_stub_takes_its_worker(tmp_path, triton, journal):
     stub.kill()
     stub.wait()
     until(lambda: gone(worker), "the worker to follow its stub", timeout=10)
+
+
+def test_the_stub_polls_briefly_for_an_answer_then_leaves_the_wait_to_recv(pair):
+    a, b = pair
+    started = time.perf_counter()
+    preforked._poll_briefly(a, started + 0.05)  # nothing comes: back at the deadline
+    assert 0.05 <= time.perf_counter() - started < 1.0
+    send_json(b, READY, {})
+    started = time.perf_counter()
+    preforked._poll_briefly(a, started + 5.0)  # an answer is there: back at once
+    assert time.perf_counter() - started < 1.0 and recv_frame(a)[0] == READY
