@@ -333,9 +333,11 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
     assert "SIGKILL" in (manager.status(model).last_crash or "")
     assert await output(triton, model) == [2.0, 4.0]
 
-    # The activator's path: a request failed with "not healthy", it calls recover().
+    # The activator's path: a request failed with "not healthy", then it calls recover().
     os.kill(model_pids(triton, model)[0], signal.SIGKILL)
     await until(lambda: triton.stub_pids(model) == [], "the stub to die")
+    r = await infer(triton, model)
+    assert r.status_code == 500 and "is not healthy" in r.json()["error"]
     await manager.recover(model, "stub_unhealthy")
     assert await output(triton, model) == [2.0, 4.0]
     loads = manager.status(model).load_count
