@@ -61,6 +61,7 @@ from .prefork_protocol import (
     send_json,
     send_tensors,
 )
+from .runners import describe_wait_status
 from .spec import SPEC_FILE, RuntimeSpec
 
 PARENT_CONNECT_SECS = 15.0  # the parent binds its socket first thing: a slow start on a busy machine
@@ -95,19 +96,6 @@ class PreforkUnavailable(Exception):
 
 def _log(model_id: str, message: str) -> None:
     print(f"snooze model '{model_id}': {message}", file=sys.stderr, flush=True)
-
-
-def describe_wait_status(status: int | None) -> str:
-    if status is None:
-        return "exit status unknown"
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        with contextlib.suppress(ValueError):
-            return f"killed by signal {sig} ({signal.Signals(sig).name})"
-        return f"killed by signal {sig}"
-    if os.WIFEXITED(status):
-        return f"exit code {os.WEXITSTATUS(status)}"
-    return f"wait status {status}"
 
 
 def exit_code_for(status: int | None) -> int:

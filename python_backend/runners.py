@@ -6,8 +6,10 @@ user's module only when the instance initialises (after the spec's env is applie
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -149,6 +151,24 @@ def call_with_limit(fn: Callable[..., Any], *args: Any, timeout: float, what: st
 # The exit status of a stub process the watchdog ended after a predict overran request_timeout_secs;
 # the control plane names it in its crash report (lifecycle/processes.py reads the same number).
 OVERRUN_EXIT_CODE = 124
+def describe_wait_status(status: int | None) -> str:
+    """A wait status in words: 'exit code 3', 'killed by signal 11 (SIGSEGV)', or unknown; the watchdog's
+    own exit code says why. For the stub's notes and the control plane's crash reports alike."""
+    if status is None:
+        return "exit status unknown"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        with contextlib.suppress(ValueError):
+            return f"killed by signal {sig} ({signal.Signals(sig).name})"
+        return f"killed by signal {sig}"
+    if os.WIFEXITED(status):
+        code = os.WEXITSTATUS(status)
+        if code == OVERRUN_EXIT_CODE:  # the watchdog ended it: not a crash of the model's code
+            return f"exit code {code}: predict overran request_timeout_secs and the runtime ended the process"
+        return f"exit code {code}"
+    return f"wait status {status}"
+
+
 # How often an idle watchdog looks for a call in progress; a call is never timed out late because of
 # it (the deadline counts from the call's own start), this only bounds how soon one is noticed.
 WATCHDOG_IDLE_POLL_SECS = 0.5

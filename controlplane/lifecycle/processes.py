@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from python_backend.runners import OVERRUN_EXIT_CODE
+from python_backend.runners import describe_wait_status
 
 log = logging.getLogger("snoozeml.processes")
 
@@ -63,21 +63,8 @@ def read_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
     return ProcStat(state, start, exit_status if state == "Z" else None)
 
 
-def describe_exit(status: int | None) -> str:
-    """A wait status in words: 'exit code 3', 'killed by signal 11 (SIGSEGV)', or unknown."""
-    if status is None:
-        return "exit status unknown"
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        with contextlib.suppress(ValueError):
-            return f"killed by signal {sig} ({signal.Signals(sig).name})"
-        return f"killed by signal {sig}"
-    if os.WIFEXITED(status):
-        code = os.WEXITSTATUS(status)
-        if code == OVERRUN_EXIT_CODE:  # python_backend's watchdog ended it: not a crash of the model's code
-            return f"exit code {code}: predict overran request_timeout_secs and the runtime ended the process"
-        return f"exit code {code}"
-    return f"wait status {status}"
+# A wait status in words ('exit code 3', 'killed by signal 11 (SIGSEGV)'): the runtime's own wording.
+describe_exit = describe_wait_status
 
 
 @dataclass(frozen=True)
