@@ -35,6 +35,7 @@ from tritonclient.grpc import model_config_pb2
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
 from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
+from controlplane.warmup import warmup_plan, warmup_view
 
 VERSION = "1"
 RUNTIME_FILE = "snooze_runtime.json"
@@ -165,17 +166,20 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     parameters = {}
     if backend == "python" and dep.execution_env_path:
         parameters["EXECUTION_ENV_PATH"] = dep.execution_env_path
+    inputs = [_tensor_view(t, batching) for t in spec.package.inputs]
+    warmup = warmup_plan(spec, inputs)
     view = {
         "id": spec.id,
         "max_batch_size": dep.max_batch_size,
         "max_queue_delay_us": int(round(dep.max_batch_delay_ms * 1000)),
-        "inputs": [_tensor_view(t, batching) for t in spec.package.inputs],
+        "inputs": inputs,
         "outputs": [_tensor_view(t, batching) for t in spec.package.outputs],
         "instance_kind": {Device.CPU: "KIND_CPU", Device.GPU: "KIND_GPU", Device.AUTO: "KIND_AUTO"}[dep.device],
         "instances": dep.instances,
         "parameters": parameters,
         "onnx_tensorrt": dep.onnx_tensorrt,
         "fp16": dep.fp16,
+        "warmup": warmup_view(warmup),
     }
     text = _environment().get_template(f"{backend}.pbtxt.j2").render(m=view)
     config = parse_config(text, where=f"model '{spec.id}' (rendered config)")
@@ -195,6 +199,8 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
         # Native backends: the model file and its external-data files sit in the version folder.
         for rel in (package.model_file, *package.external_data):
             rendered.copies.append((package.path / rel, f"{VERSION}/{rel}"))
+    if warmup is not None:
+        rendered.writes.update(warmup.files)
     rendered.writes["config.pbtxt"] = rendered.config_text.encode()
     rendered.writes[DEPLOYMENT_FILE] = (json.dumps(deployment_record(spec, backend), indent=2) + "\n").encode()
     return rendered

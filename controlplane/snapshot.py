@@ -395,7 +395,10 @@ class SnapshotEntrypoint:
                     hint=f"fix the model, or leave it out with --models-to-load; Triton's log: "
                     f"{self.stack.triton_process.log_file}",
                 )
-            await self._infer(store.get(model_id), self.stack.triton_process.http_url, {}, "warm-up")
+            model = store.get(model_id)
+            if not parse_config(model.config_text, where=str(model.path / "config.pbtxt")).model_warmup:
+                # A config with model_warmup ran its inference inside the load; others get one here.
+                await self._infer(model, self.stack.triton_process.http_url, {}, "warm-up")
             self.say(f"{model_id}: loaded and warmed up in {time.perf_counter() - started:.2f}s")
 
     async def _infer(self, model: PublishedModel, url: str, headers: dict[str, str], what: str) -> None:

@@ -113,6 +113,11 @@ class Manifest(BaseModel):
     )
     inputs: list[TensorSpec] | None = None
     outputs: list[TensorSpec] | None = None
+    warmup: bool | dict[str, str] = Field(
+        True,
+        description="The load runs one inference: true (inputs from the signature), false (off: a predict with "
+        "side effects) or {input name: .npy file in the package} (one request's tensor, no batch axis)",
+    )
     params_schema: dict[str, ParamSpec] = Field(default_factory=dict)
     params: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(

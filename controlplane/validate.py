@@ -30,6 +30,7 @@ from typing import Any
 
 from controlplane.dtypes import from_triton
 from controlplane.errors import InvalidPackageError, SnoozeError
+from controlplane.warmup import WARMUP_DIR
 from controlplane.render import (
     DEPLOYMENT_FILE,
     PACKAGE_SUBDIR,
@@ -285,7 +286,8 @@ def _resolve_backend(m: _ModelFolder, rel: str) -> None:
 
 
 def _check_versions(m: _ModelFolder) -> None:
-    dirs = sorted(p for p in m.path.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+    dirs = sorted(p for p in m.path.iterdir()
+                  if p.is_dir() and not p.name.startswith((".", "__")) and p.name != WARMUP_DIR)
     bad = [p for p in dirs if not _VERSION_RE.fullmatch(p.name)]
     for p in bad:
         m.rec.fail("versions", f"folder '{p.name}' is not a version number; Triton ignores it", file=m.rel(p),

@@ -116,6 +116,47 @@ def preload(modules: tuple[str, ...]) -> tuple[dict[str, float], dict[str, str]]
     return seconds, failed
 
 
+def _warm_numpy() -> None:
+    import numpy as np
+
+    a = np.ones((64, 64), dtype=np.float32)
+    (a @ a).sum()  # BLAS: its kernels and thread pool are set up once, here
+    np.ones((64, 64), dtype=np.float64).dot(np.ones(64))
+
+
+def _warm_torch() -> None:
+    import torch
+
+    # CPU only, never CUDA: a context made here would not survive the fork. Gradients off, as models run.
+    with torch.inference_mode():
+        x = torch.ones(1, 3, 16, 16)
+        torch.nn.functional.conv2d(x, torch.ones(4, 3, 3, 3), padding=1).relu().sum()
+        (torch.ones(32, 32) @ torch.ones(32, 32)).sum()  # a matmul, and the intra-op thread pool it starts
+        torch.nn.functional.linear(torch.ones(2, 8), torch.ones(4, 8)).softmax(-1)
+    torch.get_num_threads()
+
+
+# Per preloaded module: a few small operations that set up what every model's first call would (kernel
+# selection, thread pools, lazily built dispatch tables), so each forked worker inherits them.
+KERNEL_WARMERS = {"numpy": _warm_numpy, "torch": _warm_torch}
+
+
+def warm_kernels(imported: dict[str, float], failed: dict[str, str]) -> dict[str, float]:
+    """Run the warmer of each module that imported; seconds per module (a failed warmer is logged)."""
+    seconds: dict[str, float] = {}
+    for name in imported:
+        warm = KERNEL_WARMERS.get(name)
+        if warm is None or name in failed:
+            continue
+        started = time.perf_counter()
+        try:
+            warm()
+        except Exception as e:  # the model's own first call pays instead
+            _log(f"could not warm {name!r} ({type(e).__name__}: {e})")
+        seconds[name] = round(time.perf_counter() - started, 4)
+    return seconds
+
+
 def _cuda_initialised() -> bool:
     torch = sys.modules.get("torch")
     try:
@@ -189,15 +230,17 @@ class PreloadedParent:
             return 0
         self.triton_fd = triton
         imported, failed = preload(self.config.preload)
+        warmed = warm_kernels(imported, failed)
         threads = native_threads()
         # BLAS thread pools survive a fork (they re-create themselves); other native threads may not.
-        _log(f"preloaded {imported} for Triton pid {self.config.triton_pid}; {threads} native thread(s)")
+        _log(f"preloaded {imported}, warmed {warmed} for Triton pid {self.config.triton_pid}; "
+             f"{threads} native thread(s)")
         if _cuda_initialised():
             _log("a preloaded module initialised CUDA: a CUDA context does not survive a fork, so GPU models "
                  "forked from this parent will fail; preload only modules that leave CUDA alone at import")
         gc.collect()
         gc.freeze()  # the imported objects stay out of the collector's way: fewer pages copied per worker
-        record = self._write_record(imported, failed, threads)
+        record = self._write_record(imported, failed, threads, warmed)
         try:
             self._setup_signals()
             self._loop()
@@ -209,7 +252,8 @@ class PreloadedParent:
 
     # --- setup
 
-    def _write_record(self, imported: dict[str, float], failed: dict[str, str], threads: int) -> str | None:
+    def _write_record(self, imported: dict[str, float], failed: dict[str, str], threads: int,
+                      warmed: dict[str, float]) -> str | None:
         directory = self.config.journal_dir
         if not directory or not os.path.isdir(directory):
             return None
@@ -223,6 +267,7 @@ class PreloadedParent:
             "preload": list(imported),
             "import_secs": imported,
             "failed": failed,
+            "warm_secs": warmed,
             "threads": threads,
             "triton_pid": self.config.triton_pid,
             "started_at": time.time(),

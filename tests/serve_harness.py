@@ -113,9 +113,12 @@ def write_package(
     load_timeout_secs: float | None = None,
     request_timeout_secs: float | None = None,
     weights_mb: int = 0,
+    warmup: bool = False,
 ) -> Path:
     """The test model (``y = x * scale``, x and y: FP32 [dims]); optional manifest ``params``,
-    ``load_timeout_secs`` and ``request_timeout_secs``; an optional weights file of ``weights_mb``."""
+    ``load_timeout_secs`` and ``request_timeout_secs``; an optional weights file of ``weights_mb``.
+    Its predict has side effects (call logs, crash triggers, sleeps), so the load's warm-up inference is off
+    unless ``warmup``: tests count and time its calls."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
     manifest: dict[str, Any] = {
@@ -125,6 +128,7 @@ def write_package(
     if params is not None:
         manifest["params"] = params
     manifest["params_schema"] = PARAMS_SCHEMA
+    manifest["warmup"] = warmup
     if load_timeout_secs is not None:
         manifest["load_timeout_secs"] = load_timeout_secs
     if request_timeout_secs is not None:

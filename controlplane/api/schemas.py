@@ -61,6 +61,9 @@ class PreloadedParentBody(BaseModel):
     failed: dict[str, str] = Field(default_factory=dict, description="Modules it could not import, and why")
     python: str = Field(description="The interpreter it runs")
     import_secs: dict[str, float] = Field(default_factory=dict, description="Seconds each import took")
+    warm_secs: dict[str, float] = Field(
+        default_factory=dict, description="Seconds spent warming each module's kernels and thread pools before forking"
+    )
     memory_bytes: int | None = Field(None, description="Its own memory (RSS): what its workers share, counted once")
     unique_bytes: int | None = Field(None, description="USS: what would leave if it ended")
     workers: int = Field(0, description="Workers it forked that are still running")

@@ -63,7 +63,10 @@ class TritonSync:
     async def refresh_access(self, rec: ModelRecord) -> None:
         with contextlib.suppress(SnoozeError):
             stats = await self.triton.model_stats(rec.id)
-            rec.triton_last = max(rec.triton_last, stats.last_inference_ms / 1000)
+            stamp = stats.last_inference_ms / 1000
+            # The load's own warm-up (config model_warmup) is stamped as an inference: only later ones are use.
+            if stamp > rec.ready_at:
+                rec.triton_last = max(rec.triton_last, stamp)
 
     async def pending_counts(self) -> dict[str, float]:
         """Pending requests per model from Triton's metrics; empty when they cannot be read."""

@@ -8,7 +8,7 @@ they are found through files in the request journal folder (``python_backend/pre
 - ``<stub pid>-<stub start ticks>.worker``: the stub's worker: ``{"model", "pid", "start_ticks",
   "parent_key"}``, plus ``"exit_status"`` (a wait status), ``"ended"`` and ``"ran"`` once the worker
   died and took its stub with it;
-- ``prefork-<key>.parent``: one parent: ``{"pid", "start_ticks", "preload", "import_secs", "failed",
+- ``prefork-<key>.parent``: one parent: ``{"pid", "start_ticks", "preload", "import_secs", "warm_secs", "failed",
   "python", "triton_pid", ...}``.
 
 Memory: a worker shares its parent's pages copy-on-write, so a model is charged what its worker adds
@@ -23,7 +23,7 @@ import json
 import os
 import signal
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ class PreloadedParent:
     failed: dict[str, str]
     python: str
     import_secs: dict[str, float]
+    warm_secs: dict[str, float] = field(default_factory=dict)
 
 
 def worker_note_path(journal_dir: Path, stub: StubProcess) -> Path:
@@ -146,6 +147,7 @@ def parents(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> list[P
                     dict(raw.get("failed") or {}),
                     str(raw.get("python") or ""),
                     dict(raw.get("import_secs") or {}),
+                    dict(raw.get("warm_secs") or {}),
                 )
             except (KeyError, TypeError, ValueError):
                 continue
@@ -169,6 +171,7 @@ def parent_status(parent: PreloadedParent) -> dict[str, Any]:
         "failed": parent.failed,
         "python": parent.python,
         "import_secs": parent.import_secs,
+        "warm_secs": parent.warm_secs,
         "memory_bytes": rss,
         "unique_bytes": uss,
         "workers": workers,

@@ -189,3 +189,60 @@ def test_republish_never_leaves_the_model_missing(tmp_path: Path) -> None:
         done.set()
         thread.join()
     assert not missing, f"the model folder was missing {len(missing)} times during republishes"
+
+
+# --- warm-up inside the load (Triton's model_warmup) -------------------------------------------
+
+
+def test_warmup_is_rendered_from_the_signature(tmp_path: Path) -> None:
+    spec = resolve(DeploymentSpec(id="m", path=custom_pkg(tmp_path / "p")))
+    rendered = render_model(spec, embedded_target())
+    [sample] = rendered.config.model_warmup
+    assert sample.batch_size == 1 and sample.count == 1
+    x, text = sample.inputs["x"], sample.inputs["text"]
+    assert list(x.dims) == [3] and x.zero_data
+    assert list(text.dims) == [1] and text.input_data_file == "input_1.bin"  # -1 takes 1, BYTES a short string
+    assert rendered.writes["warmup/input_1.bin"] == b"\x06\x00\x00\x00snooze"
+
+
+def test_warmup_false_renders_none_and_onnx_native_gets_one(tmp_path: Path) -> None:
+    off = resolve(DeploymentSpec(id="m", path=custom_pkg(tmp_path / "p", warmup=False)))
+    rendered = render_model(off, embedded_target())
+    assert not rendered.config.model_warmup and not any(k.startswith("warmup/") for k in rendered.writes)
+    native = render_model(resolve(DeploymentSpec(id="relu", path=onnx_pkg(tmp_path / "o"))), FULL_TARGET)
+    assert list(native.config.model_warmup[0].inputs["in"].dims) == [5]
+
+
+def test_warmup_samples_shipped_by_the_package(tmp_path: Path) -> None:
+    import numpy as np
+
+    pkg = custom_pkg(tmp_path / "p", warmup={"x": "samples/x.npy", "text": "samples/text.npy"})
+    (pkg / "samples").mkdir()
+    np.save(pkg / "samples" / "x.npy", np.array([1.0, 2.0, 3.0], dtype=np.float32))
+    np.save(pkg / "samples" / "text.npy", np.array([b"ab", b"c"]))
+    rendered = render_model(resolve(DeploymentSpec(id="m", path=pkg)), embedded_target())
+    sample = rendered.config.model_warmup[0]
+    assert list(sample.inputs["text"].dims) == [2] and list(sample.inputs["x"].dims) == [3]
+    assert rendered.writes["warmup/input_0.bin"] == np.array([1, 2, 3], dtype="<f4").tobytes()
+    assert rendered.writes["warmup/input_1.bin"] == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
+
+
+@pytest.mark.parametrize(
+    ("sample", "message"),
+    [
+        ({"z": "s.npy"}, r"warmup names input\(s\) \['z'\]"),
+        ({"x": "missing.npy"}, "input 'x' .*no such file"),
+        ({"x": "s.npy"}, "input 'x' .*shape \\[4\\], the input's dims are \\[3\\]"),
+        ({"x": "i.npy"}, "input 'x' .*dtype int64, the input is FP32"),
+    ],
+)
+def test_a_warmup_sample_that_does_not_fit_is_refused_naming_the_input(
+    tmp_path: Path, sample: dict[str, str], message: str
+) -> None:
+    import numpy as np
+
+    pkg = custom_pkg(tmp_path / "p", warmup=sample)
+    np.save(pkg / "s.npy", np.zeros(4, dtype=np.float32))
+    np.save(pkg / "i.npy", np.zeros(3, dtype=np.int64))
+    with pytest.raises(InvalidPackageError, match=message):
+        render_model(resolve(DeploymentSpec(id="m", path=pkg)), embedded_target())
