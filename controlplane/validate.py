@@ -743,8 +743,11 @@ async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, header
     try:
         await admin.load(name, timeout=timeout)
     except SnoozeError as exc:
-        rec.fail("load", f"Triton did not load it: {exc.message}", file=rel,
-                 fix=exc.hint or "read Triton's reason above (and its log); fix the model and re-render")
+        fix = exc.hint or "read Triton's reason above (and its log); fix the model and re-render"
+        if "warmup sample" in exc.message:
+            fix = ("predict() failed on the load's warm-up inputs (zeros shaped like the signature, BYTES b'snooze'): "
+                   "fix it, ship 'warmup' samples in snooze_model.json, or set \"warmup\": false there")
+        rec.fail("load", f"Triton did not load it: {exc.message}", file=rel, fix=fix)
         return rec.results
     load_secs = time.perf_counter() - start
     rec.ok("load", f"loaded in {load_secs:.2f}s", rel, load_secs=load_secs)

@@ -141,9 +141,10 @@ def test_broken_models_fail_with_reasons_against_running_triton(
     load_fail = by[("validate-fails-load", "load")]
     assert load_fail.status == FAIL and "weights.bin is missing" in load_fail.message
     assert "model 'validate-fails-load'" in load_fail.message and "Fix:" in load_fail.message
-    infer_fail = by[("validate-fails-predict", "warmup_infer")]
-    assert infer_fail.status == FAIL and "predict is broken" in infer_fail.message
-    assert by[("validate-fails-predict", "unload")].status == OK
+    # The load runs a warm-up inference (model_warmup): a broken predict fails the load with its own error.
+    predict_fail = by[("validate-fails-predict", "load")]
+    assert predict_fail.status == FAIL and "predict is broken" in predict_fail.message
+    assert '"warmup": false' in predict_fail.fix
     assert by[("validate-linear", "warmup_infer")].status == OK
     assert by[("validate-linear", "load")].load_secs > 0
 
