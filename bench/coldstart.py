@@ -6,7 +6,9 @@ retries to the activator, which loads the model (single flight) and forwards. Tr
 duration of the very `TritonAdminClient.load` call the lifecycle makes for that request (the admin
 client is wrapped with a timer), so overhead = first response - Triton load, per cycle.
 
-The torch example runs three ways (``bench.common.TORCH_VARIANTS``): in its stub, in a preforked worker
+After each cold request the model is pre-warmed (loaded by the lifecycle with no request waiting, as the
+adaptive keep-alive does; the load runs the config's warm-up inference) and its first request is timed against
+the warm requests that follow. The torch example runs three ways (``bench.common.TORCH_VARIANTS``): in its stub, in a preforked worker
 (forked from a parent that has imported torch) and as its ONNX export. For those, the memory a loaded
 model holds is measured too, for one copy and for ``memory_copies`` copies loaded together: as the
 lifecycle accounts it and as the kernel does (PSS of the stubs, workers and preloaded parents).
@@ -25,8 +27,10 @@ import numpy as np
 
 from bench.common import (
     API_KEY,
+    CONV_VARIANTS,
     EXAMPLES,
     TORCH_VARIANTS,
+    conv_variant_entries,
     gateway_urls,
     model_memory,
     serving_stack,
@@ -42,7 +46,9 @@ MODELS = {
     "torch-mlp-preforked": "the same torch model in a worker forked from a parent that preloaded torch",
     "torch-mlp-onnx": "the same torch model exported to ONNX, python-backend onnxruntime runner",
     "onnx-mlp": "ONNX model, python-backend onnxruntime runner on the embedded target (examples/models/onnx-mlp)",
+    **CONV_VARIANTS,
 }
+WARM_REQUESTS = 5  # warm requests timed after each pre-warmed first request
 MAX_BATCH = 8  # the deployment default
 
 
@@ -67,6 +73,7 @@ def _request(model: Any) -> tuple[bytes, dict[str, str]]:
 def _entries(root: Path, models: list[str], memory_copies: int) -> list[dict[str, Any]]:
     torch = [m for m in models if m in TORCH_VARIANTS]
     variants = torch_variant_entries(root, MAX_BATCH, torch, idle_timeout_secs=3600) if torch else {}
+    variants.update(conv_variant_entries(max_batch_size=MAX_BATCH, idle_timeout_secs=3600))
     entries = []
     for m in models:
         entries.append({"id": m, **variants[m]} if m in variants else {"id": m, "path": EXAMPLES / m})
@@ -148,8 +155,21 @@ async def run(root: Path, *, cycles: int, models: list[str], memory_copies: int 
                     direct = time.perf_counter() - direct_start
                     first_infer = time.perf_counter() - loaded
                     await stack.lifecycle.sweep()  # adopt the model loaded behind its back
+                    # A pre-warm: the lifecycle loads the model with no request waiting (the load runs the
+                    # config's warm-up inference), then the first request and a few warm ones, through the gateway.
+                    await stack.lifecycle.unload(model, reason="bench")
+                    await wait_state(stack, model, "unloaded", 60)
+                    await stack.lifecycle.load(model)
+                    timed = []
+                    for _ in range(1 + WARM_REQUESTS):
+                        start = time.perf_counter()
+                        async with http.post(f"{base}/v2/models/{model}/infer", data=body, headers=headers) as r:
+                            await r.read()
+                        timed.append(time.perf_counter() - start)
                     if cycle:
                         samples[model].append({
+                            "prewarmed_first_s": timed[0],
+                            "warm_s": sorted(timed[1:])[len(timed[1:]) // 2],
                             "first_response_s": first,
                             "triton_load_s": mine[0],
                             "overhead_s": first - mine[0],
@@ -178,6 +198,7 @@ async def run(root: Path, *, cycles: int, models: list[str], memory_copies: int 
             for key in ("direct_load_s", "direct_first_infer_s", "overhead_vs_direct_s")
         }
         overhead_direct = summary([r["overhead_vs_direct_s"] for r in rows])
+        prewarmed, warm = summary([r["prewarmed_first_s"] for r in rows]), summary([r["warm_s"] for r in rows])
         out["models"][model] = {
             "description": MODELS.get(model, model),
             "first_response_s": first,
@@ -186,6 +207,9 @@ async def run(root: Path, *, cycles: int, models: list[str], memory_copies: int 
             "direct_load_and_first_infer_s": direct,
             "overhead_vs_direct_s": overhead_direct,
             "decomposition_s": decomposition,
+            "prewarmed_first_s": prewarmed,
+            "warm_s": warm,
+            "prewarmed_first_vs_warm": round(prewarmed["median"] / warm["median"], 2) if warm else None,
             "first_response_vs_triton_load": round(first["median"] / load["median"], 3) if load else None,
             "samples": [{k: round(v, 4) for k, v in r.items()} for r in rows],
         }

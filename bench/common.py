@@ -259,6 +259,22 @@ TORCH_VARIANTS = {
 }
 
 
+# A small torch conv net (bench/packages/torch-conv): its first forward initialises conv kernels and thread
+# pools the MLP never touches, so it shows what a preloaded parent's warmed kernels save.
+CONV_PACKAGE = Path(__file__).resolve().parent / "packages" / "torch-conv"
+CONV_VARIANTS = {
+    "torch-conv": "a small torch conv net in its stub (bench/packages/torch-conv)",
+    "torch-conv-preforked": "the same conv net in a worker forked from a parent that preloaded and warmed torch",
+}
+
+
+def conv_variant_entries(**deployment: Any) -> dict[str, dict[str, Any]]:
+    return {
+        "torch-conv": {"path": CONV_PACKAGE, **deployment},
+        "torch-conv-preforked": {"path": CONV_PACKAGE, "worker": "preforked", **deployment},
+    }
+
+
 def torch_variant_entries(
     root: Path, max_batch_size: int, variants: Any = tuple(TORCH_VARIANTS), **deployment: Any
 ) -> dict[str, dict[str, Any]]:
