@@ -230,7 +230,8 @@ class PreloadedParent:
             return 0
         self.triton_fd = triton
         imported, failed = preload(self.config.preload)
-        warmed = warm_kernels(imported, failed)
+        # SNOOZE_PREFORK_WARM_KERNELS=0 in Triton's environment skips it (to measure what it saves)
+        warmed = warm_kernels(imported, failed) if os.environ.get("SNOOZE_PREFORK_WARM_KERNELS", "1") != "0" else {}
         threads = native_threads()
         # BLAS thread pools survive a fork (they re-create themselves); other native threads may not.
         _log(f"preloaded {imported}, warmed {warmed} for Triton pid {self.config.triton_pid}; "

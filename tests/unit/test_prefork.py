@@ -269,6 +269,34 @@ def test_another_preload_set_or_env_gets_its_own_parent(tmp_path, journal, loade
     assert len(records) == 3 and sorted(r["preload"] for r in records) == [["numpy"], ["numpy"], ["numpy", "json"]]
 
 
+def test_the_parent_warms_what_it_preloads_before_forking_unless_told_not_to(tmp_path, journal, loaded):
+    model = loaded(*write_model(tmp_path, "a"))
+    loaded(*write_model(tmp_path, "b", env={"SNOOZE_PREFORK_WARM_KERNELS": "0"}))
+    assert sorted(list(r["warm_secs"]) for r in parent_records(journal)) == [[], ["numpy"]]
+    np.testing.assert_array_equal(model.predict({"x": np.ones((1, 2), np.float32)})["y"], [[2, 2]])
+
+
+def test_kernel_warmers_skip_what_failed_to_import_and_survive_their_own_failure(monkeypatch):
+    from python_backend import prefork_parent
+
+    def broken() -> None:
+        raise RuntimeError("no BLAS today")
+
+    monkeypatch.setitem(prefork_parent.KERNEL_WARMERS, "numpy", broken)
+    assert prefork_parent.warm_kernels({"numpy": 0.1, "json": 0.0, "torch": 0.0}, {"torch": "ImportError"}) == {
+        "numpy": pytest.approx(0, abs=1)  # timed, logged, not raised
+    }
+
+
+@pytest.mark.torch
+def test_the_torch_warmer_runs_on_the_cpu_only():
+    torch = pytest.importorskip("torch")
+    from python_backend.prefork_parent import warm_kernels
+
+    assert set(warm_kernels({"torch": 0.0}, {})) == {"torch"}
+    assert not torch.cuda.is_initialized()
+
+
 def test_the_parent_ends_with_its_triton_and_takes_its_workers(tmp_path, triton, journal):
     stub, worker = run_stub(tmp_path, triton, "idle")
     [record] = parent_records(journal)
