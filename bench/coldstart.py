@@ -8,8 +8,9 @@ client is wrapped with a timer), so overhead = first response - Triton load, per
 
 After each cold request the model is pre-warmed (loaded by the lifecycle with no request waiting, as the
 adaptive keep-alive does; the load runs the config's warm-up inference) and its first request is timed against
-the warm requests that follow. The torch example runs three ways (``bench.common.TORCH_VARIANTS``): in its stub, in a preforked worker
-(forked from a parent that has imported torch) and as its ONNX export. For those, the memory a loaded
+the warm requests that follow. The torch example runs three ways (``bench.common.TORCH_VARIANTS``): in its
+stub, in a preforked worker (forked from a parent that has imported torch) and as its ONNX export; a small
+torch conv net (``bench.common.CONV_VARIANTS``) in its stub and preforked. For those, the memory a loaded
 model holds is measured too, for one copy and for ``memory_copies`` copies loaded together: as the
 lifecycle accounts it and as the kernel does (PSS of the stubs, workers and preloaded parents).
 """

@@ -30,7 +30,6 @@ from typing import Any
 
 from controlplane.dtypes import from_triton
 from controlplane.errors import InvalidPackageError, SnoozeError
-from controlplane.warmup import WARMUP_DIR
 from controlplane.render import (
     DEPLOYMENT_FILE,
     PACKAGE_SUBDIR,
@@ -40,6 +39,7 @@ from controlplane.render import (
     parse_config,
     target_by_name,
 )
+from controlplane.warmup import WARMUP_DIR
 
 OK, FAIL, SKIP = "ok", "fail", "skip"
 REPOSITORY = "(repository)"

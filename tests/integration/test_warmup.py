@@ -51,7 +51,10 @@ def publish(repo: Path, tmp: Path, name: str, *, warmup: bool = True, worker: st
     (pkg / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
     calls = tmp / f"{name}.calls"
     manifest = {
-        "inputs": [{"name": "x", "datatype": "FP32", "dims": [-1, 2]}, {"name": "text", "datatype": "BYTES", "dims": [1]}],
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "dims": [-1, 2]},
+            {"name": "text", "datatype": "BYTES", "dims": [1]},
+        ],
         "outputs": [{"name": "y", "datatype": "FP32", "dims": [-1, 2]}],
         "params_schema": {"calls": {"type": "str"}, "fail": {"type": "str", "default": ""}},
         "params": {"calls": str(calls), "fail": fail},
