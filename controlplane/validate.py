@@ -679,25 +679,19 @@ def check_model_static(repo: Path, folder: Path, target: TritonTarget) -> list[C
 
 
 def warmup_inputs(config: Any, seed: int = 0) -> dict[str, Any]:
-    """Inputs generated from a config: random data of the right dtype, BYTES -> b"snooze", dims -1 -> 1,
-    batch 1 when the model batches."""
+    """Inputs generated from a config by ``converters.samples`` (the generator check and parity use), dims -1
+    -> 1, batch 1 when the model batches. BF16 goes as float32 arrays of bfloat16 values (tritonclient's way)."""
     import numpy as np
+
+    from converters.samples import sample_array
 
     rng = np.random.default_rng(seed)
     arrays: dict[str, Any] = {}
     for name, triton_type, dims in _config_tensors(config, "input"):
         shape = ([1] if config.max_batch_size > 0 else []) + [1 if d == -1 else d for d in dims]
         numpy_name = from_triton(triton_type).numpy
-        if numpy_name == "object":
-            arrays[name] = np.full(shape, b"snooze", dtype=object)
-        elif numpy_name == "bool":
-            arrays[name] = rng.integers(0, 2, size=shape).astype(bool)
-        elif numpy_name.startswith(("int", "uint")):
-            arrays[name] = rng.integers(0, 2, size=shape).astype(numpy_name)
-        elif numpy_name == "bfloat16":  # tritonclient sends BF16 from float32 arrays
-            arrays[name] = rng.random(size=shape, dtype=np.float32)
-        else:
-            arrays[name] = rng.random(size=shape).astype(numpy_name)
+        array = sample_array(numpy_name, shape, rng)
+        arrays[name] = array.astype(np.float32) if numpy_name == "bfloat16" else array
     return arrays
 
 

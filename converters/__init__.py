@@ -1,7 +1,13 @@
 """Model conversion: ONNX inspection, torch -> ONNX export, parity checks, ONNX -> TensorRT.
 
-This package knows nothing about Triton or HTTP; torch and tensorrt are imported lazily.
+This package knows nothing about Triton or HTTP; torch and tensorrt are imported lazily, and onnx only
+when a name that needs it is used (``converters.samples`` stays numpy-only for the control plane).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from converters.errors import (
     ConversionError,
@@ -12,8 +18,14 @@ from converters.errors import (
     TensorRTBuildError,
     TensorRTUnavailableError,
 )
-from converters.onnx_inspect import OnnxSignature, TensorSpec, inspect_onnx
-from converters.signature import PackageSignature, TensorDecl
+
+_LAZY = {
+    "OnnxSignature": "converters.onnx_inspect",
+    "TensorSpec": "converters.onnx_inspect",
+    "inspect_onnx": "converters.onnx_inspect",
+    "PackageSignature": "converters.signature",
+    "TensorDecl": "converters.signature",
+}
 
 __all__ = [
     "ConversionError",
@@ -29,3 +41,10 @@ __all__ = [
     "TensorSpec",
     "inspect_onnx",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'converters' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

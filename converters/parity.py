@@ -22,6 +22,7 @@ import numpy as np
 
 from converters.errors import ConversionError
 from converters.onnx_inspect import TensorSpec, inspect_onnx
+from converters.samples import INT_RANGE, sample_array
 
 Reference = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
 
@@ -170,27 +171,10 @@ def _random_tensor(
         sample_dims = list(example.shape[1:] if batch_size else example.shape)
         dims = [s if d == -1 else d for d, s in zip(dims, sample_dims, strict=True)]
     shape = ([batch_size] if batch_size else []) + [DEFAULT_VARIABLE_DIM if d == -1 else d for d in dims]
-    dtype = spec.dtype
-    if dtype == "object":
-        words = rng.integers(0, 1000, size=shape)
-        return np.vectorize(lambda n: f"w{n}".encode(), otypes=[object])(words).astype(object)
-    if dtype == "bool":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    if dtype in DEFAULT_TOLERANCES:
-        values = rng.standard_normal(size=shape)
-        return values.astype(np.float32).astype(_np_dtype(dtype))
-    low, high = 0, 10
-    if example is not None and example.size:
-        low, high = int(example.min()), int(example.max()) + 1
-    return rng.integers(low, high, size=shape).astype(dtype)
-
-
-def _np_dtype(name: str) -> Any:
-    if name == "bfloat16":
-        import ml_dtypes  # onnx depends on it
-
-        return ml_dtypes.bfloat16
-    return np.dtype(name)
+    int_range = INT_RANGE
+    if example is not None and example.size and spec.dtype not in ("object", "bool", *DEFAULT_TOLERANCES):
+        int_range = (int(example.min()), int(example.max()) + 1)  # indices stay valid
+    return sample_array(spec.dtype, shape, rng, int_range=int_range)
 
 
 def compare_outputs(

@@ -337,8 +337,48 @@ def test_warmup_inputs_follow_the_config() -> None:
     )
     arrays = warmup_inputs(config)
     assert arrays["a"].shape == (1, 1, 3) and arrays["a"].dtype == np.float16
-    assert arrays["s"].dtype == object and arrays["s"][0, 0] == b"snooze"
+    assert arrays["s"].dtype == object and isinstance(arrays["s"][0, 0], bytes)
     assert arrays["i"].dtype == np.int64 and arrays["i"].shape == (1, 2)
     assert arrays["b"].dtype == bool
     config.max_batch_size = 0
     assert warmup_inputs(config)["i"].shape == (2,)
+
+
+def test_check_validate_and_parity_draw_the_same_samples_bf16_included(tmp_path: Path) -> None:
+    """One generator (converters.samples): the same seed gives the same values to all three; BF16 goes to
+    tritonclient as float32 holding bfloat16 values, to parity as ml_dtypes.bfloat16, and check refuses it
+    because the python-backend runtime cannot hand it over."""
+    import ml_dtypes
+
+    from controlplane.check import build_inputs
+    from controlplane.errors import InvalidPackageError
+    from controlplane.render import parse_config
+    from controlplane.spec import DeploymentSpec, resolve
+    from converters.onnx_inspect import TensorSpec
+    from converters.parity import random_inputs
+
+    config = parse_config(
+        'name: "m"\nbackend: "python"\nmax_batch_size: 4\n'
+        'input [{ name: "x", data_type: TYPE_FP32, dims: [3] }, { name: "h", data_type: TYPE_BF16, dims: [2] }]\n'
+        'output [{ name: "y", data_type: TYPE_FP32, dims: [1] }]\n',
+        where="test",
+    )
+    validated = warmup_inputs(config, seed=0)
+    parity = random_inputs([TensorSpec("x", "float32", [-1, 3]), TensorSpec("h", "bfloat16", [-1, 2])], 1,
+                           np.random.default_rng(0))
+    assert parity["h"].dtype == ml_dtypes.bfloat16 and validated["h"].dtype == np.float32
+    np.testing.assert_array_equal(validated["x"], parity["x"])
+    np.testing.assert_array_equal(validated["h"], parity["h"].astype(np.float32))
+
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "snooze_model.py").write_text("class Model:\n    pass\n")
+    inputs = [{"name": "x", "datatype": "FP32", "dims": [3]}]
+    manifest = {"inputs": inputs, "outputs": [{"name": "y", "datatype": "FP32", "dims": [1]}]}
+    (pkg / "snooze_model.json").write_text(json.dumps(manifest))
+    spec = resolve(DeploymentSpec(id="m", path=pkg, max_batch_size=4))
+    np.testing.assert_array_equal(build_inputs(spec, [], seed=0)["x"], parity["x"])
+    manifest["inputs"] = [*inputs, {"name": "h", "datatype": "BF16", "dims": [2]}]
+    (pkg / "snooze_model.json").write_text(json.dumps(manifest))
+    with pytest.raises(InvalidPackageError, match="input 'h': the python-backend runtime cannot pass BF16"):
+        build_inputs(resolve(DeploymentSpec(id="m", path=pkg, max_batch_size=4)), [], seed=0)
