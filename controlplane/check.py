@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from controlplane.dtypes import parse_dtype
-from converters.samples import sample_array
 from controlplane.errors import InvalidPackageError, SnoozeError
 from controlplane.render import runtime_config
 from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec, resolve
+from converters.samples import sample_array
 
 _SHAPE = re.compile(r"^(?P<name>[^:=]+):(?P<shape>\d+(?:x\d+)*)$")
 _FILE = re.compile(r"^(?P<name>[^:=]+)=(?P<file>.+\.npy)$")
