@@ -1,76 +1,151 @@
-"""Check that a custom package imports, in a child process: the control plane never runs user code
-in its own process. The child imports the entrypoint the way the python-backend runtime does
-(package folder first on sys.path, module named after the file) and checks the class contract."""
+"""Importing packages in child processes: the control plane never runs user code in its own process.
+
+Both the publish check (``check_import``) and ``snoozectl validate`` go through the runtime's import probe
+(``python_backend/import_probe.py``: the one definition of how a package is imported, its timeout and the
+process-group kill of a job that outlives it). A probe is one interpreter that checks many packages, each in
+a process forked from it; ``probe_imports`` spreads a batch of jobs over one probe per core.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
 import os
-import signal
+import queue
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-IMPORT_CHECK_TIMEOUT_SECS = 30.0
-_MAX_REPORT_CHARS = 4000
+from python_backend.import_probe import IMPORT_TIMEOUT_SECS, ML_FRAMEWORKS
 
-_CHILD = r"""
-import importlib, os, sys, traceback
-package_dir, entrypoint, class_name = sys.argv[1:4]
-sys.path.insert(0, package_dir)
-module_name = os.path.normpath(entrypoint)[: -len(".py")].replace(os.sep, ".")
-try:
-    module = importlib.import_module(module_name)
-except BaseException as exc:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(package_dir)]
-    text = "".join(traceback.format_list(frames)) + "".join(traceback.format_exception_only(exc))
-    sys.stderr.write(text.replace(package_dir + os.sep, ""))
-    sys.exit(3)
-cls = getattr(module, class_name, None)
-if not isinstance(cls, type):
-    sys.stderr.write(f"{entrypoint} defines no class {class_name!r}")
-    sys.exit(4)
-missing = [m for m in ("load", "predict") if not callable(getattr(cls, m, None))]
-if missing:
-    sys.stderr.write(f"class {class_name} in {entrypoint} has no {' or '.join(missing)} method")
-    sys.exit(5)
-"""
+__all__ = ["IMPORT_TIMEOUT_SECS", "ML_FRAMEWORKS", "ImportProbe", "ProbePool", "check_import", "probe_imports"]
+
+
+class ImportProbe:
+    """One probe interpreter (``python -m python_backend.import_probe``) for this environment."""
+
+    def __init__(self, python: str | None = None) -> None:
+        root = str(Path(__file__).resolve().parents[1])  # where python_backend is, installed or not
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # no __pycache__ left in the packages
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [python or sys.executable, "-m", "python_backend.import_probe"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            cwd=root,
+            start_new_session=True,  # a Ctrl-C of the CLI does not reach it mid-answer; close() ends it
+        )
+
+    def run(self, job: Mapping[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(dict(job)) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            return {"crashed": self.proc.poll(), "output": f"the import probe (pid {self.proc.pid}) ended"}
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> ImportProbe:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class ProbePool:
+    """Up to ``size`` probes shared by threads: ``run`` takes a free one (started on first need)."""
+
+    def __init__(self, size: int | None = None) -> None:
+        self.size = max(1, size or os.cpu_count() or 1)
+        self._free: queue.SimpleQueue[ImportProbe] = queue.SimpleQueue()
+        self._started: list[ImportProbe] = []
+        self._lock = threading.Lock()
+
+    def run(self, job: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            probe = self._free.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                fresh = len(self._started) < self.size
+                if fresh:
+                    self._started.append(ImportProbe())
+                    probe = self._started[-1]
+            if not fresh:
+                probe = self._free.get()
+        try:
+            return probe.run(job)
+        finally:
+            self._free.put(probe)
+
+    def close(self) -> None:
+        for probe in self._started:
+            probe.close()
+
+    def __enter__(self) -> ProbePool:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def probe_imports(jobs: Sequence[Mapping[str, Any]], workers: int | None = None) -> list[dict[str, Any]]:
+    """Answers to ``jobs`` (in order), from up to ``workers`` probes (default: one per core)."""
+    if not jobs:
+        return []
+    count = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+    with ProbePool(count) as probes, concurrent.futures.ThreadPoolExecutor(count) as pool:
+        return list(pool.map(probes.run, jobs))
 
 
 def check_import(
     package_dir: Path,
     entrypoint: str,
     class_name: str,
-    timeout: float = IMPORT_CHECK_TIMEOUT_SECS,
+    timeout: float = IMPORT_TIMEOUT_SECS,
     *,
     env: Mapping[str, str] | None = None,
 ) -> str | None:
     """None when ``entrypoint`` imports and defines ``class_name`` with load/predict; else the problem
     (the traceback of the import, relative to the package). ``env`` is the manifest's env."""
     folder = str(Path(package_dir).resolve())
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, folder, entrypoint, class_name],
-        cwd=folder,
-        env={**os.environ, **(env or {}), "PYTHONDONTWRITEBYTECODE": "1"},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # the whole group is killed on timeout, children of the import too
-    )
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    job = {"package_dir": folder, "entrypoint": entrypoint, "class_name": class_name, "env": dict(env or {}),
+           "cwd": folder, "timeout": timeout}
+    with ImportProbe() as probe:
+        answer = probe.run(job)
+    if "timeout" in answer:
         return (
             f"importing {entrypoint} took longer than {timeout:g}s; module-level code must be quick "
             "(import heavy frameworks and load weights inside load())"
         )
-    if proc.returncode == 0:
-        return None
-    report = err.decode("utf-8", errors="replace").strip()[-_MAX_REPORT_CHARS:]
-    if proc.returncode == 3:
-        return f"importing {entrypoint} failed:\n{report}"
-    if proc.returncode in (4, 5):
-        return report
-    return f"importing {entrypoint} ended the process (exit code {proc.returncode}){': ' + report if report else ''}"
+    if "crashed" in answer:
+        output = answer.get("output") or ""
+        said = f": {output}" if output else ""
+        return f"importing {entrypoint} ended the process (exit code {answer['crashed']}){said}"
+    package = answer["package"]
+    if not package["ok"]:
+        return f"importing {entrypoint} failed:\n{package['error'].strip()}"
+    if not package["is_class"]:
+        return f"{entrypoint} defines no class {class_name!r}"
+    if package["missing"]:
+        return f"class {class_name} in {entrypoint} has no {' or '.join(package['missing'])} method"
+    return None

@@ -18,8 +18,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
@@ -30,6 +28,7 @@ from typing import Any
 
 from controlplane.dtypes import from_triton
 from controlplane.errors import InvalidPackageError, SnoozeError
+from controlplane.package_check import IMPORT_TIMEOUT_SECS, ProbePool
 from controlplane.render import (
     DEPLOYMENT_FILE,
     PACKAGE_SUBDIR,
@@ -43,8 +42,6 @@ from controlplane.warmup import WARMUP_DIR
 
 OK, FAIL, SKIP = "ok", "fail", "skip"
 REPOSITORY = "(repository)"
-ML_FRAMEWORKS = ("torch", "tensorflow", "jax", "onnxruntime", "tensorrt")
-IMPORT_TIMEOUT_SECS = 120.0
 DEFAULT_LOAD_TIMEOUT_SECS = 300.0
 
 # platform -> backend, and the file Triton looks for when the config names none.
@@ -231,6 +228,7 @@ class _ModelFolder:
     backend: str | None = None
     model_file: str | None = None
     versions: list[Path] = field(default_factory=list)
+    probes: Any = None  # the ProbePool that imports packages in child processes
 
     @property
     def name(self) -> str:
@@ -515,77 +513,27 @@ def _unknown_session_options(params: dict[str, Any]) -> list[str]:
     return sorted(k for k in params if not hasattr(options, k))
 
 
-# The import probe runs in a child interpreter: user code never runs in the validator's process.
-_IMPORT_PROBE = r"""
-import importlib, importlib.util, json, os, sys, traceback, types
-frameworks = json.loads(sys.argv[1])
-entry_file, package_dir, entrypoint, class_name = sys.argv[2:6]
-env = json.loads(sys.argv[6])
-out, sys.stdout = sys.stdout, sys.stderr   # user prints must not corrupt the report
-def loaded():
-    return sorted(f for f in frameworks if f in sys.modules)
-def error():
-    return "".join(traceback.format_exc(limit=-4).splitlines(True)[-12:])
-result = {"baseline": loaded()}
-os.environ.update(env)
-try:
-    import triton_python_backend_utils  # noqa: F401  (only exists inside Triton's stub)
-except ImportError:
-    sys.modules["triton_python_backend_utils"] = types.ModuleType("triton_python_backend_utils")
-try:
-    spec = importlib.util.spec_from_file_location("snooze_validate_entry", entry_file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    result["entry"] = {"ok": True, "frameworks": loaded(), "has_class": hasattr(module, "TritonPythonModel")}
-except BaseException:
-    result["entry"] = {"ok": False, "error": error(), "frameworks": loaded()}
-if entrypoint:
-    before = loaded()
-    try:
-        if package_dir not in sys.path:
-            sys.path.insert(0, package_dir)
-        name = os.path.normpath(entrypoint)[: -len(".py")].replace(os.sep, ".")
-        mod = importlib.import_module(name)
-        cls = getattr(mod, class_name, None)
-        is_class = isinstance(cls, type)
-        missing = [m for m in ("load", "predict") if not (is_class and callable(getattr(cls, m, None)))]
-        result["package"] = {"ok": True, "before": before, "frameworks": loaded(), "is_class": is_class,
-                             "missing": missing}
-    except BaseException:
-        result["package"] = {"ok": False, "before": before, "error": error(), "frameworks": loaded()}
-out.write(json.dumps(result))
-out.flush()
-"""
-
-
-def _run_import_probe(entry: Path, package_dir: Path, entrypoint: str, class_name: str,
-                      env: dict[str, str]) -> dict[str, Any]:
-    cmd = [sys.executable, "-c", _IMPORT_PROBE, json.dumps(ML_FRAMEWORKS), str(entry), str(package_dir),
-           entrypoint, class_name, json.dumps(env)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=IMPORT_TIMEOUT_SECS,
-                          cwd=str(entry.parent), stdin=subprocess.DEVNULL)
-    try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        tail = "\n".join((proc.stderr or "").strip().splitlines()[-12:])
-        return {"crashed": f"the import process exited with code {proc.returncode}: {tail}"}
-
-
 def _check_imports(m: _ModelFolder, entry: Path, spec: Any, package_dir: Path) -> None:
+    """The entry file, and a custom package's entrypoint, imported by the runtime's probe (a child process)."""
     custom = spec is not None and spec.kind == "custom"
-    entrypoint = spec.entrypoint if custom else ""
-    class_name = spec.class_name if custom else ""
-    env = dict(spec.env) if spec is not None else {}
+    job = {
+        "entry_file": str(entry.resolve()),
+        "package_dir": str(package_dir.resolve()),
+        "entrypoint": spec.entrypoint if custom else "",
+        "class_name": spec.class_name if custom else "",
+        "env": dict(spec.env) if spec is not None else {},
+        "cwd": str(entry.parent.resolve()),
+        "timeout": IMPORT_TIMEOUT_SECS,
+    }
     rel_entry = m.rel(entry)
-    try:
-        probe = _run_import_probe(entry, package_dir, entrypoint, class_name, env)
-    except subprocess.TimeoutExpired:
+    probe = m.probes.run(job)
+    if "timeout" in probe:
         m.rec.fail("entry_import", f"importing the model took longer than {IMPORT_TIMEOUT_SECS:.0f}s",
                    file=rel_entry, fix="move heavy work (framework imports, weight loading) into load()")
         return
     if "crashed" in probe:
-        m.rec.fail("entry_import", probe["crashed"], file=rel_entry,
-                   fix="make the module importable with this interpreter's packages")
+        m.rec.fail("entry_import", f"the import process exited with code {probe['crashed']}: {probe['output']}",
+                   file=rel_entry, fix="make the module importable with this interpreter's packages")
         return
     baseline = set(probe["baseline"])
     entry_ok = _judge_entry(m, probe["entry"], baseline, rel_entry)
@@ -655,9 +603,13 @@ def _check_deployment_record(m: _ModelFolder) -> None:
     m.rec.ok("deployment_record", f"{DEPLOYMENT_FILE} readable", rel)
 
 
-def check_model_static(repo: Path, folder: Path, target: TritonTarget) -> list[CheckResult]:
-    """All static checks of one model folder."""
-    m = _ModelFolder(Path(repo), Path(folder), _Recorder(Path(folder).name))
+def check_model_static(repo: Path, folder: Path, target: TritonTarget, probes: ProbePool | None = None
+                       ) -> list[CheckResult]:
+    """All static checks of one model folder; imports go to ``probes`` (default: a probe of its own)."""
+    if probes is None:
+        with ProbePool(1) as own:
+            return check_model_static(repo, folder, target, own)
+    m = _ModelFolder(Path(repo), Path(folder), _Recorder(Path(folder).name), probes=probes)
     _check_config(m)
     if m.config is None:
         return m.rec.results
@@ -882,9 +834,11 @@ def validate_repository(
         rec.fail("repository", "no model folders", file=str(repo_path),
                  fix="render models into it first (snoozectl render)")
     report.results += rec.results
-    workers = max(1, min(8, os.cpu_count() or 1, len(folders)))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        per_model = list(pool.map(lambda f: check_model_static(repo_path, f, tgt), folders))
+    # One import probe per core (each checks many packages, forking per package); the reading and parsing
+    # of the static checks runs on as many threads, most of it waiting on the probes.
+    workers = max(1, min(os.cpu_count() or 1, len(folders)))
+    with ProbePool(workers) as probes, concurrent.futures.ThreadPoolExecutor(workers * 2) as pool:
+        per_model = list(pool.map(lambda f: check_model_static(repo_path, f, tgt, probes), folders))
     for results in per_model:
         report.results += results
     if load:

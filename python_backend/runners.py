@@ -7,7 +7,6 @@ user's module only when the instance initialises (after the spec's env is applie
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import signal
 import sys
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import PredictTimeout
+from .import_probe import import_model_class
 from .spec import RuntimeSpec, SpecError
 
 
@@ -38,17 +38,12 @@ def import_user_class(spec: RuntimeSpec, package_dir: str) -> type:
             f"model '{spec.model_id}': entrypoint {spec.entrypoint!r} is not in {package_dir}; "
             "fix 'entrypoint' in the package manifest or add the file"
         )
-    if package_dir not in sys.path:
-        sys.path.insert(0, package_dir)
-    module_name = os.path.normpath(spec.entrypoint)[: -len(".py")].replace(os.sep, ".")
-    module = importlib.import_module(module_name)
-    cls = getattr(module, spec.class_name, None)
-    if not isinstance(cls, type):
+    cls, missing = import_model_class(package_dir, spec.entrypoint, spec.class_name)
+    if cls is None:
         raise SpecError(
             f"model '{spec.model_id}': {spec.entrypoint} defines no class {spec.class_name!r}; "
             "fix 'class' in the package manifest or rename the class"
         )
-    missing = [m for m in ("load", "predict") if not callable(getattr(cls, m, None))]
     if missing:
         raise SpecError(
             f"model '{spec.model_id}': class {spec.class_name} in {spec.entrypoint} has no {missing}; "

@@ -103,3 +103,30 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_one_probe_checks_many_packages_each_in_a_fresh_process(tmp_path: Path) -> None:
+    """Same module name in every package: each job sees its own package, never the previous one's module or
+    environment, and a job that times out leaves the probe answering the next."""
+    from controlplane.package_check import probe_imports
+
+    def job(name: str, source: str, **extra: object) -> dict:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "snooze_model.py").write_text(textwrap.dedent(source))
+        return {"package_dir": str(folder), "entrypoint": "snooze_model.py", "class_name": "Model",
+                "cwd": str(folder), **extra}
+
+    jobs = [
+        job("good", GOOD, env={"SNOOZE_TEST_FLAG": "on"}),
+        job("no-class", "import os\nassert 'SNOOZE_TEST_FLAG' not in os.environ\nclass Other: ...\n"),
+        job("slow", "import time\ntime.sleep(30)\n", timeout=1),
+        job("torch-free", "import sys\nsys.modules['torch'] = sys\nclass Model:\n    load = predict = print\n"),
+        job("good-again", GOOD),
+    ]
+    good, no_class, slow, torch_free, good_again = probe_imports(jobs, workers=1)
+    assert good["package"]["is_class"] and good["package"]["missing"] == []
+    assert no_class["package"]["ok"] and not no_class["package"]["is_class"]
+    assert slow == {"timeout": 1.0}
+    assert torch_free["package"]["frameworks"] == ["torch"] and torch_free["package"]["before"] == []
+    assert good_again["package"]["is_class"] and good_again["baseline"] == []
