@@ -85,7 +85,7 @@ def run(root: Path, *, n: int, validate_n: int, idle_secs: float) -> dict[str, A
         "validate_static": {
             **validated,
             "extrapolated_total_s_for_all": round(validated["per_model_ms"] * n / 1000, 1),
-            "note": "static checks incl. one import probe (a child interpreter) per model",
+            "note": "static checks; imports by one probe interpreter per core, a forked child per model",
         },
         "control_plane": {
             "process": "ServingStack (lifecycle, activator, API, Envoy and Triton supervision) in one Python process",
