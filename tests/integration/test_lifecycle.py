@@ -209,6 +209,7 @@ async def test_a_preforked_workers_memory_is_its_models_and_leaves_with_its_unlo
     # charged: its stub and what its worker adds, not the pages the worker shares with its parent
     assert 64 * MIB <= status.memory_bytes - stub_rss * 0.9 < own * 1.1 + 16 * MIB, (status, own, stub_rss)
     assert parent["memory_bytes"] > 0 and manager.loader.budget.overhead >= parent["memory_bytes"]
+    assert set(parent["warm_secs"]) == {"numpy"}  # what it warmed before forking, for /v1/runtime
 
     await manager.unload(model)
     assert not psutil.pid_exists(worker.pid)  # the worker, and its memory, left with the unload
