@@ -54,7 +54,8 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
             "coldstart": {
-                "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "onnx-mlp"], "memory_copies": 2,
+                "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
+                "memory_copies": 2,
             },
             "batching": {"seconds": 0.2, "warmup": 0.05, "pairs": 1, "pair_seconds": 0.2, "torch_rounds": 0},
             "scale_to_zero": {
@@ -90,7 +91,10 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "gateway": {"seconds": 3.0, "warmup": 0.5},
         "coldstart": {
             "cycles": 20,
-            "models": ["numpy-linear", "torch-mlp", "torch-mlp-preforked", "torch-mlp-onnx", "onnx-mlp"],
+            "models": [
+                "numpy-linear", "torch-mlp", "torch-mlp-preforked", "torch-mlp-onnx", "onnx-mlp", "torch-conv",
+                "torch-conv-preforked",
+            ],
             "memory_copies": 5,
         },
         "batching": {"seconds": 4.0, "warmup": 0.5, "pairs": 7, "pair_seconds": 2.0, "torch_rounds": 3},

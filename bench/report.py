@@ -556,6 +556,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             "",
         ]
         lines += _coldstart_decomposition(c)
+        lines += _prewarm_lines(c)
         if "coldstart" in plots:
             lines += [f"![cold start]({plot_rel}/{plots['coldstart']})", ""]
         lines += _memory_lines(c)
@@ -675,6 +676,14 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
                         f"static validation of {vd['models']} of them",
                         f"{vd['total_s']} s ({vd['per_model_ms']} ms/model; {vd['note']}; ok={vd['ok']})",
                     ],
+                    *(
+                        [[
+                            f"`snoozectl validate` of {vd['models']} of them (a fresh process, as CI runs it)",
+                            f"{vd['cli_total_s']} s, exit code {vd['cli_exit_code']} ({vd['cores']} cores, load "
+                            f"average {vd['load_average_start']} at the start)",
+                        ]]
+                        if "cli_total_s" in vd else []
+                    ),
                     [
                         f"control-plane RSS, {n} vs 0 models",
                         f"{cp[f'rss_{n}_vs_0_models']}x ({cp[f'rss_mib_{n}_models']} vs "
@@ -791,6 +800,26 @@ def _coldstart_decomposition(c: dict[str, Any]) -> list[str]:
             ["model", "Triton load", "first inference of a fresh stub", "lifecycle + gateway", "first response"],
             rows,
         ),
+        "",
+    ]
+
+
+def _prewarm_lines(c: dict[str, Any]) -> list[str]:
+    """The first request after a pre-warm (a load with no request waiting) against warm requests."""
+    rows = [
+        [m, _ms(v["prewarmed_first_s"]["median"]), _ms(v["prewarmed_first_s"]["p90"]), _ms(v["warm_s"]["median"]),
+         v["prewarmed_first_vs_warm"]]
+        for m, v in c["models"].items()
+        if v.get("prewarmed_first_s")
+    ]
+    if not rows:  # a report.json from before this was measured
+        return []
+    return [
+        "First request after a pre-warm: in each cycle the lifecycle loads the model with no request waiting (as "
+        "the adaptive keep-alive's pre-warm does; the load runs the config's `model_warmup` inference), then one "
+        "request and five warm ones go through the gateway on an open connection (medians over cycles).",
+        "",
+        _table(["model", "first after pre-warm median", "p90", "warm median", "first / warm"], rows),
         "",
     ]
 

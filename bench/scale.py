@@ -49,15 +49,27 @@ def render_all(packages: list[Path], repo: Path) -> dict[str, float]:
 def validate(repo: Path, models: list[str]) -> dict[str, Any]:
     from controlplane.validate import validate_repository
 
+    load_start = [round(v, 2) for v in os.getloadavg()]
     start = time.perf_counter()
     report = validate_repository(repo, models=models)
     secs = time.perf_counter() - start
+    # As CI runs it: `snoozectl validate` in a fresh process (interpreter, imports, report), exit code 0.
+    everything = [p for p in repo.iterdir() if not p.name.startswith(".")]
+    selection = [] if len(models) == len(everything) else [a for m in models for a in ("--model", m)]
+    cmd = [sys.executable, "-c", "from controlplane.cli import main; main()", "validate", str(repo), "--json"]
+    start = time.perf_counter()
+    proc = subprocess.run([*cmd, *selection], capture_output=True, text=True, check=False)
+    cli_secs = time.perf_counter() - start
     return {
         "models": len(models),
         "total_s": round(secs, 3),
         "per_model_ms": round(1000 * secs / len(models), 1),
         "ok": report.ok,
         "failures": len(report.failures),
+        "cli_total_s": round(cli_secs, 3),
+        "cli_exit_code": proc.returncode,
+        "cores": os.cpu_count(),
+        "load_average_start": load_start,
     }
 
 

@@ -66,7 +66,7 @@ from controlplane.settings import Settings
 from controlplane.spec import discover, resolve
 from controlplane.stack import ServingStack, stop_signals
 from controlplane.store import PublishedModel
-from controlplane.validate import warmup_infer
+from controlplane.validation.live import warmup_infer
 
 log = logging.getLogger("snoozeml.snapshot")
 

@@ -28,6 +28,7 @@ RUNTIME_MODULES = (
     "runners.py",
     "spec.py",
     "triton_model.py",
+    "warmup.py",
 )
 
 

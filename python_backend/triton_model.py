@@ -7,16 +7,21 @@ batching policy lives in batching.py, testable without Triton.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 import time
 from typing import Any
+
+import numpy as np
 
 from .batching import BatchPlan
 from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure
 from .journal import RequestJournal
 from .runners import OVERRUN_EXIT_CODE, PredictWatchdog, build_model, call_with_limit, device_for
 from .spec import RuntimeSpec, load_spec, spec_path
+from .warmup import warmup_samples
 
 PACKAGE_DIR = "package"
 # finalize waits this long for the model's unload(): Triton waits for finalize without a limit, so
@@ -71,15 +76,55 @@ class TritonPythonModel:
         # answer); with a time limit, a watchdog beside it answers a call that overruns it.
         self._user_predict = self._direct or self._model.predict
         self._predict = self._user_predict
+        self._warm_answer: tuple[dict[str, Any], Any] | None = None
+        self._warm_up(args, spec)
         self._watch = None
         if self._timeout:
             self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")
             self._predict = self._predict_watched
 
+    def _warmed(self, arrays: list[dict[str, Any]]) -> list | None:
+        """Triton's run of the warm-up sample this instance ran already: its answer, without a second predict."""
+        sample, result = self._warm_answer  # type: ignore[misc]
+        self._warm_answer = None
+        if len(arrays) != 1 or arrays[0].keys() != sample.keys():
+            return None
+        if not all(_same(arrays[0][k], v) for k, v in sample.items()):
+            return None
+        return [self._response(result)]
+
+    def _warm_up(self, args: dict[str, str], spec: RuntimeSpec) -> None:
+        """The config's warm-up samples through predict, before Triton runs them: a failing one fails the load
+        here, with the model's own error (see warmup.py for why Triton must never run a failing one)."""
+        try:
+            samples = warmup_samples(json.loads(args.get("model_config") or "{}"), args["model_repository"])
+        except (OSError, ValueError, KeyError) as e:  # an unreadable sample: Triton's own run reports it
+            _log(spec.model_id, f"could not read the warm-up sample ({e}); Triton runs it")
+            return
+        for name, arrays in samples:
+            [result] = self._plan.run([arrays], self._user_predict)
+            # Triton's run of the same sample comes next: answered from here (a copy: a preforked worker's
+            # answer is a view of a region its next answer reuses).
+            kept = result if type(result) is Failure else {k: np.array(v, copy=True) for k, v in result.items()}
+            self._warm_answer = (arrays, kept)
+            if type(result) is Failure:
+                with contextlib.suppress(Exception):
+                    unload = getattr(self._model, "unload", None)
+                    if callable(unload):
+                        unload()
+                raise RuntimeError(
+                    f"{result.message} (in the load's warm-up inference '{name}': inputs from the signature or "
+                    "the package's 'warmup' samples; \"warmup\": false in snooze_model.json turns it off)"
+                )
+
     def execute(self, requests: list) -> list:
         if self._journal is not None:
             self._journal.record(requests)
         arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
+        if self._warm_answer is not None:  # the instance's first batch: Triton's warm-up, already run in _warm_up
+            answer = self._warmed(arrays)
+            if answer is not None:
+                return answer
         watch = self._watch
         if watch is None:
             return [self._response(result) for result in self._plan.run(arrays, self._predict)]
@@ -172,3 +217,7 @@ class TritonPythonModel:
             return error_cls(failure.message, code)
         except TypeError:
             return error_cls(failure.message)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())

@@ -57,7 +57,11 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     rows = data["sections"]["gateway"]["rows"]
     assert {r["target"] for r in rows} == {"direct", "bare_envoy", "gateway", "client_ceiling"}
     assert {(r["protocol"], r["concurrency"]) for r in rows} == {(p, c) for p in ("grpc", "http") for c in (1, 8, 32)}
-    assert set(data["sections"]["coldstart"]["models"]) == {"numpy-linear", "torch-mlp-preforked", "onnx-mlp"}
+    coldstart = data["sections"]["coldstart"]["models"]
+    assert set(coldstart) == {"numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"}
+    assert all(m["prewarmed_first_s"]["n"] == 1 and m["warm_s"]["n"] == 1 for m in coldstart.values())
+    validated = data["sections"]["scale"]["validate_static"]
+    assert validated["ok"] and validated["cli_exit_code"] == 0
     memory = data["sections"]["coldstart"]["memory"]["torch-mlp-preforked"]
     assert memory["2_loaded"]["processes"] == 5  # two stubs, two workers, one preloaded parent
     assert set(data["sections"]["recovery"]["topologies"]) == {"embedded", "two_process"}

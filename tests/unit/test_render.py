@@ -227,6 +227,26 @@ def test_warmup_samples_shipped_by_the_package(tmp_path: Path) -> None:
     assert rendered.writes["warmup/input_1.bin"] == b"\x02\x00\x00\x00ab\x01\x00\x00\x00c"
 
 
+def test_the_runtime_reads_back_the_warmup_sample_triton_gets(tmp_path: Path) -> None:
+    """What the runtime runs through predict in initialize is the request Triton's warm-up sends."""
+    import numpy as np
+    from google.protobuf import json_format
+
+    from python_backend.warmup import warmup_samples
+
+    pkg = custom_pkg(tmp_path / "p", warmup={"x": "x.npy"})
+    np.save(pkg / "x.npy", np.array([1.5, -2.0, 3.0], dtype=np.float32))
+    model = write_model(render_model(resolve(DeploymentSpec(id="m", path=pkg)), embedded_target()), tmp_path / "r")
+    config = json_format.MessageToDict(parse_config((model / "config.pbtxt").read_text(), where="test"),
+                                       preserving_proto_field_name=True)
+    [(name, arrays)] = warmup_samples(config, str(model))
+    assert name == "snooze_warmup" and set(arrays) == {"x", "text"}
+    np.testing.assert_array_equal(arrays["x"], [[1.5, -2.0, 3.0]])
+    assert arrays["text"].dtype == object and arrays["text"].tolist() == [[b"snooze"]]
+    config["max_batch_size"] = 0
+    assert warmup_samples(config, str(model))[0][1]["x"].shape == (3,)
+
+
 @pytest.mark.parametrize(
     ("sample", "message"),
     [

@@ -108,6 +108,23 @@ def test_rendered_examples_pass_on_both_targets(tmp_path: Path) -> None:
         assert {"package_import", "model_class", "params"} <= {r.check for r in report.for_model("numpy-linear")}
 
 
+def test_a_relative_repository_path_validates_like_an_absolute_one(linear_repo: Path, monkeypatch) -> None:
+    monkeypatch.chdir(linear_repo.parent)
+    report = validate_repository(Path(linear_repo.name))
+    assert report.ok, [r.message for r in report.failures]
+    assert report.repository == linear_repo.name and {r.check for r in report.results} >= {"entry_import"}
+
+
+def test_the_warmup_folder_is_not_a_version_folder(tmp_path: Path) -> None:
+    manifest = {"inputs": [{"name": "s", "datatype": "BYTES", "dims": [1]}],
+                "outputs": [{"name": "y", "datatype": "BYTES", "dims": [1]}]}
+    code = "class Model:\n    def load(self, d, dev): ...\n    def predict(self, x):\n        return {'y': x['s']}\n"
+    repo = render(tmp_path, {"words": write_package(tmp_path, "words", code, manifest)})
+    assert (repo / "words" / "warmup").is_dir()
+    report = validate_repository(repo)
+    assert report.ok, [r.message for r in report.failures]
+
+
 def test_bad_pbtxt_fails_naming_model_file_and_fix(linear_repo: Path) -> None:
     (linear_repo / "linear" / "config.pbtxt").write_text('name: "linear"\nmax_batch_size: eight\n')
     report = validate_repository(linear_repo)

@@ -1,0 +1,178 @@
+"""`snoozectl validate --load`'s live checks: each model loaded into a real tritonserver (the embedded one, or
+``--triton-url``), one inference built from its config, unloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from controlplane.dtypes import from_triton
+from controlplane.errors import SnoozeError
+from controlplane.render import DEPLOYMENT_FILE, TritonTarget
+from controlplane.validation.report import REPOSITORY, SKIP, CheckResult, Recorder
+from controlplane.validation.static import PLATFORM_BACKENDS, config_tensors
+
+DEFAULT_LOAD_TIMEOUT_SECS = 300.0
+
+
+def warmup_inputs(config: Any, seed: int = 0) -> dict[str, Any]:
+    """Inputs generated from a config by ``converters.samples`` (the generator check and parity use), dims -1
+    -> 1, batch 1 when the model batches. BF16 goes as float32 arrays of bfloat16 values (tritonclient's way)."""
+    import numpy as np
+
+    from converters.samples import sample_array
+
+    rng = np.random.default_rng(seed)
+    arrays: dict[str, Any] = {}
+    for name, triton_type, dims in config_tensors(config, "input"):
+        shape = ([1] if config.max_batch_size > 0 else []) + [1 if d == -1 else d for d in dims]
+        numpy_name = from_triton(triton_type).numpy
+        array = sample_array(numpy_name, shape, rng)
+        arrays[name] = array.astype(np.float32) if numpy_name == "bfloat16" else array
+    return arrays
+
+
+def warmup_infer(http_url: str, config: Any, headers: dict[str, str], timeout: float) -> str:
+    """One inference through tritonclient.http; returns a short description, raises on failure."""
+    import tritonclient.http as httpclient
+
+    ssl = http_url.startswith("https://")
+    url = re.sub(r"^https?://", "", http_url).rstrip("/")
+    types = {name: from_triton(t).wire for name, t, _ in config_tensors(config, "input")}
+    inputs = []
+    for name, array in warmup_inputs(config).items():
+        tensor = httpclient.InferInput(name, list(array.shape), types[name])
+        tensor.set_data_from_numpy(array, binary_data=True)
+        inputs.append(tensor)
+    client = httpclient.InferenceServerClient(url, ssl=ssl, connection_timeout=timeout, network_timeout=timeout)
+    try:
+        result = client.infer(config.name or "", inputs, headers=headers or None)
+    finally:
+        client.close()
+    outputs = [name for name, _, _ in config_tensors(config, "output")]
+    missing = [name for name in outputs if result.as_numpy(name) is None]
+    if missing:
+        raise RuntimeError(f"the response lacks output(s) {missing}")
+    shapes = ", ".join(f"{n}{list(result.as_numpy(n).shape)}" for n in outputs)
+    return shapes
+
+
+def _load_timeout(folder: Path, default: float) -> float:
+    try:
+        return float(json.loads((folder / DEPLOYMENT_FILE).read_text(encoding="utf-8"))["load_timeout_secs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
+async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, headers: dict[str, str],
+                    default_timeout: float, was_ready: bool) -> list[CheckResult]:
+    name = folder.name
+    rec = Recorder(name)
+    rel = f"{name}/config.pbtxt"
+    timeout = _load_timeout(folder, default_timeout)
+    start = time.perf_counter()
+    try:
+        await admin.load(name, timeout=timeout)
+    except SnoozeError as exc:
+        fix = exc.hint or "read Triton's reason above (and its log); fix the model and re-render"
+        if "warmup sample" in exc.message or "warm-up inference" in exc.message:
+            fix = ("predict() failed on the load's warm-up inputs (zeros shaped like the signature, BYTES b'snooze'): "
+                   "fix it, ship 'warmup' samples in snooze_model.json, or set \"warmup\": false there")
+        rec.fail("load", f"Triton did not load it: {exc.message}", file=rel, fix=fix)
+        return rec.results
+    load_secs = time.perf_counter() - start
+    rec.ok("load", f"loaded in {load_secs:.2f}s", rel, load_secs=load_secs)
+    start = time.perf_counter()
+    try:
+        shapes = await asyncio.to_thread(warmup_infer, http_url, config, headers, timeout)
+        rec.ok("warmup_infer", f"one inference in {time.perf_counter() - start:.3f}s: {shapes}", rel)
+    except Exception as exc:  # tritonclient raises InferenceServerException and transport errors
+        rec.fail("warmup_infer", f"the warm-up inference failed: {exc}", file=rel,
+                 fix="run the model's predict() on inputs shaped like its config; check dtypes and dims")
+    if was_ready:
+        rec.ok("unload", "left loaded: it was loaded before validation started", rel)
+        return rec.results
+    try:
+        await admin.unload(name, wait=True, timeout=timeout)
+        rec.ok("unload", "unloaded", rel)
+    except SnoozeError as exc:
+        rec.fail("unload", exc.message, file=rel, fix=exc.hint or "check the model's unload()/finalize()")
+    return rec.results
+
+
+async def _load_all(http_url: str, models: list[tuple[Path, Any]], headers: dict[str, str],
+                    default_timeout: float) -> list[CheckResult]:
+    from controlplane.triton.client import TritonAdminClient
+
+    # The restricted model-repository API of a compose/Kubernetes Triton wants its key in a header.
+    async with TritonAdminClient(http_url, headers=headers or None) as admin:
+        try:
+            ready = {e.name for e in await admin.repository_index() if e.state == "READY"}
+        except SnoozeError as exc:
+            rec = Recorder(REPOSITORY)
+            rec.fail("triton", f"Triton at {http_url} does not answer its repository index: {exc}", file=None,
+                     fix="check --triton-url and the model-repository API key (--triton-header)")
+            return rec.results
+        results: list[CheckResult] = []
+        for folder, config in models:
+            results += await _load_one(admin, http_url, folder, config, headers, default_timeout,
+                                       folder.name in ready)
+        return results
+
+
+def _run_coroutine(make: Callable[[], Any]) -> Any:
+    """asyncio.run, also when called from inside a running event loop (then on a worker thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
+
+
+def dynamic_checks(repo: Path, candidates: list[tuple[Path, Any]], target: TritonTarget,
+                    triton_url: str | None, headers: dict[str, str], load_timeout: float) -> list[CheckResult]:
+    from controlplane.triton.launcher import EmbeddedTriton, detect_backends
+
+    results: list[CheckResult] = []
+    triton = None
+    work_dir = None
+    backends = set(target.backends)
+    if triton_url is None:
+        work_dir = Path(tempfile.mkdtemp(prefix="snooze-validate-"))
+        triton = EmbeddedTriton(repo, work_dir)
+        try:
+            triton.start()
+        except SnoozeError as exc:
+            rec = Recorder(REPOSITORY)
+            rec.fail("triton", f"the embedded tritonserver did not start: {exc.message}", file=None,
+                     fix=exc.hint or "install snoozeml[embedded], or pass --triton-url of a running Triton")
+            shutil.rmtree(work_dir, ignore_errors=True)
+            return rec.results
+        backends = detect_backends(work_dir / "backends") or {"python"}  # detected, not assumed
+        triton_url = triton.http_url
+    try:
+        runnable = []
+        for folder, config in candidates:
+            backend = config.backend or PLATFORM_BACKENDS.get(config.platform, "")
+            if backend in backends:
+                runnable.append((folder, config))
+            else:
+                results.append(CheckResult(folder.name, "load", SKIP,
+                                           f"not loaded: this Triton has no '{backend}' backend ({sorted(backends)})"))
+        results += _run_coroutine(lambda: _load_all(triton_url, runnable, headers, load_timeout))
+    finally:
+        if triton is not None:
+            triton.stop()
+        if work_dir is not None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return results
+
