@@ -79,18 +79,31 @@ class TritonPythonModel:
     def execute(self, requests: list) -> list:
         if self._journal is not None:
             self._journal.record(requests)
-        arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
         watch = self._watch
         if watch is None:
-            return [self._response(result) for result in self._plan.run(arrays, self._predict)]
+            return [self._response(result) for result in self._run(requests)]
         box = watch.begin(requests)
         try:
-            results = self._plan.run(arrays, self._predict)
+            results = self._run(requests)
         finally:
             watch.started = None
         if not watch.finish(box):
             return [None] * len(requests)  # the watchdog answered them: predict overran its limit
         return [self._response(result) for result in results]
+
+    def _run(self, requests: list) -> list:
+        """One result or framed Failure per request: nothing escapes for Triton to word instead.
+
+        The plan turns what user code raises into per-request failures; this catches the rest (a
+        BaseException such as SystemExit from predict, a fault of the runtime itself), so that every
+        error a client gets starts with the kind prefix and never reads as one of Triton's own answers
+        (the gateway retries Triton's dead-stub answer, controlplane/triton/dead_stub.py).
+        """
+        try:
+            arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
+            return self._plan.run(arrays, self._predict)
+        except BaseException as e:
+            return [Failure(*describe_failure(e, self._spec.model_id, "predict", None))] * len(requests)
 
     def finalize(self) -> None:
         unload = getattr(self._model, "unload", None)
