@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-import sys
+import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -23,11 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - 3.10
-    import tomli as tomllib
 
 MANIFEST_FILE = "snooze_model.json"
 CUSTOM_ENTRYPOINT = "snooze_model.py"
