@@ -8,7 +8,6 @@ Exit 0 with OUT_NPZ written, or 1 with the model's own traceback on stderr.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 import traceback
@@ -24,7 +23,7 @@ from .spec import load_spec
 def main(argv: list[str]) -> int:
     spec_path, package_dir, inputs_path, device, out_path = argv
     # A one-off check runs the model here, never in a preforked worker (no Triton, no parent to share).
-    spec = dataclasses.replace(load_spec(spec_path), worker="in-stub")
+    spec = load_spec(spec_path)
     os.environ.update(spec.env)
     with np.load(inputs_path, allow_pickle=True) as data:
         inputs = {name: data[name] for name in data.files}

@@ -122,7 +122,7 @@ def _run(conn: socket.socket, request: SpawnRequest) -> int:
         os.environ.update(spec.env)  # before the user's import, as in the stub
         stage = "import"
         started = time.perf_counter()
-        model = build_model(dataclasses.replace(spec, worker="in-stub"), request.package_dir)
+        model = build_model(spec, request.package_dir)
         imported = time.perf_counter()
         stage = "load"
         model.load(request.package_dir, request.device)

@@ -14,8 +14,9 @@ from typing import Any
 
 from .batching import BatchPlan
 from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure
+from .exits import OVERRUN_EXIT_CODE
 from .journal import RequestJournal
-from .runners import OVERRUN_EXIT_CODE, PredictWatchdog, build_model, call_with_limit, device_for
+from .runners import PredictWatchdog, build_model, call_with_limit, device_for
 from .spec import RuntimeSpec, load_spec, spec_path
 
 PACKAGE_DIR = "package"
@@ -27,6 +28,16 @@ UNLOAD_TIMEOUT_SECS = 30.0
 
 def _log(model_id: str, message: str) -> None:
     print(f"snooze model '{model_id}': {message}", file=sys.stderr, flush=True)
+
+
+def _serving_model(spec: RuntimeSpec, package_dir: str) -> Any:
+    """What this instance serves: the model itself, or for `worker: "preforked"` its stand-in
+    (preforked.py: the model runs in a worker process forked from a preloaded parent)."""
+    if spec.worker == "preforked":
+        from .preforked import PreforkedModel  # only preforked models load that machinery
+
+        return PreforkedModel(spec, package_dir)
+    return build_model(spec, package_dir)
 
 
 class TritonPythonModel:
@@ -52,7 +63,7 @@ class TritonPythonModel:
         self._instance = args.get("model_instance_name", spec.model_id)
         stage = "import"
         try:
-            self._model = build_model(spec, package_dir)
+            self._model = _serving_model(spec, package_dir)
             stage = "load"
             self._model.load(package_dir, device)
         except Exception as e:

