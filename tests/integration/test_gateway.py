@@ -117,20 +117,24 @@ class Stack:
         return grpcclient.InferenceServerClient(self.gateway.grpc_url)
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("gw_package") / "scale"
+def _write_package(folder: Path, source: str, **manifest: Any) -> Path:
+    """A custom package with x -> y, FP32 [-1]: ``source`` as snooze_model.py, ``manifest`` added."""
     folder.mkdir()
-    (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
+    (folder / "snooze_model.py").write_text(textwrap.dedent(source))
     tensor = {"datatype": "FP32", "dims": [-1]}
-    manifest = {
-        "inputs": [{"name": "x", **tensor}],
-        "outputs": [{"name": "y", **tensor}],
-        "params": {"scale": 3.0},
-        "params_schema": {"scale": {"type": "float", "default": 2.0}},
-    }
+    manifest = {"inputs": [{"name": "x", **tensor}], "outputs": [{"name": "y", **tensor}], **manifest}
     (folder / "snooze_model.json").write_text(json.dumps(manifest))
     return folder
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_package(
+        tmp_path_factory.mktemp("gw_package") / "scale",
+        MODEL_PY,
+        params={"scale": 3.0},
+        params_schema={"scale": {"type": "float", "default": 2.0}},
+    )
 
 
 RAISER_PY = """
@@ -151,21 +155,15 @@ class Model:
 @pytest.fixture(scope="module")
 def raiser(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A package whose predict raises its ``message`` param, logging each call to its ``calls`` file."""
-    folder = tmp_path_factory.mktemp("gw_raiser") / "raiser"
-    folder.mkdir()
-    (folder / "snooze_model.py").write_text(textwrap.dedent(RAISER_PY))
-    tensor = {"datatype": "FP32", "dims": [-1]}
-    manifest = {
-        "inputs": [{"name": "x", **tensor}],
-        "outputs": [{"name": "y", **tensor}],
-        "params_schema": {
+    return _write_package(
+        tmp_path_factory.mktemp("gw_raiser") / "raiser",
+        RAISER_PY,
+        params_schema={
             "message": {"type": "str", "default": ""},
             "calls": {"type": "str", "default": ""},
             "exception": {"type": "str", "default": "RuntimeError"},
         },
-    }
-    (folder / "snooze_model.json").write_text(json.dumps(manifest))
-    return folder
+    )
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.dead_stub import is_dead_stub_http_body
 from controlplane.triton.launcher import EmbeddedTriton
 
 pytestmark = pytest.mark.integration
@@ -325,7 +326,9 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
     await until(lambda: triton.stub_pids(model) == [], "the stub to die")
 
     r = await infer(triton, model)  # Triton 2.51 keeps the model READY with a dead stub
-    assert r.status_code == 500 and "is not healthy" in r.json()["error"]
+    # ... and answers with the one signature the gateway retries (controlplane/triton/dead_stub.py).
+    assert r.status_code == 500 and is_dead_stub_http_body(r.content), r.content
+    assert r.json()["error"] == f"Stub process '{model}_0_0' is not healthy."
 
     await manager.watch()
     await until(lambda: manager.status(model).state is ModelState.READY, "the recovery")
