@@ -158,7 +158,7 @@ def _serve_requests(conn: socket.socket, spec: RuntimeSpec, model: Any) -> int:
         rows = _rows(spec, inputs)
         try:
             outputs = _conform(spec, inputs, model.predict(inputs), rows)
-        except Exception as e:  # user code can raise anything: described here, answered by the stub
+        except BaseException as e:  # user code can raise anything (SystemExit too): described, answered by the stub
             _send_error(conn, e, spec.model_id, "predict", rows)
             continue
         send_tensors(conn, RESULT, region, outputs)
