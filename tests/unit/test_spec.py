@@ -83,7 +83,38 @@ def test_custom_model_without_signature_is_rejected_with_fix(tmp_path: Path) -> 
     (folder / "snooze_model.py").write_text("class Model: pass\n")
     with pytest.raises(InvalidPackageError) as err:
         load_package(folder)
-    assert "must declare its 'inputs'" in str(err.value) and err.value.hint
+    # No manifest at all: say so (rather than name a file that does not exist) and show a whole one.
+    assert str(err.value).startswith(
+        f"{folder}: a custom model needs a manifest snooze_model.json declaring its 'inputs' and 'outputs'"
+    ), str(err.value)
+    assert "and the package has none" in str(err.value)
+    assert '"inputs": [{"name": "x"' in err.value.hint and '"outputs": [' in err.value.hint
+
+
+def test_manifest_without_outputs_names_what_is_missing(tmp_path: Path) -> None:
+    folder = write_custom(tmp_path / "m")
+    (folder / "snooze_model.json").write_text(json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "dims": [3]}]}))
+    with pytest.raises(InvalidPackageError) as err:
+        load_package(folder)
+    assert err.value.message == (
+        f"{folder / 'snooze_model.json'}: a custom model must declare its 'outputs' "
+        "(name, datatype, dims without the batch axis)"
+    )
+
+
+def test_dtype_is_an_alias_of_datatype(tmp_path: Path) -> None:
+    write_custom(tmp_path / "m", {"inputs": [{"name": "x", "dtype": "float32", "dims": [3]}]})
+    assert [(t.name, t.datatype, t.dims) for t in load_package(tmp_path / "m").inputs] == [("x", "FP32", [3])]
+
+
+def test_shape_is_refused_with_what_dims_means(tmp_path: Path) -> None:
+    # numpy's shape has the batch axis, dims does not: the word is explained, not silently taken.
+    write_custom(tmp_path / "m", {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3]}]})
+    with pytest.raises(InvalidPackageError) as err:
+        load_package(tmp_path / "m")
+    message = str(err.value)
+    assert "unknown field 'inputs.0.shape'" in message
+    assert "rename 'shape' to 'dims' and drop the batch axis" in message
 
 
 def test_bad_dims_and_dtype_are_rejected(tmp_path: Path) -> None:
