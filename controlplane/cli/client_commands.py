@@ -27,7 +27,11 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 
 Url = Annotated[str, typer.Option("--url", envvar="SNOOZE_API_URL", help="Control API URL")]
 ApiKey = Annotated[
-    str | None, typer.Option("--api-key", envvar="SNOOZE_API_KEY", help="Admin API key", show_default=False)
+    str | None,
+    typer.Option(
+        "--api-key", envvar="SNOOZE_API_KEY", show_default=False,
+        help="An admin key of the control API (every /v1 call needs one; inference keys only infer)",
+    ),
 ]
 
 _out = out_console
@@ -210,24 +214,33 @@ def _upload_progress(as_json: bool) -> tuple[Progress | None, Callable[[int, int
 
 
 def publish(
-    path: Annotated[Path, typer.Argument(help="Package folder (packed and uploaded) or .tar.gz/.tgz/.tar/.zip")],
+    path: Annotated[
+        Path, typer.Argument(metavar="PATH", help="Package folder (packed and uploaded) or .tar.gz/.tgz/.tar/.zip")
+    ],
     model_id: Annotated[str | None, typer.Option("--id", help="Model id (default: the folder name)")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu | gpu | auto")] = None,
+    device: Annotated[str | None, typer.Option(metavar="cpu|gpu|auto", help="Where the model runs [default: cpu]")] = None,
     max_batch_size: Annotated[int | None, typer.Option(help="0 disables batching")] = None,
     max_batch_delay_ms: Annotated[float | None, typer.Option(help="Dynamic batcher max queue delay")] = None,
-    idle_timeout: Annotated[float | None, typer.Option(help="Unload after this many idle seconds")] = None,
+    idle_timeout: Annotated[
+        float | None,
+        typer.Option("--idle-timeout-secs", "--idle-timeout", help="Unload after this many idle seconds (idle_timeout_secs)"),
+    ] = None,
     keep_alive: Annotated[
         str | None,
-        typer.Option(help="fixed (idle timeout) | adaptive (learned keep-alive and pre-warm windows)"),
+        typer.Option(metavar="fixed|adaptive", help="fixed: the idle timeout; adaptive: learned keep-alive and "
+                     "pre-warm windows [default: fixed]"),
     ] = None,
     worker: Annotated[
         str | None,
-        typer.Option(help="custom models: in-stub | preforked (forked from a parent that preloaded the framework)"),
+        typer.Option(metavar="in-stub|preforked", help="Custom models: in the python-backend stub, or in a worker "
+                     "forked from a parent that preloaded the framework [default: in-stub]"),
     ] = None,
     instances: Annotated[int | None, typer.Option(help="Instances loaded on wake-up")] = None,
     max_instances: Annotated[int | None, typer.Option(help="Upper bound for the autoscaler")] = None,
     memory_mb: Annotated[float | None, typer.Option(help="Declared memory footprint")] = None,
-    param: Annotated[list[str] | None, typer.Option("--param", help="Model param KEY=VALUE (repeatable)")] = None,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", metavar="KEY=VALUE", help="Model param (repeatable)")
+    ] = None,
     server_path: Annotated[
         bool, typer.Option("--server-path", help="The server reads PATH from its own filesystem (no upload)")
     ] = False,
@@ -243,7 +256,14 @@ def publish(
     api_key: ApiKey = None,
     as_json: AsJson = False,
 ) -> None:
-    """Validate and publish a model package; the repository changes only if it is valid."""
+    """Validate and publish a model package; the repository changes only if it is valid.
+
+    \b
+    Examples:
+      snoozectl publish ./my-net --id my-net
+      snoozectl publish ./my-net --id my-net --load --max-batch-size 16 --idle-timeout-secs 600
+      snoozectl publish my-net.tar.gz --id my-net --json
+    """
     from contextlib import ExitStack
 
     options = {
@@ -299,7 +319,13 @@ def publish(
 
 
 def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = False) -> None:
-    """Published models: state, instances, last access, idle timeout, memory, last cold start."""
+    """Published models: state, instances, last access, keep-alive, memory, last cold start.
+
+    \b
+    Examples:
+      snoozectl status
+      snoozectl status --json --url http://10.0.0.5:8080 --api-key "$ADMIN_KEY"
+    """
     with _client(url, api_key, as_json) as client:
         models = client.list()
         runtime = _runtime(client)
@@ -368,7 +394,7 @@ def register(app: typer.Typer) -> None:
     """Add the control-API commands to the snoozectl app."""
     app.command()(publish)
     app.command()(status)
-    app.command("list", help="Same as status.")(status)
+    app.command("list", hidden=True)(status)  # an old name of status, kept for scripts
     app.command()(load)
     app.command()(unload)
     app.command()(delete)

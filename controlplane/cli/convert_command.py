@@ -22,6 +22,7 @@ convert_app = typer.Typer(
     name="convert",
     help="Convert models: torch package -> ONNX package (with parity check), ONNX -> TensorRT plan.",
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 
 _out = out_console

@@ -15,7 +15,9 @@ from controlplane.errors import SnoozeError
 if TYPE_CHECKING:
     from controlplane.settings import Settings
 
-fleet_app = typer.Typer(help="A fleet of nodes behind one model-affine gateway.", no_args_is_help=True)
+fleet_app = typer.Typer(
+    help="A fleet of nodes behind one model-affine gateway.", no_args_is_help=True, rich_markup_mode=None
+)
 
 
 @fleet_app.command("up")
