@@ -272,9 +272,13 @@ def publish(
         "max_instances": max_instances, "memory_mb": memory_mb,
     }
     deployment = {k: v for k, v in options.items() if v is not None}
+    if not server_path and not path.exists():
+        raise fail(SnoozeError(f"{path}: no such file or folder",
+                               hint="pass the package folder (it is packed for you) or an archive of it"), as_json)
     with _client(url, api_key, as_json) as client, ExitStack() as native:
         from controlplane.api.client import default_model_id
 
+        client.live()  # an unreachable API is said first, before any conversion work
         name = model_id or default_model_id(path)
         if param:
             deployment["params"] = _parse_params(param)
@@ -293,7 +297,6 @@ def publish(
             else:
                 with _err.status("looking for a native export") as spinner:
                     decision = convert(lambda stage: spinner.update(f"converting to ONNX: {stage}"))
-                _err.print(decision.reason, highlight=False, markup=False, soft_wrap=True)
             path = decision.publish_path
             if decision.converted:  # the params are baked into the exported graph
                 deployment.pop("params", None)
@@ -314,8 +317,20 @@ def publish(
         print(json.dumps(detail))
         return
     _out.print(f"published [bold]{name}[/] ({detail['kind']}, {detail['backend']} backend)", highlight=False)
+    if decision is not None and _worth_saying(decision):
+        _out.print(f"  native: {decision.reason}", highlight=False, markup=False, soft_wrap=True)
     if load:
         _out.print(_status_table([detail]))
+
+
+# Fallback stages that come after an export hook was found: the user asked for a native model.
+_ATTEMPTED = ("torch", "export", "parity", "worker")
+
+
+def _worth_saying(decision: Any) -> bool:
+    """A conversion, or a fallback from one that was attempted; a plain custom model (no export hook),
+    a native package or --no-convert is the ordinary case and says nothing (--json carries the reason)."""
+    return bool(decision.converted or decision.stage in _ATTEMPTED)
 
 
 def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = False) -> None:
