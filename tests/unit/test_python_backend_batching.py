@@ -256,7 +256,7 @@ def test_run_batch_predict_failure_fails_its_group_only():
 
     results = run_batch(spec, [req(1), req(1, s_len=2)], predict)
     assert isinstance(results[0], dict)
-    assert results[1].kind == "internal"
+    assert results[1].kind == "model_error"
     assert "predict raised ValueError: bad values at test_python_backend_batching.py:" in results[1].message
 
 
