@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -19,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from controlplane.api.services import ControlPlaneServices
 from controlplane.errors import ForbiddenError, InvalidPackageError, SnoozeError
-from controlplane.package_check import check_import
+from controlplane.package_check import check_import, missing_modules
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, resolve
 from controlplane.store import PublishedModel
 from controlplane.upload import extract_package
@@ -83,6 +84,18 @@ def _check_custom_import(spec: ModelSpec) -> None:
             f"model '{spec.id}': {problem}",
             hint="fix the error above; import ML frameworks inside load() so that importing the "
             "package stays light, and test locally with `snoozectl check <folder>`",
+        )
+    # Imports inside load() run only at the first request: look them up now, without running them.
+    missing = missing_modules(package.path, package.files)
+    if missing:
+        where = "; ".join(f"{file}:{line} imports '{module}'" for file, line, module in missing)
+        names = " ".join(sorted({module for _, _, module in missing}))
+        raise InvalidPackageError(
+            f"model '{spec.id}': {where}, which is not installed where Triton's python backend runs the "
+            f"model ({sys.executable})",
+            hint=f"install it there ({sys.executable} -m pip install <the distribution providing {names}>), "
+            "or give the model its own environment with the deployment's execution_env_path; an import "
+            "inside try/except ImportError is treated as optional (docs/packages.md#dependencies)",
         )
 
 

@@ -188,6 +188,11 @@ def _bad_archives(make_package: Callable[..., Path], tmp_path: Path) -> dict[str
     unknown_field = make_package("unknown", manifest={"inputs": [], "outputs": [], "colour": "red"})
     import_error = make_package("import-error", model_py="import not_a_real_module_xyz\n\nclass Model: ...\n")
     syntax_error = make_package("syntax-error", model_py="def broken(:\n")
+    missing_in_load = make_package(
+        "missing-in-load",
+        model_py="class Model:\n    def load(self, model_dir, device):\n        import sklearnx\n\n"
+        "    def predict(self, inputs):\n        return inputs\n",
+    )
     no_class = make_package("no-class", model_py="class Other:\n    pass\n")
     onnx_mismatch = _onnx_package(
         tmp_path / "onnx-mismatch", {"inputs": [{"name": "x", "datatype": "INT64", "dims": [4]}]}
@@ -205,6 +210,9 @@ def _bad_archives(make_package: Callable[..., Path], tmp_path: Path) -> dict[str
         "unknown-field": (tar_gz(unknown_field), 422, "unknown field 'colour'"),
         "import-error": (tar_gz(import_error), 422, "No module named 'not_a_real_module_xyz'"),
         "syntax-error": (tar_gz(syntax_error), 422, "SyntaxError"),
+        # found at publish, not by the first request: an import inside load() that is not installed
+        "missing-in-load": (tar_gz(missing_in_load), 422, "model 'm1': snooze_model.py:3 imports 'sklearnx', "
+                            "which is not installed where Triton's python backend runs the model"),
         "no-class": (tar_gz(no_class), 422, "defines no class 'Model'"),
         "onnx-mismatch": (tar_gz(onnx_mismatch), 422, "'x' is FP32 in the ONNX file, INT64 in the manifest"),
         "no-package": (tar_gz(tmp_path / "packages"), 422, "not a model package"),
