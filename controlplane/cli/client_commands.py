@@ -134,11 +134,23 @@ def _memory_cell(status: dict[str, Any]) -> str:
 _STATE_STYLE = {"ready": "green", "loading": "yellow", "unloading": "yellow", "failed": "bold red"}
 
 
-def _state(status: dict[str, Any]) -> str:
+REASON_CHARS = 100  # a failed model's reason in the table; --json and `GET /v1/models/{id}` carry it whole
+
+
+def _short_reason(reason: str) -> str:
+    """The first line of a load failure (Triton appends its own traceback), cut to fit a table cell."""
+    first = reason.strip().splitlines()[0] if reason.strip() else ""
+    cut = len(first) > REASON_CHARS or first != reason.strip()
+    return (first[: REASON_CHARS - 1] + "…" if len(first) > REASON_CHARS else first) + (" (more: --json)" if cut else "")
+
+
+def _state(status: dict[str, Any], *, in_table: bool = False) -> str:
     state = status["state"]
     text = f"[{_STATE_STYLE[state]}]{state}[/]" if state in _STATE_STYLE else state
     # reasons quote runtime errors such as "[snooze:oom] ...": not rich markup
-    return f"{text} ({escape(status['reason'])})" if state == "failed" and status.get("reason") else text
+    if state == "failed" and status.get("reason") and not in_table:
+        return f"{text} ({escape(_short_reason(status['reason']))})"
+    return text
 
 
 def _gpu_memory(per_device: dict[str, int] | None) -> str:
@@ -168,17 +180,28 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
     columns += ["nodes"] if fleet else []
     table = Table(*columns, "last cold start")
     table.columns[0].no_wrap = True  # a model id is what users copy: never cut it
+    for column in table.columns:  # narrow terminals wrap the cells, never cut a header's word
+        column.min_width = max(len(word) for word in str(column.header).split())
     for model in models:
         s = model["status"]
         cold = s.get("last_cold_start_secs")
         table.add_row(
-            model["id"], _state(s), str(s.get("instances", 0)), _ago(s.get("last_access")),
+            model["id"], _state(s, in_table=True), str(s.get("instances", 0)), _ago(s.get("last_access")),
             _keep_alive(s), _memory_cell(s),
             *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
             *([_nodes(s.get("nodes"))] if fleet else []),
             "-" if cold is None else f"{cold:.2f}s",
         )
     return table
+
+
+def _failure_lines(models: list[dict[str, Any]]) -> list[str]:
+    """Below the table, one line per failed model: its reason's first line (a table cell is too narrow)."""
+    return [
+        f"{model['id']}: {_short_reason(model['status']['reason'])}"
+        for model in models
+        if model["status"].get("state") == "failed" and model["status"].get("reason")
+    ]
 
 
 def _runtime(client: Any) -> dict[str, Any]:
@@ -280,6 +303,7 @@ def publish(
 
         client.live()  # an unreachable API is said first, before any conversion work
         name = model_id or default_model_id(path)
+        existed = load and _published(client, name)
         if param:
             deployment["params"] = _parse_params(param)
         decision = None
@@ -310,7 +334,7 @@ def publish(
                 with bar:
                     detail = client.publish_archive(path, name, progress=update, **deployment)
         if load:
-            detail["status"] = _waiting(f"loading {name} (cold start)", as_json, lambda: client.load(name))
+            detail["status"] = _load_or_withdraw(client, name, existed, as_json)
     if decision is not None:
         detail["conversion"] = {"native": decision.native, "converted": decision.converted, "reason": decision.reason}
     if as_json:
@@ -321,6 +345,42 @@ def publish(
         _out.print(f"  native: {decision.reason}", highlight=False, markup=False, soft_wrap=True)
     if load:
         _out.print(_status_table([detail]))
+
+
+def _published(client: Any, model_id: str) -> bool:
+    from controlplane.api.client import ControlPlaneError
+
+    try:
+        client.get(model_id)
+    except ControlPlaneError as exc:
+        if exc.status_code == 404:
+            return False
+        raise
+    return True
+
+
+def _load_or_withdraw(client: Any, name: str, existed: bool, as_json: bool) -> dict[str, Any]:
+    """`publish --load`: a new model that does not load is deleted again, so that a failed publish
+    leaves the server as it was; a model that was already published stays (its previous files are
+    gone), and the error says so."""
+    from controlplane.api.client import ControlPlaneError
+
+    try:
+        status = _waiting(f"loading {name} (cold start)", as_json, lambda: client.load(name))
+        if status.get("state") != "failed":
+            return status
+        error = ControlPlaneError(f"model '{name}' failed to load: {status.get('reason', '')}", status_code=503,
+                                  code="load_failed")
+    except ControlPlaneError as exc:
+        error = exc
+    if existed:
+        note = f"model '{name}' stays published (it replaced the earlier one) in state 'failed'"
+    else:
+        client.delete(name)
+        note = f"model '{name}' was not kept: publish --load keeps only a model that loads"
+    hint = f"{error.hint}; " if error.hint else ""
+    raise ControlPlaneError(error.message, hint=f"{hint}{note}; try it with `snoozectl check <folder>`",
+                            status_code=error.status_code, code=error.code)
 
 
 # Fallback stages that come after an export hook was found: the user asked for a native model.
@@ -350,6 +410,8 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
         _out.print("no models published (publish one with `snoozectl publish <folder>`)")
     else:
         _out.print(_status_table(models))
+        for line in _failure_lines(models):
+            _out.print(line, highlight=False, markup=False, soft_wrap=True)
         for parent in runtime.get("preloaded_parents", []):
             _out.print(_parent_line(parent), highlight=False)
 
