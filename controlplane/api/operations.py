@@ -221,7 +221,8 @@ class ModelOperations:
                 stats = asdict(await self.services.triton.model_stats(model_id))
         return {
             **summary,
-            "deployment": model.deployment.model_dump(mode="json"),
+            # where the model's files live now: an upload's own path was a temporary folder, gone after the publish
+            "deployment": {**model.deployment.model_dump(mode="json"), "path": str(model.path)},
             "inputs": [t.model_dump() for t in model.inputs],
             "outputs": [t.model_dump() for t in model.outputs],
             "params": model.params,

@@ -48,6 +48,8 @@ async def test_upload_publishes_validated_model_and_tells_lifecycle(
     assert body["id"] == "m1"
     assert body["kind"] == "custom" and body["backend"] == "python"
     assert body["deployment"]["max_batch_size"] == 4
+    assert Path(body["deployment"]["path"]) == store.repository / "m1"  # not the emptied upload folder
+    assert (Path(body["deployment"]["path"]) / "config.pbtxt").is_file()
     assert body["params"] == {"scale": 3.0}
     assert body["metadata"]["task"] == "scaling"
     assert 'name: "m1"' in body["config"] and "max_batch_size: 4" in body["config"]
