@@ -81,7 +81,7 @@ def serve(
     ] = None,
     target: Annotated[
         str | None,
-        typer.Option(metavar=TARGETS, help="Triton's backends [SNOOZE_TARGET; default: embedded, or found from --triton-url]"),
+        typer.Option(metavar=TARGETS, help="Triton's backends [SNOOZE_TARGET; default: embedded]"),
     ] = None,
     no_auth: Annotated[bool, typer.Option("--no-auth", help="Disable API keys (local use only)")] = False,
     no_gateway: Annotated[bool, typer.Option("--no-gateway", help="No Envoy: clients use Triton's ports")] = False,

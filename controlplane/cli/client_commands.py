@@ -141,7 +141,8 @@ def _short_reason(reason: str) -> str:
     """The first line of a load failure (Triton appends its own traceback), cut to fit a table cell."""
     first = reason.strip().splitlines()[0] if reason.strip() else ""
     cut = len(first) > REASON_CHARS or first != reason.strip()
-    return (first[: REASON_CHARS - 1] + "…" if len(first) > REASON_CHARS else first) + (" (more: --json)" if cut else "")
+    shown = first[: REASON_CHARS - 1] + "…" if len(first) > REASON_CHARS else first
+    return shown + (" (more: --json)" if cut else "")
 
 
 def _state(status: dict[str, Any], *, in_table: bool = False) -> str:
@@ -241,12 +242,15 @@ def publish(
         Path, typer.Argument(metavar="PATH", help="Package folder (packed and uploaded) or .tar.gz/.tgz/.tar/.zip")
     ],
     model_id: Annotated[str | None, typer.Option("--id", help="Model id (default: the folder name)")] = None,
-    device: Annotated[str | None, typer.Option(metavar="cpu|gpu|auto", help="Where the model runs [default: cpu]")] = None,
+    device: Annotated[
+        str | None, typer.Option(metavar="cpu|gpu|auto", help="Where the model runs [default: cpu]")
+    ] = None,
     max_batch_size: Annotated[int | None, typer.Option(help="0 disables batching")] = None,
     max_batch_delay_ms: Annotated[float | None, typer.Option(help="Dynamic batcher max queue delay")] = None,
     idle_timeout: Annotated[
         float | None,
-        typer.Option("--idle-timeout-secs", "--idle-timeout", help="Unload after this many idle seconds (idle_timeout_secs)"),
+        typer.Option("--idle-timeout-secs", "--idle-timeout",
+                     help="Unload after this many idle seconds (idle_timeout_secs)"),
     ] = None,
     keep_alive: Annotated[
         str | None,
