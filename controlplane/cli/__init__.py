@@ -179,7 +179,12 @@ def check(
         raise fail(exc, as_json) from None
     if as_json:
         outputs = {
-            name: {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel()[:8].tolist()}
+            name: {
+                "shape": list(a.shape), "dtype": str(a.dtype),
+                "returned_dtype": result.returned.get(name, str(a.dtype)),
+                **({"note": result.notes[name]} if name in result.notes else {}),
+                "data": a.ravel()[:8].tolist(),
+            }
             for name, a in result.outputs.items()
         }
         report = {"ok": True, "model": result.model_id, "device": device, "outputs": outputs}
@@ -190,6 +195,8 @@ def check(
         first = ", ".join(_short(v) for v in array.ravel()[:6])
         more = ", ..." if array.size > 6 else ""
         console.print(f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{more}]", highlight=False)
+        if name in result.notes:  # what predict really returned, when the runtime narrowed it
+            console.print(f"    note: {result.notes[name]}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _short(value: object) -> str:
