@@ -18,7 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from serve_harness import Serve
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 pytestmark = pytest.mark.integration
 
@@ -125,6 +128,53 @@ def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
     assert published.strip() == "published my-net (custom, python backend)"  # and nothing else
     assert 'snooze_cold_starts_total{model="numpy-linear",trigger="request"} 1.0' in metrics, metrics
     assert re.search(r'^nv_inference_request_success\{model="numpy-linear",version="1"\} [1-9]', metrics, re.M)
+
+
+def _http_error(url: str, model: str, arrays: dict[str, np.ndarray]) -> str:
+    with httpclient.InferenceServerClient(url) as client:
+        inputs = []
+        for name, array in arrays.items():
+            inp = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            inp.set_data_from_numpy(array)
+            inputs.append(inp)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(model, inputs)
+    return err.value.message()
+
+
+def _grpc_error(url: str, model: str, arrays: dict[str, np.ndarray]) -> str:
+    with grpcclient.InferenceServerClient(url) as client:
+        inputs = []
+        for name, array in arrays.items():
+            inp = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            inp.set_data_from_numpy(array)
+            inputs.append(inp)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(model, inputs)
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    return err.value.message()
+
+
+@pytest.mark.parametrize("call", [_http_error, _grpc_error], ids=["http", "grpc"])
+def test_a_wrong_shape_keeps_tritons_words_first_then_says_what_to_send(stack: Serve, call) -> None:
+    url = stack.http_url if call is _http_error else stack.grpc_url
+    # numpy-linear declares x with dims [4] and batches: [2, 3] is a wrong item shape, [4] lacks the batch axis
+    for shape, got in (((2, 3), "2,3"), ((4,), "4")):
+        message = call(url, "numpy-linear", {"x": np.ones(shape, np.float32)})
+        first, _, last = message.rpartition("\n")
+        assert "unexpected shape for input 'x' for model 'numpy-linear'. Expected [-1,4], got [" + got + "]" in first
+        assert "NOTE: Setting a non-zero max_batch_size" in first  # Triton's message, whole
+        assert last == (
+            "snoozeml: model 'numpy-linear' declares input 'x' with dims [4] (without the batch axis; -1 = any "
+            f"size): send shape [n,4], n items in the request (n = 1 for one item), not [{got}]"
+        ), message
+    # text-features has three inputs: one with another first axis
+    arrays = {"values": np.ones((2, 4), np.float32), "factor": np.ones((1, 1), np.int64),
+              "text": np.array([[b"a"], [b"b"]], dtype=object)}  # fmt: skip
+    message = call(url, "text-features", arrays)
+    first, _, last = message.rpartition("\n")
+    assert "batch size does not match other inputs for 'text-features'" in first, message
+    assert last.startswith("snoozeml: the first axis of every input of model 'text-features' is the batch axis"), message
 
 
 def test_readme_links_stay_inside_the_repository() -> None:
