@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from controlplane.api.services import ControlPlaneServices
 from controlplane.errors import ForbiddenError, InvalidPackageError, SnoozeError
 from controlplane.package_check import check_import, missing_modules
+from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, resolve
 from controlplane.store import PublishedModel
 from controlplane.upload import extract_package
@@ -71,7 +72,7 @@ def _relabel(exc: SnoozeError, folder: Path, label: str) -> None:
     exc.args = (exc.message,)
 
 
-def _check_custom_import(spec: ModelSpec) -> None:
+def _check_custom_import(spec: ModelSpec, *, same_environment: bool) -> None:
     """Import a custom model's entrypoint in a child process; an error names the file and the fix."""
     package, deployment = spec.package, spec.deployment
     # A model with its own environment imports there, not in the control plane's interpreter.
@@ -85,8 +86,10 @@ def _check_custom_import(spec: ModelSpec) -> None:
             hint="fix the error above; import ML frameworks inside load() so that importing the "
             "package stays light, and test locally with `snoozectl check <folder>`",
         )
-    # Imports inside load() run only at the first request: look them up now, without running them.
-    missing = missing_modules(package.path, package.files)
+    # Imports inside load() run only at the first request: look them up now, without running them, where
+    # Triton's python backend shares this interpreter's packages (the embedded Triton). An external Triton
+    # (the official image, a derived one) has packages of its own, which the control plane cannot see.
+    missing = missing_modules(package.path, package.files) if same_environment else []
     if missing:
         where = "; ".join(f"{file}:{line} imports '{module}'" for file, line, module in missing)
         names = " ".join(sorted({module for _, _, module in missing}))
@@ -99,9 +102,9 @@ def _check_custom_import(spec: ModelSpec) -> None:
         )
 
 
-def _validate(deployment: DeploymentSpec) -> ModelSpec:
+def _validate(deployment: DeploymentSpec, settings: Settings) -> ModelSpec:
     spec = resolve(deployment)
-    _check_custom_import(spec)
+    _check_custom_import(spec, same_environment=settings.triton_url is None)
     return spec
 
 
@@ -164,7 +167,7 @@ class ModelOperations:
                     root = extract_package(
                         archive, extracted, max_bytes=int(settings.max_upload_mb * 2**20), archive_name=archive_name
                     )
-                    return _validate(_upload_deployment(ids, deployment_json, root))
+                    return _validate(_upload_deployment(ids, deployment_json, root), settings)
                 except SnoozeError as exc:
                     _relabel(exc, extracted, archive_name)
                     raise
@@ -185,7 +188,7 @@ class ModelOperations:
                 f"model '{deployment.id}': path '{deployment.path}' is relative",
                 hint="give the absolute path of the package folder on the server",
             )
-        spec = await run_in_threadpool(_validate, deployment)
+        spec = await run_in_threadpool(_validate, deployment, self.services.settings)
         return await self._publish(spec)
 
     async def _publish(self, spec: ModelSpec) -> dict[str, Any]:

@@ -288,3 +288,19 @@ async def test_streamed_body_over_limit_is_cut_off(client: httpx.AsyncClient) ->
     headers = {**ADMIN, "content-type": "multipart/form-data; boundary=x"}
     r = await client.post("/v1/models?id=m1", content=body(), headers=headers)
     assert r.status_code == 413
+
+
+def test_imports_are_looked_up_only_where_triton_shares_this_environment(
+    make_package: Callable[..., Path], settings: Settings
+) -> None:
+    from controlplane.api.operations import _validate
+    from controlplane.errors import InvalidPackageError
+    from controlplane.spec import DeploymentSpec
+
+    code = "class Model:\n    def load(self, model_dir, device):\n        import torchx_in_a_derived_image\n"
+    code += "\n    def predict(self, inputs):\n        return inputs\n"
+    deployment = DeploymentSpec(id="m", path=make_package("in-load", model_py=code))
+    with pytest.raises(InvalidPackageError, match="imports 'torchx_in_a_derived_image'"):
+        _validate(deployment, settings)  # the embedded Triton: this interpreter's packages
+    # An external Triton (the official image or a derived one) has packages the control plane cannot see.
+    assert _validate(deployment, settings.model_copy(update={"triton_url": "http://127.0.0.1:1"})).id == "m"
