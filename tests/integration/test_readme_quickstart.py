@@ -174,7 +174,7 @@ def test_a_wrong_shape_keeps_tritons_words_first_then_says_what_to_send(stack: S
     message = call(url, "text-features", arrays)
     first, _, last = message.rpartition("\n")
     assert "batch size does not match other inputs for 'text-features'" in first, message
-    assert last.startswith("snoozeml: the first axis of every input of model 'text-features' is the batch axis"), message
+    assert last.startswith("snoozeml: the first axis of every input of model 'text-features' is the batch"), message
 
 
 def test_readme_links_stay_inside_the_repository() -> None:
