@@ -244,7 +244,7 @@ def create_app(settings: Settings, services: ControlPlaneServices) -> FastAPI:
         redoc_url=None,
     )
     _install_error_handlers(app)
-    _install_offline_docs(app)
+    install_offline_docs(app)
     app.include_router(_admin_router(settings, services, ModelOperations(services)))
 
     @app.get("/health/live", tags=["health"], summary="The control API is running")
@@ -290,7 +290,7 @@ async def _triton_metrics(services: ControlPlaneServices) -> str:
 DOCS_ASSETS = "/docs-assets"
 
 
-def _install_offline_docs(app: FastAPI) -> None:
+def install_offline_docs(app: FastAPI) -> None:
     """/docs (Swagger UI) and /redoc with their scripts and styles served from an installed package,
     so that they work on a machine without internet access."""
     from importlib.resources import files
