@@ -263,3 +263,18 @@ def test_entry_point_packages_are_found(tmp_path: Path, monkeypatch: pytest.Monk
     found = {d.id: d for d in entry_point_deployments()}
     assert found["acme-sentiment"].path == site / "acme_models" / "sentiment"
     assert resolve(found["acme-sentiment"]).package.inputs[0].name == "x"
+
+
+def test_the_complete_manifest_in_the_docs_is_valid(tmp_path: Path) -> None:
+    import re
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "packages.md").read_text()
+    section = docs[docs.index("A complete manifest") :]
+    manifest = json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "snooze_model.py").write_text("class Model: pass\n")
+    (folder / "snooze_model.json").write_text(json.dumps(manifest))
+    pkg = load_package(folder)
+    assert [(t.name, t.datatype) for t in pkg.inputs] == [("x", "FP32"), ("ids", "INT64")]
+    assert resolve(DeploymentSpec(id="m", path=folder)).params == {"scale": 2.0}
