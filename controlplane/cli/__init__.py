@@ -120,7 +120,9 @@ def serve(
 
 @app.command()
 def render(
-    paths: Annotated[list[Path], typer.Argument(help="Package folders or models folders (with models.toml)")],
+    paths: Annotated[
+        list[Path], typer.Argument(metavar="PATH", help="Package folders or models folders (with models.toml)")
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Model repository to write")],
     target: Annotated[
         str, typer.Option(metavar=TARGETS, help="embedded (python backend only) | full (official image)")
@@ -156,9 +158,10 @@ def render(
 
 @app.command()
 def check(
-    path: Annotated[Path, typer.Argument(help="Package folder")],
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="Package folder")],
     inputs: Annotated[
-        list[str] | None, typer.Option("--input", "-i", help="NAME:SHAPE (batch first, e.g. x:4x3) or NAME=FILE.npy")
+        list[str] | None, typer.Option("--input", "-i", metavar="NAME:SHAPE|NAME=FILE.npy",
+                     help="Batch first, e.g. x:4x3 (repeat per input)")
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
     max_batch_size: Annotated[int, typer.Option(help="0 if the model does not batch")] = 8,

@@ -421,7 +421,7 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
 
 
 def load(
-    model_id: Annotated[str, typer.Argument(help="Model id")],
+    model_id: Annotated[str, typer.Argument(metavar="MODEL_ID", help="Model id")],
     instances: Annotated[int | None, typer.Option(help="Instances (default: the deployment's)")] = None,
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,
@@ -439,7 +439,7 @@ def load(
 
 
 def unload(
-    model_id: Annotated[str, typer.Argument(help="Model id")],
+    model_id: Annotated[str, typer.Argument(metavar="MODEL_ID", help="Model id")],
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,
     as_json: AsJson = False,
@@ -454,7 +454,7 @@ def unload(
 
 
 def delete(
-    model_id: Annotated[str, typer.Argument(help="Model id")],
+    model_id: Annotated[str, typer.Argument(metavar="MODEL_ID", help="Model id")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,

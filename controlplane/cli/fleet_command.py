@@ -54,7 +54,9 @@ def up(
 def gateway(
     node: Annotated[
         list[str] | None,
-        typer.Option(help="A node: NAME=HOST, or NAME=HOST:HTTP_PORT:GRPC_PORT:API_PORT (repeat it)"),
+        typer.Option(
+            metavar="NAME=HOST", help="A node: NAME=HOST, or NAME=HOST:HTTP_PORT:GRPC_PORT:API_PORT (repeat it)"
+        ),
     ] = None,
     statefulset: Annotated[
         str | None, typer.Option(help="The nodes are this StatefulSet's pods (with --service, --replicas)")

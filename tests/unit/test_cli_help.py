@@ -42,6 +42,8 @@ def _help(*words: str) -> str:
 def test_flags_show_no_type_and_help_text_is_not_eaten_as_markup(words: list[str]) -> None:
     text = _help(*words)
     assert "<bool>" not in text  # a flag takes no value
+    options = [line for line in text.splitlines() if line.lstrip().startswith("-")]
+    assert not [o for o in options if "<list[" in o]  # a repeatable option shows one value (NAME=VALUE, MODEL_ID)
     assert "--help" in text
 
 
