@@ -269,12 +269,16 @@ async def serve_until_signal(stack: ServingStack) -> int:
         stack.console.print("stopping: draining in-flight requests (Ctrl-C again to force)")
 
     with stop_signals(say_stopping, stack.force) as stopping:
+        started = time.monotonic()
         try:
             await stack.start()
             stack.console.print(stack.banner(), highlight=False)
             await stopping.wait()
+            started = time.monotonic()
         finally:
             await stack.stop()
+    # the last line of the log: every process of the stack has exited (a crash would not print it)
+    stack.console.print(f"stopped: gateway, control plane and Triton exited ({time.monotonic() - started:.1f}s)")
     return 0
 
 

@@ -863,9 +863,10 @@ def validate_repository(
     ``triton_url`` uses a running Triton instead of starting the embedded one (``triton_headers``
     carry its model-repository API key); ``models`` restricts the check to some model folders.
     """
-    repo_path = Path(repo)
+    # Absolute from here on: the import probe runs with the model folder as its working directory.
+    repo_path = Path(repo).absolute()
     tgt = _resolve_target(target)
-    report = ValidationReport(str(repo_path), tgt.name, load)
+    report = ValidationReport(str(repo), tgt.name, load)
     rec = _Recorder(REPOSITORY)
     if not repo_path.is_dir():
         rec.fail("repository", "the model repository folder does not exist", file=str(repo_path),

@@ -334,7 +334,7 @@ def test_a_load_failure_ends_the_worker_and_says_why(tmp_path, triton, journal):
     model = PreforkedModel(parse_spec(raw), str(package), server_pid=triton.pid)
     with pytest.raises(RemoteFailure) as e:
         model.load(str(package), "cpu")
-    assert e.value.kind == "internal" and "import raised ModuleNotFoundError" in str(e.value)
+    assert e.value.kind == "model_error" and "import raised ModuleNotFoundError" in str(e.value)
     until(lambda: gone(model.worker_pid), "the failed worker to end")
 
 

@@ -342,3 +342,18 @@ def test_warmup_inputs_follow_the_config() -> None:
     assert arrays["b"].dtype == bool
     config.max_batch_size = 0
     assert warmup_inputs(config)["i"].shape == (2,)
+
+
+def test_relative_and_absolute_repository_paths_give_the_same_result(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The documented CI gate runs `snoozectl validate .snooze/model_repository`: a relative path.
+    repo = render(tmp_path, {"numpy-linear": EXAMPLES / "numpy-linear"})
+    monkeypatch.chdir(tmp_path)
+    relative = validate_repository(Path("repo"))
+    absolute = validate_repository(repo)
+    assert relative.ok, [r.message for r in relative.failures]
+    assert [(r.model, r.check, r.status) for r in relative.results] == [
+        (r.model, r.check, r.status) for r in absolute.results
+    ]
+    assert relative.repository == "repo"  # the report names the folder as the user gave it
