@@ -455,7 +455,7 @@ def test_a_models_own_error_runs_once_and_reaches_its_client(stack: Stack, tmp_p
                 grpc_infer(g, name, _x())
     assert info.value.status() == ("500" if protocol == "http" else "StatusCode.INTERNAL"), info.value
     assert f"{exception}: {message}" in info.value.message(), info.value.message()
-    assert info.value.message().startswith(f"[snooze:internal] model '{name}': predict raised"), info.value.message()
+    assert info.value.message().startswith(f"[snooze:model_error] model '{name}': predict raised"), info.value.message()
     # A retry would have run predict again before the client got its answer.
     assert calls.read_text().split() == ["call"]
     assert stack.recoveries(name) == 0 and stack.load_count(name) == 1

@@ -323,7 +323,7 @@ def test_failures_are_described_by_the_worker_as_the_stub_would(tmp_path, loaded
     assert model.predict({"x": np.ones((1, 2), np.float32)})["y"].tolist() == [[2.0, 2.0]]  # it survives
     with pytest.raises(RemoteFailure) as e:  # not an Exception, still the model's own error
         model.predict({"x": np.array([[-4, 0]], np.float32)})
-    assert e.value.kind == "internal"
+    assert e.value.kind == "model_error"  # raised in the model's own code
     assert str(e.value).startswith("predict raised SystemExit: Stub process 'm_0_0' is not healthy. at ")
     assert model.predict({"x": np.ones((1, 2), np.float32)})["y"].tolist() == [[2.0, 2.0]]
 
