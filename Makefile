@@ -7,8 +7,15 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_PIN ?= torch==2.13.0
 EXAMPLE_ONNX := examples/models/onnx-mlp/model.onnx
 PYTEST_ARGS ?=
+# The python-backend runtime runs inside Triton's stub: Python 3.10 on the official 24.10 image. Its
+# unit tests also run under a 3.10 interpreter when the machine has one (python3.10 on PATH, else
+# pyenv's), in a small venv of its own (numpy, psutil, pytest; no snoozeml).
+PYTHON310 ?= $(or $(shell python3.10 -c 'import sys; print(sys.executable)' 2>/dev/null),$(lastword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10)))
+VENV310   ?= .venv310
+RUNTIME_TESTS := tests/unit/test_python_backend_batching.py tests/unit/test_python_backend_runtime_parts.py \
+                 tests/unit/test_prefork.py
 
-.PHONY: serve test install install-dev examples bench lint clean
+.PHONY: serve test test-runtime-py310 install install-dev examples bench lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +44,26 @@ $(VENV)/.installed-torch: $(VENV)/.installed
 serve: install examples $(VENV)/.installed-torch
 	$(VENV)/bin/snoozectl serve --models examples/models --work-dir .snooze --no-auth
 
-test: install-dev examples
+test: install-dev examples test-runtime-py310
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+$(VENV310)/.installed:
+	$(PYTHON310) -m venv $(VENV310)
+	$(VENV310)/bin/python -m pip --disable-pip-version-check -q install numpy psutil pytest
+	touch $@
+
+# Every runtime module imports on 3.10 (no 3.11-only syntax or library), and its unit tests pass there.
+# Without the repository's pytest config and conftest: those need the control plane's environment.
+test-runtime-py310:
+ifeq ($(PYTHON310),)
+	@echo "python_backend on Python 3.10: SKIPPED (no python3.10 on PATH or under ~/.pyenv/versions)"
+else
+	@$(MAKE) --no-print-directory $(VENV310)/.installed
+	@echo "python_backend on Python 3.10 ($(PYTHON310)):"
+	PYTHONDONTWRITEBYTECODE=1 $(VENV310)/bin/python -c "import importlib, pkgutil, python_backend as p; \
+		[importlib.import_module('python_backend.' + m.name) for m in pkgutil.iter_modules(p.__path__)]"
+	$(VENV310)/bin/python -m pytest -c /dev/null --rootdir . --noconftest -p no:cacheprovider -q $(RUNTIME_TESTS)
+endif
 
 bench: install-dev examples
 	$(PY) -m bench

@@ -255,7 +255,7 @@ async def _sample(nodes: Nodes, start: float, every: float, done: asyncio.Event,
                 instances += int(m["status"].get("instances") or 0)
                 memory += int(m["status"].get("memory_bytes") or 0)
         out.append([round(t, 2), instances, round(memory / 2**20, 1), per_node])
-        with contextlib.suppress(asyncio.TimeoutError):
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), max(0.0, every - (time.perf_counter() - start - t)))
 
 

@@ -25,10 +25,10 @@ from typing import Any
 
 from bench._load import Job, LoadWorker
 from bench.common import EXAMPLES, ROOT
-from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.render import embedded_target, render_repository
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.journal import REQUEST_ID_HEADER
 from controlplane.triton.launcher import EmbeddedTriton
 
 MODEL = "numpy-linear"

@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +21,9 @@ from controlplane.errors import InvalidPackageError, SnoozeError
 from controlplane.render import runtime_config
 from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec, resolve
 from converters.samples import sample_array
+from python_backend.batching import narrowing_note
+from python_backend.local_check import RETURNED_KEY
+from python_backend.spec import TensorSpec as RuntimeTensor
 
 _SHAPE = re.compile(r"^(?P<name>[^:=]+):(?P<shape>\d+(?:x\d+)*)$")
 _FILE = re.compile(r"^(?P<name>[^:=]+)=(?P<file>.+\.npy)$")
@@ -35,7 +38,9 @@ class CheckFailed(SnoozeError):
 class CheckResult:
     model_id: str
     device: str
-    outputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]  # as served: conformed to the declared datatypes
+    returned: dict[str, str] = field(default_factory=dict)  # dtype predict itself returned, per output
+    notes: dict[str, str] = field(default_factory=dict)  # per output: a narrowing cast the runtime made
 
 
 def example_array(tensor: TensorSpec, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -114,8 +119,16 @@ def check_package(
         if proc.returncode != 0:
             raise CheckFailed(f"model at {path} failed:\n{proc.stderr.rstrip()}")
         with np.load(work / "out.npz", allow_pickle=True) as out:
-            outputs = {name: out[name] for name in out.files}
-    return CheckResult(spec.id, device, outputs)
+            outputs = {name: out[name] for name in out.files if name != RETURNED_KEY}
+            returned = json.loads(str(out[RETURNED_KEY])) if RETURNED_KEY in out.files else {}
+    notes = {}
+    for tensor in spec.package.outputs:
+        if tensor.name in returned and tensor.name in outputs:
+            runtime = RuntimeTensor(tensor.name, tensor.datatype, tuple(tensor.dims))
+            note = narrowing_note(np.dtype(returned[tensor.name]), runtime)
+            if note:
+                notes[tensor.name] = note
+    return CheckResult(spec.id, device, outputs, returned, notes)
 
 
 def _safe_id(path: Path) -> str:

@@ -8,20 +8,30 @@ a process forked from it; ``probe_imports`` spreads a batch of jobs over one pro
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
+import importlib.util
 import json
 import os
 import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from python_backend.import_probe import IMPORT_TIMEOUT_SECS, ML_FRAMEWORKS
 
-__all__ = ["IMPORT_TIMEOUT_SECS", "ML_FRAMEWORKS", "ImportProbe", "ProbePool", "check_import", "probe_imports"]
+__all__ = [
+    "IMPORT_TIMEOUT_SECS",
+    "ML_FRAMEWORKS",
+    "ImportProbe",
+    "ProbePool",
+    "check_import",
+    "missing_modules",
+    "probe_imports",
+]
 
 
 class ImportProbe:
@@ -149,3 +159,51 @@ def check_import(
     if package["missing"]:
         return f"class {class_name} in {entrypoint} has no {' or '.join(package['missing'])} method"
     return None
+
+
+def missing_modules(package_dir: Path, files: Iterable[str]) -> list[tuple[str, int, str]]:
+    """``(file, line, module)`` for every import in the package's Python files, module level or inside
+    a function such as ``load()``, whose top-level module is neither the package's own, nor the
+    standard library, nor installed in this interpreter (the one the embedded Triton's python backend
+    runs models with). An import inside a ``try`` that catches ImportError is optional and left out.
+    Nothing is imported: the files are parsed, and modules are only looked up."""
+    own = {Path(f).parts[0].removesuffix(".py") for f in files}
+    found: list[tuple[str, int, str]] = []
+    for rel in sorted(f for f in files if f.endswith(".py")):
+        try:
+            tree = ast.parse((package_dir / rel).read_bytes(), filename=rel)
+        except (SyntaxError, ValueError):
+            continue  # the import check reports a file that does not parse
+        for line, name in _required_imports(tree):
+            top = name.split(".")[0]
+            if top in own or top in sys.stdlib_module_names or top in sys.builtin_module_names:
+                continue
+            try:
+                spec = importlib.util.find_spec(top)
+            except (ImportError, ValueError):
+                spec = None
+            if spec is None:
+                found.append((rel, line, top))
+    return sorted(found)
+
+
+def _required_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, module) of absolute imports that are not guarded by ``except ImportError``."""
+    guarded: set[int] = set()  # ids of nodes inside a try body whose handlers catch ImportError
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
+            guarded.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+
+
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    names = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+    kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return handler.type is None or any(isinstance(k, ast.Name) and k.id in names for k in kinds)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-import sys
+import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -19,15 +19,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - 3.10
-    import tomli as tomllib
 
 MANIFEST_FILE = "snooze_model.json"
 CUSTOM_ENTRYPOINT = "snooze_model.py"
@@ -57,7 +52,11 @@ class TensorSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1)
-    datatype: str = Field(description="KServe v2 name (FP32, INT64, BYTES, ...) or numpy name")
+    # numpy users write "dtype"; it means the same, so it is accepted as well.
+    datatype: str = Field(
+        validation_alias=AliasChoices("datatype", "dtype"),
+        description="KServe v2 name (FP32, INT64, BYTES, ...) or numpy name; 'dtype' is accepted too",
+    )
     dims: list[int] = Field(default_factory=list)
 
     @field_validator("datatype")
@@ -226,7 +225,13 @@ def _format_validation_error(exc: ValidationError, where: str) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and err["loc"][-1] == "shape":
+            # numpy's shape includes the batch axis; dims never does, so the word is not taken as is.
+            parts.append(
+                f"unknown field '{loc}': tensors declare 'dims', the shape of one item without the batch "
+                "axis (a batch of shape [N, 3] is \"dims\": [3]); rename 'shape' to 'dims' and drop the batch axis"
+            )
+        elif err["type"] == "extra_forbidden":
             parts.append(f"unknown field '{loc}' (remove it or check its spelling)")
         elif err["type"] == "missing":
             parts.append(f"missing required field '{loc}'")
@@ -317,13 +322,12 @@ def load_package(path: str | Path) -> ModelPackage:
                 f"{manifest_path}: entrypoint '{manifest.entrypoint}' is not in the package",
                 hint="set 'entrypoint' to a .py file of the package",
             )
-        for name in ("inputs", "outputs"):
-            if not getattr(manifest, name):
-                raise InvalidPackageError(
-                    f"{manifest_path}: a custom model must declare its '{name}' "
-                    "(name, datatype, dims without the batch axis)",
-                    hint=f'add "{name}": [{{"name": "x", "datatype": "FP32", "dims": [3]}}]',
-                )
+        missing = [name for name in ("inputs", "outputs") if not getattr(manifest, name)]
+        if missing:
+            hint = _MANIFEST_HINT if not manifest_path.exists() else "add " + ", ".join(
+                f'"{name}": [{{"name": "x", "datatype": "FP32", "dims": [3]}}]' for name in missing
+            )
+            raise InvalidPackageError(_missing_signature_message(package_dir, missing), hint=hint)
         _check_unique_names(manifest.inputs or [], manifest.outputs or [], manifest_path)
         return ModelPackage(
             package_dir, kind, manifest, list(manifest.inputs or []), list(manifest.outputs or []), files
@@ -340,6 +344,27 @@ def load_package(path: str | Path) -> ModelPackage:
         package_dir, kind, manifest, list(manifest.inputs or []), list(manifest.outputs or []), files,
         model_file=PLAN_FILE,
     )
+
+
+_MANIFEST_HINT = (
+    f"write {MANIFEST_FILE} next to {CUSTOM_ENTRYPOINT}, e.g. "
+    '{"inputs": [{"name": "x", "datatype": "FP32", "dims": [3]}], '
+    '"outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}]} '
+    "(dims without the batch axis; docs/packages.md has a complete manifest)"
+)
+
+
+def _missing_signature_message(package_dir: Path, missing: list[str]) -> str:
+    """A custom model's signature cannot be read from Python code: say which part is missing, and
+    whether the manifest itself is missing (then 'optional' does not apply to this package)."""
+    what = " and ".join(f"'{name}'" for name in missing)
+    manifest_path = package_dir / MANIFEST_FILE
+    if not manifest_path.exists():
+        return (
+            f"{package_dir}: a custom model needs a manifest {MANIFEST_FILE} declaring its {what} "
+            f"(name, datatype, dims without the batch axis), and the package has none"
+        )
+    return f"{manifest_path}: a custom model must declare its {what} (name, datatype, dims without the batch axis)"
 
 
 def _check_unique_names(inputs: list[TensorSpec], outputs: list[TensorSpec], where: Path) -> None:

@@ -20,8 +20,6 @@ import uvicorn
 from rich.console import Console
 
 from controlplane.errors import SnoozeError
-from controlplane.lifecycle.journal import JOURNAL_ENV
-from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.servers import EmbeddedUvicorn
@@ -29,7 +27,9 @@ from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, discover, entry_point_deployments, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient, wait_for_triton
+from controlplane.triton.journal import JOURNAL_ENV
 from controlplane.triton.launcher import EmbeddedTriton, detect_backends
+from controlplane.triton.processes import TritonProcesses
 
 log = logging.getLogger("snoozeml.stack")
 
@@ -269,12 +269,16 @@ async def serve_until_signal(stack: ServingStack) -> int:
         stack.console.print("stopping: draining in-flight requests (Ctrl-C again to force)")
 
     with stop_signals(say_stopping, stack.force) as stopping:
+        started = time.monotonic()
         try:
             await stack.start()
             stack.console.print(stack.banner(), highlight=False)
             await stopping.wait()
+            started = time.monotonic()
         finally:
             await stack.stop()
+    # the last line of the log: every process of the stack has exited (a crash would not print it)
+    stack.console.print(f"stopped: gateway, control plane and Triton exited ({time.monotonic() - started:.1f}s)")
     return 0
 
 

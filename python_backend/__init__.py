@@ -19,6 +19,7 @@ RUNTIME_MODULES = (
     "__init__.py",
     "batching.py",
     "errors.py",
+    "exits.py",
     "import_probe.py",
     "journal.py",
     "prefork_parent.py",

@@ -7,6 +7,7 @@ results back into responses.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -103,7 +104,34 @@ def collate(spec: RuntimeSpec, requests: Sequence[Arrays]) -> Arrays:
     return {t.name: np.concatenate([r[t.name] for r in requests], axis=0) for t in spec.inputs}
 
 
-def _conform(tensor: TensorSpec, value: Any, rows: int | None, batched: bool, what: str) -> np.ndarray:
+# (model, output, returned dtype) already warned about in this process: one line per model instance.
+_NARROWED: set[tuple[str, str, str]] = set()
+
+
+def narrowing_note(returned: np.dtype, tensor: TensorSpec) -> str | None:
+    """The output policy, for a returned dtype that differs from the declared one: a safe cast (int32 for
+    INT64, float32 for FP64) needs no word; a narrowing one within the kind (float64 for FP32, int64 for
+    INT32) is done, but said, because it can lose precision or range; other kinds are refused."""
+    if returned == tensor.dtype or np.can_cast(returned, tensor.dtype, casting="safe"):
+        return None
+    return (
+        f"predict returned {returned}, served as {tensor.datatype} by a narrowing cast (precision or range may "
+        f"be lost); return {tensor.dtype} or declare {tensor.name!r} as {returned} in snooze_model.json"
+    )
+
+
+def _warn_narrowing(model_id: str, tensor: TensorSpec, returned: np.dtype) -> None:
+    key = (model_id, tensor.name, str(returned))
+    if key in _NARROWED:
+        return
+    _NARROWED.add(key)
+    note = narrowing_note(returned, tensor)
+    print(f"snooze model '{model_id}': output '{tensor.name}': {note} (said once per instance)",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _conform(tensor: TensorSpec, value: Any, rows: int | None, batched: bool, what: str,
+             model_id: str = "") -> np.ndarray:  # fmt: skip
     """Turn one returned value into an array of the declared dtype and dims, or raise BadModelOutput."""
     try:
         array = np.asarray(value)
@@ -123,6 +151,8 @@ def _conform(tensor: TensorSpec, value: Any, rows: int | None, batched: bool, wh
                 f"{what} is {array.dtype}, which cannot be cast to its declared {tensor.datatype}; "
                 f"return {tensor.dtype} (or fix the declared datatype)"
             )
+        if not np.can_cast(array.dtype, tensor.dtype, casting="safe"):
+            _warn_narrowing(model_id, tensor, array.dtype)
         array = array.astype(tensor.dtype)
     if batched:
         if array.ndim == 0 or array.shape[0] != rows:
@@ -162,7 +192,8 @@ def check_outputs(spec: RuntimeSpec, outputs: Any, rows: int | None) -> Arrays:
             "return every declared output"
         )
     return {
-        t.name: _conform(t, outputs[t.name], rows, spec.batched, f"output '{t.name}'") for t in spec.outputs
+        t.name: _conform(t, outputs[t.name], rows, spec.batched, f"output '{t.name}'", spec.model_id)
+        for t in spec.outputs
     }
 
 
@@ -190,7 +221,7 @@ def check_raw_outputs(spec: RuntimeSpec, outputs: Any, batch_sizes: Sequence[int
             )
         for i, (value, rows) in enumerate(zip(values, batch_sizes, strict=True)):
             what = f"output '{t.name}' of request {i}"
-            per_request[i][t.name] = _conform(t, value, rows, spec.batched, what)
+            per_request[i][t.name] = _conform(t, value, rows, spec.batched, what, spec.model_id)
     return per_request
 
 

@@ -1,5 +1,8 @@
 """Error kinds and their messages: `[snooze:<kind>] model '<id>': <what happened>; <what to fix>`.
 
+Kinds: `model_error` (the model's code raised, or returned outputs that do not match its manifest),
+`invalid_input`, `oom`, `timeout`, and `internal` (the runtime itself failed).
+
 The control plane and clients read the kind from the message prefix (see docs/internals.md), so the
 prefix is the contract; the Triton error code only steers the HTTP/gRPC status.
 """
@@ -13,7 +16,8 @@ from dataclasses import dataclass
 
 OOM = "oom"
 INVALID_INPUT = "invalid_input"
-INTERNAL = "internal"
+INTERNAL = "internal"  # a failure of the runtime itself (or of Triton's stub), not of the model's code
+MODEL_ERROR = "model_error"  # the model's own code raised or returned something wrong
 TIMEOUT = "timeout"
 
 # How many of the innermost frames of the model's traceback an internal error carries: enough to
@@ -45,7 +49,7 @@ class InvalidInput(SnoozeError):
 class BadModelOutput(SnoozeError):
     """predict returned something that does not match the declared outputs: a bug in the model."""
 
-    kind = INTERNAL
+    kind = MODEL_ERROR
 
 
 class PredictTimeout(SnoozeError):
@@ -116,7 +120,19 @@ def describe_failure(
     where = traceback_summary(exc)
     at = f" at {where}" if where else ""
     fix = _FIXES.get(stage, f"fix the model's {stage}")
-    return INTERNAL, f"{prefix(INTERNAL, model_id)} {stage} raised {what}{at}; {fix}"
+    if isinstance(exc, ImportError):
+        fix = (
+            "install the missing package in the environment Triton's python backend runs the model with "
+            "(the one snoozeml is installed in, or the model's execution_env_path; docs/packages.md#dependencies)"
+        )
+    kind = MODEL_ERROR if _raised_in_model_code(exc) else INTERNAL
+    return kind, f"{prefix(kind, model_id)} {stage} raised {what}{at}; {fix}"
+
+
+def _raised_in_model_code(exc: BaseException) -> bool:
+    """True when the traceback passes through a file that is not this runtime's or importlib's: the
+    model's code raised (or imported something that did), so the failure is the model's to fix."""
+    return any(not _is_plumbing(e.filename) for e in traceback.extract_tb(exc.__traceback__))
 
 
 @dataclass(frozen=True)

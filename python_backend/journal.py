@@ -4,7 +4,7 @@ Before each batch, the ids the gateway gave its requests (``x-snooze-request-id`
 as a request parameter) are written to ``$SNOOZE_JOURNAL_DIR/<pid>-<start ticks>.journal``. If the
 process dies, the control plane reads the batch it was running and never runs those requests again;
 requests that failed on the dead process without reaching it are served after recovery.
-(``controlplane/lifecycle/journal.py`` reads it; the name and layout must stay the same on both sides:
+(``controlplane/triton/journal.py`` reads it; the name and layout must stay the same on both sides:
 a little-endian u32 byte count, then the ids joined by newlines.)
 
 A memory-mapped file on the journal folder (a tmpfs in the deployed topologies): one copy into the

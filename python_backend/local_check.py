@@ -8,7 +8,7 @@ Exit 0 with OUT_NPZ written, or 1 with the model's own traceback on stderr.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import json
 import os
 import sys
 import traceback
@@ -20,11 +20,13 @@ from .errors import Failure
 from .runners import build_model
 from .spec import load_spec
 
+RETURNED_KEY = "__snooze_returned_dtypes__"  # in OUT_NPZ: JSON {output: dtype predict returned}
+
 
 def main(argv: list[str]) -> int:
     spec_path, package_dir, inputs_path, device, out_path = argv
     # A one-off check runs the model here, never in a preforked worker (no Triton, no parent to share).
-    spec = dataclasses.replace(load_spec(spec_path), worker="in-stub")
+    spec = load_spec(spec_path)
     os.environ.update(spec.env)
     with np.load(inputs_path, allow_pickle=True) as data:
         inputs = {name: data[name] for name in data.files}
@@ -37,13 +39,21 @@ def main(argv: list[str]) -> int:
             print(f"model '{spec.model_id}' failed to load on '{device}':", file=sys.stderr)
             traceback.print_exc()
             return 1
-        (result,) = run_batch(spec, [inputs], model.predict)
+        returned: dict[str, str] = {}  # what predict itself gave, before the runtime conformed it
+
+        def predict(batch):
+            outputs = model.predict(batch)
+            if isinstance(outputs, dict):
+                returned.update({str(k): str(np.asarray(v).dtype) for k, v in outputs.items()})
+            return outputs
+
+        (result,) = run_batch(spec, [inputs], predict)
         if hasattr(model, "unload"):
             model.unload()
     if isinstance(result, Failure):
         print(result.message, file=sys.stderr)
         return 1
-    np.savez(out_path, **result)
+    np.savez(out_path, **result, **{RETURNED_KEY: np.array(json.dumps(returned))})
     return 0
 
 

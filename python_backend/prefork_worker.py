@@ -122,7 +122,7 @@ def _run(conn: socket.socket, request: SpawnRequest) -> int:
         os.environ.update(spec.env)  # before the user's import, as in the stub
         stage = "import"
         started = time.perf_counter()
-        model = build_model(dataclasses.replace(spec, worker="in-stub"), request.package_dir)
+        model = build_model(spec, request.package_dir)
         imported = time.perf_counter()
         stage = "load"
         model.load(request.package_dir, request.device)
@@ -158,7 +158,7 @@ def _serve_requests(conn: socket.socket, spec: RuntimeSpec, model: Any) -> int:
         rows = _rows(spec, inputs)
         try:
             outputs = _conform(spec, inputs, model.predict(inputs), rows)
-        except Exception as e:  # user code can raise anything: described here, answered by the stub
+        except BaseException as e:  # user code can raise anything (SystemExit too): described, answered by the stub
             _send_error(conn, e, spec.model_id, "predict", rows)
             continue
         send_tensors(conn, RESULT, region, outputs)

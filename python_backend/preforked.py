@@ -38,6 +38,7 @@ from typing import Any, NoReturn
 
 from . import RUNTIME_MODULES
 from .errors import INTERNAL, RemoteFailure, describe_failure, without_prefix
+from .exits import describe_wait_status
 from .journal import JOURNAL_ENV, clear_batch, own_file, start_ticks
 from .prefork_protocol import (
     ERROR,
@@ -61,7 +62,7 @@ from .prefork_protocol import (
     send_json,
     send_tensors,
 )
-from .runners import describe_wait_status
+from .runners import build_model
 from .spec import SPEC_FILE, RuntimeSpec
 
 PARENT_CONNECT_SECS = 15.0  # the parent binds its socket first thing: a slow start on a busy machine
@@ -315,10 +316,8 @@ class PreforkedModel:
         return conn
 
     def _load_in_stub(self, model_dir: str, device: str) -> None:
-        from .runners import build_model
-
         try:
-            model = build_model(dataclasses.replace(self.spec, worker="in-stub"), model_dir)
+            model = build_model(self.spec, model_dir)
         except Exception as e:  # reads as the stub's own import failure would
             kind, message = describe_failure(e, self.spec.model_id, "import", None)
             raise RemoteFailure(kind, without_prefix(kind, self.spec.model_id, message)) from None

@@ -6,9 +6,7 @@ user's module only when the instance initialises (after the spec's env is applie
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import sys
 import threading
 import time
@@ -98,12 +96,10 @@ class OnnxRunner:
 
 
 def build_model(spec: RuntimeSpec, package_dir: str) -> Any:
-    """Instantiate what the instance serves: the user's `Model(**params)` or an OnnxRunner; for a
-    preforked model, its stand-in (preforked.py: the model itself runs in a worker process)."""
-    if spec.worker == "preforked":
-        from .preforked import PreforkedModel  # only preforked models load that machinery
+    """Instantiate the model this process runs itself: the user's `Model(**params)` or an OnnxRunner.
 
-        return PreforkedModel(spec, package_dir)
+    Whatever the spec's `worker`: the stub chooses between this and a preforked worker
+    (triton_model.py); a preforked worker, and a stub that cannot get one, run it with this."""
     if spec.kind == "onnx":
         return OnnxRunner(spec.onnx_file, [t.name for t in spec.outputs], **spec.params)
     return import_user_class(spec, package_dir)(**spec.params)
@@ -141,27 +137,6 @@ def call_with_limit(fn: Callable[..., Any], *args: Any, timeout: float, what: st
     if call.error is not None:
         raise call.error  # its traceback still holds the user's frames
     return call.result
-
-
-# The exit status of a stub process the watchdog ended after a predict overran request_timeout_secs;
-# the control plane names it in its crash report (lifecycle/processes.py reads the same number).
-OVERRUN_EXIT_CODE = 124
-def describe_wait_status(status: int | None) -> str:
-    """A wait status in words: 'exit code 3', 'killed by signal 11 (SIGSEGV)', or unknown; the watchdog's
-    own exit code says why. For the stub's notes and the control plane's crash reports alike."""
-    if status is None:
-        return "exit status unknown"
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        with contextlib.suppress(ValueError):
-            return f"killed by signal {sig} ({signal.Signals(sig).name})"
-        return f"killed by signal {sig}"
-    if os.WIFEXITED(status):
-        code = os.WEXITSTATUS(status)
-        if code == OVERRUN_EXIT_CODE:  # the watchdog ended it: not a crash of the model's code
-            return f"exit code {code}: predict overran request_timeout_secs and the runtime ended the process"
-        return f"exit code {code}"
-    return f"wait status {status}"
 
 
 # How often an idle watchdog looks for a call in progress; a call is never timed out late because of

@@ -18,8 +18,9 @@ import numpy as np
 
 from .batching import BatchPlan
 from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure
+from .exits import OVERRUN_EXIT_CODE
 from .journal import RequestJournal
-from .runners import OVERRUN_EXIT_CODE, PredictWatchdog, build_model, call_with_limit, device_for
+from .runners import PredictWatchdog, build_model, call_with_limit, device_for
 from .spec import RuntimeSpec, load_spec, spec_path
 from .warmup import warmup_samples
 
@@ -32,6 +33,16 @@ UNLOAD_TIMEOUT_SECS = 30.0
 
 def _log(model_id: str, message: str) -> None:
     print(f"snooze model '{model_id}': {message}", file=sys.stderr, flush=True)
+
+
+def _serving_model(spec: RuntimeSpec, package_dir: str) -> Any:
+    """What this instance serves: the model itself, or for `worker: "preforked"` its stand-in
+    (preforked.py: the model runs in a worker process forked from a preloaded parent)."""
+    if spec.worker == "preforked":
+        from .preforked import PreforkedModel  # only preforked models load that machinery
+
+        return PreforkedModel(spec, package_dir)
+    return build_model(spec, package_dir)
 
 
 class TritonPythonModel:
@@ -57,7 +68,7 @@ class TritonPythonModel:
         self._instance = args.get("model_instance_name", spec.model_id)
         stage = "import"
         try:
-            self._model = build_model(spec, package_dir)
+            self._model = _serving_model(spec, package_dir)
             stage = "load"
             self._model.load(package_dir, device)
         except Exception as e:
@@ -83,13 +94,33 @@ class TritonPythonModel:
             self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")
             self._predict = self._predict_watched
 
-    def _warmed(self, arrays: list[dict[str, Any]]) -> list | None:
+    def execute(self, requests: list) -> list:
+        if self._journal is not None:
+            self._journal.record(requests)
+        if self._warm_answer is not None:  # the instance's first batch: Triton's warm-up, already run in _warm_up
+            answer = self._warmed(requests)
+            if answer is not None:
+                return answer
+        watch = self._watch
+        if watch is None:
+            return [self._response(result) for result in self._run(requests)]
+        box = watch.begin(requests)
+        try:
+            results = self._run(requests)
+        finally:
+            watch.started = None
+        if not watch.finish(box):
+            return [None] * len(requests)  # the watchdog answered them: predict overran its limit
+        return [self._response(result) for result in results]
+
+    def _warmed(self, requests: list) -> list | None:
         """Triton's run of the warm-up sample this instance ran already: its answer, without a second predict."""
         sample, result = self._warm_answer  # type: ignore[misc]
         self._warm_answer = None
-        if len(arrays) != 1 or arrays[0].keys() != sample.keys():
+        if len(requests) != 1:
             return None
-        if not all(_same(arrays[0][k], v) for k, v in sample.items()):
+        arrays = {t.name(): t.as_numpy() for t in requests[0].inputs()}
+        if arrays.keys() != sample.keys() or not all(_same(arrays[k], v) for k, v in sample.items()):
             return None
         return [self._response(result)]
 
@@ -102,7 +133,10 @@ class TritonPythonModel:
             _log(spec.model_id, f"could not read the warm-up sample ({e}); Triton runs it")
             return
         for name, arrays in samples:
-            [result] = self._plan.run([arrays], self._user_predict)
+            try:
+                [result] = self._plan.run([arrays], self._user_predict)
+            except BaseException as e:  # as _run: SystemExit and the like are the model's failure too
+                result = Failure(*describe_failure(e, spec.model_id, "predict", None))
             # Triton's run of the same sample comes next: answered from here (a copy: a preforked worker's
             # answer is a view of a region its next answer reuses).
             kept = result if type(result) is Failure else {k: np.array(v, copy=True) for k, v in result.items()}
@@ -117,25 +151,19 @@ class TritonPythonModel:
                     "the package's 'warmup' samples; \"warmup\": false in snooze_model.json turns it off)"
                 )
 
-    def execute(self, requests: list) -> list:
-        if self._journal is not None:
-            self._journal.record(requests)
-        arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
-        if self._warm_answer is not None:  # the instance's first batch: Triton's warm-up, already run in _warm_up
-            answer = self._warmed(arrays)
-            if answer is not None:
-                return answer
-        watch = self._watch
-        if watch is None:
-            return [self._response(result) for result in self._plan.run(arrays, self._predict)]
-        box = watch.begin(requests)
+    def _run(self, requests: list) -> list:
+        """One result or framed Failure per request: nothing escapes for Triton to word instead.
+
+        The plan turns what user code raises into per-request failures; this catches the rest (a
+        BaseException such as SystemExit from predict, a fault of the runtime itself), so that every
+        error a client gets starts with the kind prefix and never reads as one of Triton's own answers
+        (the gateway retries Triton's dead-stub answer, controlplane/triton/dead_stub.py).
+        """
         try:
-            results = self._plan.run(arrays, self._predict)
-        finally:
-            watch.started = None
-        if not watch.finish(box):
-            return [None] * len(requests)  # the watchdog answered them: predict overran its limit
-        return [self._response(result) for result in results]
+            arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
+            return self._plan.run(arrays, self._predict)
+        except BaseException as e:
+            return [Failure(*describe_failure(e, self._spec.model_id, "predict", None))] * len(requests)
 
     def finalize(self) -> None:
         unload = getattr(self._model, "unload", None)

@@ -240,8 +240,11 @@ def create_app(settings: Settings, services: ControlPlaneServices) -> FastAPI:
         version=API_VERSION,
         description="Publish model packages to Triton and manage their lifecycle. Every /v1 route needs an "
         "admin API key (X-API-Key or Authorization: Bearer). Errors are JSON: {error, code, hint}.",
+        docs_url=None,  # served below from packaged assets: FastAPI's own pages load them from a CDN
+        redoc_url=None,
     )
     _install_error_handlers(app)
+    install_offline_docs(app)
     app.include_router(_admin_router(settings, services, ModelOperations(services)))
 
     @app.get("/health/live", tags=["health"], summary="The control API is running")
@@ -260,8 +263,56 @@ def create_app(settings: Settings, services: ControlPlaneServices) -> FastAPI:
             )
         return {"status": "ready"}
 
-    @app.get("/metrics", tags=["health"], summary="snoozeml's metrics in Prometheus text format")
+    @app.get(
+        "/metrics", tags=["health"],
+        summary="snoozeml's metrics and Triton's own (nv_*: per-model requests, failures, latency) in Prometheus "
+        "text format",
+    )
     async def metrics() -> Response:
-        return Response(services.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        triton = (await _triton_metrics(services)).encode()
+        return Response(services.metrics.render() + triton, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _triton_metrics(services: ControlPlaneServices) -> str:
+    """Triton's metrics port is not one of snoozeml's: its text is passed on here. Triton drops a model's
+    nv_* series when the model unloads, so they restart from zero after each wake (rate() copes)."""
+    if services.triton.metrics_url is None:
+        return ""
+    try:
+        text = await services.triton.metrics_text()
+    except SnoozeError as exc:
+        return f"# Triton's metrics are unavailable: {exc.message}\n"
+    return f"# Triton's own metrics, from {services.triton.metrics_url}/metrics\n{text}"
+
+
+DOCS_ASSETS = "/docs-assets"
+
+
+def install_offline_docs(app: FastAPI) -> None:
+    """/docs (Swagger UI) and /redoc with their scripts and styles served from an installed package,
+    so that they work on a machine without internet access."""
+    from importlib.resources import files
+
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+    from starlette.staticfiles import StaticFiles
+
+    assets = files("fastapi_offline") / "static"
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(assets)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui() -> Response:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - docs",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js", swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+        )
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc() -> Response:
+        return get_redoc_html(
+            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js", redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+            with_google_fonts=False,
+        )

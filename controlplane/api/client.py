@@ -126,6 +126,12 @@ class ControlPlaneClient:
     ) -> dict[str, Any]:
         """Upload a package: an archive as it is, or a folder packed into a temporary .tar.gz."""
         source = Path(path)
+        if not source.exists():
+            raise ControlPlaneError(
+                f"{source}: no such file or folder",
+                hint="pass the package folder (it is packed for you) or an archive of it",
+                code="invalid_package", status_code=422,
+            )
         if source.is_dir():
             with tempfile.TemporaryFile() as tmp:
                 pack_package(source, tmp)
@@ -156,6 +162,10 @@ class ControlPlaneClient:
         )
 
     # --- read and change
+
+    def live(self) -> None:
+        """Raise ControlPlaneError unless the control API answers (no key needed)."""
+        self._call("GET", "/health/live")
 
     def list(self) -> list[dict[str, Any]]:
         return self._call("GET", "/v1/models")

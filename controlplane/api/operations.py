@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -19,7 +20,8 @@ from starlette.concurrency import run_in_threadpool
 
 from controlplane.api.services import ControlPlaneServices
 from controlplane.errors import ForbiddenError, InvalidPackageError, SnoozeError
-from controlplane.package_check import check_import
+from controlplane.package_check import check_import, missing_modules
+from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, resolve
 from controlplane.store import PublishedModel
 from controlplane.upload import extract_package
@@ -70,7 +72,7 @@ def _relabel(exc: SnoozeError, folder: Path, label: str) -> None:
     exc.args = (exc.message,)
 
 
-def _check_custom_import(spec: ModelSpec) -> None:
+def _check_custom_import(spec: ModelSpec, *, same_environment: bool) -> None:
     """Import a custom model's entrypoint in a child process; an error names the file and the fix."""
     package, deployment = spec.package, spec.deployment
     # A model with its own environment imports there, not in the control plane's interpreter.
@@ -84,11 +86,25 @@ def _check_custom_import(spec: ModelSpec) -> None:
             hint="fix the error above; import ML frameworks inside load() so that importing the "
             "package stays light, and test locally with `snoozectl check <folder>`",
         )
+    # Imports inside load() run only at the first request: look them up now, without running them, where
+    # Triton's python backend shares this interpreter's packages (the embedded Triton). An external Triton
+    # (the official image, a derived one) has packages of its own, which the control plane cannot see.
+    missing = missing_modules(package.path, package.files) if same_environment else []
+    if missing:
+        where = "; ".join(f"{file}:{line} imports '{module}'" for file, line, module in missing)
+        names = " ".join(sorted({module for _, _, module in missing}))
+        raise InvalidPackageError(
+            f"model '{spec.id}': {where}, which is not installed where Triton's python backend runs the "
+            f"model ({sys.executable})",
+            hint=f"install it there ({sys.executable} -m pip install <the distribution providing {names}>), "
+            "or give the model its own environment with the deployment's execution_env_path; an import "
+            "inside try/except ImportError is treated as optional (docs/packages.md#dependencies)",
+        )
 
 
-def _validate(deployment: DeploymentSpec) -> ModelSpec:
+def _validate(deployment: DeploymentSpec, settings: Settings) -> ModelSpec:
     spec = resolve(deployment)
-    _check_custom_import(spec)
+    _check_custom_import(spec, same_environment=settings.triton_url is None)
     return spec
 
 
@@ -151,7 +167,7 @@ class ModelOperations:
                     root = extract_package(
                         archive, extracted, max_bytes=int(settings.max_upload_mb * 2**20), archive_name=archive_name
                     )
-                    return _validate(_upload_deployment(ids, deployment_json, root))
+                    return _validate(_upload_deployment(ids, deployment_json, root), settings)
                 except SnoozeError as exc:
                     _relabel(exc, extracted, archive_name)
                     raise
@@ -172,7 +188,7 @@ class ModelOperations:
                 f"model '{deployment.id}': path '{deployment.path}' is relative",
                 hint="give the absolute path of the package folder on the server",
             )
-        spec = await run_in_threadpool(_validate, deployment)
+        spec = await run_in_threadpool(_validate, deployment, self.services.settings)
         return await self._publish(spec)
 
     async def _publish(self, spec: ModelSpec) -> dict[str, Any]:
@@ -208,7 +224,8 @@ class ModelOperations:
                 stats = asdict(await self.services.triton.model_stats(model_id))
         return {
             **summary,
-            "deployment": model.deployment.model_dump(mode="json"),
+            # where the model's files live now: an upload's own path was a temporary folder, gone after the publish
+            "deployment": {**model.deployment.model_dump(mode="json"), "path": str(model.path)},
             "inputs": [t.model_dump() for t in model.inputs],
             "outputs": [t.model_dump() for t in model.outputs],
             "params": model.params,

@@ -16,18 +16,56 @@ from controlplane.errors import SnoozeError
 
 app = typer.Typer(
     name="snoozectl",
-    help="Serve many models on Triton and let each of them sleep.",
+    help="""Serve many models on Triton and let each of them sleep.
+
+    \b
+    Examples:
+      snoozectl serve --models examples/models --no-auth   # a local stack on :8000 (HTTP), :8001 (gRPC), :8080 (API)
+      snoozectl check examples/models/numpy-linear --input x:2x4
+      snoozectl publish ./my-net --id my-net --load
+      snoozectl status
+      snoozectl validate .snooze/model_repository --load
+    """,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: rich's would read "[env ...]" in a help text as markup and show "<bool>" for flags.
+    rich_markup_mode=None,
 )
 console = out_console
+TARGETS = "embedded|full"
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"snoozectl {version('snoozeml')}")
+        except PackageNotFoundError:  # run from a source tree that is not installed
+            typer.echo("snoozectl (snoozeml not installed)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    _show_version: Annotated[
+        bool | None,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit"),
+    ] = None,
+) -> None:
+    """Serve many models on Triton and let each of them sleep."""
 
 
 @app.command()
 def serve(
-    models: Annotated[Path | None, typer.Option(help="Models folder (packages and/or models.toml) to publish")] = None,
-    work_dir: Annotated[Path | None, typer.Option(help="Runtime folder [env SNOOZE_WORK_DIR; .snooze]")] = None,
+    models: Annotated[
+        Path | None,
+        typer.Option(help="Models folder (packages and/or models.toml) to publish [default: none, publish later]"),
+    ] = None,
+    work_dir: Annotated[
+        Path | None, typer.Option(help="Runtime folder [SNOOZE_WORK_DIR; default: .snooze]")
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Gateway and API address [SNOOZE_HOST; 127.0.0.1]")] = None,
     http_port: Annotated[int | None, typer.Option(help="Gateway HTTP port [SNOOZE_HTTP_PORT; 8000]")] = None,
     grpc_port: Annotated[int | None, typer.Option(help="Gateway gRPC port [SNOOZE_GRPC_PORT; 8001]")] = None,
@@ -41,13 +79,22 @@ def serve(
     journal_dir: Annotated[
         Path | None, typer.Option(help="Triton's request journal folder [SNOOZE_JOURNAL_DIR; found from Triton]")
     ] = None,
-    target: Annotated[str | None, typer.Option(help="Triton's backends: embedded | full [SNOOZE_TARGET]")] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(metavar=TARGETS, help="Triton's backends [SNOOZE_TARGET; default: embedded]"),
+    ] = None,
     no_auth: Annotated[bool, typer.Option("--no-auth", help="Disable API keys (local use only)")] = False,
     no_gateway: Annotated[bool, typer.Option("--no-gateway", help="No Envoy: clients use Triton's ports")] = False,
 ) -> None:
     """Start Triton, the control plane and the gateway; publish MODELS; serve until Ctrl-C.
 
-    Flags override the SNOOZE_* environment variables, which override the defaults."""
+    Flags override the SNOOZE_* environment variables, which override the defaults.
+
+    \b
+    Examples:
+      snoozectl serve --models examples/models --no-auth
+      SNOOZE_API_KEYS='["k1"]' SNOOZE_ADMIN_KEYS='["a1"]' snoozectl serve --models models --host 0.0.0.0
+    """
     from controlplane.settings import Settings
     from controlplane.stack import run_stack
 
@@ -73,12 +120,21 @@ def serve(
 
 @app.command()
 def render(
-    paths: Annotated[list[Path], typer.Argument(help="Package folders or models folders (with models.toml)")],
+    paths: Annotated[
+        list[Path], typer.Argument(metavar="PATH", help="Package folders or models folders (with models.toml)")
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Model repository to write")],
-    target: Annotated[str, typer.Option(help="embedded (python backend only) | full (official image)")] = "embedded",
+    target: Annotated[
+        str, typer.Option(metavar=TARGETS, help="embedded (python backend only) | full (official image)")
+    ] = "embedded",
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
-    """Render packages into a Triton model repository (all validated first, each written atomically)."""
+    """Render packages into a Triton model repository (all validated first, each written atomically).
+
+    \b
+    Example:
+      snoozectl render models/ --out model_repository --target embedded
+    """
     from controlplane.render import render_repository, target_by_name
     from controlplane.spec import DeploymentSpec, discover, is_package_dir, resolve_all
 
@@ -102,15 +158,22 @@ def render(
 
 @app.command()
 def check(
-    path: Annotated[Path, typer.Argument(help="Package folder")],
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="Package folder")],
     inputs: Annotated[
-        list[str] | None, typer.Option("--input", "-i", help="NAME:SHAPE (batch first, e.g. x:4x3) or NAME=FILE.npy")
+        list[str] | None, typer.Option("--input", "-i", metavar="NAME:SHAPE|NAME=FILE.npy",
+                     help="Batch first, e.g. x:4x3 (repeat per input)")
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
     max_batch_size: Annotated[int, typer.Option(help="0 if the model does not batch")] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
-    """Load a package in a child process, run one predict, print the outputs."""
+    """Load a package in a child process, run one predict, print the outputs.
+
+    \b
+    Examples:
+      snoozectl check examples/models/numpy-linear --input x:2x4
+      snoozectl check ./my-net --input x=batch.npy --json
+    """
     from controlplane.check import check_package
 
     try:
@@ -119,7 +182,12 @@ def check(
         raise fail(exc, as_json) from None
     if as_json:
         outputs = {
-            name: {"shape": list(a.shape), "dtype": str(a.dtype), "data": a.ravel()[:8].tolist()}
+            name: {
+                "shape": list(a.shape), "dtype": str(a.dtype),
+                "returned_dtype": result.returned.get(name, str(a.dtype)),
+                **({"note": result.notes[name]} if name in result.notes else {}),
+                "data": a.ravel()[:8].tolist(),
+            }
             for name, a in result.outputs.items()
         }
         report = {"ok": True, "model": result.model_id, "device": device, "outputs": outputs}
@@ -130,6 +198,8 @@ def check(
         first = ", ".join(_short(v) for v in array.ravel()[:6])
         more = ", ..." if array.size > 6 else ""
         console.print(f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{more}]", highlight=False)
+        if name in result.notes:  # what predict really returned, when the runtime narrowed it
+            console.print(f"    note: {result.notes[name]}", highlight=False, markup=False, soft_wrap=True)
 
 
 def _short(value: object) -> str:

@@ -27,7 +27,11 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 
 Url = Annotated[str, typer.Option("--url", envvar="SNOOZE_API_URL", help="Control API URL")]
 ApiKey = Annotated[
-    str | None, typer.Option("--api-key", envvar="SNOOZE_API_KEY", help="Admin API key", show_default=False)
+    str | None,
+    typer.Option(
+        "--api-key", envvar="SNOOZE_API_KEY", show_default=False,
+        help="An admin key of the control API (every /v1 call needs one; inference keys only infer)",
+    ),
 ]
 
 _out = out_console
@@ -130,11 +134,24 @@ def _memory_cell(status: dict[str, Any]) -> str:
 _STATE_STYLE = {"ready": "green", "loading": "yellow", "unloading": "yellow", "failed": "bold red"}
 
 
-def _state(status: dict[str, Any]) -> str:
+REASON_CHARS = 100  # a failed model's reason in the table; --json and `GET /v1/models/{id}` carry it whole
+
+
+def _short_reason(reason: str) -> str:
+    """The first line of a load failure (Triton appends its own traceback), cut to fit a table cell."""
+    first = reason.strip().splitlines()[0] if reason.strip() else ""
+    cut = len(first) > REASON_CHARS or first != reason.strip()
+    shown = first[: REASON_CHARS - 1] + "…" if len(first) > REASON_CHARS else first
+    return shown + (" (more: --json)" if cut else "")
+
+
+def _state(status: dict[str, Any], *, in_table: bool = False) -> str:
     state = status["state"]
     text = f"[{_STATE_STYLE[state]}]{state}[/]" if state in _STATE_STYLE else state
     # reasons quote runtime errors such as "[snooze:oom] ...": not rich markup
-    return f"{text} ({escape(status['reason'])})" if state == "failed" and status.get("reason") else text
+    if state == "failed" and status.get("reason") and not in_table:
+        return f"{text} ({escape(_short_reason(status['reason']))})"
+    return text
 
 
 def _gpu_memory(per_device: dict[str, int] | None) -> str:
@@ -164,17 +181,28 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
     columns += ["nodes"] if fleet else []
     table = Table(*columns, "last cold start")
     table.columns[0].no_wrap = True  # a model id is what users copy: never cut it
+    for column in table.columns:  # narrow terminals wrap the cells, never cut a header's word
+        column.min_width = max(len(word) for word in str(column.header).split())
     for model in models:
         s = model["status"]
         cold = s.get("last_cold_start_secs")
         table.add_row(
-            model["id"], _state(s), str(s.get("instances", 0)), _ago(s.get("last_access")),
+            model["id"], _state(s, in_table=True), str(s.get("instances", 0)), _ago(s.get("last_access")),
             _keep_alive(s), _memory_cell(s),
             *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
             *([_nodes(s.get("nodes"))] if fleet else []),
             "-" if cold is None else f"{cold:.2f}s",
         )
     return table
+
+
+def _failure_lines(models: list[dict[str, Any]]) -> list[str]:
+    """Below the table, one line per failed model: its reason's first line (a table cell is too narrow)."""
+    return [
+        f"{model['id']}: {_short_reason(model['status']['reason'])}"
+        for model in models
+        if model["status"].get("state") == "failed" and model["status"].get("reason")
+    ]
 
 
 def _runtime(client: Any) -> dict[str, Any]:
@@ -210,24 +238,36 @@ def _upload_progress(as_json: bool) -> tuple[Progress | None, Callable[[int, int
 
 
 def publish(
-    path: Annotated[Path, typer.Argument(help="Package folder (packed and uploaded) or .tar.gz/.tgz/.tar/.zip")],
+    path: Annotated[
+        Path, typer.Argument(metavar="PATH", help="Package folder (packed and uploaded) or .tar.gz/.tgz/.tar/.zip")
+    ],
     model_id: Annotated[str | None, typer.Option("--id", help="Model id (default: the folder name)")] = None,
-    device: Annotated[str | None, typer.Option(help="cpu | gpu | auto")] = None,
+    device: Annotated[
+        str | None, typer.Option(metavar="cpu|gpu|auto", help="Where the model runs [default: cpu]")
+    ] = None,
     max_batch_size: Annotated[int | None, typer.Option(help="0 disables batching")] = None,
     max_batch_delay_ms: Annotated[float | None, typer.Option(help="Dynamic batcher max queue delay")] = None,
-    idle_timeout: Annotated[float | None, typer.Option(help="Unload after this many idle seconds")] = None,
+    idle_timeout: Annotated[
+        float | None,
+        typer.Option("--idle-timeout-secs", "--idle-timeout",
+                     help="Unload after this many idle seconds (idle_timeout_secs)"),
+    ] = None,
     keep_alive: Annotated[
         str | None,
-        typer.Option(help="fixed (idle timeout) | adaptive (learned keep-alive and pre-warm windows)"),
+        typer.Option(metavar="fixed|adaptive", help="fixed: the idle timeout; adaptive: learned keep-alive and "
+                     "pre-warm windows [default: fixed]"),
     ] = None,
     worker: Annotated[
         str | None,
-        typer.Option(help="custom models: in-stub | preforked (forked from a parent that preloaded the framework)"),
+        typer.Option(metavar="in-stub|preforked", help="Custom models: in the python-backend stub, or in a worker "
+                     "forked from a parent that preloaded the framework [default: in-stub]"),
     ] = None,
     instances: Annotated[int | None, typer.Option(help="Instances loaded on wake-up")] = None,
     max_instances: Annotated[int | None, typer.Option(help="Upper bound for the autoscaler")] = None,
     memory_mb: Annotated[float | None, typer.Option(help="Declared memory footprint")] = None,
-    param: Annotated[list[str] | None, typer.Option("--param", help="Model param KEY=VALUE (repeatable)")] = None,
+    param: Annotated[
+        list[str] | None, typer.Option("--param", metavar="KEY=VALUE", help="Model param (repeatable)")
+    ] = None,
     server_path: Annotated[
         bool, typer.Option("--server-path", help="The server reads PATH from its own filesystem (no upload)")
     ] = False,
@@ -243,7 +283,14 @@ def publish(
     api_key: ApiKey = None,
     as_json: AsJson = False,
 ) -> None:
-    """Validate and publish a model package; the repository changes only if it is valid."""
+    """Validate and publish a model package; the repository changes only if it is valid.
+
+    \b
+    Examples:
+      snoozectl publish ./my-net --id my-net
+      snoozectl publish ./my-net --id my-net --load --max-batch-size 16 --idle-timeout-secs 600
+      snoozectl publish my-net.tar.gz --id my-net --json
+    """
     from contextlib import ExitStack
 
     options = {
@@ -252,10 +299,15 @@ def publish(
         "max_instances": max_instances, "memory_mb": memory_mb,
     }
     deployment = {k: v for k, v in options.items() if v is not None}
+    if not server_path and not path.exists():
+        raise fail(SnoozeError(f"{path}: no such file or folder",
+                               hint="pass the package folder (it is packed for you) or an archive of it"), as_json)
     with _client(url, api_key, as_json) as client, ExitStack() as native:
         from controlplane.api.client import default_model_id
 
+        client.live()  # an unreachable API is said first, before any conversion work
         name = model_id or default_model_id(path)
+        existed = load and _published(client, name)
         if param:
             deployment["params"] = _parse_params(param)
         decision = None
@@ -273,7 +325,6 @@ def publish(
             else:
                 with _err.status("looking for a native export") as spinner:
                     decision = convert(lambda stage: spinner.update(f"converting to ONNX: {stage}"))
-                _err.print(decision.reason, highlight=False, markup=False, soft_wrap=True)
             path = decision.publish_path
             if decision.converted:  # the params are baked into the exported graph
                 deployment.pop("params", None)
@@ -287,19 +338,73 @@ def publish(
                 with bar:
                     detail = client.publish_archive(path, name, progress=update, **deployment)
         if load:
-            detail["status"] = _waiting(f"loading {name} (cold start)", as_json, lambda: client.load(name))
+            detail["status"] = _load_or_withdraw(client, name, existed, as_json)
     if decision is not None:
         detail["conversion"] = {"native": decision.native, "converted": decision.converted, "reason": decision.reason}
     if as_json:
         print(json.dumps(detail))
         return
     _out.print(f"published [bold]{name}[/] ({detail['kind']}, {detail['backend']} backend)", highlight=False)
+    if decision is not None and _worth_saying(decision):
+        _out.print(f"  native: {decision.reason}", highlight=False, markup=False, soft_wrap=True)
     if load:
         _out.print(_status_table([detail]))
 
 
+def _published(client: Any, model_id: str) -> bool:
+    from controlplane.api.client import ControlPlaneError
+
+    try:
+        client.get(model_id)
+    except ControlPlaneError as exc:
+        if exc.status_code == 404:
+            return False
+        raise
+    return True
+
+
+def _load_or_withdraw(client: Any, name: str, existed: bool, as_json: bool) -> dict[str, Any]:
+    """`publish --load`: a new model that does not load is deleted again, so that a failed publish
+    leaves the server as it was; a model that was already published stays (its previous files are
+    gone), and the error says so."""
+    from controlplane.api.client import ControlPlaneError
+
+    try:
+        status = _waiting(f"loading {name} (cold start)", as_json, lambda: client.load(name))
+        if status.get("state") != "failed":
+            return status
+        error = ControlPlaneError(f"model '{name}' failed to load: {status.get('reason', '')}", status_code=503,
+                                  code="load_failed")
+    except ControlPlaneError as exc:
+        error = exc
+    if existed:
+        note = f"model '{name}' stays published (it replaced the earlier one) in state 'failed'"
+    else:
+        client.delete(name)
+        note = f"model '{name}' was not kept: publish --load keeps only a model that loads"
+    hint = f"{error.hint}; " if error.hint else ""
+    raise ControlPlaneError(error.message, hint=f"{hint}{note}; try it with `snoozectl check <folder>`",
+                            status_code=error.status_code, code=error.code)
+
+
+# Fallback stages that come after an export hook was found: the user asked for a native model.
+_ATTEMPTED = ("torch", "export", "parity", "worker")
+
+
+def _worth_saying(decision: Any) -> bool:
+    """A conversion, or a fallback from one that was attempted; a plain custom model (no export hook),
+    a native package or --no-convert is the ordinary case and says nothing (--json carries the reason)."""
+    return bool(decision.converted or decision.stage in _ATTEMPTED)
+
+
 def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = False) -> None:
-    """Published models: state, instances, last access, idle timeout, memory, last cold start."""
+    """Published models: state, instances, last access, keep-alive, memory, last cold start.
+
+    \b
+    Examples:
+      snoozectl status
+      snoozectl status --json --url http://10.0.0.5:8080 --api-key "$ADMIN_KEY"
+    """
     with _client(url, api_key, as_json) as client:
         models = client.list()
         runtime = _runtime(client)
@@ -309,12 +414,14 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
         _out.print("no models published (publish one with `snoozectl publish <folder>`)")
     else:
         _out.print(_status_table(models))
+        for line in _failure_lines(models):
+            _out.print(line, highlight=False, markup=False, soft_wrap=True)
         for parent in runtime.get("preloaded_parents", []):
             _out.print(_parent_line(parent), highlight=False)
 
 
 def load(
-    model_id: Annotated[str, typer.Argument(help="Model id")],
+    model_id: Annotated[str, typer.Argument(metavar="MODEL_ID", help="Model id")],
     instances: Annotated[int | None, typer.Option(help="Instances (default: the deployment's)")] = None,
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,
@@ -332,7 +439,7 @@ def load(
 
 
 def unload(
-    model_id: Annotated[str, typer.Argument(help="Model id")],
+    model_id: Annotated[str, typer.Argument(metavar="MODEL_ID", help="Model id")],
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,
     as_json: AsJson = False,
@@ -347,7 +454,7 @@ def unload(
 
 
 def delete(
-    model_id: Annotated[str, typer.Argument(help="Model id")],
+    model_id: Annotated[str, typer.Argument(metavar="MODEL_ID", help="Model id")],
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation")] = False,
     url: Url = DEFAULT_URL,
     api_key: ApiKey = None,
@@ -368,7 +475,7 @@ def register(app: typer.Typer) -> None:
     """Add the control-API commands to the snoozectl app."""
     app.command()(publish)
     app.command()(status)
-    app.command("list", help="Same as status.")(status)
+    app.command("list", hidden=True)(status)  # an old name of status, kept for scripts
     app.command()(load)
     app.command()(unload)
     app.command()(delete)

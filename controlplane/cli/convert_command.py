@@ -22,6 +22,7 @@ convert_app = typer.Typer(
     name="convert",
     help="Convert models: torch package -> ONNX package (with parity check), ONNX -> TensorRT plan.",
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 
 _out = out_console
@@ -103,7 +104,8 @@ def _parity_table(report: dict[str, Any], title: str) -> Any:
 @convert_app.command("torch")
 def torch_command(
     package: Annotated[
-        Path, typer.Argument(help="Custom package folder whose snooze_model.py has an export_module hook")
+        Path,
+        typer.Argument(metavar="PACKAGE", help="Custom package folder whose snooze_model.py has an export_module hook"),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="New folder for the ONNX package (absent or empty)")],
     max_batch_size: Annotated[int, typer.Option(help="Largest batch the parity check runs (1, 3 and this)")] = 8,
@@ -112,7 +114,7 @@ def torch_command(
     rtol: Annotated[float | None, typer.Option(help="Relative tolerance for float outputs (default per dtype)")] = None,
     inputs: Annotated[
         list[str] | None,
-        typer.Option("--input", "-i", help="NAME=FILE.npy: a user batch checked too (repeat per input)"),
+        typer.Option("--input", "-i", metavar="NAME=FILE.npy", help="A user batch checked too (repeat per input)"),
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds the export + parity check may take")] = 900,
     as_json: AsJson = False,
@@ -162,7 +164,7 @@ def torch_command(
 
 @convert_app.command("onnx-to-trt")
 def onnx_to_trt_command(
-    model: Annotated[Path, typer.Argument(help="ONNX file (model.onnx)")],
+    model: Annotated[Path, typer.Argument(metavar="MODEL.onnx", help="ONNX file (model.onnx)")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the TensorRT package (model.plan + manifest)")],
     max_batch_size: Annotated[
         int, typer.Option(help="Batch axis profile: 1 .. this (0: the model does not batch)")

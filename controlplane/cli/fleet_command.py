@@ -15,7 +15,9 @@ from controlplane.errors import SnoozeError
 if TYPE_CHECKING:
     from controlplane.settings import Settings
 
-fleet_app = typer.Typer(help="A fleet of nodes behind one model-affine gateway.", no_args_is_help=True)
+fleet_app = typer.Typer(
+    help="A fleet of nodes behind one model-affine gateway.", no_args_is_help=True, rich_markup_mode=None
+)
 
 
 @fleet_app.command("up")
@@ -52,7 +54,9 @@ def up(
 def gateway(
     node: Annotated[
         list[str] | None,
-        typer.Option(help="A node: NAME=HOST, or NAME=HOST:HTTP_PORT:GRPC_PORT:API_PORT (repeat it)"),
+        typer.Option(
+            metavar="NAME=HOST", help="A node: NAME=HOST, or NAME=HOST:HTTP_PORT:GRPC_PORT:API_PORT (repeat it)"
+        ),
     ] = None,
     statefulset: Annotated[
         str | None, typer.Option(help="The nodes are this StatefulSet's pods (with --service, --replicas)")

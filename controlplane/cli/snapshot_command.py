@@ -31,6 +31,7 @@ def snapshot_entrypoint(
         typer.Option(
             "--models-to-load",
             envvar="SNOOZE_MODELS_TO_LOAD",
+            metavar="MODEL_ID",
             help="Model ids to load and warm up before the snapshot, comma-separated or repeated "
             "[SNOOZE_MODELS_TO_LOAD; default: every published model]",
         ),

@@ -26,7 +26,7 @@ def _parse_headers(values: list[str]) -> dict[str, str]:
 
 
 def validate(
-    repo: Annotated[Path, typer.Argument(help="The generated Triton model repository")],
+    repo: Annotated[Path, typer.Argument(metavar="REPO", help="The generated Triton model repository")],
     load: Annotated[bool, typer.Option("--load", help="Load every model, run one warm-up inference, unload")] = False,
     triton_url: Annotated[
         str | None,
@@ -35,14 +35,16 @@ def validate(
     ] = None,
     triton_header: Annotated[
         list[str],
-        typer.Option("--triton-header", help="NAME=VALUE sent to Triton, e.g. the restricted "
+        typer.Option("--triton-header", metavar="NAME=VALUE", help="NAME=VALUE sent to Triton, e.g. the restricted "
                      "model-repository API key (snooze-admin=KEY); repeatable"),
     ] = [],  # noqa: B006 - typer reads the default, it is never mutated
     target: Annotated[
         TargetName, typer.Option("--target", help="Backends of the serving Triton: embedded (python) or "
                                  "full (official image: python, onnxruntime, tensorrt)")
     ] = TargetName.embedded,
-    model: Annotated[list[str], typer.Option("--model", help="Check only this model; repeatable")] = [],  # noqa: B006
+    model: Annotated[
+        list[str], typer.Option("--model", metavar="MODEL_ID", help="Check only this model; repeatable")
+    ] = [],  # noqa: B006
     load_timeout: Annotated[float, typer.Option("--load-timeout", help="Seconds per load unless the "
                                                 "model's snooze_deployment.json says otherwise")] = 300.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table")] = False,

@@ -18,6 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from controlplane.api.app import install_offline_docs
 from controlplane.auth import Scope, check_scope, presented_key
 from controlplane.errors import ConflictError, NotFoundError, SnoozeError, UnavailableError
 from controlplane.fleet.gateway import NodeAddress
@@ -214,7 +215,10 @@ def create_fleet_app(settings: Settings, nodes: NodesFn, *, gateway_http_url: st
     app = FastAPI(
         title="snoozeml fleet API",
         description="The control API of every node of a snoozeml fleet, seen as one. Errors: {error, code, hint}.",
+        docs_url=None,  # served from packaged assets below (FastAPI's own pages load them from a CDN)
+        redoc_url=None,
     )
+    install_offline_docs(app)
     api = FleetApi(settings, nodes, gateway_http_url=gateway_http_url)
     app.router.on_shutdown.append(api.fleet.aclose)
 

@@ -117,7 +117,7 @@ async def run_until_signal(service: FleetService, console: Console) -> int:
         await service.start()
         console.print(service.banner(), highlight=False)
         while not stopping.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stopping.wait(), HEALTH_CHECK_SECS)
             problem = service.failure()
             if problem:

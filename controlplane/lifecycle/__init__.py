@@ -12,9 +12,9 @@ from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
 from controlplane.lifecycle.loading import GENERATION_PARAMETER, config_with_instances, rendered_config
 from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.lifecycle.memory import is_oom_error
-from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate
 from controlplane.lifecycle.state import ModelState, ModelStatus
+from controlplane.triton.processes import TritonProcesses
 
 __all__ = [
     "GENERATION_PARAMETER",

@@ -27,9 +27,9 @@ from controlplane.gpu_budget import (
 )
 from controlplane.gpu_memory import GpuLoadDelta, GpuProcessReader, NvmlPidMap, NvmlReader, per_model_gpu_bytes
 from controlplane.lifecycle.memory import EvictFn
-from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.settings import Settings
+from controlplane.triton.processes import TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
 

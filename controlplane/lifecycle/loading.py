@@ -25,7 +25,6 @@ from controlplane.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.memory import OOM_HINT, MemoryBudget, declared_bytes, is_oom_error
-from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import kill_workers, parents_bytes, worker_bytes, workers_of
@@ -33,6 +32,7 @@ from controlplane.metrics import SnoozeMetrics
 from controlplane.render import parse_config
 from controlplane.settings import Settings
 from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.processes import TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
 

@@ -33,7 +33,6 @@ from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
 from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm
 from controlplane.lifecycle.memory import MemoryBudget
-from controlplane.lifecycle.processes import StubDeath, TritonProcesses
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
 from controlplane.lifecycle.triton_sync import TritonSync
@@ -43,6 +42,7 @@ from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.processes import StubDeath, TritonProcesses
 
 if TYPE_CHECKING:
     from controlplane.triton.launcher import EmbeddedTriton
@@ -183,11 +183,6 @@ class LifecycleManager:
                 log.warning("lifecycle %s: %s", what, e)
             except Exception:  # the loop must outlive any one bad pass
                 log.exception("lifecycle %s failed", what)
-
-    @property
-    def observes_processes(self) -> bool:
-        """Whether Triton's processes can be seen (memory measured, crashes detected, hangs killed)."""
-        return self.processes.visible
 
     async def sweep(self) -> None:
         """One pass: Triton alive, state vs Triton's index, idle unloads, autoscaling, pre-warms."""
@@ -359,14 +354,6 @@ class LifecycleManager:
             rec.users -= 1
             rec.touched = time.time()
             self.warmth.served(rec, rec.touched)
-
-    def touch(self, model_id: str) -> None:
-        rec = self.states.get(model_id)
-        if rec is None and self.store.exists(model_id):
-            rec = self.states.record(model_id)
-        if rec is not None:
-            self.warmth.request(rec)
-            rec.touched = time.time()
 
     async def admit(self, model_id: str, request_id: str) -> None:
         """Before the activator sends a request on: refuse one that already reached a model process

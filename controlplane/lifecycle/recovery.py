@@ -23,10 +23,10 @@ from enum import Enum
 from pathlib import Path
 
 from controlplane.errors import SnoozeError
-from controlplane.lifecycle.journal import read_journal, remove_journal
-from controlplane.lifecycle.processes import StubDeath
 from controlplane.lifecycle.state import ModelRecord, SeenDeath
 from controlplane.lifecycle.workers import kill_workers, worker_of
+from controlplane.triton.journal import read_journal, remove_journal
+from controlplane.triton.processes import StubDeath
 
 log = logging.getLogger("snoozeml.lifecycle")
 

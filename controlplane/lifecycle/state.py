@@ -20,10 +20,10 @@ from typing import Any
 from controlplane.errors import SnoozeError
 from controlplane.keepalive import FixedKeepAlive
 from controlplane.lifecycle.autoscale import LoadWindow
-from controlplane.lifecycle.processes import StubDeath, StubProcess
 from controlplane.lifecycle.workers import WorkerProcess
 from controlplane.metrics import SnoozeMetrics
 from controlplane.store import ModelStore, PublishedModel
+from controlplane.triton.processes import StubDeath, StubProcess
 
 log = logging.getLogger("snoozeml.lifecycle")
 

@@ -14,12 +14,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SnoozeError, UnavailableError
-from controlplane.lifecycle.processes import TritonProcesses
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.client import BUSY_STATES, RepositoryEntry, TritonAdminClient
+from controlplane.triton.processes import TritonProcesses
 
 if TYPE_CHECKING:
     from controlplane.lifecycle.loading import Loader

@@ -29,8 +29,9 @@ from typing import Any
 
 import psutil
 
-from controlplane.lifecycle.journal import PARENT_PREFIX, PARENT_SUFFIX, WORKER_SUFFIX
-from controlplane.lifecycle.processes import StubProcess, describe_exit, read_stat
+from controlplane.triton.journal import PARENT_PREFIX, PARENT_SUFFIX, WORKER_SUFFIX
+from controlplane.triton.processes import StubProcess, read_stat
+from python_backend.exits import describe_wait_status
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class WorkerProcess:
     ran: bool | None = None  # whether the batch its stub journaled had reached it
 
     def describe(self) -> str:
-        return describe_exit(self.exit_status)
+        return describe_wait_status(self.exit_status)
 
 
 @dataclass(frozen=True)

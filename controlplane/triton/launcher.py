@@ -37,9 +37,9 @@ import httpx
 import psutil
 
 from controlplane.errors import TritonLaunchError
-from controlplane.lifecycle.journal import HEADER_FORWARD_ARGS, JOURNAL_ENV, prepare_journal_dir, remove_stale
-from controlplane.lifecycle.processes import STUB_NAME, TritonProcesses
 from controlplane.processes import kill_group, log_tail, spawn, stop_group
+from controlplane.triton.journal import HEADER_FORWARD_ARGS, JOURNAL_ENV, prepare_journal_dir, remove_stale
+from controlplane.triton.processes import STUB_NAME, TritonProcesses
 
 MIN_GLIBC = (2, 35)
 INSTALL_HINT = "pip install 'snoozeml[embedded]'"
@@ -281,7 +281,7 @@ class EmbeddedTriton:
         self.stub_timeout_secs = stub_timeout_secs
         self.exit_timeout_secs = exit_timeout_secs
         self.dist = dist
-        # Where its python stubs journal the requests they run (controlplane/lifecycle/journal.py).
+        # Where its python stubs journal the requests they run (controlplane/triton/journal.py).
         self.journal_dir = Path(journal_dir).resolve() if journal_dir else self.work_dir / "journal"
         # The model-repository API restricted to requests with this header, as in the deployed stacks.
         self.admin_header = admin_header

@@ -104,3 +104,20 @@ async def test_runtime_lists_the_preloaded_parents_for_admins(client: httpx.Asyn
     r = await client.get("/v1/runtime", headers=ADMIN)
     assert r.status_code == 200 and r.json() == {"preloaded_parents": [], "overhead_bytes": 0}
     assert (await client.get("/v1/runtime")).status_code == 401
+
+
+async def test_docs_pages_load_their_assets_from_this_server_not_a_cdn(client: httpx.AsyncClient) -> None:
+    import re
+
+    for page in ("/docs", "/redoc"):
+        r = await client.get(page)
+        assert r.status_code == 200
+        urls = re.findall(r"""(?:src|href|url)\s*[:=]\s*['"]([^'"]+)['"]""", r.text)
+        assert urls, r.text
+        external = [u for u in urls if u.startswith(("http:", "https:", "//"))]
+        assert external == [], (page, external)  # an air-gapped machine would show a blank page
+        for url in urls:
+            if url.startswith("/docs-assets/"):
+                asset = await client.get(url)
+                assert asset.status_code == 200 and len(asset.content) > 1000, url
+    assert (await client.get("/openapi.json")).json()["info"]["title"] == "snoozeml control API"

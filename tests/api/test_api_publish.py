@@ -48,6 +48,8 @@ async def test_upload_publishes_validated_model_and_tells_lifecycle(
     assert body["id"] == "m1"
     assert body["kind"] == "custom" and body["backend"] == "python"
     assert body["deployment"]["max_batch_size"] == 4
+    assert Path(body["deployment"]["path"]) == store.repository / "m1"  # not the emptied upload folder
+    assert (Path(body["deployment"]["path"]) / "config.pbtxt").is_file()
     assert body["params"] == {"scale": 3.0}
     assert body["metadata"]["task"] == "scaling"
     assert 'name: "m1"' in body["config"] and "max_batch_size: 4" in body["config"]
@@ -188,6 +190,11 @@ def _bad_archives(make_package: Callable[..., Path], tmp_path: Path) -> dict[str
     unknown_field = make_package("unknown", manifest={"inputs": [], "outputs": [], "colour": "red"})
     import_error = make_package("import-error", model_py="import not_a_real_module_xyz\n\nclass Model: ...\n")
     syntax_error = make_package("syntax-error", model_py="def broken(:\n")
+    missing_in_load = make_package(
+        "missing-in-load",
+        model_py="class Model:\n    def load(self, model_dir, device):\n        import sklearnx\n\n"
+        "    def predict(self, inputs):\n        return inputs\n",
+    )
     no_class = make_package("no-class", model_py="class Other:\n    pass\n")
     onnx_mismatch = _onnx_package(
         tmp_path / "onnx-mismatch", {"inputs": [{"name": "x", "datatype": "INT64", "dims": [4]}]}
@@ -205,6 +212,9 @@ def _bad_archives(make_package: Callable[..., Path], tmp_path: Path) -> dict[str
         "unknown-field": (tar_gz(unknown_field), 422, "unknown field 'colour'"),
         "import-error": (tar_gz(import_error), 422, "No module named 'not_a_real_module_xyz'"),
         "syntax-error": (tar_gz(syntax_error), 422, "SyntaxError"),
+        # found at publish, not by the first request: an import inside load() that is not installed
+        "missing-in-load": (tar_gz(missing_in_load), 422, "model 'm1': snooze_model.py:3 imports 'sklearnx', "
+                            "which is not installed where Triton's python backend runs the model"),
         "no-class": (tar_gz(no_class), 422, "defines no class 'Model'"),
         "onnx-mismatch": (tar_gz(onnx_mismatch), 422, "'x' is FP32 in the ONNX file, INT64 in the manifest"),
         "no-package": (tar_gz(tmp_path / "packages"), 422, "not a model package"),
@@ -278,3 +288,19 @@ async def test_streamed_body_over_limit_is_cut_off(client: httpx.AsyncClient) ->
     headers = {**ADMIN, "content-type": "multipart/form-data; boundary=x"}
     r = await client.post("/v1/models?id=m1", content=body(), headers=headers)
     assert r.status_code == 413
+
+
+def test_imports_are_looked_up_only_where_triton_shares_this_environment(
+    make_package: Callable[..., Path], settings: Settings
+) -> None:
+    from controlplane.api.operations import _validate
+    from controlplane.errors import InvalidPackageError
+    from controlplane.spec import DeploymentSpec
+
+    code = "class Model:\n    def load(self, model_dir, device):\n        import torchx_in_a_derived_image\n"
+    code += "\n    def predict(self, inputs):\n        return inputs\n"
+    deployment = DeploymentSpec(id="m", path=make_package("in-load", model_py=code))
+    with pytest.raises(InvalidPackageError, match="imports 'torchx_in_a_derived_image'"):
+        _validate(deployment, settings)  # the embedded Triton: this interpreter's packages
+    # An external Triton (the official image or a derived one) has packages the control plane cannot see.
+    assert _validate(deployment, settings.model_copy(update={"triton_url": "http://127.0.0.1:1"})).id == "m"

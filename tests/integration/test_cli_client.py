@@ -186,3 +186,18 @@ def test_wrong_key_and_unreachable_server(snoozectl: typer.Typer, api_url: str) 
     result = CliRunner().invoke(snoozectl, ["status", "--url", f"http://127.0.0.1:{free_port()}"])
     assert result.exit_code == 1
     assert "cannot reach the control API" in result.stderr and "SNOOZE_API_URL" in result.stderr
+
+
+def test_publish_load_of_a_model_that_fails_to_load_leaves_nothing_published(
+    snoozectl: typer.Typer, api_url: str, package: Path
+) -> None:
+    (package / "snooze_model.py").write_text(
+        "class Model:\n    def load(self, model_dir, device):\n        raise RuntimeError('weights.bin is missing')\n\n"
+        "    def predict(self, inputs):\n        return inputs\n"
+    )
+    code, out, err = run(snoozectl, api_url, "publish", str(package), "--id", "never-loads", "--load")
+    assert code == 1, out
+    assert "error: " in err and "weights.bin is missing" in err, err
+    assert "model 'never-loads' was not kept: publish --load keeps only a model that loads" in " ".join(err.split())
+    code, out, _ = run(snoozectl, api_url, "status", "--json")
+    assert code == 0 and "never-loads" not in [m["id"] for m in json.loads(out)]

@@ -87,6 +87,7 @@ class Stack:
     gateway: EnvoyGateway
     loop: LoopThread
     package: Path
+    raiser: Path
 
     def publish(self, name: str) -> str:
         self.store.publish(resolve(DeploymentSpec(id=name, path=self.package, max_batch_size=8)))
@@ -102,6 +103,13 @@ class Stack:
         labels = {"model": name, "cause": "dead_stub"}
         return self.lifecycle.metrics.registry.get_sample_value("snooze_recoveries_total", labels) or 0
 
+    def publish_raiser(self, name: str, message: str, calls: Path, exception: str = "RuntimeError") -> str:
+        """A model whose predict logs its call to ``calls`` and raises ``exception(message)``."""
+        params = {"message": message, "calls": str(calls), "exception": exception}
+        spec = DeploymentSpec(id=name, path=self.raiser, max_batch_size=8, params=params)
+        self.store.publish(resolve(spec))
+        return name
+
     def http(self) -> httpclient.InferenceServerClient:
         return httpclient.InferenceServerClient(self.gateway.http_url.removeprefix("http://"))
 
@@ -109,24 +117,59 @@ class Stack:
         return grpcclient.InferenceServerClient(self.gateway.grpc_url)
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("gw_package") / "scale"
+def _write_package(folder: Path, source: str, **manifest: Any) -> Path:
+    """A custom package with x -> y, FP32 [-1]: ``source`` as snooze_model.py, ``manifest`` added."""
     folder.mkdir()
-    (folder / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
+    (folder / "snooze_model.py").write_text(textwrap.dedent(source))
     tensor = {"datatype": "FP32", "dims": [-1]}
-    manifest = {
-        "inputs": [{"name": "x", **tensor}],
-        "outputs": [{"name": "y", **tensor}],
-        "params": {"scale": 3.0},
-        "params_schema": {"scale": {"type": "float", "default": 2.0}},
-    }
+    manifest = {"inputs": [{"name": "x", **tensor}], "outputs": [{"name": "y", **tensor}], **manifest}
     (folder / "snooze_model.json").write_text(json.dumps(manifest))
     return folder
 
 
 @pytest.fixture(scope="module")
-def stack(embedded_triton: EmbeddedTriton, package: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_package(
+        tmp_path_factory.mktemp("gw_package") / "scale",
+        MODEL_PY,
+        params={"scale": 3.0},
+        params_schema={"scale": {"type": "float", "default": 2.0}},
+    )
+
+
+RAISER_PY = """
+class Model:
+    def __init__(self, message="", calls="", exception="RuntimeError"):
+        self.message, self.calls, self.exception = message, calls, exception
+
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        with open(self.calls, "a") as f:
+            f.write("call\\n")
+        raise {"RuntimeError": RuntimeError, "SystemExit": SystemExit}[self.exception](self.message)
+"""
+
+
+@pytest.fixture(scope="module")
+def raiser(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A package whose predict raises its ``message`` param, logging each call to its ``calls`` file."""
+    return _write_package(
+        tmp_path_factory.mktemp("gw_raiser") / "raiser",
+        RAISER_PY,
+        params_schema={
+            "message": {"type": "str", "default": ""},
+            "calls": {"type": "str", "default": ""},
+            "exception": {"type": "str", "default": "RuntimeError"},
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def stack(
+    embedded_triton: EmbeddedTriton, package: Path, raiser: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("gateway")
     settings = Settings(
         work_dir=work,
@@ -155,7 +198,7 @@ def stack(embedded_triton: EmbeddedTriton, package: Path, tmp_path_factory: pyte
     )
     try:
         gateway.start()
-        yield Stack(embedded_triton, store, lifecycle, admin, gateway, loop, package)
+        yield Stack(embedded_triton, store, lifecycle, admin, gateway, loop, package, raiser)
     finally:
         gateway.stop()
         loop.run(activator.stop())
@@ -379,6 +422,43 @@ def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
     with stack.http() as h:  # HTTP: a Lua filter marks the dead stub's 500 for the same retry
         np.testing.assert_allclose(http_infer(h, name, x), x * 3)
     assert stack.recoveries(name) == 2
+
+
+# A model's own errors that read like Triton's dead-stub answer, or like other gateway signals.
+LOOKALIKES = {
+    "healthy": ("RuntimeError", "feature store is not healthy"),
+    "stub": ("RuntimeError", "Stub process 'x' is not healthy."),
+    "own_stub": ("RuntimeError", "Stub process '{name}_0_0' is not healthy."),
+    "exit": ("SystemExit", "Stub process '{name}_0_0' is not healthy."),  # not an Exception: framed all the same
+    "ready": ("RuntimeError", "cache not ready"),
+}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("lookalike", sorted(LOOKALIKES))
+def test_a_models_own_error_runs_once_and_reaches_its_client(stack: Stack, tmp_path: Path, protocol: str,
+                                                             lookalike: str):  # fmt: skip
+    """Only Triton's own dead-stub answer is retried: a model raising an error with the same words runs
+    once per request, its client gets the model's words, and the model is not restarted."""
+    name = f"gw_raise_{lookalike}_{protocol}"
+    exception, message = LOOKALIKES[lookalike]
+    message = message.format(name=name)
+    calls = tmp_path / "calls"
+    stack.publish_raiser(name, message, calls, exception)
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
+    with pytest.raises(InferenceServerException) as info:
+        if protocol == "http":
+            with stack.http() as h:
+                http_infer(h, name, _x())
+        else:
+            with stack.grpc() as g:
+                grpc_infer(g, name, _x())
+    assert info.value.status() == ("500" if protocol == "http" else "StatusCode.INTERNAL"), info.value
+    assert f"{exception}: {message}" in info.value.message(), info.value.message()
+    assert info.value.message().startswith(f"[snooze:model_error] model '{name}': predict raised"), info.value.message()
+    # A retry would have run predict again before the client got its answer.
+    assert calls.read_text().split() == ["call"]
+    assert stack.recoveries(name) == 0 and stack.load_count(name) == 1
 
 
 def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):

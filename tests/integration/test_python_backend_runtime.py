@@ -336,10 +336,10 @@ def faulty_call(triton, model, mode, rows=2):
     [
         (1, "[snooze:oom] model '{model}': predict ran out of memory on a batch of 2 "
             "(MemoryError: simulated"),
-        (2, "[snooze:internal] model '{model}': output 'y' has 1 rows but the batch has 2"),
-        (3, "[snooze:internal] model '{model}': predict raised ValueError: mode 3 is not allowed at "
+        (2, "[snooze:model_error] model '{model}': output 'y' has 1 rows but the batch has 2"),
+        (3, "[snooze:model_error] model '{model}': predict raised ValueError: mode 3 is not allowed at "
             "snooze_model.py:7 in _check <- snooze_model.py:21 in predict; fix the model's predict"),
-        (4, "[snooze:internal] model '{model}': output 'y' is object, which cannot be cast to its "
+        (4, "[snooze:model_error] model '{model}': output 'y' is object, which cannot be cast to its "
             "declared FP32"),
     ],
 )
@@ -490,8 +490,8 @@ OOM_IN_LOAD = """
          "[snooze:oom] model '{model}': load ran out of memory (MemoryError: weights do not fit); "
          "free memory"),
         ("pbrt-import-error", "import pbrt_not_installed_pkg\n",
-         "[snooze:internal] model '{model}': import raised ModuleNotFoundError: No module named "
-         "'pbrt_not_installed_pkg' at snooze_model.py:1 in <module>; fix the entrypoint module"),
+         "[snooze:model_error] model '{model}': import raised ModuleNotFoundError: No module named "
+         "'pbrt_not_installed_pkg' at snooze_model.py:1 in <module>; install the missing package in the environment"),
     ],
 )
 def test_load_failure_names_kind_and_model(triton, worker, name, source, expected):

@@ -177,6 +177,9 @@ class _RecordingClient:
     def __exit__(self, *exc: object) -> None:
         pass
 
+    def live(self) -> None:
+        pass
+
     def publish_archive(self, path, model_id, *, progress=None, **deployment):
         path = Path(path)
         files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
@@ -221,8 +224,29 @@ def test_publish_no_convert_and_no_hook_send_the_custom_package(tmp_path: Path, 
         (no_hook / name).write_text(text.replace("def export_module", "def other"))
     result = runner.invoke(app, ["publish", str(no_hook), "--id", "plain"])
     assert result.exit_code == 0, result.output
-    assert "serving the custom package (python backend)" in result.output and "has no export hook" in result.output
+    # A plain custom model is the ordinary case: one line, no warning-like note about export hooks.
+    assert result.output.strip() == "published plain (custom, python backend)"
     assert recording[-1]["path"] == no_hook.resolve() and recording[-1]["id"] == "plain"
+    result = runner.invoke(app, ["publish", str(no_hook), "--id", "plain", "--json"])
+    assert json.loads(result.stdout)["conversion"]["reason"].endswith("has no export hook")  # said to scripts
+
+
+def test_publish_says_an_unreachable_api_first_and_a_missing_path_plainly(tmp_path: Path) -> None:
+    from controlplane.triton.launcher import free_port
+
+    pkg = _package(tmp_path)
+    no_hook = tmp_path / "nohook"
+    no_hook.mkdir()
+    for name in ("snooze_model.py", "snooze_model.json"):
+        (no_hook / name).write_text((pkg / name).read_text().replace("def export_module", "def x"))
+    result = runner.invoke(app, ["publish", str(no_hook), "--url", f"http://127.0.0.1:{free_port()}"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: cannot reach the control API"), result.stderr
+    assert "export hook" not in result.output
+
+    result = runner.invoke(app, ["publish", str(tmp_path / "nowhere"), "--url", f"http://127.0.0.1:{free_port()}"])
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"error: {tmp_path / 'nowhere'}: no such file or folder"), result.stderr
 
 
 def test_publish_sends_the_keep_alive_policy(tmp_path: Path, recording: list[dict]) -> None:

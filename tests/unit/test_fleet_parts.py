@@ -64,3 +64,16 @@ def test_an_unknown_lb_policy_is_named_with_the_choices():
 def test_a_fleet_needs_nodes():
     with pytest.raises(GatewayError, match="at least one node"):
         render_fleet_bootstrap([], host="127.0.0.1", http_port=1, grpc_port=2)
+
+
+async def test_fleet_api_docs_need_no_internet() -> None:
+    import httpx
+
+    from controlplane.fleet.api import create_fleet_app
+    from controlplane.settings import Settings
+
+    app = create_fleet_app(Settings(), lambda: [], gateway_http_url="http://127.0.0.1:1")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://fleet") as client:
+        page = (await client.get("/docs")).text
+        assert "https://" not in page and "/docs-assets/swagger-ui-bundle.js" in page
+        assert (await client.get("/docs-assets/swagger-ui-bundle.js")).status_code == 200

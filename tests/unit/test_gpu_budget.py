@@ -157,7 +157,7 @@ def test_host_out_of_memory_is_not_gpu_out_of_memory(text):
 
 @pytest.mark.parametrize(
     "text",
-    ["Stub process 'm_0_0' is not healthy.", "[snooze:internal] model 'm': load raised RuntimeError: CUDA broke"],
+    ["Stub process 'm_0_0' is not healthy.", "[snooze:model_error] model 'm': load raised RuntimeError: CUDA broke"],
 )
 def test_other_errors_are_not_out_of_memory_even_on_a_gpu(text):
     assert not is_cuda_oom(text) and not is_cuda_oom(text, on_gpu=True)

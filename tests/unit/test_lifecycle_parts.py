@@ -43,7 +43,7 @@ instance_group [{ kind: KIND_CPU, count: 1 }]
         ("[snooze:oom] model 'm': load ran out of memory (MemoryError: x)", True),
         ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB", True),
         ("MemoryError", True),
-        ("[snooze:internal] model 'm': load raised RuntimeError: broken weights", False),
+        ("[snooze:model_error] model 'm': load raised RuntimeError: broken weights", False),
     ],
 )
 def test_is_oom_error(text, oom):

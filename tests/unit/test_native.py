@@ -181,7 +181,7 @@ def test_invalid_package_is_an_error(tmp_path: Path) -> None:
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "snooze_model.py").write_text(NO_HOOK)  # no manifest: custom models must declare their signature
-    with pytest.raises(InvalidPackageError, match="must declare its 'inputs'"):
+    with pytest.raises(InvalidPackageError, match="needs a manifest snooze_model.json declaring its 'inputs'"):
         prefer_native(pkg, max_batch_size=8, out_dir=tmp_path / "out")
 
 

@@ -130,3 +130,26 @@ def test_one_probe_checks_many_packages_each_in_a_fresh_process(tmp_path: Path) 
     assert slow == {"timeout": 1.0}
     assert torch_free["package"]["frameworks"] == ["torch"] and torch_free["package"]["before"] == []
     assert good_again["package"]["is_class"] and good_again["baseline"] == []
+
+
+def test_missing_modules_finds_imports_inside_functions_and_skips_optional_ones(tmp_path: Path) -> None:
+    from controlplane.package_check import missing_modules
+
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "helpers" / "__init__.py").write_text("")
+    (tmp_path / "snooze_model.py").write_text(
+        "import json\n"
+        "import numpy as np\n"
+        "import helpers\n"  # the package's own module
+        "try:\n"
+        "    import fancy_optional_accel\n"
+        "except ImportError:\n"
+        "    fancy_optional_accel = None\n"
+        "class Model:\n"
+        "    def load(self, model_dir, device):\n"
+        "        import sklearnx\n"
+        "        from torchx.nn import Linear\n"
+        "        from . import helpers\n"
+    )
+    files = ["helpers/__init__.py", "snooze_model.py"]
+    assert missing_modules(tmp_path, files) == [("snooze_model.py", 10, "sklearnx"), ("snooze_model.py", 11, "torchx")]

@@ -169,6 +169,8 @@ class Model:
             time.sleep(float(x[0, 1]))
         if (x[:, 0] == -3).any():
             raise MemoryError("simulated")
+        if (x[:, 0] == -4).any():
+            raise SystemExit("Stub process 'm_0_0' is not healthy.")
         return {"y": x * self.scale, "pid": np.full((len(x), 1), self.pid, np.int64)}
 """
 
@@ -347,6 +349,11 @@ def test_failures_are_described_by_the_worker_as_the_stub_would(tmp_path, loaded
         model.predict({"x": np.array([[-3, 0]], np.float32)})
     assert e.value.kind == "oom" and str(e.value).startswith("predict ran out of memory on a batch of 1")
     assert model.predict({"x": np.ones((1, 2), np.float32)})["y"].tolist() == [[2.0, 2.0]]  # it survives
+    with pytest.raises(RemoteFailure) as e:  # not an Exception, still the model's own error
+        model.predict({"x": np.array([[-4, 0]], np.float32)})
+    assert e.value.kind == "model_error"  # raised in the model's own code
+    assert str(e.value).startswith("predict raised SystemExit: Stub process 'm_0_0' is not healthy. at ")
+    assert model.predict({"x": np.ones((1, 2), np.float32)})["y"].tolist() == [[2.0, 2.0]]
 
 
 def test_a_load_failure_ends_the_worker_and_says_why(tmp_path, triton, journal):
@@ -355,7 +362,7 @@ def test_a_load_failure_ends_the_worker_and_says_why(tmp_path, triton, journal):
     model = PreforkedModel(parse_spec(raw), str(package), server_pid=triton.pid)
     with pytest.raises(RemoteFailure) as e:
         model.load(str(package), "cpu")
-    assert e.value.kind == "internal" and "import raised ModuleNotFoundError" in str(e.value)
+    assert e.value.kind == "model_error" and "import raised ModuleNotFoundError" in str(e.value)
     until(lambda: gone(model.worker_pid), "the failed worker to end")
 
 

@@ -256,7 +256,7 @@ def test_run_batch_predict_failure_fails_its_group_only():
 
     results = run_batch(spec, [req(1), req(1, s_len=2)], predict)
     assert isinstance(results[0], dict)
-    assert results[1].kind == "internal"
+    assert results[1].kind == "model_error"
     assert "predict raised ValueError: bad values at test_python_backend_batching.py:" in results[1].message
 
 
@@ -331,3 +331,20 @@ def test_run_batch_unbatched_calls_predict_per_request():
     results = run_batch(spec, [{"x": np.zeros(3, np.float32)}, {"x": np.ones(3, np.float32)}], predict)
     assert calls == [(3,), (3,)]
     np.testing.assert_array_equal(results[1]["y"], np.ones(3, np.float32))
+
+
+def test_a_narrowing_output_cast_is_said_once_and_a_safe_one_not_at_all(capsys):
+    from python_backend.batching import _NARROWED
+
+    _NARROWED.clear()
+    spec = make_spec(model_id="narrow", outputs=[{"name": "y", "datatype": "FP32", "dims": [3]},
+                                                {"name": "n", "datatype": "INT64", "dims": [1]}])  # fmt: skip
+    for _ in range(3):
+        out = check_outputs(spec, {"y": np.ones((2, 3), np.float64), "n": np.ones((2, 1), np.int32)}, rows=2)
+        assert out["y"].dtype == np.float32 and out["n"].dtype == np.int64
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "snooze model 'narrow': output 'y': predict returned float64, served as FP32 by a narrowing cast "
+        "(precision or range may be lost); return float32 or declare 'y' as float64 in snooze_model.json "
+        "(said once per instance)"
+    ]

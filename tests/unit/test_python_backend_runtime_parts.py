@@ -78,17 +78,40 @@ def _outer():
     _inner()
 
 
-def test_internal_error_carries_innermost_frames():
+def test_model_error_carries_innermost_frames():
     try:
         _outer()
     except KeyError as e:
         kind, message = describe_failure(e, "m1", "predict", 4)
         summary = traceback_summary(e)
-    assert kind == "internal"
+    assert kind == "model_error"  # raised in the model's code (this file), not in the runtime
     assert summary.startswith("test_python_backend_runtime_parts.py:") and " in _inner <- " in summary
     assert message == (
-        f"[snooze:internal] model 'm1': predict raised KeyError: 'boom' at {summary}; fix the model's predict"
+        f"[snooze:model_error] model 'm1': predict raised KeyError: 'boom' at {summary}; fix the model's predict"
     )
+
+
+def test_a_missing_module_in_load_is_the_models_error_and_says_where_to_install():
+    try:
+        exec(compile("import sklearnx_not_installed\n", "snooze_model.py", "exec"), {})
+    except ImportError as e:
+        kind, message = describe_failure(e, "m1", "load", None)
+    assert kind == "model_error"
+    assert message.startswith(
+        "[snooze:model_error] model 'm1': load raised ModuleNotFoundError: No module named 'sklearnx_not_installed'"
+    )
+    assert message.endswith("docs/packages.md#dependencies)")
+
+
+def test_a_failure_inside_the_runtime_stays_internal():
+    import python_backend.errors as errors
+
+    try:
+        errors.without_prefix("k", "m", None)  # type: ignore[arg-type]  # the runtime's own code fails
+    except AttributeError as e:
+        e.__traceback__ = e.__traceback__.tb_next  # the runtime's frames only, as when the runtime catches it
+        kind, message = describe_failure(e, "m1", "predict", 1)
+    assert kind == "internal" and message.startswith("[snooze:internal] model 'm1': predict raised AttributeError")
 
 
 def test_device_for_instance_kind():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.lifecycle import journal as reader
-from controlplane.lifecycle.processes import StubProcess, read_stat
+from controlplane.triton import journal as reader
+from controlplane.triton.processes import StubProcess, read_stat
 from python_backend import journal as writer
 
 

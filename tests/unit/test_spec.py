@@ -83,7 +83,38 @@ def test_custom_model_without_signature_is_rejected_with_fix(tmp_path: Path) -> 
     (folder / "snooze_model.py").write_text("class Model: pass\n")
     with pytest.raises(InvalidPackageError) as err:
         load_package(folder)
-    assert "must declare its 'inputs'" in str(err.value) and err.value.hint
+    # No manifest at all: say so (rather than name a file that does not exist) and show a whole one.
+    assert str(err.value).startswith(
+        f"{folder}: a custom model needs a manifest snooze_model.json declaring its 'inputs' and 'outputs'"
+    ), str(err.value)
+    assert "and the package has none" in str(err.value)
+    assert '"inputs": [{"name": "x"' in err.value.hint and '"outputs": [' in err.value.hint
+
+
+def test_manifest_without_outputs_names_what_is_missing(tmp_path: Path) -> None:
+    folder = write_custom(tmp_path / "m")
+    (folder / "snooze_model.json").write_text(json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "dims": [3]}]}))
+    with pytest.raises(InvalidPackageError) as err:
+        load_package(folder)
+    assert err.value.message == (
+        f"{folder / 'snooze_model.json'}: a custom model must declare its 'outputs' "
+        "(name, datatype, dims without the batch axis)"
+    )
+
+
+def test_dtype_is_an_alias_of_datatype(tmp_path: Path) -> None:
+    write_custom(tmp_path / "m", {"inputs": [{"name": "x", "dtype": "float32", "dims": [3]}]})
+    assert [(t.name, t.datatype, t.dims) for t in load_package(tmp_path / "m").inputs] == [("x", "FP32", [3])]
+
+
+def test_shape_is_refused_with_what_dims_means(tmp_path: Path) -> None:
+    # numpy's shape has the batch axis, dims does not: the word is explained, not silently taken.
+    write_custom(tmp_path / "m", {"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 3]}]})
+    with pytest.raises(InvalidPackageError) as err:
+        load_package(tmp_path / "m")
+    message = str(err.value)
+    assert "unknown field 'inputs.0.shape'" in message
+    assert "rename 'shape' to 'dims' and drop the batch axis" in message
 
 
 def test_bad_dims_and_dtype_are_rejected(tmp_path: Path) -> None:
@@ -232,3 +263,18 @@ def test_entry_point_packages_are_found(tmp_path: Path, monkeypatch: pytest.Monk
     found = {d.id: d for d in entry_point_deployments()}
     assert found["acme-sentiment"].path == site / "acme_models" / "sentiment"
     assert resolve(found["acme-sentiment"]).package.inputs[0].name == "x"
+
+
+def test_the_complete_manifest_in_the_docs_is_valid(tmp_path: Path) -> None:
+    import re
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "packages.md").read_text()
+    section = docs[docs.index("A complete manifest") :]
+    manifest = json.loads(re.search(r"```json\n(.*?)```", section, re.S).group(1))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "snooze_model.py").write_text("class Model: pass\n")
+    (folder / "snooze_model.json").write_text(json.dumps(manifest))
+    pkg = load_package(folder)
+    assert [(t.name, t.datatype) for t in pkg.inputs] == [("x", "FP32"), ("ids", "INT64")]
+    assert resolve(DeploymentSpec(id="m", path=folder)).params == {"scale": 2.0}

@@ -117,3 +117,22 @@ def test_a_preloaded_parent_gets_a_line_of_its_own():
     assert _parent_line(parent) == "preloaded parent pid 42 (numpy, torch): 230.0 MiB, 3 worker(s)"
     parent["failed"] = {"torchvision": "ModuleNotFoundError: No module named 'torchvision'"}
     assert _parent_line(parent).endswith(", could not import torchvision")
+
+
+def test_an_80_column_terminal_cuts_no_header_and_a_long_failure_goes_below_the_table():
+    from controlplane.cli.client_commands import _failure_lines
+
+    reason = (
+        "[snooze:model_error] model 'text-features': load raised ModuleNotFoundError: No module named 'sklearnx' "
+        "at snooze_model.py:9 in load; install the missing package\nTraceback (most recent call last):\n  ..."
+    )
+    models = [model("numpy-linear", last_access=1.0), model("text-features", state="failed", reason=reason)]
+    out = io.StringIO()
+    Console(file=out, width=80, color_system=None).print(_status_table(models))
+    text = out.getvalue()
+    assert "…" not in text, text  # no header word (instances, keep-alive, ...) is cut
+    assert "sklearnx" not in text  # the state cell says 'failed'; the reason is below
+    assert row(text, "text-features")[1] == "failed"
+    (line,) = _failure_lines(models)
+    assert line.startswith("text-features: [snooze:model_error] model 'text-features': load raised ModuleNotFoundError")
+    assert line.endswith("… (more: --json)") and "Traceback" not in line and len(line) < 140

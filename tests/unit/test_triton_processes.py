@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.lifecycle.processes import (
+from controlplane.triton.processes import (
     STUB_NAME,
     TritonProcesses,
-    describe_exit,
     listening_ports,
     read_stat,
 )
+from python_backend.exits import describe_wait_status
 
 
 def fake_stub(repo: Path, model: str, instance: str, code: str = "import time; time.sleep(60)") -> subprocess.Popen:
@@ -94,8 +94,8 @@ def test_a_reused_pid_is_not_the_same_stub(observer: TritonProcesses, tmp_path: 
     ("status", "words"),
     [(0, "exit code 0"), (256, "exit code 1"), (11, "killed by signal 11 (SIGSEGV)"), (None, "exit status unknown")],
 )
-def test_describe_exit(status, words):
-    assert describe_exit(status) == words
+def test_describe_wait_status(status, words):
+    assert describe_wait_status(status) == words
 
 
 def test_listening_ports_and_finding_a_server_by_port():

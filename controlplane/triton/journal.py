@@ -19,7 +19,7 @@ import os
 import struct
 from pathlib import Path
 
-from controlplane.lifecycle.processes import StubProcess, read_stat
+from controlplane.triton.processes import StubProcess, read_stat
 
 JOURNAL_ENV = "SNOOZE_JOURNAL_DIR"
 REQUEST_ID_HEADER = "x-snooze-request-id"

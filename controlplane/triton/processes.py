@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from python_backend.runners import describe_wait_status
+from python_backend.exits import describe_wait_status
 
 log = logging.getLogger("snoozeml.processes")
 
@@ -63,10 +63,6 @@ def read_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
     return ProcStat(state, start, exit_status if state == "Z" else None)
 
 
-# A wait status in words ('exit code 3', 'killed by signal 11 (SIGSEGV)'): the runtime's own wording.
-describe_exit = describe_wait_status
-
-
 @dataclass(frozen=True)
 class StubProcess:
     """One python-backend stub: one instance of one model."""
@@ -90,7 +86,7 @@ class StubDeath:
     def describe(self) -> str:
         if self.worker is not None and self.worker.exit_status is not None:
             return f"its worker pid {self.worker.pid} {self.worker.describe()}"
-        return describe_exit(self.exit_status)
+        return describe_wait_status(self.exit_status)
 
 
 def _stub_of(p: psutil.Process, proc_root: Path) -> StubProcess | None:

@@ -1,0 +1,192 @@
+"""The README's quick start, run as written: the stack `make serve` starts (examples/models, --no-auth),
+the client snippet with the documented interpreter (`.venv/bin/python`), then the shell lines
+(`snoozectl status`, `snoozectl publish ./my-net`, `curl .../metrics`), and Ctrl-C. One stack for the
+module; the README's own text is what runs, so the docs and the behaviour cannot drift apart."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from serve_harness import Serve
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+EXAMPLES = ROOT / "examples" / "models"
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def quick_start() -> str:
+    text = README.read_text()
+    return text[text.index("## Quick start") : text.index("\n## ", text.index("## Quick start") + 1)]
+
+
+def code_blocks(section: str) -> list[tuple[str, str]]:
+    """(language, body) of each fenced block, in order."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", section, re.S | re.M)
+
+
+def shell_lines(body: str) -> list[str]:
+    """The commands of a shell block, without their trailing `# comments` (shlex keeps quoted #)."""
+    lines = []
+    for line in body.splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            lines.append(line.split("  #")[0].strip() if "  #" in line else line.strip())
+    return lines
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's checkout as the quick start sees it: `.venv` (the one running these tests) and a package
+    of their own, `./my-net`, copied from the numpy example as the README suggests."""
+    home = tmp_path_factory.mktemp("user")
+    (home / ".venv").symlink_to(Path(sys.prefix))
+    shutil.copytree(EXAMPLES / "numpy-linear", home / "my-net", ignore=shutil.ignore_patterns("__pycache__"))
+    return home
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """What `make serve` runs, on free ports: --models examples/models --no-auth."""
+    recipe = re.search(r"^serve:.*\n\t(.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert recipe is not None
+    assert "snoozectl serve --models examples/models" in recipe.group(1) and "--no-auth" in recipe.group(1)
+    root = tmp_path_factory.mktemp("quickstart")
+    models = root / "models"
+    shutil.copytree(EXAMPLES, models, ignore=shutil.ignore_patterns("__pycache__"))
+    if not HAS_TORCH:
+        shutil.rmtree(models / "torch-mlp")
+    onnx_file = models / "onnx-mlp" / "model.onnx"
+    if not onnx_file.exists():  # `make serve` generates it (make examples)
+        subprocess.run([sys.executable, str(ROOT / "examples" / "make_onnx_example.py"), str(onnx_file)], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SNOOZE_")}
+    serve = Serve(root / "work", env, models=models)  # no admin key: --no-auth, as make serve
+    try:
+        serve.start(timeout=120, ready=True)
+        yield serve
+    finally:
+        serve.stop()
+
+
+def _expected_numpy_linear(x: np.ndarray) -> np.ndarray:
+    spec = importlib.util.spec_from_file_location("readme_numpy_linear", EXAMPLES / "numpy-linear" / "snooze_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.Model(scale=2.0)  # the example's manifest params
+    model.load(str(EXAMPLES / "numpy-linear"), "cpu")
+    return model.predict({"x": x})["y"]
+
+
+def test_the_client_snippet_runs_with_the_documented_interpreter(stack: Serve, user_dir: Path) -> None:
+    section = quick_start()
+    assert "`.venv/bin/python client.py`" in section  # the documented way to run it
+    (snippet,) = [body for lang, body in code_blocks(section) if lang == "python"]
+    assert '"localhost:8000"' in snippet
+    (user_dir / "client.py").write_text(snippet.replace('"localhost:8000"', f'"{stack.http_url}"'))
+    proc = subprocess.run([".venv/bin/python", "client.py"], cwd=user_dir, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(_expected_numpy_linear(np.ones((2, 4), dtype=np.float32)))
+
+
+def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
+    section = quick_start()
+    blocks = [body for lang, body in code_blocks(section) if lang == ""]
+    make, after = blocks[0], blocks[1]
+    assert shell_lines(make) == ["make serve", "make test"]
+    commands = shell_lines(after)
+    assert [c.split()[:2] for c in commands] == [
+        [".venv/bin/snoozectl", "status"], [".venv/bin/snoozectl", "publish"], ["curl", "-s"]
+    ]
+    # The ports are this stack's; the commands are the README's.
+    env = {**os.environ, "SNOOZE_API_URL": stack.api_url, "COLUMNS": "100"}
+    outputs = []
+    for command in commands:
+        command = command.replace("localhost:8080", stack.api_url.removeprefix("http://"))
+        proc = subprocess.run(["bash", "-c", command], cwd=user_dir, env=env, capture_output=True, text=True,
+                              timeout=120)  # fmt: skip
+        assert proc.returncode == 0, (command, proc.stdout, proc.stderr)
+        outputs.append(proc.stdout)
+    status, published, metrics = outputs
+    assert re.search(r"numpy-linear\s.*ready", status), status  # woken by the snippet above
+    assert published.strip() == "published my-net (custom, python backend)"  # and nothing else
+    assert 'snooze_cold_starts_total{model="numpy-linear",trigger="request"} 1.0' in metrics, metrics
+    assert re.search(r'^nv_inference_request_success\{model="numpy-linear",version="1"\} [1-9]', metrics, re.M)
+
+
+def _http_error(url: str, model: str, arrays: dict[str, np.ndarray]) -> str:
+    with httpclient.InferenceServerClient(url) as client:
+        inputs = []
+        for name, array in arrays.items():
+            inp = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            inp.set_data_from_numpy(array)
+            inputs.append(inp)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(model, inputs)
+    return err.value.message()
+
+
+def _grpc_error(url: str, model: str, arrays: dict[str, np.ndarray]) -> str:
+    with grpcclient.InferenceServerClient(url) as client:
+        inputs = []
+        for name, array in arrays.items():
+            inp = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            inp.set_data_from_numpy(array)
+            inputs.append(inp)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(model, inputs)
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    return err.value.message()
+
+
+@pytest.mark.parametrize("call", [_http_error, _grpc_error], ids=["http", "grpc"])
+def test_a_wrong_shape_keeps_tritons_words_first_then_says_what_to_send(stack: Serve, call) -> None:
+    url = stack.http_url if call is _http_error else stack.grpc_url
+    # numpy-linear declares x with dims [4] and batches: [2, 3] is a wrong item shape, [4] lacks the batch axis
+    for shape, got in (((2, 3), "2,3"), ((4,), "4")):
+        message = call(url, "numpy-linear", {"x": np.ones(shape, np.float32)})
+        first, _, last = message.rpartition("\n")
+        assert "unexpected shape for input 'x' for model 'numpy-linear'. Expected [-1,4], got [" + got + "]" in first
+        assert "NOTE: Setting a non-zero max_batch_size" in first  # Triton's message, whole
+        assert last == (
+            "snoozeml: model 'numpy-linear' declares input 'x' with dims [4] (without the batch axis; -1 = any "
+            f"size): send shape [n,4], n items in the request (n = 1 for one item), not [{got}]"
+        ), message
+    # text-features has three inputs: one with another first axis
+    arrays = {"values": np.ones((2, 4), np.float32), "factor": np.ones((1, 1), np.int64),
+              "text": np.array([[b"a"], [b"b"]], dtype=object)}  # fmt: skip
+    message = call(url, "text-features", arrays)
+    first, _, last = message.rpartition("\n")
+    assert "batch size does not match other inputs for 'text-features'" in first, message
+    assert last.startswith("snoozeml: the first axis of every input of model 'text-features' is the batch"), message
+
+
+def test_readme_links_stay_inside_the_repository() -> None:
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text()):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT / target).resolve().is_relative_to(ROOT) and (ROOT / target).exists(), target
+
+
+def test_ctrl_c_stops_everything_and_says_so_last(stack: Serve) -> None:
+    assert stack.proc is not None
+    stack.proc.send_signal(signal.SIGINT)
+    assert stack.proc.wait(60) == 0, stack.log_tail()
+    last = stack.log_tail(1)
+    assert last.startswith("stopped: gateway, control plane and Triton exited"), stack.log_tail()
+    assert stack.leftovers() == []
