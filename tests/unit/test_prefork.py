@@ -290,7 +290,6 @@ def test_kernel_warmers_skip_what_failed_to_import_and_survive_their_own_failure
     }
 
 
-@pytest.mark.torch
 def test_the_torch_warmer_runs_on_the_cpu_only():
     torch = pytest.importorskip("torch")
     from python_backend.prefork_parent import warm_kernels
