@@ -204,6 +204,10 @@ def _ms(s: float) -> str:
     return f"{1000 * s:.0f} ms"
 
 
+def _ms2(s: float) -> str:
+    return f"{1000 * s:.2f} ms"
+
+
 def _summary_lines(sec: dict[str, Any]) -> list[str]:
     out = []
     if g := sec.get("gateway"):
@@ -807,7 +811,7 @@ def _coldstart_decomposition(c: dict[str, Any]) -> list[str]:
 def _prewarm_lines(c: dict[str, Any]) -> list[str]:
     """The first request after a pre-warm (a load with no request waiting) against warm requests."""
     rows = [
-        [m, _ms(v["prewarmed_first_s"]["median"]), _ms(v["prewarmed_first_s"]["p90"]), _ms(v["warm_s"]["median"]),
+        [m, _ms2(v["prewarmed_first_s"]["median"]), _ms2(v["prewarmed_first_s"]["p90"]), _ms2(v["warm_s"]["median"]),
          v["prewarmed_first_vs_warm"]]
         for m, v in c["models"].items()
         if v.get("prewarmed_first_s")
