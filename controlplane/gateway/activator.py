@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -37,7 +37,9 @@ from starlette.routing import Route
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from controlplane.auth import Scope, check_scope
-from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
+from controlplane.errors import NotFoundError, SnoozeError, TritonModelLoadError, UnavailableError
+from controlplane.gateway import triton_words as words
+from controlplane.gateway.triton_words import UnknownModelError
 from controlplane.render import VERSION, parse_config
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
@@ -95,15 +97,35 @@ class ModelAnswers:
         self.settings = settings
 
     def published(self, name: str, version: str = "") -> PublishedModel:
-        model = self.store.get(name)  # NotFoundError naming the model
+        """The published model; else Triton's own "unknown model" words (404), snoozeml's reason after."""
+        try:
+            model = self.store.get(name)
+        except NotFoundError as e:
+            raise UnknownModelError(words.not_found(name), e) from None
         if version and version != VERSION:
-            raise NotFoundError(f"model '{name}' has no version '{version}' (published version: {VERSION})")
+            raise UnknownModelError(
+                words.version_not_found(name, version), f"model '{name}' is published as version {VERSION} only"
+            )
         return model
 
-    def serving(self, name: str, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
-        """Wake the model and keep it loaded (no idle unload, no eviction) until the forward is done."""
+    @contextlib.asynccontextmanager
+    async def serving(self, name: str, timeout: float | None = None) -> AsyncIterator[None]:
+        """Wake the model and keep it loaded (no idle unload, no eviction) until the block ends.
+
+        A load that failed or outlived the deadline answers with Triton's words for a model without a
+        loaded version first and snoozeml's reason after, as 503 / UNAVAILABLE with Retry-After (not
+        Triton's 404): the next request tries the load again, so a client that retries 503 is right.
+        """
         self.published(name)
-        return self.waker.serving(name, timeout=timeout)
+        entered = False
+        try:
+            async with self.waker.serving(name, timeout=timeout):
+                entered = True
+                yield
+        except UnavailableError as e:
+            if entered or isinstance(e, words.NotYetAvailableError):
+                raise
+            raise words.NotYetAvailableError(name, e) from e
 
     async def forward(
         self,
@@ -120,6 +142,7 @@ class ModelAnswers:
         healthy" answer here) is refused with the crash. One that meets a dead stub here is sent again
         after recovery only when the journal shows it never reached a live process (``recovery``).
         """
+        self.published(name)
         await self.waker.admit(name, request_id)
         async with self.serving(name, timeout):
             answer = await send()
@@ -130,6 +153,15 @@ class ModelAnswers:
             if dead(answer):
                 await self.waker.after_dead_answer(name, request_id)
             return answer
+
+    async def load(self, name: str) -> None:
+        """Repository load (admin): a failed load answers in Triton's words and status (400)."""
+        try:
+            await self.waker.load(name)
+        except TritonModelLoadError as e:
+            raise words.LoadFailedError(name, e) from e
+        if self.state(name) == "failed":
+            raise words.LoadFailedError(name, SnoozeError(self.waker.status(name).reason or "unknown reason"))
 
     def state(self, name: str) -> str:
         """The lifecycle state's name (``ModelStatus.state`` is a str enum)."""
@@ -252,9 +284,13 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
 
     async def ready(request: Request) -> Response:
         name, version = model_of(request)
-        answers.published(name, version)
+        try:
+            answers.published(name, version)
+        except UnknownModelError as e:  # Triton: 400 "Model version not ready" for any unknown model
+            return JSONResponse({"error": words.explained(words.NOT_READY, e.message)}, 400)
         if not answers.ready(name):
-            return JSONResponse({"error": f"model '{name}' failed to load: {answers.waker.status(name).reason}"}, 400)
+            reason = f"model '{name}' failed to load: {answers.waker.status(name).reason}"
+            return JSONResponse({"error": words.explained(words.NOT_READY, reason)}, 400)
         return Response(status_code=200)
 
     async def metadata(request: Request) -> Response:
@@ -281,7 +317,7 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
         name = admin_model(request)
         body = await request.body()
         _no_overrides((await request.json()).get("parameters", {}) if body else {}, name)
-        await answers.waker.load(name)
+        await answers.load(name)
         return JSONResponse({})
 
     async def unload(request: Request) -> Response:
@@ -421,7 +457,7 @@ class GrpcActivator:
         msg = service_pb2.RepositoryModelLoadRequest.FromString(request)
         self.answers.published(msg.model_name)
         _no_overrides(msg.parameters, msg.model_name)
-        await self.answers.waker.load(msg.model_name)
+        await self.answers.load(msg.model_name)
         return service_pb2.RepositoryModelLoadResponse().SerializeToString()
 
     async def repository_unload(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

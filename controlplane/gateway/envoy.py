@@ -71,9 +71,10 @@ GRPC_RETRY_HEADERS = (
 # HTTP: Triton's 500 for a dead stub, marked by the Lua filter on the infer_http cluster.
 DEAD_STUB_HEADER = "x-snooze-dead-stub"
 HTTP_RETRY_HEADERS = ({"name": DEAD_STUB_HEADER, "present_match": True},)
+# Triton's own words for a restricted API first (its --http-restricted-api answer), then snoozeml's.
 UNAUTHORIZED_MESSAGE = (
-    "missing or invalid API key: send it as the X-API-Key header or 'Authorization: Bearer <key>' "
-    "(gRPC metadata x-api-key or authorization)"
+    "This API is restricted, expecting header 'x-api-key': snoozeml: missing or invalid API key: "
+    "send it as the X-API-Key header or 'Authorization: Bearer <key>' (gRPC metadata x-api-key or authorization)"
 )
 MAX_UPSTREAM = 100_000
 GATE_RUNTIME_KEY = "snooze.gateway.closed"

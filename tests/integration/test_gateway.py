@@ -37,6 +37,7 @@ from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton, free_port
+from tests.serve_harness import until
 
 pytestmark = pytest.mark.integration
 
@@ -324,21 +325,86 @@ def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
         assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)
 
 
-def test_unknown_model_is_a_clean_not_found(stack: Stack):
+def test_unknown_model_answers_in_tritons_words(stack: Stack):
+    """Triton's own words and status first (clients check ``startswith("Request for unknown model")``),
+    snoozeml's reason after, on every call that names a model, over HTTP and gRPC."""
+    nope = "Request for unknown model: 'gw_nope' is not found"
+    known = stack.publish("gw_words")
+    version = "Request for unknown model: 'gw_words' version 7 is not found"
     with stack.http() as h:
         with pytest.raises(InferenceServerException) as info:
             http_infer(h, "gw_nope", _x())
-        assert info.value.status() == "404" and "'gw_nope' is not published" in info.value.message()
+        assert info.value.status() == "404" and info.value.message().startswith(nope)
+        assert "'gw_nope' is not published" in info.value.message()
+        for call in (h.get_model_metadata, h.get_model_config):
+            with pytest.raises(InferenceServerException) as info:
+                call("gw_nope", headers=KEY)
+            assert info.value.status() == "404" and info.value.message().startswith(nope)
+            with pytest.raises(InferenceServerException) as info:
+                call(known, "7", headers=KEY)
+            assert info.value.message().startswith(version)
         assert not h.is_model_ready("gw_nope", headers=KEY)
-        with pytest.raises(InferenceServerException, match="is not published"):
-            h.get_model_metadata("gw_nope", headers=KEY)
-    raw = httpx.post(f"{stack.gateway.http_url}/v2/models/gw_nope/infer", json={"inputs": []}, headers=KEY)
-    assert raw.status_code == 404 and raw.json()["error"] == "model 'gw_nope' is not published"
+    for path in ("infer", "versions/1/infer", "generate", "generate_stream"):
+        raw = httpx.post(f"{stack.gateway.http_url}/v2/models/gw_nope/{path}", json={"inputs": []}, headers=KEY)
+        assert raw.status_code == 404 and raw.json()["error"].startswith(nope), (path, raw.text)
+    ready = httpx.get(f"{stack.gateway.http_url}/v2/models/gw_nope/ready", headers=KEY)
+    assert ready.status_code == 400 and ready.json()["error"].startswith("Model version not ready")
     with stack.grpc() as g:
         with pytest.raises(InferenceServerException) as info:
             grpc_infer(g, "gw_nope", _x())
-        assert info.value.status() == "StatusCode.NOT_FOUND" and "is not published" in info.value.message()
+        assert info.value.status() == "StatusCode.NOT_FOUND" and info.value.message().startswith(nope)
+        for call in (g.get_model_metadata, g.get_model_config):
+            with pytest.raises(InferenceServerException) as info:
+                call("gw_nope", headers=GRPC_KEY)
+            assert info.value.status() == "StatusCode.NOT_FOUND" and info.value.message().startswith(nope)
+            with pytest.raises(InferenceServerException) as info:
+                call(known, "7", headers=GRPC_KEY)
+            assert info.value.message().startswith(version)
         assert not g.is_model_ready("gw_nope", headers=GRPC_KEY)
+        errors: list[InferenceServerException] = []
+        g.start_stream(callback=lambda result, error: errors.append(error), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(_x(1))
+        g.async_stream_infer("gw_nope", [inp])
+        until(lambda: errors, "the stream's error")
+        g.stop_stream()
+        assert errors[0] is not None and errors[0].message().startswith(nope)
+
+
+BROKEN_PY = """
+class Model:
+    def load(self, model_dir, device):
+        raise RuntimeError("no weights here")
+
+    def predict(self, inputs):
+        return inputs
+"""
+
+
+def test_failed_load_answers_in_tritons_words(stack: Stack, tmp_path: Path):
+    """A model whose load fails: requests get Triton's "has no available versions" (as 503 / UNAVAILABLE:
+    the next request tries the load again), a repository load gets Triton's "load failed for model"
+    (400 / INVALID_ARGUMENT, Triton's status too), each with snoozeml's reason after."""
+    broken = _write_package(tmp_path / "broken", BROKEN_PY)
+    stack.store.publish(resolve(DeploymentSpec(id="gw_broken", path=broken, max_batch_size=8)))
+    words = "Request for unknown model: 'gw_broken' has no available versions"
+    with stack.http() as h, stack.grpc() as g:
+        with pytest.raises(InferenceServerException) as info:
+            http_infer(h, "gw_broken", _x())
+        assert info.value.status() == "503" and info.value.message().startswith(words)
+        assert "no weights here" in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            grpc_infer(g, "gw_broken", _x())
+        assert info.value.status() == "StatusCode.UNAVAILABLE" and info.value.message().startswith(words)
+        ready = httpx.get(f"{stack.gateway.http_url}/v2/models/gw_broken/ready", headers=KEY)
+        assert ready.status_code == 400 and ready.json()["error"].startswith("Model version not ready")
+        with pytest.raises(InferenceServerException) as info:
+            h.load_model("gw_broken", headers={"X-API-Key": ADMIN_KEY})
+        assert info.value.status() == "400" and info.value.message().startswith("load failed for model 'gw_broken'")
+        with pytest.raises(InferenceServerException) as info:
+            g.load_model("gw_broken", headers={"x-api-key": ADMIN_KEY})
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert info.value.message().startswith("load failed for model 'gw_broken'")
 
 
 @pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}])
@@ -347,6 +413,7 @@ def test_http_auth_refusals_are_kserve_errors(stack: Stack, headers: dict[str, s
         with pytest.raises(InferenceServerException) as info:
             http_infer(client, "gw_warm", _x(), headers=headers)
     assert info.value.status() == "401" and "missing or invalid API key" in info.value.message()
+    assert info.value.message().startswith("This API is restricted, expecting header 'x-api-key'")  # Triton's words
     raw = httpx.get(f"{stack.gateway.http_url}/v2/models/gw_warm", headers=headers)
     assert raw.status_code == 401 and raw.headers["content-type"] == "application/json"
     assert raw.json() == {"error": pytest.approx(info.value.message())}
@@ -358,6 +425,7 @@ def test_grpc_auth_refusals(stack: Stack, headers: dict[str, str]):
         with pytest.raises(InferenceServerException) as info:
             grpc_infer(client, "gw_warm", _x(), headers=headers)
         assert info.value.status() == "StatusCode.UNAUTHENTICATED"
+        assert info.value.message().startswith("This API is restricted, expecting header 'x-api-key'")
         assert "missing or invalid API key" in info.value.message()
         assert client.is_server_live()  # health needs no key
 
