@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -39,7 +41,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from controlplane.auth import Scope, check_scope
 from controlplane.errors import NotFoundError, SnoozeError, TritonModelLoadError, UnavailableError
 from controlplane.gateway import triton_words as words
+from controlplane.gateway.envoy import held_log_path
 from controlplane.gateway.triton_words import UnknownModelError
+from controlplane.gateway.wake_lua import HOLD_HEADER, HOLD_PATH
 from controlplane.render import VERSION, parse_config
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
@@ -48,6 +52,8 @@ from controlplane.triton.dead_stub import is_dead_stub_http_body, is_dead_stub_m
 from controlplane.triton.journal import REQUEST_ID_HEADER
 
 SERVICE = "inference.GRPCInferenceService"
+# HTTP inference calls retried here (a body within the wake buffer): infer and generate, forwarded alike.
+OPS = ("infer", "generate")
 T = TypeVar("T")
 # Lifecycle state -> Triton repository-index state, the vocabulary tritonclient users know.
 INDEX_STATES = {
@@ -220,6 +226,81 @@ def _no_overrides(parameters: Iterable[str], name: str) -> None:
         )
 
 
+class HoldRegistry:
+    """Models held in use for the requests the wake filter let through (streams, large bodies).
+
+    ``hold`` wakes the model (single flight) and keeps it in use (``serving``: no idle unload, no
+    eviction, no scale-down) until Envoy's access log of held requests (``held_log``, one request id per
+    line, written when the request ends, normally or by a reset) names the request: ``tail`` reads it.
+    An end logged before its hold was taken (the client went away during the wake) releases the hold at
+    once.
+    """
+
+    ENDED_MEMORY_SECS = 600.0
+
+    def __init__(self, answers: ModelAnswers, held_log: Path, *, poll_secs: float = 0.05) -> None:
+        self.answers = answers
+        self.held_log = held_log
+        self.poll_secs = poll_secs
+        self._holds: dict[str, tuple[str, contextlib.AsyncExitStack]] = {}
+        self._ended: dict[str, float] = {}
+        self._offset: int | None = None
+
+    def open(self, model: str | None = None) -> int:
+        """Requests held now (for ``model``, or all)."""
+        return sum(1 for m, _ in self._holds.values() if model is None or m == model)
+
+    async def hold(self, model: str, request_id: str) -> None:
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self.answers.serving(model))
+        if not request_id or self._ended.pop(request_id, None) is not None or request_id in self._holds:
+            await stack.aclose()
+            return
+        self._holds[request_id] = (model, stack)
+
+    async def release(self, request_id: str) -> None:
+        held = self._holds.pop(request_id, None)
+        if held is None:
+            self._ended[request_id] = time.monotonic()
+            return
+        await held[1].aclose()
+
+    def _new_lines(self) -> list[str]:
+        try:
+            size = self.held_log.stat().st_size
+        except FileNotFoundError:
+            self._offset = self._offset or 0
+            return []
+        if self._offset is None or size < self._offset:  # first look (older runs' lines), or a new file
+            self._offset = size if self._offset is None else 0
+            return []
+        if size == self._offset:
+            return []
+        with open(self.held_log, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        complete = data.rfind(b"\n") + 1
+        self._offset += complete
+        return [line.strip().strip('"') for line in data[:complete].decode("utf-8", "replace").splitlines()]
+
+    async def tail(self) -> None:
+        """Release holds as Envoy logs their requests' ends (runs until cancelled)."""
+        while True:
+            for request_id in self._new_lines():
+                if request_id and request_id != "-":
+                    await self.release(request_id)
+            now = time.monotonic()
+            for request_id, at in list(self._ended.items()):
+                if now - at > self.ENDED_MEMORY_SECS:
+                    del self._ended[request_id]
+            await asyncio.sleep(self.poll_secs)
+
+    async def aclose(self) -> None:
+        for _, stack in list(self._holds.values()):
+            await stack.aclose()
+        self._holds.clear()
+
+
 # ---------------------------------------------------------------------------------------------
 # HTTP
 
@@ -265,8 +346,9 @@ def _handled(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request]
     return endpoint
 
 
-def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlette:
-    """The activator's KServe v2 HTTP app (the routes Envoy sends to ``activator_http``)."""
+def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder, holds: HoldRegistry) -> Starlette:
+    """The activator's KServe v2 HTTP app (the routes Envoy sends to ``activator_http``), and the wake
+    filter's hold call (``wake_lua``; reached only from Envoy's Lua, no listener route leads there)."""
 
     def model_of(request: Request) -> tuple[str, str]:
         return request.path_params["model"], request.path_params.get("version", "")
@@ -324,9 +406,14 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
         await answers.waker.unload(admin_model(request), reason="api")
         return JSONResponse({})
 
+    async def hold(request: Request) -> Response:
+        await holds.hold(request.path_params["model"], request.headers.get(HOLD_HEADER, ""))
+        return JSONResponse({})
+
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version}"
-    routes = [Route(f"{p}/infer", _handled(infer), methods=["POST"]) for p in (model, versioned)]
+    routes = [Route(f"{p}/{op}", _handled(infer), methods=["POST"]) for p in (model, versioned) for op in OPS]
+    routes += [Route(HOLD_PATH + "{model}", _handled(hold), methods=["POST"])]
     routes += [Route(f"{p}/ready", _handled(ready), methods=["GET"]) for p in (model, versioned)]
     routes += [Route(f"{p}/config", _handled(config), methods=["GET"]) for p in (model, versioned)]
     routes += [Route(p, _handled(metadata), methods=["GET"]) for p in (model, versioned)]
@@ -513,6 +600,8 @@ class Activator:
         self._grpc_server: grpc.aio.Server | None = None
         self._uvicorn: EmbeddedUvicorn | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
+        self.holds = HoldRegistry(self.answers, held_log_path(settings))
+        self._tail_task: asyncio.Task[None] | None = None
 
     @property
     def http_address(self) -> str:
@@ -524,7 +613,8 @@ class Activator:
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
-        app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client))
+        app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client), self.holds)
+        self._tail_task = asyncio.create_task(self.holds.tail())
         sock = _bind(self.host, self.settings.activator_http_port)
         self.http_port = sock.getsockname()[1]
         self._uvicorn = EmbeddedUvicorn(
@@ -544,6 +634,12 @@ class Activator:
         await self._grpc_server.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self._tail_task is not None:
+            self._tail_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tail_task
+            self._tail_task = None
+        await self.holds.aclose()
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace)
         if self._grpc is not None:

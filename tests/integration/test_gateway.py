@@ -89,6 +89,7 @@ class Stack:
     loop: LoopThread
     package: Path
     raiser: Path
+    activator: Activator
 
     def publish(self, name: str) -> str:
         self.store.publish(resolve(DeploymentSpec(id=name, path=self.package, max_batch_size=8)))
@@ -199,7 +200,7 @@ def stack(
     )
     try:
         gateway.start()
-        yield Stack(embedded_triton, store, lifecycle, admin, gateway, loop, package, raiser)
+        yield Stack(embedded_triton, store, lifecycle, admin, gateway, loop, package, raiser, activator)
     finally:
         gateway.stop()
         loop.run(activator.stop())
@@ -452,26 +453,61 @@ def test_repository_load_unload_need_the_admin_scope(stack: Stack):
             h.load_model(name, headers={"X-API-Key": ADMIN_KEY}, config=json.dumps({"max_batch_size": 2}))
 
 
-def test_request_over_the_wake_buffer_cannot_wake_a_model(stack: Stack):
-    """Documented limit: Envoy keeps at most ``wake_buffer_bytes`` of a request for the retry; a
-    larger request to a sleeping model is not retried and gets Triton's 404. Awake, it is served."""
-    name = stack.publish("gw_big")
-    big = np.ones((1, WAKE_BUFFER // 4 + 1024), dtype=np.float32)
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_64_mib_request_wakes_a_sleeping_model(stack: Stack, protocol: str):
+    """A body far over ``wake_buffer_bytes`` wakes its model (the wake filter, not the retry), runs once,
+    and the model is held only while the request runs."""
+    name = stack.publish(f"gw_big_{protocol}")
+    big = np.ones((1, 64 * 1024 * 1024 // 4), dtype=np.float32)
+    retries = stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0)
     with stack.http() as h, stack.grpc() as g:
-        with pytest.raises(InferenceServerException) as info:
-            http_infer(h, name, big)
-        assert info.value.status() == "404" and name in info.value.message()
-        with pytest.raises(InferenceServerException) as info:
-            grpc_infer(g, name, big)
-        assert info.value.status() == "StatusCode.NOT_FOUND"
-        assert not stack.triton_ready(name)
-        stats = stack.gateway.stats()
-        assert stats["cluster.infer_http.retry_or_shadow_abandoned"] >= 1
-        assert stats["cluster.infer_grpc.retry_or_shadow_abandoned"] >= 1
+        y = http_infer(h, name, big) if protocol == "http" else grpc_infer(g, name, big)
+    assert y.shape == big.shape and float(y[0, 0]) == 3.0 and float(y[0, -1]) == 3.0
+    assert stack.triton_ready(name) and stack.load_count(name) == 1
+    assert stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0) == retries  # no re-send
+    assert _successes(stack, name, 1) == 1  # it ran once
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release once the request ended")
 
-        np.testing.assert_allclose(http_infer(h, name, _x()), _x() * 3)  # a small request wakes it
-        np.testing.assert_allclose(http_infer(h, name, big), big * 3)
-        np.testing.assert_allclose(grpc_infer(g, name, big), big * 3)
+
+def _generate(stack: Stack, name: str, op: str, body: Any) -> httpx.Response:
+    return httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/{op}", json=body, headers=KEY, timeout=60)
+
+
+def test_generate_and_generate_stream_wake_a_sleeping_model(stack: Stack):
+    name = stack.publish("gw_generate")
+    r = _generate(stack, name, "generate", {"x": [1.0, 2.0]})
+    assert r.status_code == 200, r.text
+    assert r.json()["y"] == [3.0, 6.0] and stack.load_count(name) == 1
+    stack.loop.run(stack.lifecycle.unload(name))
+    r = _generate(stack, name, "generate_stream", {"x": [2.0, 4.0]})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["y"] for e in events] == [[6.0, 12.0]] and stack.load_count(name) == 2
+    until(lambda: stack.activator.holds.open(name) == 0, "the stream's hold released at its end")
+    r = _generate(stack, "gw_nope", "generate_stream", {"x": [2.0]})  # Triton's own answer, unchanged
+    assert r.status_code == 404 and r.json()["error"] == "Request for unknown model: 'gw_nope' is not found"
+
+
+def test_a_stream_wakes_a_sleeping_model_and_holds_it_while_open(stack: Stack):
+    name = stack.publish("gw_stream")
+    results: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: results.append(error or result), headers=GRPC_KEY)
+        for rows in (1, 2, 3):
+            inp = grpcclient.InferInput("x", [rows, 4], "FP32")
+            inp.set_data_from_numpy(_x(rows))
+            g.async_stream_infer(name, [inp], request_id=str(rows))
+        until(lambda: len(results) == 3, "three answers on the stream")
+        assert all(not isinstance(r, InferenceServerException) for r in results), results
+        for r in results:
+            rows = int(r.get_response().id)
+            np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
+        assert stack.load_count(name) == 1 and stack.activator.holds.open(name) == 1
+        # While the stream is open the model is in use: an unload by the sweeper would not pick it.
+        assert stack.lifecycle.states.record(name).users >= 1
+        g.stop_stream()
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release at the stream's end")
+    assert stack.lifecycle.states.record(name).users == 0
 
 
 def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
