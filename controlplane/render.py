@@ -144,6 +144,7 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
         "request_timeout_secs": manifest.request_timeout_secs,
         "worker": spec.deployment.worker,
         "preload": list(manifest.preload),
+        "decoupled": spec.decoupled,
         "max_batch_size": spec.deployment.max_batch_size,
         "inputs": [t.model_dump() for t in spec.package.inputs],
         "outputs": [t.model_dump() for t in spec.package.outputs],
@@ -176,6 +177,7 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
         "parameters": parameters,
         "onnx_tensorrt": dep.onnx_tensorrt,
         "fp16": dep.fp16,
+        "decoupled": backend == "python" and spec.decoupled,
     }
     text = _environment().get_template(f"{backend}.pbtxt.j2").render(m=view)
     config = parse_config(text, where=f"model '{spec.id}' (rendered config)")
@@ -214,6 +216,7 @@ def deployment_record(spec: ModelSpec, backend: str) -> dict[str, Any]:
         "metadata": manifest.metadata,
         "load_timeout_secs": manifest.load_timeout_secs,
         "request_timeout_secs": manifest.request_timeout_secs,
+        "decoupled": spec.decoupled,
     }
 
 

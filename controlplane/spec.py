@@ -9,6 +9,7 @@ Nothing here imports user code: the control plane never runs a model in its own 
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import tomllib
@@ -101,6 +102,11 @@ class Manifest(BaseModel):
     load_timeout_secs: float = Field(300, gt=0)
     request_timeout_secs: float = Field(60, gt=0)
     tensor_format: Literal["numpy", "raw"] = "numpy"
+    decoupled: bool | None = Field(
+        None,
+        description="Stream: each dict predict yields is one response (Triton's decoupled transaction "
+        "policy); unset = decoupled exactly when the class's predict is a generator (read from its source)",
+    )
     env: dict[str, str] = Field(default_factory=dict)
     preload: list[str] = Field(
         default_factory=list,
@@ -206,6 +212,51 @@ class ModelSpec:
     @property
     def id(self) -> str:
         return self.deployment.id
+
+    @property
+    def decoupled(self) -> bool:
+        return is_decoupled(self.package)
+
+
+def predict_is_generator(source: str, class_name: str) -> bool:
+    """Whether ``class_name.predict`` in ``source`` is a generator function, read from the source
+    (``ast``; the control plane never runs user code): a ``yield`` in its own body, not a nested one."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "predict":
+                    return _yields(item)
+    return False
+
+
+def _yields(function: ast.AST) -> bool:
+    stack = list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def is_decoupled(package: ModelPackage) -> bool:
+    """A custom package streams when its manifest says so, or (unset) when its predict is a generator."""
+    if package.kind is not PackageKind.CUSTOM:
+        return False
+    manifest = package.manifest
+    if manifest.decoupled is not None:
+        return manifest.decoupled
+    entry = package.path / manifest.entrypoint
+    try:
+        source = entry.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return predict_is_generator(source, manifest.class_name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,6 +492,12 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
         raise InvalidPackageError(
             f"model '{deployment.id}': worker = \"preforked\" applies to custom models (snooze_model.py); "
             f"this package is {package.kind.value}",
+            hint='remove worker = "preforked" for this model',
+        )
+    if deployment.worker == "preforked" and is_decoupled(package):
+        raise InvalidPackageError(
+            f"model '{deployment.id}': a decoupled (streaming) model runs in its stub only for now; "
+            'worker = "preforked" does not stream',
             hint='remove worker = "preforked" for this model',
         )
     if deployment.max_instances < deployment.instances:

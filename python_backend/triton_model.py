@@ -87,9 +87,13 @@ class TritonPythonModel:
             self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")
             self._predict = self._predict_watched
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
         if self._journal is not None:
             self._journal.record(requests)
+        if self._spec.decoupled:
+            for request in requests:
+                self._stream(request)
+            return None
         watch = self._watch
         if watch is None:
             return [self._response(result) for result in self._run(requests)]
@@ -115,6 +119,39 @@ class TritonPythonModel:
             return self._plan.run(arrays, self._predict)
         except BaseException as e:
             return [Failure(*describe_failure(e, self._spec.model_id, "predict", None))] * len(requests)
+
+    def _stream(self, request: Any) -> None:
+        """A decoupled model's request: one response per result predict yields, in order, then the final
+        flag; a failure is the last response (those before it stay sent). A cancelled request (the client
+        went away) stops predict's generator before it computes the next result.
+
+        ``request_timeout_secs`` does not apply to a stream (its length is the model's to choose).
+        """
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        sender = request.get_response_sender()
+        results = None
+        try:
+            arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            results = self._plan.stream(arrays, self._user_predict)
+            for result in results:
+                response = self._response(result)
+                if response.has_error():
+                    sender.send(response, flags=final)
+                    return
+                sender.send(response)
+                if request.is_cancelled():
+                    break
+        except BaseException as e:  # a fault of the runtime, or SystemExit from predict: the model's error
+            failure = Failure(*describe_failure(e, self._spec.model_id, "predict", None))
+            try:
+                sender.send(self._response_cls(error=self._error(failure)), flags=final)
+            except Exception as gone:  # the request may be over already (a send to a client that left)
+                _log(self._spec.model_id, f"could not end a stream with its error: {gone}")
+            return
+        finally:
+            if results is not None:
+                results.close()
+        sender.send(flags=final)
 
     def finalize(self) -> None:
         unload = getattr(self._model, "unload", None)

@@ -624,3 +624,116 @@ def test_auth_on_without_keys_is_refused(tmp_path: Path):
     with pytest.raises(GatewayError, match="no API keys are configured"):
         EnvoyGateway(Settings(work_dir=tmp_path), triton_http="a:1", triton_grpc="a:2",
                      activator_http="a:3", activator_grpc="a:4")  # fmt: skip
+
+
+REPEATER_PY = """
+import time
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, log=""):
+        self.log = log
+
+    def load(self, model_dir, device):
+        pass
+
+    def _note(self, text):
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(text + "\\n")
+
+    def predict(self, inputs):
+        # x = [n, mode, ...]: n responses of x * i; mode < 0 raises after two, mode > 0 sleeps that long
+        x = inputs["x"]
+        try:
+            for i in range(1, int(x[0]) + 1):
+                if x[1] < 0 and i == 3:
+                    raise RuntimeError("the repeater failed after two")
+                self._note(f"yield {i}")
+                yield {"y": (x * i).astype(np.float32)}
+                if x[1] > 0:
+                    time.sleep(float(x[1]))
+        finally:
+            self._note("closed")
+"""
+
+
+@pytest.fixture(scope="module")
+def repeater(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A decoupled package (predict is a generator): n responses per request."""
+    return _write_package(
+        tmp_path_factory.mktemp("gw_repeater") / "repeater",
+        REPEATER_PY,
+        params_schema={"log": {"type": "str", "default": ""}},
+    )
+
+
+def _publish_repeater(stack: Stack, repeater: Path, name: str, log: Path | None = None) -> str:
+    params = {"log": str(log)} if log else {}
+    stack.store.publish(resolve(DeploymentSpec(id=name, path=repeater, max_batch_size=0, params=params)))
+    return name
+
+
+def _stream(g: grpcclient.InferenceServerClient, name: str, x: list[float]) -> list[Any]:
+    """One request on a gRPC stream; every answer (result or error) until the stream's final answer."""
+    answers: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        if error is not None:
+            answers.append(error)
+            done.set()
+        elif result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+        else:
+            answers.append(result)
+
+    g.start_stream(callback=callback, headers=GRPC_KEY)
+    inp = grpcclient.InferInput("x", [len(x)], "FP32")
+    inp.set_data_from_numpy(np.array(x, dtype=np.float32))
+    g.async_stream_infer(name, [inp], enable_empty_final_response=True)
+    assert done.wait(60), f"no final answer on the stream; got {answers}"
+    g.stop_stream()
+    return answers
+
+
+def test_decoupled_model_streams_each_yield_over_grpc_and_sse(stack: Stack, repeater: Path):
+    name = _publish_repeater(stack, repeater, "gw_repeat")
+    assert "decoupled: true" in stack.store.get(name).config_text
+    with stack.grpc() as g:
+        answers = _stream(g, name, [4.0, 0.0])  # asleep: the stream wakes it
+    assert [a.as_numpy("y").tolist() for a in answers] == [[4.0 * i, 0.0] for i in (1, 2, 3, 4)]
+    assert stack.load_count(name) == 1
+    stack.loop.run(stack.lifecycle.unload(name))
+    r = _generate(stack, name, "generate_stream", {"x": [3.0, 0.0]})
+    events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and [e["y"] for e in events] == [[3.0, 0.0], [6.0, 0.0], [9.0, 0.0]], r.text
+    assert stack.load_count(name) == 2
+
+
+def test_decoupled_error_mid_stream_keeps_what_was_sent(stack: Stack, repeater: Path):
+    name = _publish_repeater(stack, repeater, "gw_repeat_fail")
+    with stack.grpc() as g:
+        answers = _stream(g, name, [5.0, -1.0])
+    assert [a.as_numpy("y").tolist() for a in answers[:2]] == [[5.0, -1.0], [10.0, -2.0]]
+    assert isinstance(answers[2], InferenceServerException) and len(answers) == 3
+    assert "the repeater failed after two" in answers[2].message()
+    assert answers[2].message().startswith(f"[snooze:internal] model '{name}'")
+
+
+def test_a_cancelled_stream_stops_the_generator(stack: Stack, repeater: Path, tmp_path: Path):
+    log = tmp_path / "repeater.log"
+    name = _publish_repeater(stack, repeater, "gw_repeat_cancel", log)
+    got = threading.Event()
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: got.set(), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.array([10_000.0, 0.05], dtype=np.float32))
+        g.async_stream_infer(name, [inp])
+        assert got.wait(60)
+        g.stop_stream(cancel_requests=True)
+    lines = until(lambda: (t := log.read_text().splitlines()) and t[-1] == "closed" and t, "the generator's close")
+    assert len(lines) - 1 < 10_000  # it stopped: far from all the responses it was asked for
+    until(lambda: stack.activator.holds.open(name) == 0, "the cancelled stream's hold released")

@@ -232,3 +232,42 @@ def test_entry_point_packages_are_found(tmp_path: Path, monkeypatch: pytest.Monk
     found = {d.id: d for d in entry_point_deployments()}
     assert found["acme-sentiment"].path == site / "acme_models" / "sentiment"
     assert resolve(found["acme-sentiment"]).package.inputs[0].name == "x"
+
+
+GENERATOR_PREDICT = """
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        for i in range(3):
+            yield {"y": inputs["x"] * i}
+"""
+
+NESTED_YIELD_PREDICT = """
+class Model:
+    def predict(self, inputs):
+        def tokens():
+            yield 1
+        return {"y": inputs["x"]}
+"""
+
+
+def test_a_generator_predict_is_decoupled_and_a_nested_yield_is_not(tmp_path: Path) -> None:
+    from controlplane.render import embedded_target, render_model, runtime_config
+
+    streaming = resolve(DeploymentSpec(id="s", path=write_custom(tmp_path / "s", code=GENERATOR_PREDICT)))
+    nested = resolve(DeploymentSpec(id="n", path=write_custom(tmp_path / "n", code=NESTED_YIELD_PREDICT)))
+    forced = resolve(DeploymentSpec(id="f", path=write_custom(tmp_path / "f", {"decoupled": True})))
+    off = resolve(DeploymentSpec(id="o", path=write_custom(tmp_path / "o", {"decoupled": False}, GENERATOR_PREDICT)))
+    assert (streaming.decoupled, nested.decoupled, forced.decoupled, off.decoupled) == (True, False, True, False)
+    assert runtime_config(streaming)["decoupled"] is True
+    config = render_model(streaming, embedded_target()).config
+    assert config.model_transaction_policy.decoupled
+    assert not render_model(nested, embedded_target()).config.model_transaction_policy.decoupled
+
+
+def test_a_decoupled_model_is_refused_a_preforked_worker(tmp_path: Path) -> None:
+    package = write_custom(tmp_path / "s", code=GENERATOR_PREDICT)
+    with pytest.raises(InvalidPackageError, match=r"model 's': a decoupled \(streaming\) model runs in its stub"):
+        resolve(DeploymentSpec(id="s", path=package, worker="preforked"))
