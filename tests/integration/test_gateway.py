@@ -737,3 +737,39 @@ def test_a_cancelled_stream_stops_the_generator(stack: Stack, repeater: Path, tm
     lines = until(lambda: (t := log.read_text().splitlines()) and t[-1] == "closed" and t, "the generator's close")
     assert len(lines) - 1 < 10_000  # it stopped: far from all the responses it was asked for
     until(lambda: stack.activator.holds.open(name) == 0, "the cancelled stream's hold released")
+
+
+def _journaled_ids(stack: Stack) -> set[str]:
+    """Every request id the model processes' journals hold now (controlplane/triton/journal.py layout)."""
+    ids: set[str] = set()
+    for path in stack.triton.journal_dir.glob("*.journal"):
+        raw = path.read_bytes()
+        size = int.from_bytes(raw[:4], "little")
+        ids.update(i for i in raw[4 : 4 + size].decode().split("\n") if i)
+    return ids
+
+
+def test_an_open_stream_keeps_its_model_awake_and_is_journaled(stack: Stack, repeater: Path):
+    """Open work is in use: across its idle timeout a stream's model is not unloaded; once the stream
+    ends the model sleeps on its normal timeout. A streamed request is in the journal like any other."""
+    name = "gw_stream_idle"
+    stack.store.publish(resolve(DeploymentSpec(id=name, path=stack.package, max_batch_size=8, idle_timeout_secs=1)))
+    results: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: results.append(error or result), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(_x(1))
+        g.async_stream_infer(name, [inp])
+        until(lambda: results, "the stream's answer")
+        time.sleep(1.5)  # past idle_timeout_secs with the stream open
+        stack.loop.run(stack.lifecycle.sweep())
+        assert stack.triton_ready(name) and stack.lifecycle.status(name).state == "ready"
+        g.stop_stream()
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release")
+    until(lambda: stack.loop.run(stack.lifecycle.sweep()) or not stack.triton_ready(name), "the idle unload", 30)
+
+    repeat = _publish_repeater(stack, repeater, "gw_repeat_journal")
+    before = _journaled_ids(stack)
+    with stack.grpc() as g:
+        assert len(_stream(g, repeat, [2.0, 0.0])) == 2
+    assert _journaled_ids(stack) - before  # the stream's request carried the gateway's id into the journal
