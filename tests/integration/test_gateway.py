@@ -773,3 +773,36 @@ def test_an_open_stream_keeps_its_model_awake_and_is_journaled(stack: Stack, rep
     with stack.grpc() as g:
         assert len(_stream(g, repeat, [2.0, 0.0])) == 2
     assert _journaled_ids(stack) - before  # the stream's request carried the gateway's id into the journal
+
+
+TEXT_GENERATOR = Path(__file__).resolve().parents[2] / "examples" / "models" / "text-generator"
+
+
+def test_the_text_generator_example_streams_tokens_asleep_at_the_start(stack: Stack):
+    """The README's two snippets: tritonclient's stream and curl's generate_stream, each waking it."""
+    name = "gw_text_generator"
+    stack.store.publish(resolve(DeploymentSpec(id=name, path=TEXT_GENERATOR)))
+    tokens: list[str] = []
+    done = threading.Event()
+
+    def on_token(result: Any, error: Any) -> None:
+        assert error is None, error
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+        else:
+            tokens.append(result.as_numpy("token").reshape(-1)[0].decode())
+
+    with stack.grpc() as g:
+        prompt = grpcclient.InferInput("prompt", [1, 1], "BYTES")
+        prompt.set_data_from_numpy(np.array([[b"the model"]], dtype=object))
+        max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+        max_tokens.set_data_from_numpy(np.array([[12]], dtype=np.int32))
+        g.start_stream(callback=on_token, headers=GRPC_KEY)
+        g.async_stream_infer(name, [prompt, max_tokens], enable_empty_final_response=True)
+        assert done.wait(60)
+        g.stop_stream()
+    assert len(tokens) == 12 and all(t.startswith(" ") and t.strip() for t in tokens)
+    stack.loop.run(stack.lifecycle.unload(name))
+    r = _generate(stack, name, "generate_stream", {"prompt": "the model", "max_tokens": 12})
+    events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and [e["token"] for e in events] == tokens, r.text  # same seed, same text
