@@ -9,6 +9,7 @@ tests see (wake-ups, dead-stub recovery) comes through the gateway's retry path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -588,6 +589,18 @@ def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
                 assert info.value.status() == "StatusCode.UNAVAILABLE" and "snapshot" in info.value.message()
             answer = raw.post(f"/v2/models/{warm}/infer", json={"inputs": []})
             assert answer.status_code == 503 and "snapshot" in answer.json()["error"]
+            # Streams and large bodies too: the wake filter wakes nothing behind a closed gate.
+            answer = raw.post(f"/v2/models/{asleep}/generate_stream", json={"x": [1.0]})
+            assert answer.status_code == 503 and "snapshot" in answer.json()["error"]
+            errors: list[Any] = []
+            g.start_stream(callback=lambda result, error: errors.append(error), headers=GRPC_KEY)
+            inp = grpcclient.InferInput("x", [1, 4], "FP32")
+            inp.set_data_from_numpy(_x(1))
+            with contextlib.suppress(InferenceServerException):  # the stream may be answered before the request
+                g.async_stream_infer(asleep, [inp])
+            until(lambda: errors, "the closed gate's answer on the stream")
+            g.stop_stream()
+            assert errors[0].status() == "StatusCode.UNAVAILABLE" and "snapshot" in errors[0].message()
             time.sleep(0.5)
             assert _successes(stack, warm) == served
             assert not stack.triton_ready(asleep)
