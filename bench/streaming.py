@@ -34,7 +34,7 @@ from bench.common import API_KEY, direct_urls, gateway_urls, serving_stack
 
 MODEL = "bench-tokens"
 IDLE_MODEL = "bench-tokens-idle"
-TOKENS_PY = '''
+TOKENS_PY = """
 import time
 
 import numpy as np
@@ -50,7 +50,7 @@ class Model:
             if delay > 0:
                 time.sleep(float(delay))
             yield {"token": np.array([i], dtype=np.int32)}
-'''
+"""
 MANIFEST = {
     "inputs": [{"name": "n", "datatype": "INT32", "dims": [1]}, {"name": "delay", "datatype": "FP32", "dims": [1]}],
     "outputs": [{"name": "token", "datatype": "INT32", "dims": [1]}],
@@ -103,9 +103,12 @@ def sse_stream(url: str, model: str, n: int, headers: dict[str, str] | None = No
     start = time.perf_counter()
     first = None
     count = 0
-    with httpx.Client(timeout=600) as client, client.stream(
-        "POST", f"{url}/v2/models/{model}/generate_stream", json={"n": n, "delay": 0.0}, headers=headers or {}
-    ) as r:
+    with (
+        httpx.Client(timeout=600) as client,
+        client.stream(
+            "POST", f"{url}/v2/models/{model}/generate_stream", json={"n": n, "delay": 0.0}, headers=headers or {}
+        ) as r,
+    ):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 count += 1
