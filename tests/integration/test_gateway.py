@@ -819,3 +819,49 @@ def test_the_text_generator_example_streams_tokens_asleep_at_the_start(stack: St
     r = _generate(stack, name, "generate_stream", {"prompt": "the model", "max_tokens": 12})
     events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
     assert r.status_code == 200 and [e["token"] for e in events] == tokens, r.text  # same seed, same text
+
+
+def test_a_crash_mid_stream_ends_it_with_an_error_and_runs_nothing_again(stack: Stack, repeater: Path, tmp_path: Path):
+    log = tmp_path / "crash.log"
+    name = _publish_repeater(stack, repeater, "gw_repeat_crash", log)
+    answers: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: answers.append(error or result), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.array([10_000.0, 0.05], dtype=np.float32))
+        g.async_stream_infer(name, [inp])
+        until(lambda: answers, "the first token")
+        for pid in stack.triton.stub_pids(name):
+            os.kill(pid, signal.SIGKILL)
+        until(lambda: isinstance(answers[-1], InferenceServerException), "the stream's error after the crash")
+        g.stop_stream()
+    assert all(not isinstance(a, InferenceServerException) for a in answers[:-1])
+    starts = log.read_text().count("yield 1\n")
+    # The model recovers (the process watch) and serves again; the crashed request never ran again.
+    until(lambda: stack.recoveries(name) >= 1, "the recovery")
+    with stack.grpc() as g:
+        assert len(_stream(g, name, [2.0, 0.0])) == 2
+    assert log.read_text().count("yield 1\n") == starts + 1
+
+
+def test_bad_input_to_the_stream_and_generate_entry_points_gets_tritons_error(stack: Stack):
+    """A stream whose first message names no model, a generate body that is not a JSON object: Triton's
+    own error, nothing woken, and the gateway keeps serving."""
+    name = stack.publish("gw_bad_input")
+    errors: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: errors.append(error), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(_x(1))
+        g.async_stream_infer("", [inp])
+        until(lambda: errors, "the stream's error")
+        g.stop_stream()
+    assert errors[0] is not None and errors[0].message().startswith("Request for unknown model")
+    r = httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/generate", content=b"[1, 2]", headers=KEY)
+    direct = httpx.post(f"{stack.triton.http_url}/v2/models/{name}/generate", content=b"[1, 2]")
+    assert (r.status_code, r.json()) == (direct.status_code, direct.json())  # Triton's answer, unchanged
+    r = httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/generate_stream", content=b"not json", headers=KEY)
+    direct = httpx.post(f"{stack.triton.http_url}/v2/models/{name}/generate_stream", content=b"not json")
+    assert (r.status_code, r.json()) == (direct.status_code, direct.json())
+    with stack.grpc() as g:
+        np.testing.assert_allclose(grpc_infer(g, name, _x()), _x() * 3)
