@@ -494,12 +494,6 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
             f"this package is {package.kind.value}",
             hint='remove worker = "preforked" for this model',
         )
-    if deployment.worker == "preforked" and is_decoupled(package):
-        raise InvalidPackageError(
-            f"model '{deployment.id}': a decoupled (streaming) model runs in its stub only for now; "
-            'worker = "preforked" does not stream',
-            hint='remove worker = "preforked" for this model',
-        )
     if deployment.max_instances < deployment.instances:
         raise InvalidPackageError(
             f"model '{deployment.id}': max_instances ({deployment.max_instances}) is below "

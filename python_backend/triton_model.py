@@ -71,7 +71,7 @@ class TritonPythonModel:
             raise RuntimeError(describe_failure(e, spec.model_id, stage, None)[1]) from None
         _log(spec.model_id, f"loaded ({spec.kind}, {spec.tensor_format} tensors) on {device}")
         # A preforked model's worker is a process of its own: the stub's thread talks to it directly.
-        self._direct = getattr(self._model, "direct_predict", None)
+        self._direct = getattr(self._model, "direct_stream" if spec.decoupled else "direct_predict", None)
         self._journal = RequestJournal.from_environment()
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
         self._plan = BatchPlan(spec)

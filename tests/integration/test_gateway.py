@@ -683,10 +683,14 @@ def repeater(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _publish_repeater(stack: Stack, repeater: Path, name: str, log: Path | None = None) -> str:
+def _publish_repeater(stack: Stack, repeater: Path, name: str, log: Path | None = None, worker: str = "in-stub") -> str:
     params = {"log": str(log)} if log else {}
-    stack.store.publish(resolve(DeploymentSpec(id=name, path=repeater, max_batch_size=0, params=params)))
+    spec = DeploymentSpec(id=name, path=repeater, max_batch_size=0, params=params, worker=worker)
+    stack.store.publish(resolve(spec))
     return name
+
+
+WORKERS = ["in-stub", "preforked"]
 
 
 def _stream(g: grpcclient.InferenceServerClient, name: str, x: list[float]) -> list[Any]:
@@ -712,13 +716,16 @@ def _stream(g: grpcclient.InferenceServerClient, name: str, x: list[float]) -> l
     return answers
 
 
-def test_decoupled_model_streams_each_yield_over_grpc_and_sse(stack: Stack, repeater: Path):
-    name = _publish_repeater(stack, repeater, "gw_repeat")
+@pytest.mark.parametrize("worker", WORKERS)
+def test_decoupled_model_streams_each_yield_over_grpc_and_sse(stack: Stack, repeater: Path, worker: str):
+    name = _publish_repeater(stack, repeater, f"gw_repeat_{worker}", worker=worker)
     assert "decoupled: true" in stack.store.get(name).config_text
     with stack.grpc() as g:
         answers = _stream(g, name, [4.0, 0.0])  # asleep: the stream wakes it
     assert [a.as_numpy("y").tolist() for a in answers] == [[4.0 * i, 0.0] for i in (1, 2, 3, 4)]
     assert stack.load_count(name) == 1
+    notes = [json.loads(p.read_text()) for p in stack.triton.journal_dir.glob("*.worker")]
+    assert any(n.get("model") == name for n in notes) == (worker == "preforked")  # a worker ran it, not the stub
     stack.loop.run(stack.lifecycle.unload(name))
     r = _generate(stack, name, "generate_stream", {"x": [3.0, 0.0]})
     events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
@@ -726,8 +733,9 @@ def test_decoupled_model_streams_each_yield_over_grpc_and_sse(stack: Stack, repe
     assert stack.load_count(name) == 2
 
 
-def test_decoupled_error_mid_stream_keeps_what_was_sent(stack: Stack, repeater: Path):
-    name = _publish_repeater(stack, repeater, "gw_repeat_fail")
+@pytest.mark.parametrize("worker", WORKERS)
+def test_decoupled_error_mid_stream_keeps_what_was_sent(stack: Stack, repeater: Path, worker: str):
+    name = _publish_repeater(stack, repeater, f"gw_repeat_fail_{worker}", worker=worker)
     with stack.grpc() as g:
         answers = _stream(g, name, [5.0, -1.0])
     assert [a.as_numpy("y").tolist() for a in answers[:2]] == [[5.0, -1.0], [10.0, -2.0]]
@@ -736,9 +744,10 @@ def test_decoupled_error_mid_stream_keeps_what_was_sent(stack: Stack, repeater: 
     assert answers[2].message().startswith(f"[snooze:internal] model '{name}'")
 
 
-def test_a_cancelled_stream_stops_the_generator(stack: Stack, repeater: Path, tmp_path: Path):
+@pytest.mark.parametrize("worker", WORKERS)
+def test_a_cancelled_stream_stops_the_generator(stack: Stack, repeater: Path, tmp_path: Path, worker: str):
     log = tmp_path / "repeater.log"
-    name = _publish_repeater(stack, repeater, "gw_repeat_cancel", log)
+    name = _publish_repeater(stack, repeater, f"gw_repeat_cancel_{worker}", log, worker=worker)
     got = threading.Event()
     with stack.grpc() as g:
         g.start_stream(callback=lambda result, error: got.set(), headers=GRPC_KEY)

@@ -265,9 +265,3 @@ def test_a_generator_predict_is_decoupled_and_a_nested_yield_is_not(tmp_path: Pa
     config = render_model(streaming, embedded_target()).config
     assert config.model_transaction_policy.decoupled
     assert not render_model(nested, embedded_target()).config.model_transaction_policy.decoupled
-
-
-def test_a_decoupled_model_is_refused_a_preforked_worker(tmp_path: Path) -> None:
-    package = write_custom(tmp_path / "s", code=GENERATOR_PREDICT)
-    with pytest.raises(InvalidPackageError, match=r"model 's': a decoupled \(streaming\) model runs in its stub"):
-        resolve(DeploymentSpec(id="s", path=package, worker="preforked"))
