@@ -874,3 +874,15 @@ def test_bad_input_to_the_stream_and_generate_entry_points_gets_tritons_error(st
     assert (r.status_code, r.json()) == (direct.status_code, direct.json())
     with stack.grpc() as g:
         np.testing.assert_allclose(grpc_infer(g, name, _x()), _x() * 3)
+
+
+def test_a_client_leaving_a_generate_stream_releases_its_hold(stack: Stack, repeater: Path):
+    name = _publish_repeater(stack, repeater, "gw_repeat_sse_leave")
+    url = f"{stack.gateway.http_url}/v2/models/{name}/generate_stream"
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json={"x": [10_000.0, 0.05]}, headers=KEY) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+        assert stack.activator.holds.open(name) == 1  # the open stream holds its model
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release once the client left")
+    assert stack.lifecycle.states.record(name).users == 0
