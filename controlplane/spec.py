@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
@@ -154,6 +154,29 @@ def python_specifier(value: str) -> SpecifierSet:
         raise ValueError(f"python {value!r} is not a version ('3.11') or a specifier ('>=3.10')") from exc
 
 
+class SequenceSpec(BaseModel):
+    """``[models.sequence]``: a stateful model, rendered as Triton's sequence batcher. Requests carry a
+    correlation id and start/end flags; every request of one sequence goes to the same instance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["direct", "oldest"] = Field(
+        "direct", description="direct: a batch slot per sequence; oldest: dynamic batching of the oldest sequences"
+    )
+    max_sequence_idle_secs: float = Field(
+        60, gt=0, description="Triton ends a sequence with no request for this long (its state is dropped)"
+    )
+    max_candidate_sequences: int | None = Field(
+        None, ge=1, description="oldest: how many sequences may wait for a batch (Triton's default: max_batch_size)"
+    )
+
+    @model_validator(mode="after")
+    def _candidates_need_oldest(self) -> SequenceSpec:
+        if self.max_candidate_sequences is not None and self.strategy != "oldest":
+            raise ValueError("max_candidate_sequences applies to strategy = \"oldest\" only")
+        return self
+
+
 class DeploymentSpec(BaseModel):
     """How one package is served: a ``[[models]]`` entry of models.toml or a publish request."""
 
@@ -184,6 +207,19 @@ class DeploymentSpec(BaseModel):
     execution_env_path: str | None = Field(
         None, description="python backend EXECUTION_ENV_PATH (conda-pack tarball or folder)"
     )
+    sequence: SequenceSpec | None = Field(None, description="A stateful model: Triton's sequence batcher")
+
+    @model_validator(mode="after")
+    def _sequence_outlives_no_idle_unload(self) -> DeploymentSpec:
+        seq = self.sequence
+        if seq is not None and self.idle_timeout_secs < seq.max_sequence_idle_secs:
+            # An idle unload must never cut a live sequence: its last request is at most that old.
+            raise ValueError(
+                f"idle_timeout_secs ({self.idle_timeout_secs:g}) is below sequence.max_sequence_idle_secs "
+                f"({seq.max_sequence_idle_secs:g}): an idle unload could end a live sequence; raise "
+                "idle_timeout_secs or lower max_sequence_idle_secs"
+            )
+        return self
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ batching policy lives in batching.py, testable without Triton.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import sys
 import time
@@ -24,6 +26,35 @@ PACKAGE_DIR = "package"
 # a hanging unload() would block the model's unload forever; the stub process exits after finalize
 # and frees the model's memory anyway.
 UNLOAD_TIMEOUT_SECS = 30.0
+
+
+# TRITONSERVER_RequestFlag: the first and the last request of a sequence.
+SEQUENCE_START, SEQUENCE_END = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """What a stateful model's ``predict(inputs, sequence)`` learns about its request."""
+
+    correlation_id: int | str
+    start: bool
+    end: bool
+
+
+def takes_sequence(predict: Any) -> bool:
+    """A ``predict`` with a second positional parameter gets the request's ``Sequence`` (duck-typed:
+    a one-argument ``predict`` keeps working on a stateful model)."""
+    try:
+        params = list(inspect.signature(predict).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _sequence_of(request: Any) -> Sequence:
+    flags = request.flags()
+    return Sequence(request.correlation_id(), bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END))
 
 
 def _log(model_id: str, message: str) -> None:
@@ -82,6 +113,8 @@ class TritonPythonModel:
         # answer); with a time limit, a watchdog beside it answers a call that overruns it.
         self._user_predict = self._direct or self._model.predict
         self._predict = self._user_predict
+        # A stateful model whose predict takes the request's Sequence: one call per request.
+        self._per_sequence = spec.sequence and not spec.decoupled and takes_sequence(self._user_predict)
         self._watch = None
         if self._timeout:
             self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")
@@ -107,6 +140,20 @@ class TritonPythonModel:
         return [self._response(result) for result in results]
 
     def _run(self, requests: list) -> list:
+        if self._per_sequence:
+            return [self._run_in_sequence(request) for request in requests]
+        return self._run_batch(requests)
+
+    def _run_in_sequence(self, request: Any) -> Any:
+        """A stateful model's request: its own ``predict(inputs, sequence)`` call (requests of different
+        sequences in one batch are not collated: each has its own state)."""
+        try:
+            sequence = _sequence_of(request)
+            return self._run_batch([request], lambda inputs: self._predict(inputs, sequence))[0]
+        except BaseException as e:
+            return Failure(*describe_failure(e, self._spec.model_id, "predict", None))
+
+    def _run_batch(self, requests: list, predict: Any = None) -> list:
         """One result or framed Failure per request: nothing escapes for Triton to word instead.
 
         The plan turns what user code raises into per-request failures; this catches the rest (a
@@ -116,7 +163,7 @@ class TritonPythonModel:
         """
         try:
             arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
-            return self._plan.run(arrays, self._predict)
+            return self._plan.run(arrays, predict or self._predict)
         except BaseException as e:
             return [Failure(*describe_failure(e, self._spec.model_id, "predict", None))] * len(requests)
 
@@ -167,9 +214,9 @@ class TritonPythonModel:
         if self._journal is not None:
             self._journal.close()
 
-    def _predict_watched(self, inputs: Any) -> Any:
+    def _predict_watched(self, inputs: Any, *sequence: Any) -> Any:
         self._watch.started = time.monotonic()
-        return self._user_predict(inputs)
+        return self._user_predict(inputs, *sequence)
 
     def _overran(self, requests: list, started: float) -> None:
         """On the watchdog's thread: answer the overrunning batch with the timeout, then end the process.

@@ -34,7 +34,7 @@ from controlplane.gateway.envoy import ApiKey, EnvoyGateway, GatewayError, Upstr
 from controlplane.lifecycle import LifecycleManager
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
-from controlplane.spec import DeploymentSpec, resolve
+from controlplane.spec import DeploymentSpec, SequenceSpec, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton, free_port
@@ -886,3 +886,75 @@ def test_a_client_leaving_a_generate_stream_releases_its_hold(stack: Stack, repe
         assert stack.activator.holds.open(name) == 1  # the open stream holds its model
     until(lambda: stack.activator.holds.open(name) == 0, "the hold's release once the client left")
     assert stack.lifecycle.states.record(name).users == 0
+
+
+ACCUMULATOR_PY = """
+import numpy as np
+
+
+class Model:
+    def load(self, model_dir, device):
+        self.totals = {}
+
+    def predict(self, inputs, sequence):
+        x = inputs["x"]
+        total = x if sequence.start else self.totals[sequence.correlation_id] + x
+        if sequence.end:
+            self.totals.pop(sequence.correlation_id, None)
+        else:
+            self.totals[sequence.correlation_id] = total
+        return {"y": total.astype(np.float32)}
+"""
+
+
+@pytest.fixture(scope="module")
+def accumulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_package(tmp_path_factory.mktemp("gw_accumulator") / "accumulator", ACCUMULATOR_PY)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "oldest"])
+def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
+    stack: Stack, accumulator: Path, strategy: str
+):
+    name = f"gw_accumulate_{strategy}"
+    sequence = SequenceSpec(strategy=strategy, max_sequence_idle_secs=30)
+    spec = DeploymentSpec(id=name, path=accumulator, max_batch_size=8, idle_timeout_secs=60, sequence=sequence)
+    stack.store.publish(resolve(spec))
+    config = stack.store.get(name).config_text
+    assert f"{strategy} {{" in config and "sequence_batching" in config and "dynamic_batching" not in config
+
+    def grpc_step(g: grpcclient.InferenceServerClient, cid: int, value: float, start: bool, end: bool) -> float:
+        inp = grpcclient.InferInput("x", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+        r = g.infer(name, [inp], sequence_id=cid, sequence_start=start, sequence_end=end, headers=GRPC_KEY)
+        return float(r.as_numpy("y")[0, 0])
+
+    def http_step(h: httpclient.InferenceServerClient, cid: int, value: float, start: bool, end: bool) -> float:
+        inp = httpclient.InferInput("x", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+        r = h.infer(name, [inp], sequence_id=cid, sequence_start=start, sequence_end=end, headers=dict(KEY))
+        return float(r.as_numpy("y")[0, 0])
+
+    with stack.grpc() as g, stack.http() as h:
+        assert grpc_step(g, 1000, 1.0, True, False) == 1.0  # asleep: this wakes it
+        assert http_step(h, 2000, 10.0, True, False) == 10.0
+        assert grpc_step(g, 1000, 2.0, False, False) == 3.0
+        assert http_step(h, 2000, 20.0, False, False) == 30.0
+        assert grpc_step(g, 1000, 3.0, False, True) == 6.0
+        assert http_step(h, 2000, 30.0, False, True) == 60.0
+        assert stack.load_count(name) == 1
+        inp = grpcclient.InferInput("x", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.array([[1.0]], dtype=np.float32))
+        with pytest.raises(InferenceServerException) as info:  # no correlation id: Triton's own error
+            g.infer(name, [inp], headers=GRPC_KEY)
+        assert "correlation ID" in info.value.message() and info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert grpc_step(g, 3000, 5.0, True, True) == 5.0  # and it keeps serving
+
+
+def test_sequence_settings_triton_would_refuse_are_refused_naming_the_field(tmp_path: Path):
+    with pytest.raises(ValueError, match="max_candidate_sequences applies to strategy"):
+        SequenceSpec(strategy="direct", max_candidate_sequences=4)
+    with pytest.raises(ValueError, match="max_sequence_idle_secs"):
+        SequenceSpec(max_sequence_idle_secs=0)
+    with pytest.raises(ValueError, match=r"idle_timeout_secs \(10\) is below sequence.max_sequence_idle_secs"):
+        DeploymentSpec(id="s", path=tmp_path, idle_timeout_secs=10, sequence=SequenceSpec(max_sequence_idle_secs=60))
