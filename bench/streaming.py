@@ -30,38 +30,33 @@ import httpx
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from bench.common import API_KEY, direct_urls, gateway_urls, serving_stack
+from bench.common import API_KEY, direct_urls, fp32, gateway_urls, serving_stack, write_package
 
 MODEL = "bench-tokens"
 IDLE_MODEL = "bench-tokens-idle"
 TOKENS_PY = """
-import time
+    import time
 
-import numpy as np
+    import numpy as np
 
 
-class Model:
-    def load(self, model_dir, device):
-        pass
+    class Model:
+        def load(self, model_dir, device):
+            pass
 
-    def predict(self, inputs):
-        n, delay = inputs["n"].reshape(-1)[0], inputs["delay"].reshape(-1)[0]
-        for i in range(int(n)):
-            if delay > 0:
-                time.sleep(float(delay))
-            yield {"token": np.array([i], dtype=np.int32)}
+        def predict(self, inputs):
+            n, delay = inputs["n"].reshape(-1)[0], inputs["delay"].reshape(-1)[0]
+            for i in range(int(n)):
+                if delay > 0:
+                    time.sleep(float(delay))
+                yield {"token": np.array([i], dtype=np.int32)}
 """
-MANIFEST = {
-    "inputs": [{"name": "n", "datatype": "INT32", "dims": [1]}, {"name": "delay", "datatype": "FP32", "dims": [1]}],
-    "outputs": [{"name": "token", "datatype": "INT32", "dims": [1]}],
-}
 
 
 def tokens_package(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "snooze_model.py").write_text(TOKENS_PY)
-    (folder / "snooze_model.json").write_text(json.dumps(MANIFEST))
-    return folder
+    """A decoupled model: ``n`` one-token responses, ``delay`` seconds apart."""
+    inputs = [{"name": "n", "datatype": "INT32", "dims": [1]}, fp32("delay", 1)]
+    return write_package(folder, TOKENS_PY, inputs, [{"name": "token", "datatype": "INT32", "dims": [1]}])
 
 
 def grpc_stream(url: str, model: str, n: int, delay: float = 0.0, headers: dict[str, str] | None = None) -> dict:

@@ -327,24 +327,42 @@ def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
         assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)
 
 
+def _stream_error(g: grpcclient.InferenceServerClient, model: str) -> str:
+    """The error a stream's first request for ``model`` gets, through the stream's callback."""
+    errors: list[Any] = []
+    g.start_stream(callback=lambda result, error: errors.append(error), headers=GRPC_KEY)
+    inp = grpcclient.InferInput("x", [1, 4], "FP32")
+    inp.set_data_from_numpy(_x(1))
+    g.async_stream_infer(model, [inp])
+    until(lambda: errors, "the stream's error")
+    g.stop_stream()
+    assert errors[0] is not None, "the stream answered without an error"
+    return errors[0].message()
+
+
+def _unknown_in_tritons_words(calls: Any, headers: dict[str, str], status: str, known: str) -> None:
+    """Metadata and config calls for an unknown model, and for a version the known model lacks."""
+    for call in calls:
+        with pytest.raises(InferenceServerException) as info:
+            call("gw_nope", headers=headers)
+        assert info.value.status() == status
+        assert info.value.message().startswith("Request for unknown model: 'gw_nope' is not found")
+        with pytest.raises(InferenceServerException) as info:
+            call(known, "7", headers=headers)
+        assert info.value.message().startswith(f"Request for unknown model: '{known}' version 7 is not found")
+
+
 def test_unknown_model_answers_in_tritons_words(stack: Stack):
     """Triton's own words and status first (clients check ``startswith("Request for unknown model")``),
     snoozeml's reason after, on every call that names a model, over HTTP and gRPC."""
     nope = "Request for unknown model: 'gw_nope' is not found"
     known = stack.publish("gw_words")
-    version = "Request for unknown model: 'gw_words' version 7 is not found"
     with stack.http() as h:
         with pytest.raises(InferenceServerException) as info:
             http_infer(h, "gw_nope", _x())
         assert info.value.status() == "404" and info.value.message().startswith(nope)
         assert "'gw_nope' is not published" in info.value.message()
-        for call in (h.get_model_metadata, h.get_model_config):
-            with pytest.raises(InferenceServerException) as info:
-                call("gw_nope", headers=KEY)
-            assert info.value.status() == "404" and info.value.message().startswith(nope)
-            with pytest.raises(InferenceServerException) as info:
-                call(known, "7", headers=KEY)
-            assert info.value.message().startswith(version)
+        _unknown_in_tritons_words((h.get_model_metadata, h.get_model_config), KEY, "404", known)
         assert not h.is_model_ready("gw_nope", headers=KEY)
     for path in ("infer", "versions/1/infer", "generate", "generate_stream"):
         raw = httpx.post(f"{stack.gateway.http_url}/v2/models/gw_nope/{path}", json={"inputs": []}, headers=KEY)
@@ -355,22 +373,9 @@ def test_unknown_model_answers_in_tritons_words(stack: Stack):
         with pytest.raises(InferenceServerException) as info:
             grpc_infer(g, "gw_nope", _x())
         assert info.value.status() == "StatusCode.NOT_FOUND" and info.value.message().startswith(nope)
-        for call in (g.get_model_metadata, g.get_model_config):
-            with pytest.raises(InferenceServerException) as info:
-                call("gw_nope", headers=GRPC_KEY)
-            assert info.value.status() == "StatusCode.NOT_FOUND" and info.value.message().startswith(nope)
-            with pytest.raises(InferenceServerException) as info:
-                call(known, "7", headers=GRPC_KEY)
-            assert info.value.message().startswith(version)
+        _unknown_in_tritons_words((g.get_model_metadata, g.get_model_config), GRPC_KEY, "StatusCode.NOT_FOUND", known)
         assert not g.is_model_ready("gw_nope", headers=GRPC_KEY)
-        errors: list[InferenceServerException] = []
-        g.start_stream(callback=lambda result, error: errors.append(error), headers=GRPC_KEY)
-        inp = grpcclient.InferInput("x", [1, 4], "FP32")
-        inp.set_data_from_numpy(_x(1))
-        g.async_stream_infer("gw_nope", [inp])
-        until(lambda: errors, "the stream's error")
-        g.stop_stream()
-        assert errors[0] is not None and errors[0].message().startswith(nope)
+        assert _stream_error(g, "gw_nope").startswith(nope)
 
 
 BROKEN_PY = """
@@ -857,15 +862,8 @@ def test_bad_input_to_the_stream_and_generate_entry_points_gets_tritons_error(st
     """A stream whose first message names no model, a generate body that is not a JSON object: Triton's
     own error, nothing woken, and the gateway keeps serving."""
     name = stack.publish("gw_bad_input")
-    errors: list[Any] = []
     with stack.grpc() as g:
-        g.start_stream(callback=lambda result, error: errors.append(error), headers=GRPC_KEY)
-        inp = grpcclient.InferInput("x", [1, 4], "FP32")
-        inp.set_data_from_numpy(_x(1))
-        g.async_stream_infer("", [inp])
-        until(lambda: errors, "the stream's error")
-        g.stop_stream()
-    assert errors[0] is not None and errors[0].message().startswith("Request for unknown model")
+        assert _stream_error(g, "").startswith("Request for unknown model")
     r = httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/generate", content=b"[1, 2]", headers=KEY)
     direct = httpx.post(f"{stack.triton.http_url}/v2/models/{name}/generate", content=b"[1, 2]")
     assert (r.status_code, r.json()) == (direct.status_code, direct.json())  # Triton's answer, unchanged
