@@ -956,3 +956,47 @@ def test_sequence_settings_triton_would_refuse_are_refused_naming_the_field(tmp_
         SequenceSpec(max_sequence_idle_secs=0)
     with pytest.raises(ValueError, match=r"idle_timeout_secs \(10\) is below sequence.max_sequence_idle_secs"):
         DeploymentSpec(id="s", path=tmp_path, idle_timeout_secs=10, sequence=SequenceSpec(max_sequence_idle_secs=60))
+
+
+async def test_aio_stream_and_custom_channel_args_wake_a_sleeping_decoupled_model(stack: Stack, repeater: Path):
+    """tritonclient.grpc.aio's ``stream_infer`` (an async iterator of requests) and a client built with
+    custom channel arguments, as Triton's aio and channel-args examples drive them."""
+    name = _publish_repeater(stack, repeater, "gw_repeat_aio")
+    inp = grpcaio.InferInput("x", [2], "FP32")
+    inp.set_data_from_numpy(np.array([3.0, 0.0], dtype=np.float32))
+
+    async def requests() -> Any:
+        yield {"model_name": name, "inputs": [inp], "request_id": "aio-1"}
+
+    options = [("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.keepalive_time_ms", 30_000)]
+    async with grpcaio.InferenceServerClient(stack.gateway.grpc_url, channel_args=options) as client:
+        answers = []
+        async for result, error in client.stream_infer(requests(), headers=GRPC_KEY):
+            assert error is None, error
+            answers.append(result.as_numpy("y").tolist())
+            if len(answers) == 3:
+                break
+    assert answers == [[3.0, 0.0], [6.0, 0.0], [9.0, 0.0]] and stack.load_count(name) == 1
+
+
+def test_system_shared_memory_infer_wakes_a_sleeping_model(stack: Stack):
+    """Triton's shared-memory example through the gateway: the region is registered with Triton (the
+    default route), the request names it, and a sleeping model is woken by the retry path."""
+    import tritonclient.utils.shared_memory as shm
+
+    name = stack.publish("gw_shm")
+    x = _x(2)
+    region = shm.create_shared_memory_region("gw_shm_in", "/gw_shm_in", x.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [x])
+        with stack.http() as h:
+            h.unregister_system_shared_memory("gw_shm_in", headers=KEY)
+            h.register_system_shared_memory("gw_shm_in", "/gw_shm_in", x.nbytes, headers=KEY)
+            inp = httpclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_shared_memory("gw_shm_in", x.nbytes)
+            y = h.infer(name, [inp], headers=dict(KEY)).as_numpy("y")
+            h.unregister_system_shared_memory("gw_shm_in", headers=KEY)
+        np.testing.assert_allclose(y, x * 3)
+        assert stack.load_count(name) == 1
+    finally:
+        shm.destroy_shared_memory_region(region)
