@@ -1000,3 +1000,24 @@ def test_system_shared_memory_infer_wakes_a_sleeping_model(stack: Stack):
         assert stack.load_count(name) == 1
     finally:
         shm.destroy_shared_memory_region(region)
+
+
+def test_memory_pressure_evicts_another_model_than_one_with_an_open_stream(stack: Stack, repeater: Path):
+    """(Last in this file: the eviction empties the stack of every idle model.) A model streaming to a
+    client is in use: an eviction passes it by and takes an idle one, even one used more recently."""
+    streaming = _publish_repeater(stack, repeater, "gw_repeat_evict")
+    idle = stack.publish("gw_evict_idle")
+    answers: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: answers.append(error or result), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.array([10_000.0, 0.05], dtype=np.float32))
+        g.async_stream_infer(streaming, [inp])
+        until(lambda: answers, "the first token")
+        with stack.http() as h:
+            np.testing.assert_allclose(http_infer(h, idle, _x()), _x() * 3)  # used after the stream began
+        newcomer = stack.lifecycle.states.record(stack.publish("gw_evict_newcomer"))
+        evicted = stack.loop.run(stack.lifecycle.budget.evict(newcomer, 1 << 62, "test: memory pressure"))
+        assert idle in evicted and streaming not in evicted
+        assert stack.triton_ready(streaming) and not stack.triton_ready(idle)
+        g.stop_stream(cancel_requests=True)
