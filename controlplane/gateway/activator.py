@@ -230,10 +230,11 @@ class HoldRegistry:
     """Models held in use for the requests the wake filter let through (streams, large bodies).
 
     ``hold`` wakes the model (single flight) and keeps it in use (``serving``: no idle unload, no
-    eviction, no scale-down) until Envoy's access log of held requests (``held_log``, one request id per
-    line, written when the request ends, normally or by a reset) names the request: ``tail`` reads it.
-    An end logged before its hold was taken (the client went away during the wake) releases the hold at
-    once.
+    eviction, no scale-down) until Envoy's access log of held requests (``held_log``, one hold token per
+    line, written when the request ends, normally or by a reset) names its token: ``tail`` reads it.
+    The wake filter sets the token before it calls, so an end logged before its hold was taken (the
+    client went away during the wake) releases the hold at once; ends that never had a hold (an unknown
+    model) are forgotten after ``ENDED_MEMORY_SECS``.
     """
 
     ENDED_MEMORY_SECS = 600.0
@@ -250,13 +251,13 @@ class HoldRegistry:
         """Requests held now (for ``model``, or all)."""
         return sum(1 for m, _ in self._holds.values() if model is None or m == model)
 
-    async def hold(self, model: str, request_id: str) -> None:
+    async def hold(self, model: str, token: str) -> None:
         stack = contextlib.AsyncExitStack()
         await stack.enter_async_context(self.answers.serving(model))
-        if not request_id or self._ended.pop(request_id, None) is not None or request_id in self._holds:
+        if not token or self._ended.pop(token, None) is not None or token in self._holds:
             await stack.aclose()
             return
-        self._holds[request_id] = (model, stack)
+        self._holds[token] = (model, stack)
 
     async def release(self, request_id: str) -> None:
         held = self._holds.pop(request_id, None)

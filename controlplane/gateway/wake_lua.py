@@ -13,13 +13,14 @@ body larger than ``wake_buffer_bytes``. For those the filter decides before the 
   gateway uses);
 - how: it waits for the first body chunk (so the request headers have already gone on, and Envoy
   applies flow control instead of a 413 while it holds the body), calls the activator's
-  ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <x-request-id>``), which wakes the model (single
-  flight) and returns once it is READY, then lets the held chunk and the rest of the body through to
-  Triton. Nothing is buffered for a retry and nothing is sent twice;
+  ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <token>``), which wakes the model (single flight)
+  and returns once it is READY, then lets the held chunk and the rest of the body through to Triton.
+  Nothing is buffered for a retry and nothing is sent twice;
 - the hold: the activator keeps the model in use (no idle unload, no eviction, no scale-down) from that
-  call until the request ends. Its end, normal or a reset, is one line of an Envoy access log filtered on
-  the dynamic metadata the filter sets (``snoozeml.hold``), which the activator tails
-  (``activator.HoldRegistry``).
+  call until the request ends. Its end, normal or a reset (also one during the wake), is one line of an
+  Envoy access log filtered on the dynamic metadata the filter sets before the call (``snoozeml.hold``:
+  the token), which the activator tails (``activator.HoldRegistry``); an unknown model or a failed load
+  holds nothing, and its logged end is forgotten after a while.
 
 A request the activator cannot hold (unknown model, failed load) goes on to Triton unchanged: its
 answer, in Triton's words, is the client's.
@@ -85,16 +86,22 @@ end
 """
 
 _HOLD = f"""
+-- The hold's token is set before the call: a request that ends during the wake is logged too, and
+-- the activator releases a hold whose end it saw first. Unique without trusting x-request-id (a client
+-- may send its own): this worker's Lua state (a table's address) and a counter of its own.
+local SALT = string.gsub(tostring({{}}), "^table: ", "")
+local held = 0
+
 local function hold(handle, model, id)
-  local headers = handle:httpCall("activator_http", {{
+  held = held + 1
+  local token = id .. "-" .. SALT .. "-" .. held
+  handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "{METADATA_KEY}", token)
+  handle:httpCall("activator_http", {{
     [":method"] = "POST",
     [":path"] = "{HOLD_PATH}" .. model,
     [":authority"] = "activator",
-    ["{HOLD_HEADER}"] = id,
+    ["{HOLD_HEADER}"] = token,
   }}, nil, 0)
-  if headers ~= nil and headers[":status"] == "200" then
-    handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "{METADATA_KEY}", id)
-  end
 end
 """
 
