@@ -128,6 +128,18 @@ def _check_python(spec: ModelSpec, target: TritonTarget) -> None:
         )
 
 
+def _sequence_view(dep: Any) -> dict[str, Any] | None:
+    seq = dep.sequence
+    if seq is None:
+        return None
+    return {
+        "strategy": seq.strategy,
+        "max_idle_us": int(round(seq.max_sequence_idle_secs * 1_000_000)),
+        "max_candidates": seq.max_candidate_sequences,
+        "max_queue_delay_us": int(round(dep.max_batch_delay_ms * 1000)),
+    }
+
+
 def runtime_config(spec: ModelSpec) -> dict[str, Any]:
     """The snooze_runtime.json of a python-backend model (see docs/internals.md)."""
     manifest = spec.package.manifest
@@ -144,6 +156,8 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
         "request_timeout_secs": manifest.request_timeout_secs,
         "worker": spec.deployment.worker,
         "preload": list(manifest.preload),
+        "decoupled": spec.decoupled,
+        "sequence": spec.deployment.sequence is not None,
         "max_batch_size": spec.deployment.max_batch_size,
         "inputs": [t.model_dump() for t in spec.package.inputs],
         "outputs": [t.model_dump() for t in spec.package.outputs],
@@ -176,6 +190,8 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
         "parameters": parameters,
         "onnx_tensorrt": dep.onnx_tensorrt,
         "fp16": dep.fp16,
+        "decoupled": backend == "python" and spec.decoupled,
+        "sequence": _sequence_view(dep),
     }
     text = _environment().get_template(f"{backend}.pbtxt.j2").render(m=view)
     config = parse_config(text, where=f"model '{spec.id}' (rendered config)")
@@ -214,6 +230,7 @@ def deployment_record(spec: ModelSpec, backend: str) -> dict[str, Any]:
         "metadata": manifest.metadata,
         "load_timeout_secs": manifest.load_timeout_secs,
         "request_timeout_secs": manifest.request_timeout_secs,
+        "decoupled": spec.decoupled,
     }
 
 
