@@ -129,6 +129,18 @@ def _check_python(spec: ModelSpec, target: TritonTarget) -> None:
         )
 
 
+def _sequence_view(dep: Any) -> dict[str, Any] | None:
+    seq = dep.sequence
+    if seq is None:
+        return None
+    return {
+        "strategy": seq.strategy,
+        "max_idle_us": int(round(seq.max_sequence_idle_secs * 1_000_000)),
+        "max_candidates": seq.max_candidate_sequences,
+        "max_queue_delay_us": int(round(dep.max_batch_delay_ms * 1000)),
+    }
+
+
 def runtime_config(spec: ModelSpec) -> dict[str, Any]:
     """The snooze_runtime.json of a python-backend model (see docs/internals.md)."""
     manifest = spec.package.manifest
@@ -145,6 +157,8 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
         "request_timeout_secs": manifest.request_timeout_secs,
         "worker": spec.deployment.worker,
         "preload": list(manifest.preload),
+        "decoupled": spec.decoupled,
+        "sequence": spec.deployment.sequence is not None,
         "max_batch_size": spec.deployment.max_batch_size,
         "inputs": [t.model_dump() for t in spec.package.inputs],
         "outputs": [t.model_dump() for t in spec.package.outputs],
@@ -167,7 +181,9 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     if backend == "python" and dep.execution_env_path:
         parameters["EXECUTION_ENV_PATH"] = dep.execution_env_path
     inputs = [_tensor_view(t, batching) for t in spec.package.inputs]
-    warmup = warmup_plan(spec, inputs)
+    # No warm-up for a stream (answers go through response senders) or a stateful model (a sample carries no
+    # sequence and would start one): those pay their first inference on their first request.
+    warmup = None if (backend == "python" and spec.decoupled) or dep.sequence is not None else warmup_plan(spec, inputs)
     view = {
         "id": spec.id,
         "max_batch_size": dep.max_batch_size,
@@ -180,6 +196,8 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
         "onnx_tensorrt": dep.onnx_tensorrt,
         "fp16": dep.fp16,
         "warmup": warmup_view(warmup),
+        "decoupled": backend == "python" and spec.decoupled,
+        "sequence": _sequence_view(dep),
     }
     text = _environment().get_template(f"{backend}.pbtxt.j2").render(m=view)
     config = parse_config(text, where=f"model '{spec.id}' (rendered config)")
@@ -220,6 +238,7 @@ def deployment_record(spec: ModelSpec, backend: str) -> dict[str, Any]:
         "metadata": manifest.metadata,
         "load_timeout_secs": manifest.load_timeout_secs,
         "request_timeout_secs": manifest.request_timeout_secs,
+        "decoupled": spec.decoupled,
     }
 
 

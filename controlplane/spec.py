@@ -9,6 +9,7 @@ Nothing here imports user code: the control plane never runs a model in its own 
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import tomllib
@@ -19,7 +20,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
@@ -105,6 +115,11 @@ class Manifest(BaseModel):
     load_timeout_secs: float = Field(300, gt=0)
     request_timeout_secs: float = Field(60, gt=0)
     tensor_format: Literal["numpy", "raw"] = "numpy"
+    decoupled: bool | None = Field(
+        None,
+        description="Stream: each dict predict yields is one response (Triton's decoupled transaction "
+        "policy); unset = decoupled exactly when the class's predict is a generator (read from its source)",
+    )
     env: dict[str, str] = Field(default_factory=dict)
     preload: list[str] = Field(
         default_factory=list,
@@ -157,6 +172,29 @@ def python_specifier(value: str) -> SpecifierSet:
         raise ValueError(f"python {value!r} is not a version ('3.11') or a specifier ('>=3.10')") from exc
 
 
+class SequenceSpec(BaseModel):
+    """``[models.sequence]``: a stateful model, rendered as Triton's sequence batcher. Requests carry a
+    correlation id and start/end flags; every request of one sequence goes to the same instance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    strategy: Literal["direct", "oldest"] = Field(
+        "direct", description="direct: a batch slot per sequence; oldest: dynamic batching of the oldest sequences"
+    )
+    max_sequence_idle_secs: float = Field(
+        60, gt=0, description="Triton ends a sequence with no request for this long (its state is dropped)"
+    )
+    max_candidate_sequences: int | None = Field(
+        None, ge=1, description="oldest: how many sequences may wait for a batch (Triton's default: max_batch_size)"
+    )
+
+    @model_validator(mode="after")
+    def _candidates_need_oldest(self) -> SequenceSpec:
+        if self.max_candidate_sequences is not None and self.strategy != "oldest":
+            raise ValueError("max_candidate_sequences applies to strategy = \"oldest\" only")
+        return self
+
+
 class DeploymentSpec(BaseModel):
     """How one package is served: a ``[[models]]`` entry of models.toml or a publish request."""
 
@@ -187,6 +225,19 @@ class DeploymentSpec(BaseModel):
     execution_env_path: str | None = Field(
         None, description="python backend EXECUTION_ENV_PATH (conda-pack tarball or folder)"
     )
+    sequence: SequenceSpec | None = Field(None, description="A stateful model: Triton's sequence batcher")
+
+    @model_validator(mode="after")
+    def _sequence_outlives_no_idle_unload(self) -> DeploymentSpec:
+        seq = self.sequence
+        if seq is not None and self.idle_timeout_secs < seq.max_sequence_idle_secs:
+            # An idle unload must never cut a live sequence: its last request is at most that old.
+            raise ValueError(
+                f"idle_timeout_secs ({self.idle_timeout_secs:g}) is below sequence.max_sequence_idle_secs "
+                f"({seq.max_sequence_idle_secs:g}): an idle unload could end a live sequence; raise "
+                "idle_timeout_secs or lower max_sequence_idle_secs"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -215,6 +266,51 @@ class ModelSpec:
     @property
     def id(self) -> str:
         return self.deployment.id
+
+    @property
+    def decoupled(self) -> bool:
+        return is_decoupled(self.package)
+
+
+def predict_is_generator(source: str, class_name: str) -> bool:
+    """Whether ``class_name.predict`` in ``source`` is a generator function, read from the source
+    (``ast``; the control plane never runs user code): a ``yield`` in its own body, not a nested one."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "predict":
+                    return _yields(item)
+    return False
+
+
+def _yields(function: ast.AST) -> bool:
+    stack = list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def is_decoupled(package: ModelPackage) -> bool:
+    """A custom package streams when its manifest says so, or (unset) when its predict is a generator."""
+    if package.kind is not PackageKind.CUSTOM:
+        return False
+    manifest = package.manifest
+    if manifest.decoupled is not None:
+        return manifest.decoupled
+    entry = package.path / manifest.entrypoint
+    try:
+        source = entry.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return predict_is_generator(source, manifest.class_name)
 
 
 # ---------------------------------------------------------------------------------------------

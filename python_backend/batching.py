@@ -8,7 +8,7 @@ results back into responses.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -356,6 +356,31 @@ class BatchPlan:
             return self.checked_outputs(predict(dict(arrays)), rows)
         except Exception as e:  # user code can raise anything; it becomes this request's error
             return self._failure(e, rows)
+
+    def stream(self, arrays: Arrays, predict: Callable[[Any], Any]) -> Iterator[Any]:
+        """A decoupled model's request: each result ``predict`` yields, checked like a unary result; a
+        ``Failure`` (last) when the request is invalid, predict raises or a result does not conform.
+        Closing this generator (a cancelled request) closes predict's."""
+        try:
+            rows = self.batch_size(arrays)
+        except InvalidInput as e:
+            yield self._failure(e, None)
+            return
+        inputs = {name: [arrays[name]] for name, *_ in self.inputs} if self.raw else dict(arrays)
+        results = None
+        try:
+            results = iter(predict(inputs))
+            for outputs in results:
+                if self.raw:
+                    yield check_raw_outputs(self.spec, outputs, [rows])[0]
+                else:
+                    yield self.checked_outputs(outputs, rows)
+        except Exception as e:  # user code can raise anything; it ends this request's stream
+            yield self._failure(e, rows)
+        finally:
+            close = getattr(results, "close", None)
+            if close is not None:
+                close()
 
     def _failure(self, exc: BaseException, rows: int | None) -> Failure:
         return Failure(*describe_failure(exc, self.model_id, "predict", rows))

@@ -15,6 +15,11 @@ INFER     stub -> worker  tensors (below)
 RESULT    worker -> stub  tensors (below); also the answer to SHUTDOWN (no tensors)
 ERROR     worker -> stub  JSON ``{"kind", "message", "stage"}`` (kind and message as errors.py)
 SHUTDOWN  stub -> worker  empty: run ``unload`` and exit
+STREAM    stub -> worker  tensors: one request of a decoupled model (``predict`` is a generator)
+ITEM      worker -> stub  tensors: one result the generator yielded; the worker waits for NEXT or CANCEL
+NEXT      stub -> worker  empty: the item is sent on, compute the next one
+CANCEL    stub -> worker  empty: the request was cancelled; close the generator
+END       worker -> stub  empty: the stream is over (the generator ended or was closed)
 ========  ==============  =================================================================
 
 Tensors travel through shared memory: each side owns one region (a memfd it writes, the other
@@ -40,9 +45,11 @@ from typing import Any
 import numpy as np
 
 SPAWN, STATUS, EXITED, FORKED, READY, INFER, RESULT, ERROR, SHUTDOWN = range(1, 10)
+STREAM, ITEM, NEXT, CANCEL, END = range(10, 15)
 FRAME_NAMES = {
     SPAWN: "SPAWN", STATUS: "STATUS", EXITED: "EXITED", FORKED: "FORKED", READY: "READY",
     INFER: "INFER", RESULT: "RESULT", ERROR: "ERROR", SHUTDOWN: "SHUTDOWN",
+    STREAM: "STREAM", ITEM: "ITEM", NEXT: "NEXT", CANCEL: "CANCEL", END: "END",
 }  # fmt: skip
 
 MAX_FRAME = 1 << 16  # JSON frames (an error message with a traceback summary fits many times over)

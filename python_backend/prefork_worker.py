@@ -25,12 +25,17 @@ from .batching import check_outputs, check_raw_outputs
 from .errors import describe_failure, without_prefix
 from .journal import start_ticks
 from .prefork_protocol import (
+    CANCEL,
+    END,
     ERROR,
     FORKED,
     INFER,
+    ITEM,
+    NEXT,
     READY,
     RESULT,
     SHUTDOWN,
+    STREAM,
     PeerClosed,
     PeerRegion,
     ProtocolError,
@@ -151,8 +156,11 @@ def _serve_requests(conn: socket.socket, spec: RuntimeSpec, model: Any) -> int:
                 return 0
             send_frame(conn, RESULT)
             return 0
+        if kind == STREAM:
+            _stream(conn, spec, model, read_tensors(body, fd, peer, copy=False, take=True), region)
+            continue
         if kind != INFER:
-            raise ProtocolError(f"a worker expects INFER or SHUTDOWN, got frame type {kind}")
+            raise ProtocolError(f"a worker expects INFER, STREAM or SHUTDOWN, got frame type {kind}")
         # In place: the stub writes its next INFER only after this call's RESULT.
         inputs = read_tensors(body, fd, peer, copy=False, take=True)
         rows = _rows(spec, inputs)
@@ -162,6 +170,35 @@ def _serve_requests(conn: socket.socket, spec: RuntimeSpec, model: Any) -> int:
             _send_error(conn, e, spec.model_id, "predict", rows)
             continue
         send_tensors(conn, RESULT, region, outputs)
+
+
+def _stream(conn: socket.socket, spec: RuntimeSpec, model: Any, inputs: Any, region: Region) -> None:
+    """A decoupled model's request: one ITEM per result ``predict`` yields, each after the stub's NEXT;
+    END once the generator ends or the stub sent CANCEL (the generator is closed first); ERROR when it
+    raised (the items before stay sent). The inputs stay in place: the stub writes nothing until END."""
+    rows = _rows(spec, inputs)
+    results = None
+    try:
+        results = iter(model.predict(inputs))
+        for outputs in results:
+            send_tensors(conn, ITEM, region, _conform(spec, inputs, outputs, rows))
+            kind, _, fd = recv_frame(conn)
+            if fd is not None:
+                os.close(fd)
+            if kind == CANCEL:
+                break
+            if kind != NEXT:
+                raise ProtocolError(f"a streaming worker expects NEXT or CANCEL, got frame type {kind}")
+    except (PeerClosed, ProtocolError, OSError):
+        raise  # the stub is gone or confused: the worker's own plumbing, not the model
+    except BaseException as e:  # user code can raise anything: it ends this request's stream
+        _send_error(conn, e, spec.model_id, "predict", rows)
+        return
+    finally:
+        close = getattr(results, "close", None)
+        if close is not None:
+            close()
+    send_frame(conn, END)
 
 
 def _rows(spec: RuntimeSpec, inputs: Any) -> int | None:

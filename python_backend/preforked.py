@@ -41,15 +41,20 @@ from .errors import INTERNAL, RemoteFailure, describe_failure, without_prefix
 from .exits import describe_wait_status
 from .journal import JOURNAL_ENV, clear_batch, own_file, start_ticks
 from .prefork_protocol import (
+    CANCEL,
+    END,
     ERROR,
     EXITED,
     FORKED,
     INFER,
+    ITEM,
+    NEXT,
     READY,
     RESULT,
     SHUTDOWN,
     SPAWN,
     STATUS,
+    STREAM,
     PeerClosed,
     PeerRegion,
     ProtocolError,
@@ -355,6 +360,64 @@ class PreforkedModel:
                 return self._answer(conn)
             finally:
                 self._answer_secs += (time.perf_counter() - sent - self._answer_secs) * 0.25
+
+    @property
+    def direct_stream(self) -> Any:
+        """``stream_in_worker`` when a worker serves, else None (a decoupled model's ``direct_predict``)."""
+        return self.stream_in_worker if self.in_stub is None and self._conn is not None else None
+
+    def stream_in_worker(self, inputs: dict[str, Any]) -> Any:
+        """A decoupled model's ``predict`` in the worker, as a generator: each ITEM the worker sends is one
+        result; closing this generator early (a cancelled request) sends CANCEL and waits for the END."""
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                self._die(ran=False, when="before a stream")
+            try:
+                send_tensors(conn, STREAM, self._region, inputs)
+            except OSError:
+                self._die(ran=False, when="before a stream")
+            over = False
+            try:
+                while True:
+                    kind, body, fd = self._stream_frame(conn)
+                    if kind == ITEM:
+                        item = read_tensors(body, fd, self._peer, copy=True)
+                        yield item
+                        send_frame(conn, NEXT)
+                        continue
+                    over = True
+                    self._stream_end(kind, body, fd)
+                    return
+            finally:
+                if not over:
+                    send_frame(conn, CANCEL)
+                    while True:
+                        kind, body, fd = self._stream_frame(conn)
+                        if kind != ITEM:
+                            self._stream_end(kind, body, fd, raise_error=False)
+                            break
+                        if fd is not None:
+                            os.close(fd)
+
+    def _stream_frame(self, conn: socket.socket) -> tuple[int, bytes, int | None]:
+        try:
+            return recv_frame(conn)
+        except (PeerClosed, OSError):
+            ran = self._region.taken()
+            self._die(ran=ran, when="while streaming" if ran else "before it took the request")
+
+    def _stream_end(self, kind: int, body: bytes, fd: int | None, *, raise_error: bool = True) -> None:
+        if fd is not None:
+            os.close(fd)
+        if kind == END:
+            return
+        if kind == ERROR:
+            payload = parse_json(kind, body)
+            if raise_error:
+                raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
+            return
+        raise ProtocolError(f"expected ITEM, END or ERROR from a streaming worker, got frame type {kind}")
 
     def _answer(self, conn: socket.socket) -> Any:
         try:

@@ -75,6 +75,8 @@ class RuntimeSpec:
     request_timeout_secs: float | None = None  # None or 0: no limit
     worker: str = "in-stub"  # one of WORKERS
     preload: tuple[str, ...] = ()  # modules a preforked model's parent imports (numpy always)
+    decoupled: bool = False  # predict is a generator: one response per yielded dict, then the final flag
+    sequence: bool = False  # Triton's sequence batcher: predict may take a second argument (a Sequence)
 
     @property
     def batched(self) -> bool:
@@ -136,6 +138,9 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
         raise fail(f"'request_timeout_secs' must be a number >= 0 or null, got {timeout!r}")
 
     worker, preload = _parse_worker(raw, fail)
+    decoupled, sequence = raw.get("decoupled", False), raw.get("sequence", False)
+    if not isinstance(decoupled, bool) or not isinstance(sequence, bool):
+        raise fail(f"'decoupled' and 'sequence' must be true or false, got {decoupled!r}, {sequence!r}")
 
     inputs = _parse_tensors(raw.get("inputs"), "inputs", fail)
     outputs = _parse_tensors(raw.get("outputs"), "outputs", fail)
@@ -157,6 +162,8 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
         request_timeout_secs=float(timeout) if timeout else None,
         worker=worker,
         preload=tuple(preload),
+        decoupled=decoupled,
+        sequence=sequence,
     )
 
 

@@ -8,6 +8,8 @@ batching policy lives in batching.py, testable without Triton.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import json
 import os
 import sys
@@ -29,6 +31,35 @@ PACKAGE_DIR = "package"
 # a hanging unload() would block the model's unload forever; the stub process exits after finalize
 # and frees the model's memory anyway.
 UNLOAD_TIMEOUT_SECS = 30.0
+
+
+# TRITONSERVER_RequestFlag: the first and the last request of a sequence.
+SEQUENCE_START, SEQUENCE_END = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence:
+    """What a stateful model's ``predict(inputs, sequence)`` learns about its request."""
+
+    correlation_id: int | str
+    start: bool
+    end: bool
+
+
+def takes_sequence(predict: Any) -> bool:
+    """A ``predict`` with a second positional parameter gets the request's ``Sequence`` (duck-typed:
+    a one-argument ``predict`` keeps working on a stateful model)."""
+    try:
+        params = list(inspect.signature(predict).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _sequence_of(request: Any) -> Sequence:
+    flags = request.flags()
+    return Sequence(request.correlation_id(), bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END))
 
 
 def _log(model_id: str, message: str) -> None:
@@ -76,7 +107,7 @@ class TritonPythonModel:
             raise RuntimeError(describe_failure(e, spec.model_id, stage, None)[1]) from None
         _log(spec.model_id, f"loaded ({spec.kind}, {spec.tensor_format} tensors) on {device}")
         # A preforked model's worker is a process of its own: the stub's thread talks to it directly.
-        self._direct = getattr(self._model, "direct_predict", None)
+        self._direct = getattr(self._model, "direct_stream" if spec.decoupled else "direct_predict", None)
         self._journal = RequestJournal.from_environment()
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
         self._plan = BatchPlan(spec)
@@ -87,16 +118,23 @@ class TritonPythonModel:
         # answer); with a time limit, a watchdog beside it answers a call that overruns it.
         self._user_predict = self._direct or self._model.predict
         self._predict = self._user_predict
+        # A stateful model whose predict takes the request's Sequence: one call per request.
+        self._per_sequence = spec.sequence and not spec.decoupled and takes_sequence(self._user_predict)
         self._warm_answer: tuple[dict[str, Any], Any] | None = None
-        self._warm_up(args, spec)
+        if not spec.decoupled and not spec.sequence:  # the renderer gives those no warm-up sample
+            self._warm_up(args, spec)
         self._watch = None
         if self._timeout:
             self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")
             self._predict = self._predict_watched
 
-    def execute(self, requests: list) -> list:
+    def execute(self, requests: list) -> list | None:
         if self._journal is not None:
             self._journal.record(requests)
+        if self._spec.decoupled:
+            for request in requests:
+                self._stream(request)
+            return None
         if self._warm_answer is not None:  # the instance's first batch: Triton's warm-up, already run in _warm_up
             answer = self._warmed(requests)
             if answer is not None:
@@ -152,6 +190,20 @@ class TritonPythonModel:
                 )
 
     def _run(self, requests: list) -> list:
+        if self._per_sequence:
+            return [self._run_in_sequence(request) for request in requests]
+        return self._run_batch(requests)
+
+    def _run_in_sequence(self, request: Any) -> Any:
+        """A stateful model's request: its own ``predict(inputs, sequence)`` call (requests of different
+        sequences in one batch are not collated: each has its own state)."""
+        try:
+            sequence = _sequence_of(request)
+            return self._run_batch([request], lambda inputs: self._predict(inputs, sequence))[0]
+        except BaseException as e:
+            return Failure(*describe_failure(e, self._spec.model_id, "predict", None))
+
+    def _run_batch(self, requests: list, predict: Any = None) -> list:
         """One result or framed Failure per request: nothing escapes for Triton to word instead.
 
         The plan turns what user code raises into per-request failures; this catches the rest (a
@@ -161,9 +213,42 @@ class TritonPythonModel:
         """
         try:
             arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
-            return self._plan.run(arrays, self._predict)
+            return self._plan.run(arrays, predict or self._predict)
         except BaseException as e:
             return [Failure(*describe_failure(e, self._spec.model_id, "predict", None))] * len(requests)
+
+    def _stream(self, request: Any) -> None:
+        """A decoupled model's request: one response per result predict yields, in order, then the final
+        flag; a failure is the last response (those before it stay sent). A cancelled request (the client
+        went away) stops predict's generator before it computes the next result.
+
+        ``request_timeout_secs`` does not apply to a stream (its length is the model's to choose).
+        """
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        sender = request.get_response_sender()
+        results = None
+        try:
+            arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            results = self._plan.stream(arrays, self._user_predict)
+            for result in results:
+                response = self._response(result)
+                if response.has_error():
+                    sender.send(response, flags=final)
+                    return
+                sender.send(response)
+                if request.is_cancelled():
+                    break
+        except BaseException as e:  # a fault of the runtime, or SystemExit from predict: the model's error
+            failure = Failure(*describe_failure(e, self._spec.model_id, "predict", None))
+            try:
+                sender.send(self._response_cls(error=self._error(failure)), flags=final)
+            except Exception as gone:  # the request may be over already (a send to a client that left)
+                _log(self._spec.model_id, f"could not end a stream with its error: {gone}")
+            return
+        finally:
+            if results is not None:
+                results.close()
+        sender.send(flags=final)
 
     def finalize(self) -> None:
         unload = getattr(self._model, "unload", None)
@@ -179,9 +264,9 @@ class TritonPythonModel:
         if self._journal is not None:
             self._journal.close()
 
-    def _predict_watched(self, inputs: Any) -> Any:
+    def _predict_watched(self, inputs: Any, *sequence: Any) -> Any:
         self._watch.started = time.monotonic()
-        return self._user_predict(inputs)
+        return self._user_predict(inputs, *sequence)
 
     def _overran(self, requests: list, started: float) -> None:
         """On the watchdog's thread: answer the overrunning batch with the timeout, then end the process.

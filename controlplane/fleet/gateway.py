@@ -23,6 +23,7 @@ from controlplane.gateway.envoy import (
     GatewayError,
     render_template,
 )
+from controlplane.gateway.wake_lua import LUA_PROTOBUF_STRING_FIELD
 
 MODEL_HEADER = "x-snooze-model"
 # A node may take this % of the average load (requests in flight) before the ring's next node helps.
@@ -56,53 +57,7 @@ local NAME_FIELD = {{
   ["/inference.GRPCInferenceService/RepositoryModelUnload"] = 2,
 }}
 
-local function varint(s, i)
-  local value, scale = 0, 1
-  while i <= #s do
-    local b = s:byte(i)
-    i = i + 1
-    value = value + (b % 128) * scale
-    if b < 128 then
-      return value, i
-    end
-    scale = scale * 128
-  end
-  return nil, i
-end
-
-local function string_field(s, wanted)
-  local i = 6
-  while i <= #s do
-    local key
-    key, i = varint(s, i)
-    if key == nil then
-      return nil
-    end
-    local number, wire = math.floor(key / 8), key % 8
-    if wire == 2 then
-      local size
-      size, i = varint(s, i)
-      if size == nil then
-        return nil
-      end
-      if number == wanted then
-        return s:sub(i, i + size - 1)
-      end
-      i = i + size
-    elseif wire == 0 then
-      local _
-      _, i = varint(s, i)
-    elseif wire == 1 then
-      i = i + 8
-    elseif wire == 5 then
-      i = i + 4
-    else
-      return nil
-    end
-  end
-  return nil
-end
-
+{LUA_PROTOBUF_STRING_FIELD}
 function envoy_on_request(handle)
   handle:headers():remove("{MODEL_HEADER}")
   local wanted = NAME_FIELD[handle:headers():get(":path")]

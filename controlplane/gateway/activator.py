@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -37,7 +39,11 @@ from starlette.routing import Route
 from tritonclient.grpc import model_config_pb2, service_pb2
 
 from controlplane.auth import Scope, check_scope
-from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
+from controlplane.errors import NotFoundError, SnoozeError, TritonModelLoadError, UnavailableError
+from controlplane.gateway import triton_words as words
+from controlplane.gateway.envoy import held_log_path
+from controlplane.gateway.triton_words import UnknownModelError
+from controlplane.gateway.wake_lua import HOLD_HEADER, HOLD_PATH
 from controlplane.render import VERSION, parse_config
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
@@ -46,6 +52,8 @@ from controlplane.triton.dead_stub import is_dead_stub_http_body, is_dead_stub_m
 from controlplane.triton.journal import REQUEST_ID_HEADER
 
 SERVICE = "inference.GRPCInferenceService"
+# HTTP inference calls retried here (a body within the wake buffer): infer and generate, forwarded alike.
+OPS = ("infer", "generate")
 T = TypeVar("T")
 # Lifecycle state -> Triton repository-index state, the vocabulary tritonclient users know.
 INDEX_STATES = {
@@ -95,15 +103,35 @@ class ModelAnswers:
         self.settings = settings
 
     def published(self, name: str, version: str = "") -> PublishedModel:
-        model = self.store.get(name)  # NotFoundError naming the model
+        """The published model; else Triton's own "unknown model" words (404), snoozeml's reason after."""
+        try:
+            model = self.store.get(name)
+        except NotFoundError as e:
+            raise UnknownModelError(words.not_found(name), e) from None
         if version and version != VERSION:
-            raise NotFoundError(f"model '{name}' has no version '{version}' (published version: {VERSION})")
+            raise UnknownModelError(
+                words.version_not_found(name, version), f"model '{name}' is published as version {VERSION} only"
+            )
         return model
 
-    def serving(self, name: str, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
-        """Wake the model and keep it loaded (no idle unload, no eviction) until the forward is done."""
+    @contextlib.asynccontextmanager
+    async def serving(self, name: str, timeout: float | None = None) -> AsyncIterator[None]:
+        """Wake the model and keep it loaded (no idle unload, no eviction) until the block ends.
+
+        A load that failed or outlived the deadline answers with Triton's words for a model without a
+        loaded version first and snoozeml's reason after, as 503 / UNAVAILABLE with Retry-After (not
+        Triton's 404): the next request tries the load again, so a client that retries 503 is right.
+        """
         self.published(name)
-        return self.waker.serving(name, timeout=timeout)
+        entered = False
+        try:
+            async with self.waker.serving(name, timeout=timeout):
+                entered = True
+                yield
+        except UnavailableError as e:
+            if entered or isinstance(e, words.NotYetAvailableError):
+                raise
+            raise words.NotYetAvailableError(name, e) from e
 
     async def forward(
         self,
@@ -120,6 +148,7 @@ class ModelAnswers:
         healthy" answer here) is refused with the crash. One that meets a dead stub here is sent again
         after recovery only when the journal shows it never reached a live process (``recovery``).
         """
+        self.published(name)
         await self.waker.admit(name, request_id)
         async with self.serving(name, timeout):
             answer = await send()
@@ -130,6 +159,15 @@ class ModelAnswers:
             if dead(answer):
                 await self.waker.after_dead_answer(name, request_id)
             return answer
+
+    async def load(self, name: str) -> None:
+        """Repository load (admin): a failed load answers in Triton's words and status (400)."""
+        try:
+            await self.waker.load(name)
+        except TritonModelLoadError as e:
+            raise words.LoadFailedError(name, e) from e
+        if self.state(name) == "failed":
+            raise words.LoadFailedError(name, SnoozeError(self.waker.status(name).reason or "unknown reason"))
 
     def state(self, name: str) -> str:
         """The lifecycle state's name (``ModelStatus.state`` is a str enum)."""
@@ -188,6 +226,82 @@ def _no_overrides(parameters: Iterable[str], name: str) -> None:
         )
 
 
+class HoldRegistry:
+    """Models held in use for the requests the wake filter let through (streams, large bodies).
+
+    ``hold`` wakes the model (single flight) and keeps it in use (``serving``: no idle unload, no
+    eviction, no scale-down) until Envoy's access log of held requests (``held_log``, one hold token per
+    line, written when the request ends, normally or by a reset) names its token: ``tail`` reads it.
+    The wake filter sets the token before it calls, so an end logged before its hold was taken (the
+    client went away during the wake) releases the hold at once; ends that never had a hold (an unknown
+    model) are forgotten after ``ENDED_MEMORY_SECS``.
+    """
+
+    ENDED_MEMORY_SECS = 600.0
+
+    def __init__(self, answers: ModelAnswers, held_log: Path, *, poll_secs: float = 0.05) -> None:
+        self.answers = answers
+        self.held_log = held_log
+        self.poll_secs = poll_secs
+        self._holds: dict[str, tuple[str, contextlib.AsyncExitStack]] = {}
+        self._ended: dict[str, float] = {}
+        self._offset: int | None = None
+
+    def open(self, model: str | None = None) -> int:
+        """Requests held now (for ``model``, or all)."""
+        return sum(1 for m, _ in self._holds.values() if model is None or m == model)
+
+    async def hold(self, model: str, token: str) -> None:
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self.answers.serving(model))
+        if not token or self._ended.pop(token, None) is not None or token in self._holds:
+            await stack.aclose()
+            return
+        self._holds[token] = (model, stack)
+
+    async def release(self, request_id: str) -> None:
+        held = self._holds.pop(request_id, None)
+        if held is None:
+            self._ended[request_id] = time.monotonic()
+            return
+        await held[1].aclose()
+
+    def _new_lines(self) -> list[str]:
+        try:
+            size = self.held_log.stat().st_size
+        except FileNotFoundError:
+            self._offset = self._offset or 0
+            return []
+        if self._offset is None or size < self._offset:  # first look (older runs' lines), or a new file
+            self._offset = size if self._offset is None else 0
+            return []
+        if size == self._offset:
+            return []
+        with open(self.held_log, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        complete = data.rfind(b"\n") + 1
+        self._offset += complete
+        return [line.strip().strip('"') for line in data[:complete].decode("utf-8", "replace").splitlines()]
+
+    async def tail(self) -> None:
+        """Release holds as Envoy logs their requests' ends (runs until cancelled)."""
+        while True:
+            for request_id in self._new_lines():
+                if request_id and request_id != "-":
+                    await self.release(request_id)
+            now = time.monotonic()
+            for request_id, at in list(self._ended.items()):
+                if now - at > self.ENDED_MEMORY_SECS:
+                    del self._ended[request_id]
+            await asyncio.sleep(self.poll_secs)
+
+    async def aclose(self) -> None:
+        for _, stack in list(self._holds.values()):
+            await stack.aclose()
+        self._holds.clear()
+
+
 # ---------------------------------------------------------------------------------------------
 # HTTP
 
@@ -233,8 +347,9 @@ def _handled(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request]
     return endpoint
 
 
-def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlette:
-    """The activator's KServe v2 HTTP app (the routes Envoy sends to ``activator_http``)."""
+def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder, holds: HoldRegistry) -> Starlette:
+    """The activator's KServe v2 HTTP app (the routes Envoy sends to ``activator_http``), and the wake
+    filter's hold call (``wake_lua``; reached only from Envoy's Lua, no listener route leads there)."""
 
     def model_of(request: Request) -> tuple[str, str]:
         return request.path_params["model"], request.path_params.get("version", "")
@@ -252,9 +367,13 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
 
     async def ready(request: Request) -> Response:
         name, version = model_of(request)
-        answers.published(name, version)
+        try:
+            answers.published(name, version)
+        except UnknownModelError as e:  # Triton: 400 "Model version not ready" for any unknown model
+            return JSONResponse({"error": words.explained(words.NOT_READY, e.message)}, 400)
         if not answers.ready(name):
-            return JSONResponse({"error": f"model '{name}' failed to load: {answers.waker.status(name).reason}"}, 400)
+            reason = f"model '{name}' failed to load: {answers.waker.status(name).reason}"
+            return JSONResponse({"error": words.explained(words.NOT_READY, reason)}, 400)
         return Response(status_code=200)
 
     async def metadata(request: Request) -> Response:
@@ -281,16 +400,21 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder) -> Starlett
         name = admin_model(request)
         body = await request.body()
         _no_overrides((await request.json()).get("parameters", {}) if body else {}, name)
-        await answers.waker.load(name)
+        await answers.load(name)
         return JSONResponse({})
 
     async def unload(request: Request) -> Response:
         await answers.waker.unload(admin_model(request), reason="api")
         return JSONResponse({})
 
+    async def hold(request: Request) -> Response:
+        await holds.hold(request.path_params["model"], request.headers.get(HOLD_HEADER, ""))
+        return JSONResponse({})
+
     model = "/v2/models/{model}"
     versioned = "/v2/models/{model}/versions/{version}"
-    routes = [Route(f"{p}/infer", _handled(infer), methods=["POST"]) for p in (model, versioned)]
+    routes = [Route(f"{p}/{op}", _handled(infer), methods=["POST"]) for p in (model, versioned) for op in OPS]
+    routes += [Route(HOLD_PATH + "{model}", _handled(hold), methods=["POST"])]
     routes += [Route(f"{p}/ready", _handled(ready), methods=["GET"]) for p in (model, versioned)]
     routes += [Route(f"{p}/config", _handled(config), methods=["GET"]) for p in (model, versioned)]
     routes += [Route(p, _handled(metadata), methods=["GET"]) for p in (model, versioned)]
@@ -421,7 +545,7 @@ class GrpcActivator:
         msg = service_pb2.RepositoryModelLoadRequest.FromString(request)
         self.answers.published(msg.model_name)
         _no_overrides(msg.parameters, msg.model_name)
-        await self.answers.waker.load(msg.model_name)
+        await self.answers.load(msg.model_name)
         return service_pb2.RepositoryModelLoadResponse().SerializeToString()
 
     async def repository_unload(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -477,6 +601,8 @@ class Activator:
         self._grpc_server: grpc.aio.Server | None = None
         self._uvicorn: EmbeddedUvicorn | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
+        self.holds = HoldRegistry(self.answers, held_log_path(settings))
+        self._tail_task: asyncio.Task[None] | None = None
 
     @property
     def http_address(self) -> str:
@@ -488,7 +614,8 @@ class Activator:
 
     async def start(self) -> None:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
-        app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client))
+        app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client), self.holds)
+        self._tail_task = asyncio.create_task(self.holds.tail())
         sock = _bind(self.host, self.settings.activator_http_port)
         self.http_port = sock.getsockname()[1]
         self._uvicorn = EmbeddedUvicorn(
@@ -508,6 +635,12 @@ class Activator:
         await self._grpc_server.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        if self._tail_task is not None:
+            self._tail_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tail_task
+            self._tail_task = None
+        await self.holds.aclose()
         if self._grpc_server is not None:
             await self._grpc_server.stop(grace)
         if self._grpc is not None:

@@ -3,8 +3,10 @@
 Warm traffic never touches Python: Envoy proxies inference to Triton. A request for a sleeping
 model gets Triton's "not found" (HTTP 404, grpc-status 5) and Envoy's retry policy re-sends it,
 body included, to priority 1 of the same cluster, the activator (``activator.py``), which wakes the
-model and forwards the request. ``wake_buffer_bytes`` bounds the body Envoy keeps for that retry:
-a larger request to a sleeping model is not retried and the client gets Triton's 404.
+model and forwards the request. ``wake_buffer_bytes`` bounds the body Envoy keeps for that retry.
+Requests that cannot be retried, streams (gRPC ``ModelStreamInfer``, HTTP ``generate_stream``) and
+bodies over ``wake_buffer_bytes``, are woken by the wake filter (``wake_lua.py``) before their body
+moves on, and hold their model in use until they end.
 
 A request that met a dead python stub (Triton's whole message ``Stub process '<instance>' is not
 healthy.``, defined once in ``controlplane.triton.dead_stub``: gRPC INTERNAL with it as grpc-message;
@@ -46,6 +48,7 @@ import httpx
 import jinja2
 
 from controlplane.errors import SnoozeError
+from controlplane.gateway.wake_lua import METADATA_KEY, METADATA_NAMESPACE, grpc_wake_lua, http_wake_lua
 from controlplane.processes import log_tail, spawn, stop_group
 from controlplane.settings import Settings
 from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
@@ -71,9 +74,10 @@ GRPC_RETRY_HEADERS = (
 # HTTP: Triton's 500 for a dead stub, marked by the Lua filter on the infer_http cluster.
 DEAD_STUB_HEADER = "x-snooze-dead-stub"
 HTTP_RETRY_HEADERS = ({"name": DEAD_STUB_HEADER, "present_match": True},)
+# Triton's own words for a restricted API first (its --http-restricted-api answer), then snoozeml's.
 UNAUTHORIZED_MESSAGE = (
-    "missing or invalid API key: send it as the X-API-Key header or 'Authorization: Bearer <key>' "
-    "(gRPC metadata x-api-key or authorization)"
+    "This API is restricted, expecting header 'x-api-key': snoozeml: missing or invalid API key: "
+    "send it as the X-API-Key header or 'Authorization: Bearer <key>' (gRPC metadata x-api-key or authorization)"
 )
 MAX_UPSTREAM = 100_000
 GATE_RUNTIME_KEY = "snooze.gateway.closed"
@@ -126,6 +130,11 @@ def find_envoy() -> Path:
     return path
 
 
+def held_log_path(settings: Settings) -> Path:
+    """Envoy's access log of held requests' ends (the wake filter's), read by the activator."""
+    return settings.work_dir / "gateway-held.log"
+
+
 def gateway_keys(settings: Settings) -> list[ApiKey]:
     """Every key Envoy accepts (inference and admin scope); empty when auth is off."""
     if settings.auth == "off":
@@ -167,8 +176,10 @@ def render_bootstrap(
     activator_grpc: Upstream,
     wake_buffer_bytes: int,
     api_keys: Sequence[ApiKey] = (),
+    held_log: Path | str = os.devnull,
 ) -> str:
-    """The Envoy bootstrap YAML. No ``api_keys`` = no auth filter (auth off)."""
+    """The Envoy bootstrap YAML. No ``api_keys`` = no auth filter (auth off). ``held_log``: the access log
+    of held requests' ends, which the activator tails (``held_log_path``)."""
     if wake_buffer_bytes <= 0:
         raise GatewayError(f"wake_buffer_bytes must be positive, got {wake_buffer_bytes}")
     return render_template(
@@ -194,6 +205,11 @@ def render_bootstrap(
         max_upstream=MAX_UPSTREAM,
         gate_runtime_key=GATE_RUNTIME_KEY,
         gate_closed_message=GATE_CLOSED_MESSAGE,
+        http_wake_lua=http_wake_lua(wake_buffer_bytes),
+        grpc_wake_lua=grpc_wake_lua(wake_buffer_bytes),
+        hold_namespace=METADATA_NAMESPACE,
+        hold_key=METADATA_KEY,
+        held_log=str(held_log),
     )
 
 
@@ -244,6 +260,8 @@ class EnvoyProcess:
             "--admin-address-path", str(self._admin_address_file),
             "--log-level", self.log_level,
             "--log-path", str(self.log_file),
+            # Access logs (the wake filter's held requests) reach their file within 50 ms, not 10 s.
+            "--file-flush-interval-msec", "50",
         ]  # fmt: skip
 
     def validate(self) -> None:
@@ -423,6 +441,7 @@ class EnvoyGateway(EnvoyProcess):
             activator_http=Upstream.parse(activator_http),
             activator_grpc=Upstream.parse(activator_grpc),
             wake_buffer_bytes=settings.wake_buffer_bytes,
+            held_log=held_log_path(settings),
             api_keys=gateway_keys(settings),
         )
         connect_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host

@@ -9,6 +9,7 @@ tests see (wake-ups, dead-stub recovery) comes through the gateway's retry path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -33,10 +34,11 @@ from controlplane.gateway.envoy import ApiKey, EnvoyGateway, GatewayError, Upstr
 from controlplane.lifecycle import LifecycleManager
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
-from controlplane.spec import DeploymentSpec, resolve
+from controlplane.spec import DeploymentSpec, SequenceSpec, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton, free_port
+from tests.serve_harness import until
 
 pytestmark = pytest.mark.integration
 
@@ -88,6 +90,7 @@ class Stack:
     loop: LoopThread
     package: Path
     raiser: Path
+    activator: Activator
 
     def publish(self, name: str) -> str:
         self.store.publish(resolve(DeploymentSpec(id=name, path=self.package, max_batch_size=8)))
@@ -199,7 +202,7 @@ def stack(
     )
     try:
         gateway.start()
-        yield Stack(embedded_triton, store, lifecycle, admin, gateway, loop, package, raiser)
+        yield Stack(embedded_triton, store, lifecycle, admin, gateway, loop, package, raiser, activator)
     finally:
         gateway.stop()
         loop.run(activator.stop())
@@ -325,21 +328,91 @@ def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
         assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)
 
 
-def test_unknown_model_is_a_clean_not_found(stack: Stack):
+def _stream_error(g: grpcclient.InferenceServerClient, model: str) -> str:
+    """The error a stream's first request for ``model`` gets, through the stream's callback."""
+    errors: list[Any] = []
+    g.start_stream(callback=lambda result, error: errors.append(error), headers=GRPC_KEY)
+    inp = grpcclient.InferInput("x", [1, 4], "FP32")
+    inp.set_data_from_numpy(_x(1))
+    g.async_stream_infer(model, [inp])
+    until(lambda: errors, "the stream's error")
+    g.stop_stream()
+    assert errors[0] is not None, "the stream answered without an error"
+    return errors[0].message()
+
+
+def _unknown_in_tritons_words(calls: Any, headers: dict[str, str], status: str, known: str) -> None:
+    """Metadata and config calls for an unknown model, and for a version the known model lacks."""
+    for call in calls:
+        with pytest.raises(InferenceServerException) as info:
+            call("gw_nope", headers=headers)
+        assert info.value.status() == status
+        assert info.value.message().startswith("Request for unknown model: 'gw_nope' is not found")
+        with pytest.raises(InferenceServerException) as info:
+            call(known, "7", headers=headers)
+        assert info.value.message().startswith(f"Request for unknown model: '{known}' version 7 is not found")
+
+
+def test_unknown_model_answers_in_tritons_words(stack: Stack):
+    """Triton's own words and status first (clients check ``startswith("Request for unknown model")``),
+    snoozeml's reason after, on every call that names a model, over HTTP and gRPC."""
+    nope = "Request for unknown model: 'gw_nope' is not found"
+    known = stack.publish("gw_words")
     with stack.http() as h:
         with pytest.raises(InferenceServerException) as info:
             http_infer(h, "gw_nope", _x())
-        assert info.value.status() == "404" and "'gw_nope' is not published" in info.value.message()
+        assert info.value.status() == "404" and info.value.message().startswith(nope)
+        assert "'gw_nope' is not published" in info.value.message()
+        _unknown_in_tritons_words((h.get_model_metadata, h.get_model_config), KEY, "404", known)
         assert not h.is_model_ready("gw_nope", headers=KEY)
-        with pytest.raises(InferenceServerException, match="is not published"):
-            h.get_model_metadata("gw_nope", headers=KEY)
-    raw = httpx.post(f"{stack.gateway.http_url}/v2/models/gw_nope/infer", json={"inputs": []}, headers=KEY)
-    assert raw.status_code == 404 and raw.json()["error"] == "model 'gw_nope' is not published"
+    for path in ("infer", "versions/1/infer", "generate", "generate_stream"):
+        raw = httpx.post(f"{stack.gateway.http_url}/v2/models/gw_nope/{path}", json={"inputs": []}, headers=KEY)
+        assert raw.status_code == 404 and raw.json()["error"].startswith(nope), (path, raw.text)
+    ready = httpx.get(f"{stack.gateway.http_url}/v2/models/gw_nope/ready", headers=KEY)
+    assert ready.status_code == 400 and ready.json()["error"].startswith("Model version not ready")
     with stack.grpc() as g:
         with pytest.raises(InferenceServerException) as info:
             grpc_infer(g, "gw_nope", _x())
-        assert info.value.status() == "StatusCode.NOT_FOUND" and "is not published" in info.value.message()
+        assert info.value.status() == "StatusCode.NOT_FOUND" and info.value.message().startswith(nope)
+        _unknown_in_tritons_words((g.get_model_metadata, g.get_model_config), GRPC_KEY, "StatusCode.NOT_FOUND", known)
         assert not g.is_model_ready("gw_nope", headers=GRPC_KEY)
+        assert _stream_error(g, "gw_nope").startswith(nope)
+
+
+BROKEN_PY = """
+class Model:
+    def load(self, model_dir, device):
+        raise RuntimeError("no weights here")
+
+    def predict(self, inputs):
+        return inputs
+"""
+
+
+def test_failed_load_answers_in_tritons_words(stack: Stack, tmp_path: Path):
+    """A model whose load fails: requests get Triton's "has no available versions" (as 503 / UNAVAILABLE:
+    the next request tries the load again), a repository load gets Triton's "load failed for model"
+    (400 / INVALID_ARGUMENT, Triton's status too), each with snoozeml's reason after."""
+    broken = _write_package(tmp_path / "broken", BROKEN_PY)
+    stack.store.publish(resolve(DeploymentSpec(id="gw_broken", path=broken, max_batch_size=8)))
+    words = "Request for unknown model: 'gw_broken' has no available versions"
+    with stack.http() as h, stack.grpc() as g:
+        with pytest.raises(InferenceServerException) as info:
+            http_infer(h, "gw_broken", _x())
+        assert info.value.status() == "503" and info.value.message().startswith(words)
+        assert "no weights here" in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            grpc_infer(g, "gw_broken", _x())
+        assert info.value.status() == "StatusCode.UNAVAILABLE" and info.value.message().startswith(words)
+        ready = httpx.get(f"{stack.gateway.http_url}/v2/models/gw_broken/ready", headers=KEY)
+        assert ready.status_code == 400 and ready.json()["error"].startswith("Model version not ready")
+        with pytest.raises(InferenceServerException) as info:
+            h.load_model("gw_broken", headers={"X-API-Key": ADMIN_KEY})
+        assert info.value.status() == "400" and info.value.message().startswith("load failed for model 'gw_broken'")
+        with pytest.raises(InferenceServerException) as info:
+            g.load_model("gw_broken", headers={"x-api-key": ADMIN_KEY})
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert info.value.message().startswith("load failed for model 'gw_broken'")
 
 
 @pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}])
@@ -348,6 +421,7 @@ def test_http_auth_refusals_are_kserve_errors(stack: Stack, headers: dict[str, s
         with pytest.raises(InferenceServerException) as info:
             http_infer(client, "gw_warm", _x(), headers=headers)
     assert info.value.status() == "401" and "missing or invalid API key" in info.value.message()
+    assert info.value.message().startswith("This API is restricted, expecting header 'x-api-key'")  # Triton's words
     raw = httpx.get(f"{stack.gateway.http_url}/v2/models/gw_warm", headers=headers)
     assert raw.status_code == 401 and raw.headers["content-type"] == "application/json"
     assert raw.json() == {"error": pytest.approx(info.value.message())}
@@ -359,6 +433,7 @@ def test_grpc_auth_refusals(stack: Stack, headers: dict[str, str]):
         with pytest.raises(InferenceServerException) as info:
             grpc_infer(client, "gw_warm", _x(), headers=headers)
         assert info.value.status() == "StatusCode.UNAUTHENTICATED"
+        assert info.value.message().startswith("This API is restricted, expecting header 'x-api-key'")
         assert "missing or invalid API key" in info.value.message()
         assert client.is_server_live()  # health needs no key
 
@@ -385,26 +460,61 @@ def test_repository_load_unload_need_the_admin_scope(stack: Stack):
             h.load_model(name, headers={"X-API-Key": ADMIN_KEY}, config=json.dumps({"max_batch_size": 2}))
 
 
-def test_request_over_the_wake_buffer_cannot_wake_a_model(stack: Stack):
-    """Documented limit: Envoy keeps at most ``wake_buffer_bytes`` of a request for the retry; a
-    larger request to a sleeping model is not retried and gets Triton's 404. Awake, it is served."""
-    name = stack.publish("gw_big")
-    big = np.ones((1, WAKE_BUFFER // 4 + 1024), dtype=np.float32)
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_64_mib_request_wakes_a_sleeping_model(stack: Stack, protocol: str):
+    """A body far over ``wake_buffer_bytes`` wakes its model (the wake filter, not the retry), runs once,
+    and the model is held only while the request runs."""
+    name = stack.publish(f"gw_big_{protocol}")
+    big = np.ones((1, 64 * 1024 * 1024 // 4), dtype=np.float32)
+    retries = stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0)
     with stack.http() as h, stack.grpc() as g:
-        with pytest.raises(InferenceServerException) as info:
-            http_infer(h, name, big)
-        assert info.value.status() == "404" and name in info.value.message()
-        with pytest.raises(InferenceServerException) as info:
-            grpc_infer(g, name, big)
-        assert info.value.status() == "StatusCode.NOT_FOUND"
-        assert not stack.triton_ready(name)
-        stats = stack.gateway.stats()
-        assert stats["cluster.infer_http.retry_or_shadow_abandoned"] >= 1
-        assert stats["cluster.infer_grpc.retry_or_shadow_abandoned"] >= 1
+        y = http_infer(h, name, big) if protocol == "http" else grpc_infer(g, name, big)
+    assert y.shape == big.shape and float(y[0, 0]) == 3.0 and float(y[0, -1]) == 3.0
+    assert stack.triton_ready(name) and stack.load_count(name) == 1
+    assert stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0) == retries  # no re-send
+    assert _successes(stack, name, 2) == 2  # it ran once (Triton also counts the load's warm-up inference)
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release once the request ended")
 
-        np.testing.assert_allclose(http_infer(h, name, _x()), _x() * 3)  # a small request wakes it
-        np.testing.assert_allclose(http_infer(h, name, big), big * 3)
-        np.testing.assert_allclose(grpc_infer(g, name, big), big * 3)
+
+def _generate(stack: Stack, name: str, op: str, body: Any) -> httpx.Response:
+    return httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/{op}", json=body, headers=KEY, timeout=60)
+
+
+def test_generate_and_generate_stream_wake_a_sleeping_model(stack: Stack):
+    name = stack.publish("gw_generate")
+    r = _generate(stack, name, "generate", {"x": [1.0, 2.0]})
+    assert r.status_code == 200, r.text
+    assert r.json()["y"] == [3.0, 6.0] and stack.load_count(name) == 1
+    stack.loop.run(stack.lifecycle.unload(name))
+    r = _generate(stack, name, "generate_stream", {"x": [2.0, 4.0]})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["y"] for e in events] == [[6.0, 12.0]] and stack.load_count(name) == 2
+    until(lambda: stack.activator.holds.open(name) == 0, "the stream's hold released at its end")
+    r = _generate(stack, "gw_nope", "generate_stream", {"x": [2.0]})  # Triton's own answer, unchanged
+    assert r.status_code == 404 and r.json()["error"] == "Request for unknown model: 'gw_nope' is not found"
+
+
+def test_a_stream_wakes_a_sleeping_model_and_holds_it_while_open(stack: Stack):
+    name = stack.publish("gw_stream")
+    results: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: results.append(error or result), headers=GRPC_KEY)
+        for rows in (1, 2, 3):
+            inp = grpcclient.InferInput("x", [rows, 4], "FP32")
+            inp.set_data_from_numpy(_x(rows))
+            g.async_stream_infer(name, [inp], request_id=str(rows))
+        until(lambda: len(results) == 3, "three answers on the stream")
+        assert all(not isinstance(r, InferenceServerException) for r in results), results
+        for r in results:
+            rows = int(r.get_response().id)
+            np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
+        assert stack.load_count(name) == 1 and stack.activator.holds.open(name) == 1
+        # While the stream is open the model is in use: an unload by the sweeper would not pick it.
+        assert stack.lifecycle.states.record(name).users >= 1
+        g.stop_stream()
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release at the stream's end")
+    assert stack.lifecycle.states.record(name).users == 0
 
 
 def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
@@ -485,6 +595,18 @@ def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
                 assert info.value.status() == "StatusCode.UNAVAILABLE" and "snapshot" in info.value.message()
             answer = raw.post(f"/v2/models/{warm}/infer", json={"inputs": []})
             assert answer.status_code == 503 and "snapshot" in answer.json()["error"]
+            # Streams and large bodies too: the wake filter wakes nothing behind a closed gate.
+            answer = raw.post(f"/v2/models/{asleep}/generate_stream", json={"x": [1.0]})
+            assert answer.status_code == 503 and "snapshot" in answer.json()["error"]
+            errors: list[Any] = []
+            g.start_stream(callback=lambda result, error: errors.append(error), headers=GRPC_KEY)
+            inp = grpcclient.InferInput("x", [1, 4], "FP32")
+            inp.set_data_from_numpy(_x(1))
+            with contextlib.suppress(InferenceServerException):  # the stream may be answered before the request
+                g.async_stream_infer(asleep, [inp])
+            until(lambda: errors, "the closed gate's answer on the stream")
+            g.stop_stream()
+            assert errors[0].status() == "StatusCode.UNAVAILABLE" and "snapshot" in errors[0].message()
             time.sleep(0.5)
             assert _successes(stack, warm) == served
             assert not stack.triton_ready(asleep)
@@ -521,3 +643,399 @@ def test_auth_on_without_keys_is_refused(tmp_path: Path):
     with pytest.raises(GatewayError, match="no API keys are configured"):
         EnvoyGateway(Settings(work_dir=tmp_path), triton_http="a:1", triton_grpc="a:2",
                      activator_http="a:3", activator_grpc="a:4")  # fmt: skip
+
+
+REPEATER_PY = """
+import time
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, log=""):
+        self.log = log
+
+    def load(self, model_dir, device):
+        pass
+
+    def _note(self, text):
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(text + "\\n")
+
+    def predict(self, inputs):
+        # x = [n, mode, ...]: n responses of x * i; mode < 0 raises after two, mode > 0 sleeps that long
+        x = inputs["x"]
+        try:
+            for i in range(1, int(x[0]) + 1):
+                if x[1] < 0 and i == 3:
+                    raise RuntimeError("the repeater failed after two")
+                self._note(f"yield {i}")
+                yield {"y": (x * i).astype(np.float32)}
+                if x[1] > 0:
+                    time.sleep(float(x[1]))
+        finally:
+            self._note("closed")
+"""
+
+
+@pytest.fixture(scope="module")
+def repeater(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A decoupled package (predict is a generator): n responses per request."""
+    return _write_package(
+        tmp_path_factory.mktemp("gw_repeater") / "repeater",
+        REPEATER_PY,
+        params_schema={"log": {"type": "str", "default": ""}},
+    )
+
+
+def _publish_repeater(stack: Stack, repeater: Path, name: str, log: Path | None = None, worker: str = "in-stub") -> str:
+    params = {"log": str(log)} if log else {}
+    spec = DeploymentSpec(id=name, path=repeater, max_batch_size=0, params=params, worker=worker)
+    stack.store.publish(resolve(spec))
+    return name
+
+
+WORKERS = ["in-stub", "preforked"]
+
+
+def _stream(g: grpcclient.InferenceServerClient, name: str, x: list[float]) -> list[Any]:
+    """One request on a gRPC stream; every answer (result or error) until the stream's final answer."""
+    answers: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        if error is not None:
+            answers.append(error)
+            done.set()
+        elif result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+        else:
+            answers.append(result)
+
+    g.start_stream(callback=callback, headers=GRPC_KEY)
+    inp = grpcclient.InferInput("x", [len(x)], "FP32")
+    inp.set_data_from_numpy(np.array(x, dtype=np.float32))
+    g.async_stream_infer(name, [inp], enable_empty_final_response=True)
+    assert done.wait(60), f"no final answer on the stream; got {answers}"
+    g.stop_stream()
+    return answers
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_decoupled_model_streams_each_yield_over_grpc_and_sse(stack: Stack, repeater: Path, worker: str):
+    name = _publish_repeater(stack, repeater, f"gw_repeat_{worker}", worker=worker)
+    assert "decoupled: true" in stack.store.get(name).config_text
+    with stack.grpc() as g:
+        answers = _stream(g, name, [4.0, 0.0])  # asleep: the stream wakes it
+    assert [a.as_numpy("y").tolist() for a in answers] == [[4.0 * i, 0.0] for i in (1, 2, 3, 4)]
+    assert stack.load_count(name) == 1
+    notes = [json.loads(p.read_text()) for p in stack.triton.journal_dir.glob("*.worker")]
+    assert any(n.get("model") == name for n in notes) == (worker == "preforked")  # a worker ran it, not the stub
+    stack.loop.run(stack.lifecycle.unload(name))
+    r = _generate(stack, name, "generate_stream", {"x": [3.0, 0.0]})
+    events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and [e["y"] for e in events] == [[3.0, 0.0], [6.0, 0.0], [9.0, 0.0]], r.text
+    assert stack.load_count(name) == 2
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_decoupled_error_mid_stream_keeps_what_was_sent(stack: Stack, repeater: Path, worker: str):
+    name = _publish_repeater(stack, repeater, f"gw_repeat_fail_{worker}", worker=worker)
+    with stack.grpc() as g:
+        answers = _stream(g, name, [5.0, -1.0])
+    assert [a.as_numpy("y").tolist() for a in answers[:2]] == [[5.0, -1.0], [10.0, -2.0]]
+    assert isinstance(answers[2], InferenceServerException) and len(answers) == 3
+    assert "the repeater failed after two" in answers[2].message()
+    assert answers[2].message().startswith(f"[snooze:internal] model '{name}'")
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_a_cancelled_stream_stops_the_generator(stack: Stack, repeater: Path, tmp_path: Path, worker: str):
+    log = tmp_path / "repeater.log"
+    name = _publish_repeater(stack, repeater, f"gw_repeat_cancel_{worker}", log, worker=worker)
+    got = threading.Event()
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: got.set(), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.array([10_000.0, 0.05], dtype=np.float32))
+        g.async_stream_infer(name, [inp])
+        assert got.wait(60)
+        g.stop_stream(cancel_requests=True)
+    lines = until(lambda: (t := log.read_text().splitlines()) and t[-1] == "closed" and t, "the generator's close")
+    assert len(lines) - 1 < 10_000  # it stopped: far from all the responses it was asked for
+    until(lambda: stack.activator.holds.open(name) == 0, "the cancelled stream's hold released")
+
+
+def _journaled_ids(stack: Stack) -> set[str]:
+    """Every request id the model processes' journals hold now (controlplane/triton/journal.py layout)."""
+    ids: set[str] = set()
+    for path in stack.triton.journal_dir.glob("*.journal"):
+        raw = path.read_bytes()
+        size = int.from_bytes(raw[:4], "little")
+        ids.update(i for i in raw[4 : 4 + size].decode().split("\n") if i)
+    return ids
+
+
+def test_an_open_stream_keeps_its_model_awake_and_is_journaled(stack: Stack, repeater: Path):
+    """Open work is in use: across its idle timeout a stream's model is not unloaded; once the stream
+    ends the model sleeps on its normal timeout. A streamed request is in the journal like any other."""
+    name = "gw_stream_idle"
+    stack.store.publish(resolve(DeploymentSpec(id=name, path=stack.package, max_batch_size=8, idle_timeout_secs=1)))
+    results: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: results.append(error or result), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [1, 4], "FP32")
+        inp.set_data_from_numpy(_x(1))
+        g.async_stream_infer(name, [inp])
+        until(lambda: results, "the stream's answer")
+        time.sleep(1.5)  # past idle_timeout_secs with the stream open
+        stack.loop.run(stack.lifecycle.sweep())
+        assert stack.triton_ready(name) and stack.lifecycle.status(name).state == "ready"
+        g.stop_stream()
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release")
+    until(lambda: stack.loop.run(stack.lifecycle.sweep()) or not stack.triton_ready(name), "the idle unload", 30)
+
+    repeat = _publish_repeater(stack, repeater, "gw_repeat_journal")
+    before = _journaled_ids(stack)
+    with stack.grpc() as g:
+        assert len(_stream(g, repeat, [2.0, 0.0])) == 2
+    assert _journaled_ids(stack) - before  # the stream's request carried the gateway's id into the journal
+
+
+TEXT_GENERATOR = Path(__file__).resolve().parents[2] / "examples" / "models" / "text-generator"
+
+
+def test_the_text_generator_example_streams_tokens_asleep_at_the_start(stack: Stack):
+    """The README's two snippets: tritonclient's stream and curl's generate_stream, each waking it."""
+    name = "gw_text_generator"
+    stack.store.publish(resolve(DeploymentSpec(id=name, path=TEXT_GENERATOR)))
+    tokens: list[str] = []
+    done = threading.Event()
+
+    def on_token(result: Any, error: Any) -> None:
+        assert error is None, error
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+        else:
+            tokens.append(result.as_numpy("token").reshape(-1)[0].decode())
+
+    with stack.grpc() as g:
+        prompt = grpcclient.InferInput("prompt", [1, 1], "BYTES")
+        prompt.set_data_from_numpy(np.array([[b"the model"]], dtype=object))
+        max_tokens = grpcclient.InferInput("max_tokens", [1, 1], "INT32")
+        max_tokens.set_data_from_numpy(np.array([[12]], dtype=np.int32))
+        g.start_stream(callback=on_token, headers=GRPC_KEY)
+        g.async_stream_infer(name, [prompt, max_tokens], enable_empty_final_response=True)
+        assert done.wait(60)
+        g.stop_stream()
+    assert len(tokens) == 12 and all(t.startswith(" ") and t.strip() for t in tokens)
+    stack.loop.run(stack.lifecycle.unload(name))
+    r = _generate(stack, name, "generate_stream", {"prompt": "the model", "max_tokens": 12})
+    events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and [e["token"] for e in events] == tokens, r.text  # same seed, same text
+
+
+def test_a_crash_mid_stream_ends_it_with_an_error_and_runs_nothing_again(stack: Stack, repeater: Path, tmp_path: Path):
+    log = tmp_path / "crash.log"
+    name = _publish_repeater(stack, repeater, "gw_repeat_crash", log)
+    answers: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: answers.append(error or result), headers=GRPC_KEY)
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.array([10_000.0, 0.05], dtype=np.float32))
+        g.async_stream_infer(name, [inp])
+        until(lambda: answers, "the first token")
+        for pid in stack.triton.stub_pids(name):
+            os.kill(pid, signal.SIGKILL)
+        until(lambda: isinstance(answers[-1], InferenceServerException), "the stream's error after the crash")
+        g.stop_stream()
+    assert all(not isinstance(a, InferenceServerException) for a in answers[:-1])
+    starts = log.read_text().count("yield 1\n")
+    # The model recovers (the process watch) and serves again; the crashed request never ran again.
+    until(lambda: stack.recoveries(name) >= 1, "the recovery")
+    with stack.grpc() as g:
+        assert len(_stream(g, name, [2.0, 0.0])) == 2
+    assert log.read_text().count("yield 1\n") == starts + 1
+
+
+def test_bad_input_to_the_stream_and_generate_entry_points_gets_tritons_error(stack: Stack):
+    """A stream whose first message names no model, a generate body that is not a JSON object: Triton's
+    own error, nothing woken, and the gateway keeps serving."""
+    name = stack.publish("gw_bad_input")
+    with stack.grpc() as g:
+        assert _stream_error(g, "").startswith("Request for unknown model")
+    r = httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/generate", content=b"[1, 2]", headers=KEY)
+    direct = httpx.post(f"{stack.triton.http_url}/v2/models/{name}/generate", content=b"[1, 2]")
+    assert (r.status_code, r.json()) == (direct.status_code, direct.json())  # Triton's answer, unchanged
+    r = httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/generate_stream", content=b"not json", headers=KEY)
+    direct = httpx.post(f"{stack.triton.http_url}/v2/models/{name}/generate_stream", content=b"not json")
+    assert (r.status_code, r.json()) == (direct.status_code, direct.json())
+    with stack.grpc() as g:
+        np.testing.assert_allclose(grpc_infer(g, name, _x()), _x() * 3)
+
+
+def test_a_client_leaving_a_generate_stream_releases_its_hold(stack: Stack, repeater: Path):
+    name = _publish_repeater(stack, repeater, "gw_repeat_sse_leave")
+    url = f"{stack.gateway.http_url}/v2/models/{name}/generate_stream"
+    # 60 tokens (3 s): over HTTP the stream's generator may run on after the client left.
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json={"x": [60.0, 0.05]}, headers=KEY) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+        assert stack.activator.holds.open(name) == 1  # the open stream holds its model
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release once the client left")
+    assert stack.lifecycle.states.record(name).users == 0
+
+
+ACCUMULATOR_PY = """
+import numpy as np
+
+
+class Model:
+    def load(self, model_dir, device):
+        self.totals = {}
+
+    def predict(self, inputs, sequence):
+        x = inputs["x"]
+        total = x if sequence.start else self.totals[sequence.correlation_id] + x
+        if sequence.end:
+            self.totals.pop(sequence.correlation_id, None)
+        else:
+            self.totals[sequence.correlation_id] = total
+        return {"y": total.astype(np.float32)}
+"""
+
+
+@pytest.fixture(scope="module")
+def accumulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write_package(tmp_path_factory.mktemp("gw_accumulator") / "accumulator", ACCUMULATOR_PY)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "oldest"])
+def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
+    stack: Stack, accumulator: Path, strategy: str
+):
+    name = f"gw_accumulate_{strategy}"
+    sequence = SequenceSpec(strategy=strategy, max_sequence_idle_secs=30)
+    spec = DeploymentSpec(id=name, path=accumulator, max_batch_size=8, idle_timeout_secs=60, sequence=sequence)
+    stack.store.publish(resolve(spec))
+    config = stack.store.get(name).config_text
+    assert f"{strategy} {{" in config and "sequence_batching" in config and "dynamic_batching" not in config
+
+    def grpc_step(g: grpcclient.InferenceServerClient, cid: int, value: float, start: bool, end: bool) -> float:
+        inp = grpcclient.InferInput("x", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+        r = g.infer(name, [inp], sequence_id=cid, sequence_start=start, sequence_end=end, headers=GRPC_KEY)
+        return float(r.as_numpy("y")[0, 0])
+
+    def http_step(h: httpclient.InferenceServerClient, cid: int, value: float, start: bool, end: bool) -> float:
+        inp = httpclient.InferInput("x", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+        r = h.infer(name, [inp], sequence_id=cid, sequence_start=start, sequence_end=end, headers=dict(KEY))
+        return float(r.as_numpy("y")[0, 0])
+
+    with stack.grpc() as g, stack.http() as h:
+        assert grpc_step(g, 1000, 1.0, True, False) == 1.0  # asleep: this wakes it
+        assert http_step(h, 2000, 10.0, True, False) == 10.0
+        assert grpc_step(g, 1000, 2.0, False, False) == 3.0
+        assert http_step(h, 2000, 20.0, False, False) == 30.0
+        assert grpc_step(g, 1000, 3.0, False, True) == 6.0
+        assert http_step(h, 2000, 30.0, False, True) == 60.0
+        assert stack.load_count(name) == 1
+        inp = grpcclient.InferInput("x", [1, 1], "FP32")
+        inp.set_data_from_numpy(np.array([[1.0]], dtype=np.float32))
+        with pytest.raises(InferenceServerException) as info:  # no correlation id: Triton's own error
+            g.infer(name, [inp], headers=GRPC_KEY)
+        assert "correlation ID" in info.value.message() and info.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert grpc_step(g, 3000, 5.0, True, True) == 5.0  # and it keeps serving
+
+
+def test_sequence_settings_triton_would_refuse_are_refused_naming_the_field(tmp_path: Path):
+    with pytest.raises(ValueError, match="max_candidate_sequences applies to strategy"):
+        SequenceSpec(strategy="direct", max_candidate_sequences=4)
+    with pytest.raises(ValueError, match="max_sequence_idle_secs"):
+        SequenceSpec(max_sequence_idle_secs=0)
+    with pytest.raises(ValueError, match=r"idle_timeout_secs \(10\) is below sequence.max_sequence_idle_secs"):
+        DeploymentSpec(id="s", path=tmp_path, idle_timeout_secs=10, sequence=SequenceSpec(max_sequence_idle_secs=60))
+
+
+async def test_aio_stream_and_custom_channel_args_wake_a_sleeping_decoupled_model(stack: Stack, repeater: Path):
+    """tritonclient.grpc.aio's ``stream_infer`` (an async iterator of requests) and a client built with
+    custom channel arguments, as Triton's aio and channel-args examples drive them."""
+    name = _publish_repeater(stack, repeater, "gw_repeat_aio")
+    inp = grpcaio.InferInput("x", [2], "FP32")
+    inp.set_data_from_numpy(np.array([3.0, 0.0], dtype=np.float32))
+
+    async def requests() -> Any:
+        yield {"model_name": name, "inputs": [inp], "request_id": "aio-1"}
+
+    options = [("grpc.max_send_message_length", 64 * 1024 * 1024), ("grpc.keepalive_time_ms", 30_000)]
+    async with grpcaio.InferenceServerClient(stack.gateway.grpc_url, channel_args=options) as client:
+        answers = []
+        async for result, error in client.stream_infer(requests(), headers=GRPC_KEY):
+            assert error is None, error
+            answers.append(result.as_numpy("y").tolist())
+            if len(answers) == 3:
+                break
+    assert answers == [[3.0, 0.0], [6.0, 0.0], [9.0, 0.0]] and stack.load_count(name) == 1
+
+
+def test_system_shared_memory_infer_wakes_a_sleeping_model(stack: Stack):
+    """Triton's shared-memory example through the gateway: the region is registered with Triton (the
+    default route), the request names it, and a sleeping model is woken by the retry path."""
+    import tritonclient.utils.shared_memory as shm
+
+    name = stack.publish("gw_shm")
+    x = _x(2)
+    region = shm.create_shared_memory_region("gw_shm_in", "/gw_shm_in", x.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [x])
+        with stack.http() as h:
+            h.unregister_system_shared_memory("gw_shm_in", headers=KEY)
+            h.register_system_shared_memory("gw_shm_in", "/gw_shm_in", x.nbytes, headers=KEY)
+            inp = httpclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_shared_memory("gw_shm_in", x.nbytes)
+            y = h.infer(name, [inp], headers=dict(KEY)).as_numpy("y")
+            h.unregister_system_shared_memory("gw_shm_in", headers=KEY)
+        np.testing.assert_allclose(y, x * 3)
+        assert stack.load_count(name) == 1
+    finally:
+        shm.destroy_shared_memory_region(region)
+
+
+def test_memory_pressure_evicts_another_model_than_one_with_an_open_stream(stack: Stack, repeater: Path):
+    """A model streaming to a client is in use: an eviction passes it by and takes an idle one, even one
+    used more recently."""
+    streaming = _publish_repeater(stack, repeater, "gw_repeat_evict")
+    idle = stack.publish("gw_evict_idle")
+    answers: list[Any] = []
+    evicted: list[str] = []
+
+    def evict() -> bool:  # Triton's pending count (a metric) may still show the idle model's request
+        evicted.extend(stack.loop.run(stack.lifecycle.budget.evict(newcomer, 1 << 62, "test: memory pressure")))
+        return idle in evicted
+
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: answers.append(error or result), headers=GRPC_KEY)
+        try:
+            inp = grpcclient.InferInput("x", [2], "FP32")
+            inp.set_data_from_numpy(np.array([10_000.0, 0.05], dtype=np.float32))
+            g.async_stream_infer(streaming, [inp])
+            until(lambda: answers, "the first token")
+            with stack.http() as h:
+                np.testing.assert_allclose(http_infer(h, idle, _x()), _x() * 3)  # used after the stream began
+            newcomer = stack.lifecycle.states.record(stack.publish("gw_evict_newcomer"))
+            # The other tests' models count as in use here: only these two are candidates (and no slow unload
+            # of another test's model runs).
+            others = [r for r in stack.lifecycle.states.values() if r.id not in (streaming, idle)]
+            for r in others:
+                r.users += 1
+            try:
+                until(evict, "the idle model's eviction", 30)
+            finally:
+                for r in others:
+                    r.users -= 1
+            assert streaming not in evicted and stack.triton_ready(streaming) and not stack.triton_ready(idle)
+        finally:
+            g.stop_stream(cancel_requests=True)

@@ -278,3 +278,36 @@ def test_the_complete_manifest_in_the_docs_is_valid(tmp_path: Path) -> None:
     pkg = load_package(folder)
     assert [(t.name, t.datatype) for t in pkg.inputs] == [("x", "FP32"), ("ids", "INT64")]
     assert resolve(DeploymentSpec(id="m", path=folder)).params == {"scale": 2.0}
+
+
+GENERATOR_PREDICT = """
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        for i in range(3):
+            yield {"y": inputs["x"] * i}
+"""
+
+NESTED_YIELD_PREDICT = """
+class Model:
+    def predict(self, inputs):
+        def tokens():
+            yield 1
+        return {"y": inputs["x"]}
+"""
+
+
+def test_a_generator_predict_is_decoupled_and_a_nested_yield_is_not(tmp_path: Path) -> None:
+    from controlplane.render import embedded_target, render_model, runtime_config
+
+    streaming = resolve(DeploymentSpec(id="s", path=write_custom(tmp_path / "s", code=GENERATOR_PREDICT)))
+    nested = resolve(DeploymentSpec(id="n", path=write_custom(tmp_path / "n", code=NESTED_YIELD_PREDICT)))
+    forced = resolve(DeploymentSpec(id="f", path=write_custom(tmp_path / "f", {"decoupled": True})))
+    off = resolve(DeploymentSpec(id="o", path=write_custom(tmp_path / "o", {"decoupled": False}, GENERATOR_PREDICT)))
+    assert (streaming.decoupled, nested.decoupled, forced.decoupled, off.decoupled) == (True, False, True, False)
+    assert runtime_config(streaming)["decoupled"] is True
+    config = render_model(streaming, embedded_target()).config
+    assert config.model_transaction_policy.decoupled
+    assert not render_model(nested, embedded_target()).config.model_transaction_policy.decoupled

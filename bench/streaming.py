@@ -1,0 +1,190 @@
+"""Streaming through the gateway: time to first token on a sleeping model, tokens/s of a warm stream,
+and a stream held open across the idle timeout. Run: ``.venv/bin/python -m bench.streaming``.
+
+One `snoozectl serve` stack in this process (auth on), a decoupled package whose ``predict`` yields
+``n`` one-element tokens (``delay`` seconds apart). In the same run, interleaved per cycle:
+
+- cold: the model is unloaded through the lifecycle, then one gRPC stream request through the gateway;
+  its time to first token is compared with Triton's own ``load`` (timed around the admin call, the model
+  unloaded again first) plus the first token of a stream straight to Triton;
+- warm: tokens/s of one request of ``tokens`` tokens on a gRPC stream and on ``generate_stream`` (SSE),
+  through the gateway and straight to Triton, alternating (first token to last: the stream's own rate;
+  the set-up, including the gateway's one call to the activator, is in the first-token figures);
+- open: a stream whose tokens come ``delay`` apart for three idle timeouts: whether it is cut, and
+  whether the model sleeps after it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from bench.common import API_KEY, direct_urls, fp32, gateway_urls, serving_stack, write_package
+
+MODEL = "bench-tokens"
+IDLE_MODEL = "bench-tokens-idle"
+TOKENS_PY = """
+    import time
+
+    import numpy as np
+
+
+    class Model:
+        def load(self, model_dir, device):
+            pass
+
+        def predict(self, inputs):
+            n, delay = inputs["n"].reshape(-1)[0], inputs["delay"].reshape(-1)[0]
+            for i in range(int(n)):
+                if delay > 0:
+                    time.sleep(float(delay))
+                yield {"token": np.array([i], dtype=np.int32)}
+"""
+
+
+def tokens_package(folder: Path) -> Path:
+    """A decoupled model: ``n`` one-token responses, ``delay`` seconds apart."""
+    inputs = [{"name": "n", "datatype": "INT32", "dims": [1]}, fp32("delay", 1)]
+    return write_package(folder, TOKENS_PY, inputs, [{"name": "token", "datatype": "INT32", "dims": [1]}])
+
+
+def grpc_stream(url: str, model: str, n: int, delay: float = 0.0, headers: dict[str, str] | None = None) -> dict:
+    """One request on a gRPC stream: seconds to the first token and to the last, and the token count."""
+    client = grpcclient.InferenceServerClient(url)
+    first: list[float] = []
+    count = [0]
+    errors: list[str] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        if error is not None:
+            errors.append(error.message())
+            done.set()
+        elif result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+        else:
+            if not first:
+                first.append(time.perf_counter())
+            count[0] += 1
+
+    inputs = [grpcclient.InferInput("n", [1], "INT32"), grpcclient.InferInput("delay", [1], "FP32")]
+    inputs[0].set_data_from_numpy(np.array([n], dtype=np.int32))
+    inputs[1].set_data_from_numpy(np.array([delay], dtype=np.float32))
+    client.start_stream(callback=callback, headers=headers or {})
+    start = time.perf_counter()
+    client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+    done.wait(600)
+    end = time.perf_counter()
+    client.stop_stream()
+    client.close()
+    if errors:
+        raise RuntimeError(errors[0])
+    return {"first": first[0] - start, "total": end - start, "tokens": count[0]}
+
+
+def sse_stream(url: str, model: str, n: int, headers: dict[str, str] | None = None) -> dict:
+    """One ``generate_stream`` request: seconds to the first event and to the end, and the event count."""
+    start = time.perf_counter()
+    first = None
+    count = 0
+    with (
+        httpx.Client(timeout=600) as client,
+        client.stream(
+            "POST", f"{url}/v2/models/{model}/generate_stream", json={"n": n, "delay": 0.0}, headers=headers or {}
+        ) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                count += 1
+                first = first or time.perf_counter()
+    end = time.perf_counter()
+    return {"first": (first or end) - start, "total": end - start, "tokens": count}
+
+
+async def run(root: Path, *, cycles: int, tokens: int) -> dict[str, Any]:
+    pkg = tokens_package(root / "pkg" / MODEL)
+    entries = [
+        {"id": MODEL, "path": pkg, "max_batch_size": 0, "idle_timeout_secs": 3600},
+        {"id": IDLE_MODEL, "path": pkg, "max_batch_size": 0, "idle_timeout_secs": 1},
+    ]
+    async with serving_stack(root / "stack", entries, sweep_interval_secs=0.2) as stack:
+        gw, direct = gateway_urls(stack), direct_urls(stack)
+        key = {"x-api-key": API_KEY}
+        triton = stack.lifecycle.triton
+        cold: dict[str, list[float]] = {"gateway_first_token": [], "triton_load": [], "direct_first_token": []}
+        for _ in range(cycles):
+            await stack.lifecycle.unload(MODEL)
+            r = await asyncio.to_thread(grpc_stream, gw["grpc"], MODEL, 1, 0.0, key)
+            cold["gateway_first_token"].append(r["first"])
+            await stack.lifecycle.unload(MODEL)
+            started = time.perf_counter()
+            await triton.load(MODEL)  # Triton's own load, straight to it
+            cold["triton_load"].append(time.perf_counter() - started)
+            r = await asyncio.to_thread(grpc_stream, direct["grpc"], MODEL, 1)
+            cold["direct_first_token"].append(r["first"])
+            await triton.unload(MODEL)
+        await stack.lifecycle.ensure_ready(MODEL)
+        warm: dict[str, list[float]] = {k: [] for k in ("grpc_gateway", "grpc_direct", "sse_gateway", "sse_direct")}
+        for _ in range(cycles):
+            for name, call in (
+                ("grpc_gateway", lambda: grpc_stream(gw["grpc"], MODEL, tokens, 0.0, key)),
+                ("grpc_direct", lambda: grpc_stream(direct["grpc"], MODEL, tokens)),
+                ("sse_gateway", lambda: sse_stream(gw["http"], MODEL, tokens, {"X-API-Key": API_KEY})),
+                ("sse_direct", lambda: sse_stream(direct["http"], MODEL, tokens)),
+            ):
+                r = await asyncio.to_thread(call)
+                assert r["tokens"] == tokens, (name, r)
+                warm[name].append((tokens - 1) / (r["total"] - r["first"]))  # the stream's rate, set-up apart
+        # Open across three idle timeouts (idle_timeout_secs = 1): tokens 0.5 s apart for 3 s.
+        r = await asyncio.to_thread(grpc_stream, gw["grpc"], IDLE_MODEL, 6, 0.5, key)
+        held_state = stack.lifecycle.status(IDLE_MODEL).state
+        slept_after = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if str(getattr(stack.lifecycle.status(IDLE_MODEL).state, "value", "")) == "unloaded":
+                slept_after = time.monotonic() - (deadline - 30)
+                break
+            await asyncio.sleep(0.1)
+    med = {k: statistics.median(v) for k, v in {**cold, **warm}.items()}
+    return {
+        "cycles": cycles,
+        "tokens": tokens,
+        "cold_ms": {k: round(med[k] * 1000, 2) for k in cold},
+        "first_token_overhead_ms": round(
+            (med["gateway_first_token"] - med["triton_load"] - med["direct_first_token"]) * 1000, 2
+        ),
+        "tokens_per_s": {k: round(med[k]) for k in warm},
+        "grpc_gateway_over_direct": round(med["grpc_gateway"] / med["grpc_direct"], 3),
+        "sse_gateway_over_direct": round(med["sse_gateway"] / med["sse_direct"], 3),
+        "open_stream": {
+            "tokens": r["tokens"],
+            "seconds": round(r["total"], 2),
+            "idle_timeout_secs": 1,
+            "state_at_end": str(getattr(held_state, "value", held_state)),
+            "unloaded_after_end_secs": None if slept_after is None else round(slept_after, 2),
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.streaming", description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=7)
+    parser.add_argument("--tokens", type=int, default=2000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="snooze-bench-streaming-") as tmp:
+        print(json.dumps(asyncio.run(run(Path(tmp), cycles=args.cycles, tokens=args.tokens)), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""The wake filter: Lua in the gateway's Envoy that wakes a model before a request Envoy cannot retry moves on.
+
+Envoy's retry-to-activator path re-sends a buffered request, so it cannot serve a stream (Triton reports
+an unknown model as a message on the stream; a stream cannot be re-sent once bytes went upstream) nor a
+body larger than ``wake_buffer_bytes``. For those the filter decides before the body moves on:
+
+- which requests: gRPC ``ModelStreamInfer`` and HTTP ``/generate_stream`` (every one: a stream also
+  holds its model awake while it is open), gRPC ``ModelInfer`` whose message (the gRPC frame's length)
+  and HTTP ``/infer`` / ``/generate`` whose ``content-length`` is over ``wake_buffer_bytes`` (or absent:
+  chunked). Smaller unary requests pass untouched (the retry path serves them; warm ones never touch
+  Python);
+- the model: HTTP from the path, gRPC from field 1 of the first message (the same protobuf walk the fleet
+  gateway uses);
+- how: it waits for the first body chunk (so the request headers have already gone on, and Envoy
+  applies flow control instead of a 413 while it holds the body), calls the activator's
+  ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <token>``), which wakes the model (single flight)
+  and returns once it is READY, then lets the held chunk and the rest of the body through to Triton.
+  Nothing is buffered for a retry and nothing is sent twice;
+- the hold: the activator keeps the model in use (no idle unload, no eviction, no scale-down) from that
+  call until the request ends. Its end, normal or a reset (also one during the wake), is one line of an
+  Envoy access log filtered on the dynamic metadata the filter sets before the call (``snoozeml.hold``:
+  the token), which the activator tails (``activator.HoldRegistry``); an unknown model or a failed load
+  holds nothing, and its logged end is forgotten after a while.
+
+A request the activator cannot hold (unknown model, failed load) goes on to Triton unchanged: its
+answer, in Triton's words, is the client's.
+"""
+
+from __future__ import annotations
+
+HOLD_PATH = "/_snooze/hold/"
+HOLD_HEADER = "x-snooze-hold"
+METADATA_NAMESPACE = "snoozeml"
+METADATA_KEY = "hold"
+GRPC_SERVICE = "/inference.GRPCInferenceService/"
+
+# Field ``wanted`` (a string) of a protobuf message that starts at byte 6 of ``s`` (after 5 bytes of
+# gRPC framing): a small walk over the wire format, enough for the first fields of a request.
+LUA_PROTOBUF_STRING_FIELD = """
+local function varint(s, i)
+  local value, scale = 0, 1
+  while i <= #s do
+    local b = s:byte(i)
+    i = i + 1
+    value = value + (b % 128) * scale
+    if b < 128 then
+      return value, i
+    end
+    scale = scale * 128
+  end
+  return nil, i
+end
+
+local function string_field(s, wanted)
+  local i = 6
+  while i <= #s do
+    local key
+    key, i = varint(s, i)
+    if key == nil then
+      return nil
+    end
+    local number, wire = math.floor(key / 8), key % 8
+    if wire == 2 then
+      local size
+      size, i = varint(s, i)
+      if size == nil then
+        return nil
+      end
+      if number == wanted then
+        return s:sub(i, i + size - 1)
+      end
+      i = i + size
+    elseif wire == 0 then
+      local _
+      _, i = varint(s, i)
+    elseif wire == 1 then
+      i = i + 8
+    elseif wire == 5 then
+      i = i + 4
+    else
+      return nil
+    end
+  end
+  return nil
+end
+"""
+
+_HOLD = f"""
+-- The hold's token is set before the call: a request that ends during the wake is logged too, and
+-- the activator releases a hold whose end it saw first. Unique without trusting x-request-id (a client
+-- may send its own): this worker's Lua state (a table's address) and a counter of its own.
+local SALT = string.gsub(tostring({{}}), "^table: ", "")
+local held = 0
+
+local function hold(handle, model, id)
+  held = held + 1
+  local token = id .. "-" .. SALT .. "-" .. held
+  handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "{METADATA_KEY}", token)
+  handle:httpCall("activator_http", {{
+    [":method"] = "POST",
+    [":path"] = "{HOLD_PATH}" .. model,
+    [":authority"] = "activator",
+    ["{HOLD_HEADER}"] = token,
+  }}, nil, 0)
+end
+"""
+
+
+def http_wake_lua(wake_buffer_bytes: int) -> str:
+    """The HTTP listener's wake filter (``model`` from the path)."""
+    return (
+        _HOLD
+        + f"""
+local WAKE_BUFFER = {int(wake_buffer_bytes)}
+
+function envoy_on_request(handle)
+  local headers = handle:headers()
+  local path = headers:get(":path") or ""
+  local model, rest = string.match(path, "^/v2/models/([%w_%.%-]+)(/[^?]*)")
+  if model == nil then
+    return
+  end
+  rest = string.gsub(rest, "^/versions/[^/]+", "")
+  if rest ~= "/generate_stream" then
+    if rest ~= "/infer" and rest ~= "/generate" then
+      return
+    end
+    local length = tonumber(headers:get("content-length") or "")
+    if length ~= nil and length <= WAKE_BUFFER then
+      return
+    end
+  end
+  local id = headers:get("x-request-id") or ""
+  for _ in handle:bodyChunks() do
+    hold(handle, model, id)
+    return
+  end
+end
+"""
+    )
+
+
+def grpc_wake_lua(wake_buffer_bytes: int) -> str:
+    """The gRPC listener's wake filter (``model`` from field 1 of the first message)."""
+    return (
+        LUA_PROTOBUF_STRING_FIELD
+        + _HOLD
+        + f"""
+local WAKE_BUFFER = {int(wake_buffer_bytes)}
+local STREAM = "{GRPC_SERVICE}ModelStreamInfer"
+local UNARY = "{GRPC_SERVICE}ModelInfer"
+
+function envoy_on_request(handle)
+  local path = handle:headers():get(":path")
+  if path ~= STREAM and path ~= UNARY then
+    return
+  end
+  local id = handle:headers():get("x-request-id") or ""
+  for chunk in handle:bodyChunks() do
+    local bytes = chunk:getBytes(0, math.min(chunk:length(), 4096))
+    if #bytes < 5 then
+      return
+    end
+    if path == UNARY then
+      local size = ((bytes:byte(2) * 256 + bytes:byte(3)) * 256 + bytes:byte(4)) * 256 + bytes:byte(5)
+      if size <= WAKE_BUFFER then
+        return
+      end
+    end
+    local model = string_field(bytes, 1)
+    if model ~= nil and string.match(model, "^[%w_%.%-]+$") then
+      hold(handle, model, id)
+    end
+    return
+  end
+end
+"""
+    )
