@@ -91,12 +91,16 @@ async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, header
     load_secs = time.perf_counter() - start
     rec.ok("load", f"loaded in {load_secs:.2f}s", rel, load_secs=load_secs)
     start = time.perf_counter()
-    try:
-        shapes = await asyncio.to_thread(warmup_infer, http_url, config, headers, timeout)
-        rec.ok("warmup_infer", f"one inference in {time.perf_counter() - start:.3f}s: {shapes}", rel)
-    except Exception as exc:  # tritonclient raises InferenceServerException and transport errors
-        rec.fail("warmup_infer", f"the warm-up inference failed: {exc}", file=rel,
-                 fix="run the model's predict() on inputs shaped like its config; check dtypes and dims")
+    if config.model_transaction_policy.decoupled:  # Triton refuses HTTP infer for a stream (501)
+        rec.skip("warmup_infer", "a decoupled (streaming) model: Triton answers it on gRPC streams only, so no "
+                 "HTTP inference is sent; it loaded", rel)
+    else:
+        try:
+            shapes = await asyncio.to_thread(warmup_infer, http_url, config, headers, timeout)
+            rec.ok("warmup_infer", f"one inference in {time.perf_counter() - start:.3f}s: {shapes}", rel)
+        except Exception as exc:  # tritonclient raises InferenceServerException and transport errors
+            rec.fail("warmup_infer", f"the warm-up inference failed: {exc}", file=rel,
+                     fix="run the model's predict() on inputs shaped like its config; check dtypes and dims")
     if was_ready:
         rec.ok("unload", "left loaded: it was loaded before validation started", rel)
         return rec.results

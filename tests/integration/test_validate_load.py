@@ -85,7 +85,9 @@ def test_examples_load_warm_up_and_unload(example_report) -> None:
     for model in ids:
         checks = {r.check: r for r in report.for_model(model)}
         assert checks["load"].status == OK and checks["load"].load_secs > 0
-        assert checks["warmup_infer"].status == OK, checks["warmup_infer"].message
+        # A streaming example answers on gRPC streams only: no HTTP inference is sent to it.
+        expected = SKIP if model == "text-generator" else OK
+        assert checks["warmup_infer"].status == expected, checks["warmup_infer"].message
         assert checks["unload"].status == OK
     assert set(report.load_secs) == set(ids)
 
