@@ -747,7 +747,7 @@ def test_decoupled_error_mid_stream_keeps_what_was_sent(stack: Stack, repeater: 
     assert [a.as_numpy("y").tolist() for a in answers[:2]] == [[5.0, -1.0], [10.0, -2.0]]
     assert isinstance(answers[2], InferenceServerException) and len(answers) == 3
     assert "the repeater failed after two" in answers[2].message()
-    assert answers[2].message().startswith(f"[snooze:internal] model '{name}'")
+    assert answers[2].message().startswith(f"[snooze:model_error] model '{name}'")
 
 
 @pytest.mark.parametrize("worker", WORKERS)
