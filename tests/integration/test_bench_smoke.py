@@ -1,5 +1,9 @@
 """`python -m bench --quick`: every section runs against the real embedded stack and the report, its
-plots and its JSON come out. Numbers are not asserted (this machine is shared and quick mode is short)."""
+plots and its JSON come out. Numbers are not asserted (this machine is shared and quick mode is short).
+
+The default tier runs the sections whose behaviour no other test drives; recovery and keepalive_live (about a
+minute together in quick mode) repeat scenarios that tests/reliability and test_keepalive_live assert, so their
+bench code runs in the `slow` tier (`pytest -m slow tests/integration/test_bench_smoke.py`) and in `make bench`."""
 
 from __future__ import annotations
 
@@ -25,15 +29,18 @@ SECTION_KEYS = {
     "keepalive_live": {"period_s", "idle_timeout_s", "requests", "policies"},
     "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
 }
+SLOW_SECTIONS = ("recovery", "keepalive_live")
+FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
 
 
-@pytest.mark.timeout(420)
-def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
+def run_quick(tmp_path: Path, sections: tuple[str, ...]) -> tuple[dict, str]:
+    """`python -m bench --quick --only ...`: the report's JSON and markdown, after checking the run."""
     if not (ROOT / "examples" / "models" / "onnx-mlp" / "model.onnx").is_file():
         pytest.skip("examples/models/onnx-mlp/model.onnx missing: run `make examples`")
     out = tmp_path / "bench"
+    only = [arg for section in sections for arg in ("--only", section)]
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--out-dir", str(out)],
+        [sys.executable, "-m", "bench", "--quick", "--out-dir", str(out), *only],
         cwd=ROOT,
         env={**os.environ, "TMPDIR": str(tmp_path)},
         capture_output=True,
@@ -43,13 +50,20 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = out / "report.md"
     assert report.is_file()
-    text = report.read_text()
     data = json.loads((out / "report.json").read_text())
     assert data["failed"] == []
     assert {"machine", "sections", "wall_s", "quick"} <= set(data)
     assert {"cpu_model", "cores", "python"} <= set(data["machine"])
-    for section, keys in SECTION_KEYS.items():
-        assert keys <= set(data["sections"][section]), section
+    assert set(sections) <= set(data["sections"]), set(data["sections"])
+    for section in sections:
+        assert SECTION_KEYS.get(section, set()) <= set(data["sections"][section]), section
+    return data, report.read_text()
+
+
+@pytest.mark.timeout(420)
+def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
+    data, text = run_quick(tmp_path, FAST_SECTIONS)
+    out = tmp_path / "bench"
     for plot in ("gateway", "coldstart", "batching", "scale_to_zero", "fleet"):
         png = out / "plots" / f"{plot}.png"
         assert png.is_file() and png.stat().st_size > 1000, plot
@@ -64,10 +78,6 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     assert validated["ok"] and validated["cli_exit_code"] == 0
     memory = data["sections"]["coldstart"]["memory"]["torch-mlp-preforked"]
     assert memory["2_loaded"]["processes"] == 5  # two stubs, two workers, one preloaded parent
-    assert set(data["sections"]["recovery"]["topologies"]) == {"embedded", "two_process"}
-    assert "## Recovery after a model process dies, per topology" in text
-    assert set(data["sections"]["keepalive_live"]["policies"]) == {"adaptive", "fixed"}
-    assert "## Keep-alive in the real stack: a periodic caller, adaptive vs fixed" in text
     fleet = data["sections"]["fleet"]
     assert [p["policy"] for p in fleet["phases"]] == ["affine", "round_robin"]
     assert all(p["requests"] == fleet["settings"]["trace_requests"] and p["samples"] for p in fleet["phases"])
@@ -81,3 +91,13 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     micro = runtime_cost["execute_inprocess"]
     assert micro["batch_1"]["runtime_us"] > 0 and micro["batch_1"]["handwritten_us"] > 0 and "watchdog_us" in micro
     assert "snoozeml's runtime vs a hand-written python-backend model" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
+    data, text = run_quick(tmp_path, SLOW_SECTIONS)
+    assert set(data["sections"]["recovery"]["topologies"]) == {"embedded", "two_process"}
+    assert "## Recovery after a model process dies, per topology" in text
+    assert set(data["sections"]["keepalive_live"]["policies"]) == {"adaptive", "fixed"}
+    assert "## Keep-alive in the real stack: a periodic caller, adaptive vs fixed" in text
