@@ -305,7 +305,7 @@ class FakeTriton:
         """The new stubs' ``initialize``: done, failed, or hanging until they are killed."""
         name = m.name
         await asyncio.sleep(script.delay)
-        if script.outcome == "hang":
+        if script.outcome == "hang" and new:
             await asyncio.wait([asyncio.ensure_future(s.died.wait()) for s in new], return_when="FIRST_COMPLETED")
             self._exit(new)
             self._fail(m, serving, "stub process exited during initialize")
