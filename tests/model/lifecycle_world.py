@@ -142,6 +142,7 @@ class LifecycleWorld:
         self.changed: dict[str, float] = {}  # model -> when the store last changed it (virtual seconds)
         self.paused_since: float | None = None
         self.paused_secs = 0.0
+        self.resumed_at = 0.0  # while paused no sweep or store follow runs: what they fix counts from here
         self.steps = 0
         self.run(self.manager.start())
 
@@ -355,6 +356,7 @@ class LifecycleWorld:
             self.manager.resume()
             self.paused_secs += self.now - self.paused_since
             self.paused_since = None
+            self.resumed_at = self.now
         await asyncio.sleep(0)
 
     async def restart(self) -> None:
@@ -404,7 +406,8 @@ class LifecycleWorld:
             leaving = self.triton.models[model].state == "UNLOADING" if model in holding else False
             # a model Triton holds that this manager did not load: deleted (the rule below gives it time), or
             # published since Triton loaded it (the next sweep's resync adopts it, or counts it while it leaves)
-            recent = self.now - self.changed.get(model, -1e9) < 2 * self.settings.sweep_interval_secs + 1
+            since = max(self.changed.get(model, -1e9), self.resumed_at)
+            recent = self.paused_since is not None or self.now - since < 2 * self.settings.sweep_interval_secs + 1
             orphan = (rec is None and not self.store.exists(model)) or (recent and (rec is None or not rec.loaded))
             uncounted = rec is None or not rec.holds_memory
             if model in holding and uncounted and not orphan and not (leaving and rec is None):
@@ -419,7 +422,9 @@ class LifecycleWorld:
             gone = self.deleted.get(model)
             if gone is not None and model not in busy and not self.store.exists(model):
                 follow = max(self.settings.store_poll_secs, 2 * self.settings.sweep_interval_secs) + 1
-                settled = self.now - gone > follow + 2 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS)
+                since = max(gone, self.resumed_at)
+                wait = follow + 2 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS)
+                settled = self.paused_since is None and self.now - since > wait
                 draining = rec is not None and rec.draining and model in holding  # counted until Triton lets go
                 if (rec is not None or (model in holding and not leaving)) and settled and not draining:
                     problems.append(f"deleted model '{model}' survives (record: {rec is not None}, in Triton: "
