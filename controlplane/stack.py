@@ -13,7 +13,7 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import uvicorn
@@ -194,23 +194,42 @@ class ServingStack:
     # ------------------------------------------------------------------ stop
 
     async def stop(self) -> None:
-        """Stop admitting, drain (bounded), then stop every piece in reverse order."""
+        """Stop admitting, drain (bounded), then stop every piece in reverse order. A step that fails is logged
+        and the next ones still run (tritonserver and Envoy must not outlive the stack); the first failure is
+        raised at the end."""
         s = self.settings
-        if self.gateway is not None:
-            await self._drain_gateway(s.shutdown_grace_secs)
-            await asyncio.to_thread(self.gateway.stop)
-        if self._api is not None and self._api_task is not None:
+        failures: list[BaseException] = []
+
+        async def step(what: str, action: Callable[[], Awaitable[object]]) -> None:
+            try:
+                await action()
+            except Exception as e:  # every later piece still stops
+                log.exception("stopping the %s failed", what)
+                failures.append(e)
+
+        async def api() -> None:
+            assert self._api is not None and self._api_task is not None
             self._api.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._api_task, timeout=5)
+
+        if self.gateway is not None:
+            gateway = self.gateway
+            await step("gateway", lambda: self._drain_gateway(s.shutdown_grace_secs))
+            await step("gateway", lambda: asyncio.to_thread(gateway.stop))
+        if self._api is not None and self._api_task is not None:
+            await step("control API", api)
         if self.activator is not None:
-            await self.activator.stop()
+            await step("activator", self.activator.stop)
         if self.lifecycle is not None:
-            await self.lifecycle.stop()
+            await step("lifecycle", self.lifecycle.stop)
         if self.admin is not None:
-            await self.admin.aclose()
+            await step("Triton client", self.admin.aclose)
         if self.triton_process is not None:
-            await asyncio.to_thread(self.triton_process.stop)
+            triton = self.triton_process
+            await step("tritonserver", lambda: asyncio.to_thread(triton.stop))
+        if failures:
+            raise failures[0]
 
     async def _drain_gateway(self, grace: float) -> None:
         drain = getattr(self.gateway, "drain", None)

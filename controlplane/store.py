@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from controlplane.render import (
     write_model,
 )
 from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec
+
+# A read that meets a republish between its two renames tries again (the window is two syscalls wide).
+GET_TRIES, GET_RETRY_SECS = 3, 0.002
 
 
 @dataclass(frozen=True)
@@ -39,7 +43,13 @@ class PublishedModel:
 
     @property
     def config_text(self) -> str:
-        return (self.path / "config.pbtxt").read_text(encoding="utf-8")
+        try:
+            return (self.path / "config.pbtxt").read_text(encoding="utf-8")
+        except OSError as e:  # deleted, or a republish swapped the folder, since this was read
+            raise NotFoundError(
+                f"model '{self.id}': its config is gone from the repository ({e.strerror})",
+                hint="it was deleted or republished meanwhile; retry",
+            ) from None
 
     @classmethod
     def read(cls, folder: Path) -> PublishedModel:
@@ -102,11 +112,14 @@ class ModelStore:
 
     def get(self, model_id: str) -> PublishedModel:
         folder = self.repository / model_id
-        if not (folder / DEPLOYMENT_FILE).is_file():
-            raise NotFoundError(
-                f"model '{model_id}' is not published", hint="list models with `snoozectl status`"
-            )
-        return PublishedModel.read(folder)
+        for _ in range(GET_TRIES):
+            if not (folder / DEPLOYMENT_FILE).is_file():
+                break
+            try:
+                return PublishedModel.read(folder)
+            except (FileNotFoundError, NotADirectoryError):  # a republish's swap (two renames), or a delete
+                time.sleep(GET_RETRY_SECS)
+        raise NotFoundError(f"model '{model_id}' is not published", hint="list models with `snoozectl status`")
 
     def exists(self, model_id: str) -> bool:
         return (self.repository / model_id / DEPLOYMENT_FILE).is_file()

@@ -86,7 +86,7 @@ class GpuMemory:
         for r in self.states.values():
             if r is exclude:
                 continue
-            held = r.gpu_reserved if r.state is ModelState.LOADING else (r.gpu_footprint if r.loaded else None)
+            held = r.gpu_reserved if r.state is ModelState.LOADING else (r.gpu_footprint if r.holds_memory else None)
             if not held:
                 continue
             evictable = r.state is ModelState.READY and r.op is None and r.users == 0 and not pending.get(r.id)

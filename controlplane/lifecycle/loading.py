@@ -257,7 +257,7 @@ class Loader:
             # An instance fewer in place: Triton ends the leaving stub just after the load returns.
             await asyncio.sleep(0.05)
             stubs = await self._stubs(rec)
-        rec.instances = instances
+        rec.instances, rec.draining = instances, False
         rec.stubs = tuple(stubs)
         rec.workers = tuple(workers_of(self.journal_dir, stubs))
         if stubs:
@@ -287,7 +287,7 @@ class Loader:
     def forget_loaded(self, rec: ModelRecord) -> None:
         """The model left memory (unloaded, evicted, or Triton gone)."""
         self.warmth.unloaded(rec)
-        rec.instances = 0
+        rec.instances, rec.draining = 0, False
         rec.stubs = ()
         rec.workers = ()
         self.gpu.forget(rec)

@@ -41,8 +41,8 @@ from controlplane.lifecycle.workers import parent_status, parents, parents_bytes
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
-from controlplane.triton.client import TritonAdminClient
-from controlplane.triton.processes import StubDeath, TritonProcesses
+from controlplane.triton.client import RepositoryEntry, TritonAdminClient
+from controlplane.triton.processes import StubDeath, StubProcess, TritonProcesses
 
 if TYPE_CHECKING:
     from controlplane.triton.launcher import EmbeddedTriton
@@ -110,7 +110,10 @@ class LifecycleManager:
         )
         self.sync.loader, self.sync.warmth = self.loader, self.warmth
         self._tasks: list[asyncio.Task[None]] = []
-        self._passing = asyncio.Lock()  # held through one periodic pass, so that pause() can wait for it
+        # one lock per periodic job (sweep, process watch, store), held through one pass so that pause() can
+        # wait for it; one job's long pass (the store's reloads) does not hold up the others
+        self._passes: dict[str, asyncio.Lock] = {}
+        self._unpublished: set[str] = set()  # models the last sweep found loaded or recorded but not published
 
     # ------------------------------------------------------------------------------------------
     # Start, stop, sweep, watch
@@ -150,8 +153,9 @@ class LifecycleManager:
         transitions already under way have finished."""
         if self.states.resumed is None:
             self.states.resumed = asyncio.get_running_loop().create_future()
-        async with self._passing:
-            pass
+        for lock in list(self._passes.values()):
+            async with lock:
+                pass
         while ops := [r.op for r in self.states.values() if r.op is not None]:
             await asyncio.gather(*ops, return_exceptions=True)
 
@@ -177,7 +181,7 @@ class LifecycleManager:
             while self.states.resumed is not None:  # paused: no pass until resume()
                 await asyncio.shield(self.states.resumed)
             try:
-                async with self._passing:
+                async with self._passes.setdefault(what, asyncio.Lock()):
                     await job()
             except SnoozeError as e:
                 log.warning("lifecycle %s: %s", what, e)
@@ -188,7 +192,8 @@ class LifecycleManager:
         """One pass: Triton alive, state vs Triton's index, idle unloads, autoscaling, pre-warms."""
         if not await self.sync.check():
             return
-        await self.sync.resync(full=False)
+        entries = await self.sync.resync(full=False)
+        await self._leave_unpublished(entries)
         if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
             self.budget.overhead = await asyncio.to_thread(parents_bytes, self.journal_dir, self.processes.proc_root)
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
@@ -208,6 +213,29 @@ class LifecycleManager:
             elif self.settings.autoscale and rec.id in pending and rec.instances > 0:
                 self._autoscale(rec, queued)
         await self._prewarm(now)
+
+    async def _leave_unpublished(self, entries: dict[str, RepositoryEntry]) -> None:
+        """Models no longer published leave, once two sweeps in a row find them so (not a republish's swap): a
+        record (its model unloaded first), and a copy Triton holds that has no record (a delete that met a
+        wake-up, a delete while this control plane was down)."""
+        records = self.states.records
+        gone = {m for m, r in records.items() if r.op is None and r.users == 0 and not self.store.exists(m)}
+        gone |= {m for m, e in entries.items() if e.state == "READY" and m not in records and not self.store.exists(m)}
+        confirmed, self._unpublished = gone & self._unpublished, gone
+        for model_id in sorted(confirmed):
+            rec = records.get(model_id)
+            if rec is None:
+                log.warning("model '%s': loaded in Triton but no longer published; unloading it", model_id)
+                with contextlib.suppress(SnoozeError):
+                    await self.triton.unload(model_id, wait=False)
+            elif rec.op is None and rec.users == 0 and rec.state is ModelState.READY:
+                self.states.spawn(rec, ModelState.UNLOADING, "deleted", self._forget_op(rec))
+            elif rec.op is None and rec.users == 0 and not rec.draining:
+                self.states.drop(model_id)
+
+    async def _forget_op(self, rec: ModelRecord) -> None:
+        if await self._unload_op(rec, "deleted"):
+            self.states.drop(rec.id)
 
     async def _prewarm(self, now: float) -> None:
         """Start a pre-warm a policy asks for: one per pass, while a load slot is free, from free budget only."""
@@ -259,22 +287,38 @@ class LifecycleManager:
         watched = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None and r.stubs]
         if not watched:
             return
-        found = await asyncio.to_thread(lambda: [(r, self._crashes(r)) for r in watched])
-        for rec, deaths in found:
+        seen = [(r, r.generation) for r in watched]
+        found = await asyncio.to_thread(lambda: [self._crashes(r) for r, _ in seen])
+        for (rec, generation), crashes in zip(seen, found, strict=True):
+            deaths = self._noted(rec, generation, crashes)
             if deaths and rec.op is None and rec.state is ModelState.READY:
                 self._start_recovery(rec, deaths)
 
-    def _crashes(self, rec: ModelRecord) -> list[StubDeath]:
-        """Dead processes of a loaded model. A stub Triton reaped itself was ended on purpose (an
-        instance fewer), unless the model now has fewer processes than instances."""
+    def _crashes(self, rec: ModelRecord) -> tuple[list[StubDeath], tuple[StubProcess, ...] | None]:
+        """Dead processes of a loaded model, and its live ones when they replace ``rec.stubs``. A stub Triton
+        reaped itself was ended on purpose (an instance fewer), unless the model now has fewer processes than
+        instances. Runs in a worker thread: it only reads (``_noted`` writes, on the event loop)."""
         deaths = self.processes.deaths(rec.stubs)
         crashed = [d for d in deaths if not d.reaped]
         if len(crashed) < len(deaths):
             live = self.processes.stubs(rec.id)
             if len(live) >= rec.instances:
-                rec.stubs = tuple(live)
-                return crashed
+                return crashed, tuple(live)
+        return deaths, None
+
+    @staticmethod
+    def _noted(
+        rec: ModelRecord, generation: int, crashes: tuple[list[StubDeath], tuple[StubProcess, ...] | None]
+    ) -> list[StubDeath]:
+        """On the event loop: note the live processes ``_crashes`` found, unless the model changed meanwhile."""
+        deaths, live = crashes
+        if live is not None and rec.generation == generation and rec.op is None:
+            rec.stubs = live
         return deaths
+
+    async def _observe(self, rec: ModelRecord) -> list[StubDeath]:
+        generation = rec.generation
+        return self._noted(rec, generation, await asyncio.to_thread(self._crashes, rec))
 
     def _start_recovery(self, rec: ModelRecord, deaths: list[StubDeath]) -> asyncio.Task[None] | None:
         """Note the deaths (and the requests they took) and reload the model, unless a transition runs."""
@@ -391,7 +435,7 @@ class LifecycleManager:
     async def _fate(self, rec: ModelRecord, request_id: str) -> tuple[RequestFate, StubDeath | None]:
         # The watch may not have passed since the death: look at the model's processes first.
         if rec.stubs and rec.state is ModelState.READY:
-            deaths = await asyncio.to_thread(self._crashes, rec)
+            deaths = await self._observe(rec)
             if deaths:
                 self._start_recovery(rec, deaths)
         return fate_of(rec, request_id)
@@ -406,7 +450,7 @@ class LifecycleManager:
         await self.states.settle(rec)
         if rec.state is ModelState.READY:
             if rec.stubs:
-                deaths = await asyncio.to_thread(self._crashes, rec)
+                deaths = await self._observe(rec)
                 if not deaths:
                     return
                 op = self._start_recovery(rec, deaths)
@@ -489,7 +533,8 @@ class LifecycleManager:
             await asyncio.shield(
                 self.states.spawn(rec, ModelState.UNLOADING, "deleted", self._unload_op(rec, "deleted"))
             )
-        self.states.drop(model_id)
+        if not rec.draining:  # else kept while Triton still holds its memory; a later sweep lets it go
+            self.states.drop(model_id)
 
     def status(self, model_id: str) -> ModelStatus:
         rec = self.states.record(model_id)
@@ -571,6 +616,7 @@ class LifecycleManager:
             await self.loader.load(rec, instances)
         except SnoozeError as e:
             self.loader.load_failed(rec, e)
+            rec.draining = rec.instances > 0  # Triton may still be unloading the old instances: still counted
             self.states.set_state(rec, ModelState.FAILED, str(e.message))
             raise
         self.metrics.recoveries.labels(model=rec.id, cause=cause).inc()
@@ -619,6 +665,7 @@ class LifecycleManager:
         try:
             await self.triton.unload(rec.id, wait=True)
         except SnoozeError as e:
+            rec.draining = True  # Triton may still hold it: the budget counts it until Triton's index lets go
             self.states.set_state(rec, ModelState.FAILED, f"unload ({reason}) failed: {e}")
             raise
         self.loader.forget_loaded(rec)

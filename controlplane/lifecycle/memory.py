@@ -64,12 +64,15 @@ class MemoryBudget:
         self.overhead = 0
 
     def estimate(self, rec: ModelRecord, instances: int) -> int:
-        """Bytes the model will hold with ``instances``: its last measurement, else its declared
-        memory_mb, else the average of the models measured so far, else 0 (per instance, scaled)."""
+        """Bytes the model will hold with ``instances``: the larger of its last measurement and its declared
+        memory_mb (a republish may declare more than the previous version measured), else the average of the
+        models measured so far, else 0 (per instance, scaled)."""
+        dep = rec.model.deployment
+        declared = dep.memory_mb * MIB / dep.instances if dep.memory_mb else 0
         if rec.footprint and rec.footprint_instances:
-            per = rec.footprint / rec.footprint_instances
-        elif rec.model.deployment.memory_mb:
-            per = rec.model.deployment.memory_mb * MIB / rec.model.deployment.instances
+            per = max(rec.footprint / rec.footprint_instances, declared)
+        elif declared:
+            per = declared
         else:
             known = [
                 r.footprint / r.footprint_instances
@@ -86,8 +89,8 @@ class MemoryBudget:
                 continue
             if r.state is ModelState.LOADING:
                 used += r.reserved
-            elif r.loaded:
-                used += r.footprint or 0
+            elif r.holds_memory:  # a loaded model being reloaded or rescaled holds the larger of the two
+                used += max(r.footprint or 0, r.reserved)
         return used
 
     def fits(self, rec: ModelRecord, need: int) -> bool:

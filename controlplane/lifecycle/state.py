@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from controlplane.errors import SnoozeError
+from controlplane.errors import NotFoundError, SnoozeError
 from controlplane.keepalive import FixedKeepAlive
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.workers import WorkerProcess
@@ -112,6 +112,9 @@ class ModelRecord:
     keep_alive: FixedKeepAlive | None = None  # its keep-alive policy, built on first use (``warmth``)
     access_reported: float = 0.0  # the last triton_last the sweeper handed to the policy
     prewarms_counted: tuple[int, int] = (0, 0)  # the policy's used / wasted pre-warms already in the metrics
+    # an unload failed (Triton may still be unloading it): its memory stays counted until Triton's index lets go
+    draining: bool = False
+    dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
 
     @property
     def last_access(self) -> float | None:
@@ -133,6 +136,11 @@ class ModelRecord:
     @property
     def loaded(self) -> bool:
         return self.state in (ModelState.READY, ModelState.UNLOADING)
+
+    @property
+    def holds_memory(self) -> bool:
+        """Loaded, or left in Triton by an unload that failed: the memory budget counts it."""
+        return self.loaded or self.draining
 
 
 class ModelStates:
@@ -160,7 +168,9 @@ class ModelStates:
         return rec
 
     def drop(self, model_id: str) -> None:
-        self.records.pop(model_id, None)
+        rec = self.records.pop(model_id, None)
+        if rec is not None:
+            rec.dropped = True  # whoever still holds it (a waiting wake-up) cannot load it again
         self.metrics.forget(model_id)
 
     def values(self) -> list[ModelRecord]:
@@ -178,6 +188,9 @@ class ModelStates:
         if rec.op is not None:
             coro.close()
             raise RuntimeError(f"model '{rec.id}' already has a transition running")  # a bug here, not a user error
+        if rec.dropped:
+            coro.close()
+            raise NotFoundError(f"model '{rec.id}' was deleted", hint="publish it again to serve it")
         self.set_state(rec, state, reason)
         task = asyncio.create_task(coro, name=f"snooze-{rec.id}-{state.value}")
         rec.op = task

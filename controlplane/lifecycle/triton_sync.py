@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.memory import declared_bytes
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
@@ -133,12 +134,13 @@ class TritonSync:
                 f"model '{rec.id}' cannot load: tritonserver has not come back", retry_after=5
             ) from None
 
-    async def resync(self, *, full: bool) -> None:
+    async def resync(self, *, full: bool) -> dict[str, RepositoryEntry]:
         """Align states with Triton's repository index.
 
         full (start, after a Triton restart): every idle model takes Triton's word. Otherwise only
         models whose state Triton contradicts (unloaded or loaded behind snoozeml's back) change;
-        a state changed by a transition while the index was fetched is left alone.
+        a state changed by a transition while the index was fetched is left alone. Adopting a model
+        is a transition of its own (wake-ups wait for it). Returns the index it read.
         """
         generations = {m: r.generation for m, r in self.states.records.items()}
         entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
@@ -149,16 +151,26 @@ class TritonSync:
         for model_id, rec in list(self.states.records.items()):
             if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
                 continue
+            entry = entries.get(model_id)
+            if rec.draining and (entry is None or entry.state not in BUSY_STATES):
+                self._loader.forget_loaded(rec)  # Triton finished the unload that had failed here
+            elif entry is not None and entry.state == "UNLOADING" and not rec.holds_memory:
+                # an unload this control plane did not see through (before a restart): what its processes hold
+                stubs = await asyncio.to_thread(self.processes.stubs, model_id)
+                held = await asyncio.to_thread(self.processes.rss, stubs)
+                rec.draining, rec.footprint = True, held or rec.footprint or declared_bytes(rec)
             if not self.store.exists(model_id):
                 continue
-            triton_ready = (e := entries.get(model_id)) is not None and e.state == "READY"
+            triton_ready = entry is not None and entry.state == "READY"
             if triton_ready and rec.state is not ModelState.READY:
-                await self.adopt(rec)
+                adopting = self.states.spawn(rec, rec.state, "found loaded in Triton", self.adopt(rec))
+                await asyncio.shield(adopting)
             elif not triton_ready and rec.state is ModelState.READY:
                 self._loader.forget_loaded(rec)
                 self.states.set_state(rec, ModelState.UNLOADED, "not loaded in Triton")
             elif full and not triton_ready and rec.state is ModelState.FAILED:
                 self.states.set_state(rec, ModelState.UNLOADED, rec.reason)
+        return entries
 
     async def adopt(self, rec: ModelRecord) -> None:
         """A model Triton already has loaded becomes READY here, with its instances and footprint."""

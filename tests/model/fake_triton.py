@@ -1,0 +1,511 @@
+"""An in-process stand-in for tritonserver 2.51 and its python-backend stubs, for the lifecycle's logic tier.
+
+It stands in for Triton only in this tier (``tests/model``): the real-Triton tests (``tests/integration``,
+``tests/reliability``) stay the judges of what Triton does. It answers the calls ``LifecycleManager`` makes
+(``TritonAdminClient``: ``repository_index``, ``load``, ``unload``, ``model_config``, ``model_stats``,
+``pending_request_counts``, ``metrics_url``), the inference call the activator forwards (``infer``), and the
+process observer's questions (``FakeProcesses``, the duck type of ``TritonProcesses``).
+
+What it models, as measured on the embedded Triton 2.51 (docs/internals.md, TRITON_NOTES.md):
+
+- explicit model control over a real model repository folder: a load reads the published ``config.pbtxt``
+  (or the override), fails when the folder is gone, and blocks until the model is loaded or failed;
+  a failed reload keeps the old model serving; a change of the instance count alone keeps the
+  surviving instances (their stubs), anything else rebuilds them all;
+- an unload returns at once; the model is UNLOADING until its stubs exit (a scripted delay), then
+  UNAVAILABLE; requests already accepted complete on their stubs; new ones get 404 "... has no available
+  versions" (a model never loaded: "... is not found");
+- one stub process per instance, named by pid and start ticks; a crashed stub stays a zombie with its
+  exit status (Triton does not reap or restart it) and the model stays READY; a request sent to its
+  instance fails after Triton's wait with "Stub process '<instance>' is not healthy."; a stub killed under
+  a running request takes the request with it (it ran: the journal holds its id);
+- each stub writes the request journal the runtime writes (``<pid>-<ticks>.journal``) before running
+  a batch;
+- scripted load outcomes per model: ``ok``, ``oom`` (the runtime's ``[snooze:oom]`` message), ``error``,
+  ``hang`` (``initialize`` never returns: the load stays LOADING until its stubs are killed, then fails);
+  scripted unload hangs (a ``finalize`` that blocks longer than the client waits); scripted delays of
+  loads, unloads and executions; memory per stub (its RSS) from the published deployment's ``memory_mb``
+  over its instances, or a figure the test sets;
+- ``nv_inference_pending_request_count``: requests accepted and not yet answered, per model.
+
+What it does not model: batching (one request per execution), the HTTP/gRPC wire, versions other than 1,
+decoupled models and streams, preforked workers and their parents, GPU memory, tritonserver itself dying
+(the embedded launcher's restart), real memory pressure (OOM comes only when scripted), strict readiness,
+Triton's own statistics refresh delay, and anything about performance.
+
+Time is the event loop's: everything here sleeps with ``asyncio.sleep``, so a virtual-time loop
+(``VirtualTimeLoop``) runs it deterministically, with no threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import selectors
+import signal
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError
+from controlplane.lifecycle.loading import rendered_config
+from controlplane.render import DEPLOYMENT_FILE
+from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry
+from controlplane.triton.journal import journal_path
+from controlplane.triton.processes import StubDeath, StubProcess
+
+MIB = 1024 * 1024
+EPOCH = 1_790_000_000.0  # what time.time() says at virtual time 0
+DEAD_STUB_WAIT = 1.0  # Triton's wait before failing a request sent to a dead stub (about a second, measured)
+SIGSEGV_STATUS = signal.SIGSEGV  # the wait status of a process killed by SIGSEGV
+SIGKILL_STATUS = signal.SIGKILL
+
+
+class Hang(AssertionError):
+    """Every task waits and no timer is set: nothing can ever happen again."""
+
+
+class _VirtualSelector(selectors.DefaultSelector):
+    """Never blocks: where the loop would wait ``timeout`` seconds for its next timer, time jumps there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop: VirtualTimeLoop | None = None
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        events = super().select(0)
+        if events or timeout == 0:
+            return events
+        if timeout is None:
+            raise Hang("the event loop has nothing ready and no timer: every task waits forever")
+        assert self.loop is not None
+        self.loop.now += timeout
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock moves only when every task waits: sleeps and timeouts take no real time.
+
+    Only for code that never waits on a thread or a socket (``asyncio.to_thread`` must be inline).
+    """
+
+    def __init__(self) -> None:
+        selector = _VirtualSelector()
+        super().__init__(selector)
+        selector.loop = self
+        self.now = 0.0
+
+    def time(self) -> float:
+        return self.now
+
+
+class VirtualTime:
+    """A stand-in for the ``time`` module in the lifecycle's modules: its clocks read the loop's."""
+
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        self.loop = loop
+
+    def time(self) -> float:
+        return EPOCH + self.loop.now
+
+    def monotonic(self) -> float:
+        return self.loop.now
+
+    def time_ns(self) -> int:
+        return int(self.time() * 1e9)
+
+    def strftime(self, fmt: str, *args: Any) -> str:
+        return f"t+{self.loop.now:.3f}s"
+
+
+@dataclass
+class Stub:
+    pid: int
+    start_ticks: int
+    model: str
+    instance: str
+    memory: int
+    alive: bool = True
+    reaped: bool = False
+    exit_status: int | None = None
+    running: str | None = None  # the request id it executes now
+    died: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def process(self) -> StubProcess:
+        return StubProcess(self.pid, self.start_ticks, self.model, self.instance)
+
+
+@dataclass
+class Loaded:
+    """What Triton holds for one model."""
+
+    name: str
+    state: str  # LOADING, READY, UNLOADING, UNAVAILABLE
+    config: dict[str, Any] = field(default_factory=dict)
+    stubs: list[Stub] = field(default_factory=list)
+    starting: list[Stub] = field(default_factory=list)  # stubs of a load in progress (initialize runs)
+    reason: str = ""
+    last_inference_ms: int = 0
+    next_instance: int = 0
+    unloading: asyncio.Task[None] | None = None
+
+    @property
+    def count(self) -> int:
+        groups = self.config.get("instance_group") or [{}]
+        return int(groups[0].get("count", 1))
+
+
+@dataclass
+class Answer:
+    """Triton's answer to one inference request."""
+
+    status: int  # 200, 404, 500
+    text: str = ""
+
+    @property
+    def dead(self) -> bool:
+        return self.status == 500 and "is not healthy" in self.text
+
+
+@dataclass
+class LoadScript:
+    outcome: str = "ok"  # ok, oom, error, hang
+    delay: float = 0.05
+
+
+class FakeTriton:
+    """Triton's repository, model control, statistics, metrics and inference over one model repository."""
+
+    metrics_url = "fake://metrics"
+
+    def __init__(self, repository: Path, journal_dir: Path) -> None:
+        self.repository = repository
+        self.journal_dir = journal_dir
+        self.models: dict[str, Loaded] = {}
+        self.scripts: dict[str, list[LoadScript]] = {}
+        self.unload_delay = 0.02
+        self.unload_hangs: dict[str, float] = {}  # model -> how long its next unload's finalize blocks
+        self.exec_delay = 0.01
+        self.memory: dict[str, int] = {}  # model -> bytes per stub, overriding the declared figure
+        self.executions: Counter[str] = Counter()  # request id -> times a model ran it
+        self.pending: Counter[str] = Counter()  # model -> requests accepted and not answered
+        self.loads_in_flight: Counter[str] = Counter()
+        self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
+        self.calls: Counter[str] = Counter()
+        self._pids = itertools.count(10_000)
+        self._round_robin: Counter[str] = Counter()
+        self._server_tasks: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ what the test scripts
+
+    def script_load(self, model: str, outcome: str, delay: float = 0.05) -> None:
+        self.scripts.setdefault(model, []).append(LoadScript(outcome, delay))
+
+    def holding(self) -> dict[str, int]:
+        """Models holding memory in Triton (loading, ready or unloading) and the bytes their live stubs hold."""
+        return {
+            name: sum(s.memory for s in m.stubs + m.starting if s.alive)
+            for name, m in self.models.items()
+            if m.state in BUSY_STATES
+        }
+
+    def ready(self) -> set[str]:
+        return {name for name, m in self.models.items() if m.state == "READY"}
+
+    def crash(self, model: str, *, busy_first: bool = True, status: int = SIGSEGV_STATUS) -> Stub | None:
+        """A stub of a READY model dies (a zombie Triton does not reap); the busiest one first."""
+        m = self.models.get(model)
+        if m is None or m.state != "READY":
+            return None
+        live = [s for s in m.stubs if s.alive]
+        if not live:
+            return None
+        live.sort(key=lambda s: (s.running is None) if busy_first else 0)
+        self._kill(live[0], status)
+        return live[0]
+
+    # ------------------------------------------------------------------ TritonAdminClient
+
+    async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
+        self.calls["index"] += 1
+        await asyncio.sleep(0)
+        entries = []
+        names = {p.name for p in self.repository.iterdir() if (p / "config.pbtxt").is_file()} | set(self.models)
+        for name in sorted(names):
+            m = self.models.get(name)
+            state = m.state if m is not None else None
+            if ready_only and state != "READY":
+                continue
+            entries.append(RepositoryEntry(name, "1" if m else None, state, m.reason if m else None))
+        return entries
+
+    async def load(self, name: str, config: dict[str, Any] | None = None, timeout: float = 300) -> None:
+        """Blocks until Triton loaded or failed the model; a client that gives up does not stop Triton."""
+        self.calls["load"] += 1
+        work = asyncio.ensure_future(self._load(name, config))
+        self._server_tasks.add(work)
+        work.add_done_callback(self._server_tasks.discard)
+        work.add_done_callback(lambda t: t.cancelled() or t.exception())  # the client hears it, or gave up
+        try:
+            await asyncio.wait_for(asyncio.shield(work), timeout)
+        except TimeoutError:
+            raise TritonModelLoadError(name, f"not loaded within {timeout}s") from None
+
+    async def _load(self, name: str, override: dict[str, Any] | None) -> None:
+        self.loads_in_flight[name] += 1
+        if self.loads_in_flight[name] > 1:
+            self.overlaps.append(f"two loads of '{name}' at once")
+        try:
+            await self._load_once(name, override)
+        finally:
+            self.loads_in_flight[name] -= 1
+
+    async def _load_once(self, name: str, override: dict[str, Any] | None) -> None:
+        folder = self.repository / name
+        queue = self.scripts.get(name)
+        script = queue.pop(0) if queue else LoadScript()
+        try:
+            config = override if override is not None else rendered_config(
+                (folder / "config.pbtxt").read_text(encoding="utf-8"), where=name
+            )
+            deployment = json.loads((folder / DEPLOYMENT_FILE).read_text(encoding="utf-8"))["deployment"]
+        except (OSError, ValueError, KeyError) as e:
+            raise TritonModelLoadError(name, f"failed to load '{name}': {e}") from None
+        old = self.models.get(name)
+        count = int((config.get("instance_group") or [{}])[0].get("count", 1))
+        per_stub = self.memory.get(name) or int((deployment.get("memory_mb") or 1) * MIB / deployment["instances"])
+        serving = old is not None and old.state == "READY"
+        if old is not None and old.unloading is not None:  # a load right after an unload builds it anew
+            old.unloading.cancel()
+            old.unloading = None
+            self._exit(old.stubs)
+            old.stubs, serving = [], False
+        keep: list[Stub] = []
+        if serving and old is not None and _same_but_count(old.config, config):
+            keep = [s for s in old.stubs if s.alive][:count]
+        m = old if old is not None else Loaded(name, "UNAVAILABLE")
+        self.models[name] = m
+        if not serving:
+            m.state, m.reason = "LOADING", ""
+        new = [self._stub(m, per_stub) for _ in range(count - len(keep))]
+        m.starting += new
+        try:
+            await self._initialize(m, new, script, serving)
+        finally:
+            m.starting = [s for s in m.starting if s not in new]
+        leaving = [s for s in m.stubs if s not in keep]
+        self._exit(leaving)
+        m.stubs, m.config, m.state, m.reason = keep + new, config, "READY", ""
+
+    async def _initialize(self, m: Loaded, new: list[Stub], script: LoadScript, serving: bool) -> None:
+        """The new stubs' ``initialize``: done, failed, or hanging until they are killed."""
+        name = m.name
+        await asyncio.sleep(script.delay)
+        if script.outcome == "hang" and new:
+            await asyncio.wait([asyncio.ensure_future(s.died.wait()) for s in new], return_when="FIRST_COMPLETED")
+            self._exit(new)
+            self._fail(m, serving, "stub process exited during initialize")
+            raise TritonModelLoadError(name, f"failed to load '{name}': stub process exited during initialize")
+        if script.outcome in ("oom", "error"):
+            self._exit(new)
+            if script.outcome == "oom":
+                why = f"[snooze:oom] model '{name}': load ran out of memory (MemoryError: scripted)"
+            else:
+                why = f"[snooze:internal] model '{name}': load raised RuntimeError: scripted"
+            self._fail(m, serving, why)
+            raise TritonModelLoadError(name, why)
+        if any(not s.alive for s in new):  # killed while loading (an abandoned load that did finish)
+            self._exit(new)
+            self._fail(m, serving, "stub process died during initialize")
+            raise TritonModelLoadError(name, f"failed to load '{name}': stub process died")
+
+    def _fail(self, m: Loaded, serving: bool, why: str) -> None:
+        if serving:
+            return  # a failed reload keeps the model as it was
+        self._exit(m.stubs)
+        m.stubs, m.state, m.reason = [], "UNAVAILABLE", why
+
+    def _stub(self, m: Loaded, memory: int) -> Stub:
+        m.next_instance += 1
+        pid = next(self._pids)
+        return Stub(pid, pid * 7, m.name, f"{m.name}_0_{m.next_instance}", memory)
+
+    def _exit(self, stubs: list[Stub]) -> None:
+        """Triton ends these stubs and reaps them (a crashed one too, once its model unloads)."""
+        for s in stubs:
+            if s.alive:
+                s.alive, s.exit_status = False, 0
+                s.died.set()
+            s.reaped = True
+
+    def _kill(self, stub: Stub, status: int) -> None:
+        if stub.alive:
+            stub.alive, stub.exit_status = False, status
+            stub.died.set()
+
+    async def unload(self, name: str, wait: bool = True, timeout: float = 60) -> None:
+        self.calls["unload"] += 1
+        await asyncio.sleep(0)
+        m = self.models.get(name)
+        if m is not None and m.state in ("READY", "LOADING") and m.unloading is None:
+            m.state = "UNLOADING"
+            delay = self.unload_hangs.pop(name, self.unload_delay)
+            m.unloading = asyncio.ensure_future(self._finish_unload(m, delay))
+        if not wait:
+            return
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (m := self.models.get(name)) is not None and m.state in BUSY_STATES:
+            if asyncio.get_running_loop().time() >= deadline:
+                raise TritonError(f"model '{name}' is still {m.state} {timeout}s after its unload")
+            await asyncio.sleep(0.05)
+
+    async def _finish_unload(self, m: Loaded, delay: float) -> None:
+        await asyncio.sleep(delay)
+        while any(s.running for s in m.stubs if s.alive):  # accepted requests complete first
+            await asyncio.sleep(self.exec_delay)
+        self._exit(m.stubs)
+        m.stubs, m.state, m.reason, m.unloading = [], "UNAVAILABLE", "unloaded", None
+
+    async def model_config(self, name: str) -> dict[str, Any]:
+        await asyncio.sleep(0)
+        m = self.models.get(name)
+        if m is None or m.state != "READY":
+            raise NotFoundError(f"no config for model '{name}'")
+        return json.loads(json.dumps(m.config))
+
+    async def model_stats(self, name: str, version: str = "") -> ModelStats:
+        await asyncio.sleep(0)
+        m = self.models.get(name)
+        if m is None or m.state != "READY":
+            raise NotFoundError(f"no statistics for model '{name}'")
+        return ModelStats(name, "1", m.last_inference_ms, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    async def pending_request_counts(self) -> dict[str, float]:
+        await asyncio.sleep(0)
+        return {name: float(self.pending[name]) for name, m in self.models.items() if m.state == "READY"}
+
+    # ------------------------------------------------------------------ inference
+
+    async def infer(self, name: str, request_id: str) -> Answer:
+        """One request, as Triton runs it: on the next instance, journaled before it runs."""
+        m = self.models.get(name)
+        if m is None or m.state != "READY":
+            why = "has no available versions" if m is not None else "is not found"
+            return Answer(404, f"Request for unknown model: '{name}' {why}")
+        self._round_robin[name] += 1
+        stub = m.stubs[self._round_robin[name] % len(m.stubs)]
+        self.pending[name] += 1
+        try:
+            if not stub.alive:
+                await asyncio.sleep(DEAD_STUB_WAIT)
+                return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
+            while stub.running is not None and stub.alive:  # one execution at a time per instance
+                await asyncio.sleep(self.exec_delay)
+            if not stub.alive:
+                await asyncio.sleep(DEAD_STUB_WAIT)
+                return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
+            stub.running = request_id
+            ids = request_id.encode()
+            journal_path(self.journal_dir, stub.pid, stub.start_ticks).write_bytes(struct.pack("<I", len(ids)) + ids)
+            self.executions[request_id] += 1
+            m.last_inference_ms = int(EPOCH * 1000 + asyncio.get_running_loop().time() * 1000)
+            died = asyncio.ensure_future(stub.died.wait())
+            done, _ = await asyncio.wait([died], timeout=self.exec_delay)
+            died.cancel()
+            stub.running = None
+            if done:
+                return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
+            return Answer(200, "ok")
+        finally:
+            self.pending[name] -= 1
+
+    async def aclose(self) -> None:
+        for task in list(self._server_tasks):
+            task.cancel()
+
+
+def _same_but_count(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    def without_count(config: dict[str, Any]) -> str:
+        c = json.loads(json.dumps(config))
+        for g in c.get("instance_group") or []:
+            g.pop("count", None)
+        return json.dumps(c, sort_keys=True)
+
+    return bool(old) and without_count(old) == without_count(new)
+
+
+@dataclass
+class _Server:
+    pid: int
+
+
+class FakeProcesses:
+    """``TritonProcesses`` over the fake's stubs: tritonserver and its stubs can be seen (a child, or a shared
+    PID namespace); a stub's RSS is its scripted memory; a kill ends it as SIGKILL would."""
+
+    proc_root = Path("/nonexistent-proc")
+    visible = True
+    can_observe = True
+
+    def __init__(self, triton: FakeTriton) -> None:
+        self.triton = triton
+        self._server = _Server(4242)
+
+    def _all(self) -> list[Stub]:
+        return [s for m in self.triton.models.values() for s in m.stubs + m.starting]
+
+    def _find(self, stub: StubProcess) -> Stub | None:
+        return next((s for s in self._all() if s.pid == stub.pid and s.start_ticks == stub.start_ticks), None)
+
+    def server(self) -> _Server:
+        return self._server
+
+    def environment(self, name: str) -> str | None:
+        return None
+
+    def stubs(self, model: str | None = None) -> list[StubProcess]:
+        return sorted(
+            (s.process for s in self._all() if s.alive and (model is None or s.model == model)), key=lambda p: p.pid
+        )
+
+    def alive(self, stub: StubProcess) -> bool:
+        s = self._find(stub)
+        return s is not None and s.alive
+
+    def death(self, stub: StubProcess) -> StubDeath | None:
+        s = self._find(stub)
+        if s is None or s.reaped:
+            return StubDeath(stub, None, reaped=True)
+        return None if s.alive else StubDeath(stub, s.exit_status)
+
+    def deaths(self, stubs: list[StubProcess]) -> list[StubDeath]:
+        return [d for d in (self.death(s) for s in stubs) if d is not None]
+
+    def rss(self, stubs: list[StubProcess]) -> int:
+        return sum(s.memory for p in stubs if (s := self._find(p)) is not None and s.alive)
+
+    def kill(self, stubs: list[StubProcess]) -> list[int]:
+        killed = []
+        for p in stubs:
+            s = self._find(p)
+            if s is not None and s.alive:
+                self.triton._kill(s, SIGKILL_STATUS)
+                killed.append(s.pid)
+        return killed
+
+    def tree_rss(self) -> int:
+        return sum(s.memory for s in self._all() if s.alive)
+
+
+class NoGpu:
+    """``GpuProcessReader`` on a machine without a GPU."""
+
+    def devices(self) -> list[Any]:
+        return []
+
+    def processes(self) -> list[Any]:
+        return []

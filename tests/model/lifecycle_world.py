@@ -1,0 +1,443 @@
+"""The real ``LifecycleManager`` in a world of fakes: a fake Triton (``fake_triton``), a virtual clock, a real
+``ModelStore`` over a temporary repository (and a second store on it: another node of a fleet), the real
+activator logic (``ModelAnswers.forward``) for requests, and the invariants checked after every step.
+
+Every operation is a method of ``LifecycleWorld``; the randomized state machine (``test_lifecycle_machine``)
+and the regression tests call the same methods, so a shrunk failing sequence reads as a test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import textwrap
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fake_triton import MIB, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime, VirtualTimeLoop
+
+from controlplane.errors import SnoozeError
+from controlplane.gateway.activator import ModelAnswers
+from controlplane.lifecycle import loading, manager, recovery
+from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
+from controlplane.lifecycle.manager import LifecycleManager
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.render import embedded_target
+from controlplane.settings import Settings
+from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store import ModelStore
+
+MODEL_PY = """
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        return {"y": inputs["x"]}
+"""
+LOAD_TIMEOUT = 4.0
+MANIFEST = {
+    "inputs": [{"name": "x", "datatype": "FP32", "dims": [2]}],
+    "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}],
+    "load_timeout_secs": LOAD_TIMEOUT,
+}
+MODELS = ("m0", "m1", "m2", "m3")
+BUDGET_MB = 300
+SIZES_MB = (60, 100, 150)
+# how long a client may wait at most: its wake-up, a recovery, Triton's waits on dead stubs, and slack
+SLACK = 2 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS) + 10.0
+RUN_LIMIT = 600.0  # virtual seconds one step (or a test's end) may take
+
+
+class Violation(AssertionError):
+    """An invariant of the lifecycle does not hold."""
+
+
+@dataclass
+class Call:
+    """A client request, or an API call, and what it was answered."""
+
+    what: str
+    model: str
+    started: float
+    bound: float  # virtual seconds it may take at most
+    task: asyncio.Task[Any]
+    answer: str | None = None
+
+
+@dataclass
+class Probe:
+    """Who changes a record's state: a change to a model that has a transition running, made from outside
+    that transition, is a second transition at once."""
+
+    violations: list[str] = field(default_factory=list)
+
+    def install(self, states: ModelStates) -> None:
+        set_state = states.set_state
+        probe = self
+
+        def checked(rec: ModelRecord, state: ModelState, reason: str | None = None) -> None:
+            op = rec.op
+            with contextlib.suppress(RuntimeError):
+                current = asyncio.current_task()
+                if op is not None and not op.done() and current is not op:
+                    probe.violations.append(
+                        f"model '{rec.id}' set {state.value} from {current.get_name() if current else '?'} "
+                        f"while its transition {op.get_name()} runs"
+                    )
+            set_state(rec, state, reason)
+
+        states.set_state = checked  # type: ignore[method-assign]
+
+
+async def inline(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``asyncio.to_thread`` in this tier: the fakes answer at once, and the virtual clock allows no thread."""
+    return func(*args, **kwargs)
+
+
+class LifecycleWorld:
+    """One manager over the fakes, the operations a test drives, and the invariants."""
+
+    def __init__(self, root: Path, *, monkeypatch: Any, log: Callable[[str], None] | None = None) -> None:
+        self.root = root
+        self.loop = VirtualTimeLoop()
+        clock = VirtualTime(self.loop)
+        for module in (manager, loading, recovery):
+            monkeypatch.setattr(module, "time", clock)
+        monkeypatch.setattr(asyncio, "to_thread", inline)
+        self.clock = clock
+        self.say = log or (lambda line: None)
+        self.package = root / "package"
+        self.package.mkdir()
+        (self.package / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
+        (self.package / "snooze_model.json").write_text(json.dumps(MANIFEST))
+        repo, self.journal = root / "repo", root / "journal"
+        repo.mkdir()
+        self.journal.mkdir()
+        self.store = ModelStore(repo, embedded_target())
+        self.other_node = ModelStore(repo, embedded_target())  # another node's writes to the shared store
+        self.triton = FakeTriton(repo, self.journal)
+        self.processes = FakeProcesses(self.triton)
+        self.settings = Settings(
+            work_dir=root / "work",
+            memory_budget_mb=BUDGET_MB,
+            sweep_interval_secs=1.0,
+            watch_interval_secs=0.2,
+            store_poll_secs=2.0,
+            autoscale_queue_threshold=2,
+            autoscale_window_secs=1.0,
+            max_concurrent_loads=2,
+        )
+        self.probe = Probe()
+        self.manager: LifecycleManager = self._manager()
+        self.answers = ModelAnswers(self.manager, self.store, self.settings)
+        self.calls: list[Call] = []
+        self.ids = itertools.count(1)
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.deleted: dict[str, float] = {}  # model -> when it left the store (virtual seconds)
+        self.changed: dict[str, float] = {}  # model -> when the store last changed it (virtual seconds)
+        self.paused_since: float | None = None
+        self.paused_secs = 0.0
+        self.resumed_at = 0.0  # while paused no sweep or store follow runs: what they fix counts from here
+        self.steps = 0
+        self.run(self.manager.start())
+
+    def _manager(self) -> LifecycleManager:
+        m = LifecycleManager(
+            self.settings,
+            self.store,
+            self.triton,  # type: ignore[arg-type]
+            processes=self.processes,  # type: ignore[arg-type]
+            journal_dir=self.journal,
+            gpu_reader=NoGpu(),
+            gpu_pid_map=None,
+        )
+        m.warmth.clock = self.clock.time
+        self.probe.install(m.states)
+        return m
+
+    # ------------------------------------------------------------------ running
+
+    @property
+    def now(self) -> float:
+        return self.loop.now
+
+    def run(self, coro: Coroutine[Any, Any, Any], limit: float = RUN_LIMIT) -> Any:
+        """Run ``coro`` on the virtual clock; a Violation when it outlives ``limit`` virtual seconds."""
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(coro, limit))
+        except Hang as e:
+            raise Violation(f"hang: {e}") from None
+        except TimeoutError:
+            raise Violation(f"an operation did not end within {limit:g} virtual seconds") from None
+
+    def step(self, coro: Coroutine[Any, Any, Any], gap: float = 0.05) -> None:
+        """Run one operation, let ``gap`` virtual seconds pass, check every invariant."""
+        self.steps += 1
+
+        async def go() -> None:
+            await coro
+            await asyncio.sleep(gap)
+
+        self.run(go())
+        self.check()
+
+    def close(self) -> None:
+        """Answer everything, stop the manager, close the loop (a test's end)."""
+        try:
+            if self.paused_since is not None:
+                self.step(self.resume())
+            self.run(self._settle_calls())
+            self.check()
+            self.run(self.manager.stop())
+            self.run(self.triton.aclose())
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Cancel whatever still runs and close the loop (after a violation)."""
+        if self.loop.is_closed():
+            return
+        tasks = asyncio.all_tasks(self.loop)
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            self.loop.run_until_complete(asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60))
+        self.loop.close()
+
+    def _start(self, what: str, model: str, coro: Coroutine[Any, Any, str], bound: float) -> Call:
+        call = Call(what, model, self.now, bound, asyncio.ensure_future(coro))
+        self.calls.append(call)
+        return call
+
+    async def _settle_calls(self) -> None:
+        pending = [c.task for c in self.calls if not c.task.done()]
+        if pending:
+            await asyncio.wait(pending)
+
+    def _lock(self, model: str) -> asyncio.Lock:
+        return self.locks.setdefault(model, asyncio.Lock())
+
+    # ------------------------------------------------------------------ operations
+
+    async def request(self, model: str, timeout: float | None = None) -> None:
+        """A client's inference request through the gateway: straight to Triton; a 404 or a dead stub's
+        answer goes once more, to the activator (``ModelAnswers.forward``)."""
+        rid = f"req-{next(self.ids)}"
+        wake = timeout if timeout is not None else LOAD_TIMEOUT + LOAD_ABANDON_SECS
+        self._start("request", model, self._client(model, rid, timeout), wake + SLACK)
+        await asyncio.sleep(0)
+
+    async def _client(self, model: str, rid: str, timeout: float | None) -> str:
+        answer = await self.triton.infer(model, rid)
+        if answer.status == 200:
+            return "200"
+        if answer.status != 404 and not answer.dead:
+            return f"{answer.status}: {answer.text}"
+        try:
+            again = await self.answers.forward(
+                model, rid, lambda: self.triton.infer(model, rid), lambda a: a.dead, timeout=timeout
+            )
+        except SnoozeError as e:
+            return f"{e.status_code}: {e.message}"
+        return f"{again.status}: {again.text}" if again.status != 200 else "200"
+
+    async def burst(self, model: str, n: int) -> None:
+        for _ in range(n):
+            await self.request(model)
+
+    async def tick(self, secs: float) -> None:
+        await asyncio.sleep(secs)
+
+    def _spec(self, model: str, size_mb: float, instances: int = 1, **deployment: Any) -> Any:
+        return resolve(
+            DeploymentSpec(
+                id=model,
+                path=self.package,
+                memory_mb=size_mb * instances,
+                instances=instances,
+                max_instances=3,
+                idle_timeout_secs=deployment.pop("idle_timeout_secs", 5),
+                **deployment,
+            )
+        )
+
+    async def publish(self, model: str, size_mb: float = 60, instances: int = 1, **deployment: Any) -> None:
+        """Publish or republish through the API (``operations._publish``): the store, then ``published``."""
+        spec = self._spec(model, size_mb, instances, **deployment)
+
+        async def go() -> str:
+            async with self._lock(model):
+                self.store.publish(spec)
+                self.deleted.pop(model, None)
+                self.changed[model] = self.now
+                await self.manager.published(model)
+            return "published"
+
+        self._start("publish", model, self._api(go()), self._api_bound())
+        await asyncio.sleep(0)
+
+    async def delete(self, model: str) -> None:
+        """Delete through the API (``operations.delete``): 404 for an unknown id, forget, then the store."""
+
+        async def go() -> str:
+            async with self._lock(model):
+                self.store.get(model)
+                await self.manager.forget(model)
+                self.store.delete(model)
+                self.deleted[model] = self.now
+            return "deleted"
+
+        self._start("delete", model, self._api(go()), self._api_bound())
+        await asyncio.sleep(0)
+
+    async def api_load(self, model: str, instances: int | None = None) -> None:
+        async def go() -> str:
+            self.store.get(model)
+            return (await self.manager.load(model, instances=instances)).state.value
+
+        self._start("load", model, self._api(go()), self._api_bound())
+        await asyncio.sleep(0)
+
+    async def api_unload(self, model: str) -> None:
+        async def go() -> str:
+            self.store.get(model)
+            return (await self.manager.unload(model)).state.value
+
+        self._start("unload", model, self._api(go()), self._api_bound())
+        await asyncio.sleep(0)
+
+    async def _api(self, coro: Awaitable[str]) -> str:
+        """What the API answers: a SnoozeError is its JSON error; anything else would be a bare 500."""
+        try:
+            return await coro
+        except SnoozeError as e:
+            return f"{e.status_code}: {e.message}"
+
+    def _api_bound(self) -> float:
+        # an API call may wait for the model's transition, then run its own (loads wait for a slot)
+        return 4 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS) + 70.0  # 60 s: an unload's own limit
+
+    async def remote_publish(self, model: str, size_mb: float = 60) -> None:
+        self.other_node.publish(self._spec(model, size_mb))
+        self.deleted.pop(model, None)
+        self.changed[model] = self.now
+
+    async def remote_delete(self, model: str) -> None:
+        if self.other_node.exists(model):
+            self.other_node.delete(model)
+            self.deleted[model] = self.now
+
+    async def crash(self, model: str) -> None:
+        self.triton.crash(model)
+
+    async def script_load(self, model: str, outcome: str, delay: float = 0.05) -> None:
+        self.triton.script_load(model, outcome, delay)
+
+    async def unload_hang(self, model: str, secs: float = 100.0) -> None:
+        self.triton.unload_hangs[model] = secs
+
+    async def pause(self) -> None:
+        if self.paused_since is None:
+            self.paused_since = self.now
+            self._start("pause", "*", self._api(self._pause()), self._api_bound())
+        await asyncio.sleep(0)
+
+    async def _pause(self) -> str:
+        await self.manager.pause()
+        return "paused"
+
+    async def resume(self) -> None:
+        if self.paused_since is not None:
+            self.manager.resume()
+            self.paused_secs += self.now - self.paused_since
+            self.paused_since = None
+            self.resumed_at = self.now
+        await asyncio.sleep(0)
+
+    async def restart(self) -> None:
+        """Shut the control plane down (after every caller is answered) and start a new one over the same
+        Triton: it adopts what Triton has loaded."""
+        await self.resume()
+        await self._settle_calls()
+        await self.manager.stop()
+        self.manager = self._manager()
+        self.answers = ModelAnswers(self.manager, self.store, self.settings)
+        await self.manager.start()
+
+    # ------------------------------------------------------------------ invariants
+
+    def check(self) -> None:
+        problems = list(self.probe.violations) + list(self.triton.overlaps)
+        twice = [rid for rid, n in self.triton.executions.items() if n > 1]
+        if twice:
+            problems.append(f"requests executed twice: {twice}")
+        extra = self.paused_secs + (self.now - self.paused_since if self.paused_since is not None else 0.0)
+        for call in self.calls:
+            if call.task.done():
+                error = None if call.task.cancelled() else call.task.exception()
+                if call.task.cancelled() or error is not None:
+                    problems.append(f"{call.what} of '{call.model}' failed without an answer: {error!r}")
+                else:
+                    call.answer = call.task.result()
+            elif self.now - call.started > call.bound + extra:
+                problems.append(f"{call.what} of '{call.model}' unanswered after {self.now - call.started:.1f}s")
+        problems += self._model_problems()
+        if problems:
+            raise Violation("; ".join(problems))
+        self.calls = [c for c in self.calls if not c.task.done()]
+
+    def _model_problems(self) -> list[str]:
+        problems = []
+        m = self.manager
+        holding = self.triton.holding()
+        records = m.states.records
+        busy = {c.model for c in self.calls if not c.task.done()}
+        for model in sorted(set(holding) | set(records)):
+            rec = records.get(model)
+            if rec is not None and rec.op is not None:
+                continue  # a transition runs: Triton and the record may differ until it ends
+            if self.triton.loads_in_flight[model]:
+                continue
+            leaving = self.triton.models[model].state == "UNLOADING" if model in holding else False
+            # a model Triton holds that this manager did not load: deleted (the rule below gives it time), or
+            # published since Triton loaded it (the next sweep's resync adopts it, or counts it while it leaves)
+            since = max(self.changed.get(model, -1e9), self.resumed_at)
+            recent = self.paused_since is not None or self.now - since < 2 * self.settings.sweep_interval_secs + 1
+            orphan = (rec is None and not self.store.exists(model)) or (recent and (rec is None or not rec.loaded))
+            uncounted = rec is None or not rec.holds_memory
+            if model in holding and uncounted and not orphan and not (leaving and rec is None):
+                state = rec.state.value if rec is not None else "no record"
+                where = self.triton.models[model].state
+                problems.append(f"Triton holds '{model}' ({where}) but the manager says {state}")
+            elif rec is not None and rec.loaded and model not in holding:
+                problems.append(f"the manager says '{model}' is {rec.state.value}; Triton does not hold it")
+            elif rec is not None and rec.loaded and all(s.alive for s in self.triton.models[model].stubs):
+                if (rec.footprint or 0) != holding[model]:
+                    problems.append(f"'{model}' accounted {rec.footprint} bytes, its stubs hold {holding[model]}")
+            gone = self.deleted.get(model)
+            if gone is not None and model not in busy and not self.store.exists(model):
+                follow = max(self.settings.store_poll_secs, 2 * self.settings.sweep_interval_secs) + 1
+                since = max(gone, self.resumed_at)
+                wait = follow + 2 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS)
+                settled = self.paused_since is None and self.now - since > wait
+                draining = rec is not None and rec.draining and model in holding  # counted until Triton lets go
+                if (rec is not None or (model in holding and not leaving)) and settled and not draining:
+                    problems.append(f"deleted model '{model}' survives (record: {rec is not None}, in Triton: "
+                                    f"{model in holding})")
+        # memory in flux while Triton unloads something is not judged (left undone: a model whose unload hangs
+        # across a restart of this control plane is counted only once a sweep sees it again)
+        quiet = (
+            all(r.op is None for r in records.values())
+            and not any(self.triton.loads_in_flight.values())
+            and all(m.state != "UNLOADING" for m in self.triton.models.values())
+        )
+        if quiet and self.settings.memory_budget_mb is not None:
+            used = sum(holding.values())
+            if used > self.settings.memory_budget_mb * MIB and len(holding) > 1:
+                problems.append(f"Triton holds {used / MIB:.0f} MiB in {sorted(holding)}, over the budget")
+        return problems

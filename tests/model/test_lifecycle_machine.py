@@ -1,0 +1,124 @@
+"""The lifecycle as a state machine: seeded random sequences of operations against the real
+``LifecycleManager`` over a fake Triton (``fake_triton``), with every invariant checked after every step
+(``LifecycleWorld.check``).
+
+The seed is printed; ``SNOOZE_MACHINE_SEED=<seed>`` replays a run and ``SNOOZE_MACHINE_RUNS`` sets how many
+sequences run. A failing sequence is shrunk (operations dropped while the same invariant still fails) and
+printed as the calls of a test: keep it in ``test_lifecycle_sequences.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from lifecycle_world import MODELS, SIZES_MB, LifecycleWorld, Violation
+
+RUNS = int(os.environ.get("SNOOZE_MACHINE_RUNS", "70"))
+STEPS_PER_RUN = 80
+MIN_STEPS = 5000
+SHRINK_TRIES = 400
+
+Op = tuple[str, tuple[Any, ...], float]  # (world method, its arguments, virtual seconds after it)
+GAPS = (0.0, 0.01, 0.05, 0.3, 1.0)
+
+
+def random_op(rnd: random.Random, paused: bool) -> Op:
+    m = rnd.choice(MODELS)
+    choices: dict[str, tuple[Any, ...]] = {
+        "request": (m, rnd.choice((None, None, 0.3, 2.0))),
+        "burst": (m, rnd.randint(2, 10)),
+        "tick": (rnd.choice((0.1, 0.5, 1.0, 3.0, 7.0)),),
+        "publish": (m, rnd.choice(SIZES_MB), rnd.choice((1, 1, 2))),
+        "delete": (m,),
+        "api_load": (m, rnd.choice((None, 1, 2, 3))),
+        "api_unload": (m,),
+        "crash": (m,),
+        "script_load": (m, rnd.choice(("oom", "hang", "error")), rnd.choice((0.05, 0.5))),
+        "unload_hang": (m,),
+        "remote_publish": (m, rnd.choice(SIZES_MB)),
+        "remote_delete": (m,),
+        "resume" if paused else "pause": (),
+        "restart": (),
+    }
+    weights = {"request": 6, "burst": 2, "tick": 4, "publish": 3}
+    name = rnd.choices(list(choices), [weights.get(k, 1) for k in choices])[0]
+    return name, choices[name], rnd.choice(GAPS)
+
+
+def play(ops: list[Op]) -> tuple[str | None, int]:
+    """Run ``ops`` in a fresh world; the first violation (or None) and the steps taken."""
+    tmp = Path(tempfile.mkdtemp(prefix="snooze-machine-"))
+    patches = pytest.MonkeyPatch()
+    world = LifecycleWorld(tmp, monkeypatch=patches)
+    try:
+        for name, args, gap in ops:
+            world.step(getattr(world, name)(*args), gap)
+        world.close()
+        return None, world.steps
+    except Violation as e:
+        world.abandon()
+        return str(e), world.steps
+    finally:
+        patches.undo()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shrink(ops: list[Op], failure: str) -> list[Op]:
+    """Drop operations one at a time while the same invariant still fails."""
+    kind = failure.split(":")[0].split("'")[0]
+    i, tries = 0, 0
+    while i < len(ops) and tries < SHRINK_TRIES:
+        tries += 1
+        trial = ops[:i] + ops[i + 1 :]
+        found, _ = play(trial)
+        if found is not None and found.split(":")[0].split("'")[0] == kind:
+            ops = trial
+        else:
+            i += 1
+    return ops
+
+
+def as_test(ops: list[Op]) -> str:
+    return "\n".join(f"    world.step(world.{name}({', '.join(map(repr, args))}), {gap})" for name, args, gap in ops)
+
+
+# Not in the default tier yet: on most seeds it still finds open violations (a deleted model's record can
+# outlive the delete when a remote delete meets a local one; loads can overcommit the host budget in some
+# republish/restart sequences). A test that passed either way would prove nothing, so it runs on demand,
+# `pytest -m slow tests/model/test_lifecycle_machine.py`, and fails on what it finds, with a shrunk sequence.
+@pytest.mark.slow
+def test_the_lifecycle_keeps_its_invariants_under_random_operations(capsys):
+    run_seed = int(os.environ.get("SNOOZE_MACHINE_SEED") or random.randrange(2**32))
+    with capsys.disabled():
+        print(f"\nlifecycle state machine: seed {run_seed} (SNOOZE_MACHINE_SEED={run_seed} replays it)")
+    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
+    rnd = random.Random(run_seed)
+    steps = 0
+    try:
+        for run in range(RUNS):
+            ops: list[Op] = []
+            paused = False
+            for _ in range(STEPS_PER_RUN):
+                ops.append(random_op(rnd, paused))
+                paused = {"pause": True, "resume": False, "restart": False}.get(ops[-1][0], paused)
+            failure, taken = play(ops)
+            steps += taken
+            if failure is not None:
+                short = shrink(ops, failure)
+                again, _ = play(short)
+                pytest.fail(
+                    f"seed {run_seed}, run {run}: {failure}\nshrunk to {len(short)} steps ({again}):\n{as_test(short)}"
+                )
+    finally:
+        logging.getLogger("snoozeml").setLevel(logging.NOTSET)
+        with capsys.disabled():
+            print(f"lifecycle state machine: {steps} steps (seed {run_seed})")
+    if RUNS * STEPS_PER_RUN >= MIN_STEPS:
+        assert steps >= MIN_STEPS

@@ -1,0 +1,101 @@
+"""Races of the lifecycle's periodic jobs and of the stack's shutdown, each checked where it happens."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from lifecycle_world import LifecycleWorld
+
+from controlplane.lifecycle.state import ModelRecord
+from controlplane.settings import Settings
+from controlplane.stack import ServingStack
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LifecycleWorld]:
+    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
+    w = LifecycleWorld(tmp_path, monkeypatch=monkeypatch)
+    yield w
+    w.close()
+    logging.getLogger("snoozeml").setLevel(logging.NOTSET)
+
+
+def test_a_crash_is_noticed_while_the_store_follower_reloads_another_model(world):
+    """Race: the sweep, the crash watch and the store follower shared one lock, and the follower held it through a
+    whole reload: a crash elsewhere waited for that reload to end."""
+    world.step(world.publish("m0", 60), 0.1)
+    world.step(world.publish("m1", 60), 0.1)
+    world.step(world.request("m0"), 0.5)
+    world.step(world.request("m1"), 0.5)
+    world.step(world.script_load("m0", "ok", 3.0), 0)  # the follower's reload of m0 takes 3 s
+    world.step(world.remote_publish("m0", 60), 2.5)  # the follower (every 2 s) has started the reload
+    reload = world.manager.states.records["m0"].op
+    assert reload is not None and not reload.done()
+    world.step(world.crash("m1"), 0.5)  # several watch intervals (0.2 s), well within the reload
+    assert world.manager.states.records["m0"].op is reload and not reload.done()  # still reloading
+    assert world.manager.states.records["m1"].last_crash is not None  # and the crash was noticed meanwhile
+
+
+class WatchedRecord(ModelRecord):
+    """Notes which threads write its process list."""
+
+    writers: set[str]
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "stubs":
+            self.__dict__.setdefault("writers", set()).add(threading.current_thread().name)
+        super().__setattr__(name, value)
+
+
+def test_the_crash_watch_writes_records_on_the_event_loop_only(world):
+    """Race: the crash watch, running in a worker thread, wrote a record's process list while the event loop
+    wrote it too. Here a stub of a two-instance model ended on purpose (reaped) and a new one took its place: the
+    watch notes the new process list, from the event loop."""
+    world.step(world.publish("m0", 60, 2), 0.1)
+    world.step(world.api_load("m0", 2), 1.0)
+    rec = world.manager.states.records["m0"]
+    watched = WatchedRecord(**{f: getattr(rec, f) for f in rec.__dataclass_fields__})
+    world.manager.states.records["m0"] = watched
+    model = world.triton.models["m0"]
+    world.triton._exit([model.stubs[0]])  # reaped: ended by Triton itself
+    model.stubs = model.stubs[1:] + [world.triton._stub(model, model.stubs[0].memory)]
+    loop_thread = threading.current_thread().name
+    with ThreadPoolExecutor(1, thread_name_prefix="watch") as pool:  # the watch's worker thread
+        found = pool.submit(world.manager._crashes, watched).result()
+    assert world.manager._noted(watched, watched.generation, found) == []
+    assert watched.writers == {loop_thread} and watched.stubs == tuple(s.process for s in model.stubs)
+
+
+async def test_the_stack_stops_every_piece_when_one_fails(tmp_path):
+    """Race: ServingStack.stop stopped at the first step that raised, leaving tritonserver running."""
+    stack = ServingStack(Settings(work_dir=tmp_path))
+    stopped: list[str] = []
+
+    class Piece:
+        def __init__(self, name: str, fails: bool = False) -> None:
+            self.name, self.fails = name, fails
+
+        async def stop(self) -> None:
+            stopped.append(self.name)
+            if self.fails:
+                raise RuntimeError(f"{self.name} would not stop")
+
+        async def aclose(self) -> None:
+            stopped.append(self.name)
+
+    class Triton:
+        def stop(self) -> None:
+            stopped.append("tritonserver")
+
+    stack.activator = Piece("activator", fails=True)
+    stack.lifecycle = Piece("lifecycle")
+    stack.admin = Piece("admin")  # type: ignore[assignment]
+    stack.triton_process = Triton()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="activator would not stop"):
+        await stack.stop()
+    assert stopped == ["activator", "lifecycle", "admin", "tritonserver"]

@@ -1,0 +1,103 @@
+"""Short operation sequences the lifecycle state machine (``test_lifecycle_machine``) or a reading of the code
+found failing, kept as regression tests; each failed before its fix."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from lifecycle_world import LifecycleWorld
+
+from controlplane.errors import NotFoundError
+from controlplane.lifecycle.state import ModelState
+from controlplane.store import PublishedModel
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LifecycleWorld]:
+    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
+    w = LifecycleWorld(tmp_path, monkeypatch=monkeypatch)
+    yield w
+    w.close()  # answers every call and checks the invariants once more
+    logging.getLogger("snoozeml").setLevel(logging.NOTSET)
+
+
+def test_a_delete_during_a_wake_leaves_nothing_loaded(world):
+    """Race: forget() dropped the record mid-load; the waiting wake-up then loaded the model again, untracked."""
+    world.step(world.publish("m0", 60), 0.1)
+    world.step(world.script_load("m0", "ok", 0.5), 0)
+    world.step(world.request("m0"), 0.1)  # the load runs
+    world.step(world.delete("m0"), 3.0)
+    assert "m0" not in world.triton.holding() and "m0" not in world.manager.states.records
+
+
+def test_a_failed_unload_stays_counted_by_the_memory_budget(world):
+    """Race: a failed unload marked the model FAILED and the budget stopped counting what Triton still held."""
+    world.step(world.publish("m0", 150), 0.1)
+    world.step(world.request("m0"), 1.0)
+    world.step(world.unload_hang("m0", 100.0), 0)
+    world.step(world.api_unload("m0"), 65.0)  # Triton's unload outlives the client's 60 s
+    rec = world.manager.states.records["m0"]
+    assert rec.state is ModelState.FAILED and "m0" in world.triton.holding()
+    assert world.manager.budget.used(exclude=None) >= 150 * 1024 * 1024  # type: ignore[arg-type]
+    world.step(world.publish("m1", 200), 0.1)
+    world.step(world.request("m1"), 2.0)  # does not fit beside what Triton still holds: refused, not overcommitted
+    world.step(world.tick(60.0), 1.0)  # Triton finishes the unload; a sweep lets the memory go
+    assert not world.manager.states.records["m0"].holds_memory
+
+
+def test_a_rescale_reserves_its_new_size_against_a_concurrent_load(world):
+    """Found by the machine: a READY model rescaled in place was counted at its old size while it reloaded, so a
+    load beside it fit on paper and the two overcommitted the budget (300 MiB: 100 -> 200, plus 150)."""
+    world.step(world.unload_hang("m1"), 0.05)
+    world.step(world.publish("m3", 150, 1), 0.01)
+    world.step(world.publish("m1", 100, 1), 1.0)
+    world.step(world.api_load("m1", None), 0.0)
+    world.step(world.request("m3", 0.3), 0.3)
+    world.step(world.api_load("m1", 2), 0.01)
+    world.step(world.api_load("m3", 1), 1.0)
+
+
+def test_a_store_read_during_a_republish_swap_or_a_delete_is_a_not_found_error(world, monkeypatch):
+    """Race: PublishedModel.read met the folder between a republish's two renames (or after a delete) and raised a
+    bare FileNotFoundError, which clients saw as a generic 500."""
+    world.step(world.publish("m0", 60), 0.1)
+    real = PublishedModel.read
+    calls = []
+
+    def swapped_once(folder):
+        calls.append(folder)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory")
+        return real(folder)
+
+    monkeypatch.setattr(PublishedModel, "read", staticmethod(swapped_once))
+    assert world.store.get("m0").id == "m0"  # the swap's window passed: read again
+
+    def gone(folder):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(PublishedModel, "read", staticmethod(gone))
+    with pytest.raises(NotFoundError, match="m0"):
+        world.store.get("m0")
+    monkeypatch.setattr(PublishedModel, "read", staticmethod(real))
+    model = world.store.get("m0")
+    (model.path / "config.pbtxt").unlink()
+    with pytest.raises(NotFoundError, match="m0"):
+        _ = model.config_text
+
+
+@pytest.mark.xfail(
+    reason="open: found by the machine (seed 5) and not diagnosed yet, in the lifecycle or in the fake's journal: "
+    "a request that met a crashed stub after a republish to 2 instances ran a second time",
+    strict=True,
+)
+def test_a_request_on_a_crashed_stub_after_a_republish_runs_once(world):
+    world.step(world.publish("m2", 60, 1), 0.01)
+    world.step(world.request("m2", None), 0.05)
+    world.step(world.publish("m2", 60, 2), 0.3)
+    world.step(world.burst("m2", 4), 0.0)
+    world.step(world.crash("m2"), 0.05)
+    world.step(world.tick(0.5), 0.3)
