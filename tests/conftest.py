@@ -18,7 +18,7 @@ def embedded_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedd
     root = tmp_path_factory.mktemp("embedded_triton")
     repo = root / "model_repository"
     repo.mkdir()
-    triton = EmbeddedTriton(repo, root / "work")
+    triton = EmbeddedTriton(repo, root / "work", exit_timeout_secs=3)  # no test here waits on Triton's exit
     try:
         triton.start()
         yield triton

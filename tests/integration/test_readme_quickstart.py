@@ -130,34 +130,28 @@ def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
     assert re.search(r'^nv_inference_request_success\{model="numpy-linear",version="1"\} [1-9]', metrics, re.M)
 
 
-def _http_error(url: str, model: str, arrays: dict[str, np.ndarray]) -> str:
-    with httpclient.InferenceServerClient(url) as client:
+def _shape_error(client_module, url: str, model: str, arrays: dict[str, np.ndarray]) -> str:
+    """The message of the error an infer call with these arrays gets (HTTP or gRPC client)."""
+    with client_module.InferenceServerClient(url) as client:
         inputs = []
         for name, array in arrays.items():
-            inp = httpclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            inp = client_module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             inp.set_data_from_numpy(array)
             inputs.append(inp)
         with pytest.raises(InferenceServerException) as err:
             client.infer(model, inputs)
+    if client_module is grpcclient:
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
     return err.value.message()
 
 
-def _grpc_error(url: str, model: str, arrays: dict[str, np.ndarray]) -> str:
-    with grpcclient.InferenceServerClient(url) as client:
-        inputs = []
-        for name, array in arrays.items():
-            inp = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-            inp.set_data_from_numpy(array)
-            inputs.append(inp)
-        with pytest.raises(InferenceServerException) as err:
-            client.infer(model, inputs)
-    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
-    return err.value.message()
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_wrong_shape_keeps_tritons_words_first_then_says_what_to_send(stack: Serve, protocol: str) -> None:
+    client_module, url = (httpclient, stack.http_url) if protocol == "http" else (grpcclient, stack.grpc_url)
 
+    def call(url: str, model: str, arrays: dict[str, np.ndarray]) -> str:
+        return _shape_error(client_module, url, model, arrays)
 
-@pytest.mark.parametrize("call", [_http_error, _grpc_error], ids=["http", "grpc"])
-def test_a_wrong_shape_keeps_tritons_words_first_then_says_what_to_send(stack: Serve, call) -> None:
-    url = stack.http_url if call is _http_error else stack.grpc_url
     # numpy-linear declares x with dims [4] and batches: [2, 3] is a wrong item shape, [4] lacks the batch axis
     for shape, got in (((2, 3), "2,3"), ((4,), "4")):
         message = call(url, "numpy-linear", {"x": np.ones(shape, np.float32)})
