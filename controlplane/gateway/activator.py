@@ -121,8 +121,8 @@ class ModelAnswers:
         A load that failed or outlived the deadline answers with Triton's words for a model without a
         loaded version first and snoozeml's reason after, as 503 / UNAVAILABLE with Retry-After (not
         Triton's 404): the next request tries the load again, so a client that retries 503 is right.
+        The caller has checked that the model is published (``published``: Triton's words otherwise).
         """
-        self.published(name)
         entered = False
         try:
             async with self.waker.serving(name, timeout=timeout):
@@ -252,6 +252,7 @@ class HoldRegistry:
         return sum(1 for m, _ in self._holds.values() if model is None or m == model)
 
     async def hold(self, model: str, token: str) -> None:
+        self.answers.published(model)
         stack = contextlib.AsyncExitStack()
         await stack.enter_async_context(self.answers.serving(model))
         if not token or self._ended.pop(token, None) is not None or token in self._holds:

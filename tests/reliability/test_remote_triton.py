@@ -8,9 +8,13 @@ plane then treats it as remote (on this machine it could see it).
 from __future__ import annotations
 
 import asyncio
+import json
+import queue
+import textwrap
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from reliability_helpers import infer_once, report
 from serve_harness import until_async
 
@@ -25,7 +29,26 @@ def serve(serve_factory, package, tmp_path_factory):
     serve.publish("declared", package, memory_mb=64)
     serve.publish("undeclared", package)
     serve.publish("poison", package, params={"crash": "poison", "calls": str(serve.calls)})
+    serve.publish("tokens", _streaming_package(tmp_path_factory.mktemp("remote_tokens") / "tokens"), max_batch_size=0)
     return serve
+
+
+def _streaming_package(folder):
+    """A decoupled package: predict yields x * i for i = 1..3, one response each."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "snooze_model.py").write_text(textwrap.dedent("""
+        class Model:
+            def load(self, model_dir, device):
+                pass
+
+            def predict(self, inputs):
+                for i in (1, 2, 3):
+                    yield {"y": inputs["x"] * i}
+    """))
+    tensor = {"datatype": "FP32", "dims": [2]}
+    (folder / "snooze_model.json").write_text(json.dumps({"inputs": [{"name": "x", **tensor}],
+                                                          "outputs": [{"name": "y", **tensor}]}))  # fmt: skip
+    return folder
 
 
 async def test_memory_is_declared_or_unknown_and_serve_says_why(serve):
@@ -59,3 +82,26 @@ async def test_a_poison_request_runs_once_even_unseen(serve, protocol):
     answer = await infer_once(serve, "poison", protocol, x_ok)
     assert not isinstance(answer, str), answer
     report(f"poison request, Triton unseen ({protocol})", client_error=error[:100])
+
+
+def test_a_stream_wakes_a_sleeping_model_on_a_separate_triton(serve):
+    """The wake filter holds a gRPC stream's first message while the activator wakes the model in Triton's own
+    process, then the stream goes straight to it: every response arrives, in order, and the model loaded once."""
+    assert serve.status("tokens")["state"] == "unloaded"
+    answers: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(serve.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        inp = grpcclient.InferInput("x", [2], "FP32")
+        inp.set_data_from_numpy(np.array([1.0, 2.0], np.float32))
+        client.async_stream_infer("tokens", [inp], enable_empty_final_response=True)
+        got = []
+        while True:
+            answer = answers.get(timeout=60)
+            assert not isinstance(answer, Exception), answer
+            if answer.get_response().parameters["triton_final_response"].bool_param:
+                break
+            got.append(answer.as_numpy("y").tolist())
+        client.stop_stream()
+    assert got == [[1.0, 2.0], [2.0, 4.0], [3.0, 6.0]]
+    status = serve.status("tokens")
+    assert status["state"] == "ready" and status["load_count"] == 1, status
