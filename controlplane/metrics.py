@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 STATES = ("unloaded", "loading", "ready", "unloading", "failed")
 _COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+_UNLOAD_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 1.5, 2, 5, 10, 30)
 
 
 class SnoozeMetrics:
@@ -43,6 +44,12 @@ class SnoozeMetrics:
             registry=r,
         )
         self.evictions = Counter("snooze_evictions", "Models unloaded to free memory", ["model", "reason"], registry=r)
+        self.unload_seconds = Histogram(
+            "snooze_unload_seconds",
+            "Time from an unload's start until the model's memory is free; how: ended (its processes were ended "
+            "once Triton had taken it out of service) or waited (Triton's own unload, finalize included)",
+            ["how"], buckets=_UNLOAD_BUCKETS, registry=r,
+        )
         self.idle_unloads = Counter("snooze_idle_unloads", "Models unloaded for idleness", ["model"], registry=r)
         self.recoveries = Counter(
             "snooze_recoveries", "Reloads after a dead python stub or a Triton restart", ["model", "cause"], registry=r

@@ -77,7 +77,24 @@ class Settings(BaseSettings):
     wake_timeout_secs: float | None = Field(
         None, description="Longest a request waits for a cold start (default: the model's load_timeout_secs)"
     )
-    max_concurrent_loads: int = Field(1, ge=1, description="Loads running at once (weights loading is memory-hungry)")
+    max_concurrent_loads: int = Field(
+        4,
+        ge=1,
+        description="Loads running at once where no GPU is present (each reserves its memory in the budget first); "
+        "on a machine with a GPU loads run one at a time (their GPU memory is measured as what each load added)",
+    )
+    fast_unload: bool = Field(
+        True,
+        description="Where Triton's processes can be seen, end an unloaded python model's processes as soon as "
+        "Triton has taken it out of service and none of them runs a request (its memory is free in "
+        "milliseconds instead of after the python backend's 1 s health probe); False: wait for Triton's unload",
+    )
+    unload_finalize_secs: float = Field(
+        10.0,
+        gt=0,
+        description="A model that declares unload() keeps Triton's full unload (its unload() runs): how long, past "
+        "the python backend's 1 s health probe, its processes may take to exit before they are ended",
+    )
     memory_budget_mb: float | None = Field(None, description="Memory for loaded models; unset = no limit")
     gpu_memory_budget_mb: float | None = Field(
         None,

@@ -9,6 +9,12 @@ a little-endian u32 byte count, then the ids joined by newlines.)
 
 A memory-mapped file on the journal folder (a tmpfs in the deployed topologies): one copy into the
 page cache per batch, no system call.
+
+The file's last 16 bytes (``TRAILER``) say whether the process is idle, for the control plane's fast
+eviction (``controlplane/lifecycle/eviction.py``): a u64 with the CLOCK_MONOTONIC nanoseconds at which
+the last batch ended, a u32 that is 1 while a batch runs (from before ``record`` returns to after the
+batch's results are made), and a u32 of flags: bit 0, the model declares ``unload()`` (its clean-up
+must run, so it is not ended early).
 """
 
 from __future__ import annotations
@@ -17,11 +23,17 @@ import json
 import mmap
 import os
 import struct
+import time
 from typing import Any
 
 JOURNAL_ENV = "SNOOZE_JOURNAL_DIR"
 REQUEST_ID_PARAMETER = "x-snooze-request-id"
 SIZE = 1 << 16
+TRAILER = 16  # u64 last batch end (monotonic ns), u32 busy, u32 flags; at SIZE - TRAILER
+FLAG_DECLARES_UNLOAD = 1
+_TRAILER_AT = SIZE - TRAILER
+_BUSY_AT = SIZE - 8
+_IDLE = struct.Struct("<QI")  # end ns and busy = 0, written together
 _KEY = f'"{REQUEST_ID_PARAMETER}":"'
 _LENGTH = struct.Struct("<I")
 
@@ -95,10 +107,19 @@ class RequestJournal:
             data = request_id(requests[0].parameters()).encode()
         else:
             data = "\n".join([request_id(r.parameters()) for r in requests]).encode()
-        if len(data) > SIZE - 4:
-            data = data[: SIZE - 4]
+        self._map[_BUSY_AT] = 1  # before the ids: a batch is running from here on
+        if len(data) > SIZE - 4 - TRAILER:
+            data = data[: SIZE - 4 - TRAILER]
         self._map[4 : 4 + len(data)] = data
         _LENGTH.pack_into(self._map, 0, len(data))
+
+    def batch_done(self) -> None:
+        """The batch ``record`` announced has its results: the process is idle again."""
+        _IDLE.pack_into(self._map, _TRAILER_AT, time.monotonic_ns(), 0)
+
+    def declare(self, *, unload: bool) -> None:
+        """What the model declares: an ``unload()`` whose clean-up must run at the end (no early end)."""
+        self._map[SIZE - 4] = FLAG_DECLARES_UNLOAD if unload else 0
 
     def close(self) -> None:
         """A clean end (unload): the journal goes with the process."""

@@ -135,7 +135,9 @@ def _run(conn: socket.socket, request: SpawnRequest) -> int:
     except Exception as e:
         _send_error(conn, e, model_id, stage, None)
         return 0
-    send_json(conn, READY, {"import_secs": imported - started, "load_secs": loaded - imported})
+    ready = {"import_secs": imported - started, "load_secs": loaded - imported}
+    ready["unload"] = callable(getattr(model, "unload", None))  # the stub tells the control plane (journal)
+    send_json(conn, READY, ready)
     return _serve_requests(conn, spec, model)
 
 

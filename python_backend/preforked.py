@@ -244,6 +244,7 @@ class PreforkedModel:
         self._closing = False
         self._note: dict[str, Any] = {}
         self.in_stub: Any = None  # the model, when no parent could be had
+        self._worker_unload = True  # whether the user's model (in the worker) has an unload(): its READY says
 
     # --- load
 
@@ -275,6 +276,7 @@ class PreforkedModel:
             raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
         if kind != READY:
             raise ProtocolError(f"expected READY from the worker, got frame type {kind}")
+        self._worker_unload = payload.get("unload") is not False  # an older worker that does not say: assume one
         _log(
             self.spec.model_id,
             f"preforked worker pid {self.worker_pid} ready (import {payload.get('import_secs', 0):.3f} s, "
@@ -436,6 +438,13 @@ class PreforkedModel:
         raise ProtocolError(f"expected RESULT or ERROR from the worker, got frame type {kind}")
 
     # --- unload
+
+    @property
+    def declares_unload(self) -> bool:
+        """Whether the user's model has an ``unload()`` (run in its worker, or in the stub without one)."""
+        if self.in_stub is not None:
+            return callable(getattr(self.in_stub, "unload", None))
+        return self._worker_unload
 
     def unload(self) -> None:
         if self.in_stub is not None:

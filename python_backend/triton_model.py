@@ -62,6 +62,14 @@ def _sequence_of(request: Any) -> Sequence:
     return Sequence(request.correlation_id(), bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END))
 
 
+def declares_unload(model: Any) -> bool:
+    """Whether the user's model has an ``unload()`` (a preforked model answers for its worker's)."""
+    declared = getattr(model, "declares_unload", None)
+    if isinstance(declared, bool):
+        return declared
+    return callable(getattr(model, "unload", None))
+
+
 def _log(model_id: str, message: str) -> None:
     print(f"snooze model '{model_id}': {message}", file=sys.stderr, flush=True)
 
@@ -109,6 +117,8 @@ class TritonPythonModel:
         # A preforked model's worker is a process of its own: the stub's thread talks to it directly.
         self._direct = getattr(self._model, "direct_stream" if spec.decoupled else "direct_predict", None)
         self._journal = RequestJournal.from_environment()
+        if self._journal is not None:
+            self._journal.declare(unload=declares_unload(self._model))
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
         self._plan = BatchPlan(spec)
         self._timeout = spec.request_timeout_secs
@@ -129,8 +139,16 @@ class TritonPythonModel:
             self._predict = self._predict_watched
 
     def execute(self, requests: list) -> list | None:
-        if self._journal is not None:
-            self._journal.record(requests)
+        journal = self._journal
+        if journal is None:
+            return self._execute(requests)
+        journal.record(requests)
+        try:
+            return self._execute(requests)
+        finally:
+            journal.batch_done()
+
+    def _execute(self, requests: list) -> list | None:
         if self._spec.decoupled:
             for request in requests:
                 self._stream(request)

@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +97,26 @@ class Loader:
         self.gpu = gpu
         self.metrics = metrics
         self._wait_for_triton = wait_for_triton
+        # Host-memory loads run side by side (each reserved its memory first); on a machine with a GPU they
+        # run one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
+        self._one_at_a_time = asyncio.Lock()
+        # One admission at a time (room made, memory reserved), so that each sees the others' reservations.
+        self._admission = asyncio.Lock()
 
     @property
     def slot_free(self) -> bool:
         """A load could start now without waiting for another to end."""
-        return not self._slots.locked()
+        return not self._slots.locked() and not self._one_at_a_time.locked()
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        if await self.gpu.devices():
+            async with self._one_at_a_time, self._slots:
+                yield
+        else:
+            async with self._slots:
+                yield
 
     async def load(
         self, rec: ModelRecord, instances: int, *, trigger: str | None = None, how: str = "files", evict: bool = True
@@ -116,16 +130,17 @@ class Loader:
         """
         rec.model = self.states.store.get(rec.id)  # Triton reads what is published now
         await self._wait_for_triton(rec)
-        async with self._slots:
-            need = self.budget.estimate(rec, instances)
-            placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
-            gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
-            if evict:
-                await self.gpu.make_room(rec, gpu_need)
-                await self.budget.make_room(rec, need)
-            elif not (self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)):
-                raise NoRoomToPrewarm(f"model '{rec.id}': not pre-warmed, the free memory budget is too small")
-            rec.reserved, rec.gpu_reserved = need, gpu_need
+        async with self._slot():
+            async with self._admission:
+                need = self.budget.estimate(rec, instances)
+                placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
+                gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
+                if evict:
+                    await self.gpu.make_room(rec, gpu_need)
+                    await self.budget.make_room(rec, need)
+                elif not (self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)):
+                    raise NoRoomToPrewarm(f"model '{rec.id}': not pre-warmed, the free memory budget is too small")
+                rec.reserved, rec.gpu_reserved = need, gpu_need
             delta = await self.gpu.before_load()
             started = time.monotonic()
             try:

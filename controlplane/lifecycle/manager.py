@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from controlplane.errors import ConflictError, SnoozeError, UnavailableError
 from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
+from controlplane.lifecycle.eviction import Unloader
 from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm
 from controlplane.lifecycle.memory import MemoryBudget
@@ -109,6 +110,9 @@ class LifecycleManager:
             journal_dir=journal_dir,
         )
         self.sync.loader, self.sync.warmth = self.loader, self.warmth
+        self.unloader = Unloader(
+            settings, triton, processes, self.metrics, pending=self.sync.pending_counts, journal_dir=journal_dir
+        )
         self._tasks: list[asyncio.Task[None]] = []
         # one lock per periodic job (sweep, process watch, store), held through one pass so that pause() can
         # wait for it; one job's long pass (the store's reloads) does not hold up the others
@@ -663,7 +667,7 @@ class LifecycleManager:
                 self.states.set_state(rec, ModelState.READY)
                 return False
         try:
-            await self.triton.unload(rec.id, wait=True)
+            await self.unloader.unload(rec)  # returns once its memory is free (eviction.py)
         except SnoozeError as e:
             rec.draining = True  # Triton may still hold it: the budget counts it until Triton's index lets go
             self.states.set_state(rec, ModelState.FAILED, f"unload ({reason}) failed: {e}")

@@ -8,7 +8,10 @@ writes it; both sides agree on the name and the layout below). When a stub dies,
 batch it was running: those requests reached a live model process and must not be run again; any
 other request that failed on the dead stub never reached it and is served after recovery.
 
-Layout: a little-endian u32 byte count, then the ids joined by newlines (UTF-8).
+Layout: a little-endian u32 byte count, then the ids joined by newlines (UTF-8). The file is ``SIZE``
+bytes; its last ``TRAILER`` bytes say whether the process is idle (``read_activity``): a u64 with the
+CLOCK_MONOTONIC nanoseconds at which its last batch ended, a u32 that is 1 while a batch runs, and a u32
+of flags (bit 0: the model declares ``unload()``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import contextlib
 import json
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 from controlplane.triton.processes import StubProcess, read_stat
@@ -29,6 +33,10 @@ HEADER_FORWARD_ARGS = (
     f"--grpc-header-forward-pattern=^{REQUEST_ID_HEADER}$",
 )
 SUFFIX = ".journal"
+SIZE = 1 << 16
+TRAILER = 16
+FLAG_DECLARES_UNLOAD = 1
+_TRAILER = struct.Struct("<QII")
 # Files of preforked models beside the journals (python_backend/preforked.py, prefork_parent.py).
 WORKER_SUFFIX = ".worker"
 PARENT_PREFIX, PARENT_SUFFIX = "prefork-", ".parent"
@@ -48,6 +56,31 @@ def read_journal(journal_dir: Path, stub: StubProcess) -> set[str] | None:
         return set()
     (size,) = struct.unpack_from("<I", raw)
     return {i for i in raw[4 : 4 + size].decode("utf-8", "replace").split("\n") if i}
+
+
+@dataclass(frozen=True)
+class Activity:
+    """What a model process's journal says about it now."""
+
+    busy: bool  # a batch is running (between the journal's record and the batch's results)
+    last_end_ns: int  # CLOCK_MONOTONIC nanoseconds when its last batch ended (0: none yet)
+    declares_unload: bool  # the model has an unload() that must run at the end
+
+
+def read_activity(journal_dir: Path, stub: StubProcess) -> Activity | None:
+    """The trailer of the stub's journal; None when it keeps none (no journal folder, an older runtime)."""
+    try:
+        fd = os.open(journal_path(journal_dir, stub.pid, stub.start_ticks), os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, TRAILER, SIZE - TRAILER)
+    finally:
+        os.close(fd)
+    if len(raw) != TRAILER:
+        return None
+    end_ns, busy, flags = _TRAILER.unpack(raw)
+    return Activity(busy != 0, end_ns, bool(flags & FLAG_DECLARES_UNLOAD))
 
 
 def remove_journal(journal_dir: Path, stub: StubProcess) -> None:

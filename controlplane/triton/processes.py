@@ -260,13 +260,17 @@ class TritonProcesses:
 
     def kill(self, stubs: Iterable[StubProcess]) -> list[int]:
         """SIGKILL these stubs (those still alive); their pids."""
-        killed = []
+        return self.signal(stubs, signal.SIGKILL)
+
+    def signal(self, stubs: Iterable[StubProcess], signum: int) -> list[int]:
+        """Send ``signum`` to these stubs (those still alive); the pids it reached."""
+        sent = []
         for stub in stubs:
             if self.alive(stub):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(stub.pid, signal.SIGKILL)
-                    killed.append(stub.pid)
-        return killed
+                    os.kill(stub.pid, signum)
+                    sent.append(stub.pid)
+        return sent
 
     def tree_rss(self) -> int:
         """Resident bytes of tritonserver and all its descendants; 0 when not visible."""

@@ -54,6 +54,7 @@ from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError
 from controlplane.lifecycle.loading import rendered_config
 from controlplane.render import DEPLOYMENT_FILE
 from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry
+from controlplane.triton.journal import SIZE as JOURNAL_SIZE
 from controlplane.triton.journal import journal_path
 from controlplane.triton.processes import StubDeath, StubProcess
 
@@ -117,6 +118,9 @@ class VirtualTime:
     def time_ns(self) -> int:
         return int(self.time() * 1e9)
 
+    def monotonic_ns(self) -> int:
+        return int(self.loop.now * 1e9)
+
     def strftime(self, fmt: str, *args: Any) -> str:
         return f"t+{self.loop.now:.3f}s"
 
@@ -131,7 +135,10 @@ class Stub:
     alive: bool = True
     reaped: bool = False
     exit_status: int | None = None
-    running: str | None = None  # the request id it executes now
+    running: str | None = None  # the request id it executes now (handed to it by Triton)
+    stopped: bool = False  # SIGSTOP: it takes up nothing until SIGCONT
+    busy: bool = False  # its journal's busy flag: a batch runs in the model's code
+    last_end: float = 0.0  # virtual seconds when its last batch ended
     died: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -189,6 +196,7 @@ class FakeTriton:
         self.scripts: dict[str, list[LoadScript]] = {}
         self.unload_delay = 0.02
         self.unload_hangs: dict[str, float] = {}  # model -> how long its next unload's finalize blocks
+        self.declares_unload: set[str] = set()  # models whose stubs' journals say they declare unload()
         self.exec_delay = 0.01
         self.memory: dict[str, int] = {}  # model -> bytes per stub, overriding the declared figure
         self.executions: Counter[str] = Counter()  # request id -> times a model ran it
@@ -207,11 +215,13 @@ class FakeTriton:
 
     def holding(self) -> dict[str, int]:
         """Models holding memory in Triton (loading, ready or unloading) and the bytes their live stubs hold."""
-        return {
+        held = {
             name: sum(s.memory for s in m.stubs + m.starting if s.alive)
             for name, m in self.models.items()
             if m.state in BUSY_STATES
         }
+        # an unload whose processes were ended holds nothing while Triton finishes it
+        return {n: b for n, b in held.items() if b or self.models[n].state != "UNLOADING"}
 
     def ready(self) -> set[str]:
         return {name for name, m in self.models.items() if m.state == "READY"}
@@ -332,7 +342,9 @@ class FakeTriton:
     def _stub(self, m: Loaded, memory: int) -> Stub:
         m.next_instance += 1
         pid = next(self._pids)
-        return Stub(pid, pid * 7, m.name, f"{m.name}_0_{m.next_instance}", memory)
+        stub = Stub(pid, pid * 7, m.name, f"{m.name}_0_{m.next_instance}", memory)
+        self._journal(stub, None, busy=False)
+        return stub
 
     def _exit(self, stubs: list[Stub]) -> None:
         """Triton ends these stubs and reaps them (a crashed one too, once its model unloads)."""
@@ -399,6 +411,7 @@ class FakeTriton:
         self._round_robin[name] += 1
         stub = m.stubs[self._round_robin[name] % len(m.stubs)]
         self.pending[name] += 1
+        queued = True
         try:
             if not stub.alive:
                 await asyncio.sleep(DEAD_STUB_WAIT)
@@ -408,20 +421,48 @@ class FakeTriton:
             if not stub.alive:
                 await asyncio.sleep(DEAD_STUB_WAIT)
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
-            stub.running = request_id
-            ids = request_id.encode()
-            journal_path(self.journal_dir, stub.pid, stub.start_ticks).write_bytes(struct.pack("<I", len(ids)) + ids)
+            stub.running = request_id  # handed to the instance: Triton's pending count no longer has it
+            self.pending[name] -= 1
+            queued = False
+            while stub.stopped and stub.alive:  # a frozen stub takes it up when it goes on
+                await asyncio.sleep(self.exec_delay / 10)
+            if not stub.alive:  # it never reached the model's code
+                stub.running = None
+                await asyncio.sleep(DEAD_STUB_WAIT)
+                return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
+            self._journal(stub, request_id, busy=True)
             self.executions[request_id] += 1
             m.last_inference_ms = int(EPOCH * 1000 + asyncio.get_running_loop().time() * 1000)
             died = asyncio.ensure_future(stub.died.wait())
             done, _ = await asyncio.wait([died], timeout=self.exec_delay)
             died.cancel()
+            if not done:
+                self._journal(stub, request_id, busy=False)
             stub.running = None
             if done:
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
             return Answer(200, "ok")
         finally:
-            self.pending[name] -= 1
+            if queued:
+                self.pending[name] -= 1
+
+    def _journal(self, stub: Stub, request_id: str | None, *, busy: bool) -> None:
+        """The runtime's journal (journal.py): created empty when the stub starts; the batch's ids and the busy
+        flag before a batch runs, the end after; its flags say whether the model declares unload()."""
+        stub.busy = busy
+        path = journal_path(self.journal_dir, stub.pid, stub.start_ticks)
+        if request_id is None:
+            path.write_bytes(struct.pack("<I", 0))
+        elif busy:
+            ids = request_id.encode()
+            with path.open("r+b") as f:
+                f.write(struct.pack("<I", len(ids)) + ids)
+        else:
+            stub.last_end = asyncio.get_running_loop().time()
+        flags = int(stub.model in self.declares_unload)
+        with path.open("r+b") as f:
+            f.seek(JOURNAL_SIZE - 16)
+            f.write(struct.pack("<QII", int(stub.last_end * 1e9), int(busy), flags))
 
     async def aclose(self) -> None:
         for task in list(self._server_tasks):
@@ -489,13 +530,19 @@ class FakeProcesses:
         return sum(s.memory for p in stubs if (s := self._find(p)) is not None and s.alive)
 
     def kill(self, stubs: list[StubProcess]) -> list[int]:
-        killed = []
+        return self.signal(stubs, signal.SIGKILL)
+
+    def signal(self, stubs: list[StubProcess], signum: int) -> list[int]:
+        sent = []
         for p in stubs:
             s = self._find(p)
             if s is not None and s.alive:
-                self.triton._kill(s, SIGKILL_STATUS)
-                killed.append(s.pid)
-        return killed
+                if signum == signal.SIGKILL:
+                    self.triton._kill(s, SIGKILL_STATUS)
+                elif signum in (signal.SIGSTOP, signal.SIGCONT):
+                    s.stopped = signum == signal.SIGSTOP
+                sent.append(s.pid)
+        return sent
 
     def tree_rss(self) -> int:
         return sum(s.memory for s in self._all() if s.alive)

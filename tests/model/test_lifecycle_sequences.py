@@ -34,7 +34,9 @@ def test_a_delete_during_a_wake_leaves_nothing_loaded(world):
 
 
 def test_a_failed_unload_stays_counted_by_the_memory_budget(world):
-    """Race: a failed unload marked the model FAILED and the budget stopped counting what Triton still held."""
+    """Race: a failed unload marked the model FAILED and the budget stopped counting what Triton still held.
+    (Triton's own unload, waited for: no processes ended early.)"""
+    world.settings.fast_unload = False
     world.step(world.publish("m0", 150), 0.1)
     world.step(world.request("m0"), 1.0)
     world.step(world.unload_hang("m0", 100.0), 0)
