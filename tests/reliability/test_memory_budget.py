@@ -71,3 +71,28 @@ async def test_the_budget_evicts_the_least_recently_used_model(serve):
     else:
         assert runtime["preloaded_parents"] == [] and runtime["overhead_bytes"] == 0, runtime
     assert await asyncio.to_thread(serve.metric, "snooze_evictions_total", model="big-a", reason="memory") == 1
+
+
+async def test_an_evicted_models_processes_are_ended_and_it_reloads_right_away(serve):
+    """After the test above b and c are loaded. A request for a evicts b: its processes are ended as soon as
+    Triton has taken it out of service (not after the python backend's 1 s health probe), which is not a crash
+    of b; b, requested right after (while Triton may still be finishing its unload), loads again and answers
+    right, evicting c the same way."""
+    x = np.full((1, 2), 3.0, np.float32)
+    assert (await asyncio.to_thread(serve.status, "big-b"))["state"] == "ready"
+    b_processes = await asyncio.to_thread(serve.model_pids, "big-b", serve.worker)
+    assert b_processes
+    ended_before = await asyncio.to_thread(serve.metric, "snooze_unload_seconds_count", how="ended")
+    answer = await infer_once(serve, "big-a", "http", x)
+    assert not isinstance(answer, str), answer
+    assert alive_pids(b_processes) == []  # its memory left with the eviction
+    answer = await infer_once(serve, "big-b", "grpc", x)  # evicts c; b's old instance may still be leaving Triton
+    assert not isinstance(answer, str), answer
+    np.testing.assert_array_equal(answer, x * 2.0)
+    statuses = {n: await asyncio.to_thread(serve.status, f"big-{n}") for n in "abc"}
+    assert {n: s["state"] for n, s in statuses.items()} == {"a": "ready", "b": "ready", "c": "unloaded"}, statuses
+    assert statuses["c"]["reason"] == "memory" and statuses["b"]["last_crash"] is None, statuses
+    assert await asyncio.to_thread(serve.metric, "snooze_recoveries_total", model="big-b", cause="dead_stub") == 0
+    ended = await asyncio.to_thread(serve.metric, "snooze_unload_seconds_count", how="ended") - ended_before
+    report(f"fast eviction ({serve.topology}, {serve.worker})", evictions_ended=ended)
+    assert ended == 2  # b and c: both evictions ended their processes
