@@ -136,6 +136,7 @@ class LifecycleWorld:
         self.manager: LifecycleManager = self._manager()
         self.answers = ModelAnswers(self.manager, self.store, self.settings)
         self.calls: list[Call] = []
+        self.answered: list[Call] = []  # calls with their answers, in the order the checks found them done
         self.ids = itertools.count(1)
         self.locks: dict[str, asyncio.Lock] = {}
         self.deleted: dict[str, float] = {}  # model -> when it left the store (virtual seconds)
@@ -389,6 +390,7 @@ class LifecycleWorld:
         problems += self._model_problems()
         if problems:
             raise Violation("; ".join(problems))
+        self.answered += [c for c in self.calls if c.task.done()]
         self.calls = [c for c in self.calls if not c.task.done()]
 
     def _model_problems(self) -> list[str]:
