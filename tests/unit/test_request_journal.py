@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,28 @@ def test_a_batch_of_one_and_an_oversized_batch_are_journaled(tmp_path: Path):
         assert reader.read_journal(tmp_path, me()) == set()
     finally:
         journal.close()
+
+
+def test_the_trailer_says_whether_the_process_is_idle(tmp_path: Path):
+    """What the fast eviction reads: busy from a batch's record until it is done, when it ended, and whether the
+    model declares unload(); an oversized batch never overwrites it."""
+    journal = writer.RequestJournal(str(tmp_path))
+    try:
+        assert writer.SIZE == reader.SIZE and writer.TRAILER == reader.TRAILER
+        assert reader.read_activity(tmp_path, me()) == reader.Activity(False, 0, False)  # a fresh stub: idle
+        journal.declare(unload=True)
+        journal.record([FakeRequest({"x-snooze-request-id": f"{i:08d}-{'x' * 60}"}) for i in range(2000)])
+        running = reader.read_activity(tmp_path, me())
+        assert running is not None and running.busy and running.declares_unload and running.last_end_ns == 0
+        before = time.monotonic_ns()
+        journal.batch_done()
+        done = reader.read_activity(tmp_path, me())
+        assert done is not None and not done.busy and before <= done.last_end_ns <= time.monotonic_ns()
+        journal.declare(unload=False)
+        assert not reader.read_activity(tmp_path, me()).declares_unload  # type: ignore[union-attr]
+    finally:
+        journal.close()
+    assert reader.read_activity(tmp_path, me()) is None
 
 
 def test_no_journal_dir_means_no_journal(monkeypatch, tmp_path: Path):
