@@ -6,7 +6,7 @@
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
-Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live, fleet
+Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live, fleet, churn
 (default), native (opt-in: torch custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each
 measurement is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no
 server, seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
@@ -44,6 +44,7 @@ from bench.common import machine  # noqa: E402
 
 DEFAULT_SECTIONS = (
     "gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "keepalive_live", "fleet",
+    "churn",
 )  # fmt: skip
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
@@ -74,6 +75,9 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
                 "period_s": 4.0, "idle_timeout_s": 1.0, "requests": 7, "min_samples": 3, "min_unloaded_s": 1.0,
             },
             "keepalive_replay": {},
+            # 4 models of ~50 MiB (8 MiB ballast + the stub) under a budget that holds two: swaps from the start
+            "churn": {"models": 4, "ballast_mb": 8, "budget_mb": 130, "seconds": 4.0, "clients": 4,
+                      "republish_secs": 2.0},
             "fleet": {
                 "nodes": 2,
                 "models": 6,
@@ -115,6 +119,9 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "period_s": 8.0, "idle_timeout_s": 2.0, "requests": 16, "min_samples": 3, "min_unloaded_s": 2.0,
         },
         "keepalive_replay": {},
+        # the scenario: 40 models x 40 MiB of real memory under 400 MiB, 8 clients, Zipf(1), 120 s per policy
+        "churn": {"models": 40, "ballast_mb": 40, "budget_mb": 400, "seconds": 120.0, "clients": 8,
+                  "republish_secs": 15.0},
         "fleet": {
             "nodes": 3,
             "models": 24,
@@ -163,6 +170,10 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
         from bench import keepalive_live
 
         return await keepalive_live.run(root, **kw)
+    if name == "churn":
+        from bench import churn
+
+        return await churn.run(root, **kw)
     if name == "fleet":
         from bench import fleet
 

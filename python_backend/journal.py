@@ -11,7 +11,7 @@ A memory-mapped file on the journal folder (a tmpfs in the deployed topologies):
 page cache per batch, no system call.
 
 The file's last 16 bytes (``TRAILER``) say whether the process is idle, for the control plane's fast
-eviction (``controlplane/lifecycle/eviction.py``): a u64 with the CLOCK_MONOTONIC nanoseconds at which
+eviction (``controlplane/lifecycle/unloading.py``): a u64 with the CLOCK_MONOTONIC nanoseconds at which
 the last batch ended, a u32 that is 1 while a batch runs (from before ``record`` returns to after the
 batch's results are made), and a u32 of flags: bit 0, the model declares ``unload()`` (its clean-up
 must run, so it is not ended early).

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 from controlplane.errors import ConflictError, SnoozeError, UnavailableError
 from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
-from controlplane.lifecycle.eviction import Unloader
 from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
 from controlplane.lifecycle.triton_sync import TritonSync
+from controlplane.lifecycle.unloading import Unloader
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import parent_status, parents, parents_bytes
 from controlplane.metrics import SnoozeMetrics
@@ -667,7 +667,7 @@ class LifecycleManager:
                 self.states.set_state(rec, ModelState.READY)
                 return False
         try:
-            await self.unloader.unload(rec)  # returns once its memory is free (eviction.py)
+            await self.unloader.unload(rec)  # returns once its memory is free (unloading.py)
         except SnoozeError as e:
             rec.draining = True  # Triton may still hold it: the budget counts it until Triton's index lets go
             self.states.set_state(rec, ModelState.FAILED, f"unload ({reason}) failed: {e}")

@@ -158,7 +158,7 @@ class TritonSync:
                 # an unload this control plane did not see through (before a restart): what its processes hold
                 stubs = await asyncio.to_thread(self.processes.stubs, model_id)
                 held = await asyncio.to_thread(self.processes.rss, stubs)
-                # a python model whose processes are all gone holds nothing (they were ended: eviction.py)
+                # a python model whose processes are all gone holds nothing (they were ended: unloading.py)
                 if held or not (rec.is_python and self.processes.visible):
                     rec.draining, rec.footprint = True, held or rec.footprint or declared_bytes(rec)
             if not self.store.exists(model_id):

@@ -22,7 +22,7 @@ from fake_triton import MIB, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime
 
 from controlplane.errors import SnoozeError
 from controlplane.gateway.activator import ModelAnswers
-from controlplane.lifecycle import eviction, loading, manager, recovery
+from controlplane.lifecycle import loading, manager, recovery, unloading
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
@@ -106,7 +106,7 @@ class LifecycleWorld:
         self.root = root
         self.loop = VirtualTimeLoop()
         clock = VirtualTime(self.loop)
-        for module in (manager, loading, recovery, eviction):
+        for module in (manager, loading, recovery, unloading):
             monkeypatch.setattr(module, "time", clock)
         monkeypatch.setattr(asyncio, "to_thread", inline)
         self.clock = clock

@@ -1,4 +1,4 @@
-"""Unloads that end the model's processes once Triton has let go (``controlplane/lifecycle/eviction.py``), and
+"""Unloads that end the model's processes once Triton has let go (``controlplane/lifecycle/unloading.py``), and
 loads side by side: the lifecycle's logic over the fake Triton, in virtual time."""
 
 from __future__ import annotations
