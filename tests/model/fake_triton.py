@@ -150,6 +150,7 @@ class Loaded:
     starting: list[Stub] = field(default_factory=list)  # stubs of a load in progress (initialize runs)
     reason: str = ""
     last_inference_ms: int = 0
+    served: int = 0  # requests answered since the model was last built (Triton's success count)
     next_instance: int = 0
     unloading: asyncio.Task[None] | None = None
 
@@ -290,7 +291,7 @@ class FakeTriton:
         m = old if old is not None else Loaded(name, "UNAVAILABLE")
         self.models[name] = m
         if not serving:
-            m.state, m.reason = "LOADING", ""
+            m.state, m.reason, m.served = "LOADING", "", 0
         new = [self._stub(m, per_stub) for _ in range(count - len(keep))]
         m.starting += new
         try:
@@ -382,7 +383,7 @@ class FakeTriton:
         m = self.models.get(name)
         if m is None or m.state != "READY":
             raise NotFoundError(f"no statistics for model '{name}'")
-        return ModelStats(name, "1", m.last_inference_ms, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return ModelStats(name, "1", m.last_inference_ms, m.served, m.served, m.served, 0, 0, 0, 0, 0, 0, 0)
 
     async def pending_request_counts(self) -> dict[str, float]:
         await asyncio.sleep(0)
@@ -419,6 +420,7 @@ class FakeTriton:
             stub.running = None
             if done:
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
+            m.served += 1
             return Answer(200, "ok")
         finally:
             self.pending[name] -= 1
