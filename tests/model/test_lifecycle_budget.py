@@ -110,6 +110,19 @@ def test_a_wake_that_cannot_start_loading_within_its_bound_gets_a_fast_503_namin
     metrics = world.manager.metrics.registry
     assert metrics.get_sample_value("snooze_wake_queue_timeouts_total", {"model": "next", "waiting_for": "slot"}) == 1
     assert metrics.get_sample_value("snooze_wake_queue_length") == 0
+    # a client through the gateway: the activator answers in Triton's words, snoozeml's reason after, 503
+    world.step(world.tick(5.0), 0)
+    world.step(world.script_load("slow", "ok", 5.0), 0)
+    world.step(world.api_unload("slow"), 0.5)
+    world.step(world.request("slow"), 0.1)
+    world.run(world.request("next"))
+    call = world.calls[-1]
+    world.step(world.tick(1.2), 0)
+    answer = call.answer
+    assert answer is not None and answer.startswith(
+        "503: Request for unknown model: 'next' has no available versions: snoozeml: model 'next' is asleep and its "
+        "load could not start within 1.0s"
+    ), answer
     world.step(world.tick(5.0), 0)
     world.step(world.request("next"), 1.0)  # the slot is free again: the next request loads it
     assert state(world, "next") is ModelState.READY
