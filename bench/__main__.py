@@ -6,12 +6,14 @@
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
-Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live, fleet, churn
-(default), native (opt-in: torch custom vs its ONNX export), keepalive_replay (--replay). Loopback only; each
+Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live, fleet,
+eviction, churn (default), native (opt-in: torch custom vs its ONNX export), keepalive_replay (--replay). Loopback
+only; each
 measurement is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no
 server, seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
 periodic caller through the real stack against an adaptive and a fixed copy of one model
-(bench/keepalive_live.py).
+(bench/keepalive_live.py). eviction replays the eviction policies (SNOOZE_EVICTION_POLICY) in virtual time over
+Zipf, scan and shifting-hot-set traces on a fixed memory budget (bench/eviction_replay.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from bench.common import machine  # noqa: E402
 
 DEFAULT_SECTIONS = (
     "gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "keepalive_live", "fleet",
-    "churn",
+    "eviction", "churn",
 )  # fmt: skip
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
@@ -75,6 +77,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
                 "period_s": 4.0, "idle_timeout_s": 1.0, "requests": 7, "min_samples": 3, "min_unloaded_s": 1.0,
             },
             "keepalive_replay": {},
+            "eviction": {"requests": 2000},  # virtual time: the full replay takes seconds too
             # 4 models of ~50 MiB (8 MiB ballast + the stub) under a budget that holds two: swaps from the start
             "churn": {"models": 4, "ballast_mb": 8, "budget_mb": 130, "seconds": 4.0, "clients": 4,
                       "republish_secs": 2.0},
@@ -119,6 +122,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "period_s": 8.0, "idle_timeout_s": 2.0, "requests": 16, "min_samples": 3, "min_unloaded_s": 2.0,
         },
         "keepalive_replay": {},
+        "eviction": {"requests": 20000},
         # the issue's scenario: 40 models x 40 MiB of real memory under 400 MiB, 8 clients, Zipf(1), 120 s per policy
         "churn": {"models": 40, "ballast_mb": 40, "budget_mb": 400, "seconds": 120.0, "clients": 8,
                   "republish_secs": 15.0},
@@ -178,6 +182,10 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
         from bench import fleet
 
         return await fleet.run(root, **kw)
+    if name == "eviction":
+        from bench import eviction_replay
+
+        return eviction_replay.run(root, **kw)
     if name in ("keepalive", "keepalive_replay"):
         from bench import keepalive_replay
 

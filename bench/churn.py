@@ -112,6 +112,120 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)) * 1000, 1) if values else None
 
 
+class _Traffic:
+    """The closed-loop clients and the republisher of one phase, and what they saw."""
+
+    def __init__(self, root: Path, *, models: int, ballast_mb: int, zipf_s: float, seed: int, seconds: float) -> None:
+        self.root, self.models, self.ballast_mb, self.seed = root, models, ballast_mb, seed
+        self.names = [f"churn-{i:02d}" for i in range(models)]
+        self.weights = _zipf_weights(models, zipf_s)
+        self.version = dict.fromkeys(self.names, 0)
+        self.republished_at: dict[str, float] = {}  # model -> when its last republish returned (perf_counter)
+        self.previous: dict[str, float] = {}  # model -> its scale before its last republish
+        self.rows: list[dict[str, Any]] = []
+        self.republishes: list[dict[str, Any]] = []
+        self.end = time.perf_counter() + seconds
+
+    def entries(self) -> list[dict[str, Any]]:
+        return [
+            {"id": m, "path": _package(self.root, i, 0, self.ballast_mb), "idle_timeout_secs": 3600}
+            for i, m in enumerate(self.names)
+        ]
+
+    async def client(self, k: int, urls: dict[str, str]) -> None:
+        rng = np.random.default_rng(self.seed + k)
+        conn = _Clients(urls)
+        try:
+            while time.perf_counter() < self.end:
+                i = int(rng.choice(self.models, p=self.weights))
+                model = self.names[i]
+                protocol = "grpc" if rng.random() < 0.5 else "http"
+                x = np.array([[float(k + 1), float(len(self.rows) % 997)]], np.float32)
+                sent = time.perf_counter()
+                expect = _scale(i, self.version[model])
+                # sent after its last republish returned: the new version only; before: either
+                allowed = {expect} if self.republished_at.get(model, -1.0) <= sent else {expect, self.previous[model]}
+                row: dict[str, Any] = {"model": model, "hot": i < HOT, "protocol": protocol, "sent": sent}
+                try:
+                    y = await conn.infer(protocol, model, x)
+                except Exception as e:  # noqa: BLE001 - an error is a result here: counted and kept
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
+                else:
+                    row.update(ok=True, right=any(np.allclose(y, x * s) for s in allowed))
+                row["latency_s"] = time.perf_counter() - sent
+                self.rows.append(row)
+        finally:
+            await conn.close()
+
+    async def republisher(self, api_port: int, every: float) -> None:
+        import httpx
+
+        n = 0
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{api_port}", timeout=120) as api:
+            while True:
+                await asyncio.sleep(every)
+                if time.perf_counter() >= self.end:
+                    return
+                i, n = n % self.models, n + 1  # in Zipf rank order: the hot models first
+                model = self.names[i]
+                new = self.version[model] + 1
+                path = _package(self.root, i, new, self.ballast_mb)
+                body = {"id": model, "path": str(path), "idle_timeout_secs": 3600}
+                started = time.perf_counter()
+                r = await api.post("/v1/models:from-path", json=body, headers={"X-API-Key": ADMIN_KEY})
+                ok = r.status_code < 300
+                if ok:
+                    self.previous[model] = _scale(i, self.version[model])
+                    self.version[model] = new
+                    self.republished_at[model] = time.perf_counter()
+                self.republishes.append(
+                    {"model": model, "ok": ok, "secs": round(time.perf_counter() - started, 3),
+                     "status": r.status_code, **({} if ok else {"error": r.text[:300]})}
+                )
+
+
+def _timed_unloads(lifecycle: Any) -> list[dict[str, Any]]:
+    """Time every unload from its start until the model's memory is free (``Unloader.unload`` returns then)."""
+    unloads: list[dict[str, Any]] = []
+    unload = lifecycle.unloader.unload
+
+    async def timed(rec: Any) -> str:
+        started = time.perf_counter()
+        how = await unload(rec)
+        unloads.append({"model": rec.id, "secs": time.perf_counter() - started, "how": how})
+        return how
+
+    lifecycle.unloader.unload = timed
+    return unloads
+
+
+async def _sample_memory(processes: Any, peak: dict[str, int]) -> None:
+    """Peak RSS of the Triton tree, and of its processes without tritonserver itself, every SAMPLE_S."""
+
+    def sample() -> None:
+        server = processes.server()
+        tree = processes.tree_rss()
+        own = 0
+        if server is not None:
+            with contextlib.suppress(Exception):
+                own = server.memory_info().rss
+        peak["tree"] = max(peak["tree"], tree)
+        peak["stubs"] = max(peak["stubs"], tree - own)
+
+    while True:
+        await asyncio.to_thread(sample)
+        await asyncio.sleep(SAMPLE_S)
+
+
+def _total(metrics: Any, name: str, **labels: str) -> float:
+    return sum(
+        s.value
+        for fam in metrics.collect()
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 async def _phase(
     root: Path,
     policy: str | None,
@@ -125,125 +239,50 @@ async def _phase(
     republish_secs: float,
     seed: int,
 ) -> dict[str, Any]:
-    import httpx
-
-    names = [f"churn-{i:02d}" for i in range(models)]
-    entries = [
-        {"id": names[i], "path": _package(root, i, 0, ballast_mb), "idle_timeout_secs": 3600} for i in range(models)
-    ]
     overrides: dict[str, Any] = {"memory_budget_mb": budget_mb, "allow_local_paths": True}
     if policy is not None:
         overrides["eviction_policy"] = policy
-    weights = _zipf_weights(models, zipf_s)
-    version = dict.fromkeys(names, 0)
-    republished_at: dict[str, float] = {}  # model -> when its last republish returned (perf_counter)
-    previous: dict[str, float] = {}  # model -> the scale before its last republish
-    rows: list[dict[str, Any]] = []
-    unloads: list[dict[str, Any]] = []
+    traffic = _Traffic(root, models=models, ballast_mb=ballast_mb, zipf_s=zipf_s, seed=seed, seconds=seconds)
     peak = {"tree": 0, "stubs": 0}
-    republishes: list[dict[str, Any]] = []
     load_avg_start = os.getloadavg()
-    async with serving_stack(root / f"stack-{policy or 'lru'}", entries, **overrides) as stack:
+    async with serving_stack(root / f"stack-{policy or 'lru'}", traffic.entries(), **overrides) as stack:
         urls = gateway_urls(stack)
         lifecycle = stack.lifecycle
-        unload = lifecycle.unloader.unload
-
-        async def timed_unload(rec: Any) -> str:
-            started = time.perf_counter()
-            how = await unload(rec)
-            unloads.append({"model": rec.id, "secs": time.perf_counter() - started, "how": how})
-            return how
-
-        lifecycle.unloader.unload = timed_unload  # type: ignore[method-assign]
-        processes = stack.triton_process.processes()
-
-        def sample_memory() -> None:
-            server = processes.server()
-            tree = processes.tree_rss()
-            own = 0
-            if server is not None:
-                with contextlib.suppress(Exception):
-                    own = server.memory_info().rss
-            peak["tree"] = max(peak["tree"], tree)
-            peak["stubs"] = max(peak["stubs"], tree - own)
-
-        async def sampler() -> None:
-            while True:
-                await asyncio.to_thread(sample_memory)
-                await asyncio.sleep(SAMPLE_S)
-
-        end = time.perf_counter() + seconds
-
-        async def client(k: int) -> None:
-            rng = np.random.default_rng(seed + k)
-            conn = _Clients(urls)
-            try:
-                while time.perf_counter() < end:
-                    i = int(rng.choice(models, p=weights))
-                    model = names[i]
-                    protocol = "grpc" if rng.random() < 0.5 else "http"
-                    x = np.array([[float(k + 1), float(len(rows) % 997)]], np.float32)
-                    sent = time.perf_counter()
-                    expect_new = _scale(i, version[model])
-                    fresh = republished_at.get(model, -1.0) <= sent  # its last republish had returned
-                    row = {"model": model, "hot": i < HOT, "protocol": protocol, "sent": sent}
-                    try:
-                        y = await conn.infer(protocol, model, x)
-                    except Exception as e:  # noqa: BLE001 - an error is a result here: counted and kept
-                        row.update(ok=False, error=f"{type(e).__name__}: {e}"[:300])
-                    else:
-                        allowed = {expect_new} if fresh else {expect_new, previous.get(model, expect_new)}
-                        row.update(ok=True, right=any(np.allclose(y, x * s) for s in allowed))
-                    row["latency_s"] = time.perf_counter() - sent
-                    rows.append(row)
-            finally:
-                await conn.close()
-
-        async def republisher() -> None:
-            order = list(range(models))
-            n = 0
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{stack.settings.api_port}", timeout=120) as api:
-                while True:
-                    await asyncio.sleep(republish_secs)
-                    if time.perf_counter() >= end:
-                        return
-                    i = order[n % models]
-                    n += 1
-                    model = names[i]
-                    new = version[model] + 1
-                    body = {"id": model, "path": str(_package(root, i, new, ballast_mb)), "idle_timeout_secs": 3600}
-                    started = time.perf_counter()
-                    r = await api.post("/v1/models:from-path", json=body, headers={"X-API-Key": ADMIN_KEY})
-                    ok = r.status_code < 300
-                    if ok:
-                        previous[model] = _scale(i, version[model])
-                        version[model] = new
-                        republished_at[model] = time.perf_counter()
-                    republishes.append(
-                        {"model": model, "ok": ok, "secs": round(time.perf_counter() - started, 3),
-                         "status": r.status_code, **({} if ok else {"error": r.text[:300]})}
-                    )
-
-        sampling = asyncio.create_task(sampler())
+        unloads = _timed_unloads(lifecycle)
+        sampling = asyncio.create_task(_sample_memory(stack.triton_process.processes(), peak))
+        traffic.end = time.perf_counter() + seconds
         started = time.perf_counter()
         try:
-            await asyncio.gather(republisher(), *(client(k) for k in range(clients)))
+            await asyncio.gather(
+                traffic.republisher(stack.settings.api_port, republish_secs),
+                *(traffic.client(k, urls) for k in range(clients)),
+            )
         finally:
             sampling.cancel()
         wall = time.perf_counter() - started
         metrics = lifecycle.metrics.registry
-
-        def total(name: str, **labels: str) -> float:
-            return sum(
-                s.value
-                for fam in metrics.collect()
-                for s in fam.samples
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-            )
-
-        cold = total("snooze_cold_starts_total", trigger="request")
-        evictions = total("snooze_evictions_total", reason="memory")
+        cold = _total(metrics, "snooze_cold_starts_total", trigger="request")
+        evictions = _total(metrics, "snooze_evictions_total", reason="memory")
         loaded_end = sum(1 for s in lifecycle.statuses() if s.state.value == "ready")
+    return _summary(
+        policy, traffic.rows, unloads, peak, traffic.republishes, wall=wall, cold=cold, evictions=evictions,
+        loaded_end=loaded_end, load_avg_start=load_avg_start,
+    )
+
+
+def _summary(
+    policy: str | None,
+    rows: list[dict[str, Any]],
+    unloads: list[dict[str, Any]],
+    peak: dict[str, int],
+    republishes: list[dict[str, Any]],
+    *,
+    wall: float,
+    cold: float,
+    evictions: float,
+    loaded_end: int,
+    load_avg_start: tuple[float, ...],
+) -> dict[str, Any]:
     ok = [r for r in rows if r.get("ok")]
     right = [r for r in ok if r["right"]]
     hot = [r["latency_s"] for r in right if r["hot"]]

@@ -43,6 +43,19 @@ class SnoozeMetrics:
             "snooze_wake_timeouts", "Requests answered 503 because the wake outlived its deadline", ["model"],
             registry=r,
         )
+        self.wake_queue_length = Gauge(
+            "snooze_wake_queue_length", "Loads of sleeping models waiting to start (for a load slot or for memory)",
+            registry=r,
+        )
+        self.wake_queue_oldest_seconds = Gauge(
+            "snooze_wake_queue_oldest_wait_seconds", "How long the oldest load in the wake queue has waited",
+            registry=r,
+        )
+        self.wake_queue_timeouts = Counter(
+            "snooze_wake_queue_timeouts",
+            "Requests answered 503 because their model's load could not start within SNOOZE_WAKE_QUEUE_TIMEOUT_SECS",
+            ["model", "waiting_for"], registry=r,
+        )
         self.evictions = Counter("snooze_evictions", "Models unloaded to free memory", ["model", "reason"], registry=r)
         self.unload_seconds = Histogram(
             "snooze_unload_seconds",

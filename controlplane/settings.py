@@ -96,6 +96,19 @@ class Settings(BaseSettings):
         "the python backend's 1 s health probe, its processes may take to exit before they are ended",
     )
     memory_budget_mb: float | None = Field(None, description="Memory for loaded models; unset = no limit")
+    eviction_policy: Literal["gdsf", "lru"] = Field(
+        "gdsf",
+        description="Which idle model leaves memory first when a load needs room: 'gdsf' (GreedyDual-Size-"
+        "Frequency: weighs each model's request frequency, measured load time and memory, so a hot set stays "
+        "loaded through a burst of one-off requests) or 'lru' (least recently used)",
+    )
+    wake_queue_timeout_secs: float = Field(
+        10.0,
+        gt=0,
+        description="Longest a request waits for its model's load to START (for a load slot, or for memory "
+        "that loads and requests in flight hold) before it is answered 503 with Retry-After; the load itself "
+        "then has SNOOZE_WAKE_TIMEOUT_SECS (default: the model's load_timeout_secs)",
+    )
     gpu_memory_budget_mb: float | None = Field(
         None,
         gt=0,

@@ -193,9 +193,12 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
         return await ops.list()
 
     @router.get(
-        "/runtime", response_model=RuntimeBody, tags=["models"], summary="Processes shared by models",
+        "/runtime", response_model=RuntimeBody, tags=["models"], summary="Processes shared by models, the eviction "
+        "policy and the wake queue",
         description="The preloaded parents of preforked models: what each imported and the memory it holds "
-        "itself (the pages its workers share with it, counted once; also counted in the memory budget).",
+        "itself (the pages its workers share with it, counted once; also counted in the memory budget); the "
+        "eviction policy in use; and the wake queue (loads of sleeping models waiting for a load slot or for "
+        "memory, oldest first).",
     )
     async def runtime() -> dict[str, Any]:
         return await run_in_threadpool(services.lifecycle.runtime)

@@ -69,9 +69,30 @@ class PreloadedParentBody(BaseModel):
     workers: int = Field(0, description="Workers it forked that are still running")
 
 
+class WakeQueueEntry(BaseModel):
+    model: str
+    waiting_for: str = Field(description="'a load slot' (SNOOZE_MAX_CONCURRENT_LOADS) or 'memory' (held by loads "
+                             "and requests in flight)")
+    wait_secs: float = Field(description="How long its load has waited to start")
+
+
+class WakeQueueBody(BaseModel):
+    length: int = Field(0, description="Loads of sleeping models waiting to start")
+    oldest_wait_secs: float = Field(0.0, description="How long the oldest of them has waited")
+    wait_bound_secs: float = Field(description="SNOOZE_WAKE_QUEUE_TIMEOUT_SECS: a request whose model's load has "
+                                   "not started by then is answered 503 with Retry-After")
+    waiting: list[WakeQueueEntry] = Field(default_factory=list, description="Oldest first")
+
+
 class RuntimeBody(BaseModel):
     preloaded_parents: list[PreloadedParentBody]
     overhead_bytes: int = Field(0, description="Memory the budget counts beside the models' own (the parents')")
+    eviction_policy: dict[str, Any] = Field(
+        default_factory=dict,
+        description="SNOOZE_EVICTION_POLICY ('name': gdsf or lru) and its state (gdsf: its clock, aging window and "
+        "halvings so far)",
+    )
+    wake_queue: WakeQueueBody | None = Field(None, description="Loads waiting to start")
 
 
 class ModelSummary(BaseModel):

@@ -24,7 +24,7 @@ from controlplane.gpu_budget import GPU_OOM_HINT, is_cuda_oom
 from controlplane.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.gpu import GpuMemory
-from controlplane.lifecycle.memory import OOM_HINT, MemoryBudget, declared_bytes, is_oom_error
+from controlplane.lifecycle.memory import OOM_HINT, BudgetInUse, MemoryBudget, declared_bytes, is_oom_error
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import kill_workers, parents_bytes, worker_bytes, workers_of
@@ -42,9 +42,32 @@ LOAD_ABANDON_SECS = 5.0
 # A config parameter changed to rebuild every instance: an in-place instance change keeps the
 # existing instances, a reload whose config differs replaces them all.
 GENERATION_PARAMETER = "snooze_generation"
+# How often a wake-up waiting for memory (held by loads and requests in flight) looks again.
+MEMORY_WAIT_POLL_SECS = 0.05
 # How long a load's leftover stubs (instances removed in place) get to exit before the model's
 # processes are noted.
 STUBS_SETTLE_SECS = 3.0
+
+
+class WakeQueueTimeout(UnavailableError):
+    """A wake-up whose load could not start within its requests' wait bound (``wake_queue_timeout_secs``)."""
+
+    def __init__(self, model_id: str, waiting_for: str, waited: float, queue: dict[str, Any], retry_after: float):
+        ahead = [w["model"] for w in queue["waiting"] if w["model"] != model_id]
+        fix = (
+            "raise SNOOZE_MEMORY_BUDGET_MB so more models stay loaded"
+            if waiting_for == "memory"
+            else "raise SNOOZE_MAX_CONCURRENT_LOADS (or SNOOZE_MEMORY_BUDGET_MB, so fewer loads are needed)"
+        )
+        super().__init__(
+            f"model '{model_id}' is asleep and its load could not start within {waited:.1f}s: it waited for "
+            f"{waiting_for} ({len(ahead)} other load(s) waiting: {', '.join(ahead) or 'none'})",
+            hint=f"retry after {retry_after:g}s; {fix}; or raise SNOOZE_WAKE_QUEUE_TIMEOUT_SECS to wait longer",
+            retry_after=retry_after,
+        )
+        self.model_id = model_id
+        self.waiting_for = waiting_for
+        self.kind = "memory" if waiting_for == "memory" else "slot"  # the metric's label
 
 
 class NoRoomToPrewarm(UnavailableError):
@@ -97,26 +120,19 @@ class Loader:
         self.gpu = gpu
         self.metrics = metrics
         self._wait_for_triton = wait_for_triton
-        # Host-memory loads run side by side (each reserved its memory first); on a machine with a GPU they
-        # run one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
+        # Host-memory loads run side by side (each reserves its memory first); on a machine with a GPU they run
+        # one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
         self._one_at_a_time = asyncio.Lock()
-        # One admission at a time (room made, memory reserved), so that each sees the others' reservations.
-        self._admission = asyncio.Lock()
+        # the wake queue: model -> (monotonic seconds it began waiting, what for: "a load slot" or "memory")
+        self.queue: dict[str, tuple[float, str]] = {}
+        metrics.wake_queue_length.set_function(lambda: len(self.queue))
+        metrics.wake_queue_oldest_seconds.set_function(self._oldest_wait)
 
     @property
     def slot_free(self) -> bool:
         """A load could start now without waiting for another to end."""
         return not self._slots.locked() and not self._one_at_a_time.locked()
-
-    @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        if await self.gpu.devices():
-            async with self._one_at_a_time, self._slots:
-                yield
-        else:
-            async with self._slots:
-                yield
 
     async def load(
         self, rec: ModelRecord, instances: int, *, trigger: str | None = None, how: str = "files", evict: bool = True
@@ -130,25 +146,26 @@ class Loader:
         """
         rec.model = self.states.store.get(rec.id)  # Triton reads what is published now
         await self._wait_for_triton(rec)
-        async with self._slot():
-            async with self._admission:
-                need = self.budget.estimate(rec, instances)
-                placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
-                gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
+        bounded = trigger == "request"  # a wake-up gives up the queue when its requests' wait bounds pass
+        async with self._slot(rec, bounded=bounded):
+            need = self.budget.estimate(rec, instances)
+            placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
+            gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
+            # reserved before making room: a load beside it (parallel loads) counts these bytes as taken
+            rec.reserved, rec.gpu_reserved = need, gpu_need
+            try:
                 if evict:
-                    await self.gpu.make_room(rec, gpu_need)
-                    await self.budget.make_room(rec, need)
+                    await self._make_room(rec, need, gpu_need, bounded=bounded)
                 elif not (self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)):
                     raise NoRoomToPrewarm(f"model '{rec.id}': not pre-warmed, the free memory budget is too small")
-                rec.reserved, rec.gpu_reserved = need, gpu_need
-            delta = await self.gpu.before_load()
-            started = time.monotonic()
-            try:
+                delta = await self.gpu.before_load()
+                started = time.monotonic()
                 await self._load_retrying_oom(rec, instances, need, gpu_need, how, evict=evict)
+                elapsed = time.monotonic() - started
+                await self.loaded(rec, instances, gpu_delta=delta)  # measured: the reservation can go
             finally:
                 rec.reserved, rec.gpu_reserved = 0, {}
-            elapsed = time.monotonic() - started
-            await self.loaded(rec, instances, gpu_delta=delta)
+            self.budget.loaded(rec)
         if evict:
             await self.gpu.enforce(rec)
         self.warmth.loaded(rec, trigger, elapsed if trigger is not None else None)
@@ -161,6 +178,89 @@ class Loader:
             self.metrics.cold_start_seconds.labels(model=rec.id).observe(elapsed)
             log.info("model '%s': cold start (%s) in %.3fs", rec.id, trigger, elapsed)
         return elapsed
+
+    # ------------------------------------------------------------------ the wake queue
+
+    def queued(self, rec: ModelRecord) -> bool:
+        """The model's load waits to start (for a load slot, or for memory)."""
+        return rec.id in self.queue
+
+    def wake_queue(self) -> dict[str, Any]:
+        """Loads waiting to start, oldest first: what they wait for and since how long (seconds)."""
+        now = time.monotonic()
+        waiting = sorted(self.queue.items(), key=lambda item: item[1][0])
+        return {
+            "length": len(waiting),
+            "oldest_wait_secs": round(self._oldest_wait(), 3),
+            "wait_bound_secs": self.settings.wake_queue_timeout_secs,
+            "waiting": [
+                {"model": m, "waiting_for": what, "wait_secs": round(now - since, 3)} for m, (since, what) in waiting
+            ],
+        }
+
+    def _oldest_wait(self) -> float:
+        queue = list(self.queue.values())  # read from the metrics' thread too
+        return time.monotonic() - min(since for since, _ in queue) if queue else 0.0
+
+    def queue_retry_after(self) -> float:
+        """Seconds until the queue ahead has probably drained: its loads at their last measured times."""
+        times = sorted(r.last_cold_start for r in self.states.values() if r.last_cold_start)
+        typical = times[len(times) // 2] if times else 1.0
+        return max(1.0, round(len(self.queue) * typical / self.settings.max_concurrent_loads, 1))
+
+    def gave_up(self, rec: ModelRecord, what: str) -> WakeQueueTimeout:
+        since = self.queue.get(rec.id, (time.monotonic(), what))[0]
+        waited = time.monotonic() - since
+        return WakeQueueTimeout(rec.id, what, waited, self.wake_queue(), self.queue_retry_after())
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, rec: ModelRecord, *, bounded: bool) -> AsyncIterator[None]:
+        """A load slot; ``bounded``: given up (``WakeQueueTimeout``) when ``rec.wake_deadline`` passes first."""
+        self.queue[rec.id] = (time.monotonic(), "a load slot")
+        try:
+            while True:
+                left = rec.wake_deadline - time.monotonic() if bounded and rec.wake_deadline is not None else None
+                if left is None or not self._slots.locked():
+                    await self._slots.acquire()
+                    break
+                if left <= 0:
+                    raise self.gave_up(rec, "a load slot")
+                try:
+                    await asyncio.wait_for(self._slots.acquire(), left)
+                    break
+                except TimeoutError:
+                    continue  # a request that came since may have moved the deadline
+        finally:
+            self.queue.pop(rec.id, None)
+        try:
+            if await self.gpu.devices():
+                async with self._one_at_a_time:
+                    yield
+            else:
+                yield
+        finally:
+            self._slots.release()
+
+    async def _make_room(self, rec: ModelRecord, need: int, gpu_need: dict[int, int], *, bounded: bool) -> None:
+        """Evict for the load. While the memory is held by loads and requests in flight (nothing idle to
+        evict), a bounded wake-up waits for it, without its reservation, until its deadline."""
+        try:
+            while True:
+                rec.reserved, rec.gpu_reserved = need, gpu_need
+                try:
+                    await self.gpu.make_room(rec, gpu_need)
+                    await self.budget.make_room(rec, need)
+                    return
+                except BudgetInUse:
+                    if not bounded or rec.wake_deadline is None:
+                        raise
+                    self.queue.setdefault(rec.id, (time.monotonic(), "memory"))
+                    if time.monotonic() >= rec.wake_deadline:
+                        raise self.gave_up(rec, "memory") from None
+                rec.reserved, rec.gpu_reserved = 0, {}  # waiting: the others may use what it would take
+                await asyncio.sleep(MEMORY_WAIT_POLL_SECS)
+        finally:
+            self.queue.pop(rec.id, None)
 
     async def fits_free(self, rec: ModelRecord, instances: int, *, measured: bool = False) -> bool:
         """Whether the model with ``instances`` fits the free host and GPU budgets without evicting anything: its
@@ -302,7 +402,7 @@ class Loader:
     def forget_loaded(self, rec: ModelRecord) -> None:
         """The model left memory (unloaded, evicted, or Triton gone)."""
         self.warmth.unloaded(rec)
-        rec.instances, rec.draining = 0, False
+        rec.instances, rec.draining, rec.served_seen = 0, False, 0
         rec.stubs = ()
         rec.workers = ()
         self.gpu.forget(rec)

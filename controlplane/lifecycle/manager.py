@@ -31,7 +31,7 @@ from controlplane.errors import ConflictError, SnoozeError, UnavailableError
 from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
 from controlplane.lifecycle.gpu import GpuMemory
-from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm
+from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
@@ -88,6 +88,7 @@ class LifecycleManager:
             settings, store, self.states, triton, processes, self.metrics, triton_process=triton_process
         )
         self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self.sync.pending_counts)
+        self.states.on_drop.append(self.budget.forget)
         self.gpu = GpuMemory(
             settings,
             self.states,
@@ -109,7 +110,7 @@ class LifecycleManager:
             wait_for_triton=self.sync.wait_until_up,
             journal_dir=journal_dir,
         )
-        self.sync.loader, self.sync.warmth = self.loader, self.warmth
+        self.sync.loader, self.sync.warmth, self.sync.accessed = self.loader, self.warmth, self.budget.accessed
         self.unloader = Unloader(
             settings, triton, processes, self.metrics, pending=self.sync.pending_counts, journal_dir=journal_dir
         )
@@ -356,6 +357,10 @@ class LifecycleManager:
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
+        # the wake queue: its load must start by then, else this request is answered 503 at once
+        queue_bound = min(loop.time() + self.settings.wake_queue_timeout_secs, deadline)
+        # the loader's clock is time.monotonic(), which is the loop's
+        rec.wake_deadline = max(rec.wake_deadline or 0.0, time.monotonic() + queue_bound - loop.time())
         started = time.monotonic()
         self.metrics.wake_waits.labels(model=model_id).inc()
         rec.users += 1
@@ -367,9 +372,16 @@ class LifecycleManager:
                     or self.states.resumed
                     or self.states.spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
                 )
+                until = queue_bound if loop.time() < queue_bound else deadline
                 try:
-                    await asyncio.wait_for(asyncio.shield(op), max(deadline - loop.time(), 0))
+                    await asyncio.wait_for(asyncio.shield(op), max(until - loop.time(), 0))
                 except TimeoutError:
+                    if loop.time() < deadline:
+                        if self.loader.queued(rec):
+                            gave_up = self.loader.gave_up(rec, self.loader.queue[rec.id][1])
+                            self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=gave_up.kind).inc()
+                            raise gave_up from None
+                        continue  # its load started in time: wait for the rest of it
                     self.metrics.wake_timeouts.labels(model=model_id).inc()
                     raise UnavailableError(
                         f"model '{model_id}' is not ready after {wait:g}s (it is {rec.state.value})",
@@ -377,6 +389,9 @@ class LifecycleManager:
                         "(or SNOOZE_WAKE_TIMEOUT_SECS)",
                         retry_after=self._retry_after(rec),
                     ) from None
+                except WakeQueueTimeout as e:  # the load gave up the queue: the last of its wake-ups' bounds passed
+                    self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=e.kind).inc()
+                    raise UnavailableError(e.message, hint=e.hint, retry_after=e.retry_after) from e
                 except SnoozeError as e:
                     if rec.state is ModelState.FAILED:
                         raise UnavailableError(
@@ -572,7 +587,12 @@ class LifecycleManager:
         found = parents(self.journal_dir, self.processes.proc_root)
         lines = [parent_status(p) for p in found]
         self.budget.overhead = sum(line["memory_bytes"] or 0 for line in lines)
-        return {"preloaded_parents": lines, "overhead_bytes": self.budget.overhead}
+        return {
+            "preloaded_parents": lines,
+            "overhead_bytes": self.budget.overhead,
+            "eviction_policy": self.budget.policy.describe(),
+            "wake_queue": self.loader.wake_queue(),
+        }
 
     # ------------------------------------------------------------------------------------------
     # Transitions (each runs as the model's single op task)
@@ -580,6 +600,9 @@ class LifecycleManager:
     async def _cold_load_op(self, rec: ModelRecord, trigger: str, instances: int | None = None) -> None:
         try:
             await self.loader.load(rec, instances or rec.model.deployment.instances, trigger=trigger)
+        except WakeQueueTimeout as e:  # never started: nothing failed, the next request queues again
+            self.states.set_state(rec, ModelState.UNLOADED, f"not loaded: waited {e.waiting_for} too long")
+            raise
         except SnoozeError as e:
             self.loader.load_failed(rec, e)
             self.states.set_state(rec, ModelState.FAILED, str(e.message))

@@ -1,11 +1,14 @@
-"""The memory budget: what each model holds, what a load will need, and least-recently-used eviction.
+"""The memory budget: what each model holds, what a load will need, and which idle model to evict.
 
 A model's footprint is measured (the RSS of its model processes, plus the USS of their preforked workers,
-where they can be seen) or declared (its ``memory_mb``); a load reserves its estimate while it runs. The
-preloaded parents of preforked models hold memory of their own, counted once as ``overhead``. When a
-load would exceed the budget, idle models are unloaded until it fits: pre-warmed models no request
-has used yet first, then the least recently used. A pre-warm itself only loads where its estimate
-fits the free budget (``fits``).
+where they can be seen) or declared (its ``memory_mb``); a load reserves its estimate from before it makes
+room until it is measured, so that loads running at once never count the same free bytes. A model never
+measured nor declared is estimated at the largest model measured so far (not the average: five such loads at
+once overran a 400 MiB budget by 30%). The preloaded parents of preforked models hold memory of their own,
+counted once as ``overhead``. When a load would exceed the budget, idle models are unloaded until it fits:
+pre-warmed models no request has used yet first, then in the order of the eviction policy (``eviction``:
+GreedyDual-Size-Frequency or least recently used). A pre-warm itself only loads where its estimate fits the
+free budget (``fits``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.eviction import Candidate, EvictionPolicy, eviction_policy
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.settings import Settings
 
@@ -32,14 +36,17 @@ OOM_HINT = (
 EvictFn = Callable[[ModelRecord, str, str], Awaitable[bool]]
 
 
+class BudgetInUse(UnavailableError):
+    """The budget is full of models in use (requests in flight) or loading: nothing idle to evict now."""
+
+
 def is_oom_error(text: str) -> bool:
     lowered = text.lower()
     return any(marker in lowered for marker in OOM_MARKERS)
 
 
-def eviction_order(rec: ModelRecord) -> tuple[bool, float]:
-    """Sort key of eviction candidates: a pre-warm nobody used yet first (it was a bet), then least recently used."""
-    return (not rec.prewarmed_unused, rec.idle_since)
+# What a miss costs when a model's load was never timed here (seconds): about a python model's cold start.
+DEFAULT_LOAD_SECS = 1.0
 
 
 def declared_bytes(rec: ModelRecord) -> int | None:
@@ -60,13 +67,15 @@ class MemoryBudget:
         self.states = states
         self._evict_one = evict
         self._pending = pending
+        self.policy: EvictionPolicy = eviction_policy(settings.eviction_policy)
         # Bytes held outside any model: the preloaded parents of preforked models (measured at their loads).
         self.overhead = 0
 
     def estimate(self, rec: ModelRecord, instances: int) -> int:
         """Bytes the model will hold with ``instances``: the larger of its last measurement and its declared
-        memory_mb (a republish may declare more than the previous version measured), else the average of the
-        models measured so far, else 0 (per instance, scaled)."""
+        memory_mb (a republish may declare more than the previous version measured), else the largest model
+        measured so far (conservative: a load admitted on the average overruns the budget by the difference;
+        per instance, scaled), else 0."""
         dep = rec.model.deployment
         declared = dep.memory_mb * MIB / dep.instances if dep.memory_mb else 0
         if rec.footprint and rec.footprint_instances:
@@ -74,12 +83,14 @@ class MemoryBudget:
         elif declared:
             per = declared
         else:
-            known = [
-                r.footprint / r.footprint_instances
-                for r in self.states.values()
-                if r.footprint and r.footprint_instances
-            ]
-            per = sum(known) / len(known) if known else 0
+            per = max(
+                (
+                    r.footprint / r.footprint_instances
+                    for r in self.states.values()
+                    if r is not rec and r.footprint and r.footprint_instances
+                ),
+                default=0,
+            )
         return int(per * instances)
 
     def used(self, exclude: ModelRecord) -> int:
@@ -120,7 +131,7 @@ class MemoryBudget:
                     and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
                 )
                 parents = f", {self.overhead / MIB:.0f} MiB of it by preloaded parents" if self.overhead else ""
-                raise UnavailableError(
+                raise BudgetInUse(
                     f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
                     f"{self.used(rec) / MIB:.0f} of {self.settings.memory_budget_mb:g} MiB are held by models in use "
                     f"({', '.join(busy)}){parents}",
@@ -128,25 +139,55 @@ class MemoryBudget:
                     retry_after=5,
                 )
 
+    def candidate(self, rec: ModelRecord) -> Candidate:
+        return Candidate(
+            rec.id,
+            size_bytes=rec.footprint or self.estimate(rec, rec.instances or rec.model.deployment.instances),
+            cost_secs=rec.last_cold_start or DEFAULT_LOAD_SECS,
+            last_access=rec.idle_since,
+        )
+
+    def eviction_order(self, records: list[ModelRecord]) -> list[ModelRecord]:
+        """``records`` in eviction order: a pre-warm nobody used yet first (it was a bet), then the policy's."""
+        by_id = {r.id: r for r in records}
+        ranked = [by_id[c.id] for c in self.policy.order([self.candidate(r) for r in records])]
+        return sorted(ranked, key=lambda r: not r.prewarmed_unused)  # stable: the policy's order within each
+
+    def loaded(self, rec: ModelRecord) -> None:
+        self.policy.loaded(rec.id)
+
+    def forget(self, model_id: str) -> None:
+        """The model was deleted: its frequency goes with it."""
+        self.policy.forget(model_id)
+
+    def accessed(self, rec: ModelRecord, count: float) -> None:
+        """``count`` requests for the model were served since the last call (Triton's statistics)."""
+        self.policy.accessed(rec.id, count)
+
     async def evict(self, rec: ModelRecord, amount: int, reason: str) -> list[str]:
         """Unload idle models (``eviction_order``) until ``amount`` bytes are freed; their ids."""
         pending = await self._pending()
-        candidates = sorted(
-            (r for r in self.states.values() if r is not rec and r.state is ModelState.READY), key=eviction_order
+        candidates = self.eviction_order(
+            [r for r in self.states.values() if r is not rec and r.state is ModelState.READY]
         )
         freed, evicted = 0, []
         for victim in candidates:
             if freed >= amount:
                 break
-            if victim.op is not None or victim.users > 0 or pending.get(victim.id, 0.0) > 0:
+            # another load's eviction may have taken it meanwhile (loads make room in parallel)
+            if victim.state is not ModelState.READY or victim.op is not None or victim.users > 0:
+                continue
+            if pending.get(victim.id, 0.0) > 0:
                 continue
             size = victim.footprint or 0
+            seen = self.candidate(victim)
             try:
                 unloaded = await self._evict_one(victim, reason, rec.id)
             except SnoozeError as e:
                 log.warning("model '%s': eviction failed: %s", victim.id, e)
                 continue
             if unloaded:
+                self.policy.evicted(seen)
                 freed += size
                 evicted.append(victim.id)
         return evicted

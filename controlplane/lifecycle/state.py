@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -105,11 +105,13 @@ class ModelRecord:
     last_crash: str | None = None
     last_cold_start: float | None = None
     load_count: int = 0
+    wake_deadline: float | None = None  # loop time: the latest wait bound of its wake-ups (the wake queue)
     users: int = 0  # wake-ups waiting for this model, and serving() blocks using it
     op: asyncio.Task[Any] | None = None
     generation: int = 0  # bumped on every state change; guards decisions made across an await
     scale: LoadWindow = field(default_factory=LoadWindow)
     keep_alive: FixedKeepAlive | None = None  # its keep-alive policy, built on first use (``warmth``)
+    served_seen: int = 0  # Triton's count of requests served by the current load, as last read
     access_reported: float = 0.0  # the last triton_last the sweeper handed to the policy
     prewarms_counted: tuple[int, int] = (0, 0)  # the policy's used / wasted pre-warms already in the metrics
     # an unload failed (Triton may still be unloading it): its memory stays counted until Triton's index lets go
@@ -151,6 +153,7 @@ class ModelStates:
         self.metrics = metrics
         self.records: dict[str, ModelRecord] = {}
         self.resumed: asyncio.Future[None] | None = None  # set while paused (a checkpoint is being taken)
+        self.on_drop: list[Callable[[str], None]] = []  # what else forgets a deleted model (its eviction history)
 
     def get(self, model_id: str) -> ModelRecord | None:
         return self.records.get(model_id)
@@ -168,6 +171,8 @@ class ModelStates:
         return rec
 
     def drop(self, model_id: str) -> None:
+        for forget in self.on_drop:
+            forget(model_id)
         rec = self.records.pop(model_id, None)
         if rec is not None:
             rec.dropped = True  # whoever still holds it (a waiting wake-up) cannot load it again

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SnoozeError, UnavailableError
@@ -54,6 +55,7 @@ class TritonSync:
         self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
         self.loader: Loader | None = None  # set by the manager (the loader waits on this sync)
         self.warmth: Warmth | None = None
+        self.accessed: Callable[[ModelRecord, int], None] | None = None  # requests served (the eviction policy)
 
     async def start(self) -> None:
         await self.resync(full=True)
@@ -62,12 +64,20 @@ class TritonSync:
 
 
     async def refresh_access(self, rec: ModelRecord) -> None:
+        """Triton's last access and the requests it served since the last read (the eviction policy's
+        frequency: it counts every request, the ones straight from the gateway too)."""
         with contextlib.suppress(SnoozeError):
             stats = await self.triton.model_stats(rec.id)
             stamp = stats.last_inference_ms / 1000
             # The load's own warm-up (config model_warmup) is stamped as an inference: only later ones are use.
             if stamp > rec.ready_at:
                 rec.triton_last = max(rec.triton_last, stamp)
+            served = stats.success_count
+            # Triton's count starts again with each load (the record's is zeroed when the model leaves memory)
+            new = served - rec.served_seen if served >= rec.served_seen else served
+            rec.served_seen = served
+            if new > 0 and self.accessed is not None:
+                self.accessed(rec, new)
 
     async def pending_counts(self) -> dict[str, float]:
         """Pending requests per model from Triton's metrics; empty when they cannot be read."""

@@ -87,7 +87,14 @@ class RecordingLifecycle:
         self.calls.append(("published", model_id))
 
     def runtime(self) -> dict[str, Any]:
-        return {"preloaded_parents": [], "overhead_bytes": 0}
+        return {
+            "preloaded_parents": [],
+            "overhead_bytes": 0,
+            "eviction_policy": {"name": "gdsf"},
+            "wake_queue": {"length": 1, "oldest_wait_secs": 0.5, "wait_bound_secs": 10.0, "waiting": [
+                {"model": "m", "waiting_for": "a load slot", "wait_secs": 0.5}
+            ]},
+        }
 
     async def forget(self, model_id: str) -> None:
         self.calls.append(("forget", model_id))

@@ -100,9 +100,13 @@ async def test_unknown_route_answers_the_json_error_shape(client: httpx.AsyncCli
     assert set(r.json()) == {"error", "code", "hint"}
 
 
-async def test_runtime_lists_the_preloaded_parents_for_admins(client: httpx.AsyncClient) -> None:
+async def test_runtime_lists_the_preloaded_parents_the_eviction_policy_and_the_wake_queue_for_admins(
+    client: httpx.AsyncClient,
+) -> None:
     r = await client.get("/v1/runtime", headers=ADMIN)
-    assert r.status_code == 200 and r.json() == {"preloaded_parents": [], "overhead_bytes": 0}
+    assert r.status_code == 200 and r.json()["preloaded_parents"] == [] and r.json()["overhead_bytes"] == 0
+    assert r.json()["eviction_policy"] == {"name": "gdsf"}
+    assert r.json()["wake_queue"]["waiting"] == [{"model": "m", "waiting_for": "a load slot", "wait_secs": 0.5}]
     assert (await client.get("/v1/runtime")).status_code == 401
 
 

@@ -157,6 +157,7 @@ class Loaded:
     starting: list[Stub] = field(default_factory=list)  # stubs of a load in progress (initialize runs)
     reason: str = ""
     last_inference_ms: int = 0
+    served: int = 0  # requests answered since the model was last built (Triton's success count)
     next_instance: int = 0
     unloading: asyncio.Task[None] | None = None
 
@@ -202,6 +203,7 @@ class FakeTriton:
         self.executions: Counter[str] = Counter()  # request id -> times a model ran it
         self.pending: Counter[str] = Counter()  # model -> requests accepted and not answered
         self.loads_in_flight: Counter[str] = Counter()
+        self.peak = 0  # the most bytes the stubs held at once (a stub holds its memory from its start)
         self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
         self.calls: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
@@ -300,9 +302,10 @@ class FakeTriton:
         m = old if old is not None else Loaded(name, "UNAVAILABLE")
         self.models[name] = m
         if not serving:
-            m.state, m.reason = "LOADING", ""
+            m.state, m.reason, m.served = "LOADING", "", 0
         new = [self._stub(m, per_stub) for _ in range(count - len(keep))]
         m.starting += new
+        self.peak = max(self.peak, sum(self.holding().values()))
         try:
             await self._initialize(m, new, script, serving)
         finally:
@@ -394,7 +397,7 @@ class FakeTriton:
         m = self.models.get(name)
         if m is None or m.state != "READY":
             raise NotFoundError(f"no statistics for model '{name}'")
-        return ModelStats(name, "1", m.last_inference_ms, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        return ModelStats(name, "1", m.last_inference_ms, m.served, m.served, m.served, 0, 0, 0, 0, 0, 0, 0)
 
     async def pending_request_counts(self) -> dict[str, float]:
         await asyncio.sleep(0)
@@ -441,6 +444,7 @@ class FakeTriton:
             stub.running = None
             if done:
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
+            m.served += 1
             return Answer(200, "ok")
         finally:
             if queued:

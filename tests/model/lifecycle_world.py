@@ -102,7 +102,10 @@ async def inline(func: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
 class LifecycleWorld:
     """One manager over the fakes, the operations a test drives, and the invariants."""
 
-    def __init__(self, root: Path, *, monkeypatch: Any, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, root: Path, *, monkeypatch: Any, log: Callable[[str], None] | None = None, **settings: Any
+    ) -> None:
+        """``settings``: Settings fields that differ from this world's defaults."""
         self.root = root
         self.loop = VirtualTimeLoop()
         clock = VirtualTime(self.loop)
@@ -131,7 +134,7 @@ class LifecycleWorld:
             autoscale_queue_threshold=2,
             autoscale_window_secs=1.0,
             max_concurrent_loads=2,
-        )
+        ).model_copy(update=settings)
         self.probe = Probe()
         self.manager: LifecycleManager = self._manager()
         self.answers = ModelAnswers(self.manager, self.store, self.settings)
@@ -254,12 +257,13 @@ class LifecycleWorld:
     async def tick(self, secs: float) -> None:
         await asyncio.sleep(secs)
 
-    def _spec(self, model: str, size_mb: float, instances: int = 1, **deployment: Any) -> Any:
+    def _spec(self, model: str, size_mb: float | None, instances: int = 1, **deployment: Any) -> Any:
+        """``size_mb`` None: the model declares no memory (set what its stubs hold in ``triton.memory``)."""
         return resolve(
             DeploymentSpec(
                 id=model,
                 path=self.package,
-                memory_mb=size_mb * instances,
+                memory_mb=size_mb * instances if size_mb is not None else None,
                 instances=instances,
                 max_instances=3,
                 idle_timeout_secs=deployment.pop("idle_timeout_secs", 5),
@@ -267,7 +271,9 @@ class LifecycleWorld:
             )
         )
 
-    async def publish(self, model: str, size_mb: float = 60, instances: int = 1, **deployment: Any) -> None:
+    async def publish(
+        self, model: str, size_mb: float | None = 60, instances: int = 1, **deployment: Any
+    ) -> None:
         """Publish or republish through the API (``operations._publish``): the store, then ``published``."""
         spec = self._spec(model, size_mb, instances, **deployment)
 

@@ -1,12 +1,12 @@
 """The memory budget holds with measured memory, wherever Triton runs.
 
 Three models of ~150 MiB each under a 400 MiB budget: two fit, the third evicts the least recently used
-one. The footprints are measured (the RSS of each model's processes), not declared, so this needs the
-control plane to see Triton's processes: as its child, and in a process of its own (the deployed
-topology, where it once went unmeasured and all three stayed loaded). With preforked workers a model
-is charged its stub plus what its worker adds (USS), the preloaded parent is counted once beside the
-models (a budget larger by about the parent's size), and an evicted model's worker is gone: its
-memory left with the unload.
+one (the policy pinned to ``lru``). The footprints are measured (the RSS of each model's processes), not
+declared, so this needs the control plane to see Triton's processes: as its child, and in a process of
+its own (the deployed topology, where it once went unmeasured and all three stayed loaded). With
+preforked workers a model is charged its stub plus what its worker adds (USS), the preloaded parent is
+counted once beside the models (a budget larger by about the parent's size), and an evicted model's
+worker is gone: its memory left with the unload.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ BUDGET_MB = {"in-stub": 400, "preforked": 460}
 
 @pytest.fixture(scope="module")
 def serve(serve_factory, package, topology, worker):
-    serve = serve_factory("budget", topology=topology, memory_budget_mb=str(BUDGET_MB[worker]))
+    # LRU: the victim is the least recently used (GDSF, the default, would weigh the three models' near-equal
+    # load times and sizes; its choices are tested in tests/model/test_lifecycle_budget.py)
+    serve = serve_factory(
+        "budget", topology=topology, memory_budget_mb=str(BUDGET_MB[worker]), eviction_policy="lru"
+    )
     serve.start()
     for name in "abc":
         serve.publish(f"big-{name}", package, params={"ballast_mb": BALLAST_MB}, worker=worker)

@@ -19,7 +19,7 @@ from controlplane.lifecycle import (
     is_oom_error,
     rendered_config,
 )
-from controlplane.lifecycle.memory import eviction_order
+from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.state import ModelRecord
 from controlplane.lifecycle.warmth import FORWARD_STAMP_SLACK_SECS, MIN_SWEEP_GAP_SECS, Warmth
 from controlplane.metrics import SnoozeMetrics
@@ -203,17 +203,56 @@ def test_settings_tune_the_adaptive_policy_and_prewarm_outcomes_reach_the_metric
     assert (used, wasted) == (1, 1)
 
 
-def test_eviction_takes_unused_prewarms_first_then_the_least_recently_used():
+def budget(policy: str, records: list[ModelRecord]) -> MemoryBudget:
+    class States:
+        def values(self) -> list[ModelRecord]:
+            return records
+
+    async def never(*_: object) -> dict[str, float]:
+        raise AssertionError("not called")
+
+    return MemoryBudget(Settings(eviction_policy=policy), States(), evict=never, pending=never)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["lru", "gdsf"])
+def test_eviction_takes_unused_prewarms_first_then_the_policys_order(policy):
     clock = Clock()
     w, _ = warmth(clock, keep_alive_min_samples=1, keep_alive_min_unloaded_secs=0)
     old, recent, bet = record("old"), record("recent"), record("bet", keep_alive="adaptive", idle_timeout_secs=2)
     old.touched, recent.touched, bet.touched = 10.0, 20.0, 30.0
+    for r in (old, recent, bet):
+        r.footprint, r.footprint_instances, r.last_cold_start = 100 * 2**20, 1, 0.5
+    b = budget(policy, [old, recent, bet])
     w.request(bet, 0.0)
     w.request(bet, 8.0)
     w.prewarm_started(bet)
-    assert [r.id for r in sorted([old, recent, bet], key=eviction_order)] == ["bet", "old", "recent"]
-    w.request(bet, 16.0)  # used now: plain LRU again
-    assert [r.id for r in sorted([old, recent, bet], key=eviction_order)] == ["old", "recent", "bet"]
+    assert [r.id for r in b.eviction_order([old, recent, bet])] == ["bet", "old", "recent"]
+    w.request(bet, 16.0)  # used now: the policy's order (equal sizes, costs and frequencies: recency)
+    assert [r.id for r in b.eviction_order([old, recent, bet])] == ["old", "recent", "bet"]
+
+
+def test_gdsf_keeps_a_frequently_used_model_that_lru_would_evict():
+    hot, cold = record("hot"), record("cold")
+    for r in (hot, cold):
+        r.footprint, r.footprint_instances, r.last_cold_start = 100 * 2**20, 1, 0.5
+    hot.touched, cold.touched = 10.0, 20.0  # the hot model was used less recently
+    lru, gdsf = budget("lru", [hot, cold]), budget("gdsf", [hot, cold])
+    for b in (lru, gdsf):
+        b.accessed(hot, 50)
+        b.accessed(cold, 1)
+    assert [r.id for r in lru.eviction_order([hot, cold])] == ["hot", "cold"]
+    assert [r.id for r in gdsf.eviction_order([hot, cold])] == ["cold", "hot"]
+
+
+def test_a_model_never_measured_is_estimated_at_the_largest_measured_model_not_the_average():
+    small, large, new = record("small"), record("large"), record("new")
+    small.footprint, small.footprint_instances = 50 * 2**20, 1
+    large.footprint, large.footprint_instances = 150 * 2**20, 1
+    b = budget("gdsf", [small, large, new])
+    assert b.estimate(new, 1) == 150 * 2**20
+    assert b.estimate(new, 2) == 300 * 2**20
+    declared = record("declared", memory_mb=20)
+    assert b.estimate(declared, 1) == 20 * 2**20  # its package's declared memory comes before any guess
 
 
 def test_the_server_defaults_are_the_policy_defaults():

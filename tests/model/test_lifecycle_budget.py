@@ -1,0 +1,137 @@
+"""The memory budget inside the real manager over the fake Triton: which model the eviction policy lets go,
+what concurrent wake-ups reserve, and how long a wake-up may wait for its load to start (the wake queue)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fake_triton import MIB
+from lifecycle_world import LifecycleWorld
+
+from controlplane.errors import UnavailableError
+from controlplane.lifecycle.state import ModelState
+
+LONG_IDLE = {"idle_timeout_secs": 600}  # no idle unload in these tests: only memory pressure evicts
+
+
+@pytest.fixture
+def make_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., LifecycleWorld]]:
+    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
+    worlds: list[LifecycleWorld] = []
+
+    def make(**settings: object) -> LifecycleWorld:
+        root = tmp_path / f"w{len(worlds)}"
+        root.mkdir()
+        worlds.append(LifecycleWorld(root, monkeypatch=monkeypatch, **settings))
+        return worlds[-1]
+
+    yield make
+    for w in worlds:
+        w.close()
+    logging.getLogger("snoozeml").setLevel(logging.NOTSET)
+
+
+def state(world: LifecycleWorld, model: str) -> ModelState:
+    return world.manager.states.records[model].state
+
+
+@pytest.mark.parametrize("policy", ["gdsf", "lru"])
+def test_the_policy_chooses_the_victim_gdsf_keeps_the_hot_model_lru_evicts_it(make_world, policy):
+    """Three 100 MiB models fill the 300 MiB budget; the hot one (11 requests) was used least recently. A fourth
+    model needs room: LRU evicts the hot model, GDSF a model used once (frequency from Triton's counts)."""
+    world = make_world(eviction_policy=policy)
+    for m in ("hot", "a", "b", "c"):
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+    world.step(world.request("hot"), 1.0)
+    world.step(world.burst("hot", 10), 2.0)  # the sweeps read Triton's success count: 11
+    world.step(world.request("a"), 1.0)
+    world.step(world.request("b"), 2.0)
+    world.step(world.request("c"), 2.0)
+    evicted = {m for m in ("hot", "a", "b") if state(world, m) is ModelState.UNLOADED}
+    assert state(world, "c") is ModelState.READY
+    assert evicted == ({"a"} if policy == "gdsf" else {"hot"})
+    if policy == "gdsf":
+        world.step(world.api_unload("hot"), 1.0)
+        assert world.manager.budget.policy.frequency["hot"] >= 11  # kept across the unload: the point of it
+
+
+def test_concurrent_wakes_of_never_measured_models_stay_within_the_budget(make_world):
+    """Models that declare no memory: two measured (50 and 150 MiB), the 50 MiB one still loaded; then two new
+    150 MiB models wake at once (two loads at a time). Estimated at the average of the measured (100 MiB) both
+    fit on paper beside the loaded one and overran the 300 MiB budget (350 MiB); at the largest measured
+    (150 MiB) the second evicts the idle model first."""
+    world = make_world()
+    sizes = {"small": 50, "large": 150, "new1": 150, "new2": 150}
+    for m, mb in sizes.items():
+        world.triton.memory[m] = mb * MIB
+        world.step(world.publish(m, None, **LONG_IDLE), 0.01)
+    world.step(world.request("small"), 1.0)
+    world.step(world.request("large"), 1.0)
+    world.step(world.api_unload("large"), 0.5)
+    world.triton.peak = 0
+    world.step(world.request("new1"), 0.0)
+    world.step(world.request("new2"), 3.0)
+    assert {c.answer for c in world.calls} <= {"200"}, [c.answer for c in world.calls]
+    assert state(world, "new1") is state(world, "new2") is ModelState.READY
+    assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
+
+
+def test_a_wake_that_cannot_start_loading_within_its_bound_gets_a_fast_503_naming_the_model_and_the_fix(make_world):
+    world = make_world(max_concurrent_loads=1, wake_queue_timeout_secs=1.0)
+    for m in ("slow", "next"):
+        world.step(world.publish(m, 60, **LONG_IDLE), 0.01)
+    world.step(world.script_load("slow", "ok", 5.0), 0)
+    world.step(world.request("slow"), 0.1)  # holds the only load slot for 5 s
+    started = world.now
+
+    async def wake() -> UnavailableError | None:
+        try:
+            await world.manager.ensure_ready("next")
+        except UnavailableError as e:
+            return e
+        return None
+
+    async def queue_then_wake() -> tuple[dict, UnavailableError | None]:
+        task = world.loop.create_task(wake())
+        await __import__("asyncio").sleep(0.5)
+        return world.manager.runtime()["wake_queue"], await task
+
+    queue, error = world.run(queue_then_wake())
+    assert queue["length"] == 1 and queue["waiting"][0]["model"] == "next"
+    assert queue["waiting"][0]["waiting_for"] == "a load slot" and queue["oldest_wait_secs"] == pytest.approx(0.5)
+    assert error is not None, "the wake waited for the slot instead of giving up at its bound"
+    assert world.now - started == pytest.approx(1.0, abs=0.05)  # at its bound, not after the 5 s load
+    assert "'next'" in error.message and "a load slot" in error.message and "1 other load" not in error.message
+    assert "SNOOZE_MAX_CONCURRENT_LOADS" in (error.hint or "") and error.retry_after and error.retry_after >= 1
+    assert state(world, "next") is ModelState.UNLOADED  # the load never started: nothing failed
+    metrics = world.manager.metrics.registry
+    assert metrics.get_sample_value("snooze_wake_queue_timeouts_total", {"model": "next", "waiting_for": "slot"}) == 1
+    assert metrics.get_sample_value("snooze_wake_queue_length") == 0
+    # a client through the gateway: the activator answers in Triton's words, snoozeml's reason after, 503
+    world.step(world.tick(5.0), 0)
+    world.step(world.script_load("slow", "ok", 5.0), 0)
+    world.step(world.api_unload("slow"), 0.5)
+    world.step(world.request("slow"), 0.1)
+    world.run(world.request("next"))
+    call = world.calls[-1]
+    world.step(world.tick(1.2), 0)
+    answer = call.answer
+    assert answer is not None and answer.startswith(
+        "503: Request for unknown model: 'next' has no available versions: snoozeml: model 'next' is asleep and its "
+        "load could not start within 1.0s"
+    ), answer
+    world.step(world.tick(5.0), 0)
+    world.step(world.request("next"), 1.0)  # the slot is free again: the next request loads it
+    assert state(world, "next") is ModelState.READY
+
+
+def test_a_wake_whose_load_starts_within_its_bound_waits_for_the_whole_load(make_world):
+    world = make_world(max_concurrent_loads=1, wake_queue_timeout_secs=1.0)
+    world.step(world.publish("big", 60, **LONG_IDLE), 0.01)
+    world.step(world.script_load("big", "ok", 3.0), 0)  # a 3 s load, longer than the queue bound
+    world.step(world.request("big"), 4.0)
+    assert [c.answer for c in world.calls] in ([], ["200"])
+    assert state(world, "big") is ModelState.READY
