@@ -356,6 +356,68 @@ def _eviction_summary(ev: dict[str, Any]) -> str:
     )
 
 
+def _churn_summary(c: dict[str, Any]) -> str:
+    st = c["settings"]
+    parts = [
+        f"{name}: {p['answers']} answers ({p['answers_per_s']}/s), hot p50 {p['hot_p50_ms']} ms, unload median "
+        f"{_ms(p['unload_median_s']) if p['unload_median_s'] is not None else '-'}, {p['errors']} errors, "
+        f"{p['wrong_answers']} wrong"
+        for name, p in c["policies"].items()
+    ]
+    return (
+        f"- **Churn** ({st['models']} models x {st['ballast_mb']} MiB under {st['budget_mb']:g} MiB, "
+        f"{st['seconds']:g} s per policy): " + "; ".join(parts) + "."
+    )
+
+
+def _churn_lines(c: dict[str, Any] | None) -> list[str]:
+    if not c or not c.get("policies"):
+        return []
+    st, pol = c["settings"], c["policies"]
+    skipped = st["policies_skipped"]
+    skipped = f" Policies this build does not know: {', '.join(skipped)}." if skipped else ""
+    return [
+        "## Churn: many models in little memory, the eviction policies side by side",
+        "",
+        f"One node (the embedded stack, auth on, autoscaling off), `SNOOZE_MEMORY_BUDGET_MB={st['budget_mb']:g}`, "
+        f"{st['models']} custom models each holding {st['ballast_mb']} MiB of touched numpy memory; {st['clients']} "
+        f"closed-loop clients pick models by Zipf(s={st['zipf_s']:g}) (seed {st['seed']}; the {st['hot_models']} "
+        f"most requested get {100 * st['hot_traffic_share']:.0f}% of the requests) and send one request at a time "
+        "through the gateway, HTTP or gRPC at random (tritonclient aio); every answer's value is checked (the "
+        "version published when it was sent, or a newer one being published meanwhile). A model is republished "
+        f"every {st['republish_secs']:g} s (hot models first). One fresh stack per policy, the same traffic, "
+        f"{st['seconds']:g} s each, one after the other. `unload` is timed from its start until the model's memory "
+        "is free (`ended`: its processes were ended once Triton had taken it out of service, "
+        "`controlplane/lifecycle/unloading.py`); the tree is tritonserver and its model processes, sampled every "
+        f"0.1 s.{skipped}",
+        "",
+        _table(
+            ["policy", "answers", "answers/s", "errors", "wrong", "hot p50 / p99 ms", "rest p50 / p99 ms",
+             "cold starts", "evictions", "swaps/s", "unload median / p90 / max ms (ended of all)",
+             "peak tree MiB (models' processes)", "republishes ok", "load average (1 min) start / end"],
+            [
+                [name, p["answers"], p["answers_per_s"], p["errors"], p["wrong_answers"],
+                 f"{p['hot_p50_ms']} / {p['hot_p99_ms']}", f"{p['rest_p50_ms']} / {p['rest_p99_ms']}",
+                 p["cold_starts"], p["evictions"], p["swaps_per_s"],
+                 (f"{1000 * p['unload_median_s']:.0f} / {1000 * p['unload_p90_s']:.0f} / "
+                  f"{1000 * p['unload_max_s']:.0f} ({p['unloads_ended']} of {p['unloads']})") if p["unloads"] else "-",
+                 f"{p['peak_tree_mib']:.0f} ({p['peak_model_processes_mib']:.0f}) vs {st['budget_mb']:g} budget",
+                 f"{p['republishes_ok']} of {len(p['republishes'])}",
+                 f"{p['load_average_start'][0]} / {p['load_average_end'][0]}"]
+                for name, p in pol.items()
+            ],
+        ),
+        "",
+        *(
+            f"- {name}: errors {p['error_examples']}" for name, p in pol.items() if p["error_examples"]
+        ),
+        *(
+            f"- {name}: wrong answers {p['wrong_examples']}" for name, p in pol.items() if p["wrong_examples"]
+        ),
+        "",
+    ]
+
+
 def _eviction_lines(ev: dict[str, Any] | None) -> list[str]:
     if not ev:
         return []
@@ -525,6 +587,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         "",
         *_summary_lines(sec),
         *([_eviction_summary(sec["eviction"])] if "eviction" in sec else []),
+        *([_churn_summary(sec["churn"])] if sec.get("churn", {}).get("policies") else []),
         "",
     ]
     if results.get("quick"):
@@ -777,6 +840,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
     lines += _keepalive_live_lines(sec.get("keepalive_live"))
     lines += _fleet_lines(sec.get("fleet"), plots, plot_rel)
     lines += _eviction_lines(sec.get("eviction"))
+    lines += _churn_lines(sec.get("churn"))
     if nat := sec.get("native"):
         lines += ["## Native (ONNX export) vs custom torch", "", "```", _json_block(nat), "```", ""]
     lines += [
