@@ -1153,8 +1153,8 @@ def _fleet_p99_reading(a: dict[str, Any], r: dict[str, Any]) -> str:
     if share["a"] > share["r"]:
         text += (
             f". Affine's loads pile up on fewer nodes (the busiest node ran {100 * share['a']:.0f}% of them vs "
-            f"{100 * share['r']:.0f}%) and a node loads one model at a time (max_concurrent_loads 1), so a cold "
-            "request there can wait for other models' loads before its own"
+            f"{100 * share['r']:.0f}%) and a node's loads share its load slots (max_concurrent_loads) and its "
+            "cores, so a cold request there can wait for other models' loads before its own"
         )
     return text + "."
 
