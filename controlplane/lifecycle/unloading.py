@@ -128,6 +128,13 @@ class Unloader:
         verdict = "idle"
         now = time.monotonic_ns()
         for stub in stubs:
+            at_rest = self.processes.at_rest(stub)
+            if at_rest is None:
+                verdict = "unknown"
+                break
+            if not at_rest:  # a thread stopped in its own code may hold a lock shared with Triton
+                verdict = "busy"
+                continue
             activity = read_activity(journal_dir, stub)
             if activity is None:
                 verdict = "unknown"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import platform
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -37,6 +38,14 @@ from python_backend.exits import describe_wait_status
 log = logging.getLogger("snoozeml.processes")
 
 STUB_NAME = "triton_python_backend_stub"
+# System calls a thread at rest waits in (x86_64 numbers): read, poll, select, pause, nanosleep, accept,
+# recvfrom, recvmsg, wait4, rt_sigtimedwait, futex, clock_nanosleep, epoll_wait, waitid, pselect6, ppoll,
+# epoll_pwait, accept4. On another architecture any system call counts as at rest.
+_WAITING_SYSCALLS: frozenset[int] | None = (
+    frozenset({0, 7, 23, 34, 35, 43, 45, 47, 61, 128, 202, 230, 232, 247, 270, 271, 281, 288})
+    if platform.machine() in ("x86_64", "AMD64")
+    else None
+)
 SERVER_NAME = "tritonserver"
 
 
@@ -250,6 +259,28 @@ class TritonProcesses:
 
     def deaths(self, stubs: Iterable[StubProcess]) -> list[StubDeath]:
         return [d for d in (self.death(s) for s in stubs) if d is not None]
+
+    def at_rest(self, stub: StubProcess) -> bool | None:
+        """Whether every thread of the (stopped) stub waits in a system call that waits (futex, sleep, poll,
+        read, ...): none is inside the process's own code, where it might hold a lock in the memory it shares
+        with tritonserver. None when its threads cannot be read here (another uid, no ptrace access)."""
+        task = self.proc_root / str(stub.pid) / "task"
+        try:
+            tids = [t.name for t in task.iterdir()]
+        except OSError:
+            return None
+        for tid in tids:
+            try:
+                raw = (task / tid / "syscall").read_text().split()
+            except FileNotFoundError:
+                continue  # the thread ended meanwhile
+            except OSError:
+                return None
+            if not raw or raw[0] in ("-1", "running"):
+                return False  # in user code (or its syscall unknown)
+            if _WAITING_SYSCALLS is not None and int(raw[0]) not in _WAITING_SYSCALLS:
+                return False  # inside a system call that does work (it may hold a lock meanwhile)
+        return True
 
     def rss(self, stubs: Iterable[StubProcess]) -> int:
         total = 0

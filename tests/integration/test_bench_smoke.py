@@ -28,6 +28,7 @@ SECTION_KEYS = {
     "recovery": {"cycles", "load_average", "topologies"},
     "keepalive_live": {"period_s", "idle_timeout_s", "requests", "policies"},
     "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
+    "churn": {"settings", "policies"},
 }
 SLOW_SECTIONS = ("recovery", "keepalive_live")
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
@@ -91,6 +92,12 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     micro = runtime_cost["execute_inprocess"]
     assert micro["batch_1"]["runtime_us"] > 0 and micro["batch_1"]["handwritten_us"] > 0 and "watchdog_us" in micro
     assert "snoozeml's runtime vs a hand-written python-backend model" in text
+    churn = data["sections"]["churn"]
+    assert set(churn["policies"]) == {"lru", "gdsf"}
+    for p in churn["policies"].values():
+        assert p["requests"] > 0 and p["wrong_answers"] == 0, p  # every answer's value is checked
+        assert p["unloads"] == 0 or p["unloads_ended"] > 0, p  # evictions end the model's processes
+    assert "## Churn: many models in little memory, the eviction policies side by side" in text
 
 
 @pytest.mark.slow

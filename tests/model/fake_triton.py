@@ -530,6 +530,10 @@ class FakeProcesses:
     def deaths(self, stubs: list[StubProcess]) -> list[StubDeath]:
         return [d for d in (self.death(s) for s in stubs) if d is not None]
 
+    def at_rest(self, stub: StubProcess) -> bool | None:
+        s = self._find(stub)
+        return s is None or not s.busy
+
     def rss(self, stubs: list[StubProcess]) -> int:
         return sum(s.memory for p in stubs if (s := self._find(p)) is not None and s.alive)
 

@@ -113,3 +113,27 @@ def test_an_unseen_triton_sees_nothing():
     unseen = TritonProcesses.unseen()
     assert not unseen.visible and not unseen.can_observe
     assert unseen.stubs() == [] and unseen.tree_rss() == 0 and unseen.environment("PATH") is None
+
+
+def test_a_stopped_stub_is_at_rest_only_when_every_thread_waits(observer: TritonProcesses, tmp_path: Path):
+    """What the fast unload checks before it ends a stub: no thread stopped inside its own code (where it may
+    hold a lock in the memory it shares with tritonserver; one did, and tritonserver aborted)."""
+    idle = fake_stub(tmp_path, "idle", "idle_0_0")
+    spin = "import threading, time\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\ntime.sleep(60)"
+    busy = fake_stub(tmp_path, "busy", "busy_0_0", code=spin)
+    try:
+        deadline = time.monotonic() + 10
+        while len(observer.stubs()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)  # both interpreters started: one sleeps, the other spins on a thread
+        [quiet], [spinning] = observer.stubs("idle"), observer.stubs("busy")
+        observer.signal([quiet, spinning], signal.SIGSTOP)
+        wait_state(idle.pid, "T")
+        wait_state(busy.pid, "T")
+        assert observer.at_rest(quiet) is True
+        assert observer.at_rest(spinning) is False
+    finally:
+        for p in (idle, busy):
+            p.kill()
+            p.wait()
