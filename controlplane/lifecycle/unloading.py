@@ -21,10 +21,13 @@ What ending it early does (measured on tritonserver 2.51, a hand-written model h
 
 Order, for each unload (``unload``):
 
-1. Stop the model's stubs and read each one's journal trailer (``journal.read_activity``): a batch
-   running, or one that ended less than ``SETTLE_SECS`` ago (its stub may still be handing the results
-   to Triton), lets them go on (SIGCONT) and the check is tried again a little later; no journal, or a
-   model that declares ``unload()``, means Triton's own unload.
+1. Stop the model's stubs; each must be at rest: every thread waiting in a system call that waits
+   (``TritonProcesses.at_rest``: a thread stopped in the stub's own code may hold a robust mutex it shares
+   with tritonserver, whose next lock of it then throws in the instance's destructor and aborts
+   tritonserver, seen once in about 370 evictions), and its journal trailer (``journal.read_activity``)
+   shows no batch running and none that ended less than ``SETTLE_SECS`` ago (its stub may still be handing
+   the results to Triton). Else they go on (SIGCONT) and the check is tried again a little later; threads
+   that cannot be read, no journal, or a model that declares ``unload()`` mean Triton's own unload.
 2. Unload in Triton (it answers 404 to new requests from now on; the gateway sends those to the
    activator, which waits for this transition).
 3. Requests still queued in Triton for the model (its pending count): the stubs go on and Triton's own
