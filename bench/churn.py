@@ -265,9 +265,10 @@ async def _phase(
         cold = _total(metrics, "snooze_cold_starts_total", trigger="request")
         evictions = _total(metrics, "snooze_evictions_total", reason="memory")
         loaded_end = sum(1 for s in lifecycle.statuses() if s.state.value == "ready")
+        waited = dict(lifecycle.unloader.waited)
     return _summary(
         policy, traffic.rows, unloads, peak, traffic.republishes, wall=wall, cold=cold, evictions=evictions,
-        loaded_end=loaded_end, load_avg_start=load_avg_start,
+        loaded_end=loaded_end, load_avg_start=load_avg_start, waited=waited,
     )
 
 
@@ -283,6 +284,7 @@ def _summary(
     evictions: float,
     loaded_end: int,
     load_avg_start: tuple[float, ...],
+    waited: dict[str, int],
 ) -> dict[str, Any]:
     ok = [r for r in rows if r.get("ok")]
     right = [r for r in ok if r["right"]]
@@ -311,6 +313,7 @@ def _summary(
         "swaps_per_s": round(evictions / wall, 2),
         "unloads": len(unloads),
         "unloads_ended": len(ended),
+        "unloads_waited_why": waited,  # running: a thread never at rest; busy: a batch; unknown; declares_unload
         "unload_median_s": round(statistics.median(u["secs"] for u in unloads), 4) if unloads else None,
         "unload_p90_s": round(float(np.percentile([u["secs"] for u in unloads], 90)), 4) if unloads else None,
         "unload_max_s": round(max(u["secs"] for u in unloads), 4) if unloads else None,

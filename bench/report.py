@@ -414,6 +414,10 @@ def _churn_lines(c: dict[str, Any] | None) -> list[str]:
         *(
             f"- {name}: wrong answers {p['wrong_examples']}" for name, p in pol.items() if p["wrong_examples"]
         ),
+        *(
+            f"- {name}: unloads that took Triton's own way, by reason: {p['unloads_waited_why']}"
+            for name, p in pol.items() if p.get("unloads_waited_why")
+        ),
         "",
     ]
 

@@ -54,6 +54,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -73,6 +74,8 @@ log = logging.getLogger("snoozeml.lifecycle")
 SETTLE_SECS = 0.02
 # How often the idle check is tried before Triton's own unload is used.
 TRIES = 5
+# How many times (1 ms apart) the threads of a stopped stub are looked at in one check, to see them stopped.
+STOP_POLLS = 5
 # Triton probes a stub's health for this long before it finalizes or kills it.
 HEALTH_PROBE_SECS = 1.0
 # How long killed processes get to be gone (a SIGKILLed process leaves within milliseconds).
@@ -96,6 +99,9 @@ class Unloader:
         self.metrics = metrics
         self._pending = pending
         self.journal_dir = journal_dir
+        # why unloads with processes in view took Triton's own way: running (a thread never at rest), busy
+        # (a batch), unknown (threads or journal unreadable), declares_unload
+        self.waited: Counter[str] = Counter()
 
     async def unload(self, rec: ModelRecord) -> str:
         """Unload the model in Triton and return once its memory is free: "ended" (its processes were ended
@@ -115,28 +121,35 @@ class Unloader:
         stubs = await asyncio.to_thread(self.processes.stubs, rec.id)
         if not stubs:
             return await self._wait(rec, [])
+        verdict = "busy"
         for _ in range(TRIES):
             verdict = await asyncio.to_thread(self._freeze_if_idle, stubs, journal_dir)
             if verdict == "idle":
                 return await self._end(rec, stubs, journal_dir)
-            if verdict != "busy":  # no journal, or an unload() to run
-                return await self._wait(rec, stubs)
+            if verdict not in ("running", "busy"):  # no journal, or an unload() to run
+                break
             await asyncio.sleep(SETTLE_SECS)
+        self.waited[verdict] += 1
         return await self._wait(rec, stubs)
 
     def _freeze_if_idle(self, stubs: list[StubProcess], journal_dir: Path) -> str:
-        """Stop the stubs and read their journals: "idle" (left stopped), else "busy", "unknown" or
-        "declares_unload" (let go on)."""
+        """Stop the stubs and check them: "idle" (left stopped), else "running" (a thread not at rest), "busy"
+        (a batch), "unknown" or "declares_unload" (let go on)."""
         self.processes.signal(stubs, signal.SIGSTOP)
         verdict = "idle"
         now = time.monotonic_ns()
         for stub in stubs:
             at_rest = self.processes.at_rest(stub)
+            for _ in range(STOP_POLLS):  # SIGSTOP reaches every thread in a moment
+                if at_rest is not False:
+                    break
+                time.sleep(0.001)
+                at_rest = self.processes.at_rest(stub)
             if at_rest is None:
                 verdict = "unknown"
                 break
             if not at_rest:  # a thread stopped in its own code may hold a lock shared with Triton
-                verdict = "busy"
+                verdict = "running"
                 continue
             activity = read_activity(journal_dir, stub)
             if activity is None:

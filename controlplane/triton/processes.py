@@ -39,10 +39,11 @@ log = logging.getLogger("snoozeml.processes")
 
 STUB_NAME = "triton_python_backend_stub"
 # System calls a thread at rest waits in (x86_64 numbers): read, poll, select, pause, nanosleep, accept,
-# recvfrom, recvmsg, wait4, rt_sigtimedwait, futex, clock_nanosleep, epoll_wait, waitid, pselect6, ppoll,
-# epoll_pwait, accept4. On another architecture any system call counts as at rest.
+# recvfrom, recvmsg, wait4, rt_sigtimedwait, futex, restart_syscall (a wait a SIGSTOP/SIGCONT interrupted goes
+# on in it), clock_nanosleep, epoll_wait, waitid, pselect6, ppoll, epoll_pwait, accept4. On another
+# architecture any system call counts as at rest.
 _WAITING_SYSCALLS: frozenset[int] | None = (
-    frozenset({0, 7, 23, 34, 35, 43, 45, 47, 61, 128, 202, 230, 232, 247, 270, 271, 281, 288})
+    frozenset({0, 7, 23, 34, 35, 43, 45, 47, 61, 128, 202, 219, 230, 232, 247, 270, 271, 281, 288})
     if platform.machine() in ("x86_64", "AMD64")
     else None
 )
@@ -261,7 +262,7 @@ class TritonProcesses:
         return [d for d in (self.death(s) for s in stubs) if d is not None]
 
     def at_rest(self, stub: StubProcess) -> bool | None:
-        """Whether every thread of the (stopped) stub waits in a system call that waits (futex, sleep, poll,
+        """Whether every thread of the stub is stopped, waiting in a system call that waits (futex, sleep, poll,
         read, ...): none is inside the process's own code, where it might hold a lock in the memory it shares
         with tritonserver. None when its threads cannot be read here (another uid, no ptrace access)."""
         task = self.proc_root / str(stub.pid) / "task"
@@ -271,6 +272,9 @@ class TritonProcesses:
             return None
         for tid in tids:
             try:
+                state = (task / tid / "stat").read_bytes()
+                if state[state.rfind(b")") + 2 : state.rfind(b")") + 3] not in (b"T", b"t"):
+                    return False  # not stopped (yet): it may still enter anything
                 raw = (task / tid / "syscall").read_text().split()
             except FileNotFoundError:
                 continue  # the thread ended meanwhile

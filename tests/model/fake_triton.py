@@ -121,6 +121,9 @@ class VirtualTime:
     def monotonic_ns(self) -> int:
         return int(self.loop.now * 1e9)
 
+    def sleep(self, secs: float) -> None:
+        """A blocking wait inside a worker thread (inline here): no virtual time passes."""
+
     def strftime(self, fmt: str, *args: Any) -> str:
         return f"t+{self.loop.now:.3f}s"
 
