@@ -1,9 +1,10 @@
 """`python -m bench --quick`: every section runs against the real embedded stack and the report, its
 plots and its JSON come out. Numbers are not asserted (this machine is shared and quick mode is short).
 
-The default tier runs the sections whose behaviour no other test drives; recovery and keepalive_live (about a
-minute together in quick mode) repeat scenarios that tests/reliability and test_keepalive_live assert, so their
-bench code runs in the `slow` tier (`pytest -m slow tests/integration/test_bench_smoke.py`) and in `make bench`."""
+The default tier runs the sections whose behaviour no other test drives; recovery, keepalive_live and churn
+(about 1.5 minutes together in quick mode) repeat scenarios that tests/reliability, test_keepalive_live and
+tests/model/test_fast_unload.py assert, so their bench code runs in the `slow` tier
+(`pytest -m slow tests/integration/test_bench_smoke.py`) and in `make bench`."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ SECTION_KEYS = {
     "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
     "churn": {"settings", "policies"},
 }
-SLOW_SECTIONS = ("recovery", "keepalive_live")
+SLOW_SECTIONS = ("recovery", "keepalive_live", "churn")
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
 
 
@@ -92,12 +93,6 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     micro = runtime_cost["execute_inprocess"]
     assert micro["batch_1"]["runtime_us"] > 0 and micro["batch_1"]["handwritten_us"] > 0 and "watchdog_us" in micro
     assert "snoozeml's runtime vs a hand-written python-backend model" in text
-    churn = data["sections"]["churn"]
-    assert set(churn["policies"]) == {"lru", "gdsf"}
-    for p in churn["policies"].values():
-        assert p["requests"] > 0 and p["wrong_answers"] == 0, p  # every answer's value is checked
-        assert p["unloads"] == 0 or p["unloads_ended"] > 0, p  # evictions end the model's processes
-    assert "## Churn: many models in little memory, the eviction policies side by side" in text
 
 
 @pytest.mark.slow
@@ -108,3 +103,9 @@ def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
     assert "## Recovery after a model process dies, per topology" in text
     assert set(data["sections"]["keepalive_live"]["policies"]) == {"adaptive", "fixed"}
     assert "## Keep-alive in the real stack: a periodic caller, adaptive vs fixed" in text
+    churn = data["sections"]["churn"]
+    assert set(churn["policies"]) == {"lru", "gdsf"}
+    for p in churn["policies"].values():
+        assert p["requests"] > 0 and p["wrong_answers"] == 0, p  # every answer's value is checked
+        assert p["unloads"] == 0 or p["unloads_ended"] > 0, p  # evictions end the model's processes
+    assert "## Churn: many models in little memory, the eviction policies side by side" in text
