@@ -239,8 +239,9 @@ async def _phase(
     zipf_s: float,
     republish_secs: float,
     seed: int,
+    settings: dict[str, Any],
 ) -> dict[str, Any]:
-    overrides: dict[str, Any] = {"memory_budget_mb": budget_mb, "allow_local_paths": True}
+    overrides: dict[str, Any] = {**settings, "memory_budget_mb": budget_mb, "allow_local_paths": True}
     if policy is not None:
         overrides["eviction_policy"] = policy
     traffic = _Traffic(root, models=models, ballast_mb=ballast_mb, zipf_s=zipf_s, seed=seed, seconds=seconds)
@@ -339,8 +340,10 @@ async def run(
     republish_secs: float = 15.0,
     policies: list[str] | tuple[str, ...] = ("lru", "gdsf"),
     seed: int = 16,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``policies``: run one phase per policy (``SNOOZE_EVICTION_POLICY``) this build knows, in this order."""
+    """``policies``: run one phase per policy (``SNOOZE_EVICTION_POLICY``) this build knows, in this order;
+    ``settings``: other ``Settings`` for every phase (e.g. ``max_concurrent_loads``)."""
     known, skipped = _available_policies(list(policies))
     phases = []
     for policy in known:
@@ -356,6 +359,7 @@ async def run(
                 zipf_s=zipf_s,
                 republish_secs=republish_secs,
                 seed=seed,
+                settings=settings or {},
             )
         )
     weights = _zipf_weights(models, zipf_s)
@@ -372,6 +376,7 @@ async def run(
             "republish_secs": republish_secs,
             "seed": seed,
             "policies_skipped": skipped,
+            "other_settings": settings or {},
         },
         "policies": {p["policy"]: p for p in phases},
     }
