@@ -103,9 +103,17 @@ class LifecycleWorld:
     """One manager over the fakes, the operations a test drives, and the invariants."""
 
     def __init__(
-        self, root: Path, *, monkeypatch: Any, log: Callable[[str], None] | None = None, **settings: Any
+        self,
+        root: Path,
+        *,
+        monkeypatch: Any,
+        log: Callable[[str], None] | None = None,
+        gpu_reader: Any = None,
+        **settings: Any,
     ) -> None:
-        """``settings``: Settings fields that differ from this world's defaults."""
+        """``settings``: Settings fields that differ from this world's defaults; ``gpu_reader``: NVML's stand-in
+        (default: no GPU)."""
+        self.gpu_reader = gpu_reader if gpu_reader is not None else NoGpu()
         self.root = root
         self.loop = VirtualTimeLoop()
         clock = VirtualTime(self.loop)
@@ -157,7 +165,7 @@ class LifecycleWorld:
             self.triton,  # type: ignore[arg-type]
             processes=self.processes,  # type: ignore[arg-type]
             journal_dir=self.journal,
-            gpu_reader=NoGpu(),
+            gpu_reader=self.gpu_reader,
             gpu_pid_map=None,
         )
         m.warmth.clock = self.clock.time

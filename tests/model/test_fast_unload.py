@@ -13,6 +13,7 @@ import pytest
 from fake_triton import MIB
 from lifecycle_world import BUDGET_MB, LifecycleWorld
 
+from controlplane.gpu_memory import GpuDevice
 from controlplane.lifecycle.state import ModelState
 
 TRITON_UNLOAD_SECS = 1.2  # the python backend's 1 s health probe, then the stub's finalize and exit
@@ -106,7 +107,8 @@ def test_a_request_handed_to_a_stopped_process_runs_once_after_a_wake(world, mon
     assert world.manager.status("m0").state is ModelState.READY  # woken again by that request
 
 
-def test_loads_run_side_by_side_within_the_budget(world):
+def peak_loads_of_three(world: LifecycleWorld) -> tuple[int, int]:
+    """Three models requested at once, each load taking a second: the most loads at once, the most memory held."""
     peak_loads = peak_held = 0
     for model in ("m0", "m1", "m2"):
         world.step(world.publish(model, 100), 0.1)
@@ -117,6 +119,33 @@ def test_loads_run_side_by_side_within_the_budget(world):
         world.step(world.tick(0.1), 0)
         peak_loads = max(peak_loads, sum(world.triton.loads_in_flight.values()))
         peak_held = max(peak_held, sum(world.triton.holding().values()))
+    world.step(world.tick(3.0), 0)
+    assert answers(world) == ["200", "200", "200"]
+    return peak_loads, peak_held
+
+
+def test_loads_run_side_by_side_within_the_budget(world):
+    peak_loads, peak_held = peak_loads_of_three(world)
     assert peak_loads == world.settings.max_concurrent_loads == 2
     assert peak_held <= BUDGET_MB * MIB
-    assert answers(world) == ["200", "200", "200"]
+
+
+class OneGpu:
+    """``GpuProcessReader`` of a machine with one GPU (no model uses it)."""
+
+    def devices(self) -> list[GpuDevice]:
+        return [GpuDevice(0, "GPU-0", 16 << 30, 0)]
+
+    def processes(self) -> list[Any]:
+        return []
+
+
+def test_loads_run_one_at_a_time_on_a_machine_with_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A load's GPU memory may be measured as what the GPU's used memory grew by: nothing may load beside it."""
+    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
+    w = LifecycleWorld(tmp_path, monkeypatch=monkeypatch, gpu_reader=OneGpu())
+    try:
+        assert peak_loads_of_three(w)[0] == 1
+    finally:
+        w.close()
+        logging.getLogger("snoozeml").setLevel(logging.NOTSET)
