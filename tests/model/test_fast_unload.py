@@ -149,3 +149,22 @@ def test_loads_run_one_at_a_time_on_a_machine_with_a_gpu(tmp_path: Path, monkeyp
     finally:
         w.close()
         logging.getLogger("snoozeml").setLevel(logging.NOTSET)
+
+
+def test_a_load_that_must_evict_waits_for_the_load_in_flight(world):
+    """Side by side only where memory allows: m1 fits beside m0 and loads; m2 needs room and waits for m1 (its
+    reservation would otherwise crowd out what the policy keeps), then evicts and loads."""
+    world.step(world.publish("m0", 150, idle_timeout_secs=3600), 0.1)
+    world.step(world.request("m0"), 1.0)
+    peak_loads = 0
+    for model in ("m1", "m2"):
+        world.step(world.publish(model, 100, idle_timeout_secs=3600), 0.1)
+        world.step(world.script_load(model, "ok", 1.0), 0)
+    world.step(world.request("m1"), 0)
+    world.step(world.request("m2"), 0)
+    for _ in range(40):
+        world.step(world.tick(0.1), 0)
+        peak_loads = max(peak_loads, sum(world.triton.loads_in_flight.values()))
+    assert peak_loads == 1
+    assert answers(world) == ["200", "200", "200"]
+    assert world.manager.status("m2").state is ModelState.READY

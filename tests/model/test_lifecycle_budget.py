@@ -62,7 +62,8 @@ def test_concurrent_wakes_of_never_measured_models_stay_within_the_budget(make_w
     """Models that declare no memory: two measured (50 and 150 MiB), the 50 MiB one still loaded; then two new
     150 MiB models wake at once (two loads at a time). Estimated at the average of the measured (100 MiB) both
     fit on paper beside the loaded one and overran the 300 MiB budget (350 MiB); at the largest measured
-    (150 MiB) the second evicts the idle model first."""
+    (150 MiB) the second evicts one idle model first (it waits for the first load to end: a load that must
+    evict does not run beside another, so the policy may pick the first one as well as the small one)."""
     world = make_world()
     sizes = {"small": 50, "large": 150, "new1": 150, "new2": 150}
     for m, mb in sizes.items():
@@ -75,7 +76,8 @@ def test_concurrent_wakes_of_never_measured_models_stay_within_the_budget(make_w
     world.step(world.request("new1"), 0.0)
     world.step(world.request("new2"), 3.0)
     assert {c.answer for c in world.calls} <= {"200"}, [c.answer for c in world.calls]
-    assert state(world, "new1") is state(world, "new2") is ModelState.READY
+    assert state(world, "new2") is ModelState.READY
+    assert {state(world, "small"), state(world, "new1")} == {ModelState.READY, ModelState.UNLOADED}
     assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
 
 
