@@ -146,7 +146,7 @@ def main(mode: str, cycles: int) -> None:
             noise = [
                 line
                 for line in t.log_file.read_text().splitlines()
-                if line[:1] in ("W", "E") and "NVML" not in line and "DCGM" not in line and "pinned" not in line
+                if line[:1] in ("W", "E") and not any(w in line for w in ("NVML", "DCGM", "pinned", "CudaDriverHelper"))
             ]
             print("warnings and errors in Triton's log:", noise or "none")
         finally:
