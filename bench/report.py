@@ -812,18 +812,25 @@ def _prewarm_lines(c: dict[str, Any]) -> list[str]:
     """The first request after a pre-warm (a load with no request waiting) against warm requests."""
     rows = [
         [m, _ms2(v["prewarmed_first_s"]["median"]), _ms2(v["prewarmed_first_s"]["p90"]), _ms2(v["warm_s"]["median"]),
-         v["prewarmed_first_vs_warm"]]
+         v["prewarmed_first_vs_warm"],
+         _ms2(v["warm_after_gap_s"]["median"]) if v.get("warm_after_gap_s") else "-"]
         for m, v in c["models"].items()
         if v.get("prewarmed_first_s")
     ]
     if not rows:  # a report.json from before this was measured
         return []
+    lead = next((v["prewarm_lead_s"] for v in c["models"].values() if v.get("prewarm_lead_s")), None)
+    gap = f"{lead:g} s" if lead else "a gap"
     return [
         "First request after a pre-warm: in each cycle the lifecycle loads the model with no request waiting (as "
-        "the adaptive keep-alive's pre-warm does; the load runs the config's `model_warmup` inference), then one "
-        "request and five warm ones go through the gateway on an open connection (medians over cycles).",
+        "the adaptive keep-alive's pre-warm does; the load runs the config's `model_warmup` inference); "
+        f"{gap} later (a pre-warm runs ahead of the request it expects) one request, five warm ones back to back, "
+        f"and, after another {gap} of idle, one more warm request (the control: after an idle gap every hop's "
+        "thread has to wake up, warm model or not). All through the gateway on one open connection, medians over "
+        "cycles.",
         "",
-        _table(["model", "first after pre-warm median", "p90", "warm median", "first / warm"], rows),
+        _table(["model", "first after pre-warm median", "p90", "warm median", "first / warm",
+                f"warm after {gap} idle"], rows),
         "",
     ]
 
