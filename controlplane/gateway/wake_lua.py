@@ -11,11 +11,18 @@ body larger than ``wake_buffer_bytes``. For those the filter decides before the 
   Python);
 - the model: HTTP from the path, gRPC from field 1 of the first message (the same protobuf walk the fleet
   gateway uses);
-- how: it waits for the first body chunk (so the request headers have already gone on, and Envoy
+- how, cold: it waits for the first body chunk (so the request headers have already gone on, and Envoy
   applies flow control instead of a 413 while it holds the body), calls the activator's
   ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <token>``), which wakes the model (single flight)
   and returns once it is READY, then lets the held chunk and the rest of the body through to Triton.
   Nothing is buffered for a retry and nothing is sent twice;
+- how, warm: the control plane keeps one empty file per READY model in ``ready_dir`` (``ReadyFlags``:
+  created when the lifecycle says READY, removed the moment it says anything else, before the transition
+  awaits anything). When the model's file is there, the filter sends the same hold call asynchronously
+  (Envoy does not wait for its answer) and lets the request on at once: a warm stream's first message
+  never waits for Python. The call still reaches the activator (within a millisecond here), so the model
+  counts as in use while the stream is open; an idle unload or eviction that started in between re-checks
+  the model's users after two round trips to Triton and keeps it (``LifecycleManager._unload_op``);
 - the hold: the activator keeps the model in use (no idle unload, no eviction, no scale-down) from that
   call until the request ends. Its end, normal or a reset (also one during the wake), is one line of an
   Envoy access log filtered on the dynamic metadata the filter sets before the call (``snoozeml.hold``:
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 HOLD_PATH = "/_snooze/hold/"
 HOLD_HEADER = "x-snooze-hold"
+HOLD_WARM_HEADER = "x-snooze-hold-warm"  # the filter found the model's ready flag and did not wait
 METADATA_NAMESPACE = "snoozeml"
 METADATA_KEY = "hold"
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
@@ -92,24 +100,57 @@ _HOLD = f"""
 local SALT = string.gsub(tostring({{}}), "^table: ", "")
 local held = 0
 
+-- READY models have a file in READY_DIR (the control plane's ReadyFlags): one open() on a small local
+-- file, no Python. Names starting with a dot are never flags (no "..").
+local function warm(model)
+  if READY_DIR == nil or string.sub(model, 1, 1) == "." then
+    return false
+  end
+  local f = io.open(READY_DIR .. model, "rb")
+  if f == nil then
+    return false
+  end
+  f:close()
+  return true
+end
+
 local function hold(handle, model, id)
   held = held + 1
   local token = id .. "-" .. SALT .. "-" .. held
   handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "{METADATA_KEY}", token)
-  handle:httpCall("activator_http", {{
+  local headers = {{
     [":method"] = "POST",
     [":path"] = "{HOLD_PATH}" .. model,
     [":authority"] = "activator",
     ["{HOLD_HEADER}"] = token,
-  }}, nil, 0)
+  }}
+  if warm(model) then
+    headers["{HOLD_WARM_HEADER}"] = "1"
+    handle:httpCall("activator_http", headers, nil, {{["asynchronous"] = true}})
+    return
+  end
+  handle:httpCall("activator_http", headers, nil, 0)
 end
 """
 
 
-def http_wake_lua(wake_buffer_bytes: int) -> str:
-    """The HTTP listener's wake filter (``model`` from the path)."""
+def _ready_dir(ready_dir: str | None) -> str:
+    """``READY_DIR`` for the Lua: a long-bracket string of the folder with a trailing slash, or nil."""
+    if ready_dir is None:
+        return "local READY_DIR = nil\n"
+    text = ready_dir.rstrip("/") + "/"
+    level = 1
+    while f"]{'=' * level}]" in text:
+        level += 1
+    return f"local READY_DIR = [{'=' * level}[{text}]{'=' * level}]\n"
+
+
+def http_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
+    """The HTTP listener's wake filter (``model`` from the path); ``ready_dir``: ``ReadyFlags``' folder
+    (None: no warm path, every hold waits for the activator)."""
     return (
-        _HOLD
+        _ready_dir(ready_dir)
+        + _HOLD
         + f"""
 local WAKE_BUFFER = {int(wake_buffer_bytes)}
 
@@ -140,10 +181,11 @@ end
     )
 
 
-def grpc_wake_lua(wake_buffer_bytes: int) -> str:
+def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
     """The gRPC listener's wake filter (``model`` from field 1 of the first message)."""
     return (
-        LUA_PROTOBUF_STRING_FIELD
+        _ready_dir(ready_dir)
+        + LUA_PROTOBUF_STRING_FIELD
         + _HOLD
         + f"""
 local WAKE_BUFFER = {int(wake_buffer_bytes)}

@@ -385,6 +385,17 @@ class LifecycleManager:
             self.metrics.wake_wait_seconds.labels(model=model_id).observe(time.monotonic() - started)
         rec.touched = time.time()
 
+    def add_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
+        """Call ``listener(model_id, state)`` now for every model, then on every state change (``None``: the
+        model's record was dropped), synchronously, before the transition awaits anything."""
+        self.states.listeners.append(listener)
+        for rec in self.states.values():
+            listener(rec.id, rec.state)
+
+    def remove_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self.states.listeners.remove(listener)
+
     @contextlib.asynccontextmanager
     async def serving(self, model_id: str, *, timeout: float | None = None) -> AsyncIterator[None]:
         """``ensure_ready``, then keep the model from idle unload and eviction until the block ends

@@ -517,6 +517,55 @@ def test_a_stream_wakes_a_sleeping_model_and_holds_it_while_open(stack: Stack):
     assert stack.lifecycle.states.record(name).users == 0
 
 
+@contextlib.contextmanager
+def _control_plane_blocked(stack: Stack) -> Iterator[None]:
+    """The activator's event loop (the control plane's) stuck in a blocking call while the block runs."""
+    blocked, release = threading.Event(), threading.Event()
+    stack.loop.loop.call_soon_threadsafe(lambda: (blocked.set(), release.wait(60)))
+    assert blocked.wait(10), "the control plane's loop never ran the blocking call"
+    try:
+        yield
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "sse"])
+def test_a_warm_stream_does_not_wait_for_the_activator(stack: Stack, protocol: str):
+    """A READY model's stream goes on to Triton at once (its ready flag), even with the control plane stuck:
+    its hold reaches the activator after, and keeps the model in use while the stream is open."""
+    name = stack.publish(f"gw_warm_{protocol}")
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
+    until(lambda: stack.activator.ready_flags.ready(name), "the model's ready flag")
+    warm_holds = stack.activator.holds.warm_holds
+    answers: list[Any] = []
+    got = threading.Event()
+    with stack.grpc() as g:
+        with _control_plane_blocked(stack):
+            if protocol == "grpc":
+                g.start_stream(callback=lambda result, error: (answers.append(error or result), got.set()),
+                               headers=GRPC_KEY)  # fmt: skip
+                inp = grpcclient.InferInput("x", [1, 4], "FP32")
+                inp.set_data_from_numpy(_x(1))
+                g.async_stream_infer(name, [inp])
+            else:
+                answers.append(_generate(stack, name, "generate_stream", {"x": [2.0, 4.0]}))
+                got.set()
+            answered = got.wait(30)
+        assert answered, "the warm stream waited for the stuck control plane"
+        if protocol == "grpc":
+            np.testing.assert_allclose(answers[0].as_numpy("y"), _x(1) * 3)
+            until(lambda: stack.activator.holds.open(name) == 1, "the stream's hold, sent without waiting")
+            assert stack.lifecycle.states.record(name).users >= 1
+            g.stop_stream()
+        else:
+            assert answers[0].status_code == 200 and '"y":[6.0,12.0]' in answers[0].text.replace(" ", ""), answers
+    until(lambda: stack.activator.holds.warm_holds == warm_holds + 1, "the warm hold at the activator")
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release at the stream's end")
+    assert stack.load_count(name) == 1
+    stack.loop.run(stack.lifecycle.unload(name))
+    assert not stack.activator.ready_flags.ready(name)  # asleep: the next stream waits for its wake-up
+
+
 def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
     name = stack.publish("gw_stub")
     stack.loop.run(stack.lifecycle.ensure_ready(name))
