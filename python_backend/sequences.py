@@ -2,7 +2,8 @@
 
 Triton's statistics do not say whether a sequence is open, and the state of one lives in the model's
 process: an unload, an eviction or an instance fewer would end it. So the runtime notes, from the requests
-it is given (``correlation_id()``, the START / END flags), until when one of its sequences may still be
+it is given (``correlation_id()``, the START / END flags; the direct strategy's null requests, which fill idle
+batch slots with correlation id 0, are not sequences), until when one of its sequences may still be
 live: ``<journal dir>/<pid>-<start ticks>.sequences``, JSON ``{"model", "live", "until"}`` (epoch seconds;
 0 when none is live). A sequence is live from its START until its END, or until its last request is
 ``max_sequence_idle_microseconds`` old (Triton's own limit: it ends the sequence then). The control plane
@@ -63,6 +64,8 @@ class SequenceNote:
         live = self.live
         for request in requests:
             key = request.correlation_id()
+            if not key:  # 0 or "": the direct strategy's null request for an idle batch slot, no sequence
+                continue
             if request.flags() & SEQUENCE_END:
                 live.pop(key, None)
             else:

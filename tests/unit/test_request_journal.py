@@ -115,9 +115,9 @@ def test_live_sequences_note_is_read_as_written(tmp_path: Path, monkeypatch: pyt
     note.record([SequenceRequest(8, SEQUENCE_START)], now=1000.5)  # within the note's slack: no write needed
     note.record([SequenceRequest(7)], now=1003.0)
     assert reader.sequences_until(tmp_path, me()) >= 1008.0
-    note.record([SequenceRequest(7, SEQUENCE_END)], now=1004.0)
+    note.record([SequenceRequest(7, SEQUENCE_END), SequenceRequest(0)], now=1004.0)  # and an idle slot's null request
     assert reader.sequences_until(tmp_path, me()) >= 1008.0  # sequence 8 is still live
-    note.record([SequenceRequest(8, SEQUENCE_END)], now=1004.5)
+    note.record([SequenceRequest(8, SEQUENCE_END), SequenceRequest(0)], now=1004.5)
     assert reader.sequences_until(tmp_path, me()) == 0.0  # the last one ended
     note.record([SequenceRequest(9, SEQUENCE_START | SEQUENCE_END)], now=1005.0)  # a one-request sequence
     assert reader.sequences_until(tmp_path, me()) == 0.0
