@@ -334,9 +334,10 @@ class HoldRegistry:
     async def tail(self) -> None:
         """Release holds as Envoy logs their requests' ends (runs until cancelled)."""
         while True:
-            for request_id in self._new_lines():
-                if request_id and request_id != "-":
-                    await self.release(request_id)
+            for line in self._new_lines():
+                for token in line.split(","):  # a stream that held several models: each one's token
+                    if token and token != "-":
+                        await self.release(token)
             now = time.monotonic()
             for request_id, at in list(self._ended.items()):
                 if now - at > self.ENDED_MEMORY_SECS:

@@ -9,8 +9,10 @@ body larger than ``wake_buffer_bytes``. For those the filter decides before the 
   and HTTP ``/infer`` / ``/generate`` whose ``content-length`` is over ``wake_buffer_bytes`` (or absent:
   chunked). Smaller unary requests pass untouched (the retry path serves them; warm ones never touch
   Python);
-- the model: HTTP from the path, gRPC from field 1 of the first message (the same protobuf walk the fleet
-  gateway uses);
+- the model: HTTP from the path, gRPC from field 1 of the message (the same protobuf walk the fleet
+  gateway uses); on a ``ModelStreamInfer`` stream, of every message: each model the stream names is woken
+  and held once, before the first message that names it moves on (the stream's later messages wait for
+  that wake; those already sent go on);
 - how, cold: it waits for the first body chunk (so the request headers have already gone on, and Envoy
   applies flow control instead of a 413 while it holds the body), calls the activator's
   ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <token>``), which wakes the model (single flight)
@@ -114,10 +116,13 @@ local function warm(model)
   return true
 end
 
-local function hold(handle, model, id)
+-- A request may hold several models (a gRPC stream whose messages name several): the metadata value
+-- is their tokens joined by commas (the activator splits the logged line).
+local function hold(handle, model, id, earlier)
   held = held + 1
-  local token = id .. "-" .. SALT .. "-" .. held
-  handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "{METADATA_KEY}", token)
+  local token = string.gsub(id, "[^%w%-]", "") .. "-" .. SALT .. "-" .. held
+  local tokens = earlier == nil and token or (earlier .. "," .. token)
+  handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "{METADATA_KEY}", tokens)
   local headers = {{
     [":method"] = "POST",
     [":path"] = "{HOLD_PATH}" .. model,
@@ -127,9 +132,10 @@ local function hold(handle, model, id)
   if warm(model) then
     headers["{HOLD_WARM_HEADER}"] = "1"
     handle:httpCall("activator_http", headers, nil, {{["asynchronous"] = true}})
-    return
+  else
+    handle:httpCall("activator_http", headers, nil, 0)
   end
-  handle:httpCall("activator_http", headers, nil, 0)
+  return tokens
 end
 """
 
@@ -182,7 +188,8 @@ end
 
 
 def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
-    """The gRPC listener's wake filter (``model`` from field 1 of the first message)."""
+    """The gRPC listener's wake filter: a large ``ModelInfer``'s model from field 1 of its message; a stream's
+    from field 1 of every message (each model woken and held once, before its first message moves on)."""
     return (
         _ready_dir(ready_dir)
         + LUA_PROTOBUF_STRING_FIELD
@@ -190,6 +197,7 @@ def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
         + f"""
 local WAKE_BUFFER = {int(wake_buffer_bytes)}
 local STREAM = "{GRPC_SERVICE}ModelStreamInfer"
+local NAME_BYTES = 512  -- of a message read for its model name (field 1, first on the wire)
 local UNARY = "{GRPC_SERVICE}ModelInfer"
 
 function envoy_on_request(handle)
@@ -198,22 +206,56 @@ function envoy_on_request(handle)
     return
   end
   local id = handle:headers():get("x-request-id") or ""
-  for chunk in handle:bodyChunks() do
-    local bytes = chunk:getBytes(0, math.min(chunk:length(), 4096))
-    if #bytes < 5 then
-      return
-    end
-    if path == UNARY then
+  if path == UNARY then
+    for chunk in handle:bodyChunks() do
+      local bytes = chunk:getBytes(0, math.min(chunk:length(), 4096))
+      if #bytes < 5 then
+        return
+      end
       local size = ((bytes:byte(2) * 256 + bytes:byte(3)) * 256 + bytes:byte(4)) * 256 + bytes:byte(5)
       if size <= WAKE_BUFFER then
         return
       end
-    end
-    local model = string_field(bytes, 1)
-    if model ~= nil and string.match(model, "^[%w_%.%-]+$") then
-      hold(handle, model, id)
+      local model = string_field(bytes, 1)
+      if model ~= nil and string.match(model, "^[%w_%.%-]+$") then
+        hold(handle, model, id)
+      end
+      return
     end
     return
+  end
+  -- A stream: every message's model is woken (and held) before that message moves on, each model once.
+  -- Frames may span chunks: ``head`` collects a frame's 5-byte header and the start of its message
+  -- (enough for field 1), ``skip`` is what is left of the frame after that.
+  local models, tokens, head, skip = {{}}, nil, "", 0
+  for chunk in handle:bodyChunks() do
+    local length, at = chunk:length(), 0
+    while at < length do
+      if skip > 0 then
+        local n = math.min(skip, length - at)
+        at, skip = at + n, skip - n
+      else
+        local want = #head < 5 and 5 - #head or 0
+        if want == 0 then
+          local size = ((head:byte(2) * 256 + head:byte(3)) * 256 + head:byte(4)) * 256 + head:byte(5)
+          want = math.min(size, NAME_BYTES) - (#head - 5)
+          if want <= 0 then
+            local model = string_field(head, 1)
+            if model ~= nil and models[model] == nil and string.match(model, "^[%w_%.%-]+$") then
+              models[model] = true
+              tokens = hold(handle, model, id, tokens)
+            end
+            skip, head = size - (#head - 5), ""
+            want = 0
+          end
+        end
+        if want > 0 then
+          local n = math.min(want, length - at)
+          head = head .. chunk:getBytes(at, n)
+          at = at + n
+        end
+      end
+    end
   end
 end
 """

@@ -517,6 +517,30 @@ def test_a_stream_wakes_a_sleeping_model_and_holds_it_while_open(stack: Stack):
     assert stack.lifecycle.states.record(name).users == 0
 
 
+def test_a_stream_wakes_every_model_it_names(stack: Stack):
+    """One ModelStreamInfer stream, messages for two sleeping models: each is woken before its first message
+    goes on, and each is held while the stream is open."""
+    first, second = stack.publish("gw_stream_first"), stack.publish("gw_stream_second")
+    results: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: results.append(error or result), headers=GRPC_KEY)
+        for rows, name in enumerate((first, second, first, second), start=1):
+            inp = grpcclient.InferInput("x", [rows, 4], "FP32")
+            inp.set_data_from_numpy(_x(rows))
+            g.async_stream_infer(name, [inp], request_id=f"{name}-{rows}")
+        until(lambda: len(results) == 4, "four answers on the stream")
+        assert all(not isinstance(r, InferenceServerException) for r in results), results
+        for r in results:
+            rows = int(r.get_response().id.rpartition("-")[2])
+            np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
+        assert stack.load_count(first) == 1 and stack.load_count(second) == 1
+        until(lambda: stack.activator.holds.open(first) == 1 and stack.activator.holds.open(second) == 1,
+              "a hold of each model the stream names")  # fmt: skip
+        g.stop_stream()
+    until(lambda: stack.activator.holds.open(first) + stack.activator.holds.open(second) == 0,
+          "both holds released at the stream's end")  # fmt: skip
+
+
 @contextlib.contextmanager
 def _control_plane_blocked(stack: Stack) -> Iterator[None]:
     """The activator's event loop (the control plane's) stuck in a blocking call while the block runs."""
