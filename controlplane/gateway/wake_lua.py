@@ -10,9 +10,11 @@ body larger than ``wake_buffer_bytes``. For those the filter decides before the 
   chunked). Smaller unary requests pass untouched (the retry path serves them; warm ones never touch
   Python);
 - the model: HTTP from the path, gRPC from field 1 of the message (the same protobuf walk the fleet
-  gateway uses); on a ``ModelStreamInfer`` stream, of every message: each model the stream names is woken
-  and held once, before the first message that names it moves on (the stream's later messages wait for
-  that wake; those already sent go on);
+  gateway uses); on a ``ModelStreamInfer`` stream, of every message until the first model that has to be
+  woken: each READY model the stream names is held (once) as its first message goes on, and the first
+  sleeping one is woken before its message moves on. Later messages are not looked at after that wake
+  (Envoy's Lua lets a chunk held across a call it waited for go only when the script ends), so a model
+  first named after a wake on the same stream is not woken: Triton answers it on the stream;
 - how, cold: it waits for the first body chunk (so the request headers have already gone on, and Envoy
   applies flow control instead of a 413 while it holds the body), calls the activator's
   ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <token>``), which wakes the model (single flight)
@@ -132,10 +134,10 @@ local function hold(handle, model, id, earlier)
   if warm(model) then
     headers["{HOLD_WARM_HEADER}"] = "1"
     handle:httpCall("activator_http", headers, nil, {{["asynchronous"] = true}})
-  else
-    handle:httpCall("activator_http", headers, nil, 0)
+    return tokens, false
   end
-  return tokens
+  handle:httpCall("activator_http", headers, nil, 0)
+  return tokens, true
 end
 """
 
@@ -189,7 +191,7 @@ end
 
 def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
     """The gRPC listener's wake filter: a large ``ModelInfer``'s model from field 1 of its message; a stream's
-    from field 1 of every message (each model woken and held once, before its first message moves on)."""
+    from field 1 of each message, until the first model it has to wake."""
     return (
         _ready_dir(ready_dir)
         + LUA_PROTOBUF_STRING_FIELD
@@ -198,6 +200,10 @@ def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
 local WAKE_BUFFER = {int(wake_buffer_bytes)}
 local STREAM = "{GRPC_SERVICE}ModelStreamInfer"
 local NAME_BYTES = 512  -- of a message read for its model name (field 1, first on the wire)
+
+local function frame_size(s)
+  return ((s:byte(2) * 256 + s:byte(3)) * 256 + s:byte(4)) * 256 + s:byte(5)
+end
 local UNARY = "{GRPC_SERVICE}ModelInfer"
 
 function envoy_on_request(handle)
@@ -212,8 +218,7 @@ function envoy_on_request(handle)
       if #bytes < 5 then
         return
       end
-      local size = ((bytes:byte(2) * 256 + bytes:byte(3)) * 256 + bytes:byte(4)) * 256 + bytes:byte(5)
-      if size <= WAKE_BUFFER then
+      if frame_size(bytes) <= WAKE_BUFFER then
         return
       end
       local model = string_field(bytes, 1)
@@ -224,9 +229,10 @@ function envoy_on_request(handle)
     end
     return
   end
-  -- A stream: every message's model is woken (and held) before that message moves on, each model once.
-  -- Frames may span chunks: ``head`` collects a frame's 5-byte header and the start of its message
-  -- (enough for field 1), ``skip`` is what is left of the frame after that.
+  -- A stream: each message's model is held (once) before that message moves on, until the first model
+  -- that had to be woken: after a call the filter waited for, Envoy lets the held chunk go only when
+  -- this script ends, so it ends there. Frames may span chunks: ``head`` collects a frame's 5-byte
+  -- header and the start of its message (enough for field 1), ``skip`` is what is left of the frame.
   local models, tokens, head, skip = {{}}, nil, "", 0
   for chunk in handle:bodyChunks() do
     local length, at = chunk:length(), 0
@@ -235,24 +241,24 @@ function envoy_on_request(handle)
         local n = math.min(skip, length - at)
         at, skip = at + n, skip - n
       else
-        local want = #head < 5 and 5 - #head or 0
-        if want == 0 then
-          local size = ((head:byte(2) * 256 + head:byte(3)) * 256 + head:byte(4)) * 256 + head:byte(5)
-          want = math.min(size, NAME_BYTES) - (#head - 5)
-          if want <= 0 then
-            local model = string_field(head, 1)
-            if model ~= nil and models[model] == nil and string.match(model, "^[%w_%.%-]+$") then
-              models[model] = true
-              tokens = hold(handle, model, id, tokens)
-            end
-            skip, head = size - (#head - 5), ""
-            want = 0
-          end
+        local want = 5 - #head
+        if want <= 0 then
+          want = math.min(frame_size(head), NAME_BYTES) - (#head - 5)
         end
-        if want > 0 then
-          local n = math.min(want, length - at)
-          head = head .. chunk:getBytes(at, n)
-          at = at + n
+        local n = math.min(want, length - at)
+        head = head .. chunk:getBytes(at, n)
+        at = at + n
+        if #head >= 5 and #head - 5 >= math.min(frame_size(head), NAME_BYTES) then
+          local model = string_field(head, 1)
+          if model ~= nil and models[model] == nil and string.match(model, "^[%w_%.%-]+$") then
+            models[model] = true
+            local waited
+            tokens, waited = hold(handle, model, id, tokens)
+            if waited then
+              return
+            end
+          end
+          skip, head = frame_size(head) - (#head - 5), ""
         end
       end
     end
