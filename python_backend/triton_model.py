@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .batching import BatchPlan
-from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure
+from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure, prefix
 from .exits import OVERRUN_EXIT_CODE
 from .journal import RequestJournal
 from .runners import PredictWatchdog, build_model, call_with_limit, device_for
@@ -200,6 +200,8 @@ class TritonPythonModel:
         sequences in one batch are not collated: each has its own state)."""
         try:
             sequence = _sequence_of(request)
+            if not sequence.correlation_id:  # the direct strategy's filler for an idle batch slot: no sequence
+                return Failure(INVALID_INPUT, f"{prefix(INVALID_INPUT, self._spec.model_id)} a null request, not run")
             return self._run_batch([request], lambda inputs: self._predict(inputs, sequence))[0]
         except BaseException as e:
             return Failure(*describe_failure(e, self._spec.model_id, "predict", None))

@@ -968,10 +968,16 @@ import numpy as np
 
 
 class Model:
+    def __init__(self, calls=""):
+        self.calls = calls
+
     def load(self, model_dir, device):
         self.totals = {}
 
     def predict(self, inputs, sequence):
+        if self.calls:
+            with open(self.calls, "a") as f:
+                f.write(f"{sequence.correlation_id}\\n")
         x = inputs["x"]
         total = x if sequence.start else self.totals[sequence.correlation_id] + x
         if sequence.end:
@@ -984,16 +990,24 @@ class Model:
 
 @pytest.fixture(scope="module")
 def accumulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write_package(tmp_path_factory.mktemp("gw_accumulator") / "accumulator", ACCUMULATOR_PY)
+    return _write_package(
+        tmp_path_factory.mktemp("gw_accumulator") / "accumulator",
+        ACCUMULATOR_PY,
+        params_schema={"calls": {"type": "str", "default": ""}},
+    )
 
 
 @pytest.mark.parametrize("strategy", ["direct", "oldest"])
 def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
-    stack: Stack, accumulator: Path, strategy: str
+    stack: Stack, accumulator: Path, strategy: str, tmp_path: Path
 ):
     name = f"gw_accumulate_{strategy}"
     sequence = SequenceSpec(strategy=strategy, max_sequence_idle_secs=30)
-    spec = DeploymentSpec(id=name, path=accumulator, max_batch_size=8, idle_timeout_secs=60, sequence=sequence)
+    calls = tmp_path / "calls"
+    spec = DeploymentSpec(
+        id=name, path=accumulator, max_batch_size=8, idle_timeout_secs=60, sequence=sequence,
+        params={"calls": str(calls)},
+    )  # fmt: skip
     stack.store.publish(resolve(spec))
     config = stack.store.get(name).config_text
     assert f"{strategy} {{" in config and "sequence_batching" in config and "dynamic_batching" not in config
@@ -1031,6 +1045,8 @@ def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
             g.infer(name, [inp], headers=GRPC_KEY)
         assert "correlation ID" in info.value.message() and info.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert grpc_step(g, 3000, 5.0, True, True) == 5.0  # and it keeps serving
+    # predict saw the sequences' requests only: never the direct strategy's fillers of idle batch slots
+    assert set(calls.read_text().split()) == {"1000", "2000", "3000"}
 
 
 def test_sequence_settings_triton_would_refuse_are_refused_naming_the_field(tmp_path: Path):
