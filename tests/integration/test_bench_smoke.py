@@ -28,8 +28,10 @@ SECTION_KEYS = {
     "recovery": {"cycles", "load_average", "topologies"},
     "keepalive_live": {"period_s", "idle_timeout_s", "requests", "policies"},
     "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
+    "streaming": {"cold_ms", "tokens_per_s", "grpc_gateway_over_direct", "warm_first_token_ms", "open_stream"},
 }
-SLOW_SECTIONS = ("recovery", "keepalive_live")
+# Scenarios other tests assert: tests/reliability (recovery), test_keepalive_live, test_gateway (streams).
+SLOW_SECTIONS = ("recovery", "keepalive_live", "streaming")
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
 
 
@@ -101,3 +103,5 @@ def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
     assert "## Recovery after a model process dies, per topology" in text
     assert set(data["sections"]["keepalive_live"]["policies"]) == {"adaptive", "fixed"}
     assert "## Keep-alive in the real stack: a periodic caller, adaptive vs fixed" in text
+    assert data["sections"]["streaming"]["open_stream"]["tokens"] == 6
+    assert "## Streaming: generate_stream (SSE) and gRPC streams of a decoupled model" in text
