@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
 import pytest
@@ -55,8 +56,13 @@ def images() -> dict[str, str]:
     return built
 
 
+LOAD_TIMEOUT = 3
+TRIGGERS = "/run/snooze/triggers"  # in the Triton container: the shared tmpfs (the host writes it as root)
+
+
 def _models(folder: Path) -> Path:
     write_package(folder / "packages" / "scale")
+    write_package(folder / "packages" / "hang", load_timeout_secs=LOAD_TIMEOUT)
     (folder / "models.toml").write_text(textwrap.dedent(f"""
         [[models]]
         id = "scale"
@@ -69,6 +75,27 @@ def _models(folder: Path) -> Path:
         path = "packages/scale"
         max_batch_size = 4
         idle_timeout_secs = 3600
+
+        [[models]]
+        id = "crash"
+        path = "packages/scale"
+        params = {{ crash = "segv", crash_file = "{TRIGGERS}/segv" }}
+
+        [[models]]
+        id = "poison"
+        path = "packages/scale"
+        params = {{ crash = "poison", calls = "{TRIGGERS}/calls-poison" }}
+
+        [[models]]
+        id = "hang"
+        path = "packages/hang"
+        params = {{ load_sleep = 600.0 }}
+
+        [[models]]
+        id = "pre"
+        path = "packages/scale"
+        worker = "preforked"
+        params = {{ scale = 7.0 }}
     """))
     folder.chmod(0o755)
     for p in folder.rglob("*"):
@@ -115,6 +142,21 @@ class Stack:
         inp = grpcclient.InferInput("x", list(x.shape), "FP32")
         inp.set_data_from_numpy(x)
         return client.infer(model, [inp], headers={"x-api-key": API_KEY}, client_timeout=120).as_numpy("y")
+
+    def run_volume(self) -> Path:
+        """The shared /run/snooze tmpfs as the host sees it (mounted while a container uses it)."""
+        [found] = [v for v in self.compose.volumes() if v.endswith("_snooze-run")]
+        return Path(json.loads(docker("volume", "inspect", found))[0]["Mountpoint"])
+
+    def triggers(self) -> Path:
+        """TRIGGERS on the host: made (owned by uid 10001) on first use."""
+        folder = self.run_volume() / Path(TRIGGERS).name
+        folder.mkdir(exist_ok=True)
+        os.chown(folder, 10001, 10001)
+        return folder
+
+    def in_triton(self, *cmd: str) -> str:
+        return self.compose.exec("triton", *cmd)
 
     def triton_processes(self) -> list[psutil.Process]:
         """The processes of the Triton container's PID namespace, seen from the host."""
@@ -212,13 +254,96 @@ def test_status_shows_measured_memory(stack: Stack) -> None:
     assert "declared" not in line and re.search(r"\d+(\.\d+)? ?[MG]i?B", line), line
 
 
+def _error(call, *args) -> str:
+    try:
+        call(*args)
+    except Exception as e:  # tritonclient's InferenceServerException (HTTP and gRPC)
+        return str(e)
+    raise AssertionError(f"{call.__name__}{args[:1]}: succeeded")
+
+
+def test_a_crashed_model_process_is_recovered(stack: Stack) -> None:
+    x = np.array([[1.0, 2.0]], dtype=np.float32)
+    np.testing.assert_allclose(stack.infer_grpc("crash", x), x * 2.0)
+    [old] = [p.pid for p in stack.stubs("crash")]
+    trigger = stack.triggers() / "segv"
+    trigger.touch()
+    os.chown(trigger, 10001, 10001)
+    t0 = time.monotonic()
+    _error(stack.infer_grpc, "crash", x)  # this request's process segfaults: its client is told
+    assert not trigger.exists()
+
+    def served() -> bool:
+        try:
+            return bool(np.allclose(stack.infer_http("crash", x), x * 2.0))
+        except Exception:
+            return False
+
+    until(served, "crash served again", timeout=RECOVER_WITHIN, interval=0.5)
+    print(f"\ncrashed model process: serves again after {time.monotonic() - t0:.2f} s")
+    assert [p.pid for p in stack.stubs("crash")] not in ([], [old])
+    status = stack.models()["crash"]["status"]
+    assert status["state"] == "ready" and "SIGSEGV" in (status["last_crash"] or ""), status
+
+
+def test_a_poison_request_runs_once(stack: Stack) -> None:
+    calls = stack.triggers() / "calls-poison"
+    x = np.array([[1.0, 1.0]], dtype=np.float32)
+    np.testing.assert_allclose(stack.infer_http("poison", x), x * 2.0)
+    error = _error(stack.infer_http, "poison", np.array([[-1.0, 1.0]], dtype=np.float32))
+    time.sleep(1.0)  # a second run, had there been one, would have logged by now
+    rows = calls.read_text().split()
+    assert rows.count("-1") == 1, rows  # the journal on the shared tmpfs: not retried
+    for words in ("died while running this request", "not retried"):
+        assert words in error, error
+    np.testing.assert_allclose(stack.infer_grpc("poison", x * 3), x * 6.0)
+
+
+def test_a_hanging_load_is_killed(stack: Stack) -> None:
+    t0 = time.monotonic()
+    error = _error(stack.infer_grpc, "hang", np.ones((1, 2), np.float32))
+    took = time.monotonic() - t0
+    assert f"load exceeded load_timeout_secs={LOAD_TIMEOUT:g}" in error, error
+    until(lambda: stack.stubs("hang") == [], "the hanging load's stub killed in the Triton container", timeout=15)
+    print(f"\nhanging load: answered after {took:.2f} s, its stub killed")
+    status = stack.models()["hang"]["status"]
+    assert status["state"] == "failed" and f"load_timeout_secs={LOAD_TIMEOUT:g}" in status["reason"], status
+
+
+def test_a_preforked_model_runs_in_the_triton_container(stack: Stack) -> None:
+    x = np.array([[1.0, 2.0]], dtype=np.float32)
+    np.testing.assert_allclose(stack.infer_grpc("pre", x), x * 7.0)
+    np.testing.assert_allclose(stack.infer_http("pre", x), x * 7.0)
+    r = httpx.get(f"{stack.api_url}/v1/runtime", headers={"X-API-Key": ADMIN_KEY}, timeout=30)
+    assert r.status_code == 200, r.text
+    [parent] = r.json()["preloaded_parents"]
+    assert parent["workers"] >= 1 and parent["memory_bytes"], parent
+    # Its pid is in the shared namespace: a process of the Triton container, run by the stub's interpreter.
+    cmdline = stack.in_triton("cat", f"/proc/{parent['pid']}/cmdline").replace("\0", " ")
+    assert "python" in cmdline, cmdline
+    journal = stack.run_volume() / "journal"
+    workers = [json.loads(n.read_text()) for n in journal.glob("*.worker")]
+    mine = [w for w in workers if w.get("model") == "pre"]
+    assert mine, workers
+    status = stack.in_triton("cat", f"/proc/{mine[-1]['pid']}/status")
+    assert re.search(r"^Uid:\s+10001\b", status, re.MULTILINE), status
+
+
 def _kill_main(stack: Stack, service: str) -> None:
     """SIGKILL the service's main process (a crash, an OOM kill): its container exits, restart applies."""
-    pid = stack.compose.host_pid(service)
-    main = psutil.Process(pid)
-    # With init: true the container's PID 1 is docker-init; kill what it runs.
-    target = main.children()[0] if "init" in main.name() and main.children() else main
-    target.kill()
+    main = psutil.Process(stack.compose.host_pid(service))
+    # With init: true the container's PID 1 is docker-init; kill tritonserver (orphans of the shared
+    # namespace, such as a preforked parent, are docker-init's children too).
+    name = {"triton": "tritonserver", "controlplane": "snoozectl"}[service]
+    def runs(p: psutil.Process) -> bool:
+        try:
+            return name in " ".join(p.cmdline()[:2])
+        except psutil.Error:  # a zombie (the hanging load's killed stub, until Triton exits), gone
+            return False
+
+    found = [p for p in [main, *main.children(recursive=True)] if runs(p)]
+    assert found, f"{service}: no {name} under host pid {main.pid}"
+    found[0].kill()
 
 
 def _serves_again(stack: Stack, model: str, within: float) -> float:
@@ -232,7 +357,12 @@ def _serves_again(stack: Stack, model: str, within: float) -> float:
         except Exception:
             return False
 
-    until(answers, f"{model} answers through the gateway again", timeout=within, interval=1.0)
+    try:
+        until(answers, f"{model} answers through the gateway again", timeout=within, interval=1.0)
+    except AssertionError as e:
+        state = docker("ps", "-a", "--format", "{{.Names}} {{.Status}}")
+        logs = "\n".join(f"--- {s}\n{stack.compose._safe_logs(s)}" for s in ("triton", "controlplane"))
+        raise AssertionError(f"{e}\n{state}\n{logs}") from None
     return time.monotonic() - t0
 
 
