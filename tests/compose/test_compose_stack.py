@@ -206,7 +206,8 @@ def test_both_healthchecks_turn_healthy(stack: Stack) -> None:
     triton = stack.compose.inspect("triton")
     # The shipped wiring, as it runs: uid 10001 in both, the control plane in Triton's PID namespace.
     assert cp["Config"]["User"] == triton["Config"]["User"] == "10001:10001"
-    assert cp["HostConfig"]["PidMode"] == f"container:{triton['Id']}"
+    pidns = stack.compose.inspect("pidns")
+    assert cp["HostConfig"]["PidMode"] == triton["HostConfig"]["PidMode"] == f"container:{pidns['Id']}"
     assert stack.compose.inspect("repository-init")["State"]["ExitCode"] == 0
     # It sees Triton's processes and the stubs' request journal on the shared tmpfs.
     log = " ".join(stack.compose.logs("controlplane", tail=400).split())  # rich wraps lines
@@ -369,11 +370,17 @@ def _serves_again(stack: Stack, model: str, within: float) -> float:
 def test_killed_triton_container_comes_back(stack: Stack) -> None:
     stack.infer_http("resident", np.ones((1, 2), np.float32))
     before = stack.compose.inspect("triton")["RestartCount"]
+    cp_before = stack.compose.inspect("controlplane")["RestartCount"]
     t0 = time.monotonic()
     _kill_main(stack, "triton")
     took = _serves_again(stack, "resident", RECOVER_WITHIN)
     print(f"\nTriton killed: resident answers again after {time.monotonic() - t0:.1f} s (poll {took:.1f} s)")
     assert stack.compose.inspect("triton")["RestartCount"] > before
+    # The control plane lived on (the namespace is pidns's): it saw Triton go and come back, and
+    # measures the new Triton's processes.
+    assert stack.compose.inspect("controlplane")["RestartCount"] == cp_before
+    status = stack.models()["resident"]["status"]
+    assert status["state"] == "ready" and status.get("memory_source") == "measured", status
     stack.compose.wait_healthy(["triton", "controlplane"], RECOVER_WITHIN)
 
 
@@ -383,11 +390,13 @@ def test_killed_controlplane_container_comes_back_and_readopts(stack: Stack) -> 
     stubs_before = {p.pid for p in stack.stubs("resident")}
     assert stubs_before
     before = stack.compose.inspect("controlplane")["RestartCount"]
+    triton_before = stack.compose.inspect("triton")["RestartCount"]
     t0 = time.monotonic()
     _kill_main(stack, "controlplane")
     took = _serves_again(stack, "resident", RECOVER_WITHIN)
     print(f"\ncontrol plane killed: resident answers again after {time.monotonic() - t0:.1f} s (poll {took:.1f} s)")
     assert stack.compose.inspect("controlplane")["RestartCount"] > before
+    assert stack.compose.inspect("triton")["RestartCount"] == triton_before  # Triton lived on
     # Re-adopted: the same stub serves (no reload), and the restarted control plane knows it is ready.
     assert {p.pid for p in stack.stubs("resident")} == stubs_before
     assert stack.state("resident") == "ready"

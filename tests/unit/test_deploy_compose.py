@@ -156,16 +156,23 @@ def test_triton_runs_explicit_complete_config_restricted(services: dict) -> None
 
 
 def test_controlplane_runs_in_tritons_pid_namespace_as_the_same_non_root_user(services: dict) -> None:
-    triton, cp = services["triton"], services["controlplane"]
-    assert cp["pid"] == "service:triton"  # /proc of Triton's processes visible to the control plane
-    assert "pid" not in triton, "Triton owns the namespace the control plane joins"
+    triton, cp, pidns = services["triton"], services["controlplane"], services["pidns"]
+    # One PID namespace for both (/proc of Triton's processes visible to the control plane), owned by a
+    # third service that never exits: a Triton crash must not end the control plane with the namespace
+    # (Docker then restarted the control plane before Triton and it stayed down; tests/compose).
+    assert cp["pid"] == triton["pid"] == "service:pidns"
+    assert "pid" not in pidns and pidns["command"][0] == "sleep" and pidns["init"] is True
+    assert pidns["restart"] == "unless-stopped" and pidns["network_mode"] == "none"
+    for svc in (triton, cp):
+        assert svc["depends_on"]["pidns"]["condition"] == "service_started"
     # Same uid: reading /proc/<pid>/smaps and sending signals need no capability then.
     assert triton["user"] == cp["user"] == _dockerfile_user()
     uid, gid = (int(x) for x in triton["user"].split(":"))
     assert uid != 0 and gid != 0
     for svc in (triton, cp):
         assert not svc.get("privileged") and not svc.get("cap_add"), "same uid is enough: no ptrace capability"
-    assert triton["init"] is True, "a reaper as PID 1: tritonserver does not reap orphans of the shared namespace"
+    # docker-init forwards signals to tritonserver and reaps its orphans (a subreaper: it is not PID 1).
+    assert triton["init"] is True and triton["environment"]["TINI_SUBREAPER"] == "1"
     assert triton["environment"]["HOME"] == "/tmp"  # uid 10001 has no home in the Triton image
 
 
