@@ -46,8 +46,10 @@ if ! command -v dockerd >/dev/null 2>&1 || ! command -v debootstrap >/dev/null 2
     exit 11
   fi
   say "installing Debian's docker.io and debootstrap"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker.io debootstrap >&2 \
-    || { say "apt-get install docker.io debootstrap failed (try apt-get update first)"; exit 11; }
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q docker.io debootstrap >&2 \
+    || { apt-get update -q >&2 && apt-get install -y -q docker.io debootstrap >&2; } \
+    || { say "apt-get install docker.io debootstrap failed (after apt-get update)"; exit 11; }
   command -v dockerd >/dev/null 2>&1 || { say "docker.io installed but no dockerd on PATH"; exit 11; }
 fi
 
