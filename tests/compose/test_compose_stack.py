@@ -57,6 +57,8 @@ def images() -> dict[str, str]:
 
 
 LOAD_TIMEOUT = 3
+# Two ~190 MiB models (150 MiB ballast + the stub) and the small ones fit under the budget, a third does not.
+BALLAST_MB, BUDGET_MB = 150, 450
 TRIGGERS = "/run/snooze/triggers"  # in the Triton container: the shared tmpfs (the host writes it as root)
 
 
@@ -90,6 +92,21 @@ def _models(folder: Path) -> Path:
         id = "hang"
         path = "packages/hang"
         params = {{ load_sleep = 600.0 }}
+
+        [[models]]
+        id = "big-a"
+        path = "packages/scale"
+        params = {{ ballast_mb = {BALLAST_MB} }}
+
+        [[models]]
+        id = "big-b"
+        path = "packages/scale"
+        params = {{ ballast_mb = {BALLAST_MB} }}
+
+        [[models]]
+        id = "big-c"
+        path = "packages/scale"
+        params = {{ ballast_mb = {BALLAST_MB} }}
 
         [[models]]
         id = "pre"
@@ -186,6 +203,7 @@ def stack(images: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> I
         "SNOOZE_TRITON_ADMIN_KEY": secrets.token_hex(16),
         "SNOOZE_API_KEYS": json.dumps([API_KEY]), "SNOOZE_ADMIN_KEYS": json.dumps([ADMIN_KEY]),
         "SNOOZE_MODELS_DIR": str(models),
+        "SNOOZE_MEMORY_BUDGET_MB": str(BUDGET_MB),
     }
     compose = ComposeStack(env, PROJECT)
     compose.compose("down", "-v", "--remove-orphans", check=False)  # a previous run's leftovers
@@ -401,6 +419,24 @@ def test_killed_controlplane_container_comes_back_and_readopts(stack: Stack) -> 
     assert {p.pid for p in stack.stubs("resident")} == stubs_before
     assert stack.state("resident") == "ready"
     stack.compose.wait_healthy(["triton", "controlplane"], RECOVER_WITHIN)
+
+
+def test_the_memory_budget_evicts(stack: Stack) -> None:
+    x = np.ones((1, 2), np.float32)
+    for name in ("big-a", "big-b", "big-c"):
+        np.testing.assert_allclose(stack.infer_grpc(name, x), x * 2.0)
+    models = stack.models()
+    statuses = {m: models[m]["status"] for m in ("big-a", "big-b", "big-c")}
+    print("\nbudget: " + ", ".join(f"{m} {s['state']} {(s.get('memory_bytes') or 0) / 2**20:.0f} MiB"
+                                    for m, s in statuses.items()))
+    # The least recently used big model made room; the two latest are loaded, measured, within the budget.
+    assert statuses["big-a"]["state"] == "unloaded" and statuses["big-a"]["reason"] == "memory", statuses["big-a"]
+    for m in ("big-b", "big-c"):
+        assert statuses[m]["state"] == "ready" and statuses[m]["memory_source"] == "measured", statuses[m]
+        assert statuses[m]["memory_bytes"] >= BALLAST_MB * 2**20, statuses[m]
+    loaded = sum(m["status"].get("memory_bytes") or 0 for m in models.values() if m["status"]["state"] == "ready")
+    assert loaded <= BUDGET_MB * 2**20, loaded
+    assert stack.stubs("big-a") == []
 
 
 def test_publish_survives_restart_and_down_leaves_nothing(stack: Stack, tmp_path: Path) -> None:

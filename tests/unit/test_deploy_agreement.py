@@ -64,8 +64,8 @@ STACK = {
 # Where they differ by design: Triton's host as the control plane names it (compose: the service name on
 # the compose network; the pod: loopback, Triton binds 127.0.0.1 only), and Triton's bind-address flags.
 TRITON_HOST = {"compose": "triton", "pod": "127.0.0.1"}
-# Compose only: docker-init's subreaper switch (the pod's pause process reaps), the log level from .env.
-COMPOSE_ONLY_ENV = {"TINI_SUBREAPER", "SNOOZE_LOG_LEVEL"}
+# Compose only: docker-init's subreaper switch (the pod's pause process reaps), knobs from .env.
+COMPOSE_ONLY_ENV = {"TINI_SUBREAPER", "SNOOZE_LOG_LEVEL", "SNOOZE_MEMORY_BUDGET_MB"}
 POD_ONLY_TRITON_ARGS = {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"}
 
 

@@ -312,3 +312,15 @@ def test_dockerfile_non_root_healthcheck_entrypoint() -> None:
     for src in re.findall(r"^COPY\s+(\S+)\s+\./\S*$", text, re.MULTILINE):
         assert (ROOT / src).exists(), src
         assert src not in ignored
+
+
+def test_optional_settings_from_env_are_unset_when_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose passes `${SNOOZE_MEMORY_BUDGET_MB:-}`: "" when .env leaves it out, which must mean no limit."""
+    from controlplane.settings import Settings
+
+    env = yaml.safe_load(COMPOSE.read_text())["services"]["controlplane"]["environment"]
+    assert env["SNOOZE_MEMORY_BUDGET_MB"] == "${SNOOZE_MEMORY_BUDGET_MB:-}"
+    monkeypatch.setenv("SNOOZE_MEMORY_BUDGET_MB", "")
+    assert Settings().memory_budget_mb is None
+    monkeypatch.setenv("SNOOZE_MEMORY_BUDGET_MB", "450")
+    assert Settings().memory_budget_mb == 450
