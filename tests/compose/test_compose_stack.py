@@ -340,6 +340,8 @@ def test_a_preforked_model_runs_in_the_triton_container(stack: Stack) -> None:
     # Its pid is in the shared namespace: a process of the Triton container, run by the stub's interpreter.
     cmdline = stack.in_triton("cat", f"/proc/{parent['pid']}/cmdline").replace("\0", " ")
     assert "python" in cmdline, cmdline
+    print(f"\npreforked parent pid {parent['pid']} ({parent['python']}), "
+          f"{parent['memory_bytes'] / 2**20:.0f} MiB, {parent['workers']} worker(s)")
     journal = stack.run_volume() / "journal"
     workers = [json.loads(n.read_text()) for n in journal.glob("*.worker")]
     mine = [w for w in workers if w.get("model") == "pre"]
