@@ -34,6 +34,7 @@ opened before: a route is chosen per request. Open, it costs one runtime lookup 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import subprocess
@@ -107,6 +108,15 @@ class Upstream:
         if not parts.hostname or not parts.port:
             raise GatewayError(f"upstream address {address!r} needs a host and a port", hint="e.g. 127.0.0.1:8001")
         return cls(parts.hostname, parts.port)
+
+    @property
+    def is_ip(self) -> bool:
+        """An IP address (Envoy STATIC) rather than a name to resolve (STRICT_DNS): compose's ``triton``."""
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
 
 
 @dataclass(frozen=True)
