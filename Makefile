@@ -15,7 +15,7 @@ VENV310   ?= .venv310
 RUNTIME_TESTS := tests/unit/test_python_backend_batching.py tests/unit/test_python_backend_runtime_parts.py \
                  tests/unit/test_prefork.py
 
-.PHONY: serve test test-runtime-py310 install install-dev examples bench lint clean
+.PHONY: serve test test-runtime-py310 install install-dev examples bench lint clean engine images compose-test
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,21 @@ else
 		[importlib.import_module('python_backend.' + m.name) for m in pkgutil.iter_modules(p.__path__)]"
 	$(VENV310)/bin/python -m pytest -c /dev/null --rootdir . --noconftest -p no:cacheprovider -q $(RUNTIME_TESTS)
 endif
+
+# The shipped docker-compose.yml in a Docker engine (tests/compose, marker `compose`; not in `make test`).
+# engine: start one if none answers (as root: apt-get install docker.io, dockerd --bridge=none ...); its exit
+# code says why it cannot (deploy/docker/engine.sh). images: built offline, cached by content.
+engine:
+	deploy/docker/engine.sh
+
+images: engine
+	deploy/docker/build-images.sh
+
+compose-test: install-dev engine
+	@command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
+		|| DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-compose \
+		|| echo "compose-test: no compose binary and docker-compose could not be installed: the tests skip"
+	$(PY) -m pytest tests/compose -m compose -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: install-dev examples
 	$(PY) -m bench

@@ -7,8 +7,8 @@
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
 Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live, fleet,
-eviction, churn (default), native (opt-in: torch custom vs its ONNX export), keepalive_replay (--replay). Loopback
-only; each
+streaming, eviction, churn (default), native (opt-in: torch custom vs its ONNX export), keepalive_replay
+(--replay). Loopback only; each
 measurement is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no
 server, seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
 periodic caller through the real stack against an adaptive and a fixed copy of one model
@@ -46,7 +46,7 @@ from bench.common import machine  # noqa: E402
 
 DEFAULT_SECTIONS = (
     "gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "keepalive_live", "fleet",
-    "eviction", "churn",
+    "streaming", "eviction", "churn",
 )  # fmt: skip
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
@@ -72,6 +72,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "scale": {"n": 10, "validate_n": 3, "idle_secs": 0.5},
             "native": {"seconds": 0.5, "repeats": 1},
             "recovery": {"cycles": 1},
+            "streaming": {"cycles": 1, "tokens": 200},
             "keepalive": {},  # virtual time: the full replay takes seconds, quick or not
             "keepalive_live": {
                 "period_s": 4.0, "idle_timeout_s": 1.0, "requests": 7, "min_samples": 3, "min_unloaded_s": 1.0,
@@ -116,6 +117,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "scale": {"n": 200, "validate_n": 200, "idle_secs": 10.0},
         "native": {"seconds": 5.0, "repeats": 5},
         "recovery": {"cycles": 10},
+        "streaming": {"cycles": 9, "tokens": 2000},
         "keepalive": {},
         # the run: period 8 s, fixed timeout 2 s; the policy learns from 3 idle times (10 by default)
         "keepalive_live": {
@@ -186,6 +188,10 @@ async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, An
         from bench import eviction_replay
 
         return eviction_replay.run(root, **kw)
+    if name == "streaming":
+        from bench import streaming
+
+        return await streaming.run(root, **kw)
     if name in ("keepalive", "keepalive_replay"):
         from bench import keepalive_replay
 

@@ -301,9 +301,18 @@ def _summary_lines(sec: dict[str, Any]) -> list[str]:
             f"{a['loaded_pct']:.0f}% of the time, {a['prewarm_loads']} pre-warms ({a['prewarm_wasted']} wasted); "
             f"fixed {f['warm_pct']:.0f}% warm, loaded {f['loaded_pct']:.0f}%."
         )
-    if f := sec.get("fleet"):
-        out.append(_fleet_summary(f))
+    later = (("fleet", _fleet_summary), ("streaming", _streaming_summary))
+    out += [line(sec[name]) for name, line in later if sec.get(name)]
     return out
+
+
+def _streaming_summary(st: dict[str, Any]) -> str:
+    return (
+        f"- **Streaming** (a decoupled model, median of {st['cycles']} interleaved cycles): a warm stream's "
+        f"tokens/s through the gateway vs direct Triton: gRPC {st['grpc_gateway_over_direct']:.2f}x, SSE "
+        f"{st['sse_gateway_over_direct']:.2f}x; first token on a sleeping model "
+        f"{st['first_token_overhead_ms']:+.1f} ms over Triton's own load + first token."
+    )
 
 
 def _fleet_summary(f: dict[str, Any]) -> str:
@@ -840,6 +849,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
             "",
         ]
     lines += _recovery_lines(sec.get("recovery"))
+    lines += _streaming_lines(sec.get("streaming"))
     lines += _keepalive_sections(sec, plots, plot_rel)
     lines += _keepalive_live_lines(sec.get("keepalive_live"))
     lines += _fleet_lines(sec.get("fleet"), plots, plot_rel)
@@ -942,18 +952,72 @@ def _prewarm_lines(c: dict[str, Any]) -> list[str]:
     """The first request after a pre-warm (a load with no request waiting) against warm requests."""
     rows = [
         [m, _ms2(v["prewarmed_first_s"]["median"]), _ms2(v["prewarmed_first_s"]["p90"]), _ms2(v["warm_s"]["median"]),
-         v["prewarmed_first_vs_warm"]]
+         v["prewarmed_first_vs_warm"],
+         _ms2(v["warm_after_gap_s"]["median"]) if v.get("warm_after_gap_s") else "-"]
         for m, v in c["models"].items()
         if v.get("prewarmed_first_s")
     ]
     if not rows:  # a report.json from before this was measured
         return []
+    lead = next((v["prewarm_lead_s"] for v in c["models"].values() if v.get("prewarm_lead_s")), None)
+    gap = f"{lead:g} s" if lead else "a gap"
     return [
         "First request after a pre-warm: in each cycle the lifecycle loads the model with no request waiting (as "
-        "the adaptive keep-alive's pre-warm does; the load runs the config's `model_warmup` inference), then one "
-        "request and five warm ones go through the gateway on an open connection (medians over cycles).",
+        "the adaptive keep-alive's pre-warm does; the load runs the config's `model_warmup` inference); "
+        f"{gap} later (a pre-warm runs ahead of the request it expects) one request, five warm ones back to back, "
+        f"and, after another {gap} of idle, one more warm request (the control: after an idle gap every hop's "
+        "thread has to wake up, warm model or not). All through the gateway on one open connection, medians over "
+        "cycles.",
         "",
-        _table(["model", "first after pre-warm median", "p90", "warm median", "first / warm"], rows),
+        _table(["model", "first after pre-warm median", "p90", "warm median", "first / warm",
+                f"warm after {gap} idle"], rows),
+        "",
+    ]
+
+
+def _streaming_lines(st: dict[str, Any] | None) -> list[str]:
+    if not st:
+        return []
+    cold, tps, first, open_ = st["cold_ms"], st["tokens_per_s"], st["warm_first_token_ms"], st["open_stream"]
+    la = st.get("load_average", {})
+    return [
+        "## Streaming: generate_stream (SSE) and gRPC streams of a decoupled model",
+        "",
+        f"`bench/streaming.py`: {st['cycles']} cycles, interleaved (gateway, then direct, per cycle), medians; a "
+        f"decoupled numpy model yielding {st['tokens']} one-token responses as fast as it can; one Python client "
+        f"per stream, a new client per request. Load average at the start {la.get('start')}, at the end "
+        f"{la.get('end')}.",
+        "",
+        _table(
+            ["", "through the gateway", "direct to Triton", "gateway / direct"],
+            [
+                [
+                    "gRPC stream, tokens/s (first token to last)",
+                    tps["grpc_gateway"],
+                    tps["grpc_direct"],
+                    f"{st['grpc_gateway_over_direct']:.3f}",
+                ],
+                [
+                    "SSE generate_stream, tokens/s",
+                    tps["sse_gateway"],
+                    tps["sse_direct"],
+                    f"{st['sse_gateway_over_direct']:.3f}",
+                ],
+                ["gRPC stream, warm first token (ms)", first["grpc_gateway"], first["grpc_direct"], ""],
+                ["SSE generate_stream, warm first token (ms)", first["sse_gateway"], first["sse_direct"], ""],
+                [
+                    "sleeping model, first token on a gRPC stream (ms)",
+                    cold["gateway_first_token"],
+                    f"{cold['triton_load']} load + {cold['direct_first_token']} first token",
+                    f"{st['first_token_overhead_ms']:+.1f} ms",
+                ],
+            ],
+        ),
+        "",
+        f"Warm streams let on by the wake filter without waiting for the activator (the model's ready flag): "
+        f"{st.get('warm_holds', '-')}. A stream with a token every 0.5 s for {open_['seconds']} s on a model whose "
+        f"idle timeout is {open_['idle_timeout_secs']} s: {open_['tokens']} tokens, the model "
+        f"{open_['state_at_end']} at its end, unloaded {open_['unloaded_after_end_secs']} s after it.",
         "",
     ]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -113,6 +114,7 @@ def sse_stream(url: str, model: str, n: int, headers: dict[str, str] | None = No
 
 
 async def run(root: Path, *, cycles: int, tokens: int) -> dict[str, Any]:
+    load_start = [round(v, 2) for v in os.getloadavg()]
     pkg = tokens_package(root / "pkg" / MODEL)
     entries = [
         {"id": MODEL, "path": pkg, "max_batch_size": 0, "idle_timeout_secs": 3600},
@@ -136,6 +138,7 @@ async def run(root: Path, *, cycles: int, tokens: int) -> dict[str, Any]:
             await triton.unload(MODEL)
         await stack.lifecycle.ensure_ready(MODEL)
         warm: dict[str, list[float]] = {k: [] for k in ("grpc_gateway", "grpc_direct", "sse_gateway", "sse_direct")}
+        warm_first: dict[str, list[float]] = {k: [] for k in warm}
         for _ in range(cycles):
             for name, call in (
                 ("grpc_gateway", lambda: grpc_stream(gw["grpc"], MODEL, tokens, 0.0, key)),
@@ -146,6 +149,8 @@ async def run(root: Path, *, cycles: int, tokens: int) -> dict[str, Any]:
                 r = await asyncio.to_thread(call)
                 assert r["tokens"] == tokens, (name, r)
                 warm[name].append((tokens - 1) / (r["total"] - r["first"]))  # the stream's rate, set-up apart
+                warm_first[name].append(r["first"])  # the set-up: connection, the gateway's filters, first token
+        warm_holds = stack.activator.holds.warm_holds  # streams let on without waiting for the activator
         # Open across three idle timeouts (idle_timeout_secs = 1): tokens 0.5 s apart for 3 s.
         r = await asyncio.to_thread(grpc_stream, gw["grpc"], IDLE_MODEL, 6, 0.5, key)
         held_state = stack.lifecycle.status(IDLE_MODEL).state
@@ -157,9 +162,11 @@ async def run(root: Path, *, cycles: int, tokens: int) -> dict[str, Any]:
                 break
             await asyncio.sleep(0.1)
     med = {k: statistics.median(v) for k, v in {**cold, **warm}.items()}
+    first_med = {k: statistics.median(v) for k, v in warm_first.items()}
     return {
         "cycles": cycles,
         "tokens": tokens,
+        "load_average": {"start": load_start, "end": [round(v, 2) for v in os.getloadavg()]},
         "cold_ms": {k: round(med[k] * 1000, 2) for k in cold},
         "first_token_overhead_ms": round(
             (med["gateway_first_token"] - med["triton_load"] - med["direct_first_token"]) * 1000, 2
@@ -167,6 +174,9 @@ async def run(root: Path, *, cycles: int, tokens: int) -> dict[str, Any]:
         "tokens_per_s": {k: round(med[k]) for k in warm},
         "grpc_gateway_over_direct": round(med["grpc_gateway"] / med["grpc_direct"], 3),
         "sse_gateway_over_direct": round(med["sse_gateway"] / med["sse_direct"], 3),
+        # a warm stream's first token, new client and connection each time (medians, ms)
+        "warm_first_token_ms": {k: round(v * 1000, 2) for k, v in first_med.items()},
+        "warm_holds": warm_holds,
         "open_stream": {
             "tokens": r["tokens"],
             "seconds": round(r["total"], 2),

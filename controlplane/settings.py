@@ -11,7 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SNOOZE_", extra="ignore")
+    # An empty variable is an unset one: docker-compose.yml passes optional settings from .env as
+    # `${SNOOZE_X:-}`, which is "" when .env leaves them out.
+    model_config = SettingsConfigDict(env_prefix="SNOOZE_", extra="ignore", env_ignore_empty=True)
 
     # --- where things live
     work_dir: Path = Field(Path(".snooze"), description="Runtime folder: repository, logs, Envoy config")

@@ -157,6 +157,11 @@ class ServingStack:
         found = s.journal_dir or (
             Path(value) if (value := await asyncio.to_thread(processes.environment, JOURNAL_ENV)) else None
         )
+        if found is not None and not found.is_dir():
+            # A fresh shared volume (compose's tmpfs at /run/snooze, an emptyDir) has no journal folder yet:
+            # the stubs only write into it. Same uid as Triton's processes, so make it for both.
+            with contextlib.suppress(OSError):
+                found.mkdir(mode=0o700, parents=True, exist_ok=True)
         journal_dir = found if found is not None and found.is_dir() else None
         self.console.print(
             f"Triton's processes are visible (tritonserver pid {server.pid}): memory measured, crashed model "

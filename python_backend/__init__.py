@@ -27,6 +27,7 @@ RUNTIME_MODULES = (
     "prefork_worker.py",
     "preforked.py",
     "runners.py",
+    "sequences.py",
     "spec.py",
     "triton_model.py",
     "warmup.py",

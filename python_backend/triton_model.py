@@ -19,10 +19,11 @@ from typing import Any
 import numpy as np
 
 from .batching import BatchPlan
-from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure
+from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure, prefix
 from .exits import OVERRUN_EXIT_CODE
 from .journal import RequestJournal
 from .runners import PredictWatchdog, build_model, call_with_limit, device_for
+from .sequences import SEQUENCE_END, SEQUENCE_START, SequenceNote
 from .spec import RuntimeSpec, load_spec, spec_path
 from .warmup import warmup_samples
 
@@ -31,10 +32,6 @@ PACKAGE_DIR = "package"
 # a hanging unload() would block the model's unload forever; the stub process exits after finalize
 # and frees the model's memory anyway.
 UNLOAD_TIMEOUT_SECS = 30.0
-
-
-# TRITONSERVER_RequestFlag: the first and the last request of a sequence.
-SEQUENCE_START, SEQUENCE_END = 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +116,8 @@ class TritonPythonModel:
         self._journal = RequestJournal.from_environment()
         if self._journal is not None:
             self._journal.declare(unload=declares_unload(self._model))
+        # A stateful model notes until when one of its sequences may be live (the control plane keeps it in use).
+        self._sequences = SequenceNote.from_environment(spec.model_id, json.loads(args.get("model_config") or "{}"))
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
         self._plan = BatchPlan(spec)
         self._timeout = spec.request_timeout_secs
@@ -140,6 +139,8 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list | None:
         journal = self._journal
+        if self._sequences is not None:
+            self._sequences.record(requests)
         if journal is None:
             return self._execute(requests)
         journal.record(requests)
@@ -217,6 +218,8 @@ class TritonPythonModel:
         sequences in one batch are not collated: each has its own state)."""
         try:
             sequence = _sequence_of(request)
+            if not sequence.correlation_id:  # the direct strategy's filler for an idle batch slot: no sequence
+                return Failure(INVALID_INPUT, f"{prefix(INVALID_INPUT, self._spec.model_id)} a null request, not run")
             return self._run_batch([request], lambda inputs: self._predict(inputs, sequence))[0]
         except BaseException as e:
             return Failure(*describe_failure(e, self._spec.model_id, "predict", None))
@@ -281,6 +284,8 @@ class TritonPythonModel:
                 _log(self._spec.model_id, describe_failure(e, self._spec.model_id, "unload", None)[1])
         if self._journal is not None:
             self._journal.close()
+        if self._sequences is not None:
+            self._sequences.close()
 
     def _predict_watched(self, inputs: Any, *sequence: Any) -> Any:
         self._watch.started = time.monotonic()

@@ -11,6 +11,8 @@ same nodes give the same answers: the ring depends on the node names only.
 
 from __future__ import annotations
 
+import base64
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,10 @@ end
 
 # gRPC: the model name is a field of the request message (field 1; field 2 of the repository calls).
 # A small protobuf walk over the first bytes of the body (5 bytes of gRPC framing, then the message).
+# A ModelStreamInfer stream's body never ends, so its first message's model_name comes from Envoy's
+# grpc_field_extraction filter before it (which holds the headers until that message is in).
+EXTRACTION_METADATA = "envoy.filters.http.grpc_field_extraction"
+STREAM_METHOD = "inference.GRPCInferenceService.ModelStreamInfer"
 GRPC_LUA = f"""
 local NAME_FIELD = {{
   ["/inference.GRPCInferenceService/ModelInfer"] = 1,
@@ -60,7 +66,17 @@ local NAME_FIELD = {{
 {LUA_PROTOBUF_STRING_FIELD}
 function envoy_on_request(handle)
   handle:headers():remove("{MODEL_HEADER}")
-  local wanted = NAME_FIELD[handle:headers():get(":path")]
+  local path = handle:headers():get(":path")
+  if path == "/inference.GRPCInferenceService/ModelStreamInfer" then
+    local extracted = handle:streamInfo():dynamicMetadata():get("{EXTRACTION_METADATA}")
+    local names = extracted and extracted["model_name"]
+    local model = names and names[1]
+    if model then
+      handle:headers():replace("{MODEL_HEADER}", model)
+    end
+    return
+  end
+  local wanted = NAME_FIELD[path]
   if wanted == nil then
     return
   end
@@ -94,6 +110,28 @@ class NodeAddress:
     @property
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
+
+
+@functools.cache
+def grpc_descriptor_set() -> str:
+    """Triton's gRPC service and its imports as a FileDescriptorSet (base64: the bootstrap's inline bytes), from
+    the tritonclient stubs, for grpc_field_extraction."""
+    from google.protobuf import descriptor_pb2
+    from tritonclient.grpc import service_pb2
+
+    out = descriptor_pb2.FileDescriptorSet()
+    seen: set[str] = set()
+
+    def add(file: object) -> None:
+        if file.name in seen:  # type: ignore[attr-defined]
+            return
+        for dependency in file.dependencies:  # type: ignore[attr-defined]
+            add(dependency)
+        seen.add(file.name)  # type: ignore[attr-defined]
+        file.CopyToProto(out.file.add())  # type: ignore[attr-defined]
+
+    add(service_pb2.DESCRIPTOR)
+    return base64.b64encode(out.SerializeToString()).decode()
 
 
 def render_fleet_bootstrap(
@@ -135,6 +173,8 @@ def render_fleet_bootstrap(
         model_header=MODEL_HEADER,
         http_lua=HTTP_LUA,
         grpc_lua=GRPC_LUA,
+        grpc_descriptor_set=grpc_descriptor_set(),
+        stream_method=STREAM_METHOD,
         unauthorized_message=UNAUTHORIZED_MESSAGE,
         max_upstream=MAX_UPSTREAM,
     )

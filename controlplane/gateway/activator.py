@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import shutil
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -41,9 +44,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2
 from controlplane.auth import Scope, check_scope
 from controlplane.errors import NotFoundError, SnoozeError, TritonModelLoadError, UnavailableError
 from controlplane.gateway import triton_words as words
-from controlplane.gateway.envoy import held_log_path
+from controlplane.gateway.envoy import held_log_path, ready_dir_path
 from controlplane.gateway.triton_words import UnknownModelError
-from controlplane.gateway.wake_lua import HOLD_HEADER, HOLD_PATH
+from controlplane.gateway.wake_lua import HOLD_HEADER, HOLD_PATH, HOLD_WARM_HEADER
 from controlplane.render import VERSION, parse_config
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
@@ -51,6 +54,7 @@ from controlplane.store import ModelStore, PublishedModel
 from controlplane.triton.dead_stub import is_dead_stub_http_body, is_dead_stub_message
 from controlplane.triton.journal import REQUEST_ID_HEADER
 
+log = logging.getLogger("snoozeml.activator")
 SERVICE = "inference.GRPCInferenceService"
 # HTTP inference calls retried here (a body within the wake buffer): infer and generate, forwarded alike.
 OPS = ("infer", "generate")
@@ -92,6 +96,8 @@ class Waker(Protocol):
     async def load(self, model_id: str, *, instances: int | None = None) -> Any: ...
     async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
     def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
+    def add_state_listener(self, listener: Callable[[str, Any], None]) -> None: ...  # now, then on every change
+    def remove_state_listener(self, listener: Callable[[str, Any], None]) -> None: ...
 
 
 class ModelAnswers:
@@ -226,6 +232,44 @@ def _no_overrides(parameters: Iterable[str], name: str) -> None:
         )
 
 
+class ReadyFlags:
+    """One empty file per READY model in ``folder``: what the wake filter reads to let a warm stream on
+    without waiting for Python (``wake_lua``).
+
+    ``update`` is a lifecycle state listener: it runs synchronously inside the transition, so a flag goes
+    away the moment the model leaves READY (an idle unload, an eviction, a recovery, Triton gone), before
+    the transition awaits anything. Flags left by an earlier run are removed at ``open``.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._open = False
+
+    def open(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._open = True
+
+    def close(self) -> None:
+        self._open = False
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def ready(self, model: str) -> bool:
+        return (self.folder / model).is_file()
+
+    def update(self, model: str, state: Any) -> None:
+        if not self._open or not model or model.startswith(".") or "/" in model:
+            return
+        path = self.folder / model
+        try:
+            if str(getattr(state, "value", state)) == "ready":
+                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as e:  # without its flag the model is only slower to stream (the cold path's call)
+            log.warning("model '%s': ready flag %s not updated: %s", model, path, e)
+
+
 class HoldRegistry:
     """Models held in use for the requests the wake filter let through (streams, large bodies).
 
@@ -246,13 +290,15 @@ class HoldRegistry:
         self._holds: dict[str, tuple[str, contextlib.AsyncExitStack]] = {}
         self._ended: dict[str, float] = {}
         self._offset: int | None = None
+        self.warm_holds = 0  # holds the wake filter sent without waiting (the model's ready flag was there)
 
     def open(self, model: str | None = None) -> int:
         """Requests held now (for ``model``, or all)."""
         return sum(1 for m, _ in self._holds.values() if model is None or m == model)
 
-    async def hold(self, model: str, token: str) -> None:
+    async def hold(self, model: str, token: str, *, warm: bool = False) -> None:
         self.answers.published(model)
+        self.warm_holds += warm
         stack = contextlib.AsyncExitStack()
         await stack.enter_async_context(self.answers.serving(model))
         if not token or self._ended.pop(token, None) is not None or token in self._holds:
@@ -288,9 +334,10 @@ class HoldRegistry:
     async def tail(self) -> None:
         """Release holds as Envoy logs their requests' ends (runs until cancelled)."""
         while True:
-            for request_id in self._new_lines():
-                if request_id and request_id != "-":
-                    await self.release(request_id)
+            for line in self._new_lines():
+                for token in line.split(","):  # a stream that held several models: each one's token
+                    if token and token != "-":
+                        await self.release(token)
             now = time.monotonic()
             for request_id, at in list(self._ended.items()):
                 if now - at > self.ENDED_MEMORY_SECS:
@@ -409,7 +456,8 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder, holds: Hold
         return JSONResponse({})
 
     async def hold(request: Request) -> Response:
-        await holds.hold(request.path_params["model"], request.headers.get(HOLD_HEADER, ""))
+        warm = request.headers.get(HOLD_WARM_HEADER) == "1"
+        await holds.hold(request.path_params["model"], request.headers.get(HOLD_HEADER, ""), warm=warm)
         return JSONResponse({})
 
     model = "/v2/models/{model}"
@@ -603,6 +651,7 @@ class Activator:
         self._uvicorn: EmbeddedUvicorn | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
         self.holds = HoldRegistry(self.answers, held_log_path(settings))
+        self.ready_flags = ReadyFlags(ready_dir_path(settings))
         self._tail_task: asyncio.Task[None] | None = None
 
     @property
@@ -614,6 +663,8 @@ class Activator:
         return f"{self.host}:{self.grpc_port}"
 
     async def start(self) -> None:
+        self.ready_flags.open()
+        self.answers.waker.add_state_listener(self.ready_flags.update)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client), self.holds)
         self._tail_task = asyncio.create_task(self.holds.tail())
@@ -636,6 +687,8 @@ class Activator:
         await self._grpc_server.start()
 
     async def stop(self, grace: float = 5.0) -> None:
+        self.answers.waker.remove_state_listener(self.ready_flags.update)
+        self.ready_flags.close()
         if self._tail_task is not None:
             self._tail_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -34,6 +34,7 @@ opened before: a route is chosen per request. Open, it costs one runtime lookup 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import subprocess
@@ -108,6 +109,15 @@ class Upstream:
             raise GatewayError(f"upstream address {address!r} needs a host and a port", hint="e.g. 127.0.0.1:8001")
         return cls(parts.hostname, parts.port)
 
+    @property
+    def is_ip(self) -> bool:
+        """An IP address (Envoy STATIC) rather than a name to resolve (STRICT_DNS): compose's ``triton``."""
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
+
 
 @dataclass(frozen=True)
 class ApiKey:
@@ -133,6 +143,11 @@ def find_envoy() -> Path:
 def held_log_path(settings: Settings) -> Path:
     """Envoy's access log of held requests' ends (the wake filter's), read by the activator."""
     return settings.work_dir / "gateway-held.log"
+
+
+def ready_dir_path(settings: Settings) -> Path:
+    """The folder of ready flags (one empty file per READY model) the wake filter reads (``ReadyFlags``)."""
+    return settings.work_dir / "gateway-ready"
 
 
 def gateway_keys(settings: Settings) -> list[ApiKey]:
@@ -177,9 +192,11 @@ def render_bootstrap(
     wake_buffer_bytes: int,
     api_keys: Sequence[ApiKey] = (),
     held_log: Path | str = os.devnull,
+    ready_dir: Path | str | None = None,
 ) -> str:
     """The Envoy bootstrap YAML. No ``api_keys`` = no auth filter (auth off). ``held_log``: the access log
-    of held requests' ends, which the activator tails (``held_log_path``)."""
+    of held requests' ends, which the activator tails (``held_log_path``). ``ready_dir``: the ready flags
+    (``ready_dir_path``); None: every stream waits for the activator's answer before it moves on."""
     if wake_buffer_bytes <= 0:
         raise GatewayError(f"wake_buffer_bytes must be positive, got {wake_buffer_bytes}")
     return render_template(
@@ -205,8 +222,8 @@ def render_bootstrap(
         max_upstream=MAX_UPSTREAM,
         gate_runtime_key=GATE_RUNTIME_KEY,
         gate_closed_message=GATE_CLOSED_MESSAGE,
-        http_wake_lua=http_wake_lua(wake_buffer_bytes),
-        grpc_wake_lua=grpc_wake_lua(wake_buffer_bytes),
+        http_wake_lua=http_wake_lua(wake_buffer_bytes, None if ready_dir is None else str(ready_dir)),
+        grpc_wake_lua=grpc_wake_lua(wake_buffer_bytes, None if ready_dir is None else str(ready_dir)),
         hold_namespace=METADATA_NAMESPACE,
         hold_key=METADATA_KEY,
         held_log=str(held_log),
@@ -442,6 +459,7 @@ class EnvoyGateway(EnvoyProcess):
             activator_grpc=Upstream.parse(activator_grpc),
             wake_buffer_bytes=settings.wake_buffer_bytes,
             held_log=held_log_path(settings),
+            ready_dir=ready_dir_path(settings),
             api_keys=gateway_keys(settings),
         )
         connect_host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host

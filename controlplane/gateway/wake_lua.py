@@ -9,13 +9,24 @@ body larger than ``wake_buffer_bytes``. For those the filter decides before the 
   and HTTP ``/infer`` / ``/generate`` whose ``content-length`` is over ``wake_buffer_bytes`` (or absent:
   chunked). Smaller unary requests pass untouched (the retry path serves them; warm ones never touch
   Python);
-- the model: HTTP from the path, gRPC from field 1 of the first message (the same protobuf walk the fleet
-  gateway uses);
-- how: it waits for the first body chunk (so the request headers have already gone on, and Envoy
+- the model: HTTP from the path, gRPC from field 1 of the message (the same protobuf walk the fleet
+  gateway uses); on a ``ModelStreamInfer`` stream, of every message until the first model that has to be
+  woken: each READY model the stream names is held (once) as its first message goes on, and the first
+  sleeping one is woken before its message moves on. Later messages are not looked at after that wake
+  (Envoy's Lua lets a chunk held across a call it waited for go only when the script ends), so a model
+  first named after a wake on the same stream is not woken: Triton answers it on the stream;
+- how, cold: it waits for the first body chunk (so the request headers have already gone on, and Envoy
   applies flow control instead of a 413 while it holds the body), calls the activator's
   ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <token>``), which wakes the model (single flight)
   and returns once it is READY, then lets the held chunk and the rest of the body through to Triton.
   Nothing is buffered for a retry and nothing is sent twice;
+- how, warm: the control plane keeps one empty file per READY model in ``ready_dir`` (``ReadyFlags``:
+  created when the lifecycle says READY, removed the moment it says anything else, before the transition
+  awaits anything). When the model's file is there, the filter sends the same hold call asynchronously
+  (Envoy does not wait for its answer) and lets the request on at once: a warm stream's first message
+  never waits for Python. The call still reaches the activator (within a millisecond here), so the model
+  counts as in use while the stream is open; an idle unload or eviction that started in between re-checks
+  the model's users after two round trips to Triton and keeps it (``LifecycleManager._unload_op``);
 - the hold: the activator keeps the model in use (no idle unload, no eviction, no scale-down) from that
   call until the request ends. Its end, normal or a reset (also one during the wake), is one line of an
   Envoy access log filtered on the dynamic metadata the filter sets before the call (``snoozeml.hold``:
@@ -30,6 +41,7 @@ from __future__ import annotations
 
 HOLD_PATH = "/_snooze/hold/"
 HOLD_HEADER = "x-snooze-hold"
+HOLD_WARM_HEADER = "x-snooze-hold-warm"  # the filter found the model's ready flag and did not wait
 METADATA_NAMESPACE = "snoozeml"
 METADATA_KEY = "hold"
 GRPC_SERVICE = "/inference.GRPCInferenceService/"
@@ -92,24 +104,61 @@ _HOLD = f"""
 local SALT = string.gsub(tostring({{}}), "^table: ", "")
 local held = 0
 
-local function hold(handle, model, id)
+-- READY models have a file in READY_DIR (the control plane's ReadyFlags): one open() on a small local
+-- file, no Python. Names starting with a dot are never flags (no "..").
+local function warm(model)
+  if READY_DIR == nil or string.sub(model, 1, 1) == "." then
+    return false
+  end
+  local f = io.open(READY_DIR .. model, "rb")
+  if f == nil then
+    return false
+  end
+  f:close()
+  return true
+end
+
+-- A request may hold several models (a gRPC stream whose messages name several): the metadata value
+-- is their tokens joined by commas (the activator splits the logged line).
+local function hold(handle, model, id, earlier)
   held = held + 1
-  local token = id .. "-" .. SALT .. "-" .. held
-  handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "{METADATA_KEY}", token)
-  handle:httpCall("activator_http", {{
+  local token = string.gsub(id, "[^%w%-]", "") .. "-" .. SALT .. "-" .. held
+  local tokens = earlier == nil and token or (earlier .. "," .. token)
+  handle:streamInfo():dynamicMetadata():set("{METADATA_NAMESPACE}", "{METADATA_KEY}", tokens)
+  local headers = {{
     [":method"] = "POST",
     [":path"] = "{HOLD_PATH}" .. model,
     [":authority"] = "activator",
     ["{HOLD_HEADER}"] = token,
-  }}, nil, 0)
+  }}
+  if warm(model) then
+    headers["{HOLD_WARM_HEADER}"] = "1"
+    handle:httpCall("activator_http", headers, nil, {{["asynchronous"] = true}})
+    return tokens, false
+  end
+  handle:httpCall("activator_http", headers, nil, 0)
+  return tokens, true
 end
 """
 
 
-def http_wake_lua(wake_buffer_bytes: int) -> str:
-    """The HTTP listener's wake filter (``model`` from the path)."""
+def _ready_dir(ready_dir: str | None) -> str:
+    """``READY_DIR`` for the Lua: a long-bracket string of the folder with a trailing slash, or nil."""
+    if ready_dir is None:
+        return "local READY_DIR = nil\n"
+    text = ready_dir.rstrip("/") + "/"
+    level = 1
+    while f"]{'=' * level}]" in text:
+        level += 1
+    return f"local READY_DIR = [{'=' * level}[{text}]{'=' * level}]\n"
+
+
+def http_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
+    """The HTTP listener's wake filter (``model`` from the path); ``ready_dir``: ``ReadyFlags``' folder
+    (None: no warm path, every hold waits for the activator)."""
     return (
-        _HOLD
+        _ready_dir(ready_dir)
+        + _HOLD
         + f"""
 local WAKE_BUFFER = {int(wake_buffer_bytes)}
 
@@ -140,14 +189,21 @@ end
     )
 
 
-def grpc_wake_lua(wake_buffer_bytes: int) -> str:
-    """The gRPC listener's wake filter (``model`` from field 1 of the first message)."""
+def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
+    """The gRPC listener's wake filter: a large ``ModelInfer``'s model from field 1 of its message; a stream's
+    from field 1 of each message, until the first model it has to wake."""
     return (
-        LUA_PROTOBUF_STRING_FIELD
+        _ready_dir(ready_dir)
+        + LUA_PROTOBUF_STRING_FIELD
         + _HOLD
         + f"""
 local WAKE_BUFFER = {int(wake_buffer_bytes)}
 local STREAM = "{GRPC_SERVICE}ModelStreamInfer"
+local NAME_BYTES = 512  -- of a message read for its model name (field 1, first on the wire)
+
+local function frame_size(s)
+  return ((s:byte(2) * 256 + s:byte(3)) * 256 + s:byte(4)) * 256 + s:byte(5)
+end
 local UNARY = "{GRPC_SERVICE}ModelInfer"
 
 function envoy_on_request(handle)
@@ -156,22 +212,56 @@ function envoy_on_request(handle)
     return
   end
   local id = handle:headers():get("x-request-id") or ""
-  for chunk in handle:bodyChunks() do
-    local bytes = chunk:getBytes(0, math.min(chunk:length(), 4096))
-    if #bytes < 5 then
-      return
-    end
-    if path == UNARY then
-      local size = ((bytes:byte(2) * 256 + bytes:byte(3)) * 256 + bytes:byte(4)) * 256 + bytes:byte(5)
-      if size <= WAKE_BUFFER then
+  if path == UNARY then
+    for chunk in handle:bodyChunks() do
+      local bytes = chunk:getBytes(0, math.min(chunk:length(), 4096))
+      if #bytes < 5 then
         return
       end
-    end
-    local model = string_field(bytes, 1)
-    if model ~= nil and string.match(model, "^[%w_%.%-]+$") then
-      hold(handle, model, id)
+      if frame_size(bytes) <= WAKE_BUFFER then
+        return
+      end
+      local model = string_field(bytes, 1)
+      if model ~= nil and string.match(model, "^[%w_%.%-]+$") then
+        hold(handle, model, id)
+      end
+      return
     end
     return
+  end
+  -- A stream: each message's model is held (once) before that message moves on, until the first model
+  -- that had to be woken: after a call the filter waited for, Envoy lets the held chunk go only when
+  -- this script ends, so it ends there. Frames may span chunks: ``head`` collects a frame's 5-byte
+  -- header and the start of its message (enough for field 1), ``skip`` is what is left of the frame.
+  local models, tokens, head, skip = {{}}, nil, "", 0
+  for chunk in handle:bodyChunks() do
+    local length, at = chunk:length(), 0
+    while at < length do
+      if skip > 0 then
+        local n = math.min(skip, length - at)
+        at, skip = at + n, skip - n
+      else
+        local want = 5 - #head
+        if want <= 0 then
+          want = math.min(frame_size(head), NAME_BYTES) - (#head - 5)
+        end
+        local n = math.min(want, length - at)
+        head = head .. chunk:getBytes(at, n)
+        at = at + n
+        if #head >= 5 and #head - 5 >= math.min(frame_size(head), NAME_BYTES) then
+          local model = string_field(head, 1)
+          if model ~= nil and models[model] == nil and string.match(model, "^[%w_%.%-]+$") then
+            models[model] = true
+            local waited
+            tokens, waited = hold(handle, model, id, tokens)
+            if waited then
+              return
+            end
+          end
+          skip, head = frame_size(head) - (#head - 5), ""
+        end
+      end
+    end
   end
 end
 """

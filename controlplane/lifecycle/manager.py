@@ -34,6 +34,7 @@ from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
+from controlplane.lifecycle.sequences import LiveSequences
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
 from controlplane.lifecycle.triton_sync import TritonSync
 from controlplane.lifecycle.unloading import Unloader
@@ -84,6 +85,7 @@ class LifecycleManager:
         self.metrics = metrics or SnoozeMetrics()
         self.states = ModelStates(store, self.metrics)
         self.warmth = Warmth(settings, self.metrics)
+        self.sequences = LiveSequences(journal_dir)  # live sequences hold their model as a user
         self.sync = TritonSync(
             settings, store, self.states, triton, processes, self.metrics, triton_process=triton_process
         )
@@ -149,6 +151,7 @@ class LifecycleManager:
                 await task
         self._tasks = []
         await self.states.wait_all()
+        self.sequences.release_all()
         self.gpu.close()
 
     async def pause(self) -> None:
@@ -205,6 +208,7 @@ class LifecycleManager:
         await asyncio.gather(*(self.sync.refresh_access(r) for r in ready))
         pending = await self.sync.pending_counts()
         now = time.time()
+        self.sequences.refresh(self.states.values(), now)
         for rec in ready:
             if rec.op is not None or rec.state is not ModelState.READY:
                 continue
@@ -269,6 +273,8 @@ class LifecycleManager:
             idle_timeout_secs=dep.idle_timeout_secs,
             now=time.monotonic(),
         )
+        if target < rec.instances and rec.users > 0:
+            return  # open work (a stream, a live sequence, a forward) may be on the instance that would go
         if target != rec.instances:
             direction = "up" if target > rec.instances else "down"
             log.info("model '%s': scaling %s to %d instances (%g pending)", rec.id, direction, target, queued)
@@ -403,6 +409,17 @@ class LifecycleManager:
             rec.users -= 1
             self.metrics.wake_wait_seconds.labels(model=model_id).observe(time.monotonic() - started)
         rec.touched = time.time()
+
+    def add_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
+        """Call ``listener(model_id, state)`` now for every model, then on every state change (``None``: the
+        model's record was dropped), synchronously, before the transition awaits anything."""
+        self.states.listeners.append(listener)
+        for rec in self.states.values():
+            listener(rec.id, rec.state)
+
+    def remove_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
+        with contextlib.suppress(ValueError):
+            self.states.listeners.remove(listener)
 
     @contextlib.asynccontextmanager
     async def serving(self, model_id: str, *, timeout: float | None = None) -> AsyncIterator[None]:

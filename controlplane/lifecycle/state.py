@@ -154,6 +154,8 @@ class ModelStates:
         self.records: dict[str, ModelRecord] = {}
         self.resumed: asyncio.Future[None] | None = None  # set while paused (a checkpoint is being taken)
         self.on_drop: list[Callable[[str], None]] = []  # what else forgets a deleted model (its eviction history)
+        # Told every state change, synchronously, before anything awaits: the gateway's ready flags.
+        self.listeners: list[Callable[[str, ModelState | None], None]] = []
 
     def get(self, model_id: str) -> ModelRecord | None:
         return self.records.get(model_id)
@@ -177,6 +179,7 @@ class ModelStates:
         if rec is not None:
             rec.dropped = True  # whoever still holds it (a waiting wake-up) cannot load it again
         self.metrics.forget(model_id)
+        self._tell(model_id, None)
 
     def values(self) -> list[ModelRecord]:
         return list(self.records.values())
@@ -185,6 +188,14 @@ class ModelStates:
         rec.state, rec.reason = state, reason
         rec.generation += 1
         self.metrics.set_state(rec.id, state.value)
+        self._tell(rec.id, state)
+
+    def _tell(self, model_id: str, state: ModelState | None) -> None:
+        for listener in self.listeners:
+            try:
+                listener(model_id, state)
+            except Exception:  # a listener's failure must not stop a transition
+                log.exception("model '%s': a state listener failed", model_id)
 
     def spawn(
         self, rec: ModelRecord, state: ModelState, reason: str | None, coro: Coroutine[Any, Any, Any]

@@ -40,6 +40,8 @@ _TRAILER = struct.Struct("<QII")
 # Files of preforked models beside the journals (python_backend/preforked.py, prefork_parent.py).
 WORKER_SUFFIX = ".worker"
 PARENT_PREFIX, PARENT_SUFFIX = "prefork-", ".parent"
+# A stateful model process's live sequences (python_backend/sequences.py): JSON {"model", "live", "until"}.
+SEQUENCES_SUFFIX = ".sequences"
 
 
 def journal_path(journal_dir: Path, pid: int, start_ticks: int) -> Path:
@@ -89,10 +91,20 @@ def remove_journal(journal_dir: Path, stub: StubProcess) -> None:
     (journal_dir / f"{stub.pid}-{stub.start_ticks}{WORKER_SUFFIX}").unlink(missing_ok=True)
 
 
+def sequences_until(journal_dir: Path, stub: StubProcess) -> float:
+    """Until when (epoch seconds) one of the stub's sequences may be live; 0.0 when none is, or it wrote
+    no note (not a stateful model, no journal folder)."""
+    try:
+        raw = json.loads((journal_dir / f"{stub.pid}-{stub.start_ticks}{SEQUENCES_SUFFIX}").read_text("utf-8"))
+        return float(raw["until"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0.0
+
+
 def _owner(path: Path) -> tuple[int, int] | None:
     """(pid, start ticks) of the process a file of the journal folder is about; None: not ours."""
     name = path.name
-    for suffix in (SUFFIX, WORKER_SUFFIX):
+    for suffix in (SUFFIX, WORKER_SUFFIX, SEQUENCES_SUFFIX):
         if name.endswith(suffix):
             pid, _, ticks = name[: -len(suffix)].partition("-")
             with contextlib.suppress(ValueError):

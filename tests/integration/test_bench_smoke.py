@@ -1,9 +1,9 @@
 """`python -m bench --quick`: every section runs against the real embedded stack and the report, its
 plots and its JSON come out. Numbers are not asserted (this machine is shared and quick mode is short).
 
-The default tier runs the sections whose behaviour no other test drives; recovery, keepalive_live and churn
-(about 1.5 minutes together in quick mode) repeat scenarios that tests/reliability, test_keepalive_live and
-tests/model/test_fast_unload.py assert, so their bench code runs in the `slow` tier
+The default tier runs the sections whose behaviour no other test drives; recovery, keepalive_live, streaming and
+churn repeat scenarios that tests/reliability, test_keepalive_live, test_gateway and tests/model/test_fast_unload.py
+assert, so their bench code runs in the `slow` tier
 (`pytest -m slow tests/integration/test_bench_smoke.py`) and in `make bench`."""
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ SECTION_KEYS = {
     "keepalive_live": {"period_s", "idle_timeout_s", "requests", "policies"},
     "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
     "churn": {"settings", "policies"},
+    "streaming": {"cold_ms", "tokens_per_s", "grpc_gateway_over_direct", "warm_first_token_ms", "open_stream"},
 }
-SLOW_SECTIONS = ("recovery", "keepalive_live", "churn")
+# Scenarios other tests assert: tests/reliability (recovery), test_keepalive_live, test_gateway (streams),
+# tests/model/test_fast_unload.py and test_memory_budget (churn).
+SLOW_SECTIONS = ("recovery", "keepalive_live", "streaming", "churn")
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
 
 
@@ -109,3 +112,5 @@ def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
         assert p["requests"] > 0 and p["wrong_answers"] == 0, p  # every answer's value is checked
         assert p["unloads"] == 0 or p["unloads_ended"] > 0, p  # evictions end the model's processes
     assert "## Churn: many models in little memory, the eviction policies side by side" in text
+    assert data["sections"]["streaming"]["open_stream"]["tokens"] == 6
+    assert "## Streaming: generate_stream (SSE) and gRPC streams of a decoupled model" in text

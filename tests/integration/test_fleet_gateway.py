@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -147,6 +149,19 @@ def test_the_gateway_renders_dns_clusters_and_sees_both_nodes(gateway: GatewayPr
     assert gateway.api.get("/health/ready").json()["ready_nodes"] == ["node-a", "node-b"]
 
 
+def stream_infer(client: grpcclient.InferenceServerClient, model: str, x: grpcclient.InferInput) -> Any:
+    """One request on a new gRPC stream; its answer."""
+    answers: queue.Queue[Any] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put(error or result), headers={"x-api-key": API_KEY})
+    try:
+        client.async_stream_infer(model, [x])
+        answer = answers.get(timeout=120)
+    finally:
+        client.stop_stream()
+    assert not isinstance(answer, InferenceServerException), answer
+    return answer
+
+
 def test_each_model_is_served_through_the_gateway_and_lands_on_one_node(gateway: GatewayProcess, nodes: list[Serve]):
     until(lambda: all(n["ready"] for n in gateway.api.get("/v1/nodes").json()), "both nodes ready", timeout=30)
     for model in MODELS:
@@ -157,8 +172,10 @@ def test_each_model_is_served_through_the_gateway_and_lands_on_one_node(gateway:
             x.set_data_from_numpy(np.full((1, 2), 1.5, np.float32))
             y = client.infer(model, [x], headers={"x-api-key": API_KEY}, client_timeout=120).as_numpy("y")
             np.testing.assert_allclose(y, [[3.0, 3.0]])
+            for _ in range(3):  # a ModelStreamInfer stream goes to the model's owner too (its first message's model)
+                np.testing.assert_allclose(stream_infer(client, model, x).as_numpy("y"), [[3.0, 3.0]])
     placement = {m: loaded_on(nodes, m) for m in MODELS}
-    assert all(len(held) == 1 for held in placement.values()), placement  # HTTP and gRPC agree on the owner
+    assert all(len(held) == 1 for held in placement.values()), placement  # HTTP, gRPC, streams agree on the owner
     assert {held[0] for held in placement.values()} == {"node-a", "node-b"}, placement  # the ring uses both
     merged = {m: sorted(gateway.api.get(f"/v1/models/{m}").json()["status"]["nodes"]) for m in MODELS}
     assert merged == placement

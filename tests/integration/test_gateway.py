@@ -517,6 +517,81 @@ def test_a_stream_wakes_a_sleeping_model_and_holds_it_while_open(stack: Stack):
     assert stack.lifecycle.states.record(name).users == 0
 
 
+def test_a_stream_holds_every_model_it_names(stack: Stack):
+    """One ModelStreamInfer stream, messages for a READY model then a sleeping one: the second is woken before
+    its first message goes on, and each is held while the stream is open."""
+    first, second = stack.publish("gw_stream_first"), stack.publish("gw_stream_second")
+    stack.loop.run(stack.lifecycle.ensure_ready(first))
+    until(lambda: stack.activator.ready_flags.ready(first), "the first model's ready flag")
+    results: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: results.append(error or result), headers=GRPC_KEY)
+        for rows, name in enumerate((first, second, first, second), start=1):
+            inp = grpcclient.InferInput("x", [rows, 4], "FP32")
+            inp.set_data_from_numpy(_x(rows))
+            g.async_stream_infer(name, [inp], request_id=f"{name}-{rows}")
+        until(lambda: len(results) == 4, "four answers on the stream")
+        assert all(not isinstance(r, InferenceServerException) for r in results), results
+        for r in results:
+            rows = int(r.get_response().id.rpartition("-")[2])
+            np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
+        assert stack.load_count(first) == 1 and stack.load_count(second) == 1
+        until(lambda: stack.activator.holds.open(first) == 1 and stack.activator.holds.open(second) == 1,
+              "a hold of each model the stream names")  # fmt: skip
+        g.stop_stream()
+    until(lambda: stack.activator.holds.open(first) + stack.activator.holds.open(second) == 0,
+          "both holds released at the stream's end")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _control_plane_blocked(stack: Stack) -> Iterator[None]:
+    """The activator's event loop (the control plane's) stuck in a blocking call while the block runs."""
+    blocked, release = threading.Event(), threading.Event()
+    stack.loop.loop.call_soon_threadsafe(lambda: (blocked.set(), release.wait(60)))
+    assert blocked.wait(10), "the control plane's loop never ran the blocking call"
+    try:
+        yield
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "sse"])
+def test_a_warm_stream_does_not_wait_for_the_activator(stack: Stack, protocol: str):
+    """A READY model's stream goes on to Triton at once (its ready flag), even with the control plane stuck:
+    its hold reaches the activator after, and keeps the model in use while the stream is open."""
+    name = stack.publish(f"gw_warm_{protocol}")
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
+    until(lambda: stack.activator.ready_flags.ready(name), "the model's ready flag")
+    warm_holds = stack.activator.holds.warm_holds
+    answers: list[Any] = []
+    got = threading.Event()
+    with stack.grpc() as g:
+        with _control_plane_blocked(stack):
+            if protocol == "grpc":
+                g.start_stream(callback=lambda result, error: (answers.append(error or result), got.set()),
+                               headers=GRPC_KEY)  # fmt: skip
+                inp = grpcclient.InferInput("x", [1, 4], "FP32")
+                inp.set_data_from_numpy(_x(1))
+                g.async_stream_infer(name, [inp])
+            else:
+                answers.append(_generate(stack, name, "generate_stream", {"x": [2.0, 4.0]}))
+                got.set()
+            answered = got.wait(30)
+        assert answered, "the warm stream waited for the stuck control plane"
+        if protocol == "grpc":
+            np.testing.assert_allclose(answers[0].as_numpy("y"), _x(1) * 3)
+            until(lambda: stack.activator.holds.open(name) == 1, "the stream's hold, sent without waiting")
+            assert stack.lifecycle.states.record(name).users >= 1
+            g.stop_stream()
+        else:
+            assert answers[0].status_code == 200 and '"y":[6.0,12.0]' in answers[0].text.replace(" ", ""), answers
+    until(lambda: stack.activator.holds.warm_holds == warm_holds + 1, "the warm hold at the activator")
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release at the stream's end")
+    assert stack.load_count(name) == 1
+    stack.loop.run(stack.lifecycle.unload(name))
+    assert not stack.activator.ready_flags.ready(name)  # asleep: the next stream waits for its wake-up
+
+
 def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
     name = stack.publish("gw_stub")
     stack.loop.run(stack.lifecycle.ensure_ready(name))
@@ -893,10 +968,16 @@ import numpy as np
 
 
 class Model:
+    def __init__(self, calls=""):
+        self.calls = calls
+
     def load(self, model_dir, device):
         self.totals = {}
 
     def predict(self, inputs, sequence):
+        if self.calls:
+            with open(self.calls, "a") as f:
+                f.write(f"{sequence.correlation_id}\\n")
         x = inputs["x"]
         total = x if sequence.start else self.totals[sequence.correlation_id] + x
         if sequence.end:
@@ -909,16 +990,24 @@ class Model:
 
 @pytest.fixture(scope="module")
 def accumulator(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _write_package(tmp_path_factory.mktemp("gw_accumulator") / "accumulator", ACCUMULATOR_PY)
+    return _write_package(
+        tmp_path_factory.mktemp("gw_accumulator") / "accumulator",
+        ACCUMULATOR_PY,
+        params_schema={"calls": {"type": "str", "default": ""}},
+    )
 
 
 @pytest.mark.parametrize("strategy", ["direct", "oldest"])
 def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
-    stack: Stack, accumulator: Path, strategy: str
+    stack: Stack, accumulator: Path, strategy: str, tmp_path: Path
 ):
     name = f"gw_accumulate_{strategy}"
     sequence = SequenceSpec(strategy=strategy, max_sequence_idle_secs=30)
-    spec = DeploymentSpec(id=name, path=accumulator, max_batch_size=8, idle_timeout_secs=60, sequence=sequence)
+    calls = tmp_path / "calls"
+    spec = DeploymentSpec(
+        id=name, path=accumulator, max_batch_size=8, idle_timeout_secs=60, sequence=sequence,
+        params={"calls": str(calls)},
+    )  # fmt: skip
     stack.store.publish(resolve(spec))
     config = stack.store.get(name).config_text
     assert f"{strategy} {{" in config and "sequence_batching" in config and "dynamic_batching" not in config
@@ -938,10 +1027,17 @@ def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
     with stack.grpc() as g, stack.http() as h:
         assert grpc_step(g, 1000, 1.0, True, False) == 1.0  # asleep: this wakes it
         assert http_step(h, 2000, 10.0, True, False) == 10.0
+        # Two live sequences: the model's process noted them, and a sweep holds the model in use.
+        stack.loop.run(stack.lifecycle.sweep())
+        assert stack.lifecycle.sequences.live(name) and stack.lifecycle.states.record(name).users >= 1
         assert grpc_step(g, 1000, 2.0, False, False) == 3.0
         assert http_step(h, 2000, 20.0, False, False) == 30.0
         assert grpc_step(g, 1000, 3.0, False, True) == 6.0
+        stack.loop.run(stack.lifecycle.sweep())
+        assert stack.lifecycle.sequences.live(name)  # 2000 is still open
         assert http_step(h, 2000, 30.0, False, True) == 60.0
+        stack.loop.run(stack.lifecycle.sweep())
+        assert not stack.lifecycle.sequences.live(name) and stack.lifecycle.states.record(name).users == 0
         assert stack.load_count(name) == 1
         inp = grpcclient.InferInput("x", [1, 1], "FP32")
         inp.set_data_from_numpy(np.array([[1.0]], dtype=np.float32))
@@ -949,6 +1045,8 @@ def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
             g.infer(name, [inp], headers=GRPC_KEY)
         assert "correlation ID" in info.value.message() and info.value.status() == "StatusCode.INVALID_ARGUMENT"
         assert grpc_step(g, 3000, 5.0, True, True) == 5.0  # and it keeps serving
+    # predict saw the sequences' requests only: never the direct strategy's fillers of idle batch slots
+    assert set(calls.read_text().split()) == {"1000", "2000", "3000"}
 
 
 def test_sequence_settings_triton_would_refuse_are_refused_naming_the_field(tmp_path: Path):

