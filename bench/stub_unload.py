@@ -4,6 +4,7 @@
     python -m bench.stub_unload kill20 8        # SIGKILL the stub 20 ms after the unload call
     python -m bench.stub_unload stopkill0 8     # SIGSTOP before the unload call, SIGKILL right after it
     python -m bench.stub_unload stopkill5r 6    # ... and load the same model again at once (r)
+    python -m bench.stub_unload kill1500 3 3.0  # kill it 1.5 s after the call, inside a 3 s finalize()
 
 A hand-written python model holding 40 MiB (no snoozeml runtime) on the wheel's tritonserver, explicit model
 control. Per cycle (one JSON line): the load, the unload call, when the stub's memory was free (gone or a
@@ -37,13 +38,20 @@ output [{ name: "y" data_type: TYPE_FP32 dims: [2] }]
 instance_group [{ kind: KIND_CPU count: 1 }]
 """
 MODEL = """
+import time
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
+FINALIZE_SECS = {finalize_secs}
 
 
 class TritonPythonModel:
     def initialize(self, args):
         self.ballast = np.ones(40 * 1024 * 1024 // 8)
+
+    def finalize(self):
+        time.sleep(FINALIZE_SECS)  # a model's unload() that takes this long
 
     def execute(self, requests):
         return [
@@ -123,12 +131,12 @@ def _cycle(c: httpx.Client, t: EmbeddedTriton, mode: str) -> dict[str, object]:
     }
 
 
-def main(mode: str, cycles: int) -> None:
+def main(mode: str, cycles: int, finalize_secs: float = 0.0) -> None:
     with tempfile.TemporaryDirectory(prefix="snooze-stub-unload-") as tmp:
         repo = Path(tmp) / "repo"
         (repo / "m" / "1").mkdir(parents=True)
         (repo / "m" / "config.pbtxt").write_text(CONFIG)
-        (repo / "m" / "1" / "model.py").write_text(MODEL)
+        (repo / "m" / "1" / "model.py").write_text(MODEL.format(finalize_secs=finalize_secs))
         t = EmbeddedTriton(repo, Path(tmp) / "work")
         t.start()
         try:
@@ -154,4 +162,5 @@ def main(mode: str, cycles: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "wait", int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+    args = sys.argv[1:]
+    main(args[0] if args else "wait", int(args[1]) if len(args) > 1 else 8, float(args[2]) if len(args) > 2 else 0.0)

@@ -95,7 +95,8 @@ class Settings(BaseSettings):
         10.0,
         gt=0,
         description="A model that declares unload() keeps Triton's full unload (its unload() runs): how long, past "
-        "the python backend's 1 s health probe, its processes may take to exit before they are ended",
+        "the python backend's 1 s health probe, its processes may take to exit before they are ended (Triton "
+        "waits for a finalizing stub without a limit)",
     )
     memory_budget_mb: float | None = Field(None, description="Memory for loaded models; unset = no limit")
     eviction_policy: Literal["gdsf", "lru"] = Field(

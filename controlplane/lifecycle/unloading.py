@@ -42,9 +42,12 @@ A killed stub is not a crash: the process watch looks only at READY models, and 
 until its processes are gone and then UNLOADED with no processes on record. Its journal is removed.
 
 A model that declares ``unload()`` keeps Triton's full unload so that its clean-up runs: its processes
-get ``unload_finalize_secs`` past Triton's 1 s probe to exit, then they are ended (Triton's unload thread
-then stays blocked on the answer, as it would for a hanging ``unload()``). Where Triton's processes or
-journals cannot be seen (a remote Triton), every unload is Triton's own, waited for through the index.
+get ``unload_finalize_secs`` past Triton's 1 s probe to exit, then they are ended. That end is clean: the
+stub answers the finalize command before it runs ``finalize()``, so Triton is only waiting for the process
+(``waitpid``, no limit: a hanging ``unload()`` blocks Triton's unload for good otherwise); killed 1.5 s into a
+3 s ``finalize()``, it was reaped at once, the index said UNAVAILABLE and a reload answered (3 of 3,
+``python -m bench.stub_unload kill1500 3 3.0``). Where Triton's processes or journals cannot be seen (a
+remote Triton), every unload is Triton's own, waited for through the index.
 """
 
 from __future__ import annotations
