@@ -357,6 +357,7 @@ class LifecycleManager:
         queue_bound = min(loop.time() + self.settings.wake_queue_timeout_secs, deadline)
         # the loader's clock is time.monotonic(), which is the loop's
         rec.wake_deadline = max(rec.wake_deadline or 0.0, time.monotonic() + queue_bound - loop.time())
+        queue_checked = False
         started = time.monotonic()
         self.metrics.wake_waits.labels(model=model_id).inc()
         rec.users += 1
@@ -368,16 +369,17 @@ class LifecycleManager:
                     or self.states.resumed
                     or self.states.spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
                 )
-                until = queue_bound if loop.time() < queue_bound else deadline
                 try:
+                    until = deadline if queue_checked else queue_bound
                     await asyncio.wait_for(asyncio.shield(op), max(until - loop.time(), 0))
                 except TimeoutError:
-                    if loop.time() < deadline:
+                    if not queue_checked:  # the queue bound passed: its load must have started
+                        queue_checked = True
                         if self.loader.queued(rec):
                             gave_up = self.loader.gave_up(rec, self.loader.queue[rec.id][1])
                             self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=gave_up.kind).inc()
                             raise gave_up from None
-                        continue  # its load started in time: wait for the rest of it
+                        continue  # it started in time (or is not a load yet): wait up to the deadline
                     self.metrics.wake_timeouts.labels(model=model_id).inc()
                     raise UnavailableError(
                         f"model '{model_id}' is not ready after {wait:g}s (it is {rec.state.value})",
