@@ -88,6 +88,7 @@ class LifecycleManager:
         )
         self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self.sync.pending_counts)
         self.states.on_drop.append(self.budget.forget)
+        self.budget.unrecorded = self.sync.unrecorded
         self.gpu = GpuMemory(
             settings,
             self.states,
