@@ -28,6 +28,7 @@ SECTION_KEYS = {
     "recovery": {"cycles", "load_average", "topologies"},
     "keepalive_live": {"period_s", "idle_timeout_s", "requests", "policies"},
     "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
+    "eviction": {"traces", "default_policy", "budget_mib", "ok"},
 }
 SLOW_SECTIONS = ("recovery", "keepalive_live")
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
@@ -91,6 +92,8 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     micro = runtime_cost["execute_inprocess"]
     assert micro["batch_1"]["runtime_us"] > 0 and micro["batch_1"]["handwritten_us"] > 0 and "watchdog_us" in micro
     assert "snoozeml's runtime vs a hand-written python-backend model" in text
+    assert set(data["sections"]["eviction"]["traces"]) == {"zipf-1.0", "zipf-0.8", "zipf-1.2", "scan", "shifting"}
+    assert "## Eviction policies replayed in virtual time" in text
 
 
 @pytest.mark.slow
