@@ -338,7 +338,8 @@ class LifecycleManager:
 
         Raises NotFoundError if it is not published, UnavailableError (with retry_after) if the load
         fails or outlives ``timeout`` (default: settings.wake_timeout_secs, else the model's
-        load_timeout_secs).
+        load_timeout_secs), or cannot start (no load slot, no memory) within
+        settings.wake_queue_timeout_secs: the wake queue.
         """
         rec = self.states.get(model_id)
         if rec is not None and rec.state is ModelState.READY:
