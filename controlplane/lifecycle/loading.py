@@ -281,7 +281,7 @@ class Loader:
             if not evict or not (is_cuda_oom(e.reason, on_gpu=on_gpu) or is_oom_error(e.reason)):
                 raise
             first, cuda = e, is_cuda_oom(e.reason, on_gpu=on_gpu)
-        # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same LRU, once.
+        # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same eviction order, once.
         if cuda:
             evicted = await self.gpu.evict_for_oom(rec, gpu_need)
         else:

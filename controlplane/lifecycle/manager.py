@@ -1,4 +1,4 @@
-"""The lifecycle manager: wake on request, idle unload, memory budget (LRU), autoscaling, recovery.
+"""The lifecycle manager: wake on request, idle unload, memory budget and eviction, autoscaling, recovery.
 
 The policies live in modules of their own (``state`` the state machine and single flight, ``memory``
 the budget and eviction, ``autoscale`` the scaling rule, ``recovery`` what a dead model process means
