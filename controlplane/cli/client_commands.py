@@ -223,6 +223,17 @@ def _parent_line(parent: dict[str, Any]) -> str:
     )
 
 
+def _wake_queue_line(queue: dict[str, Any] | None) -> str | None:
+    """Loads waiting to start, when there are any (``GET /v1/runtime``'s ``wake_queue``)."""
+    if not queue or not queue.get("waiting"):
+        return None
+    waiting = ", ".join(f"{w['model']} ({w['waiting_for']}, {w['wait_secs']:.1f}s)" for w in queue["waiting"])
+    return (
+        f"wake queue: {queue['length']} load(s) waiting to start (a request waits at most "
+        f"{queue['wait_bound_secs']:g}s for its load to start): {waiting}"
+    )
+
+
 def _upload_progress(as_json: bool) -> tuple[Progress | None, Callable[[int, int], None] | None]:
     if as_json:
         return None, None
@@ -418,6 +429,8 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
             _out.print(line, highlight=False, markup=False, soft_wrap=True)
         for parent in runtime.get("preloaded_parents", []):
             _out.print(_parent_line(parent), highlight=False)
+        if queue := _wake_queue_line(runtime.get("wake_queue")):
+            _out.print(queue, highlight=False, markup=False, soft_wrap=True)
 
 
 def load(

@@ -42,6 +42,8 @@ LOAD_ABANDON_SECS = 5.0
 # A config parameter changed to rebuild every instance: an in-place instance change keeps the
 # existing instances, a reload whose config differs replaces them all.
 GENERATION_PARAMETER = "snooze_generation"
+# A wait bound closer than this has passed (a shorter timer would not move a clock at its resolution).
+DEADLINE_SLACK_SECS = 1e-3
 # How often a wake-up waiting for memory (held by loads and requests in flight) looks again.
 MEMORY_WAIT_POLL_SECS = 0.05
 # How long a load's leftover stubs (instances removed in place) get to exit before the model's
@@ -223,7 +225,7 @@ class Loader:
                 if left is None or not self._slots.locked():
                     await self._slots.acquire()
                     break
-                if left <= 0:
+                if left <= DEADLINE_SLACK_SECS:  # not a timer shorter than the clock's resolution
                     raise self.gave_up(rec, "a load slot")
                 try:
                     await asyncio.wait_for(self._slots.acquire(), left)
@@ -302,7 +304,7 @@ class Loader:
             if not evict or not (is_cuda_oom(e.reason, on_gpu=on_gpu) or is_oom_error(e.reason)):
                 raise
             first, cuda = e, is_cuda_oom(e.reason, on_gpu=on_gpu)
-        # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same LRU, once.
+        # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same eviction order, once.
         if cuda:
             evicted = await self.gpu.evict_for_oom(rec, gpu_need)
         else:

@@ -1,4 +1,4 @@
-"""The lifecycle manager: wake on request, idle unload, memory budget (LRU), autoscaling, recovery.
+"""The lifecycle manager: wake on request, idle unload, memory budget and eviction, autoscaling, recovery.
 
 The policies live in modules of their own (``state`` the state machine and single flight, ``memory``
 the budget and eviction, ``autoscale`` the scaling rule, ``recovery`` what a dead model process means
@@ -91,6 +91,7 @@ class LifecycleManager:
         )
         self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self.sync.pending_counts)
         self.states.on_drop.append(self.budget.forget)
+        self.budget.unrecorded = self.sync.unrecorded
         self.gpu = GpuMemory(
             settings,
             self.states,
@@ -347,7 +348,8 @@ class LifecycleManager:
 
         Raises NotFoundError if it is not published, UnavailableError (with retry_after) if the load
         fails or outlives ``timeout`` (default: settings.wake_timeout_secs, else the model's
-        load_timeout_secs).
+        load_timeout_secs), or cannot start (no load slot, no memory) within
+        settings.wake_queue_timeout_secs: the wake queue.
         """
         rec = self.states.get(model_id)
         if rec is not None and rec.state is ModelState.READY:
@@ -367,6 +369,7 @@ class LifecycleManager:
         queue_bound = min(loop.time() + self.settings.wake_queue_timeout_secs, deadline)
         # the loader's clock is time.monotonic(), which is the loop's
         rec.wake_deadline = max(rec.wake_deadline or 0.0, time.monotonic() + queue_bound - loop.time())
+        queue_checked = False
         started = time.monotonic()
         self.metrics.wake_waits.labels(model=model_id).inc()
         rec.users += 1
@@ -378,16 +381,17 @@ class LifecycleManager:
                     or self.states.resumed
                     or self.states.spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
                 )
-                until = queue_bound if loop.time() < queue_bound else deadline
                 try:
+                    until = deadline if queue_checked else queue_bound
                     await asyncio.wait_for(asyncio.shield(op), max(until - loop.time(), 0))
                 except TimeoutError:
-                    if loop.time() < deadline:
+                    if not queue_checked:  # the queue bound passed: its load must have started
+                        queue_checked = True
                         if self.loader.queued(rec):
                             gave_up = self.loader.gave_up(rec, self.loader.queue[rec.id][1])
                             self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=gave_up.kind).inc()
                             raise gave_up from None
-                        continue  # its load started in time: wait for the rest of it
+                        continue  # it started in time (or is not a load yet): wait up to the deadline
                     self.metrics.wake_timeouts.labels(model=model_id).inc()
                     raise UnavailableError(
                         f"model '{model_id}' is not ready after {wait:g}s (it is {rec.state.value})",

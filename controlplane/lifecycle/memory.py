@@ -68,6 +68,8 @@ class MemoryBudget:
         self._evict_one = evict
         self._pending = pending
         self.policy: EvictionPolicy = eviction_policy(settings.eviction_policy)
+        # Bytes Triton holds for models without a record (unpublished, being unloaded), by model: TritonSync's
+        self.unrecorded: dict[str, int] = {}
         # Bytes held outside any model: the preloaded parents of preforked models (measured at their loads).
         self.overhead = 0
 
@@ -94,7 +96,7 @@ class MemoryBudget:
         return int(per * instances)
 
     def used(self, exclude: ModelRecord) -> int:
-        used = self.overhead
+        used = self.overhead + sum(self.unrecorded.values())
         for r in self.states.values():
             if r is exclude:
                 continue

@@ -55,6 +55,7 @@ class TritonSync:
         self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
         self.loader: Loader | None = None  # set by the manager (the loader waits on this sync)
         self.warmth: Warmth | None = None
+        self.unrecorded: dict[str, int] = {}  # bytes Triton holds for models without a record (_note_unrecorded)
         self.accessed: Callable[[ModelRecord, int], None] | None = None  # requests served (the eviction policy)
 
     async def start(self) -> None:
@@ -182,7 +183,19 @@ class TritonSync:
                 self.states.set_state(rec, ModelState.UNLOADED, "not loaded in Triton")
             elif full and not triton_ready and rec.state is ModelState.FAILED:
                 self.states.set_state(rec, ModelState.UNLOADED, rec.reason)
+        await self._note_unrecorded(entries)
         return entries
+
+    async def _note_unrecorded(self, entries: dict[str, RepositoryEntry]) -> None:
+        """What Triton holds for models without a record (deleted by another node while loaded here, or before
+        this control plane started): the memory budget counts it until the sweep has unloaded them."""
+        held = {}
+        for name, entry in entries.items():
+            if entry.state in BUSY_STATES and name not in self.states.records:
+                stubs = await asyncio.to_thread(self.processes.stubs, name)
+                held[name] = await asyncio.to_thread(self.processes.rss, stubs)
+        self.unrecorded.clear()
+        self.unrecorded.update(held)
 
     async def adopt(self, rec: ModelRecord) -> None:
         """A model Triton already has loaded becomes READY here, with its instances and footprint."""

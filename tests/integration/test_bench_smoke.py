@@ -31,6 +31,7 @@ SECTION_KEYS = {
     "fleet": {"settings", "phases", "policies", "ratios", "hop", "load_average"},
     "churn": {"settings", "policies"},
     "streaming": {"cold_ms", "tokens_per_s", "grpc_gateway_over_direct", "warm_first_token_ms", "open_stream"},
+    "eviction": {"traces", "default_policy", "budget_mib", "ok"},
 }
 # Scenarios other tests assert: tests/reliability (recovery), test_keepalive_live, test_gateway (streams),
 # tests/model/test_fast_unload.py and test_memory_budget (churn).
@@ -96,6 +97,8 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
     micro = runtime_cost["execute_inprocess"]
     assert micro["batch_1"]["runtime_us"] > 0 and micro["batch_1"]["handwritten_us"] > 0 and "watchdog_us" in micro
     assert "snoozeml's runtime vs a hand-written python-backend model" in text
+    assert set(data["sections"]["eviction"]["traces"]) == {"zipf-1.0", "zipf-0.8", "zipf-1.2", "scan", "shifting"}
+    assert "## Eviction policies replayed in virtual time" in text
 
 
 @pytest.mark.slow

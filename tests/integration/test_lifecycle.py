@@ -262,7 +262,7 @@ async def test_wake_waits_for_an_unload_in_progress(make_manager, publish, trito
 @pytest.mark.parametrize("worker", WORKERS)
 async def test_lru_eviction_under_memory_budget(make_manager, publish, triton, worker):
     a, b, c = (publish(f"lru-{n}", worker=worker) for n in "abc")
-    manager = await make_manager()
+    manager = await make_manager(eviction_policy="lru")  # gdsf's choices: tests/model/test_lifecycle_budget.py
     await manager.ensure_ready(a)
     await manager.ensure_ready(b)
     await output(triton, b)  # b is used last: a is the least recently used

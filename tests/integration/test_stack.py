@@ -130,7 +130,8 @@ def budget_stack(tmp_path_factory: pytest.TempPathFactory, package: Path) -> Ite
         {"id": "slow", "path": str(package), "memory_mb": 1, "params": {"predict_sleep": 1.0, "marker": str(marker)}}
     )
     (models / "models.toml").write_text(models_toml(entries))
-    serve = make_serve(root, models, SNOOZE_MEMORY_BUDGET_MB=str(BUDGET_MB))
+    # lru: the test follows least-recently-used choices (gdsf's: tests/model/test_lifecycle_budget.py)
+    serve = make_serve(root, models, SNOOZE_MEMORY_BUDGET_MB=str(BUDGET_MB), SNOOZE_EVICTION_POLICY="lru")
     try:
         serve.start(timeout=120, ready=True)
         yield serve

@@ -207,6 +207,7 @@ class FakeTriton:
         self.pending: Counter[str] = Counter()  # model -> requests accepted and not answered
         self.loads_in_flight: Counter[str] = Counter()
         self.peak = 0  # the most bytes the stubs held at once (a stub holds its memory from its start)
+        self.largest = 0  # the most bytes one model's stubs held
         self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
         self.calls: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
@@ -308,7 +309,9 @@ class FakeTriton:
             m.state, m.reason, m.served = "LOADING", "", 0
         new = [self._stub(m, per_stub) for _ in range(count - len(keep))]
         m.starting += new
-        self.peak = max(self.peak, sum(self.holding().values()))
+        held = self.holding()
+        self.peak = max(self.peak, sum(held.values()))
+        self.largest = max(self.largest, *held.values())
         try:
             await self._initialize(m, new, script, serving)
         finally:

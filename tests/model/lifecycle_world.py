@@ -452,6 +452,13 @@ class LifecycleWorld:
             and not any(self.triton.loads_in_flight.values())
             and all(m.state != "UNLOADING" for m in self.triton.models.values())
         )
+        if self.settings.memory_budget_mb is not None and self.triton.peak > (
+            self.settings.memory_budget_mb * MIB + self.triton.largest
+        ):
+            problems.append(
+                f"Triton's stubs held {self.triton.peak / MIB:.0f} MiB at their peak, over the budget plus one model "
+                f"({self.settings.memory_budget_mb:g} + {self.triton.largest / MIB:.0f} MiB)"
+            )
         if quiet and self.settings.memory_budget_mb is not None:
             used = sum(holding.values())
             if used > self.settings.memory_budget_mb * MIB and len(holding) > 1:

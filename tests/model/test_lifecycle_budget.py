@@ -134,6 +134,32 @@ def test_a_wake_whose_load_starts_within_its_bound_waits_for_the_whole_load(make
     world = make_world(max_concurrent_loads=1, wake_queue_timeout_secs=1.0)
     world.step(world.publish("big", 60, **LONG_IDLE), 0.01)
     world.step(world.script_load("big", "ok", 3.0), 0)  # a 3 s load, longer than the queue bound
-    world.step(world.request("big"), 4.0)
-    assert [c.answer for c in world.calls] in ([], ["200"])
+    world.run(world.request("big"))
+    call = world.calls[-1]
+    world.step(world.tick(4.0), 0)
+    assert call.answer == "200"  # its load had started within the bound: the bound does not cut it
     assert state(world, "big") is ModelState.READY
+
+
+@pytest.mark.parametrize("bound", [10.0, 1.0])
+def test_a_wake_waits_for_memory_held_by_requests_in_flight_within_its_bound(make_world, bound):
+    """The budget is full of a model serving requests (nothing idle to evict): the wake waits for them to end,
+    then evicts it and loads (it was refused at once before); past its bound it is refused, naming memory."""
+    world = make_world(wake_queue_timeout_secs=bound)
+    world.step(world.publish("busy", 200, **LONG_IDLE), 0.01)
+    world.step(world.publish("other", 200, **LONG_IDLE), 0.01)
+    world.step(world.request("busy"), 1.0)
+    world.triton.exec_delay = 1.5
+    world.step(world.burst("busy", 2), 0.1)  # in flight for about 3 s
+    world.run(world.request("other"))
+    call = world.calls[-1]
+    world.step(world.tick(0.5), 0)
+    assert world.manager.runtime()["wake_queue"]["waiting"][0] == {
+        "model": "other", "waiting_for": "memory", "wait_secs": pytest.approx(0.5, abs=0.06)
+    }
+    world.step(world.tick(6.0), 0)
+    if bound > 3:
+        assert call.answer == "200" and state(world, "busy") is ModelState.UNLOADED
+    else:
+        assert call.answer is not None and "could not start within 1.0s: it waited for memory" in call.answer
+        assert state(world, "busy") is ModelState.READY and state(world, "other") is ModelState.UNLOADED

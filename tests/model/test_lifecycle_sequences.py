@@ -103,3 +103,17 @@ def test_a_request_on_a_crashed_stub_after_a_republish_runs_once(world):
     world.step(world.burst("m2", 4), 0.0)
     world.step(world.crash("m2"), 0.05)
     world.step(world.tick(0.5), 0.3)
+
+
+def test_memory_a_model_deleted_elsewhere_still_holds_is_counted_after_a_restart(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=2866959472, run 13): another node deleted a loaded model, this
+    control plane restarted and kept no record of it, and a load beside it overran the budget (320 of 300 MiB)
+    until the sweep unloaded it; now what Triton holds for models without a record is counted meanwhile."""
+    world.step(world.publish("m1", 60, 2), 1.0)
+    world.step(world.publish("m3", 100, 2), 1.0)
+    world.step(world.request("m1", 0.3), 0.0)
+    world.step(world.remote_delete("m1"), 0.05)
+    world.step(world.restart(), 0.01)
+    world.step(world.burst("m3", 10), 0.0)
+    world.step(world.unload_hang("m2"), 0.05)
+    world.step(world.request("m0", None), 0.0)

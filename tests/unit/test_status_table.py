@@ -136,3 +136,18 @@ def test_an_80_column_terminal_cuts_no_header_and_a_long_failure_goes_below_the_
     (line,) = _failure_lines(models)
     assert line.startswith("text-features: [snooze:model_error] model 'text-features': load raised ModuleNotFoundError")
     assert line.endswith("… (more: --json)") and "Traceback" not in line and len(line) < 140
+
+
+def test_the_wake_queue_line_shows_each_waiting_load_and_is_absent_when_none_waits():
+    from controlplane.cli.client_commands import _wake_queue_line
+
+    queue = {"length": 2, "oldest_wait_secs": 3.2, "wait_bound_secs": 10.0, "waiting": [
+        {"model": "m1", "waiting_for": "a load slot", "wait_secs": 3.2},
+        {"model": "m2", "waiting_for": "memory", "wait_secs": 0.4},
+    ]}
+    assert _wake_queue_line(queue) == (
+        "wake queue: 2 load(s) waiting to start (a request waits at most 10s for its load to start): "
+        "m1 (a load slot, 3.2s), m2 (memory, 0.4s)"
+    )
+    assert _wake_queue_line({"length": 0, "waiting": [], "wait_bound_secs": 10.0}) is None
+    assert _wake_queue_line(None) is None  # an older server without the wake queue
