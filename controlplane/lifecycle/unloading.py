@@ -133,6 +133,13 @@ class Unloader:
                 break
             await asyncio.sleep(SETTLE_SECS)
         self.waited[verdict] += 1
+        if verdict == "unknown" and self.waited[verdict] == 1:
+            log.warning(
+                "model '%s': its processes' threads or request journal cannot be read here (ptrace access to "
+                "/proc/<pid>/task/*/syscall, e.g. kernel.yama.ptrace_scope=1 for processes that are not this "
+                "one's descendants), so unloads wait for Triton's own (about 1.2 s each)",
+                rec.id,
+            )
         return await self._wait(rec, stubs)
 
     def _freeze_if_idle(self, stubs: list[StubProcess], journal_dir: Path) -> str:
