@@ -224,6 +224,9 @@ class ModelStates:
         """Wait until no transition runs for the model (their failures are in the model's state) and
         the lifecycle is not paused."""
         while (busy := rec.op or self.resumed) is not None:
+            if busy.done():  # ended, but the callback that clears rec.op has not run: awaiting it would not yield
+                await asyncio.sleep(0)
+                continue
             with contextlib.suppress(SnoozeError):
                 await asyncio.shield(busy)
 

@@ -383,6 +383,7 @@ class LifecycleWorld:
         self.manager = self._manager()
         self.answers = ModelAnswers(self.manager, self.store, self.settings)
         await self.manager.start()
+        self.resumed_at = self.now  # no sweep ran while the old manager stopped (it waits for its transitions)
 
     # ------------------------------------------------------------------ invariants
 

@@ -302,3 +302,25 @@ def test_the_sweeper_wakes_for_a_policy_decision_due_before_its_next_pass():
     assert w.sweep_delay([rec, other], 60.0) == pytest.approx(MIN_SWEEP_GAP_SECS)
     clock.now = prewarm_at + 0.1
     assert w.prewarm_due(rec, clock.now)
+
+
+@pytest.mark.timeout(10)
+def test_settle_yields_while_an_ended_transition_is_still_recorded():
+    """Found by the machine (SNOOZE_MACHINE_SEED=832459210, run 56): settle() met a transition that had ended but
+    whose done callback (which clears ``rec.op``) had not run yet; awaiting the finished task never yields, so the
+    callback never ran and settle() spun forever, freezing the event loop."""
+    import asyncio
+
+    from controlplane.lifecycle.state import ModelStates
+
+    async def go() -> None:
+        states = ModelStates(None, SnoozeMetrics())  # type: ignore[arg-type]
+        rec = record("m")
+        ended = asyncio.get_running_loop().create_future()
+        ended.set_result(None)
+        rec.op = ended  # type: ignore[assignment]
+        asyncio.get_running_loop().call_soon(setattr, rec, "op", None)  # the pending done callback
+        await states.settle(rec)
+        assert rec.op is None
+
+    asyncio.run(go())
