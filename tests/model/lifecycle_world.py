@@ -260,7 +260,7 @@ class LifecycleWorld:
                 path=self.package,
                 memory_mb=size_mb * instances,
                 instances=instances,
-                max_instances=3,
+                max_instances=deployment.pop("max_instances", 3),
                 idle_timeout_secs=deployment.pop("idle_timeout_secs", 5),
                 **deployment,
             )
