@@ -101,3 +101,17 @@ def test_a_request_on_a_crashed_stub_after_a_republish_runs_once(world):
     world.step(world.burst("m2", 4), 0.0)
     world.step(world.crash("m2"), 0.05)
     world.step(world.tick(0.5), 0.3)
+
+
+def test_a_model_deleted_by_another_node_across_a_restart_leaves_no_orphan_memory(world):
+    """Found by the machine (seeds 811866864, 2693435465, 3856289336): a model another node deleted while this
+    control plane restarted stayed loaded in Triton with nothing here counting its memory or ever unloading it;
+    the next loads overcommitted the budget (450 MiB of 300). Start now unloads what Triton holds of a model whose
+    folder is gone."""
+    world.step(world.publish("m0", 150, 1), 0.01)
+    world.step(world.request("m0", 2.0), 0.3)
+    world.step(world.remote_delete("m0"), 0.01)
+    world.step(world.restart(), 0.05)
+    assert "m0" not in world.triton.ready()
+    world.step(world.publish("m1", 100, 2), 0.05)
+    world.step(world.api_load("m1", 3), 0.3)
