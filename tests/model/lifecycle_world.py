@@ -21,7 +21,7 @@ from typing import Any
 from fake_triton import MIB, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime, VirtualTimeLoop
 
 from controlplane.errors import SnoozeError
-from controlplane.gateway.activator import ModelAnswers
+from controlplane.gateway.activator import HoldRegistry, ModelAnswers
 from controlplane.lifecycle import loading, manager, recovery
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.manager import LifecycleManager
@@ -135,6 +135,10 @@ class LifecycleWorld:
         self.probe = Probe()
         self.manager: LifecycleManager = self._manager()
         self.answers = ModelAnswers(self.manager, self.store, self.settings)
+        self.holds = HoldRegistry(self.answers, root / "held.log")
+        # open holds (a stream through the gateway): token -> (model, the model's idle unloads and evictions when
+        # the hold was taken; None until it is)
+        self.held: dict[str, tuple[str, float | None]] = {}
         self.calls: list[Call] = []
         self.ids = itertools.count(1)
         self.locks: dict[str, asyncio.Lock] = {}
@@ -192,6 +196,7 @@ class LifecycleWorld:
             if self.paused_since is not None:
                 self.step(self.resume())
             self.run(self._settle_calls())
+            self.run(self._release_all())
             self.check()
             self.run(self.manager.stop())
             self.run(self.triton.aclose())
@@ -249,6 +254,42 @@ class LifecycleWorld:
     async def burst(self, model: str, n: int) -> None:
         for _ in range(n):
             await self.request(model)
+
+    async def hold(self, model: str) -> None:
+        """A stream (or a large body) through the gateway: the wake filter asks the activator to hold the model
+        (``HoldRegistry.hold``: wake it, keep it in use) until the request ends (``release``)."""
+        token = f"hold-{next(self.ids)}"
+        self.held[token] = (model, None)
+
+        async def go() -> str:
+            try:
+                await self.holds.hold(model, token)
+            except SnoozeError as e:
+                self.held.pop(token, None)
+                return f"{e.status_code}: {e.message}"
+            if token in self.held:  # not ended during the wake
+                self.held[token] = (model, self._unloads(model))
+            return "held"
+
+        self._start("hold", model, go(), LOAD_TIMEOUT + LOAD_ABANDON_SECS + SLACK)
+        await asyncio.sleep(0)
+
+    async def release(self) -> None:
+        """The oldest open stream ends (Envoy logs its end; the activator releases the hold)."""
+        if self.held:
+            token = next(iter(self.held))
+            del self.held[token]
+            await self.holds.release(token)
+
+    def _unloads(self, model: str) -> float:
+        """Idle unloads and evictions of ``model`` by this manager: what a hold must prevent."""
+        total = 0.0
+        for family in self.manager.metrics.registry.collect():
+            if family.name in ("snooze_idle_unloads", "snooze_evictions"):
+                total += sum(
+                    s.value for s in family.samples if s.name.endswith("_total") and s.labels.get("model") == model
+                )
+        return total
 
     async def tick(self, secs: float) -> None:
         await asyncio.sleep(secs)
@@ -364,10 +405,16 @@ class LifecycleWorld:
         Triton: it adopts what Triton has loaded."""
         await self.resume()
         await self._settle_calls()
+        await self._release_all()  # the streams end with the control plane
         await self.manager.stop()
         self.manager = self._manager()
         self.answers = ModelAnswers(self.manager, self.store, self.settings)
+        self.holds = HoldRegistry(self.answers, self.root / "held.log")
         await self.manager.start()
+
+    async def _release_all(self) -> None:
+        while self.held:
+            await self.release()
 
     # ------------------------------------------------------------------ invariants
 
@@ -387,6 +434,9 @@ class LifecycleWorld:
             elif self.now - call.started > call.bound + extra:
                 problems.append(f"{call.what} of '{call.model}' unanswered after {self.now - call.started:.1f}s")
         problems += self._model_problems()
+        for model, unloads in self.held.values():
+            if unloads is not None and self._unloads(model) > unloads:
+                problems.append(f"'{model}' was unloaded for idleness or memory while a stream held it")
         if problems:
             raise Violation("; ".join(problems))
         self.calls = [c for c in self.calls if not c.task.done()]

@@ -113,3 +113,25 @@ def test_autoscale_up_under_load_and_down_when_idle(world):
     assert sample(w, "snooze_scale_events_total", model="m0", direction="down") == 1
     assert len(w.processes.stubs("m0")) == 1
     _until(w, lambda: records["m0"].state is ModelState.UNLOADED, "the idle unload")
+
+
+def test_a_held_model_is_neither_unloaded_for_idleness_nor_evicted_until_its_stream_ends(world):
+    """A stream through the gateway holds its model (``HoldRegistry``): no idle unload and no eviction for another
+    model's memory while it is open; once it ends, the idle timeout counts again. (Through Envoy, Triton and a real
+    gRPC stream: tests/integration/test_gateway.py::test_an_open_stream_keeps_its_model_awake_and_is_journaled.)"""
+    w = world
+    records = w.manager.states.records
+    w.step(w.publish("m0", 150), 0.1)
+    w.step(w.hold("m0"), 1.0)
+    assert records["m0"].state is ModelState.READY and w.held
+    w.step(w.tick(20.0), 0.0)  # four idle timeouts (5 s)
+    assert records["m0"].state is ModelState.READY
+    w.step(w.publish("m1", 200), 0.1)
+    w.step(w.request("m1"), 0.0)
+    wake = w.calls[-1]
+    w.step(w.tick(15.0), 0.0)
+    assert wake.task.result().startswith("503")  # no room beside the held model: refused, not evicted
+    assert records["m0"].state is ModelState.READY
+    w.step(w.release(), 0.0)
+    w.step(w.tick(10.0), 0.0)
+    assert records["m0"].state is ModelState.UNLOADED

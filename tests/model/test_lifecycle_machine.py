@@ -45,6 +45,8 @@ def random_op(rnd: random.Random, paused: bool) -> Op:
         "remote_publish": (m, rnd.choice(SIZES_MB)),
         "remote_delete": (m,),
         "resume" if paused else "pause": (),
+        "hold": (m,),
+        "release": (),
         "restart": (),
     }
     weights = {"request": 6, "burst": 2, "tick": 4, "publish": 3}
