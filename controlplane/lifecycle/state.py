@@ -208,6 +208,9 @@ class ModelStates:
         """Wait until no transition runs for the model (their failures are in the model's state) and
         the lifecycle is not paused."""
         while (busy := rec.op or self.resumed) is not None:
+            if busy.done():  # ended, and its done callback (which clears rec.op) has yet to run: let it
+                await asyncio.sleep(0)
+                continue
             with contextlib.suppress(SnoozeError):
                 await asyncio.shield(busy)
 

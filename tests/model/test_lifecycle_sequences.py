@@ -115,3 +115,20 @@ def test_a_model_deleted_by_another_node_across_a_restart_leaves_no_orphan_memor
     assert "m0" not in world.triton.ready()
     world.step(world.publish("m1", 100, 2), 0.05)
     world.step(world.api_load("m1", 3), 0.3)
+
+
+@pytest.mark.timeout(30)
+def test_a_republish_right_after_a_failed_load_does_not_spin_the_event_loop(world):
+    """Found by the machine with streams (seed 9349476): ``ModelStates.settle`` awaited a transition that had just
+    failed, before its done callback cleared ``rec.op``; awaiting a finished task does not yield, so it looped
+    forever on the event loop and the whole control plane froze (this sequence never returned)."""
+    world.step(world.burst("m0", 3), 0.3)
+    world.step(world.request("m2", None), 1.0)
+    world.step(world.tick(3.0), 0.0)
+    world.step(world.script_load("m2", "error", 0.05), 1.0)
+    world.step(world.script_load("m2", "oom", 0.05), 0.05)
+    world.step(world.publish("m2", 60, 2), 0.0)
+    world.step(world.request("m2", 2.0), 0.01)
+    world.step(world.tick(0.1), 0.0)
+    world.step(world.hold("m2"), 0.05)
+    world.step(world.publish("m2", 100, 1), 0.01)
