@@ -281,6 +281,12 @@ class LifecycleWorld:
             del self.held[token]
             await self.holds.release(token)
 
+    async def _end_streams(self, model: str) -> None:
+        """A deleted model's streams end (its unload cuts them): their holds are released."""
+        for token in [t for t, (m, _) in self.held.items() if m == model]:
+            del self.held[token]
+            await self.holds.release(token)
+
     def _unloads(self, model: str) -> float:
         """Idle unloads and evictions of ``model`` by this manager: what a hold must prevent."""
         total = 0.0
@@ -331,6 +337,7 @@ class LifecycleWorld:
                 await self.manager.forget(model)
                 self.store.delete(model)
                 self.deleted[model] = self.now
+                await self._end_streams(model)
             return "deleted"
 
         self._start("delete", model, self._api(go()), self._api_bound())
@@ -372,6 +379,7 @@ class LifecycleWorld:
         if self.other_node.exists(model):
             self.other_node.delete(model)
             self.deleted[model] = self.now
+            await self._end_streams(model)
 
     async def crash(self, model: str) -> None:
         self.triton.crash(model)
