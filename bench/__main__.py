@@ -58,7 +58,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "gateway": {"seconds": 0.2, "warmup": 0.05},
             "coldstart": {
                 "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
-                "memory_copies": 2,
+                "memory_copies": 2, "warmup_cycle": False,
             },
             "batching": {"seconds": 0.2, "warmup": 0.05, "pairs": 1, "pair_seconds": 0.2, "torch_rounds": 0},
             "scale_to_zero": {

@@ -108,7 +108,11 @@ async def _memory(stack: Any, models: list[str], copies: int) -> dict[str, Any]:
     return out
 
 
-async def run(root: Path, *, cycles: int, models: list[str], memory_copies: int = 5) -> dict[str, Any]:
+async def run(
+    root: Path, *, cycles: int, models: list[str], memory_copies: int = 5, warmup_cycle: bool = True
+) -> dict[str, Any]:
+    """``warmup_cycle``: run one uncounted cycle first (page cache, the stubs' imports); off in --quick, whose
+    figures are a smoke test's, not a measurement."""
     load_start = [round(v, 2) for v in os.getloadavg()]
     entries = _entries(root, models, memory_copies)
     async with serving_stack(root / "stack", entries) as stack:
@@ -135,7 +139,8 @@ async def run(root: Path, *, cycles: int, models: list[str], memory_copies: int 
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as http,
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as direct_http,
         ):
-            for cycle in range(cycles + 1):  # cycle 0 warms the page cache and the stub's imports: not counted
+            first_counted = 1 if warmup_cycle else 0  # a warm-up cycle 0 warms the page cache and imports: not counted
+            for cycle in range(first_counted + cycles):
                 for model in models:
                     await stack.lifecycle.unload(model, reason="bench")
                     await wait_state(stack, model, "unloaded", 60)
@@ -184,7 +189,7 @@ async def run(root: Path, *, cycles: int, models: list[str], memory_copies: int 
                         async with http.post(f"{base}/v2/models/{model}/infer", data=body, headers=headers) as r:
                             await r.read()
                         timed.append(time.perf_counter() - start)
-                    if cycle:
+                    if cycle >= first_counted:
                         samples[model].append({
                             "prewarmed_first_s": timed[0],
                             "warm_s": sorted(timed[1:-1])[len(timed[1:-1]) // 2],
@@ -201,6 +206,7 @@ async def run(root: Path, *, cycles: int, models: list[str], memory_copies: int 
         memory = await _memory(stack, models, memory_copies)
     out: dict[str, Any] = {
         "cycles": cycles,
+        "warmup_cycle": warmup_cycle,
         "protocol": "HTTP through the gateway (Envoy 404 retry -> activator)",
         "load_average": {"start": load_start, "end": [round(v, 2) for v in os.getloadavg()]},
         "models": {},

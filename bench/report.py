@@ -662,7 +662,9 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         lines += [
             "## Cold start: first response through the gateway vs Triton's load time",
             "",
-            f"{c['cycles']} cycles per model (plus one uncounted warm-up cycle), models interleaved. "
+            f"{c['cycles']} cycles per model "
+            f"({'plus one uncounted warm-up cycle' if c.get('warmup_cycle', True) else 'no warm-up cycle: --quick'}), "
+            "models interleaved. "
             "Each cycle unloads "
             "the model through the lifecycle manager, then times one HTTP inference through the gateway on an open "
             "connection (404 from Triton -> Envoy retry -> activator -> load -> forward). `Triton load` is the "

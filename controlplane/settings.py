@@ -141,6 +141,12 @@ class Settings(BaseSettings):
     )
     max_upload_mb: float = Field(2048, description="Largest package upload")
     shutdown_grace_secs: float = Field(30, description="How long in-flight requests may finish on shutdown")
+    triton_exit_timeout_secs: int = Field(
+        10,
+        ge=0,
+        description="The embedded tritonserver's --exit-timeout-secs: how long it may finish requests and unload "
+        "models when it stops (after a stub died, Triton keeps that model live and waits all of it)",
+    )
 
     # --- auth: keys compared in constant time; auth off only when said so
     auth: Literal["on", "off"] = Field("on", description="'off' disables API keys (local use only)")

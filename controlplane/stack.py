@@ -119,6 +119,7 @@ class ServingStack:
             journal_dir=s.journal_dir,
             admin_header=s.triton_admin_header,
             admin_key=admin_key,
+            exit_timeout_secs=s.triton_exit_timeout_secs,
         )
         s.repository.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()

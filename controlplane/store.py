@@ -124,6 +124,12 @@ class ModelStore:
     def exists(self, model_id: str) -> bool:
         return (self.repository / model_id / DEPLOYMENT_FILE).is_file()
 
+    def gone(self, model_ids: list[str]) -> list[str]:
+        """Those of ``model_ids`` whose folder is not in the repository at all (deleted; a folder that is not
+        snoozeml's stays someone's), looked at while no writer is between a republish's two renames."""
+        with self._lock, repository_lock(self.repository):
+            return [m for m in model_ids if not (self.repository / m).exists()]
+
     def publish(self, spec: ModelSpec) -> PublishedModel:
         """Render (validating everything) and move the model folder into place in one rename."""
         rendered = render_model(spec, self.target)

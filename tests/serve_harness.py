@@ -275,7 +275,8 @@ class Serve:
         cmd = [
             SNOOZECTL, "triton", "--model-repository", str(self.repository),
             "--work-dir", str(self.work_dir.parent / f"{self.work_dir.name}.triton"),
-            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--exit-timeout-secs", "5", "--json",
+            "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--json",
+            "--exit-timeout-secs", self.env.get("SNOOZE_TRITON_EXIT_TIMEOUT_SECS", "5"),
         ]  # fmt: skip
         with open(self.triton_log, "ab") as log:
             self.triton_proc = subprocess.Popen(

@@ -155,6 +155,8 @@ class TritonSync:
         """
         generations = {m: r.generation for m, r in self.states.records.items()}
         entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
+        if full:
+            await self._unload_orphans(entries)
         new = self.store.ids() if full else [n for n, e in entries.items() if e.state in BUSY_STATES]
         for model_id in new:
             if self.states.get(model_id) is None and self.store.exists(model_id):
@@ -196,6 +198,17 @@ class TritonSync:
                 held[name] = await asyncio.to_thread(self.processes.rss, stubs)
         self.unrecorded.clear()
         self.unrecorded.update(held)
+
+    async def _unload_orphans(self, entries: dict[str, RepositoryEntry]) -> None:
+        """Unload what Triton holds of models deleted while no control plane followed the store (another node
+        deleted it while this one restarted): nothing here would count their memory or ever unload them."""
+        held = [n for n, e in entries.items() if e.state in ("READY", "LOADING") and self.states.get(n) is None]
+        if not held:
+            return
+        for model_id in await asyncio.to_thread(self.store.gone, held):
+            log.warning("model '%s': loaded in Triton but deleted from the store; unloading it", model_id)
+            with contextlib.suppress(SnoozeError):
+                await self.triton.unload(model_id, wait=False)
 
     async def adopt(self, rec: ModelRecord) -> None:
         """A model Triton already has loaded becomes READY here, with its instances and footprint."""

@@ -1,9 +1,11 @@
-"""LifecycleManager against a real embedded tritonserver: wake, idle unload, LRU, OOM, recovery, autoscale.
+"""LifecycleManager against a real embedded tritonserver: wake, idle unload, LRU, OOM, recovery, rescale.
 
 The module runs its own tritonserver over its own repository (models published through ModelStore),
 so that killing and restarting it cannot disturb other test modules. The tests where the model's
 process matters (memory, crashes, load failures, unloads) run for both workers: the model in its stub,
 and in a worker forked from a preloaded parent (``worker = "preforked"``; its id ends in ``-pf``).
+Logic that needs no real Triton (the snapshot pause, the autoscaling rule's cycle) is checked over the fake
+Triton in tests/model/test_lifecycle_logic.py.
 """
 
 from __future__ import annotations
@@ -349,44 +351,6 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
     assert manager.status(model).load_count == loads == 3
 
 
-async def test_autoscale_up_under_load_and_down_when_idle(make_manager, publish, triton):
-    # idle_timeout 6 s: the scale-down comes after 3 s of low load, well before the idle unload (a slow,
-    # shared machine once let the unload win a 2 s vs 4 s race).
-    model = publish("busy", params={"predict_sleep": 0.05}, max_batch_size=1, max_instances=2, idle_timeout_secs=6)
-    manager = await make_manager(autoscale_queue_threshold=2, autoscale_window_secs=0.5)
-    await manager.ensure_ready(model)
-    failures: list[str] = []
-    stop = asyncio.Event()
-
-    async def client() -> None:
-        async with httpx.AsyncClient(timeout=DEADLINE) as http:
-            body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
-            while not stop.is_set():
-                r = await http.post(f"{triton.http_url}/v2/models/{model}/infer", json=body)
-                if r.status_code != 200:
-                    failures.append(r.text)
-
-    clients = [asyncio.create_task(client()) for _ in range(12)]
-    try:
-        await until(lambda: manager.status(model).instances == 2 and manager.status(model).reason is None, "scale-up")
-    finally:
-        stop.set()
-        await asyncio.gather(*clients)
-    assert failures == []  # served throughout the reload
-    # Triton 2.51 builds the new instance set and retires the old stub in the background.
-    await until(lambda: len(triton.stub_pids(model)) == 2, "two stubs")
-    assert sample(manager, "snooze_scale_events_total", model=model, direction="up") == 1
-
-    # Low load for idle_timeout / 2 = 3 s removes the extra instance, before the idle unload (6 s).
-    # The record shows one instance once the reload is done; the event is counted just after, when the
-    # transition ends (its reason clears).
-    await until(lambda: manager.status(model).instances == 1 and manager.status(model).reason is None, "scale-down")
-    status = manager.status(model)
-    assert status.state is ModelState.READY, status
-    assert sample(manager, "snooze_scale_events_total", model=model, direction="down") == 1, status
-    await until(lambda: len(triton.stub_pids(model)) == 1, "the extra stub to exit")
-
-
 @pytest.mark.parametrize("worker", WORKERS)
 async def test_api_load_with_instances_and_unload(make_manager, publish, triton, worker):
     model = publish("api-model", max_instances=3, worker=worker)
@@ -423,42 +387,6 @@ async def test_republish_reloads_and_a_failed_reload_keeps_the_old_model(make_ma
 
     await manager.forget(model)
     assert triton.stub_pids(model) == [] and model not in {s.id for s in manager.statuses() if s.state == "ready"}
-
-
-async def test_pause_holds_every_change_until_resume(make_manager, publish, triton):
-    """What a checkpoint needs: pause() lets a running load finish, then nothing changes (no idle unload,
-    no dead-stub recovery by the sweeper, wake-ups, recover() and API loads wait) until resume()."""
-    idle, crashy, asleep = publish("pause-idle", idle_timeout_secs=3), publish("pause-crashy"), publish("pause-asleep")
-    slow = publish("pause-slow", params={"load_sleep": 1.0})
-    manager = await make_manager()  # sweeps every 0.2 s
-    await manager.ensure_ready(crashy)
-    loading = asyncio.create_task(manager.ensure_ready(slow))
-    await until(lambda: manager.status(slow).state is ModelState.LOADING, "the slow load to start")
-    await manager.ensure_ready(idle)
-
-    await manager.pause()
-    assert manager.paused and loading.done() and manager.status(slow).state is ModelState.READY
-    os.kill(triton.stub_pids(crashy)[0], signal.SIGKILL)
-    await until(lambda: triton.stub_pids(crashy) == [], "the stub to die")
-    waiting = [
-        asyncio.create_task(manager.ensure_ready(asleep)),
-        asyncio.create_task(manager.recover(crashy, "stub_unhealthy")),
-        asyncio.create_task(manager.unload(slow)),
-    ]
-    await asyncio.sleep(3.5)  # past idle's timeout, many sweep intervals
-    assert not any(task.done() for task in waiting)
-    assert [manager.status(m).state for m in (idle, crashy, asleep, slow)] == [
-        ModelState.READY, ModelState.READY, ModelState.UNLOADED, ModelState.READY,
-    ]  # fmt: skip
-    assert triton.stub_pids(crashy) == []
-    assert sample(manager, "snooze_recoveries_total", model=crashy, cause="dead_stub") == 0
-    assert (await infer(triton, asleep)).status_code == 404
-
-    manager.resume()
-    await asyncio.wait_for(asyncio.gather(*waiting), DEADLINE)
-    assert not manager.paused and manager.status(asleep).state is ModelState.READY
-    assert await output(triton, crashy) == [2.0, 4.0] and manager.status(slow).state is ModelState.UNLOADED
-    await until(lambda: manager.status(idle).state is ModelState.UNLOADED, "the idle unload after resume")
 
 
 async def test_start_adopts_models_triton_has_loaded(make_manager, publish, triton):

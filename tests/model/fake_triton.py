@@ -11,7 +11,9 @@ What it models, as measured on the embedded Triton 2.51 (docs/internals.md, TRIT
 - explicit model control over a real model repository folder: a load reads the published ``config.pbtxt``
   (or the override), fails when the folder is gone, and blocks until the model is loaded or failed;
   a failed reload keeps the old model serving; a change of the instance count alone keeps the
-  surviving instances (their stubs), anything else rebuilds them all;
+  surviving instances (their stubs), anything else rebuilds them all; old instances (of a reload, or of a load
+  right after an unload) finish the requests they run or have queued, then exit (their memory is not counted
+  meanwhile);
 - an unload returns at once; the model is UNLOADING until its stubs exit (a scripted delay), then
   UNAVAILABLE; requests already accepted complete on their stubs; new ones get 404 "... has no available
   versions" (a model never loaded: "... is not found");
@@ -142,6 +144,7 @@ class Stub:
     stopped: bool = False  # SIGSTOP: it takes up nothing until SIGCONT
     busy: bool = False  # its journal's busy flag: a batch runs in the model's code
     last_end: float = 0.0  # virtual seconds when its last batch ended
+    queued: int = 0  # requests sent to this instance that wait for it
     died: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -298,7 +301,7 @@ class FakeTriton:
         if old is not None and old.unloading is not None:  # a load right after an unload builds it anew
             old.unloading.cancel()
             old.unloading = None
-            self._exit(old.stubs)
+            self._retire(old.stubs)  # what they run completes there
             old.stubs, serving = [], False
         keep: list[Stub] = []
         if serving and old is not None and _same_but_count(old.config, config):
@@ -317,8 +320,23 @@ class FakeTriton:
         finally:
             m.starting = [s for s in m.starting if s not in new]
         leaving = [s for s in m.stubs if s not in keep]
-        self._exit(leaving)
         m.stubs, m.config, m.state, m.reason = keep + new, config, "READY", ""
+        self._retire(leaving)
+
+    def _retire(self, stubs: list[Stub]) -> None:
+        """The old instances of a reloaded model: new requests go to the new ones; the requests an old one runs or
+        has queued complete there (they hold the old model), then it exits."""
+        busy = [s for s in stubs if s.alive and (s.running is not None or s.queued)]
+        self._exit([s for s in stubs if s not in busy])
+        if busy:
+            task = asyncio.ensure_future(self._exit_when_idle(busy))
+            self._server_tasks.add(task)
+            task.add_done_callback(self._server_tasks.discard)
+
+    async def _exit_when_idle(self, stubs: list[Stub]) -> None:
+        while any(s.alive and (s.running is not None or s.queued) for s in stubs):
+            await asyncio.sleep(self.exec_delay)
+        self._exit(stubs)
 
     async def _initialize(self, m: Loaded, new: list[Stub], script: LoadScript, serving: bool) -> None:
         """The new stubs' ``initialize``: done, failed, or hanging until they are killed."""
@@ -425,8 +443,12 @@ class FakeTriton:
             if not stub.alive:
                 await asyncio.sleep(DEAD_STUB_WAIT)
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
-            while stub.running is not None and stub.alive:  # one execution at a time per instance
-                await asyncio.sleep(self.exec_delay)
+            stub.queued += 1
+            try:
+                while stub.running is not None and stub.alive:  # one execution at a time per instance
+                    await asyncio.sleep(self.exec_delay)
+            finally:
+                stub.queued -= 1
             if not stub.alive:
                 await asyncio.sleep(DEAD_STUB_WAIT)
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")

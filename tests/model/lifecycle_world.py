@@ -21,7 +21,7 @@ from typing import Any
 from fake_triton import MIB, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime, VirtualTimeLoop
 
 from controlplane.errors import SnoozeError
-from controlplane.gateway.activator import ModelAnswers
+from controlplane.gateway.activator import HoldRegistry, ModelAnswers
 from controlplane.lifecycle import loading, manager, recovery, unloading
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.manager import LifecycleManager
@@ -146,6 +146,10 @@ class LifecycleWorld:
         self.probe = Probe()
         self.manager: LifecycleManager = self._manager()
         self.answers = ModelAnswers(self.manager, self.store, self.settings)
+        self.holds = HoldRegistry(self.answers, root / "held.log")
+        # open holds (a stream through the gateway): token -> (model, the model's idle unloads and evictions when
+        # the hold was taken; None until it is)
+        self.held: dict[str, tuple[str, float | None]] = {}
         self.calls: list[Call] = []
         self.answered: list[Call] = []  # calls with their answers, in the order the checks found them done
         self.ids = itertools.count(1)
@@ -204,6 +208,7 @@ class LifecycleWorld:
             if self.paused_since is not None:
                 self.step(self.resume())
             self.run(self._settle_calls())
+            self.run(self._release_all())
             self.check()
             self.run(self.manager.stop())
             self.run(self.triton.aclose())
@@ -262,6 +267,48 @@ class LifecycleWorld:
         for _ in range(n):
             await self.request(model)
 
+    async def hold(self, model: str) -> None:
+        """A stream (or a large body) through the gateway: the wake filter asks the activator to hold the model
+        (``HoldRegistry.hold``: wake it, keep it in use) until the request ends (``release``)."""
+        token = f"hold-{next(self.ids)}"
+        self.held[token] = (model, None)
+
+        async def go() -> str:
+            try:
+                await self.holds.hold(model, token)
+            except SnoozeError as e:
+                self.held.pop(token, None)
+                return f"{e.status_code}: {e.message}"
+            if token in self.held:  # not ended during the wake
+                self.held[token] = (model, self._unloads(model))
+            return "held"
+
+        self._start("hold", model, go(), LOAD_TIMEOUT + LOAD_ABANDON_SECS + SLACK)
+        await asyncio.sleep(0)
+
+    async def release(self) -> None:
+        """The oldest open stream ends (Envoy logs its end; the activator releases the hold)."""
+        if self.held:
+            token = next(iter(self.held))
+            del self.held[token]
+            await self.holds.release(token)
+
+    async def _end_streams(self, model: str) -> None:
+        """A deleted model's streams end (its unload cuts them): their holds are released."""
+        for token in [t for t, (m, _) in self.held.items() if m == model]:
+            del self.held[token]
+            await self.holds.release(token)
+
+    def _unloads(self, model: str) -> float:
+        """Idle unloads and evictions of ``model`` by this manager: what a hold must prevent."""
+        total = 0.0
+        for family in self.manager.metrics.registry.collect():
+            if family.name in ("snooze_idle_unloads", "snooze_evictions"):
+                total += sum(
+                    s.value for s in family.samples if s.name.endswith("_total") and s.labels.get("model") == model
+                )
+        return total
+
     async def tick(self, secs: float) -> None:
         await asyncio.sleep(secs)
 
@@ -273,7 +320,7 @@ class LifecycleWorld:
                 path=self.package,
                 memory_mb=size_mb * instances if size_mb is not None else None,
                 instances=instances,
-                max_instances=3,
+                max_instances=deployment.pop("max_instances", 3),
                 idle_timeout_secs=deployment.pop("idle_timeout_secs", 5),
                 **deployment,
             )
@@ -305,6 +352,7 @@ class LifecycleWorld:
                 await self.manager.forget(model)
                 self.store.delete(model)
                 self.deleted[model] = self.now
+                await self._end_streams(model)
             return "deleted"
 
         self._start("delete", model, self._api(go()), self._api_bound())
@@ -346,6 +394,7 @@ class LifecycleWorld:
         if self.other_node.exists(model):
             self.other_node.delete(model)
             self.deleted[model] = self.now
+            await self._end_streams(model)
 
     async def crash(self, model: str) -> None:
         self.triton.crash(model)
@@ -379,11 +428,17 @@ class LifecycleWorld:
         Triton: it adopts what Triton has loaded."""
         await self.resume()
         await self._settle_calls()
+        await self._release_all()  # the streams end with the control plane
         await self.manager.stop()
         self.manager = self._manager()
         self.answers = ModelAnswers(self.manager, self.store, self.settings)
+        self.holds = HoldRegistry(self.answers, self.root / "held.log")
         await self.manager.start()
         self.resumed_at = self.now  # no sweep ran while the old manager stopped (it waits for its transitions)
+
+    async def _release_all(self) -> None:
+        while self.held:
+            await self.release()
 
     # ------------------------------------------------------------------ invariants
 
@@ -403,6 +458,9 @@ class LifecycleWorld:
             elif self.now - call.started > call.bound + extra:
                 problems.append(f"{call.what} of '{call.model}' unanswered after {self.now - call.started:.1f}s")
         problems += self._model_problems()
+        for model, unloads in self.held.values():
+            if unloads is not None and self._unloads(model) > unloads:
+                problems.append(f"'{model}' was unloaded for idleness or memory while a stream held it")
         if problems:
             raise Violation("; ".join(problems))
         self.answered += [c for c in self.calls if c.task.done()]

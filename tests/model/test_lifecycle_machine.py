@@ -45,6 +45,8 @@ def random_op(rnd: random.Random, paused: bool) -> Op:
         "remote_publish": (m, rnd.choice(SIZES_MB)),
         "remote_delete": (m,),
         "resume" if paused else "pause": (),
+        "hold": (m,),
+        "release": (),
         "restart": (),
     }
     weights = {"request": 6, "burst": 2, "tick": 4, "publish": 3}
@@ -89,15 +91,29 @@ def as_test(ops: list[Op]) -> str:
     return "\n".join(f"    world.step(world.{name}({', '.join(map(repr, args))}), {gap})" for name, args, gap in ops)
 
 
-# Not in the default tier yet: on some seeds it still finds open violations (a deleted model's record can
-# outlive the delete when a remote delete meets a local one; a request that met a crashed stub after a
-# republish ran twice). The budget overcommit after a restart (SNOOZE_MACHINE_SEED=2866959472) is fixed, and
-# the world also checks that Triton's peak stays within the budget plus one model. A test that passed either
-# way would prove nothing, so it runs on demand, `pytest -m slow tests/model/test_lifecycle_machine.py`, and
-# fails on what it finds, with a shrunk sequence.
+# Random seeds are not in the default tier yet: on some it may still find an open violation (a deleted model's
+# record can outlive the delete when a remote delete meets a local one), and 5,000 steps cost 10-45 s on this
+# 2-core machine. A test that passed either way would prove nothing, so they run on demand,
+# `pytest -m slow tests/model/test_lifecycle_machine.py`, and fail on what they find, with a shrunk sequence. The
+# default tier runs one fixed seed. Fixed from what it found (test_lifecycle_sequences.py): the budget overcommit
+# after a restart (SNOOZE_MACHINE_SEED=2866959472; the world also checks that Triton's peak stays within the
+# budget plus one model), orphan memory of a model deleted across a restart, a request run twice after a crash
+# and a republish (the fake's), settle() spinning the event loop.
 @pytest.mark.slow
 def test_the_lifecycle_keeps_its_invariants_under_random_operations(capsys):
-    run_seed = int(os.environ.get("SNOOZE_MACHINE_SEED") or random.randrange(2**32))
+    machine(capsys, int(os.environ.get("SNOOZE_MACHINE_SEED") or random.randrange(2**32)))
+
+
+# The default tier: one fixed seed's 70 sequences (5,600 steps; 10-20 s here), the same every run. They passed when
+# chosen; a change to the lifecycle that breaks an invariant on their path fails here, with its shrunk sequence.
+DEFAULT_SEED = 9349476
+
+
+def test_the_lifecycle_keeps_its_invariants_on_a_fixed_seed(capsys):
+    machine(capsys, DEFAULT_SEED)
+
+
+def machine(capsys: pytest.CaptureFixture[str], run_seed: int) -> None:
     with capsys.disabled():
         print(f"\nlifecycle state machine: seed {run_seed} (SNOOZE_MACHINE_SEED={run_seed} replays it)")
     logging.getLogger("snoozeml").setLevel(logging.CRITICAL)

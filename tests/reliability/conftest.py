@@ -43,8 +43,13 @@ def serve_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
 
     def make(name: str = "serve", *, topology: str = "embedded", **env: str) -> Serve:
         # A 5 s drain at stop (30 s by default): after the stub-fault scenarios Triton can keep a request of a
-        # dead process in flight, and the teardown would wait out the whole default grace for it.
-        defaults = {"SNOOZE_SWEEP_INTERVAL_SECS": "0.5", "SNOOZE_SHUTDOWN_GRACE_SECS": "5"}
+        # dead process in flight, and the teardown would wait out the whole default grace for it. Triton itself
+        # keeps a model whose stub died live until its exit timeout (10 s by default): 2 s here.
+        defaults = {
+            "SNOOZE_SWEEP_INTERVAL_SECS": "0.5",
+            "SNOOZE_SHUTDOWN_GRACE_SECS": "5",
+            "SNOOZE_TRITON_EXIT_TIMEOUT_SECS": "2",
+        }
         env = {**defaults, **{f"SNOOZE_{k.upper()}": v for k, v in env.items()}}
         serve = Serve(tmp_path_factory.mktemp(name) / "work", {**os.environ, **env}, topology=topology)
         made.append(serve)

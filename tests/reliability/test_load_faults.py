@@ -32,7 +32,8 @@ def serve(serve_factory, package, tmp_path_factory, topology, worker):
     serve.publish("hog", package, params={"load_error": "memory"}, worker=worker)
     serve.publish("hang", hanging, params={"load_sleep": 600.0}, worker=worker)
     serve.hanging, serve.worker = hanging, worker
-    return serve
+    yield serve
+    serve.stop()  # when its topology and worker are done: not idling beside the next ones
 
 
 async def test_out_of_memory_at_load_evicts_retries_once_then_fails_clearly(serve):

@@ -37,7 +37,8 @@ def serve(serve_factory, package, topology, worker):
     for name in "abc":
         serve.publish(f"big-{name}", package, params={"ballast_mb": BALLAST_MB}, worker=worker)
     serve.worker = worker
-    return serve
+    yield serve
+    serve.stop()  # when its topology and worker are done: not idling beside the next ones
 
 
 async def test_the_budget_evicts_the_least_recently_used_model(serve):

@@ -52,7 +52,8 @@ def serve(serve_factory, package, tmp_path_factory, topology, worker):
         serve.publish(f"overrun-{protocol}", limited, params={"marker": marker}, worker=worker)
     serve.triggers = triggers
     serve.worker = worker
-    return serve
+    yield serve
+    serve.stop()  # when its topology and worker are done: not idling beside the next ones
 
 
 @pytest.mark.parametrize("fault", ["sigkill", "segv", "exit"])
