@@ -4,23 +4,9 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from lifecycle_world import LifecycleWorld
 
 from controlplane.lifecycle.state import ModelState
-
-
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LifecycleWorld]:
-    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
-    w = LifecycleWorld(tmp_path, monkeypatch=monkeypatch)
-    yield w
-    w.close()  # answers every call and checks the invariants once more
-    logging.getLogger("snoozeml").setLevel(logging.NOTSET)
 
 
 def sample(world: LifecycleWorld, name: str, **labels: str) -> float:

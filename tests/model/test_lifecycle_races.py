@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from lifecycle_world import LifecycleWorld
 
 from controlplane.lifecycle.state import ModelRecord
 from controlplane.settings import Settings
 from controlplane.stack import ServingStack
-
-
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LifecycleWorld]:
-    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
-    w = LifecycleWorld(tmp_path, monkeypatch=monkeypatch)
-    yield w
-    w.close()
-    logging.getLogger("snoozeml").setLevel(logging.NOTSET)
 
 
 def test_a_crash_is_noticed_while_the_store_follower_reloads_another_model(world):

@@ -3,25 +3,11 @@ found failing, kept as regression tests; each failed before its fix."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
-from lifecycle_world import LifecycleWorld
 
 from controlplane.errors import NotFoundError
 from controlplane.lifecycle.state import ModelState
 from controlplane.store import PublishedModel
-
-
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LifecycleWorld]:
-    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
-    w = LifecycleWorld(tmp_path, monkeypatch=monkeypatch)
-    yield w
-    w.close()  # answers every call and checks the invariants once more
-    logging.getLogger("snoozeml").setLevel(logging.NOTSET)
 
 
 def test_a_delete_during_a_wake_leaves_nothing_loaded(world):

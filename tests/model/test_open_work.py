@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from lifecycle_world import LifecycleWorld
 
 from controlplane.gateway.activator import ReadyFlags
@@ -19,15 +16,6 @@ from controlplane.spec import SequenceSpec
 from controlplane.triton.journal import SEQUENCES_SUFFIX
 
 SEQUENCE = SequenceSpec(max_sequence_idle_secs=5)
-
-
-@pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LifecycleWorld]:
-    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
-    w = LifecycleWorld(tmp_path, monkeypatch=monkeypatch)
-    yield w
-    w.close()
-    logging.getLogger("snoozeml").setLevel(logging.NOTSET)
 
 
 def note_sequences(world: LifecycleWorld, model: str, live: int, for_secs: float) -> None:
