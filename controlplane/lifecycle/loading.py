@@ -169,6 +169,7 @@ class Loader:
                 rec.reserved, rec.gpu_reserved = 0, {}
             self.budget.loaded(rec)
         if evict:
+            await self.budget.enforce(rec)
             await self.gpu.enforce(rec)
         self.warmth.loaded(rec, trigger, elapsed if trigger is not None else None)
         if trigger == "prewarm":

@@ -130,6 +130,7 @@ class LifecycleManager:
         """Adopt what Triton has loaded (a restarted control plane keeps its models), start sweeping
         and watching model processes."""
         await self.sync.start()
+        await self.budget.enforce()  # what was adopted may hold more than the budget
         if not self._tasks:
             self._tasks = [
                 asyncio.create_task(
@@ -203,6 +204,7 @@ class LifecycleManager:
             return
         entries = await self.sync.resync(full=False)
         await self._leave_unpublished(entries)
+        await self.budget.enforce()
         if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
             self.budget.overhead = await asyncio.to_thread(parents_bytes, self.journal_dir, self.processes.proc_root)
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]

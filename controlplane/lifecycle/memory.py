@@ -95,7 +95,7 @@ class MemoryBudget:
             )
         return int(per * instances)
 
-    def used(self, exclude: ModelRecord) -> int:
+    def used(self, exclude: ModelRecord | None) -> int:
         used = self.overhead + sum(self.unrecorded.values())
         for r in self.states.values():
             if r is exclude:
@@ -141,6 +141,28 @@ class MemoryBudget:
                     retry_after=5,
                 )
 
+    async def enforce(self, rec: ModelRecord | None = None) -> list[str]:
+        """Evict idle models (not ``rec``) until what the models hold fits the budget again; their ids.
+
+        Admission keeps loads within the budget on their estimates, but a load can measure more: a republish
+        between the estimate and Triton's read of the files, a model never measured; and a restarted control
+        plane adopts whatever Triton holds. Best effort: models in use stay, and one model alone may exceed it.
+        """
+        if self.settings.memory_budget_mb is None:
+            return []
+        over = self.used(None) - int(self.settings.memory_budget_mb * MIB)
+        if over <= 0 or sum(1 for r in self.states.values() if r.holds_memory) <= 1:
+            return []
+        evicted = await self.evict(rec, over, "memory")
+        log.warning(
+            "models hold %.0f MiB more than the memory budget (%g MiB)%s; evicted %s",
+            over / MIB,
+            self.settings.memory_budget_mb,
+            f" after '{rec.id}' measured {(rec.footprint or 0) / MIB:.0f} MiB" if rec is not None else "",
+            ", ".join(evicted) or "nothing (the others are in use)",
+        )
+        return evicted
+
     def candidate(self, rec: ModelRecord) -> Candidate:
         return Candidate(
             rec.id,
@@ -166,8 +188,8 @@ class MemoryBudget:
         """``count`` requests for the model were served since the last call (Triton's statistics)."""
         self.policy.accessed(rec.id, count)
 
-    async def evict(self, rec: ModelRecord, amount: int, reason: str) -> list[str]:
-        """Unload idle models (``eviction_order``) until ``amount`` bytes are freed; their ids."""
+    async def evict(self, rec: ModelRecord | None, amount: int, reason: str) -> list[str]:
+        """Unload idle models but ``rec`` (``eviction_order``) until ``amount`` bytes are freed; their ids."""
         pending = await self._pending()
         candidates = self.eviction_order(
             [r for r in self.states.values() if r is not rec and r.state is ModelState.READY]
@@ -184,7 +206,7 @@ class MemoryBudget:
             size = victim.footprint or 0
             seen = self.candidate(victim)
             try:
-                unloaded = await self._evict_one(victim, reason, rec.id)
+                unloaded = await self._evict_one(victim, reason, rec.id if rec is not None else "the memory budget")
             except SnoozeError as e:
                 log.warning("model '%s': eviction failed: %s", victim.id, e)
                 continue

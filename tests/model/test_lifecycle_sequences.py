@@ -132,3 +132,20 @@ def test_a_republish_right_after_a_failed_load_does_not_spin_the_event_loop(worl
     world.step(world.tick(0.1), 0.0)
     world.step(world.hold("m2"), 0.05)
     world.step(world.publish("m2", 100, 1), 0.01)
+
+
+def test_a_load_that_measures_more_than_its_estimate_evicts_until_the_budget_holds(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=11, run 38): a republish (150 MiB x 2) landed while the previous
+    version (60 MiB) was loading; Triton read the new files, so the load admitted on 60 MiB measured 300 beside
+    another model's 150 (budget 300), and a restart adopted both: nothing evicted, since the budget was only
+    checked before loads. Now a load that measures more, and a start that adopts more, evict idle models."""
+    world.step(world.publish("m0", 150, 1), 0.01)
+    world.step(world.pause(), 0.0)
+    world.step(world.publish("m1", 100, 1), 1.0)
+    world.step(world.api_load("m1", 1), 1.0)
+    world.step(world.request("m0", 2.0), 0.0)
+    world.step(world.remote_publish("m3", 60), 1.0)
+    world.step(world.request("m3", 2.0), 0.3)
+    world.step(world.resume(), 0.0)
+    world.step(world.publish("m3", 150, 2), 1.0)
+    world.step(world.restart(), 0.3)
