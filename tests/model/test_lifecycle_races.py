@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -86,3 +87,35 @@ async def test_the_stack_stops_every_piece_when_one_fails(tmp_path):
     with pytest.raises(RuntimeError, match="activator would not stop"):
         await stack.stop()
     assert stopped == ["activator", "lifecycle", "admin", "tritonserver"]
+
+
+def test_a_wake_during_the_adoption_of_a_model_loaded_elsewhere_waits_for_it(world):
+    """Race: the resync adopted a model Triton had loaded behind this control plane's back (another tool, an
+    earlier control plane) outside the model's transition slot; a request meanwhile found it unloaded here and
+    had Triton load it again. The adoption is a transition: the wake waits for it and loads nothing."""
+    world.step(world.publish("m0", 60), 0.1)
+    manager, triton = world.manager, world.triton
+    world.run(triton.load("m0"))  # behind the control plane's back
+    loads_before = triton.calls["load"]
+    sync = manager.sync
+    adopt, entered, gate = sync.adopt, asyncio.Event(), asyncio.Event()
+
+    async def slow_adopt(rec: ModelRecord) -> None:  # the adoption measures the model's processes meanwhile
+        entered.set()
+        await gate.wait()
+        await adopt(rec)
+
+    sync.adopt = slow_adopt
+
+    async def race() -> None:
+        resync = asyncio.create_task(sync.resync(full=False))
+        await entered.wait()
+        wake = asyncio.create_task(manager.ensure_ready("m0", timeout=10))
+        await asyncio.sleep(0.5)
+        gate.set()
+        await asyncio.gather(resync, wake)
+
+    world.run(race())
+    sync.adopt = adopt
+    assert triton.calls["load"] == loads_before  # the wake loaded nothing: it waited for the adoption
+    assert manager.states.records["m0"].state.value == "ready"
