@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from controlplane.errors import NotFoundError
 from controlplane.lifecycle.state import ModelRecord
 from controlplane.settings import Settings
 from controlplane.stack import ServingStack
@@ -119,3 +120,25 @@ def test_a_wake_during_the_adoption_of_a_model_loaded_elsewhere_waits_for_it(wor
     sync.adopt = adopt
     assert triton.calls["load"] == loads_before  # the wake loaded nothing: it waited for the adoption
     assert manager.states.records["m0"].state.value == "ready"
+
+
+def test_a_wake_waiting_while_its_model_is_deleted_does_not_load_it_again(world):
+    """Race: a delete (``forget``) dropped the record while a wake-up waited on the model's load; when the delete's
+    unload ended, the wake-up found the model unloaded and had Triton load it again, with no record left to count
+    it or ever unload it. A dropped record starts no transition: the wake-up is told the model is gone."""
+    world.step(world.publish("m0", 60), 0.1)
+    world.step(world.script_load("m0", "ok", 0.5), 0)
+    manager = world.manager
+
+    async def race() -> None:
+        load = asyncio.create_task(manager.load("m0"))
+        await asyncio.sleep(0.1)  # Triton is loading it
+        forget = asyncio.create_task(manager.forget("m0"))  # waits for the load, then unloads and drops
+        await asyncio.sleep(0)
+        wake = asyncio.create_task(manager.ensure_ready("m0", timeout=10))  # waits for the load too
+        await asyncio.gather(load, forget)
+        with pytest.raises(NotFoundError):
+            await wake
+
+    world.run(race())
+    assert "m0" not in world.triton.holding() and "m0" not in manager.states.records
