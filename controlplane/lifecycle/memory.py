@@ -150,7 +150,10 @@ class MemoryBudget:
         """
         if self.settings.memory_budget_mb is None:
             return []
-        over = self.used(None) - int(self.settings.memory_budget_mb * MIB)
+        # what is held, not what loads in flight reserved: those make their own room
+        held = self.overhead + sum(self.unrecorded.values())
+        held += sum(max(r.footprint or 0, r.reserved) for r in self.states.values() if r.holds_memory)
+        over = held - int(self.settings.memory_budget_mb * MIB)
         if over <= 0 or sum(1 for r in self.states.values() if r.holds_memory) <= 1:
             return []
         evicted = await self.evict(rec, over, "memory")
