@@ -27,7 +27,7 @@ from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.memory import OOM_HINT, BudgetInUse, MemoryBudget, declared_bytes, is_oom_error
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
-from controlplane.lifecycle.workers import kill_workers, parents_bytes, worker_bytes, workers_of
+from controlplane.lifecycle.workers import end_model_processes, parents_bytes, worker_bytes, workers_of
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import parse_config
 from controlplane.settings import Settings
@@ -338,9 +338,7 @@ class Loader:
         except TimeoutError:
             pass
         started = [s for s in await self._stubs(rec) if s.pid not in before]
-        workers = workers_of(self.journal_dir, started)  # read first: the notes go with their stubs
-        killed = await asyncio.to_thread(self.processes.kill, started)
-        killed += await asyncio.to_thread(kill_workers, workers)
+        killed = await asyncio.to_thread(end_model_processes, self.processes, self.journal_dir, started)
         if self.processes.visible:
             log.warning("model '%s': load exceeded %gs; killed its model processes %s", rec.id, timeout, killed)
         else:

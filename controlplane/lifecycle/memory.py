@@ -95,13 +95,14 @@ class MemoryBudget:
             )
         return int(per * instances)
 
-    def used(self, exclude: ModelRecord | None) -> int:
+    def used(self, exclude: ModelRecord | None, *, reserved: bool = True) -> int:
+        """Bytes held beside ``exclude``: by loaded models, and (``reserved``) set aside by loads in flight."""
         used = self.overhead + sum(self.unrecorded.values())
         for r in self.states.values():
             if r is exclude:
                 continue
             if r.state is ModelState.LOADING:
-                used += r.reserved
+                used += r.reserved if reserved else 0
             elif r.holds_memory:  # a loaded model being reloaded or rescaled holds the larger of the two
                 used += max(r.footprint or 0, r.reserved)
         return used
@@ -151,9 +152,7 @@ class MemoryBudget:
         if self.settings.memory_budget_mb is None:
             return []
         # what is held, not what loads in flight reserved: those make their own room
-        held = self.overhead + sum(self.unrecorded.values())
-        held += sum(max(r.footprint or 0, r.reserved) for r in self.states.values() if r.holds_memory)
-        over = held - int(self.settings.memory_budget_mb * MIB)
+        over = self.used(None, reserved=False) - int(self.settings.memory_budget_mb * MIB)
         if over <= 0 or sum(1 for r in self.states.values() if r.holds_memory) <= 1:
             return []
         evicted = await self.evict(rec, over, "memory")

@@ -53,7 +53,6 @@ remote Triton), every unload is Triton's own, waited for through the index.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import time
@@ -63,10 +62,10 @@ from pathlib import Path
 
 from controlplane.errors import SnoozeError, TritonError
 from controlplane.lifecycle.state import ModelRecord
-from controlplane.lifecycle.workers import kill_workers, workers_of
+from controlplane.lifecycle.workers import end_model_processes
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
-from controlplane.triton.client import BUSY_STATES, TritonAdminClient
+from controlplane.triton.client import TritonAdminClient, wait_unloaded
 from controlplane.triton.journal import read_activity, remove_journal
 from controlplane.triton.processes import StubProcess, TritonProcesses
 
@@ -185,10 +184,7 @@ class Unloader:
         if queued > 0:  # Triton runs what it had queued before it lets go: on live stubs
             await asyncio.to_thread(self.processes.signal, stubs, signal.SIGCONT)
             return await self._wait(rec, stubs, unloading=True)
-        workers = workers_of(journal_dir, stubs)
-        killed = await asyncio.to_thread(self.processes.kill, stubs)
-        await asyncio.to_thread(kill_workers, workers, self.processes.proc_root)
-        await self._gone(rec, stubs)
+        killed = await self._kill(rec, stubs)
         for stub in stubs:
             remove_journal(journal_dir, stub)
         log.debug("model '%s': ended its processes %s once Triton had taken it out of service", rec.id, killed)
@@ -203,17 +199,14 @@ class Unloader:
         bound = HEALTH_PROBE_SECS + self.settings.unload_finalize_secs
         try:
             if unloading:
-                await self._index_lets_go(rec, bound)
+                await wait_unloaded(self.triton, rec.id, bound)
             else:
                 await self.triton.unload(rec.id, wait=True, timeout=bound)
             return "waited"
         except TritonError:
             if not any(await asyncio.to_thread(lambda: [self.processes.alive(s) for s in stubs])):
                 raise  # its processes are gone yet Triton still holds it: the caller marks it draining
-        workers = workers_of(self.journal_dir, stubs)
-        killed = await asyncio.to_thread(self.processes.kill, stubs)
-        await asyncio.to_thread(kill_workers, workers, self.processes.proc_root)
-        await self._gone(rec, stubs)
+        killed = await self._kill(rec, stubs)
         log.warning(
             "model '%s': its processes %s had not exited %gs after the unload (its unload() or finalize overran); "
             "ended them",
@@ -223,21 +216,17 @@ class Unloader:
         )
         return "waited"
 
-    async def _index_lets_go(self, rec: ModelRecord, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.01
-        while any(e.name == rec.id and e.state in BUSY_STATES for e in await self.triton.repository_index()):
-            if time.monotonic() >= deadline:
-                raise TritonError(f"model '{rec.id}' is still unloading {timeout:g}s after its unload")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
+    async def _kill(self, rec: ModelRecord, stubs: list[StubProcess]) -> list[int]:
+        """End the model's stubs and their workers; return (their pids) once they hold no memory."""
+        killed = await asyncio.to_thread(end_model_processes, self.processes, self.journal_dir, stubs)
+        await self._gone(rec, stubs)
+        return killed
 
     async def _gone(self, rec: ModelRecord, stubs: list[StubProcess]) -> None:
         """Return once the killed processes hold no memory (gone, or zombies)."""
         deadline = time.monotonic() + KILL_WAIT_SECS
         while any(await asyncio.to_thread(lambda: [self.processes.alive(s) for s in stubs])):
             if time.monotonic() >= deadline:
-                with contextlib.suppress(Exception):
-                    log.warning("model '%s': processes still alive %gs after SIGKILL", rec.id, KILL_WAIT_SECS)
+                log.warning("model '%s': processes still alive %gs after SIGKILL", rec.id, KILL_WAIT_SECS)
                 return
             await asyncio.sleep(0.002)

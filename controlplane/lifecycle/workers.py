@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from controlplane.triton.journal import PARENT_PREFIX, PARENT_SUFFIX, WORKER_SUFFIX
-from controlplane.triton.processes import StubProcess, read_stat
+from controlplane.triton.processes import StubProcess, TritonProcesses, read_stat
 from python_backend.exits import describe_wait_status
 
 
@@ -127,6 +127,13 @@ def kill_workers(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc
                 os.kill(worker.pid, signal.SIGKILL)
                 killed.append(worker.pid)
     return killed
+
+
+def end_model_processes(processes: TritonProcesses, journal_dir: Path | None, stubs: list[StubProcess]) -> list[int]:
+    """SIGKILL a model's stubs and their preforked workers (named first: their notes go with their stubs);
+    the pids ended."""
+    workers = workers_of(journal_dir, stubs)
+    return processes.kill(stubs) + kill_workers(workers, processes.proc_root)
 
 
 def parents(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> list[PreloadedParent]:

@@ -172,18 +172,7 @@ class TritonAdminClient:
             raise TritonError(f"Triton failed to unload model '{name}': {_error_text(r)}")
         if not wait:
             return
-        delay = 0.01
-        while True:
-            busy = [e for e in await self.repository_index() if e.name == name and e.state in BUSY_STATES]
-            if not busy:
-                return
-            if time.monotonic() >= deadline:
-                raise TritonError(
-                    f"model '{name}' is still {busy[0].state} {timeout}s after its unload",
-                    hint="a python model's finalize() may hang; restarting Triton always frees it",
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.2)
+        await wait_unloaded(self, name, deadline - time.monotonic(), after=timeout)
 
     async def model_stats(self, name: str, version: str = "") -> ModelStats:
         path = f"/v2/models/{name}/versions/{version}/stats" if version else f"/v2/models/{name}/stats"
@@ -215,6 +204,25 @@ class TritonAdminClient:
 
     async def pending_request_counts(self) -> dict[str, float]:
         return parse_pending_request_counts(await self.metrics_text())
+
+
+async def wait_unloaded(triton: Any, name: str, timeout: float, *, after: float | None = None) -> None:
+    """Poll ``triton``'s repository index (any object with ``repository_index``) until the model is UNAVAILABLE
+    or absent; TritonError when it is still busy after ``timeout`` seconds (``after``: the seconds the message
+    names, since the unload call)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.01
+    while True:
+        busy = [e for e in await triton.repository_index() if e.name == name and e.state in BUSY_STATES]
+        if not busy:
+            return
+        if time.monotonic() >= deadline:
+            raise TritonError(
+                f"model '{name}' is still {busy[0].state} {timeout if after is None else after:g}s after its unload",
+                hint="a python model's finalize() may hang; restarting Triton always frees it",
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 async def wait_for_triton(http_url: str, headers: dict[str, str] | None, timeout: float) -> None:
