@@ -652,12 +652,15 @@ def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
     for a loaded and a sleeping model, get 503 / UNAVAILABLE and reach neither Triton nor the activator."""
     warm, asleep = stack.publish("gw_gate"), stack.publish("gw_gate_asleep")
     stack.loop.run(stack.lifecycle.ensure_ready(warm))
+    loaded = _successes(stack, warm, at_least=1)  # the load's own warm-up inference
     x = _x()
     with stack.http() as h, stack.grpc() as g, httpx.Client(base_url=stack.gateway.http_url, headers=KEY) as raw:
         np.testing.assert_allclose(http_infer(h, warm, x), x * 3)
         np.testing.assert_allclose(grpc_infer(g, warm, x), x * 3)
         assert raw.get(f"/v2/models/{warm}/ready").status_code == 200  # a keep-alive connection, now idle
-        served = _successes(stack, warm, at_least=2)  # Triton counts a request just after answering it
+        # Triton counts a request just after answering it: wait for both (a count of 2 was once read as
+        # warm-up + the first request, with the second counted later).
+        served = _successes(stack, warm, at_least=loaded + 2)
         stack.gateway.close_gate()
         try:
             assert stack.gateway.gate_closed()
