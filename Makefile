@@ -15,7 +15,7 @@ VENV310   ?= .venv310
 RUNTIME_TESTS := tests/unit/test_python_backend_batching.py tests/unit/test_python_backend_runtime_parts.py \
                  tests/unit/test_prefork.py
 
-.PHONY: serve test test-runtime-py310 install install-dev examples bench lint clean engine images compose-test
+.PHONY: serve test test-runtime-py310 install install-dev examples bench lint clean engine images compose-test render
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,11 @@ else
 		[importlib.import_module('python_backend.' + m.name) for m in pkgutil.iter_modules(p.__path__)]"
 	$(VENV310)/bin/python -m pytest -c /dev/null --rootdir . --noconftest -p no:cacheprovider -q $(RUNTIME_TESTS)
 endif
+
+# docker-compose.yml and deploy/k8s/base/{deployment,services}.yaml from one description (deploy/stack.toml)
+# and their templates (deploy/templates/); tests/unit/test_deploy_render.py fails when they differ.
+render:
+	$(PYTHON) deploy/render.py
 
 # The shipped docker-compose.yml in a Docker engine (tests/compose, marker `compose`; not in `make test`).
 # engine: start one if none answers (as root: apt-get install docker.io, dockerd --bridge=none ...); its exit
