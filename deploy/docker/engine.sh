@@ -22,6 +22,10 @@ WAIT=${ENGINE_WAIT_SECS:-60}
 
 say() { echo "engine: $*" >&2; }
 
+# dockerd lives in /usr/sbin (Debian's docker.io): look there too when PATH lacks it (root through
+# `su` or a CI step keeps a user's PATH).
+PATH=$PATH:${ENGINE_SBIN_DIRS-/usr/local/sbin:/usr/sbin:/sbin}
+
 if ! command -v docker >/dev/null 2>&1; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     say "no docker client: installing Debian's docker.io"
