@@ -79,7 +79,8 @@ engine:
 images: engine
 	deploy/docker/build-images.sh
 
-compose-test: install-dev engine
+# The images are built before pytest starts (a first build takes minutes: outside its per-test timeout).
+compose-test: install-dev images
 	@command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 \
 		|| DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-compose \
 		|| echo "compose-test: no compose binary and docker-compose could not be installed: the tests skip"
