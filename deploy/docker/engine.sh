@@ -24,7 +24,8 @@ say() { echo "engine: $*" >&2; }
 
 # dockerd lives in /usr/sbin (Debian's docker.io): look there too when PATH lacks it (root through
 # `su` or a CI step keeps a user's PATH).
-PATH=$PATH:${ENGINE_SBIN_DIRS-/usr/local/sbin:/usr/sbin:/sbin}
+SBIN_DIRS=${ENGINE_SBIN_DIRS-/usr/local/sbin:/usr/sbin:/sbin}
+[ -n "$SBIN_DIRS" ] && PATH=$PATH:$SBIN_DIRS
 
 if ! command -v docker >/dev/null 2>&1; then
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then

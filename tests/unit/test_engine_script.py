@@ -127,7 +127,7 @@ def test_an_answering_engine_is_left_alone(world: World) -> None:
     ("not_root", 10, "this is not root"),
     ("no_apt", 11, "no apt-get to install them"),
     ("apt_fails", 11, "apt-get install docker.io debootstrap failed"),
-    ("never_answers", 12, "did not answer within 2s"),
+    ("never_answers", 12, "did not answer within 1s"),
 ])
 def test_each_failure_has_its_exit_code_and_says_why(tmp_path: Path, setup: str, code: int, words: str) -> None:
     world = World(tmp_path, root=setup not in ("no_client_not_root", "not_root"))
@@ -139,7 +139,7 @@ def test_each_failure_has_its_exit_code_and_says_why(tmp_path: Path, setup: str,
         world.dockerd(answers=False)
         _stub(world.bin, "debootstrap", "true")
     try:
-        proc = world.run(wait=2)
+        proc = world.run(wait=1)
     finally:
         _end_dockerd(world)
     assert proc.returncode == code, proc.stderr
