@@ -24,7 +24,9 @@ mkdir -p "$CACHE"
 say() { echo "build-images: $*" >&2; }
 hash_of() { sha256sum | cut -c1-12; }
 have_image() { docker image inspect "$1" >/dev/null 2>&1; }
-timed() { local t0=$SECONDS; "$@"; say "  ($((SECONDS - t0)) s)"; }
+# The step's time goes to the script's stderr (fd 3), not where the step's own output is redirected.
+exec 3>&2
+timed() { local t0=$SECONDS rc=0; "$@" || rc=$?; echo "build-images:   ($((SECONDS - t0)) s)" >&3; return $rc; }
 
 # 1. Base image.
 base_tag=$(printf '%s\n' "v1 minbase $SUITE $INCLUDE" | hash_of)
@@ -86,6 +88,7 @@ fi
 rm -rf .wheelhouse
 docker tag "$CP" snoozeml-controlplane:local
 
+say "images ready after ${SECONDS} s"
 echo "SNOOZE_BASE_IMAGE=$BASE"
 echo "SNOOZE_TRITON_IMAGE=$TRITON"
 echo "SNOOZE_CONTROLPLANE_IMAGE=$CP"
