@@ -1,14 +1,17 @@
 """docker-compose.yml and the Kubernetes pod (deploy/k8s/base) describe one stack: what tests/compose proves
 on the compose file carries over to the pod only where the two agree.
 
-``STACK`` below is that one description: Triton's flags, the ports, the uid, the shared folders, the
-journal, the health endpoints, the control plane's arguments. Each file is read into the same shape and
-must equal it; where they differ by design (Triton's address: the compose network vs the pod's loopback;
-the probes' form: a compose healthcheck vs exec/httpGet probes) the description says so.
+``STACK`` below is that one description (deploy/stack.toml, from which ``make render`` writes both files:
+tests/unit/test_deploy_render.py): Triton's flags, the ports, the uid, the shared folders, the journal, the
+health endpoints, the control plane's arguments. Each file is read back into the same shape and must equal
+it (what the containers get, not the text: this checks the rendering's meaning); where they differ by design
+(Triton's address: the compose network vs the pod's loopback; the probes' form: a compose healthcheck vs
+exec/httpGet probes) the test says so.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -21,46 +24,55 @@ COMPOSE = ROOT / "docker-compose.yml"
 POD = ROOT / "deploy" / "k8s" / "base" / "deployment.yaml"
 KEY = "<SNOOZE_TRITON_ADMIN_KEY>"
 
-STACK = {
-    "uid": "10001:10001",
-    "triton": {
-        "image": "nvcr.io/nvidia/tritonserver:24.10-py3",
-        "args": [
-            "--model-repository=/models",
-            "--model-control-mode=explicit",
-            "--disable-auto-complete-config",
-            "--strict-readiness=false",
-            "--exit-timeout-secs=30",
-            "--http-port=8100",
-            "--grpc-port=8101",
-            "--metrics-port=8102",
-            f"--http-restricted-api=model-repository:snooze-admin={KEY}",
-            f"--grpc-restricted-protocol=model-repository:snooze-admin={KEY}",
-            "--http-header-forward-pattern=^x-snooze-request-id$",
-            "--grpc-header-forward-pattern=^x-snooze-request-id$",
-            "--backend-config=python,shm-default-byte-size=16777216",
-            "--backend-config=python,shm-growth-byte-size=16777216",
-        ],
-        "env": {"SNOOZE_JOURNAL_DIR": "/run/snooze/journal", "HOME": "/tmp"},
-        "mounts": {"/models": "ro", "/run/snooze": "rw"},
-        "ready": "http://127.0.0.1:8100/v2/health/ready",
-        "locked_down": True,
-    },
-    "controlplane": {
-        "args": ["--models", "/srv/models", "--work-dir", "/var/lib/snooze", "--host", "0.0.0.0",
-                 "--triton-url", "http://TRITON:8100", "--triton-grpc-url", "TRITON:8101", "--target", "full"],
-        "env": {
-            "SNOOZE_TARGET": "full", "SNOOZE_TRITON_URL": "http://TRITON:8100", "SNOOZE_TRITON_GRPC_URL": "TRITON:8101",
-            "SNOOZE_TRITON_METRICS_URL": "http://TRITON:8102", "SNOOZE_JOURNAL_DIR": "/run/snooze/journal",
-            "SNOOZE_HOST": "0.0.0.0", "SNOOZE_MODEL_REPOSITORY": "/models", "SNOOZE_WORK_DIR": "/var/lib/snooze",
+def _described() -> dict:
+    """deploy/stack.toml in the shape below, with the values the containers get (the defaults, the key as KEY)."""
+    spec = importlib.util.spec_from_file_location("snooze_deploy_render", ROOT / "deploy" / "render.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    d = render.load()
+    ports = {f"triton_{n}": str(p) for n, p in d["triton"]["ports"].items()}
+    values = {"admin_key": KEY, "triton_host": "TRITON", **ports,
+              **{f"volume.{k}": v["path"] for k, v in d["volumes"].items()}}
+
+    def fill(text: str) -> str:
+        return re.sub(r"\{([\w.]+)\}", lambda m: values[m[1]], text)
+
+    def mounts(part: str) -> dict[str, str]:
+        # the work dir is the control plane's own (compose: the image's folder; the pod: an emptyDir)
+        return {d["volumes"][m["volume"]]["path"]: "ro" if m.get("read_only") else "rw"
+                for m in d[part]["mounts"] if m["volume"] != "work"}
+
+    args = []
+    for group in d["triton"]["args"]:
+        args += [fill(f) for f in group.get("flags", [])]
+        if group.get("ports"):
+            args += [f"--{n}-port={p}" for n, p in d["triton"]["ports"].items()]
+    cp = d["controlplane"]
+    locked = d["drop_capabilities"] == ["ALL"] and d["no_new_privileges"]
+    return {
+        "uid": f"{d['uid']}:{d['gid']}",
+        "triton": {
+            "image": d["triton"]["image"],
+            "args": args,
+            "env": {e["name"]: fill(e["value"]) for e in d["triton"]["env"]},
+            "mounts": mounts("triton"),
+            "ready": f"http://127.0.0.1:{d['triton']['ports']['http']}{d['triton']['ready']}",
+            "locked_down": locked,
         },
-        "secrets": {"SNOOZE_TRITON_ADMIN_KEY", "SNOOZE_API_KEYS", "SNOOZE_ADMIN_KEYS"},
-        "ports": {8000, 8001, 8080},
-        "mounts": {"/models": "rw", "/run/snooze": "rw", "/srv/models": "ro"},
-        "ready": "/health/ready",
-        "locked_down": True,
-    },
-}
+        "controlplane": {
+            "args": [fill(a) for a in cp["args"]],
+            "env": {e["name"]: fill(e["value"]) for e in cp["env"]},
+            "secrets": {x["name"] for x in cp["secrets"]},
+            "ports": set(cp["ports"].values()),
+            "mounts": mounts("controlplane"),
+            "ready": cp["ready"],
+            "locked_down": locked,
+        },
+    }
+
+
+# The one description (deploy/stack.toml), as a shape both files are read into.
+STACK = _described()
 # Where they differ by design: Triton's host as the control plane names it (compose: the service name on
 # the compose network; the pod: loopback, Triton binds 127.0.0.1 only), and Triton's bind-address flags.
 TRITON_HOST = {"compose": "triton", "pod": "127.0.0.1"}

@@ -90,11 +90,12 @@ def test_unknown_placeholder_names_the_template_line_and_the_known_names() -> No
 
 
 def test_check_mode_names_a_drifted_file(tmp_path: Path) -> None:
-    # A copy of the repository's deploy inputs with one shipped file edited by hand.
-    for rel in ["deploy/render.py", "deploy/stack.toml", *(f"deploy/templates/{t}" for t, _ in render.OUTPUTS.values()),
-                *render.OUTPUTS]:
+    # A copy of the repository's deploy inputs and their renderings, then one rendered file edited by hand.
+    files = {rel: (ROOT / rel).read_text() for rel in
+             ["deploy/render.py", "deploy/stack.toml", *(f"deploy/templates/{t}" for t, _ in render.OUTPUTS.values())]}
+    for rel, text in {**files, **render.rendered()}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text((ROOT / rel).read_text())
+        (tmp_path / rel).write_text(text)
     pod = tmp_path / "deploy/k8s/base/deployment.yaml"
     pod.write_text(pod.read_text().replace("--http-port=8100", "--http-port=8111"))
     run = [sys.executable, str(tmp_path / "deploy/render.py"), "--check"]
