@@ -61,12 +61,12 @@ fi
 say "starting dockerd --bridge=none --iptables=false --ip-masq=false (log: $LOG)"
 # setsid: the daemon outlives the shell (and the CI step) that started it.
 setsid dockerd --bridge=none --iptables=false --ip-masq=false >>"$LOG" 2>&1 < /dev/null &
-for _ in $(seq 1 "$WAIT"); do
+for _ in $(seq 1 $((WAIT * 5))); do
   if docker info >/dev/null 2>&1; then
     say "engine up ($(docker version --format '{{.Server.Version}}' 2>/dev/null))"
     exit 0
   fi
-  sleep 1
+  sleep 0.2
 done
 say "dockerd did not answer within ${WAIT}s; last lines of $LOG:"
 tail -n 20 "$LOG" >&2
