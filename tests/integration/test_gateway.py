@@ -543,6 +543,30 @@ def test_a_stream_holds_every_model_it_names(stack: Stack):
           "both holds released at the stream's end")  # fmt: skip
 
 
+def test_a_stream_wakes_a_sleeping_model_it_names_after_an_earlier_wake(stack: Stack):
+    """A stream's first message woke its model; a later message names another sleeping model (each sent after
+    the answer to the one before): that model is woken before its message moves on too (the next wake filter of
+    the chain takes over where the one that waited ended), where it used to get Triton's "unknown model"."""
+    names = [stack.publish(f"gw_stream_later{i}") for i in (1, 2, 3)]
+    results: list[Any] = []
+    with stack.grpc() as g:
+        g.start_stream(callback=lambda result, error: results.append(error or result), headers=GRPC_KEY)
+        for rows, name in enumerate([*names, names[0]], start=1):
+            inp = grpcclient.InferInput("x", [rows, 4], "FP32")
+            inp.set_data_from_numpy(_x(rows))
+            g.async_stream_infer(name, [inp], request_id=f"{name}-{rows}")
+            until(lambda rows=rows: len(results) == rows, f"answer {rows} on the stream")
+        assert all(not isinstance(r, InferenceServerException) for r in results), results
+        for r in results:
+            rows = int(r.get_response().id.rpartition("-")[2])
+            np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
+        assert [stack.load_count(name) for name in names] == [1, 1, 1]
+        until(lambda: [stack.activator.holds.open(name) for name in names] == [1, 1, 1],
+              "a hold of each model the stream names")  # fmt: skip
+        g.stop_stream()
+    until(lambda: sum(stack.activator.holds.open(name) for name in names) == 0, "every hold released at the end")
+
+
 @contextlib.contextmanager
 def _control_plane_blocked(stack: Stack) -> Iterator[None]:
     """The activator's event loop (the control plane's) stuck in a blocking call while the block runs."""
