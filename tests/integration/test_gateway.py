@@ -460,6 +460,33 @@ def test_repository_load_unload_need_the_admin_scope(stack: Stack):
             h.load_model(name, headers={"X-API-Key": ADMIN_KEY}, config=json.dumps({"max_batch_size": 2}))
 
 
+def test_repository_unload_and_load_answer_as_triton_does(stack: Stack):
+    """What Triton's model-control client examples check: a model a client unloaded through the repository API
+    is not ready (a sleeping model otherwise is) until it is loaded again, by a repository load or a request that
+    wakes it; a load of a model the repository lacks fails in Triton's words ("failed to load", 500 / INTERNAL)."""
+    name = stack.publish("gw_control")
+    admin, grpc_admin = {"X-API-Key": ADMIN_KEY}, {"x-api-key": ADMIN_KEY}
+    with stack.http() as h, stack.grpc() as g:
+        assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)  # asleep: ready
+        g.load_model(name, headers=grpc_admin)
+        g.unload_model(name, headers=grpc_admin)
+        assert not g.is_model_ready(name, headers=GRPC_KEY) and not h.is_model_ready(name, headers=KEY)
+        http_infer(h, name, _x())  # a request still wakes it, and then it is ready again
+        assert g.is_model_ready(name, headers=GRPC_KEY) and h.is_model_ready(name, headers=KEY)
+        h.unload_model(name, headers=admin)
+        assert not h.is_model_ready(name, headers=KEY)
+        h.load_model(name, headers=admin)
+        assert h.is_model_ready(name, headers=KEY) and stack.triton_ready(name)
+        words = "failed to load 'gw_nope', failed to poll from model repository"
+        with pytest.raises(InferenceServerException) as info:
+            h.load_model("gw_nope", headers=admin)
+        assert info.value.status() == "500" and info.value.message().startswith(words)
+        assert "'gw_nope' is not published" in info.value.message()
+        with pytest.raises(InferenceServerException) as info:
+            g.load_model("gw_nope", headers=grpc_admin)
+        assert info.value.status() == "StatusCode.INTERNAL" and info.value.message().startswith(words)
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_64_mib_request_wakes_a_sleeping_model(stack: Stack, protocol: str):
     """A body far over ``wake_buffer_bytes`` wakes its model (the wake filter, not the retry), runs once,
