@@ -34,7 +34,7 @@ from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
-from controlplane.lifecycle.sequences import LiveSequences
+from controlplane.lifecycle.sequences import LiveSequences, describe_live
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
 from controlplane.lifecycle.triton_sync import TritonSync
 from controlplane.lifecycle.unloading import Unloader
@@ -176,11 +176,15 @@ class LifecycleManager:
         {model: live sequences} of those still live then (empty: none). A graceful stop and the snapshot
         quiesce call it while the gateway still admits requests (the sequences' next ones must get through)."""
         deadline = time.monotonic() + timeout
+        said = False
         while True:
             live = self.sequences.live_counts(self.states.values(), time.time())
             left = deadline - time.monotonic()
             if not live or left <= 0:
                 return live
+            if not said:
+                log.info("waiting up to %gs for %s to end", timeout, describe_live(live))
+                said = True
             await asyncio.sleep(min(SEQUENCE_POLL_SECS, left))
 
     def resume(self) -> None:
