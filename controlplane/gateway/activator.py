@@ -248,8 +248,11 @@ class BadRequestError(SnoozeError):
 
 def _no_overrides(parameters: Iterable[str], name: str) -> None:
     if any(parameters):
-        raise BadRequestError(
-            f"load parameters for model '{name}' are not accepted through the gateway",
+        raise BadRequestError(  # Triton's words for a load that did not happen first (clients check them)
+            words.explained(
+                f"{words.LOAD_UNKNOWN} '{name}'",
+                f"load parameters for model '{name}' are not accepted through the gateway",
+            ),
             hint="publish a new deployment (snoozectl publish) to change a model's configuration",
         )
 

@@ -487,8 +487,9 @@ def test_repository_unload_and_load_answer_as_triton_does(stack: Stack):
         assert info.value.status() == "StatusCode.INTERNAL" and info.value.message().startswith(words)
         # Triton 2.51 aborts on a load whose file parameter's name is longer than NAME_MAX (measured; newer
         # Triton's model-control example checks it): load parameters never reach Triton through the gateway.
-        with pytest.raises(InferenceServerException, match="not accepted through the gateway"):
+        with pytest.raises(InferenceServerException, match="not accepted through the gateway") as info:
             g.load_model(name, headers=grpc_admin, config="{}", files={"file:" + "A" * 256: b"a"})
+        assert info.value.message().startswith(f"failed to load '{name}': snoozeml: ")
         assert g.is_server_live() and stack.triton_ready(name)
 
 
