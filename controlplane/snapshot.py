@@ -17,7 +17,8 @@ it owns (``ready-for-snapshot``, ``triton-restore-ready``, ``restore-failed``) l
 of the container, before it starts anything; ``restore-complete`` belongs to the agent and is left
 alone.
 
-Capture: start the stack, load the models, one real inference each, then quiesce: close the gateway's
+Capture: start the stack, load the models, one real inference each, then quiesce: let live sequences end
+(the gate still open; still live after ``--quiesce-timeout``: no capture, an error naming them), close the gateway's
 snapshot gate (every request on every connection, also one opened before, is answered 503 / gRPC
 UNAVAILABLE by Envoy and reaches neither Triton nor the activator), drain Envoy's listeners (no new
 connection) and wait until it has no request in flight, pause the lifecycle (no sweep: no idle
@@ -61,6 +62,7 @@ from rich.console import Console
 
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle import ModelState
+from controlplane.lifecycle.sequences import describe_live
 from controlplane.render import DEPLOYMENT_FILE, parse_config, render_model
 from controlplane.settings import Settings
 from controlplane.spec import discover, resolve
@@ -417,6 +419,15 @@ class SnapshotEntrypoint:
         assert stack is not None and stack.gateway is not None and stack.admin is not None
         assert stack.lifecycle is not None
         deadline = time.monotonic() + self.quiesce_timeout
+        # Live sequences first, while the gate is open (their next requests must get in): a snapshot would
+        # capture their state mid-sequence, for clients that lose it.
+        left = await stack.lifecycle.wait_for_sequences(self.quiesce_timeout)
+        if left:
+            raise SnapshotError(
+                f"{describe_live(left)} did not end within --quiesce-timeout ({self.quiesce_timeout:g}s): a snapshot "
+                "would capture them mid-sequence",
+                hint="end the sequences (sequence_end) before the capture, or raise --quiesce-timeout",
+            )
         # Gate first: requests already past it (a wake-up at the activator included) finish with the
         # lifecycle still running; none can follow, not even over a connection opened before the drain.
         await asyncio.to_thread(stack.gateway.close_gate)

@@ -1,8 +1,9 @@
 """`snoozectl serve`: wire Triton, the lifecycle manager, the activator, Envoy and the control API
 together, start them in dependency order and stop them in reverse.
 
-Shutdown: the first SIGINT/SIGTERM stops admitting new requests at the gateway, lets in-flight ones
-finish (bounded by ``shutdown_grace_secs``), then stops Envoy, the control API, the activator,
+Shutdown: the first SIGINT/SIGTERM lets live sequences end while the gateway still admits (a stateful
+model's state would be lost), then stops admitting new requests at the gateway, lets in-flight ones
+finish (both bounded by one ``shutdown_grace_secs``), then stops Envoy, the control API, the activator,
 the lifecycle manager and Triton; a second signal skips the wait.
 """
 
@@ -219,9 +220,12 @@ class ServingStack:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._api_task, timeout=5)
 
+        deadline = time.monotonic() + s.shutdown_grace_secs
+        if self.lifecycle is not None:  # first, while the gateway still admits: their next requests must get in
+            await step("live sequences", lambda: self._wait_sequences(s.shutdown_grace_secs))
         if self.gateway is not None:
             gateway = self.gateway
-            await step("gateway", lambda: self._drain_gateway(s.shutdown_grace_secs))
+            await step("gateway", lambda: self._drain_gateway(max(deadline - time.monotonic(), 0.0)))
             await step("gateway", lambda: asyncio.to_thread(gateway.stop))
         if self._api is not None and self._api_task is not None:
             await step("control API", api)
@@ -236,6 +240,31 @@ class ServingStack:
             await step("tritonserver", lambda: asyncio.to_thread(triton.stop))
         if failures:
             raise failures[0]
+
+    async def _wait_sequences(self, grace: float) -> None:
+        """Let live sequences end (their END, or Triton's idle bound), at most ``grace`` seconds or until a second
+        Ctrl-C; those still live are ended by the stop, which says so."""
+        wait_for = getattr(self.lifecycle, "wait_for_sequences", None)
+        if wait_for is None or self._force.is_set():
+            return
+        wait = asyncio.create_task(wait_for(grace))
+        force = asyncio.create_task(self._force.wait())
+        await asyncio.wait({wait, force}, return_when=asyncio.FIRST_COMPLETED)
+        force.cancel()
+        if not wait.done():
+            wait.cancel()
+            return
+        left = wait.result()
+        if left:
+            from controlplane.lifecycle.sequences import describe_live
+
+            log.warning(
+                "stopping ends %s: they did not end within shutdown_grace_secs (%gs); a client's next request of "
+                "such a sequence gets Triton's error (end sequences before stopping, or raise "
+                "SNOOZE_SHUTDOWN_GRACE_SECS)",
+                describe_live(left),
+                grace,
+            )
 
     async def _drain_gateway(self, grace: float) -> None:
         drain = getattr(self.gateway, "drain", None)

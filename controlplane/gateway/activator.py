@@ -107,6 +107,27 @@ class ModelAnswers:
         self.waker = waker
         self.store = store
         self.settings = settings
+        # Unloaded by a client through Triton's repository API: not ready (Triton's answer after an unload)
+        # until the model is READY again (a repository load, or a request that woke it).
+        self.unloaded_by_client: set[str] = set()
+
+    def published_for_load(self, name: str) -> PublishedModel:
+        """``published`` for a repository load: an unpublished model in Triton's words for a load (500)."""
+        try:
+            return self.store.get(name)
+        except NotFoundError as e:
+            raise words.LoadUnknownModelError(name, e) from None
+
+    async def unload(self, name: str) -> None:
+        """Repository unload (admin): the model sleeps now and reports not ready until it is loaded again."""
+        await self.waker.unload(name, reason="api")
+        if self.state(name) != "ready":
+            self.unloaded_by_client.add(name)
+
+    def on_state(self, name: str, state: Any) -> None:
+        """Lifecycle state listener: a model READY again (or gone) is no longer one a client unloaded."""
+        if state is None or str(getattr(state, "value", state)) == "ready":
+            self.unloaded_by_client.discard(name)
 
     def published(self, name: str, version: str = "") -> PublishedModel:
         """The published model; else Triton's own "unknown model" words (404), snoozeml's reason after."""
@@ -181,8 +202,9 @@ class ModelAnswers:
         return str(getattr(state, "value", state))
 
     def ready(self, name: str) -> bool:
-        """Published and not failed: a request would be served (after a wake if it sleeps)."""
-        return self.store.exists(name) and self.state(name) != "failed"
+        """Published and not failed: a request would be served (after a wake if it sleeps). Not ready after a
+        client's repository unload, as Triton answers (Triton's client examples check it), until loaded again."""
+        return self.store.exists(name) and self.state(name) != "failed" and name not in self.unloaded_by_client
 
     def loaded(self, name: str) -> bool:
         return self.state(name) == "ready"
@@ -226,8 +248,11 @@ class BadRequestError(SnoozeError):
 
 def _no_overrides(parameters: Iterable[str], name: str) -> None:
     if any(parameters):
-        raise BadRequestError(
-            f"load parameters for model '{name}' are not accepted through the gateway",
+        raise BadRequestError(  # Triton's words for a load that did not happen first (clients check them)
+            words.explained(
+                f"{words.LOAD_UNKNOWN} '{name}'",
+                f"load parameters for model '{name}' are not accepted through the gateway",
+            ),
             hint="publish a new deployment (snoozectl publish) to change a model's configuration",
         )
 
@@ -445,14 +470,15 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder, holds: Hold
         return answers.published(request.path_params["model"]).id
 
     async def load(request: Request) -> Response:
-        name = admin_model(request)
+        answers.check_admin(request.headers)
+        name = answers.published_for_load(request.path_params["model"]).id
         body = await request.body()
         _no_overrides((await request.json()).get("parameters", {}) if body else {}, name)
         await answers.load(name)
         return JSONResponse({})
 
     async def unload(request: Request) -> Response:
-        await answers.waker.unload(admin_model(request), reason="api")
+        await answers.unload(admin_model(request))
         return JSONResponse({})
 
     async def hold(request: Request) -> Response:
@@ -592,7 +618,7 @@ class GrpcActivator:
     async def repository_load(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         self._check_admin(context)
         msg = service_pb2.RepositoryModelLoadRequest.FromString(request)
-        self.answers.published(msg.model_name)
+        self.answers.published_for_load(msg.model_name)
         _no_overrides(msg.parameters, msg.model_name)
         await self.answers.load(msg.model_name)
         return service_pb2.RepositoryModelLoadResponse().SerializeToString()
@@ -601,7 +627,7 @@ class GrpcActivator:
         self._check_admin(context)
         msg = service_pb2.RepositoryModelUnloadRequest.FromString(request)
         self.answers.published(msg.model_name)
-        await self.answers.waker.unload(msg.model_name, reason="api")
+        await self.answers.unload(msg.model_name)
         return service_pb2.RepositoryModelUnloadResponse().SerializeToString()
 
     async def aclose(self) -> None:
@@ -665,6 +691,7 @@ class Activator:
     async def start(self) -> None:
         self.ready_flags.open()
         self.answers.waker.add_state_listener(self.ready_flags.update)
+        self.answers.waker.add_state_listener(self.answers.on_state)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client), self.holds)
         self._tail_task = asyncio.create_task(self.holds.tail())
@@ -688,6 +715,7 @@ class Activator:
 
     async def stop(self, grace: float = 5.0) -> None:
         self.answers.waker.remove_state_listener(self.ready_flags.update)
+        self.answers.waker.remove_state_listener(self.answers.on_state)
         self.ready_flags.close()
         if self._tail_task is not None:
             self._tail_task.cancel()

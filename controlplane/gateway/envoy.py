@@ -49,7 +49,7 @@ import httpx
 import jinja2
 
 from controlplane.errors import SnoozeError
-from controlplane.gateway.wake_lua import METADATA_KEY, METADATA_NAMESPACE, grpc_wake_lua, http_wake_lua
+from controlplane.gateway.wake_lua import METADATA_KEY, METADATA_NAMESPACE, grpc_wake_chain, http_wake_lua
 from controlplane.processes import log_tail, spawn, stop_group
 from controlplane.settings import Settings
 from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
@@ -222,8 +222,8 @@ def render_bootstrap(
         max_upstream=MAX_UPSTREAM,
         gate_runtime_key=GATE_RUNTIME_KEY,
         gate_closed_message=GATE_CLOSED_MESSAGE,
-        http_wake_lua=http_wake_lua(wake_buffer_bytes, None if ready_dir is None else str(ready_dir)),
-        grpc_wake_lua=grpc_wake_lua(wake_buffer_bytes, None if ready_dir is None else str(ready_dir)),
+        http_wake_lua=[http_wake_lua(wake_buffer_bytes, None if ready_dir is None else str(ready_dir))],
+        grpc_wake_lua=grpc_wake_chain(wake_buffer_bytes, None if ready_dir is None else str(ready_dir)),
         hold_namespace=METADATA_NAMESPACE,
         hold_key=METADATA_KEY,
         held_log=str(held_log),

@@ -54,6 +54,23 @@ class NotYetAvailableError(UnavailableError):
 
 
 LOAD_FAILED = "load failed for model"
+LOAD_UNKNOWN = "failed to load"  # Triton's client examples check `"failed to load" in message()`
+
+
+def load_unknown(name: str) -> str:
+    return f"{LOAD_UNKNOWN} '{name}', failed to poll from model repository"
+
+
+class LoadUnknownModelError(SnoozeError):
+    """A repository load of a model that is not published, as Triton answers one its repository lacks: HTTP 500 /
+    gRPC INTERNAL, ``failed to load 'm', failed to poll from model repository``, snoozeml's reason after."""
+
+    status_code = 500
+    code = "not_found"
+
+    def __init__(self, name: str, explanation: SnoozeError) -> None:
+        super().__init__(explained(load_unknown(name), explanation), hint=explanation.hint)
+
 
 
 class LoadFailedError(SnoozeError):

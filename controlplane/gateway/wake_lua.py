@@ -10,11 +10,12 @@ body larger than ``wake_buffer_bytes``. For those the filter decides before the 
   chunked). Smaller unary requests pass untouched (the retry path serves them; warm ones never touch
   Python);
 - the model: HTTP from the path, gRPC from field 1 of the message (the same protobuf walk the fleet
-  gateway uses); on a ``ModelStreamInfer`` stream, of every message until the first model that has to be
-  woken: each READY model the stream names is held (once) as its first message goes on, and the first
-  sleeping one is woken before its message moves on. Later messages are not looked at after that wake
-  (Envoy's Lua lets a chunk held across a call it waited for go only when the script ends), so a model
-  first named after a wake on the same stream is not woken: Triton answers it on the stream;
+  gateway uses); on a ``ModelStreamInfer`` stream, of every message: each READY model the stream names is
+  held (once) as its first message goes on, and each sleeping one is woken before its message moves on. A
+  filter reads no further after a wake it waited for (Envoy's Lua lets a chunk held across a call it waited
+  for go only when the script ends), so the gRPC listener chains ``STREAM_WAKE_STAGES`` filters: the next
+  one takes over at the message after the woken one (its body offset in the dynamic metadata). A stream
+  wakes up to that many sleeping models; one more first named on it gets Triton's answer on the stream;
 - how, cold: it waits for the first body chunk (so the request headers have already gone on, and Envoy
   applies flow control instead of a 413 while it holds the body), calls the activator's
   ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <token>``), which wakes the model (single flight)
@@ -189,15 +190,24 @@ end
     )
 
 
-def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None) -> str:
-    """The gRPC listener's wake filter: a large ``ModelInfer``'s model from field 1 of its message; a stream's
-    from field 1 of each message, until the first model it has to wake."""
+STREAM_WAKE_STAGES = 4  # wake filters on the gRPC listener: how many sleeping models one stream can wake
+STAGE_FROM_KEY = "stream_from_"  # + stage: the body offset (bytes) where that stage takes over
+STAGE_MODELS_KEY = "stream_models"  # models the earlier stages held, joined by commas
+
+
+def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None, stage: int = 1, stages: int = 1) -> str:
+    """One gRPC wake filter: stage 1 takes a large ``ModelInfer``'s model from field 1 of its message, and a
+    stream's from field 1 of each message until the first model it has to wake (waiting ends the script: Envoy
+    lets the chunk it held across that call go only then). Stage ``k`` > 1 (the next filter in the chain) takes
+    over a stream where stage ``k - 1`` ended after such a wake: the message after the woken one, found from
+    the body offset stage ``k - 1`` left in the dynamic metadata, with the models and hold tokens it had."""
     return (
         _ready_dir(ready_dir)
         + LUA_PROTOBUF_STRING_FIELD
         + _HOLD
         + f"""
 local WAKE_BUFFER = {int(wake_buffer_bytes)}
+local STAGE, STAGES = {int(stage)}, {int(stages)}
 local STREAM = "{GRPC_SERVICE}ModelStreamInfer"
 local NAME_BYTES = 512  -- of a message read for its model name (field 1, first on the wire)
 
@@ -208,7 +218,7 @@ local UNARY = "{GRPC_SERVICE}ModelInfer"
 
 function envoy_on_request(handle)
   local path = handle:headers():get(":path")
-  if path ~= STREAM and path ~= UNARY then
+  if path ~= STREAM and (STAGE > 1 or path ~= UNARY) then
     return
   end
   local id = handle:headers():get("x-request-id") or ""
@@ -231,11 +241,31 @@ function envoy_on_request(handle)
   end
   -- A stream: each message's model is held (once) before that message moves on, until the first model
   -- that had to be woken: after a call the filter waited for, Envoy lets the held chunk go only when
-  -- this script ends, so it ends there. Frames may span chunks: ``head`` collects a frame's 5-byte
-  -- header and the start of its message (enough for field 1), ``skip`` is what is left of the frame.
-  local models, tokens, head, skip = {{}}, nil, "", 0
+  -- this script ends, so it ends there, and the next stage (if any) goes on from the next message. Frames
+  -- may span chunks: ``head`` collects a frame's 5-byte header and the start of its message (enough for
+  -- field 1), ``skip`` is what is left of the frame; ``total`` counts the body's bytes before this chunk.
+  local models, names, tokens, head, skip = {{}}, "", nil, "", 0
+  local from, total = nil, 0  -- where in the body this stage takes over (stage 1: at once)
+  if STAGE == 1 then
+    from = 0
+  end
   for chunk in handle:bodyChunks() do
-    local length, at = chunk:length(), 0
+    local length = chunk:length()
+    if from == nil then
+      local earlier = handle:streamInfo():dynamicMetadata():get("{METADATA_NAMESPACE}")
+      if earlier ~= nil and earlier["{STAGE_FROM_KEY}" .. STAGE] ~= nil then
+        from = earlier["{STAGE_FROM_KEY}" .. STAGE]
+        tokens = earlier["{METADATA_KEY}"]
+        names = earlier["{STAGE_MODELS_KEY}"] or ""
+        for name in string.gmatch(names, "[^,]+") do
+          models[name] = true
+        end
+      end
+    end
+    local at = length  -- not this stage's part of the body yet
+    if from ~= nil and from < total + length then
+      at = math.max(from - total, 0)
+    end
     while at < length do
       if skip > 0 then
         local n = math.min(skip, length - at)
@@ -249,20 +279,35 @@ function envoy_on_request(handle)
         head = head .. chunk:getBytes(at, n)
         at = at + n
         if #head >= 5 and #head - 5 >= math.min(frame_size(head), NAME_BYTES) then
+          skip = frame_size(head) - (#head - 5)
           local model = string_field(head, 1)
+          head = ""
           if model ~= nil and models[model] == nil and string.match(model, "^[%w_%.%-]+$") then
             models[model] = true
+            names = names == "" and model or (names .. "," .. model)
             local waited
             tokens, waited = hold(handle, model, id, tokens)
             if waited then
+              if STAGE < STAGES then
+                local metadata = handle:streamInfo():dynamicMetadata()  -- an object lives until a yield
+                metadata:set("{METADATA_NAMESPACE}", "{STAGE_MODELS_KEY}", names)
+                metadata:set("{METADATA_NAMESPACE}", "{STAGE_FROM_KEY}" .. (STAGE + 1), total + at + skip)
+              end
               return
             end
           end
-          skip, head = frame_size(head) - (#head - 5), ""
         end
       end
     end
+    total = total + length
   end
 end
 """
     )
+
+
+def grpc_wake_chain(
+    wake_buffer_bytes: int, ready_dir: str | None = None, stages: int = STREAM_WAKE_STAGES
+) -> list[str]:
+    """The gRPC listener's wake filters, in chain order: a stream wakes up to ``stages`` sleeping models."""
+    return [grpc_wake_lua(wake_buffer_bytes, ready_dir, stage, stages) for stage in range(1, stages + 1)]

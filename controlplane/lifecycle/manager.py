@@ -34,7 +34,7 @@ from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
-from controlplane.lifecycle.sequences import LiveSequences
+from controlplane.lifecycle.sequences import LiveSequences, describe_live
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
 from controlplane.lifecycle.triton_sync import TritonSync
 from controlplane.lifecycle.unloading import Unloader
@@ -55,6 +55,7 @@ log = logging.getLogger("snoozeml.lifecycle")
 # recover() just after the first of them reloaded the model, and a model (re)loaded this recently
 # is not reloaded again.
 RECOVERY_DEDUP_SECS = 2.0
+SEQUENCE_POLL_SECS = 0.2  # how often a stop or a quiesce re-reads the live sequences it waits for
 
 
 class LifecycleManager:
@@ -168,6 +169,23 @@ class LifecycleManager:
                 pass
         while ops := [r.op for r in self.states.values() if r.op is not None]:
             await asyncio.gather(*ops, return_exceptions=True)
+
+    async def wait_for_sequences(self, timeout: float) -> dict[str, int]:
+        """Wait until no loaded model has a live sequence (the runtime's notes: its END came, or Triton's
+        ``max_sequence_idle_secs`` passed since its last request), at most ``timeout`` seconds. Returns
+        {model: live sequences} of those still live then (empty: none). A graceful stop and the snapshot
+        quiesce call it while the gateway still admits requests (the sequences' next ones must get through)."""
+        deadline = time.monotonic() + timeout
+        said = False
+        while True:
+            live = self.sequences.live_counts(self.states.values(), time.time())
+            left = deadline - time.monotonic()
+            if not live or left <= 0:
+                return live
+            if not said:
+                log.info("waiting up to %gs for %s to end", timeout, describe_live(live))
+                said = True
+            await asyncio.sleep(min(SEQUENCE_POLL_SECS, left))
 
     def resume(self) -> None:
         """End ``pause()``: whatever waited goes on, and the periodic passes run again."""

@@ -9,6 +9,9 @@ when Triton ends it). At each sweep ``LiveSequences.refresh`` reads those notes 
 one place idle unload, eviction (host and GPU) and scale-down already look at. Bounds: a sequence counts
 from the first sweep after its START (before that its START request is the model's last access, as for
 any request) until at most ``max_sequence_idle_secs`` (+1 s) after its last request.
+
+A graceful stop and the snapshot quiesce wait for live sequences too (``LifecycleManager.wait_for_sequences``,
+while the gateway still admits their requests), up to the bound they name.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from controlplane.lifecycle.state import ModelRecord, ModelState
-from controlplane.triton.journal import sequences_until
+from controlplane.triton.journal import sequences_note, sequences_until
 
 
 class LiveSequences:
@@ -30,6 +33,21 @@ class LiveSequences:
         if self.journal_dir is None or rec.model.deployment.sequence is None:
             return 0.0
         return max((sequences_until(self.journal_dir, stub) for stub in rec.stubs), default=0.0)
+
+    def live_counts(self, records: Iterable[ModelRecord], now: float) -> dict[str, int]:
+        """{model: sequences live} of the READY models whose notes say one may still be live at ``now`` (a count
+        of at least 1: a note's count may lag its bound by one write)."""
+        counts: dict[str, int] = {}
+        if self.journal_dir is None:
+            return counts
+        for rec in records:
+            if rec.state is not ModelState.READY or rec.model.deployment.sequence is None:
+                continue
+            notes = [sequences_note(self.journal_dir, stub) for stub in rec.stubs]
+            live = sum(n for n, until in notes if until > now)
+            if any(until > now for _, until in notes):
+                counts[rec.id] = max(live, 1)
+        return counts
 
     def refresh(self, records: Iterable[ModelRecord], now: float) -> None:
         """Hold every loaded model with a live sequence, release the others."""
@@ -57,3 +75,10 @@ class LiveSequences:
     def release_all(self) -> None:
         for model_id in list(self.held):
             self._release(model_id)
+
+
+def describe_live(counts: dict[str, int]) -> str:
+    """``live_counts``' answer in words: "2 live sequence(s) of model 'a', 1 of model 'b'"."""
+    parts = [f"{n} of model '{m}'" for m, n in sorted(counts.items())]
+    parts[0] = parts[0].replace(" of ", " live sequence(s) of ", 1)
+    return ", ".join(parts)

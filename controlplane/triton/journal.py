@@ -94,11 +94,16 @@ def remove_journal(journal_dir: Path, stub: StubProcess) -> None:
 def sequences_until(journal_dir: Path, stub: StubProcess) -> float:
     """Until when (epoch seconds) one of the stub's sequences may be live; 0.0 when none is, or it wrote
     no note (not a stateful model, no journal folder)."""
+    return sequences_note(journal_dir, stub)[1]
+
+
+def sequences_note(journal_dir: Path, stub: StubProcess) -> tuple[int, float]:
+    """(how many sequences the stub noted live, until when one may be live); (0, 0.0) without a note."""
     try:
         raw = json.loads((journal_dir / f"{stub.pid}-{stub.start_ticks}{SEQUENCES_SUFFIX}").read_text("utf-8"))
-        return float(raw["until"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0.0
+        return int(raw.get("live", 0)), float(raw["until"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0, 0.0
 
 
 def _owner(path: Path) -> tuple[int, int] | None:

@@ -1,18 +1,23 @@
 """Open work keeps a model in use, over the real LifecycleManager in the fake-Triton world: a live sequence
 (its model process's note, ``python_backend/sequences.py``) holds its model against idle unload, eviction
-and scale-down, within its bound; the gateway's ready flags follow the lifecycle's states."""
+and scale-down, within its bound, and a stop waits for it (bounded); the gateway's ready flags follow the
+lifecycle's states."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 from lifecycle_world import LifecycleWorld
 
 from controlplane.gateway.activator import ReadyFlags
+from controlplane.lifecycle.sequences import describe_live
 from controlplane.lifecycle.state import ModelState
+from controlplane.settings import Settings
 from controlplane.spec import SequenceSpec
+from controlplane.stack import ServingStack
 from controlplane.triton.journal import SEQUENCES_SUFFIX
 
 SEQUENCE = SequenceSpec(max_sequence_idle_secs=5)
@@ -103,3 +108,75 @@ def test_ready_flags_follow_the_lifecycle_and_a_late_hold_keeps_the_model(world,
     assert state(world, "m0") is ModelState.UNLOADED and not flags.ready("m0")
     world.manager.remove_state_listener(flags.update)
     flags.close()
+
+
+def test_a_stop_waits_for_live_sequences_until_their_end(world):
+    """A graceful stop (and the snapshot quiesce) waits for a live sequence's END before it closes the gateway."""
+    world.step(world.publish("m0", 60, sequence=SEQUENCE), 0.1)
+    world.step(world.request("m0"), 1.0)
+    note_sequences(world, "m0", 2, 60.0)
+
+    async def wait_while_one_ends() -> tuple[dict[str, int], float]:
+        async def end_after(secs: float) -> None:
+            await asyncio.sleep(secs)
+            note_sequences(world, "m0", 0, 0)  # the last END came
+
+        ender = asyncio.ensure_future(end_after(3.0))
+        start = world.clock.monotonic()
+        left = await world.manager.wait_for_sequences(30.0)
+        await ender
+        return left, world.clock.monotonic() - start
+
+    left, waited = world.run(wait_while_one_ends())
+    assert left == {}
+    assert 2.9 <= waited < 4.0, f"returned after {waited:.1f} virtual seconds, not at the sequences' END"
+
+
+def test_a_stop_waits_for_live_sequences_up_to_its_bound_and_names_them(world):
+    world.step(world.publish("m0", 60, sequence=SEQUENCE), 0.1)
+    world.step(world.publish("m1", 60), 0.1)
+    world.step(world.request("m0"), 1.0)
+    world.step(world.request("m1"), 0.1)
+    note_sequences(world, "m0", 2, 60.0)  # a client that went away mid-sequence: Triton ends them in 60 s
+    start = world.clock.monotonic()
+    left = world.run(world.manager.wait_for_sequences(10.0))
+    assert left == {"m0": 2} and world.clock.monotonic() - start >= 10.0
+    assert describe_live(left) == "2 live sequence(s) of model 'm0'"
+    note_sequences(world, "m0", 1, 2.0)  # Triton's idle bound for the last one is 2 s away
+    start = world.clock.monotonic()
+    assert world.run(world.manager.wait_for_sequences(10.0)) == {}
+    assert world.clock.monotonic() - start < 3.0
+    world.step(world.api_unload("m0"), 1.0)
+    note_sequences(world, "m0", 1, 60.0)  # a stale note of a model no longer loaded holds nothing
+    assert world.run(world.manager.wait_for_sequences(10.0)) == {}
+
+
+async def test_the_stack_stop_lets_live_sequences_end_before_the_gateway_drains(tmp_path, caplog):
+    """Their next requests must still get in: the wait comes before the drain, both within one grace; what is
+    still live is named in the stop's warning."""
+    stack = ServingStack(Settings(work_dir=tmp_path, shutdown_grace_secs=5))
+    done: list[str] = []
+
+    class Lifecycle:
+        async def wait_for_sequences(self, timeout: float) -> dict[str, int]:
+            done.append(f"sequences {timeout:g}")
+            return {"acc": 1}
+
+        async def stop(self) -> None:
+            done.append("lifecycle stop")
+
+    class Gateway:
+        def drain(self, grace: float) -> bool:
+            done.append("drain")
+            return True
+
+        def stop(self) -> None:
+            done.append("gateway stop")
+
+    stack.lifecycle = Lifecycle()  # type: ignore[assignment]
+    stack.gateway = Gateway()  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="snoozeml.stack"):
+        await stack.stop()
+    assert done == ["sequences 5", "drain", "gateway stop", "lifecycle stop"]
+    assert "stopping ends 1 live sequence(s) of model 'acc'" in caplog.text
+    assert "SNOOZE_SHUTDOWN_GRACE_SECS" in caplog.text
