@@ -27,7 +27,7 @@ What it models, as measured on the embedded Triton 2.51 (docs/internals.md, TRIT
   ``hang`` (``initialize`` never returns: the load stays LOADING until its stubs are killed, then fails);
   scripted unload hangs (a ``finalize`` that blocks longer than the client waits); scripted delays of
   loads, unloads and executions; memory per stub (its RSS) from the published deployment's ``memory_mb``
-  over its instances, or a figure the test sets;
+  over its instances, or a figure the test sets; tritonserver's own RSS (``server_memory``, 0 unless set);
 - ``nv_inference_pending_request_count``: requests accepted and not yet answered, per model.
 
 What it does not model: batching (one request per execution), the HTTP/gRPC wire, versions other than 1,
@@ -209,7 +209,8 @@ class FakeTriton:
         self.executions: Counter[str] = Counter()  # request id -> times a model ran it
         self.pending: Counter[str] = Counter()  # model -> requests accepted and not answered
         self.loads_in_flight: Counter[str] = Counter()
-        self.peak = 0  # the most bytes the stubs held at once (a stub holds its memory from its start)
+        self.server_memory = 0  # tritonserver's own RSS (its model processes' apart)
+        self.peak = 0  # the most bytes the tree held at once: the server and the stubs (each from its start)
         self.largest = 0  # the most bytes one model's stubs held
         self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
         self.calls: Counter[str] = Counter()
@@ -313,7 +314,7 @@ class FakeTriton:
         new = [self._stub(m, per_stub) for _ in range(count - len(keep))]
         m.starting += new
         held = self.holding()
-        self.peak = max(self.peak, sum(held.values()))
+        self.peak = max(self.peak, self.server_memory + sum(held.values()))
         self.largest = max(self.largest, *held.values())
         try:
             await self._initialize(m, new, script, serving)
@@ -580,8 +581,11 @@ class FakeProcesses:
                 sent.append(s.pid)
         return sent
 
+    def server_rss(self) -> int | None:
+        return self.triton.server_memory
+
     def tree_rss(self) -> int:
-        return sum(s.memory for s in self._all() if s.alive)
+        return self.triton.server_memory + sum(s.memory for s in self._all() if s.alive)
 
 
 class NoGpu:

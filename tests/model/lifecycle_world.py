@@ -515,11 +515,11 @@ class LifecycleWorld:
             self.settings.memory_budget_mb * MIB + self.triton.largest
         ):
             problems.append(
-                f"Triton's stubs held {self.triton.peak / MIB:.0f} MiB at their peak, over the budget plus one model "
+                f"Triton's tree held {self.triton.peak / MIB:.0f} MiB at its peak, over the budget plus one model "
                 f"({self.settings.memory_budget_mb:g} + {self.triton.largest / MIB:.0f} MiB)"
             )
         if quiet and self.settings.memory_budget_mb is not None:
-            used = sum(holding.values())
+            used = self.triton.server_memory + sum(holding.values())
             if used > self.settings.memory_budget_mb * MIB and len(holding) > 1:
                 problems.append(f"Triton holds {used / MIB:.0f} MiB in {sorted(holding)}, over the budget")
         return problems
