@@ -623,6 +623,7 @@ class LifecycleManager:
         return {
             "preloaded_parents": lines,
             "overhead_bytes": self.budget.overhead,
+            "triton_server_bytes": self.budget.server,
             "eviction_policy": self.budget.policy.describe(),
             "wake_queue": self.loader.wake_queue(),
         }

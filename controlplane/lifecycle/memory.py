@@ -86,7 +86,7 @@ class MemoryBudget:
 
     async def measure_server(self) -> int:
         """Read tritonserver's own resident memory (not its model processes') again; its bytes (0: unseen)."""
-        if self._server_rss is not None and self.settings.memory_budget_mb is not None:
+        if self._server_rss is not None:
             self.server = await asyncio.to_thread(self._server_rss) or 0
         return self.server
 
