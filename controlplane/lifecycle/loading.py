@@ -426,8 +426,20 @@ class Loader:
         rec.stubs = tuple(stubs)
         rec.workers = tuple(workers_of(self.journal_dir, stubs))
         if stubs:
-            rec.footprint = await asyncio.to_thread(self._footprint, rec)
+            measured = await asyncio.to_thread(self._footprint, rec)
+            # A stub grows once it has answered (remeasure notes by how much). Loaded again as it was (the same
+            # deployment and instances), a model counts that growth from the start: no other load is admitted into
+            # room its first request takes back (then over the budget, a sweep evicted a whole model for 1-3 MiB).
+            if not (
+                rec.footprint_source == "measured"
+                and rec.footprint_instances == instances
+                and rec.footprint_deployment == rec.model.deployment
+            ):
+                rec.growth = 0
+            rec.load_footprint = measured
+            rec.footprint = measured + rec.growth
             rec.footprint_instances, rec.footprint_source = instances, "measured"
+            rec.footprint_deployment = rec.model.deployment
         elif (declared := declared_bytes(rec)) is not None:
             rec.footprint, rec.footprint_instances, rec.footprint_source = declared, instances, "declared"
         else:
@@ -465,7 +477,8 @@ class Loader:
         sizes = await asyncio.to_thread(read)
         for (rec, generation), size in zip(seen, sizes, strict=True):
             if size and rec.generation == generation and rec.op is None:
-                rec.footprint = size
+                rec.growth = max(rec.growth, size - rec.load_footprint)
+                rec.footprint = rec.load_footprint + rec.growth  # at least what it grew to in this load
                 self.metrics.memory_bytes.labels(model=rec.id).set(size)
 
     def _footprint(self, rec: ModelRecord) -> int:

@@ -243,3 +243,23 @@ def test_what_a_loaded_model_holds_is_read_again_at_each_sweep(make_world):
     assert sum(state(world, m) is ModelState.READY for m in "abc") == 2
     loaded = [m for m in "abc" if state(world, m) is ModelState.READY]
     assert all(world.manager.status(m).memory_bytes == 110 * MIB for m in loaded)
+
+
+def test_a_model_loaded_again_counts_what_it_grew_to_so_no_load_takes_the_room_it_takes_back(make_world):
+    """A stub grows at its first request (a real one by 2.8 MiB); here 100 MiB models grow by 10 MiB, under a
+    330 MiB budget. a, b and c, each grown to 110 MiB, fill it; a is unloaded, then a and a 10 MiB model e wake
+    together. a measured 100 MiB at its load and e was admitted into the 10 MiB its request took back: 340 MiB
+    held. Counted at the 110 MiB it grew to before, a leaves e to evict first."""
+    world = make_world(memory_budget_mb=330)
+    for m in ("a", "b", "c"):
+        world.triton.growth[m] = 10 * MIB
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+        world.step(world.request(m), 1.5)  # a sweep reads what it grew to
+    world.step(world.publish("e", 10, **LONG_IDLE), 0.01)
+    world.step(world.api_unload("a"), 0.5)
+    world.triton.peak = 0
+    world.step(world.request("a"), 0.0)
+    world.step(world.request("e"), 3.0)
+    assert {c.answer for c in world.answered if c.what == "request"} == {"200"}
+    assert state(world, "a") is ModelState.READY and state(world, "e") is ModelState.READY
+    assert world.triton.peak <= 330 * MIB, world.triton.peak / MIB
