@@ -479,7 +479,7 @@ class Loader:
             if size and rec.generation == generation and rec.op is None:
                 rec.growth = max(rec.growth, size - rec.load_footprint)
                 rec.footprint = rec.load_footprint + rec.growth  # at least what it grew to in this load
-                self.metrics.memory_bytes.labels(model=rec.id).set(size)
+                self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint)
 
     def _footprint(self, rec: ModelRecord) -> int:
         """The stubs' RSS, plus what their preforked workers add (USS: pages shared with the parent are

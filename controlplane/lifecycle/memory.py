@@ -195,8 +195,9 @@ class MemoryBudget:
         """Evict idle models (not ``rec``) until what the models hold fits the budget again; their ids.
 
         Admission keeps loads within the budget on their estimates, but a load can measure more: a republish
-        between the estimate and Triton's read of the files, a model never measured; and a restarted control
-        plane adopts whatever Triton holds. Best effort: models in use stay, and one model alone may exceed it.
+        between the estimate and Triton's read of the files, a model never measured; loaded models and
+        tritonserver itself grow (each sweep reads them again); and a restarted control plane adopts whatever
+        Triton holds. Best effort: models in use stay, and one model alone may exceed it.
         """
         if self.settings.memory_budget_mb is None:
             return []
