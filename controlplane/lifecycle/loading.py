@@ -153,11 +153,15 @@ class Loader:
         await self._wait_for_triton(rec)
         bounded = trigger == "request"  # a wake-up gives up the queue when its requests' wait bounds pass
         async with self._slot(rec, bounded=bounded):
-            await self.budget.measure_server()  # tritonserver's own memory counts in the budget (memory.py)
+            # tritonserver's own memory counts in the budget (memory.py), and it grows with each load
+            server_before = await self.budget.measure_server()
             need = self.budget.estimate(rec, instances)
             # A reload (a republish) builds every new instance beside the old ones, which Triton unloads only once
             # the new ones are ready: both count until then (an instance count changed in place keeps the old).
+            # Beside the model: what tritonserver itself is expected to grow by (about 2 MiB a python model: without
+            # it, a load admitted within the budget left the tree over it once measured).
             beside = (rec.footprint or 0) if rec.state is ModelState.READY and how != "in_place" else 0
+            beside += self.budget.server_growth
             placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
             # reserved before making room: a load beside it (parallel loads) counts these bytes as taken
@@ -172,6 +176,8 @@ class Loader:
                 await self._load_retrying_oom(rec, instances, need, gpu_need, how, evict=evict)
                 elapsed = time.monotonic() - started
                 await self.loaded(rec, instances, gpu_delta=delta)  # measured: the reservation can go
+                await self.budget.measure_server()
+                self.budget.note_server_growth(server_before)
             finally:
                 rec.reserved, rec.gpu_reserved = 0, {}
             self.budget.loaded(rec)

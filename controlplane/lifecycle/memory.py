@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from controlplane.errors import SnoozeError, UnavailableError
@@ -51,6 +52,9 @@ def is_oom_error(text: str) -> bool:
     lowered = text.lower()
     return any(marker in lowered for marker in OOM_MARKERS)
 
+
+# How many recent loads' growth of tritonserver itself its expected growth is the median of.
+SERVER_GROWTH_WINDOW = 16
 
 # What a miss costs when a model's load was never timed here (seconds): about a python model's cold start.
 DEFAULT_LOAD_SECS = 1.0
@@ -83,6 +87,21 @@ class MemoryBudget:
         # tritonserver's own resident bytes (``measure_server``); 0 where it cannot be seen (a remote Triton)
         self.server = 0
         self._server_rss = server_rss
+        # what tritonserver grew by across recent loads (its side of each model's shared memory, ...), clamped at 0
+        self._server_growths: deque[int] = deque(maxlen=SERVER_GROWTH_WINDOW)
+
+    @property
+    def server_growth(self) -> int:
+        """What tritonserver itself is expected to grow by during a load: the median of the recent loads' growth
+        (a load reserves it beside the model's estimate; measured about 2 MiB per python model)."""
+        if not self._server_growths:
+            return 0
+        return sorted(self._server_growths)[len(self._server_growths) // 2]
+
+    def note_server_growth(self, before: int) -> None:
+        """A load ended and ``measure_server`` read the server again: note what it grew by since ``before``."""
+        if before and self.server:
+            self._server_growths.append(max(self.server - before, 0))
 
     async def measure_server(self) -> int:
         """Read tritonserver's own resident memory (not its model processes') again; its bytes (0: unseen)."""

@@ -28,7 +28,8 @@ What it models, as measured on the embedded Triton 2.51 (docs/internals.md, TRIT
   scripted unload hangs (a ``finalize`` that blocks longer than the client waits); scripted delays of
   loads, unloads and executions; memory per stub (its RSS) from the published deployment's ``memory_mb``
   over its instances, or a figure the test sets, and what a stub grows by when it runs its first request
-  (``growth``, 0 unless set: a real stub grew 2.8 MiB); tritonserver's own RSS (``server_memory``, 0 unless set);
+  (``growth``, 0 unless set: a real stub grew 2.8 MiB); tritonserver's own RSS (``server_memory``, plus
+  ``server_per_model`` for each model it holds; both 0 unless set);
 - ``nv_inference_pending_request_count``: requests accepted and not yet answered, per model.
 
 What it does not model: batching (one request per execution), the HTTP/gRPC wire, versions other than 1,
@@ -211,7 +212,8 @@ class FakeTriton:
         self.executions: Counter[str] = Counter()  # request id -> times a model ran it
         self.pending: Counter[str] = Counter()  # model -> requests accepted and not answered
         self.loads_in_flight: Counter[str] = Counter()
-        self.server_memory = 0  # tritonserver's own RSS (its model processes' apart)
+        self.server_memory = 0  # tritonserver's own RSS (its model processes' apart) with no model loaded
+        self.server_per_model = 0  # what it holds more for each model it holds (its side of their shared memory)
         self.growth: dict[str, int] = {}  # model -> bytes each of its stubs grows by at its first request
         self.peak = 0  # the most bytes the tree held at once: the server and the stubs (each from its start)
         self.largest = 0  # the most bytes one model's stubs held
@@ -235,6 +237,10 @@ class FakeTriton:
         }
         # an unload whose processes were ended holds nothing while Triton finishes it
         return {n: b for n, b in held.items() if b or self.models[n].state != "UNLOADING"}
+
+    def server_bytes(self) -> int:
+        """tritonserver's own RSS: its base, and its side of each model it holds."""
+        return self.server_memory + self.server_per_model * len(self.holding())
 
     def ready(self) -> set[str]:
         return {name for name, m in self.models.items() if m.state == "READY"}
@@ -317,7 +323,7 @@ class FakeTriton:
         new = [self._stub(m, per_stub) for _ in range(count - len(keep))]
         m.starting += new
         held = self.holding()
-        self.peak = max(self.peak, self.server_memory + sum(held.values()))
+        self.peak = max(self.peak, self.server_bytes() + sum(held.values()))
         self.largest = max(self.largest, *held.values())
         try:
             await self._initialize(m, new, script, serving)
@@ -469,7 +475,7 @@ class FakeTriton:
             self.executions[request_id] += 1
             if not stub.grown:
                 stub.grown, stub.memory = True, stub.memory + self.growth.get(name, 0)
-                self.peak = max(self.peak, self.server_memory + sum(self.holding().values()))
+                self.peak = max(self.peak, self.server_bytes() + sum(self.holding().values()))
             m.last_inference_ms = int(EPOCH * 1000 + asyncio.get_running_loop().time() * 1000)
             died = asyncio.ensure_future(stub.died.wait())
             done, _ = await asyncio.wait([died], timeout=self.exec_delay)
@@ -588,10 +594,10 @@ class FakeProcesses:
         return sent
 
     def server_rss(self) -> int | None:
-        return self.triton.server_memory
+        return self.triton.server_bytes()
 
     def tree_rss(self) -> int:
-        return self.triton.server_memory + sum(s.memory for s in self._all() if s.alive)
+        return self.triton.server_bytes() + sum(s.memory for s in self._all() if s.alive)
 
 
 class NoGpu:

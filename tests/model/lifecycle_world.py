@@ -524,7 +524,7 @@ class LifecycleWorld:
                 f"({self.settings.memory_budget_mb:g} + {self.triton.largest / MIB:.0f} MiB)"
             )
         if quiet and self.settings.memory_budget_mb is not None:
-            used = self.triton.server_memory + sum(holding.values())
+            used = self.triton.server_bytes() + sum(holding.values())
             if used > self.settings.memory_budget_mb * MIB and len(holding) > 1:
                 problems.append(f"Triton holds {used / MIB:.0f} MiB in {sorted(holding)}, over the budget")
         return problems

@@ -263,3 +263,20 @@ def test_a_model_loaded_again_counts_what_it_grew_to_so_no_load_takes_the_room_i
     assert {c.answer for c in world.answered if c.what == "request"} == {"200"}
     assert state(world, "a") is ModelState.READY and state(world, "e") is ModelState.READY
     assert world.triton.peak <= 330 * MIB, world.triton.peak / MIB
+
+
+def test_a_load_reserves_what_tritonserver_itself_grows_by_with_each_model(make_world):
+    """tritonserver holds more for each model it loads (a real one about 2 MiB: its side of the model's shared
+    memory); here 10 MiB, beside 92 MiB models under the 300 MiB budget. The third load fitted on the server's
+    size before it (20 + 2 x 92 + 92 = 296 MiB) and the tree held 306 MiB once it was loaded. The load now
+    reserves the server's growth seen at the loads before it: it evicts first."""
+    world = make_world()
+    world.triton.server_per_model = 10 * MIB
+    for m in ("a", "b", "c"):
+        world.step(world.publish(m, 92, **LONG_IDLE), 0.01)
+    for m in ("a", "b", "c"):
+        world.step(world.request(m), 1.0)
+    assert {c.answer for c in world.answered if c.what == "request"} == {"200"}
+    assert world.manager.budget.server_growth == 10 * MIB
+    assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
+    assert state(world, "c") is ModelState.READY and sum(state(world, m) is ModelState.READY for m in "abc") == 2
