@@ -87,6 +87,12 @@ class WakeQueueBody(BaseModel):
 class RuntimeBody(BaseModel):
     preloaded_parents: list[PreloadedParentBody]
     overhead_bytes: int = Field(0, description="Memory the budget counts beside the models' own (the parents')")
+    triton_server_bytes: int = Field(
+        0,
+        description="tritonserver's own resident memory, which the memory budget counts beside the models' (last "
+        "read at a sweep or a load; 0 where tritonserver's process cannot be seen: the budget is then for the "
+        "models alone)",
+    )
     eviction_policy: dict[str, Any] = Field(
         default_factory=dict,
         description="SNOOZE_EVICTION_POLICY ('name': gdsf or lru) and its state (gdsf: its clock, aging window and "

@@ -128,6 +128,9 @@ class Loader:
         self._one_at_a_time = asyncio.Lock()
         # the wake queue: model -> (monotonic seconds it began waiting, what for: "a load slot" or "memory")
         self.queue: dict[str, tuple[float, str]] = {}
+        # every load waiting for memory (wake-ups, and reloads, API loads and recoveries too): model -> since when;
+        # they take turns in this order
+        self._line: dict[str, float] = {}
         metrics.wake_queue_length.set_function(lambda: len(self.queue))
         metrics.wake_queue_oldest_seconds.set_function(self._oldest_wait)
 
@@ -150,26 +153,36 @@ class Loader:
         await self._wait_for_triton(rec)
         bounded = trigger == "request"  # a wake-up gives up the queue when its requests' wait bounds pass
         async with self._slot(rec, bounded=bounded):
+            # tritonserver's own memory counts in the budget (memory.py), and it grows with each load
+            server_before = await self.budget.measure_server()
             need = self.budget.estimate(rec, instances)
+            # A reload (a republish) builds every new instance beside the old ones, which Triton unloads only once
+            # the new ones are ready: both count until then (an instance count changed in place keeps the old).
+            # Beside the model: what tritonserver itself is expected to grow by (about 2 MiB a python model: without
+            # it, a load admitted within the budget left the tree over it once measured).
+            beside = (rec.footprint or 0) if rec.state is ModelState.READY and how != "in_place" else 0
+            beside += self.budget.server_growth
             placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
             # reserved before making room: a load beside it (parallel loads) counts these bytes as taken
-            rec.reserved, rec.gpu_reserved = need, gpu_need
+            rec.reserved, rec.gpu_reserved = need + beside, gpu_need
             try:
                 if evict:
-                    await self._make_room(rec, need, gpu_need, bounded=bounded)
-                elif not (self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)):
+                    need = await self._make_room(rec, instances, need, gpu_need, bounded=bounded, beside=beside)
+                elif not (self.budget.fits(rec, need + beside) and await self.gpu.fits(rec, gpu_need)):
                     raise NoRoomToPrewarm(f"model '{rec.id}': not pre-warmed, the free memory budget is too small")
                 delta = await self.gpu.before_load()
                 started = time.monotonic()
                 await self._load_retrying_oom(rec, instances, need, gpu_need, how, evict=evict)
                 elapsed = time.monotonic() - started
                 await self.loaded(rec, instances, gpu_delta=delta)  # measured: the reservation can go
+                await self.budget.measure_server()
+                self.budget.note_server_growth(server_before)
             finally:
                 rec.reserved, rec.gpu_reserved = 0, {}
             self.budget.loaded(rec)
         if evict:
-            await self.budget.enforce(rec)
+            await self.budget.enforce(rec, estimate=need)
             await self.gpu.enforce(rec)
         self.warmth.loaded(rec, trigger, elapsed if trigger is not None else None)
         if trigger == "prewarm":
@@ -244,24 +257,42 @@ class Loader:
         finally:
             self._slots.release()
 
-    async def _make_room(self, rec: ModelRecord, need: int, gpu_need: dict[int, int], *, bounded: bool) -> None:
-        """Evict for the load. While the memory is held by loads and requests in flight (nothing idle to
-        evict), a bounded wake-up waits for it, without its reservation, until its deadline."""
+    async def _make_room(
+        self, rec: ModelRecord, instances: int, need: int, gpu_need: dict[int, int], *, bounded: bool, beside: int = 0
+    ) -> int:
+        """Evict for the load (``beside``: what the loaded version holds while a reload builds the new one). While
+        the memory is held by loads and requests in flight (nothing idle to evict), a bounded wake-up waits for
+        it, without its reservation, until its deadline; other loads wait without a bound.
+
+        A model of unknown size (nothing measured yet, nothing declared, its processes in view) loads alone and
+        reserves all the free memory: no other load starts beside it until it is measured (four such loads at
+        once, each estimated at 0 MiB, then a fifth estimated from the first to finish, overran the budget). Loads
+        waiting meanwhile are estimated again once it is. Returns the estimate the load went ahead with."""
         try:
             while True:
-                rec.reserved, rec.gpu_reserved = need, gpu_need
+                if unknown := self._size_unknown(rec, need):
+                    need = self.budget.estimate(rec, instances)  # another load may have been measured since
+                    unknown = self._size_unknown(rec, need)
+                reserve = 0 if unknown else need + beside
+                rec.reserved, rec.gpu_reserved = reserve, gpu_need
                 # Loads run side by side where memory allows: one that must evict waits for the loads in
                 # flight (theirs are about to be measured, and their reservations would push out models the
                 # policy keeps for a reason). Measured: churn, 40 models, 8 clients, hot set p50 1.4 s with
                 # four evicting loads at once, 17 ms with one.
-                if self.budget.fits(rec, need) or (not self._loading_beside(rec) and self._first_in_line(rec)):
+                alone = not self._loading_beside(rec) and self._first_in_line(rec)
+                if unknown and alone:
+                    rec.reserved = max(self.budget.free(rec), 0)
+                    await self.gpu.make_room(rec, gpu_need)
+                    return need
+                if not unknown and (self.budget.fits(rec, reserve) or alone):
                     try:
                         await self.gpu.make_room(rec, gpu_need)
-                        await self.budget.make_room(rec, need)
-                        return
+                        await self.budget.make_room(rec, need, beside=beside)
+                        return need
                     except BudgetInUse:
                         if not bounded or rec.wake_deadline is None:
                             raise
+                self._line.setdefault(rec.id, time.monotonic())
                 if bounded and rec.wake_deadline is not None:
                     self.queue.setdefault(rec.id, (time.monotonic(), "memory"))
                     if time.monotonic() >= rec.wake_deadline:
@@ -270,16 +301,24 @@ class Loader:
                 await asyncio.sleep(MEMORY_WAIT_POLL_SECS)
         finally:
             self.queue.pop(rec.id, None)
+            self._line.pop(rec.id, None)
+
+    def _size_unknown(self, rec: ModelRecord, need: int) -> bool:
+        """No estimate for the model's memory although it will be measured (a python model, processes in view)."""
+        return (
+            not need and self.settings.memory_budget_mb is not None and rec.is_python and self.processes.visible
+        )
 
     def _first_in_line(self, rec: ModelRecord) -> bool:
         """No other load has waited for memory longer (evicting loads take turns in arrival order)."""
-        mine = self.queue.get(rec.id)
-        others = [since for m, (since, what) in list(self.queue.items()) if what == "memory" and m != rec.id]
-        return not others or (mine is not None and mine[1] == "memory" and mine[0] <= min(others))
+        mine = self._line.get(rec.id)
+        others = [since for m, since in list(self._line.items()) if m != rec.id]
+        return not others or (mine is not None and mine <= min(others))
 
     def _loading_beside(self, rec: ModelRecord) -> bool:
-        """Another load holds a reservation now: it is making room or loading in Triton."""
-        return any(r is not rec and r.state is ModelState.LOADING and r.reserved for r in self.states.values())
+        """Another load holds a reservation now: it is making room or loading in Triton (a cold load, or a reload
+        or rescale of a loaded model)."""
+        return any(r is not rec and r.reserved for r in self.states.values())
 
     async def fits_free(self, rec: ModelRecord, instances: int, *, measured: bool = False) -> bool:
         """Whether the model with ``instances`` fits the free host and GPU budgets without evicting anything: its
@@ -393,8 +432,20 @@ class Loader:
         rec.stubs = tuple(stubs)
         rec.workers = tuple(workers_of(self.journal_dir, stubs))
         if stubs:
-            rec.footprint = await asyncio.to_thread(self._footprint, rec)
+            measured = await asyncio.to_thread(self._footprint, rec)
+            # A stub grows once it has answered (remeasure notes by how much). Loaded again as it was (the same
+            # deployment and instances), a model counts that growth from the start: no other load is admitted into
+            # room its first request takes back (then over the budget, a sweep evicted a whole model for 1-3 MiB).
+            if not (
+                rec.footprint_source == "measured"
+                and rec.footprint_instances == instances
+                and rec.footprint_deployment == rec.model.deployment
+            ):
+                rec.growth = 0
+            rec.load_footprint = measured
+            rec.footprint = measured + rec.growth
             rec.footprint_instances, rec.footprint_source = instances, "measured"
+            rec.footprint_deployment = rec.model.deployment
         elif (declared := declared_bytes(rec)) is not None:
             rec.footprint, rec.footprint_instances, rec.footprint_source = declared, instances, "declared"
         else:
@@ -406,6 +457,35 @@ class Loader:
         self.states.set_state(rec, ModelState.READY)
         self.metrics.instances.labels(model=rec.id).set(instances)
         self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint if rec.footprint_source else 0)
+
+    async def remeasure(self) -> None:
+        """Read again what loaded python models hold (each sweep): a stub grows after its load (measured: a model
+        of 85 MiB at its load held 88 MiB once it had answered a request), and the budget counts what is held.
+        The stubs' RSS only: a preforked model's workers (USS, a costlier read) are measured at its load."""
+        seen = [
+            (r, r.generation)
+            for r in self.states.values()
+            if r.state is ModelState.READY and r.op is None and r.stubs and not r.workers
+            and r.footprint_source == "measured"
+        ]
+        if not seen or self.settings.memory_budget_mb is None:
+            return
+
+        def read() -> list[int | None]:
+            live: dict[str, list[Any]] = {}
+            for stub in self.processes.stubs():
+                live.setdefault(stub.model, []).append(stub)
+            # a model whose processes are changing (an instance leaving, one that died) is measured at its next load
+            return [
+                self.processes.rss(live[r.id]) if len(live.get(r.id, ())) == r.instances else None for r, _ in seen
+            ]
+
+        sizes = await asyncio.to_thread(read)
+        for (rec, generation), size in zip(seen, sizes, strict=True):
+            if size and rec.generation == generation and rec.op is None:
+                rec.growth = max(rec.growth, size - rec.load_footprint)
+                rec.footprint = rec.load_footprint + rec.growth  # at least what it grew to in this load
+                self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint)
 
     def _footprint(self, rec: ModelRecord) -> int:
         """The stubs' RSS, plus what their preforked workers add (USS: pages shared with the parent are

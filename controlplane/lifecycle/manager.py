@@ -90,7 +90,13 @@ class LifecycleManager:
         self.sync = TritonSync(
             settings, store, self.states, triton, processes, self.metrics, triton_process=triton_process
         )
-        self.budget = MemoryBudget(settings, self.states, evict=self._evict_one, pending=self.sync.pending_counts)
+        self.budget = MemoryBudget(
+            settings,
+            self.states,
+            evict=self._evict_one,
+            pending=self.sync.pending_counts,
+            server_rss=processes.server_rss,
+        )
         self.states.on_drop.append(self.budget.forget)
         self.budget.unrecorded = self.sync.unrecorded
         self.gpu = GpuMemory(
@@ -131,6 +137,8 @@ class LifecycleManager:
         """Adopt what Triton has loaded (a restarted control plane keeps its models), start sweeping
         and watching model processes."""
         await self.sync.start()
+        await self.budget.measure_server()
+        self.budget.check_server()
         await self.budget.enforce()  # what was adopted may hold more than the budget
         if not self._tasks:
             self._tasks = [
@@ -222,6 +230,8 @@ class LifecycleManager:
             return
         entries = await self.sync.resync(full=False)
         await self._leave_unpublished(entries)
+        await self.budget.measure_server()
+        await self.loader.remeasure()
         await self.budget.enforce()
         if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
             self.budget.overhead = await asyncio.to_thread(parents_bytes, self.journal_dir, self.processes.proc_root)
@@ -631,6 +641,7 @@ class LifecycleManager:
         return {
             "preloaded_parents": lines,
             "overhead_bytes": self.budget.overhead,
+            "triton_server_bytes": self.budget.server,
             "eviction_policy": self.budget.policy.describe(),
             "wake_queue": self.loader.wake_queue(),
         }

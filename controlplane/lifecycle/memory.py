@@ -1,19 +1,27 @@
 """The memory budget: what each model holds, what a load will need, and which idle model to evict.
 
+The budget (``SNOOZE_MEMORY_BUDGET_MB``) is for the whole Triton tree where it can be seen: tritonserver's own
+resident memory (``server``, read before each admission and at each sweep) counts beside the models; where
+tritonserver cannot be seen (a remote Triton), the budget is for the models alone.
+
 A model's footprint is measured (the RSS of its model processes, plus the USS of their preforked workers,
-where they can be seen) or declared (its ``memory_mb``); a load reserves its estimate from before it makes
-room until it is measured, so that loads running at once never count the same free bytes. A model never
-measured nor declared is estimated at the largest model measured so far (not the average: five such loads at
-once overran a 400 MiB budget by 30%). The preloaded parents of preforked models hold memory of their own,
-counted once as ``overhead``. When a load would exceed the budget, idle models are unloaded until it fits:
-pre-warmed models no request has used yet first, then in the order of the eviction policy (``eviction``:
-GreedyDual-Size-Frequency or least recently used). A pre-warm itself only loads where its estimate fits the
-free budget (``fits``).
+where they can be seen; read again each sweep, ``Loader.remeasure``) or declared (its ``memory_mb``); a load
+reserves its estimate from before it makes room until it is measured, so that loads running at once never count
+the same free bytes. A model never measured nor declared is estimated at the largest model measured so far (not
+the average: five such loads at once overran a 400 MiB budget by 30%); before anything was measured, such a load
+runs alone (``Loader._make_room``). A reload that builds new instances beside the old ones (a republish) reserves
+the new version's estimate beside what the old one holds: Triton holds both until the old one exits. The
+preloaded parents of preforked models hold memory of their own, counted once as ``overhead``. When a load would
+exceed the budget, idle models are unloaded until it fits: pre-warmed models no request has used yet first, then
+in the order of the eviction policy (``eviction``: GreedyDual-Size-Frequency or least recently used). A pre-warm
+itself only loads where its estimate fits the free budget (``fits``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from controlplane.errors import SnoozeError, UnavailableError
@@ -45,6 +53,9 @@ def is_oom_error(text: str) -> bool:
     return any(marker in lowered for marker in OOM_MARKERS)
 
 
+# How many recent loads' growth of tritonserver itself its expected growth is the median of.
+SERVER_GROWTH_WINDOW = 16
+
 # What a miss costs when a model's load was never timed here (seconds): about a python model's cold start.
 DEFAULT_LOAD_SECS = 1.0
 
@@ -62,6 +73,7 @@ class MemoryBudget:
         *,
         evict: EvictFn,
         pending: Callable[[], Awaitable[dict[str, float]]],
+        server_rss: Callable[[], int | None] | None = None,
     ) -> None:
         self.settings = settings
         self.states = states
@@ -72,6 +84,41 @@ class MemoryBudget:
         self.unrecorded: dict[str, int] = {}
         # Bytes held outside any model: the preloaded parents of preforked models (measured at their loads).
         self.overhead = 0
+        # tritonserver's own resident bytes (``measure_server``); 0 where it cannot be seen (a remote Triton)
+        self.server = 0
+        self._server_rss = server_rss
+        # what tritonserver grew by across recent loads (its side of each model's shared memory, ...), clamped at 0
+        self._server_growths: deque[int] = deque(maxlen=SERVER_GROWTH_WINDOW)
+
+    @property
+    def server_growth(self) -> int:
+        """What tritonserver itself is expected to grow by during a load: the median of the recent loads' growth
+        (a load reserves it beside the model's estimate; measured about 2 MiB per python model)."""
+        if not self._server_growths:
+            return 0
+        return sorted(self._server_growths)[len(self._server_growths) // 2]
+
+    def note_server_growth(self, before: int) -> None:
+        """A load ended and ``measure_server`` read the server again: note what it grew by since ``before``."""
+        if before and self.server:
+            self._server_growths.append(max(self.server - before, 0))
+
+    async def measure_server(self) -> int:
+        """Read tritonserver's own resident memory (not its model processes') again; its bytes (0: unseen)."""
+        if self._server_rss is not None:
+            self.server = await asyncio.to_thread(self._server_rss) or 0
+        return self.server
+
+    def check_server(self) -> None:
+        """Log an error when tritonserver alone holds the whole budget: no model can load."""
+        budget = self.settings.memory_budget_mb
+        if budget is not None and self.server >= budget * MIB:
+            log.error(
+                "SNOOZE_MEMORY_BUDGET_MB=%g is not more than tritonserver's own memory (%.0f MiB, measured): no "
+                "model can load; raise it by at least the memory of the models to keep loaded",
+                budget,
+                self.server / MIB,
+            )
 
     def estimate(self, rec: ModelRecord, instances: int) -> int:
         """Bytes the model will hold with ``instances``: the larger of its last measurement and its declared
@@ -96,14 +143,15 @@ class MemoryBudget:
         return int(per * instances)
 
     def used(self, exclude: ModelRecord | None, *, reserved: bool = True) -> int:
-        """Bytes held beside ``exclude``: by loaded models, and (``reserved``) set aside by loads in flight."""
-        used = self.overhead + sum(self.unrecorded.values())
+        """Bytes held beside ``exclude``: by tritonserver itself, by loaded models, and (``reserved``) set aside by
+        loads in flight."""
+        used = self.server + self.overhead + sum(self.unrecorded.values())
         for r in self.states.values():
             if r is exclude:
                 continue
             if r.state is ModelState.LOADING:
                 used += r.reserved if reserved else 0
-            elif r.holds_memory:  # a loaded model being reloaded or rescaled holds the larger of the two
+            elif r.holds_memory:  # a loaded model being reloaded or rescaled: its reservation covers the swap
                 used += max(r.footprint or 0, r.reserved)
         return used
 
@@ -113,17 +161,35 @@ class MemoryBudget:
             return True
         return self.used(rec) + need <= int(self.settings.memory_budget_mb * MIB)
 
-    async def make_room(self, rec: ModelRecord, need: int) -> None:
-        """Evict idle models until ``need`` more bytes fit; UnavailableError when they cannot."""
+    def free(self, rec: ModelRecord) -> int:
+        """Bytes of the budget not held beside ``rec`` (negative when over it)."""
+        return int((self.settings.memory_budget_mb or 0) * MIB) - self.used(rec)
+
+    async def make_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
+        """Evict idle models until ``need`` more bytes fit (``beside``: what the model's loaded version holds
+        while a reload builds the new one beside it); UnavailableError when they cannot."""
         if self.settings.memory_budget_mb is None:
             return
         budget = int(self.settings.memory_budget_mb * MIB)
-        if need > budget:
+        room = budget - self.server  # what tritonserver itself leaves to the models
+        if need > room:
+            if self.server:
+                raise UnavailableError(
+                    f"model '{rec.id}' needs about {need / MIB:.0f} MiB, but SNOOZE_MEMORY_BUDGET_MB="
+                    f"{self.settings.memory_budget_mb:g} leaves {max(room, 0) / MIB:.0f} MiB for models beside "
+                    f"tritonserver's own {self.server / MIB:.0f} MiB (measured; the budget is for the whole "
+                    "Triton tree)",
+                    hint=f"raise SNOOZE_MEMORY_BUDGET_MB to at least {(self.server + need) / MIB:.0f}, or load the "
+                    "model with fewer instances",
+                )
             raise UnavailableError(
                 f"model '{rec.id}' needs about {need / MIB:.0f} MiB, more than the whole memory budget "
                 f"({self.settings.memory_budget_mb:g} MiB)",
                 hint="raise SNOOZE_MEMORY_BUDGET_MB, or load the model with fewer instances",
             )
+        # A swap larger than the room left (a model over half of it) evicts every idle model and goes ahead:
+        # Triton holds both versions only until the old one exits (the budget plus one model at most).
+        need = min(need + beside, room)
         while self.used(rec) + need > budget:
             if not await self.evict(rec, self.used(rec) + need - budget, "memory"):
                 busy = sorted(
@@ -134,6 +200,8 @@ class MemoryBudget:
                     and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
                 )
                 parents = f", {self.overhead / MIB:.0f} MiB of it by preloaded parents" if self.overhead else ""
+                if self.server:
+                    parents += f", {self.server / MIB:.0f} MiB by tritonserver itself"
                 raise BudgetInUse(
                     f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
                     f"{self.used(rec) / MIB:.0f} of {self.settings.memory_budget_mb:g} MiB are held by models in use "
@@ -142,12 +210,13 @@ class MemoryBudget:
                     retry_after=5,
                 )
 
-    async def enforce(self, rec: ModelRecord | None = None) -> list[str]:
+    async def enforce(self, rec: ModelRecord | None = None, *, estimate: int | None = None) -> list[str]:
         """Evict idle models (not ``rec``) until what the models hold fits the budget again; their ids.
 
         Admission keeps loads within the budget on their estimates, but a load can measure more: a republish
-        between the estimate and Triton's read of the files, a model never measured; and a restarted control
-        plane adopts whatever Triton holds. Best effort: models in use stay, and one model alone may exceed it.
+        between the estimate and Triton's read of the files, a model never measured; loaded models and
+        tritonserver itself grow (each sweep reads them again); and a restarted control plane adopts whatever
+        Triton holds. Best effort: models in use stay, and one model alone may exceed it.
         """
         if self.settings.memory_budget_mb is None:
             return []
@@ -157,10 +226,15 @@ class MemoryBudget:
             return []
         evicted = await self.evict(rec, over, "memory")
         log.warning(
-            "models hold %.0f MiB more than the memory budget (%g MiB)%s; evicted %s",
+            "the Triton tree holds %.0f MiB more than the memory budget (%g MiB; tritonserver itself %.0f MiB)%s; "
+            "evicted %s",
             over / MIB,
             self.settings.memory_budget_mb,
-            f" after '{rec.id}' measured {(rec.footprint or 0) / MIB:.0f} MiB" if rec is not None else "",
+            self.server / MIB,
+            f" after '{rec.id}' measured {(rec.footprint or 0) / MIB:.0f} MiB"
+            f"{f' (estimated {estimate / MIB:.0f} MiB)' if estimate is not None else ''}"
+            if rec is not None
+            else "",
             ", ".join(evicted) or "nothing (the others are in use)",
         )
         return evicted

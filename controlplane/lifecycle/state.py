@@ -94,6 +94,9 @@ class ModelRecord:
     footprint: int | None = None  # last measured bytes; kept after unload to estimate the next load
     footprint_instances: int = 0
     footprint_source: str | None = None  # "measured" or "declared"
+    footprint_deployment: Any = None  # the DeploymentSpec it was measured under
+    load_footprint: int = 0  # bytes measured when its last load ended
+    growth: int = 0  # how many bytes more its processes held later (sweeps), counted ahead when loaded again as it was
     reserved: int = 0  # bytes set aside while loading
     gpu_footprint: dict[int, int] | None = None  # last measured bytes per GPU index
     gpu_instances: int = 0

@@ -307,6 +307,16 @@ class TritonProcesses:
                     sent.append(stub.pid)
         return sent
 
+    def server_rss(self) -> int | None:
+        """Resident bytes of tritonserver itself (not its model processes); None when it cannot be seen."""
+        server = self.server()
+        if server is None:
+            return None
+        try:
+            return server.memory_info().rss
+        except psutil.Error:
+            return None
+
     def tree_rss(self) -> int:
         """Resident bytes of tritonserver and all its descendants; 0 when not visible."""
         server = self.server()

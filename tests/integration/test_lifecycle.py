@@ -272,7 +272,9 @@ async def test_lru_eviction_under_memory_budget(make_manager, publish, triton, w
     assert all(sizes)
     parents = manager.loader.budget.overhead  # preforked: the preloaded parent, counted once
     assert (parents > 0) == (worker == "preforked")
-    manager.settings.memory_budget_mb = (sum(sizes) * 1.25 + parents) / (1024 * 1024)  # two fit, three do not
+    server = manager.budget.server  # tritonserver's own memory counts too
+    assert server > 0
+    manager.settings.memory_budget_mb = (sum(sizes) * 1.25 + parents + server) / (1024 * 1024)  # two fit, not three
 
     await manager.ensure_ready(c)
 
@@ -525,7 +527,8 @@ async def test_prewarm_uses_free_budget_only_and_an_unused_prewarm_is_evicted_fi
     await manager.ensure_ready(idle)
     size = manager.status(idle).memory_bytes
     assert size
-    manager.settings.memory_budget_mb = 1.5 * size / MIB  # the pre-warm would need idle's memory
+    server = manager.budget.server  # tritonserver's own memory counts too
+    manager.settings.memory_budget_mb = (1.5 * size + server) / MIB  # the pre-warm would need idle's memory
     learned_periodic_caller(manager, bet)
     for _ in range(5):  # sweeps pass (every 0.2 s) and leave everything as it is
         await manager.sweep()
@@ -533,7 +536,7 @@ async def test_prewarm_uses_free_budget_only_and_an_unused_prewarm_is_evicted_fi
     assert sample(manager, "snooze_prewarm_loads_total", model=bet) == 0
     assert sample(manager, "snooze_evictions_total", model=idle, reason="memory") == 0
 
-    manager.settings.memory_budget_mb = 2.5 * size / MIB  # room for one more: the pre-warm goes ahead
+    manager.settings.memory_budget_mb = (2.5 * size + server) / MIB  # room for one more: the pre-warm goes ahead
     await until(lambda: manager.status(bet).state is ModelState.READY, "the pre-warm")
     assert manager.status(idle).state is ModelState.READY
 

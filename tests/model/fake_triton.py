@@ -27,7 +27,9 @@ What it models, as measured on the embedded Triton 2.51 (docs/internals.md, TRIT
   ``hang`` (``initialize`` never returns: the load stays LOADING until its stubs are killed, then fails);
   scripted unload hangs (a ``finalize`` that blocks longer than the client waits); scripted delays of
   loads, unloads and executions; memory per stub (its RSS) from the published deployment's ``memory_mb``
-  over its instances, or a figure the test sets;
+  over its instances, or a figure the test sets, and what a stub grows by when it runs its first request
+  (``growth``, 0 unless set: a real stub grew 2.8 MiB); tritonserver's own RSS (``server_memory``, plus
+  ``server_per_model`` for each model it holds; both 0 unless set);
 - ``nv_inference_pending_request_count``: requests accepted and not yet answered, per model.
 
 What it does not model: batching (one request per execution), the HTTP/gRPC wire, versions other than 1,
@@ -143,6 +145,7 @@ class Stub:
     running: str | None = None  # the request id it executes now (handed to it by Triton)
     stopped: bool = False  # SIGSTOP: it takes up nothing until SIGCONT
     busy: bool = False  # its journal's busy flag: a batch runs in the model's code
+    grown: bool = False  # it has run a request (and grown by the model's ``growth``)
     last_end: float = 0.0  # virtual seconds when its last batch ended
     queued: int = 0  # requests sent to this instance that wait for it
     died: asyncio.Event = field(default_factory=asyncio.Event)
@@ -209,7 +212,10 @@ class FakeTriton:
         self.executions: Counter[str] = Counter()  # request id -> times a model ran it
         self.pending: Counter[str] = Counter()  # model -> requests accepted and not answered
         self.loads_in_flight: Counter[str] = Counter()
-        self.peak = 0  # the most bytes the stubs held at once (a stub holds its memory from its start)
+        self.server_memory = 0  # tritonserver's own RSS (its model processes' apart) with no model loaded
+        self.server_per_model = 0  # what it holds more for each model it holds (its side of their shared memory)
+        self.growth: dict[str, int] = {}  # model -> bytes each of its stubs grows by at its first request
+        self.peak = 0  # the most bytes the tree held at once: the server and the stubs (each from its start)
         self.largest = 0  # the most bytes one model's stubs held
         self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
         self.calls: Counter[str] = Counter()
@@ -231,6 +237,10 @@ class FakeTriton:
         }
         # an unload whose processes were ended holds nothing while Triton finishes it
         return {n: b for n, b in held.items() if b or self.models[n].state != "UNLOADING"}
+
+    def server_bytes(self) -> int:
+        """tritonserver's own RSS: its base, and its side of each model it holds."""
+        return self.server_memory + self.server_per_model * len(self.holding())
 
     def ready(self) -> set[str]:
         return {name for name, m in self.models.items() if m.state == "READY"}
@@ -313,7 +323,7 @@ class FakeTriton:
         new = [self._stub(m, per_stub) for _ in range(count - len(keep))]
         m.starting += new
         held = self.holding()
-        self.peak = max(self.peak, sum(held.values()))
+        self.peak = max(self.peak, self.server_bytes() + sum(held.values()))
         self.largest = max(self.largest, *held.values())
         try:
             await self._initialize(m, new, script, serving)
@@ -463,6 +473,9 @@ class FakeTriton:
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
             self._journal(stub, request_id, busy=True)
             self.executions[request_id] += 1
+            if not stub.grown:
+                stub.grown, stub.memory = True, stub.memory + self.growth.get(name, 0)
+                self.peak = max(self.peak, self.server_bytes() + sum(self.holding().values()))
             m.last_inference_ms = int(EPOCH * 1000 + asyncio.get_running_loop().time() * 1000)
             died = asyncio.ensure_future(stub.died.wait())
             done, _ = await asyncio.wait([died], timeout=self.exec_delay)
@@ -580,8 +593,11 @@ class FakeProcesses:
                 sent.append(s.pid)
         return sent
 
+    def server_rss(self) -> int | None:
+        return self.triton.server_bytes()
+
     def tree_rss(self) -> int:
-        return sum(s.memory for s in self._all() if s.alive)
+        return self.triton.server_bytes() + sum(s.memory for s in self._all() if s.alive)
 
 
 class NoGpu:

@@ -163,3 +163,120 @@ def test_a_wake_waits_for_memory_held_by_requests_in_flight_within_its_bound(mak
     else:
         assert call.answer is not None and "could not start within 1.0s: it waited for memory" in call.answer
         assert state(world, "busy") is ModelState.READY and state(world, "other") is ModelState.UNLOADED
+
+
+def test_the_budget_counts_tritonservers_own_memory_beside_the_models_read_at_each_sweep(make_world):
+    """tritonserver itself holds 100 MiB: under the 300 MiB budget two 100 MiB models fit beside it, not three
+    (the budget is for the whole Triton tree); when the server grows by 50 MiB, the next sweep evicts one more."""
+    world = make_world()
+    world.triton.server_memory = 100 * MIB
+    for m in ("a", "b", "c"):
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+    for m in ("a", "b", "c"):
+        world.step(world.request(m), 1.0)
+    assert {c.answer for c in world.answered if c.what == "request"} == {"200"}
+    assert [state(world, m) for m in "abc"] == [ModelState.UNLOADED, ModelState.READY, ModelState.READY]
+    assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
+    assert world.manager.budget.server == 100 * MIB
+    world.triton.server_memory = 150 * MIB
+    world.step(world.tick(1.5), 0)  # a sweep reads the server's memory again
+    assert sorted(state(world, m).value for m in "bc") == ["ready", "unloaded"]
+
+
+def test_a_budget_smaller_than_tritonserver_itself_is_refused_naming_the_setting_and_the_servers_size(make_world):
+    world = make_world()
+    world.triton.server_memory = 350 * MIB
+    world.step(world.publish("a", 100, **LONG_IDLE), 0.01)
+    with pytest.raises(UnavailableError) as refused:
+        world.run(world.manager.ensure_ready("a"))
+    message, hint = refused.value.message, refused.value.hint or ""
+    assert "model 'a'" in message and "SNOOZE_MEMORY_BUDGET_MB=300" in message, message
+    assert "tritonserver's own 350 MiB" in message, message
+    assert "raise SNOOZE_MEMORY_BUDGET_MB to at least 450" in hint, hint
+    assert "a" not in world.triton.holding()
+
+
+def test_a_republish_reserves_the_new_version_beside_the_old_one_until_the_old_one_has_left(make_world):
+    """Three 100 MiB models fill the 300 MiB budget. A republish of one reloads it: Triton builds the new instance
+    beside the old one and holds both until it is ready. The budget counted the larger of the two (400 MiB held);
+    now the reload makes room for both first (an idle model is evicted), then the old version leaves."""
+    world = make_world()
+    for m in ("a", "b", "c"):
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+        world.step(world.request(m), 1.0)
+    world.triton.peak = 0
+    world.step(world.publish("a", 100, **LONG_IDLE), 2.0)
+    assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
+    assert state(world, "a") is ModelState.READY and world.manager.states.records["a"].load_count == 2
+    assert sorted(state(world, m).value for m in "bc") == ["ready", "unloaded"]
+
+
+def test_wakes_of_models_of_unknown_size_load_one_at_a_time_until_one_is_measured(make_world):
+    """Nothing measured yet, nothing declared: four wake-ups at once (four load slots) were each estimated at
+    0 MiB, loaded side by side and held 400 MiB under the 300 MiB budget. The first now loads alone; once it is
+    measured (100 MiB) the others are estimated from it: two more fit, the fourth evicts."""
+    world = make_world(max_concurrent_loads=4)
+    for m in ("a", "b", "c", "d"):
+        world.triton.memory[m] = 100 * MIB
+        world.step(world.publish(m, None, **LONG_IDLE), 0.01)
+    for m in ("a", "b", "c", "d"):
+        world.step(world.request(m), 0.0)
+    world.step(world.tick(3.0), 0)
+    assert {c.answer for c in world.answered if c.what == "request"} == {"200"}
+    assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
+    assert state(world, "d") is ModelState.READY
+    assert sum(state(world, m) is ModelState.READY for m in "abcd") == 3
+
+
+def test_what_a_loaded_model_holds_is_read_again_at_each_sweep(make_world):
+    """A model's process grows after its load (a real stub: 85 MiB at its load, 88 MiB once it has answered).
+    Three 100 MiB models fill the 300 MiB budget; each grows by 10 MiB: the next sweep sees 330 MiB held and
+    evicts one (the load-time figures said 300 and nothing was evicted)."""
+    world = make_world()
+    for m in ("a", "b", "c"):
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+        world.step(world.request(m), 1.0)
+    for m in ("a", "b", "c"):
+        for stub in world.triton.models[m].stubs:
+            stub.memory += 10 * MIB
+    world.step(world.tick(1.5), 0)
+    assert sum(state(world, m) is ModelState.READY for m in "abc") == 2
+    loaded = [m for m in "abc" if state(world, m) is ModelState.READY]
+    assert all(world.manager.status(m).memory_bytes == 110 * MIB for m in loaded)
+
+
+def test_a_model_loaded_again_counts_what_it_grew_to_so_no_load_takes_the_room_it_takes_back(make_world):
+    """A stub grows at its first request (a real one by 2.8 MiB); here 100 MiB models grow by 10 MiB, under a
+    330 MiB budget. a, b and c, each grown to 110 MiB, fill it; a is unloaded, then a and a 10 MiB model e wake
+    together. a measured 100 MiB at its load and e was admitted into the 10 MiB its request took back: 340 MiB
+    held. Counted at the 110 MiB it grew to before, a leaves e to evict first."""
+    world = make_world(memory_budget_mb=330)
+    for m in ("a", "b", "c"):
+        world.triton.growth[m] = 10 * MIB
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+        world.step(world.request(m), 1.5)  # a sweep reads what it grew to
+    world.step(world.publish("e", 10, **LONG_IDLE), 0.01)
+    world.step(world.api_unload("a"), 0.5)
+    world.triton.peak = 0
+    world.step(world.request("a"), 0.0)
+    world.step(world.request("e"), 3.0)
+    assert {c.answer for c in world.answered if c.what == "request"} == {"200"}
+    assert state(world, "a") is ModelState.READY and state(world, "e") is ModelState.READY
+    assert world.triton.peak <= 330 * MIB, world.triton.peak / MIB
+
+
+def test_a_load_reserves_what_tritonserver_itself_grows_by_with_each_model(make_world):
+    """tritonserver holds more for each model it loads (a real one about 2 MiB: its side of the model's shared
+    memory); here 10 MiB, beside 92 MiB models under the 300 MiB budget. The third load fitted on the server's
+    size before it (20 + 2 x 92 + 92 = 296 MiB) and the tree held 306 MiB once it was loaded. The load now
+    reserves the server's growth seen at the loads before it: it evicts first."""
+    world = make_world()
+    world.triton.server_per_model = 10 * MIB
+    for m in ("a", "b", "c"):
+        world.step(world.publish(m, 92, **LONG_IDLE), 0.01)
+    for m in ("a", "b", "c"):
+        world.step(world.request(m), 1.0)
+    assert {c.answer for c in world.answered if c.what == "request"} == {"200"}
+    assert world.manager.budget.server_growth == 10 * MIB
+    assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
+    assert state(world, "c") is ModelState.READY and sum(state(world, m) is ModelState.READY for m in "abc") == 2
