@@ -93,6 +93,11 @@ class TritonPythonModel:
             message = describe_failure(e, args.get("model_name", "?"), "initialize", None)[1]
             raise RuntimeError(message) from None
         spec = self._spec
+        # A client's config override (a repository load through the gateway) may change max_batch_size: Triton's
+        # config is what it batches by, so the runtime's limit follows it.
+        config_batch = int(json.loads(args.get("model_config") or "{}").get("max_batch_size") or 0)
+        if spec.batched and config_batch > 0 and config_batch != spec.max_batch_size:
+            self._spec = spec = dataclasses.replace(spec, max_batch_size=config_batch)
         # Before any user import: libraries read their settings (OMP_NUM_THREADS, ...) at import time.
         os.environ.update(spec.env)
         # User code prints freely; stdout of the stub is not the model's to use, and stderr reaches

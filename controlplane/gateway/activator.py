@@ -47,6 +47,12 @@ from controlplane.gateway import triton_words as words
 from controlplane.gateway.envoy import held_log_path, ready_dir_path
 from controlplane.gateway.triton_words import UnknownModelError
 from controlplane.gateway.wake_lua import HOLD_HEADER, HOLD_PATH, HOLD_WARM_HEADER
+from controlplane.lifecycle.overrides import (
+    ForbiddenOverrideError,
+    MalformedOverrideError,
+    apply_override,
+    parse_override,
+)
 from controlplane.render import VERSION, parse_config
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
@@ -93,7 +99,8 @@ class Waker(Protocol):
 
     async def admit(self, model_id: str, request_id: str) -> None: ...  # raises if it ran in a dead process
     async def after_dead_answer(self, model_id: str, request_id: str) -> None: ...  # raises unless safe to resend
-    async def load(self, model_id: str, *, instances: int | None = None) -> Any: ...
+    async def load(self, model_id: str, *, instances: int | None = None, override: Any = ...) -> Any: ...
+    def config_override(self, model_id: str) -> dict[str, Any] | None: ...  # a client's, from a repository load
     async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
     def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
     def add_state_listener(self, listener: Callable[[str, Any], None]) -> None: ...  # now, then on every change
@@ -187,11 +194,27 @@ class ModelAnswers:
                 await self.waker.after_dead_answer(name, request_id)
             return answer
 
-    async def load(self, name: str) -> None:
-        """Repository load (admin): a failed load answers in Triton's words and status (400)."""
+    async def load(self, name: str, parameters: Mapping[str, Any]) -> None:
+        """Repository load (admin) with the request's load parameters (``config``: the client's override, held
+        through sleep and wake; ``file:`` ones are refused). A failed load answers in Triton's words and status:
+        400 (load failed), or 500 for an override Triton could not read (``overrides``)."""
+        files = [key for key in parameters if key != "config"]
+        if files:
+            raise BadRequestError(  # Triton's words for a load that did not happen first (clients check them)
+                words.explained(
+                    f"{words.LOAD_UNKNOWN} '{name}'",
+                    f"load parameters {', '.join(sorted(files))} for model '{name}' are not accepted through the "
+                    "gateway (only 'config')",
+                ),
+                hint="publish a new package (snoozectl publish) to change a model's files",
+            )
+        text = parameters.get("config")
         try:
-            await self.waker.load(name)
-        except TritonModelLoadError as e:
+            override = None if text is None else parse_override(text, name)
+            await self.waker.load(name, override=override)
+        except MalformedOverrideError as e:
+            raise words.BadConfigOverrideError(name, e) from e
+        except (TritonModelLoadError, ForbiddenOverrideError) as e:
             raise words.LoadFailedError(name, e) from e
         if self.state(name) == "failed":
             raise words.LoadFailedError(name, SnoozeError(self.waker.status(name).reason or "unknown reason"))
@@ -209,9 +232,15 @@ class ModelAnswers:
     def loaded(self, name: str) -> bool:
         return self.state(name) == "ready"
 
-    @staticmethod
-    def config(model: PublishedModel) -> model_config_pb2.ModelConfig:
-        return parse_config(model.config_text, where=str(model.path / "config.pbtxt"))
+    def config(self, model: PublishedModel) -> model_config_pb2.ModelConfig:
+        """The config the model loads with: its published config.pbtxt, and a client's override if one holds."""
+        published = parse_config(model.config_text, where=str(model.path / "config.pbtxt"))
+        override = self.waker.config_override(model.id)
+        if not override:
+            return published
+        as_json = json_format.MessageToDict(published, preserving_proto_field_name=True)
+        merged = apply_override(as_json, override, model.id)
+        return json_format.ParseDict(merged, model_config_pb2.ModelConfig())
 
     def metadata(self, model: PublishedModel) -> dict[str, Any]:
         """KServe v2 model metadata, as Triton answers it for the loaded model."""
@@ -244,17 +273,6 @@ class ModelAnswers:
 class BadRequestError(SnoozeError):
     status_code = 400
     code = "bad_request"
-
-
-def _no_overrides(parameters: Iterable[str], name: str) -> None:
-    if any(parameters):
-        raise BadRequestError(  # Triton's words for a load that did not happen first (clients check them)
-            words.explained(
-                f"{words.LOAD_UNKNOWN} '{name}'",
-                f"load parameters for model '{name}' are not accepted through the gateway",
-            ),
-            hint="publish a new deployment (snoozectl publish) to change a model's configuration",
-        )
 
 
 class ReadyFlags:
@@ -473,8 +491,7 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder, holds: Hold
         answers.check_admin(request.headers)
         name = answers.published_for_load(request.path_params["model"]).id
         body = await request.body()
-        _no_overrides((await request.json()).get("parameters", {}) if body else {}, name)
-        await answers.load(name)
+        await answers.load(name, ((await request.json()).get("parameters") or {}) if body else {})
         return JSONResponse({})
 
     async def unload(request: Request) -> Response:
@@ -519,6 +536,12 @@ def _is_dead_stub(answer: bytes | grpc.aio.AioRpcError) -> bool:
         and answer.code() == grpc.StatusCode.INTERNAL
         and is_dead_stub_message(answer.details() or "")
     )
+
+
+def _parameter(value: service_pb2.ModelRepositoryParameter) -> Any:
+    kind = value.WhichOneof("parameter_choice")
+    raw = getattr(value, kind) if kind else ""
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
 
 
 class GrpcActivator:
@@ -619,8 +642,8 @@ class GrpcActivator:
         self._check_admin(context)
         msg = service_pb2.RepositoryModelLoadRequest.FromString(request)
         self.answers.published_for_load(msg.model_name)
-        _no_overrides(msg.parameters, msg.model_name)
-        await self.answers.load(msg.model_name)
+        parameters = {key: _parameter(value) for key, value in msg.parameters.items()}
+        await self.answers.load(msg.model_name, parameters)
         return service_pb2.RepositoryModelLoadResponse().SerializeToString()
 
     async def repository_unload(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:

@@ -72,6 +72,17 @@ class LoadUnknownModelError(SnoozeError):
         super().__init__(explained(load_unknown(name), explanation), hint=explanation.hint)
 
 
+class BadConfigOverrideError(SnoozeError):
+    """A repository load whose config override Triton cannot read (not ModelConfig JSON): Triton 2.51 answers it
+    as one its repository lacks (measured: HTTP 500 / gRPC INTERNAL, ``failed to load 'm', failed to poll from
+    model repository``); snoozeml's reason after."""
+
+    status_code = 500
+    code = "bad_config_override"
+
+    def __init__(self, name: str, explanation: SnoozeError) -> None:
+        super().__init__(explained(load_unknown(name), explanation), hint=explanation.hint)
+
 
 class LoadFailedError(SnoozeError):
     """A repository load that failed, as Triton answers it: HTTP 400 / gRPC INVALID_ARGUMENT, its words first."""

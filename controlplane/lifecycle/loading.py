@@ -25,6 +25,7 @@ from controlplane.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.memory import OOM_HINT, BudgetInUse, MemoryBudget, declared_bytes, is_oom_error
+from controlplane.lifecycle.overrides import apply_override
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import end_model_processes, parents_bytes, worker_bytes, workers_of
@@ -79,6 +80,12 @@ class NoRoomToPrewarm(UnavailableError):
 def rendered_config(config_text: str, *, where: str) -> dict[str, Any]:
     """A published config.pbtxt as the JSON a load override takes."""
     return json_format.MessageToDict(parse_config(config_text, where=where), preserving_proto_field_name=True)
+
+
+def config_for(rec: ModelRecord) -> dict[str, Any]:
+    """The model's config as it loads: the published config.pbtxt with the client's override, if any, merged in."""
+    published = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
+    return apply_override(published, rec.config_override, rec.id)
 
 
 def config_with_instances(config: dict[str, Any], instances: int, *, replace: bool = False) -> dict[str, Any]:
@@ -162,7 +169,7 @@ class Loader:
             # it, a load admitted within the budget left the tree over it once measured).
             beside = (rec.footprint or 0) if rec.state is ModelState.READY and how != "in_place" else 0
             beside += self.budget.server_growth
-            placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
+            placed = config_for(rec)
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
             # reserved before making room: a load beside it (parallel loads) counts these bytes as taken
             rec.reserved, rec.gpu_reserved = need + beside, gpu_need
@@ -174,6 +181,8 @@ class Loader:
                 delta = await self.gpu.before_load()
                 started = time.monotonic()
                 await self._load_retrying_oom(rec, instances, need, gpu_need, how, evict=evict)
+                if how == "files":  # an in-place change keeps the config Triton has
+                    rec.override_loaded = rec.config_override is not None
                 elapsed = time.monotonic() - started
                 await self.loaded(rec, instances, gpu_delta=delta)  # measured: the reservation can go
                 await self.budget.measure_server()
@@ -327,7 +336,7 @@ class Loader:
             need, gpu_need = rec.footprint or 0, dict(rec.gpu_footprint or {})
         else:
             need = self.budget.estimate(rec, instances)
-            placed = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
+            placed = config_for(rec)
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
         return self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)
 
@@ -409,9 +418,11 @@ class Loader:
             with contextlib.suppress(SnoozeError):
                 current = await self.triton.model_config(rec.id)
                 return config_with_instances(current, instances, replace=how == "replace")
-        if instances == rec.model.deployment.instances:
+        # A loaded model keeps an earlier override through a load without one (measured): dropping a client's
+        # override from a loaded model takes the published config sent as one.
+        if instances == rec.model.deployment.instances and rec.config_override is None and not rec.override_loaded:
             return None
-        return config_with_instances(rendered_config(rec.model.config_text, where=f"model '{rec.id}'"), instances)
+        return config_with_instances(config_for(rec), instances)
 
     async def _stubs(self, rec: ModelRecord) -> list[Any]:
         if not rec.is_python:
@@ -500,6 +511,7 @@ class Loader:
         """The model left memory (unloaded, evicted, or Triton gone)."""
         self.warmth.unloaded(rec)
         rec.instances, rec.draining, rec.served_seen = 0, False, 0
+        rec.override_loaded = False  # Triton loads an unloaded model from its files again (measured)
         rec.stubs = ()
         rec.workers = ()
         self.gpu.forget(rec)

@@ -25,14 +25,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from controlplane.errors import ConflictError, SnoozeError, UnavailableError
 from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
 from controlplane.lifecycle.gpu import GpuMemory
-from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout
+from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout, rendered_config
 from controlplane.lifecycle.memory import MemoryBudget
+from controlplane.lifecycle.overrides import KEEP_OVERRIDE, apply_override
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.sequences import LiveSequences, describe_live
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
@@ -543,8 +544,16 @@ class LifecycleManager:
                 retry_after=self._retry_after(rec),
             ) from e
 
-    async def load(self, model_id: str, *, instances: int | None = None) -> ModelStatus:
-        """Load (API): cold load, or change the instance count of a loaded model in place."""
+    async def load(
+        self, model_id: str, *, instances: int | None = None, override: dict[str, Any] | None | object = KEEP_OVERRIDE
+    ) -> ModelStatus:
+        """Load (API): cold load, or change the instance count of a loaded model in place.
+
+        ``override`` (a repository load: the client's config override, or None for a load without one) is
+        checked against the published config before anything (``overrides.apply_override``); then it holds
+        for every load until the next repository load without one, a republish or a delete. A loaded model
+        whose override changes is reloaded with the new config; a load that fails keeps the previous one.
+        """
         rec = self.states.record(model_id, refresh=True)
         dep = rec.model.deployment
         limit = max(dep.max_instances, dep.instances)
@@ -554,6 +563,23 @@ class LifecycleManager:
                 hint="raise the model's max_instances and publish it again",
             )
         await self.states.settle(rec)
+        if override is not KEEP_OVERRIDE:
+            given = cast("dict[str, Any] | None", override)
+            apply_override(rendered_config(rec.model.config_text, where=f"model '{model_id}'"), given, model_id)
+            previous, rec.config_override = rec.config_override, given or None
+            try:
+                if rec.state is ModelState.READY and (rec.config_override is not None or rec.override_loaded):
+                    reloading = self._reconfigure_op(rec)
+                    await asyncio.shield(self.states.spawn(rec, ModelState.READY, "new config", reloading))
+                    return self.status(model_id)
+                if rec.state is not ModelState.READY:
+                    await asyncio.shield(
+                        self.states.spawn(rec, ModelState.LOADING, "loading", self._cold_load_op(rec, "api", instances))
+                    )
+                return self.status(model_id)
+            except BaseException:
+                rec.config_override = previous  # Triton keeps the model (and its config) as it was
+                raise
         if rec.state is ModelState.READY:
             if instances is not None and instances != rec.instances:
                 scaling = self._rescale_op(rec, instances, None)
@@ -586,6 +612,7 @@ class LifecycleManager:
             return
         await self.states.settle(rec)
         rec.model = self.store.get(model_id)
+        rec.config_override = None  # a republish ends a client's override: the new config is what loads
         if rec.state is ModelState.FAILED:
             self.states.set_state(rec, ModelState.UNLOADED, "republished; loads on the next request")
         elif rec.state is ModelState.READY:
@@ -605,6 +632,11 @@ class LifecycleManager:
             )
         if not rec.draining:  # else kept while Triton still holds its memory; a later sweep lets it go
             self.states.drop(model_id)
+
+    def config_override(self, model_id: str) -> dict[str, Any] | None:
+        """The client's config override the model loads with (a repository load's), or None."""
+        rec = self.states.get(model_id)
+        return rec.config_override if rec is not None else None
 
     def status(self, model_id: str) -> ModelStatus:
         rec = self.states.record(model_id)
@@ -716,6 +748,15 @@ class LifecycleManager:
         if direction is not None:
             self.metrics.scale_events.labels(model=rec.id, direction=direction).inc()
         log.info("model '%s': %d -> %d instances", rec.id, before, instances)
+
+    async def _reconfigure_op(self, rec: ModelRecord) -> None:
+        """Reload a loaded model with its instances and the config override now set (or none)."""
+        try:
+            await self.loader.load(rec, rec.instances or rec.model.deployment.instances)
+        except SnoozeError as e:
+            self.loader.load_failed(rec, e)
+            self.states.set_state(rec, ModelState.READY, f"the client's config failed to load: {e.message}")
+            raise
 
     async def _reload_op(self, rec: ModelRecord) -> None:
         try:

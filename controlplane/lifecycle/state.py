@@ -119,6 +119,10 @@ class ModelRecord:
     prewarms_counted: tuple[int, int] = (0, 0)  # the policy's used / wasted pre-warms already in the metrics
     # an unload failed (Triton may still be unloading it): its memory stays counted until Triton's index lets go
     draining: bool = False
+    # a client's config override (repository load; ``overrides``): every load uses it until a load without one,
+    # a republish or a delete; in memory only
+    config_override: dict[str, Any] | None = None
+    override_loaded: bool = False  # Triton holds the model loaded with a client's override
     dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
 
     @property
