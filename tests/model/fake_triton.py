@@ -9,7 +9,9 @@ process observer's questions (``FakeProcesses``, the duck type of ``TritonProces
 What it models, as measured on the embedded Triton 2.51 (docs/internals.md, TRITON_NOTES.md):
 
 - explicit model control over a real model repository folder: a load reads the published ``config.pbtxt``
-  (or the override), fails when the folder is gone, and blocks until the model is loaded or failed;
+  (or the override), fails when the folder is gone, and blocks until the model is loaded or failed; a load
+  without an override of a loaded model whose files are unchanged changes nothing (an earlier override
+  stays);
   a failed reload keeps the old model serving; a change of the instance count alone keeps the
   surviving instances (their stubs), anything else rebuilds them all; old instances (of a reload, or of a load
   right after an unload) finish the requests they run or have queued, then exit (their memory is not counted
@@ -165,6 +167,7 @@ class Loaded:
     stubs: list[Stub] = field(default_factory=list)
     starting: list[Stub] = field(default_factory=list)  # stubs of a load in progress (initialize runs)
     reason: str = ""
+    files: tuple[int, int] = (0, 0)  # the folder it was last loaded from: its inode, its config.pbtxt's mtime
     last_inference_ms: int = 0
     served: int = 0  # requests answered since the model was last built (Triton's success count)
     next_instance: int = 0
@@ -295,12 +298,10 @@ class FakeTriton:
 
     async def _load_once(self, name: str, override: dict[str, Any] | None) -> None:
         folder = self.repository / name
-        queue = self.scripts.get(name)
-        script = queue.pop(0) if queue else LoadScript()
         try:
-            config = override if override is not None else rendered_config(
-                (folder / "config.pbtxt").read_text(encoding="utf-8"), where=name
-            )
+            text = (folder / "config.pbtxt").read_text(encoding="utf-8")
+            files = (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)  # a republish changes both
+            config = override if override is not None else rendered_config(text, where=name)
             deployment = json.loads((folder / DEPLOYMENT_FILE).read_text(encoding="utf-8"))["deployment"]
         except (OSError, ValueError, KeyError) as e:
             raise TritonModelLoadError(name, f"failed to load '{name}': {e}") from None
@@ -308,6 +309,10 @@ class FakeTriton:
         count = int((config.get("instance_group") or [{}])[0].get("count", 1))
         per_stub = self.memory.get(name) or int((deployment.get("memory_mb") or 1) * MIB / deployment["instances"])
         serving = old is not None and old.state == "READY"
+        if serving and old is not None and override is None and old.files == files and old.unloading is None:
+            return  # Triton 2.51: a load without an override of a loaded model whose files are unchanged keeps it
+        queue = self.scripts.get(name)
+        script = queue.pop(0) if queue else LoadScript()
         if old is not None and old.unloading is not None:  # a load right after an unload builds it anew
             old.unloading.cancel()
             old.unloading = None
@@ -330,7 +335,7 @@ class FakeTriton:
         finally:
             m.starting = [s for s in m.starting if s not in new]
         leaving = [s for s in m.stubs if s not in keep]
-        m.stubs, m.config, m.state, m.reason = keep + new, config, "READY", ""
+        m.stubs, m.config, m.state, m.reason, m.files = keep + new, config, "READY", "", files
         self._retire(leaving)
 
     def _retire(self, stubs: list[Stub]) -> None:
