@@ -76,13 +76,16 @@ def _proto_name(key: str) -> str:
 
 
 def _default(message: model_config_pb2.ModelConfig, name: str) -> Any:
-    field = model_config_pb2.ModelConfig.DESCRIPTOR.fields_by_name[name]
-    if field.message_type is not None and field.label != field.LABEL_REPEATED:
-        return {}
-    if field.label == field.LABEL_REPEATED:
-        return {} if field.message_type is not None and field.message_type.GetOptions().map_entry else []
+    """The JSON of a field the client set to its default (which MessageToDict leaves out)."""
     value = getattr(message, name)
-    return field.enum_type.values_by_number[value].name if field.enum_type is not None else value
+    if hasattr(value, "keys"):  # a map
+        return {}
+    if hasattr(value, "extend"):  # a repeated field
+        return []
+    if hasattr(value, "DESCRIPTOR"):  # a message
+        return json_format.MessageToDict(value, preserving_proto_field_name=True)
+    enum = model_config_pb2.ModelConfig.DESCRIPTOR.fields_by_name[name].enum_type
+    return enum.values_by_number[value].name if enum is not None else value
 
 
 def _same(name: str, a: Any, b: Any) -> bool:

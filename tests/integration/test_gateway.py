@@ -457,7 +457,7 @@ def test_repository_load_unload_need_the_admin_scope(stack: Stack):
         g.unload_model(name, headers={"authorization": f"Bearer {ADMIN_KEY}"})
         assert not stack.triton_ready(name)
         with pytest.raises(InferenceServerException, match="not accepted through the gateway"):
-            h.load_model(name, headers={"X-API-Key": ADMIN_KEY}, config=json.dumps({"max_batch_size": 2}))
+            h.load_model(name, headers={"X-API-Key": ADMIN_KEY}, config="{}", files={"file:1/model.py": b"x"})
 
 
 def test_repository_unload_and_load_answer_as_triton_does(stack: Stack):
@@ -491,6 +491,49 @@ def test_repository_unload_and_load_answer_as_triton_does(stack: Stack):
             g.load_model(name, headers=grpc_admin, config="{}", files={"file:" + "A" * 256: b"a"})
         assert info.value.message().startswith(f"failed to load '{name}': snoozeml: ")
         assert g.is_server_live() and stack.triton_ready(name)
+
+
+def test_a_clients_config_override_holds_through_sleep_and_wake(stack: Stack):
+    """What Triton's model-control examples do: a repository load with a config override (max_batch_size 8 ->
+    16). It holds while the model sleeps (the activator's config answer) and through the wake a request makes,
+    until a load without one; a malformed override (Triton 2.51's words and status) and one that changes a field
+    snoozeml owns are refused and change nothing."""
+    name = stack.publish("gw_override")
+    admin, grpc_admin = {"X-API-Key": ADMIN_KEY}, {"x-api-key": ADMIN_KEY}
+
+    def batch_sizes() -> tuple[int, int]:
+        return h.get_model_config(name, headers=KEY)["max_batch_size"], g.get_model_config(
+            name, headers=GRPC_KEY
+        ).config.max_batch_size
+
+    with stack.http() as h, stack.grpc() as g:
+        assert batch_sizes() == (8, 8)
+        h.load_model(name, headers=admin, config='{"max_batch_size":"16"}')
+        assert stack.triton_ready(name) and batch_sizes() == (16, 16)
+
+        stack.loop.run(stack.lifecycle.unload(name, reason="idle"))  # asleep, as after an idle unload
+        assert not stack.triton_ready(name) and batch_sizes() == (16, 16)
+        loads = stack.load_count(name)
+        y = grpc_infer(g, name, _x(12))  # wakes it; 12 rows: more than the published max_batch_size
+        assert y.shape == (12, 4) and stack.load_count(name) == loads + 1 and batch_sizes() == (16, 16)
+
+        malformed = '"parameters": {"config": {{"max_batch_size": "16"}}}'  # the examples' wrong format
+        words = f"failed to load '{name}', failed to poll from model repository: snoozeml: "
+        for client, headers, status in ((h, admin, "500"), (g, grpc_admin, "StatusCode.INTERNAL")):
+            with pytest.raises(InferenceServerException) as info:
+                client.load_model(name, headers=headers, config=malformed)
+            assert info.value.status() == status and info.value.message().startswith(words)
+            assert f"override for model '{name}' is not JSON" in info.value.message()
+            with pytest.raises(InferenceServerException) as info:
+                client.load_model(name, headers=headers, config='{"backend": "onnxruntime"}')
+            assert info.value.message().startswith(f"load failed for model '{name}': ")
+            assert "changes 'backend'" in info.value.message()
+        assert stack.load_count(name) == loads + 1 and batch_sizes() == (16, 16)
+
+        g.load_model(name, headers=grpc_admin)  # a load without an override: the published config again
+        assert stack.triton_ready(name) and batch_sizes() == (8, 8)
+        triton = httpclient.InferenceServerClient(stack.triton.http_url.removeprefix("http://"))
+        assert triton.get_model_config(name)["max_batch_size"] == 8
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
