@@ -530,7 +530,9 @@ def test_a_clients_config_override_holds_through_sleep_and_wake(stack: Stack):
             assert "changes 'backend'" in info.value.message()
         assert stack.load_count(name) == loads + 1 and batch_sizes() == (16, 16)
 
-        g.load_model(name, headers=grpc_admin)  # a load without an override: the published config again
+        g.load_model(name, headers=grpc_admin, config='{"max_batch_size": 4}')  # a new one replaces it
+        assert batch_sizes() == (4, 4)
+        h.load_model(name, headers=admin)  # a load without an override: the published config again
         assert stack.triton_ready(name) and batch_sizes() == (8, 8)
         triton = httpclient.InferenceServerClient(stack.triton.http_url.removeprefix("http://"))
         assert triton.get_model_config(name)["max_batch_size"] == 8
