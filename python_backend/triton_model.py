@@ -28,6 +28,8 @@ from .spec import RuntimeSpec, load_spec, spec_path
 from .warmup import warmup_samples
 
 PACKAGE_DIR = "package"
+# Set by the control plane on a config that carries a client's override (controlplane/lifecycle/overrides.py).
+OVERRIDE_PARAMETER = "snooze_config_override"
 # finalize waits this long for the model's unload(): Triton waits for finalize without a limit, so
 # a hanging unload() would block the model's unload forever; the stub process exits after finalize
 # and frees the model's memory anyway.
@@ -93,10 +95,11 @@ class TritonPythonModel:
             message = describe_failure(e, args.get("model_name", "?"), "initialize", None)[1]
             raise RuntimeError(message) from None
         spec = self._spec
-        # A client's config override (a repository load through the gateway) may change max_batch_size: Triton's
-        # config is what it batches by, so the runtime's limit follows it.
-        config_batch = int(json.loads(args.get("model_config") or "{}").get("max_batch_size") or 0)
-        if spec.batched and config_batch > 0 and config_batch != spec.max_batch_size:
+        # A client's config override (a repository load through the gateway, which marks it) may change
+        # max_batch_size: Triton's config is then what it batches by, so the runtime's limit follows it.
+        config = json.loads(args.get("model_config") or "{}")
+        config_batch = int(config.get("max_batch_size") or 0)
+        if spec.batched and config_batch > 0 and OVERRIDE_PARAMETER in (config.get("parameters") or {}):
             self._spec = spec = dataclasses.replace(spec, max_batch_size=config_batch)
         # Before any user import: libraries read their settings (OMP_NUM_THREADS, ...) at import time.
         os.environ.update(spec.env)

@@ -24,8 +24,11 @@ OWNED_FIELDS = (
     "batch_input", "batch_output", "instance_group", "version_policy", "model_transaction_policy",
     "sequence_batching", "ensemble_scheduling", "model_repository_agents",
 )  # fmt: skip
-# A parameter snoozeml sets on loads that rebuild every instance (``loading.GENERATION_PARAMETER``).
-RESERVED_PARAMETERS = ("snooze_generation",)
+# Set on a config that carries a client's override: the python runtime then takes its batch limit from Triton's
+# config (``python_backend/triton_model.py``) instead of the package's rendering.
+OVERRIDE_PARAMETER = "snooze_config_override"
+# Parameters snoozeml sets: on loads that rebuild every instance (``loading.GENERATION_PARAMETER``), and the above.
+RESERVED_PARAMETERS = ("snooze_generation", OVERRIDE_PARAMETER)
 # ``LifecycleManager.load``'s default: a load that leaves the override as it is (not a repository load).
 KEEP_OVERRIDE = object()
 OVERRIDE_HINT = "send only the fields to change, e.g. '{\"max_batch_size\": 16}'"
@@ -119,6 +122,7 @@ def apply_override(rendered: dict[str, Any], override: dict[str, Any] | None, mo
             f"{rendered.get('max_batch_size', 0)}), and the override cannot add or remove the batch axis",
             hint="keep max_batch_size above 0 for a batched model (0 for one without a batch axis)",
         )
+    merged.setdefault("parameters", {})[OVERRIDE_PARAMETER] = {"string_value": "client"}
     where = f"model '{model_id}' (config with the client's override)"
     try:
         message = json_format.ParseDict(merged, model_config_pb2.ModelConfig())

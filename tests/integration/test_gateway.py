@@ -536,6 +536,7 @@ def test_a_clients_config_override_holds_through_sleep_and_wake(stack: Stack):
         assert stack.triton_ready(name) and batch_sizes() == (8, 8)
         triton = httpclient.InferenceServerClient(stack.triton.http_url.removeprefix("http://"))
         assert triton.get_model_config(name)["max_batch_size"] == 8
+        assert "snooze_config_override" not in triton.get_model_config(name)["parameters"]
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

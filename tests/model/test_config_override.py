@@ -76,3 +76,10 @@ def test_a_forbidden_override_names_the_field_and_changes_nothing(world, overrid
     assert f"model '{m}'" in refused.value.message and refused.value.hint
     assert w.triton.calls["load"] == loads and triton_batch(w, m) == 16
     assert w.manager.config_override(m) == OVERRIDE
+
+
+def test_the_runtime_reads_the_override_mark_the_control_plane_sets():
+    from controlplane.lifecycle import overrides
+    from python_backend import triton_model
+
+    assert triton_model.OVERRIDE_PARAMETER == overrides.OVERRIDE_PARAMETER
