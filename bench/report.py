@@ -985,7 +985,8 @@ def _streaming_lines(st: dict[str, Any] | None) -> list[str]:
     return [
         "## Streaming: generate_stream (SSE) and gRPC streams of a decoupled model",
         "",
-        f"`bench/streaming.py`: {st['cycles']} cycles, interleaved (gateway, then direct, per cycle), medians; a "
+        f"`bench/streaming.py`: {st['cycles']} cold cycles and {st.get('warm_cycles', st['cycles'])} warm ones, "
+        "interleaved (gateway and direct in each cycle, the order rotating), medians; a "
         f"decoupled numpy model yielding {st['tokens']} one-token responses as fast as it can; one Python client "
         f"per stream, a new client per request. Load average at the start {la.get('start')}, at the end "
         f"{la.get('end')}.",
@@ -1016,10 +1017,27 @@ def _streaming_lines(st: dict[str, Any] | None) -> list[str]:
             ],
         ),
         "",
+        *_envoy_floor_lines(st),
         f"Warm streams let on by the wake filter without waiting for the activator (the model's ready flag): "
         f"{st.get('warm_holds', '-')}. A stream with a token every 0.5 s for {open_['seconds']} s on a model whose "
         f"idle timeout is {open_['idle_timeout_secs']} s: {open_['tokens']} tokens, the model "
         f"{open_['state_at_end']} at its end, unloaded {open_['unloaded_after_end_secs']} s after it.",
+        "",
+    ]
+
+
+def _envoy_floor_lines(st: dict[str, Any]) -> list[str]:
+    tps = st["tokens_per_s"]
+    if "grpc_envoy_tcp" not in tps:
+        return []
+    return [
+        "The floor of any Envoy hop on this machine, same cycles: the gRPC stream through a bare Envoy in front of "
+        f"Triton, a TCP proxy {tps['grpc_envoy_tcp']} tokens/s ({st['grpc_envoy_tcp_over_direct']:.3f}x direct) and "
+        f"an HTTP/2 router with no other filter {tps['grpc_envoy_http2']} tokens/s "
+        f"({st['grpc_envoy_http2_over_direct']:.3f}x direct); the gateway over that HTTP/2 floor: "
+        f"{st['grpc_gateway_over_envoy_http2']:.3f}x. All warm gRPC streams' tokens over all their time, gateway / "
+        f"direct: {st['grpc_gateway_over_direct_all_tokens']:.3f}x (one stream's rate swings with where the "
+        "scheduler puts the model's process and Triton's threads).",
         "",
     ]
 
