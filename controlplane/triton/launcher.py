@@ -38,6 +38,7 @@ import psutil
 
 from controlplane.errors import TritonLaunchError
 from controlplane.processes import kill_group, log_tail, spawn, stop_group
+from controlplane.triton.defer_shim import build_defer_shim, with_preload
 from controlplane.triton.journal import HEADER_FORWARD_ARGS, JOURNAL_ENV, prepare_journal_dir, remove_stale
 from controlplane.triton.processes import STUB_NAME, TritonProcesses
 
@@ -267,6 +268,7 @@ class EmbeddedTriton:
         journal_dir: Path | None = None,
         admin_header: str | None = None,
         admin_key: str | None = None,
+        defer_shim: bool = True,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.work_dir = Path(work_dir).resolve()
@@ -286,6 +288,9 @@ class EmbeddedTriton:
         # The model-repository API restricted to requests with this header, as in the deployed stacks.
         self.admin_header = admin_header
         self.admin_key = admin_key
+        # Preload defer_send.c: Triton's HTTP frontend otherwise loses streamed responses (defer_shim.py).
+        self.defer_shim = defer_shim
+        self.preload: Path | None = None
         # Names this server's /dev/shm regions, so that stop() can remove those a crash leaves behind.
         self.shm_region_prefix = f"snooze_{uuid.uuid4().hex[:8]}_"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -350,7 +355,7 @@ class EmbeddedTriton:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (self.dist.library_path(), env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
         env[JOURNAL_ENV] = str(self.journal_dir)
-        return env
+        return with_preload(env, self.preload)
 
     def start(self, timeout: float = 60) -> None:
         """Launch tritonserver and wait until it is live; on failure raise with the log's tail."""
@@ -362,6 +367,8 @@ class EmbeddedTriton:
                 f"model repository {self.model_repository} is not a folder", hint="create it or fix the path"
             )
         backend_dir = prepare_backend_dir(self.work_dir, self.dist)
+        if self.defer_shim and self.preload is None:
+            self.preload = build_defer_shim(self.work_dir)
         self._clean_up_after_previous_run()
         prepare_journal_dir(self.journal_dir)
         remove_stale(self.journal_dir)

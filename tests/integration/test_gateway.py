@@ -1069,6 +1069,75 @@ def test_a_client_leaving_a_generate_stream_releases_its_hold(stack: Stack, repe
     assert stack.lifecycle.states.record(name).users == 0
 
 
+# x86_64 epoll_wait, epoll_pwait, epoll_pwait2: where Triton's HTTP (libevhtp) and gRPC event loops wait.
+EPOLL_SYSCALLS = {"232", "281", "441"}
+PTRACE_SEIZE, PTRACE_INTERRUPT, PTRACE_DETACH, WAIT_ALL = 0x4206, 0x4207, 17, 0x40000000
+
+
+def _event_loop_threads(pid: int) -> list[int]:
+    """Threads of ``pid`` waiting in epoll: its HTTP and gRPC event loops, none that runs a model or hands
+    a model's responses over (those wait on locks)."""
+    tids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            call = (task / "syscall").read_text().split()
+            if call and call[0] in EPOLL_SYSCALLS:
+                tids.append(int(task.name))
+    return tids
+
+
+def _stall(tids: list[int], secs: float) -> None:
+    """Stop these threads (not their process) for ``secs``, as a busy machine deschedules them: ptrace
+    seize + interrupt, then detach (one tracer thread does all of it)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.ptrace.restype = ctypes.c_long
+    seized = []
+    try:
+        for tid in tids:
+            args = (ctypes.c_long(tid), ctypes.c_void_p(None), ctypes.c_void_p(None))
+            if libc.ptrace(ctypes.c_long(PTRACE_SEIZE), *args) != 0:
+                raise OSError(ctypes.get_errno(), f"ptrace seize of thread {tid}")
+            seized.append(args)
+            libc.ptrace(ctypes.c_long(PTRACE_INTERRUPT), *args)
+            os.waitpid(tid, WAIT_ALL)
+        time.sleep(secs)
+    finally:
+        for args in seized:
+            libc.ptrace(ctypes.c_long(PTRACE_DETACH), *args)
+
+
+def test_a_fast_sse_stream_outlives_a_stalled_triton_http_thread(stack: Stack, repeater: Path):
+    """Triton's HTTP frontend hands each response of a stream to its connection's thread through a socket
+    that holds ~280 of them and dropped what did not fit: a thread descheduled for a moment while a model
+    streams lost tokens and the stream's end, and the response never ended (controlplane/triton/defer_send.c)."""
+    name = _publish_repeater(stack, repeater, "gw_repeat_stalled_http")
+    assert _generate(stack, name, "generate_stream", {"x": [1.0, 0.0]}).status_code == 200  # awake
+    threads = _event_loop_threads(stack.triton.pid)
+    try:
+        _stall(threads[:1], 0)
+    except OSError as e:  # a machine that forbids ptrace cannot stall a thread
+        pytest.skip(f"cannot stop one of Triton's threads here: {e}")
+    n, stall_at, stalled = 1500, 50, threading.Event()
+    url = f"{stack.gateway.http_url}/v2/models/{name}/generate_stream"
+    firsts: list[float] = []
+    with (
+        httpx.Client(timeout=httpx.Timeout(10, read=20)) as client,
+        client.stream("POST", url, json={"x": [float(n), 0.0]}, headers=KEY) as r,
+    ):
+        try:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    firsts.append(json.loads(line.removeprefix("data: "))["y"][0])
+                    if len(firsts) == stall_at:  # the model streams on while Triton's HTTP threads stand still
+                        threading.Thread(target=lambda: (_stall(threads, 1.0), stalled.set()), daemon=True).start()
+        except httpx.ReadTimeout:
+            pytest.fail(f"the stream stopped after {len(firsts)} of {n} events and never ended")
+    assert stalled.wait(10)
+    assert len(firsts) == n and firsts == [float(n * i) for i in range(1, n + 1)]
+
+
 ACCUMULATOR_PY = """
 import numpy as np
 
