@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -1098,6 +1099,8 @@ def _stall(tids: list[int], secs: float) -> None:
         for tid in tids:
             args = (ctypes.c_long(tid), ctypes.c_void_p(None), ctypes.c_void_p(None))
             if libc.ptrace(ctypes.c_long(PTRACE_SEIZE), *args) != 0:
+                if ctypes.get_errno() == errno.ESRCH:  # the thread ended since it was listed
+                    continue
                 raise OSError(ctypes.get_errno(), f"ptrace seize of thread {tid}")
             seized.append(args)
             libc.ptrace(ctypes.c_long(PTRACE_INTERRUPT), *args)
