@@ -6,7 +6,8 @@ when that socket is full (the worker thread ~280 responses behind, e.g. deschedu
 machine while a model streams ~2,000 tokens/s). A dropped command is a lost token, or a lost end of the
 stream: the SSE response then never ends, and a client or the gateway waits until its idle timeout.
 ``defer_send.c`` (read its header) makes that one send wait for room instead; the embedded launcher
-builds it once per work dir with the machine's C compiler and preloads it into tritonserver only.
+builds it once (the user's cache, else the work dir) with the machine's C compiler and preloads it into
+tritonserver only.
 Without a compiler Triton runs as before, with a warning naming the fix.
 """
 
@@ -30,13 +31,20 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build_defer_shim(work_dir: Path) -> Path | None:
-    """The library under ``work_dir/preload/`` (built on first use, one file per source version), or None
-    when it cannot be built (logged, with the fix)."""
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    target = Path(work_dir) / "preload" / f"{LIB_PREFIX}-{digest}.so"
-    if target.is_file():
-        return target
+def user_cache() -> Path:
+    """Where the library is kept for every work dir of this user: ``$XDG_CACHE_HOME/snoozeml/preload``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "snoozeml" / "preload"
+
+
+def build_defer_shim(work_dir: Path, cache: Path | None = None, *, use_cache: bool = True) -> Path | None:
+    """The library (built on first use, one file per source version) from the user's cache (``cache``, default
+    ``user_cache()``; skipped with ``use_cache=False``) or else ``work_dir/preload/``, or None when it cannot
+    be built (logged, with the fix)."""
+    name = f"{LIB_PREFIX}-{hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}.so"
+    folders = ([cache or user_cache()] if use_cache else []) + [Path(work_dir) / "preload"]
+    for folder in folders:
+        if (folder / name).is_file():
+            return folder / name
     cc = compiler()
     if cc is None:
         log.warning(
@@ -45,24 +53,31 @@ def build_defer_shim(work_dir: Path) -> Path | None:
             SOURCE.name,
         )
         return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SOURCE), "-ldl"]
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
-        log.warning(
-            "could not build %s with %s (%s): Triton runs without it, and its HTTP generate_stream can lose "
-            "tokens or never end a stream when its HTTP thread falls behind",
-            SOURCE.name,
-            cc,
-            detail.strip()[-500:],
-        )
-        partial.unlink(missing_ok=True)
-        return None
-    os.replace(partial, target)
-    return target
+    failure = ""
+    for folder in folders:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only cache: the work dir next
+            failure = str(e)
+            continue
+        target = folder / name
+        partial = target.with_name(f"{name}.{os.getpid()}.tmp")
+        cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(partial), str(SOURCE), "-ldl"]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+            os.replace(partial, target)
+            return target
+        except (OSError, subprocess.SubprocessError) as e:
+            failure = (getattr(e, "stderr", None) or str(e)).strip()[-500:]
+            partial.unlink(missing_ok=True)
+    log.warning(
+        "could not build %s with %s (%s): Triton runs without it, and its HTTP generate_stream can lose tokens "
+        "or never end a stream when its HTTP thread falls behind",
+        SOURCE.name,
+        cc,
+        failure,
+    )
+    return None
 
 
 def with_preload(env: dict[str, str], library: Path | None) -> dict[str, str]:

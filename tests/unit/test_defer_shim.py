@@ -60,7 +60,7 @@ def test_a_full_socketpair_loses_evthr_commands_without_the_library(tmp_path: Pa
 
 
 def test_the_library_makes_the_17_byte_hand_off_wait_for_room(tmp_path: Path):
-    lib = build_defer_shim(tmp_path / "work")
+    lib = build_defer_shim(tmp_path / "work", use_cache=False)
     assert lib is not None and lib.name.startswith(LIB_PREFIX)
     sent, preload = _send(tmp_path, 17, 2000, lib)
     assert sent == 2000
@@ -68,19 +68,33 @@ def test_the_library_makes_the_17_byte_hand_off_wait_for_room(tmp_path: Path):
 
 
 def test_other_sends_keep_their_eagain(tmp_path: Path):
-    lib = build_defer_shim(tmp_path / "work")
+    lib = build_defer_shim(tmp_path / "work", use_cache=False)
     sent, _ = _send(tmp_path, 16, 4000, lib)
     assert sent < 4000
 
 
 def test_the_library_is_built_once_per_source_version(tmp_path: Path):
-    first = build_defer_shim(tmp_path / "work")
+    first = build_defer_shim(tmp_path / "work", use_cache=False)
     assert first is not None
     stamp = first.stat().st_mtime_ns
-    assert build_defer_shim(tmp_path / "work") == first and first.stat().st_mtime_ns == stamp
+    assert build_defer_shim(tmp_path / "work", use_cache=False) == first and first.stat().st_mtime_ns == stamp
 
 
 def test_without_a_compiler_triton_runs_without_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr("controlplane.triton.defer_shim.compiler", lambda: None)
-    assert build_defer_shim(tmp_path / "work") is None
+    assert build_defer_shim(tmp_path / "work", use_cache=False) is None
     assert with_preload({"A": "1"}, None) == {"A": "1"}
+
+
+def test_one_build_serves_every_work_dir_from_the_cache(tmp_path: Path):
+    first = build_defer_shim(tmp_path / "a", tmp_path / "cache")
+    assert first is not None and first.parent == tmp_path / "cache"
+    assert build_defer_shim(tmp_path / "b", tmp_path / "cache") == first
+    assert not (tmp_path / "a" / "preload").exists()
+
+
+def test_a_read_only_cache_falls_back_to_the_work_dir(tmp_path: Path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a cache path under a file cannot be created
+    lib = build_defer_shim(tmp_path / "work", blocked / "cache")
+    assert lib is not None and lib.parent == tmp_path / "work" / "preload"
