@@ -1141,6 +1141,52 @@ def test_a_fast_sse_stream_outlives_a_stalled_triton_http_thread(stack: Stack, r
     assert len(firsts) == n and firsts == [float(n * i) for i in range(1, n + 1)]
 
 
+SLOW_LOAD_PY = """
+import time
+
+
+class Model:
+    def load(self, model_dir, device):
+        time.sleep(1.0)
+
+    def predict(self, inputs):
+        return {"y": inputs["x"]}
+"""
+
+
+def test_a_stream_open_while_another_model_wakes_gets_every_event(stack: Stack, repeater: Path, tmp_path: Path):
+    """Triton runs a model load on the HTTP thread of the connection that asked for it (the control plane's),
+    which may also carry streams: during the load that thread hands nothing over, and the streamed responses
+    that did not fit its socket were lost, the stream's end with them (without defer_send.c: 332-456 of 4,000
+    events here, then silence)."""
+    name = _publish_repeater(stack, repeater, "gw_repeat_during_wake")
+    slow = _write_package(tmp_path / "slow", SLOW_LOAD_PY, warmup=False)
+    stack.store.publish(resolve(DeploymentSpec(id="gw_slow_load", path=slow, max_batch_size=8)))
+    assert _generate(stack, name, "generate_stream", {"x": [1.0, 0.0]}).status_code == 200  # awake
+    n, woken = 3000, threading.Event()
+    url = f"{stack.gateway.http_url}/v2/models/{name}/generate_stream"
+    events: list[float] = []
+
+    def wake_the_other() -> None:
+        stack.loop.run(stack.lifecycle.ensure_ready("gw_slow_load"))
+        woken.set()
+
+    with (
+        httpx.Client(timeout=httpx.Timeout(10, read=20)) as client,
+        client.stream("POST", url, json={"x": [float(n), 0.0]}, headers=KEY) as r,
+    ):
+        try:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: "))["y"][0])
+                    if len(events) == 50:  # another model wakes while this one streams
+                        threading.Thread(target=wake_the_other, daemon=True).start()
+        except httpx.ReadTimeout:
+            pytest.fail(f"the stream stopped after {len(events)} of {n} events and never ended")
+    assert woken.wait(30) and stack.triton_ready("gw_slow_load")
+    assert len(events) == n and events == [float(n * i) for i in range(1, n + 1)]
+
+
 ACCUMULATOR_PY = """
 import numpy as np
 
