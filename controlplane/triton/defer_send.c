@@ -5,8 +5,9 @@
  * Triton's HTTP frontend (libevhtp) passes each streamed response of a generate_stream request to the
  * connection's worker thread with evthr_defer(): one 17-byte command written with send() to a
  * non-blocking AF_UNIX stream socketpair. When the worker thread falls ~280 commands behind (a socket
- * buffer's worth; the thread descheduled for a moment on a busy machine while the model keeps
- * streaming) send() fails with EAGAIN, evthr_defer() returns an error, Triton ignores it, and the
+ * buffer's worth: the thread descheduled on a busy machine, or running a model load, which Triton does
+ * on the HTTP thread of the connection asking for it, while a model keeps streaming) send() fails with
+ * EAGAIN, evthr_defer() returns an error, Triton ignores it, and the
  * command is gone: a lost token, or a lost end of the stream, which then never ends (a client or
  * proxy waits until its idle timeout).
  *

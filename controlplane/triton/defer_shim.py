@@ -2,8 +2,9 @@
 
 Triton's HTTP frontend (libevhtp) hands every response of a ``generate_stream`` request to the
 connection's worker thread with one 17-byte command on a non-blocking socketpair, and drops the command
-when that socket is full (the worker thread ~280 responses behind, e.g. descheduled for ~0.1 s on a busy
-machine while a model streams ~2,000 tokens/s). A dropped command is a lost token, or a lost end of the
+when that socket is full (the worker thread ~280 responses behind while a model streams ~2,000 tokens/s:
+descheduled on a busy machine, or running another model's load, which Triton does on the HTTP thread of the
+connection that asked for it). A dropped command is a lost token, or a lost end of the
 stream: the SSE response then never ends, and a client or the gateway waits until its idle timeout.
 ``defer_send.c`` (read its header) makes that one send wait for room instead; the embedded launcher
 builds it once (the user's cache, else the work dir) with the machine's C compiler and preloads it into
