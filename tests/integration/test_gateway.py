@@ -17,7 +17,7 @@ import signal
 import textwrap
 import threading
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -1122,9 +1122,18 @@ def test_a_fast_sse_stream_outlives_a_stalled_triton_http_thread(stack: Stack, r
         _stall(threads[:1], 0)
     except OSError as e:  # a machine that forbids ptrace cannot stall a thread
         pytest.skip(f"cannot stop one of Triton's threads here: {e}")
-    n, stall_at, stalled = 1500, 50, threading.Event()
+    n, stalled = 1500, threading.Event()
+    # The model streams on while Triton's HTTP threads stand still.
+    firsts = _stream_events(stack, name, n, at=50, then=lambda: (_stall(threads, 1.0), stalled.set()))
+    assert stalled.wait(10)
+    assert len(firsts) == n and firsts == [float(n * i) for i in range(1, n + 1)]
+
+
+def _stream_events(stack: Stack, name: str, n: int, *, at: int, then: Callable[[], object]) -> list[float]:
+    """The first values of the ``n`` events of a generate_stream through the gateway, with ``then`` started on
+    a thread after the ``at``-th event; fails if the stream stops before its end."""
     url = f"{stack.gateway.http_url}/v2/models/{name}/generate_stream"
-    firsts: list[float] = []
+    events: list[float] = []
     with (
         httpx.Client(timeout=httpx.Timeout(10, read=20)) as client,
         client.stream("POST", url, json={"x": [float(n), 0.0]}, headers=KEY) as r,
@@ -1132,13 +1141,12 @@ def test_a_fast_sse_stream_outlives_a_stalled_triton_http_thread(stack: Stack, r
         try:
             for line in r.iter_lines():
                 if line.startswith("data: "):
-                    firsts.append(json.loads(line.removeprefix("data: "))["y"][0])
-                    if len(firsts) == stall_at:  # the model streams on while Triton's HTTP threads stand still
-                        threading.Thread(target=lambda: (_stall(threads, 1.0), stalled.set()), daemon=True).start()
+                    events.append(json.loads(line.removeprefix("data: "))["y"][0])
+                    if len(events) == at:
+                        threading.Thread(target=then, daemon=True).start()
         except httpx.ReadTimeout:
-            pytest.fail(f"the stream stopped after {len(firsts)} of {n} events and never ended")
-    assert stalled.wait(10)
-    assert len(firsts) == n and firsts == [float(n * i) for i in range(1, n + 1)]
+            pytest.fail(f"the stream stopped after {len(events)} of {n} events and never ended")
+    return events
 
 
 SLOW_LOAD_PY = """
@@ -1164,25 +1172,12 @@ def test_a_stream_open_while_another_model_wakes_gets_every_event(stack: Stack, 
     stack.store.publish(resolve(DeploymentSpec(id="gw_slow_load", path=slow, max_batch_size=8)))
     assert _generate(stack, name, "generate_stream", {"x": [1.0, 0.0]}).status_code == 200  # awake
     n, woken = 3000, threading.Event()
-    url = f"{stack.gateway.http_url}/v2/models/{name}/generate_stream"
-    events: list[float] = []
 
     def wake_the_other() -> None:
         stack.loop.run(stack.lifecycle.ensure_ready("gw_slow_load"))
         woken.set()
 
-    with (
-        httpx.Client(timeout=httpx.Timeout(10, read=20)) as client,
-        client.stream("POST", url, json={"x": [float(n), 0.0]}, headers=KEY) as r,
-    ):
-        try:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(json.loads(line.removeprefix("data: "))["y"][0])
-                    if len(events) == 50:  # another model wakes while this one streams
-                        threading.Thread(target=wake_the_other, daemon=True).start()
-        except httpx.ReadTimeout:
-            pytest.fail(f"the stream stopped after {len(events)} of {n} events and never ended")
+    events = _stream_events(stack, name, n, at=50, then=wake_the_other)  # another model wakes while this one streams
     assert woken.wait(30) and stack.triton_ready("gw_slow_load")
     assert len(events) == n and events == [float(n * i) for i in range(1, n + 1)]
 
