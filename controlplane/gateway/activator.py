@@ -47,12 +47,8 @@ from controlplane.gateway import triton_words as words
 from controlplane.gateway.envoy import held_log_path, ready_dir_path
 from controlplane.gateway.triton_words import UnknownModelError
 from controlplane.gateway.wake_lua import HOLD_HEADER, HOLD_PATH, HOLD_WARM_HEADER
-from controlplane.lifecycle.overrides import (
-    ForbiddenOverrideError,
-    MalformedOverrideError,
-    apply_override,
-    parse_override,
-)
+from controlplane.lifecycle.loading import config_for
+from controlplane.lifecycle.overrides import ForbiddenOverrideError, MalformedOverrideError, parse_override
 from controlplane.render import VERSION, parse_config
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
@@ -234,13 +230,10 @@ class ModelAnswers:
 
     def config(self, model: PublishedModel) -> model_config_pb2.ModelConfig:
         """The config the model loads with: its published config.pbtxt, and a client's override if one holds."""
-        published = parse_config(model.config_text, where=str(model.path / "config.pbtxt"))
         override = self.waker.config_override(model.id)
         if not override:
-            return published
-        as_json = json_format.MessageToDict(published, preserving_proto_field_name=True)
-        merged = apply_override(as_json, override, model.id)
-        return json_format.ParseDict(merged, model_config_pb2.ModelConfig())
+            return parse_config(model.config_text, where=str(model.path / "config.pbtxt"))
+        return json_format.ParseDict(config_for(model, override), model_config_pb2.ModelConfig())
 
     def metadata(self, model: PublishedModel) -> dict[str, Any]:
         """KServe v2 model metadata, as Triton answers it for the loaded model."""

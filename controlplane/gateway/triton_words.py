@@ -72,16 +72,12 @@ class LoadUnknownModelError(SnoozeError):
         super().__init__(explained(load_unknown(name), explanation), hint=explanation.hint)
 
 
-class BadConfigOverrideError(SnoozeError):
+class BadConfigOverrideError(LoadUnknownModelError):
     """A repository load whose config override Triton cannot read (not ModelConfig JSON): Triton 2.51 answers it
     as one its repository lacks (measured: HTTP 500 / gRPC INTERNAL, ``failed to load 'm', failed to poll from
     model repository``); snoozeml's reason after."""
 
-    status_code = 500
     code = "bad_config_override"
-
-    def __init__(self, name: str, explanation: SnoozeError) -> None:
-        super().__init__(explained(load_unknown(name), explanation), hint=explanation.hint)
 
 
 class LoadFailedError(SnoozeError):

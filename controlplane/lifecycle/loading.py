@@ -32,6 +32,7 @@ from controlplane.lifecycle.workers import end_model_processes, parents_bytes, w
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import parse_config
 from controlplane.settings import Settings
+from controlplane.store import PublishedModel
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.processes import TritonProcesses
 
@@ -82,10 +83,10 @@ def rendered_config(config_text: str, *, where: str) -> dict[str, Any]:
     return json_format.MessageToDict(parse_config(config_text, where=where), preserving_proto_field_name=True)
 
 
-def config_for(rec: ModelRecord) -> dict[str, Any]:
-    """The model's config as it loads: the published config.pbtxt with the client's override, if any, merged in."""
-    published = rendered_config(rec.model.config_text, where=f"model '{rec.id}'")
-    return apply_override(published, rec.config_override, rec.id)
+def config_for(model: PublishedModel, override: dict[str, Any] | None) -> dict[str, Any]:
+    """The model's config as it loads: the published config.pbtxt with a client's ``override``, if any, merged in
+    (what the lifecycle loads, and what the activator answers for a sleeping model)."""
+    return apply_override(rendered_config(model.config_text, where=f"model '{model.id}'"), override, model.id)
 
 
 def config_with_instances(config: dict[str, Any], instances: int, *, replace: bool = False) -> dict[str, Any]:
@@ -169,7 +170,7 @@ class Loader:
             # it, a load admitted within the budget left the tree over it once measured).
             beside = (rec.footprint or 0) if rec.state is ModelState.READY and how != "in_place" else 0
             beside += self.budget.server_growth
-            placed = config_for(rec)
+            placed = config_for(rec.model, rec.config_override)
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
             # reserved before making room: a load beside it (parallel loads) counts these bytes as taken
             rec.reserved, rec.gpu_reserved = need + beside, gpu_need
@@ -336,7 +337,7 @@ class Loader:
             need, gpu_need = rec.footprint or 0, dict(rec.gpu_footprint or {})
         else:
             need = self.budget.estimate(rec, instances)
-            placed = config_for(rec)
+            placed = config_for(rec.model, rec.config_override)
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
         return self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)
 
@@ -422,7 +423,7 @@ class Loader:
         # override from a loaded model takes the published config sent as one.
         if instances == rec.model.deployment.instances and rec.config_override is None and not rec.override_loaded:
             return None
-        return config_with_instances(config_for(rec), instances)
+        return config_with_instances(config_for(rec.model, rec.config_override), instances)
 
     async def _stubs(self, rec: ModelRecord) -> list[Any]:
         if not rec.is_python:

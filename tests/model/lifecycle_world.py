@@ -366,6 +366,17 @@ class LifecycleWorld:
         self._start("load", model, self._api(go()), self._api_bound())
         await asyncio.sleep(0)
 
+    async def api_override(self, model: str, max_batch_size: int | None) -> None:
+        """A repository load with a client's config override (``None``: a repository load without one)."""
+        override = {"max_batch_size": max_batch_size} if max_batch_size else None
+
+        async def go() -> str:
+            self.store.get(model)
+            return (await self.manager.load(model, override=override)).state.value
+
+        self._start("load", model, self._api(go()), self._api_bound())
+        await asyncio.sleep(0)
+
     async def api_unload(self, model: str) -> None:
         async def go() -> str:
             self.store.get(model)
@@ -466,6 +477,16 @@ class LifecycleWorld:
         self.answered += [c for c in self.calls if c.task.done()]
         self.calls = [c for c in self.calls if not c.task.done()]
 
+    def _override_problems(self, rec: ModelRecord | None, held: bool) -> list[str]:
+        """A client's override holds through every load of the model until a load without one."""
+        if rec is None or not rec.loaded or not rec.config_override or not held:
+            return []
+        want = rec.config_override["max_batch_size"]
+        got = int(self.triton.models[rec.id].config.get("max_batch_size") or 0)
+        if got == want:
+            return []
+        return [f"'{rec.id}' loaded with max_batch_size {got}, the client's override says {want}"]
+
     def _model_problems(self) -> list[str]:
         problems = []
         m = self.manager
@@ -499,6 +520,7 @@ class LifecycleWorld:
                 base = holding[model] - growth * sum(s.grown for s in stubs)
                 if not base <= (rec.footprint or 0) <= base + growth * len(stubs):
                     problems.append(f"'{model}' accounted {rec.footprint} bytes, its stubs hold {holding[model]}")
+            problems += self._override_problems(rec, model in holding and not leaving)
             gone = self.deleted.get(model)
             if gone is not None and model not in busy and not self.store.exists(model):
                 follow = max(self.settings.store_poll_secs, 2 * self.settings.sweep_interval_secs) + 1

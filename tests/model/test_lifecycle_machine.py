@@ -39,6 +39,7 @@ def random_op(rnd: random.Random, paused: bool) -> Op:
         "delete": (m,),
         "api_load": (m, rnd.choice((None, 1, 2, 3))),
         "api_unload": (m,),
+        "api_override": (m, rnd.choice((None, 4, 16))),
         "crash": (m,),
         "script_load": (m, rnd.choice(("oom", "hang", "error")), rnd.choice((0.05, 0.5))),
         "unload_hang": (m,),
