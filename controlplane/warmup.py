@@ -14,11 +14,23 @@ little-endian bytes, or for TYPE_STRING the serialized elements (4-byte length p
 
 Inputs come from the signature (declared shapes, -1 takes 1; numbers and bools zero, BYTES a short
 string) or from the samples a package ships (manifest ``"warmup": {"<input>": "<file>.npy"}``);
-``"warmup": false`` turns it off (a ``predict`` with side effects).
+``"warmup": false`` turns it off (a ``predict`` with side effects). The sample's name carries its source
+(``snooze_warmup_signature`` / ``snooze_warmup_samples``): on the python backend a generated warm-up that
+fails is skipped (said once; the model loads), a shipped one fails the load. Native backends run the
+sample inside Triton, where a failure fails the load: they get a generated one only for a fully static
+signature (zeros of fixed shapes), never one with a variable dim that 1 may not suit (a detector's image).
+
+Learned warm-ups: the runtime notes the first real request's input shapes after a load
+(``python_backend/warmup.py``, ``<journal dir>/<pid>-<ticks>.warmup``); the control plane keeps them in the
+model folder (``learned_warmup.json``, gone with a republish, which replaces the folder) and the runtime's
+next warm-ups run zeros of those shapes instead of the generated inputs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +42,11 @@ from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
 
 WARMUP_DIR = "warmup"  # Triton reads input_data_file from <model folder>/warmup/
-SAMPLE_NAME = "snooze_warmup"
+SAMPLE_PREFIX = "snooze_warmup_"  # + the source: python_backend/warmup.py reads it back
 SHORT_STRING = b"snooze"
+LEARNED_FILE = "learned_warmup.json"  # in the model folder (python_backend/warmup.py reads it)
+NOTE_SUFFIX = ".warmup"  # the runtime's note in the journal folder
+SIGNATURE, SAMPLES, LEARNED = "signature", "samples", "learned"
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,7 @@ class WarmupInput:
 class WarmupPlan:
     inputs: list[WarmupInput]
     files: dict[str, bytes]  # relative to the model folder
+    source: str = SIGNATURE  # SAMPLES when the package shipped any: then a failure fails the load
 
 
 def serialize_bytes(values: np.ndarray) -> bytes:
@@ -57,13 +73,16 @@ def serialize_bytes(values: np.ndarray) -> bytes:
     return bytes(out)
 
 
-def warmup_plan(spec: Any, input_views: list[dict[str, Any]]) -> WarmupPlan | None:
+def warmup_plan(spec: Any, input_views: list[dict[str, Any]], *, native: bool = False) -> WarmupPlan | None:
     """The warm-up of ``spec`` (a ModelSpec) given its rendered inputs (name, triton_type, dims), or
-    None when the package turned it off. Raises InvalidPackageError for a sample that does not fit."""
+    None when the package turned it off (or, on a native backend, when a generated one could not be
+    trusted: see the module's doc). Raises InvalidPackageError for a sample that does not fit."""
     setting = spec.package.manifest.warmup
     if setting is False:
         return None
     samples = setting if isinstance(setting, dict) else {}
+    if native and not samples and any(-1 in v["dims"] for v in input_views):
+        return None
     known = {v["name"] for v in input_views}
     unknown = sorted(set(samples) - known)
     if unknown:
@@ -89,7 +108,7 @@ def warmup_plan(spec: Any, input_views: list[dict[str, Any]]) -> WarmupPlan | No
             inputs.append(WarmupInput(name, triton_type, dims, data_file))
         else:
             inputs.append(WarmupInput(name, triton_type, dims, None))
-    return WarmupPlan(inputs, files)
+    return WarmupPlan(inputs, files, SAMPLES if samples else SIGNATURE)
 
 
 def _read_sample(spec: Any, name: str, rel: str, declared: list[int], triton_type: str) -> np.ndarray:
@@ -136,4 +155,54 @@ def warmup_view(plan: WarmupPlan | None) -> list[dict[str, Any]]:
     """What the config template renders (empty: no warm-up)."""
     if plan is None:
         return []
-    return [{"name": SAMPLE_NAME, "inputs": [vars(i) for i in plan.inputs]}]
+    return [{"name": SAMPLE_PREFIX + plan.source, "inputs": [vars(i) for i in plan.inputs]}]
+
+
+def plan_source(config_text: str) -> str | None:
+    """The warm-up source a rendered config declares (``signature`` / ``samples``), None without one."""
+    at = config_text.find(f'"{SAMPLE_PREFIX}')
+    if at < 0:
+        return None
+    start = at + 1 + len(SAMPLE_PREFIX)
+    return config_text[start : config_text.find('"', start)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Learned warm-ups: the runtime's notes, kept with the model
+
+
+def read_note(journal_dir: Path, pid: int, start_ticks: int) -> dict[str, Any] | None:
+    """A model process's warm-up note (python_backend/warmup.py WarmupNote), or None."""
+    with contextlib.suppress(OSError, ValueError):
+        raw = json.loads((journal_dir / f"{pid}-{start_ticks}{NOTE_SUFFIX}").read_text("utf-8"))
+        if isinstance(raw, dict):
+            return raw
+    return None
+
+
+def learned_shapes(model_dir: Path) -> dict[str, dict[str, Any]] | None:
+    """The input shapes (without the batch axis) and datatypes learned from a published model's traffic,
+    ``{input: {"shape": [...], "datatype": "FP32"}}``, or None when none were learned since its publish."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        raw = json.loads((Path(model_dir) / LEARNED_FILE).read_text("utf-8"))
+        inputs = raw["inputs"]
+        if isinstance(inputs, dict) and inputs:
+            return {str(k): {"shape": [int(d) for d in v["shape"]], "datatype": str(v["datatype"])}
+                    for k, v in inputs.items()}
+    return None
+
+
+def keep_learned(model_dir: Path, shapes: dict[str, dict[str, Any]]) -> bool:
+    """Keep ``shapes`` as the model's learned warm-up (atomically, in its folder); False when they are
+    what it holds already, or the folder is gone (deleted or republished meanwhile)."""
+    model_dir = Path(model_dir)
+    if learned_shapes(model_dir) == shapes or not model_dir.is_dir():
+        return False
+    tmp = model_dir / f".{LEARNED_FILE}.tmp"
+    try:
+        tmp.write_text(json.dumps({"format": 1, "inputs": shapes}), encoding="utf-8")
+        os.replace(tmp, model_dir / LEARNED_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    return True

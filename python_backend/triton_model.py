@@ -25,7 +25,17 @@ from .journal import RequestJournal
 from .runners import PredictWatchdog, build_model, call_with_limit, device_for
 from .sequences import SEQUENCE_END, SEQUENCE_START, SequenceNote
 from .spec import RuntimeSpec, load_spec, spec_path
-from .warmup import warmup_samples
+from .warmup import (
+    LEARNED,
+    SAMPLES,
+    WarmupNote,
+    declared_outputs,
+    learned_arrays,
+    read_learned,
+    sample_source,
+    shapes_of,
+    warmup_samples,
+)
 
 PACKAGE_DIR = "package"
 # Set by the control plane on a config that carries a client's override (controlplane/lifecycle/overrides.py).
@@ -138,6 +148,9 @@ class TritonPythonModel:
         # A stateful model whose predict takes the request's Sequence: one call per request.
         self._per_sequence = spec.sequence and not spec.decoupled and takes_sequence(self._user_predict)
         self._warm_answer: tuple[dict[str, Any], Any] | None = None
+        # Notes the warm-up's outcome and the first real request's shapes for the control plane (learned warm-ups).
+        self._note = WarmupNote.from_environment(spec.model_id) if not spec.decoupled and not spec.sequence else None
+        self._learn = self._note is not None
         if not spec.decoupled and not spec.sequence:  # the renderer gives those no warm-up sample
             self._warm_up(args, spec)
         self._watch = None
@@ -149,6 +162,8 @@ class TritonPythonModel:
         journal = self._journal
         if self._sequences is not None:
             self._sequences.record(requests)
+        if self._learn and self._warm_answer is None:  # the first real batch (Triton's warm-up is answered first)
+            self._learn_shapes(requests)
         if journal is None:
             return self._execute(requests)
         journal.record(requests)
@@ -189,22 +204,54 @@ class TritonPythonModel:
             return None
         return [self._response(result)]
 
+    def _learn_shapes(self, requests: list) -> None:
+        """Once per load: the first real request's input shapes and datatypes (never data) to the note."""
+        self._learn = False
+        try:
+            arrays = {t.name(): t.as_numpy() for t in requests[0].inputs()}
+            self._note.write(learned=shapes_of(self._spec, arrays))  # type: ignore[union-attr]
+        except Exception as e:  # a note is an optimisation: the request goes on
+            _log(self._spec.model_id, f"could not note the request's shapes for later warm-ups: {e}")
+
     def _warm_up(self, args: dict[str, str], spec: RuntimeSpec) -> None:
-        """The config's warm-up samples through predict, before Triton runs them: a failing one fails the load
-        here, with the model's own error (see warmup.py for why Triton must never run a failing one)."""
+        """The config's warm-up samples through predict, before Triton runs them (see warmup.py for why Triton
+        must never run a failing one). A shipped sample that fails fails the load with the model's own error;
+        generated or learned inputs that fail are said once and the model loads."""
         try:
             samples = warmup_samples(json.loads(args.get("model_config") or "{}"), args["model_repository"])
         except (OSError, ValueError, KeyError) as e:  # an unreadable sample: Triton's own run reports it
             _log(spec.model_id, f"could not read the warm-up sample ({e}); Triton runs it")
             return
+        learned = read_learned(args["model_repository"])
         for name, arrays in samples:
+            source = sample_source(name)
+            run = arrays
+            if source != SAMPLES and learned is not None:
+                run = learned_arrays(spec, learned) or arrays
+                source = LEARNED if run is not arrays else source
             try:
-                [result] = self._plan.run([arrays], self._user_predict)
+                [result] = self._plan.run([run], self._user_predict)
             except BaseException as e:  # as _run: SystemExit and the like are the model's failure too
                 result = Failure(*describe_failure(e, spec.model_id, "predict", None))
-            # Triton's run of the same sample comes next: answered from here (a copy: a preforked worker's
+            if type(result) is Failure and source != SAMPLES:
+                ordered = {t.name: run[t.name] for t in spec.inputs if t.name in run}
+                skipped = (f"skipped ({source} input {_shapes_text(ordered)} failed: {result.message}; "
+                           "ship samples or set \"warmup\": false)")
+                _log(spec.model_id, f"warm-up {skipped}")
+                if self._note is not None:
+                    self._note.write(source=source, skipped=skipped)
+                self._warm_answer = (arrays, declared_outputs(spec))  # Triton's run gets outputs, never the failure
+                continue
+            if self._note is not None:
+                self._note.write(source=source)
+            # Triton's run of the config's sample comes next: answered from here (a copy: a preforked worker's
             # answer is a view of a region its next answer reuses).
-            kept = result if type(result) is Failure else {k: np.array(v, copy=True) for k, v in result.items()}
+            if type(result) is Failure:
+                kept = result
+            elif run is arrays:
+                kept = {k: np.array(v, copy=True) for k, v in result.items()}
+            else:
+                kept = declared_outputs(spec)
             self._warm_answer = (arrays, kept)
             if type(result) is Failure:
                 with contextlib.suppress(Exception):
@@ -294,6 +341,8 @@ class TritonPythonModel:
             self._journal.close()
         if self._sequences is not None:
             self._sequences.close()
+        if self._note is not None:
+            self._note.close()
 
     def _predict_watched(self, inputs: Any, *sequence: Any) -> Any:
         self._watch.started = time.monotonic()
@@ -361,6 +410,12 @@ class TritonPythonModel:
             return error_cls(failure.message, code)
         except TypeError:
             return error_cls(failure.message)
+
+
+def _shapes_text(arrays: dict[str, Any]) -> str:
+    """A warm-up's inputs for a message: ``[1,3,1,1]`` for one input, ``x [1,2], text [1,1]`` for several."""
+    shapes = {k: "[" + ",".join(str(d) for d in v.shape) + "]" for k, v in arrays.items()}
+    return next(iter(shapes.values())) if len(shapes) == 1 else ", ".join(f"{k} {v}" for k, v in shapes.items())
 
 
 def _same(a: Any, b: Any) -> bool:

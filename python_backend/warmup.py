@@ -1,10 +1,16 @@
 """The load's warm-up sample (config ``model_warmup``), read back as the request the model will get.
 
 The instance runs it through ``predict`` itself at the end of ``initialize``, before Triton runs the same
-sample: a sample the model fails then fails the load at ``initialize`` with the model's own error. Triton
-2.51's own path for a failing warm-up sample of a python-backend model brought tritonserver down (signal 11,
-about one load in five here), so it must only ever see samples that pass. Triton's run is kept: it warms
-Triton's side of the first inference (tens of milliseconds for a fresh stub), which this one does not reach.
+sample. Triton 2.51's own path for a failing warm-up sample of a python-backend model brought tritonserver
+down (signal 11, about one load in five here), so Triton's run is always answered by the runtime without a
+second ``predict``: with the instance's own result, or with zero outputs of the declared shapes. Triton's run
+is kept: it warms Triton's side of the first inference (tens of milliseconds for a fresh stub).
+
+The sample's name says where its inputs came from (``snooze_warmup_<source>``): ``samples`` (the package
+shipped them: a failure fails the load with the model's error) or ``signature`` (generated: a failure is
+said once and the model loads). Inputs learned from the model's traffic (``learned_warmup.json`` in the
+model folder, written by the control plane) replace generated ones; the runtime notes the first real
+request's shapes (``ShapeNote``) so that the control plane can learn them.
 
 Reads what ``controlplane/warmup.py`` renders (and what Triton reads): per input ``zero_data``, or
 ``input_data_file`` under ``<model>/warmup/`` holding raw little-endian values, or for strings 4-byte
@@ -13,15 +19,21 @@ length-prefixed elements. Standard library + numpy, Python 3.10 syntax.
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 from typing import Any
 
 import numpy as np
 
-from .spec import WIRE_TO_NUMPY
+from .journal import JOURNAL_ENV, own_file
+from .spec import WIRE_TO_NUMPY, RuntimeSpec
 
 WARMUP_DIR = "warmup"
+SAMPLE_PREFIX = "snooze_warmup_"
+SAMPLES, SIGNATURE, LEARNED = "samples", "signature", "learned"
+LEARNED_FILE = "learned_warmup.json"  # in the model folder: {"format": 1, "inputs": {name: {shape, datatype}}}
+NOTE_SUFFIX = ".warmup"  # <journal dir>/<pid>-<start ticks>.warmup: what this process's warm-up did
 
 
 def _strings(raw: bytes, count: int) -> np.ndarray:
@@ -58,6 +70,101 @@ def sample_arrays(sample: dict[str, Any], model_dir: str, batching: bool) -> dic
         array = flat.astype(dtype).reshape(dims)
         arrays[name] = array[np.newaxis, ...] if batching else array
     return arrays
+
+
+def sample_source(name: str) -> str:
+    """``samples`` or ``signature`` from a sample's name (a config without the suffix: strict, as shipped)."""
+    source = name.removeprefix(SAMPLE_PREFIX) if name.startswith(SAMPLE_PREFIX) else SAMPLES
+    return source if source in (SAMPLES, SIGNATURE) else SAMPLES
+
+
+def read_learned(model_dir: str) -> dict[str, dict[str, Any]] | None:
+    """The input shapes learned from the model's traffic (``learned_warmup.json``), or None."""
+    try:
+        with open(os.path.join(model_dir, LEARNED_FILE), encoding="utf-8") as f:
+            raw = json.load(f)
+        inputs = raw["inputs"]
+        return {str(k): {"shape": [int(d) for d in v["shape"]], "datatype": str(v["datatype"])}
+                for k, v in inputs.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def learned_arrays(spec: RuntimeSpec, learned: dict[str, dict[str, Any]]) -> dict[str, np.ndarray] | None:
+    """Zero tensors (BYTES: empty strings) of the learned shapes, batch axis 1 when batching; None when
+    they no longer fit the signature (a stale file)."""
+    arrays: dict[str, np.ndarray] = {}
+    for tensor in spec.inputs:
+        seen = learned.get(tensor.name)
+        if seen is None or seen["datatype"] != tensor.datatype:
+            return None
+        shape = seen["shape"]
+        if len(shape) != len(tensor.dims) or any(d not in (-1, s) for d, s in zip(tensor.dims, shape)):
+            if not (tensor.dims == () and shape == [1]):
+                return None
+        full = ([1] if spec.batched else []) + shape
+        if tensor.datatype == "BYTES":
+            array = np.full(int(np.prod(full)) if full else 1, b"", dtype=object).reshape(full)
+        else:
+            array = np.zeros(full, tensor.dtype)
+        arrays[tensor.name] = array
+    return arrays
+
+
+def declared_outputs(spec: RuntimeSpec) -> dict[str, np.ndarray]:
+    """Zero outputs of the declared shapes (-1 as 1; batch axis 1): the answer to Triton's warm-up request
+    when the instance's own run was of other inputs or failed."""
+    out: dict[str, np.ndarray] = {}
+    for tensor in spec.outputs:
+        shape = ([1] if spec.batched else []) + [1 if d == -1 else d for d in tensor.dims]
+        if tensor.datatype == "BYTES":
+            out[tensor.name] = np.full(int(np.prod(shape)) if shape else 1, b"", dtype=object).reshape(shape)
+        else:
+            out[tensor.name] = np.zeros(shape, tensor.dtype)
+    return out
+
+
+def shapes_of(spec: RuntimeSpec, arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    """A request's input shapes (without the batch axis) and datatypes: what a warm-up learns, never data."""
+    wire = {t.name: t.datatype for t in spec.inputs}
+    return {name: {"shape": [int(d) for d in (a.shape[1:] if spec.batched else a.shape)],
+                   "datatype": wire.get(name, "")} for name, a in arrays.items()}
+
+
+class WarmupNote:
+    """``<journal dir>/<pid>-<start ticks>.warmup``, JSON ``{"model", "source", "skipped", "learned"}``: the
+    warm-up this process ran (its source; why a generated one was skipped) and the shapes of its first real
+    request, for the control plane (``controlplane/warmup.py`` reads it). Written twice at most."""
+
+    def __init__(self, path: str, model_id: str) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"model": model_id, "source": None, "skipped": None, "learned": None}
+
+    @classmethod
+    def from_environment(cls, model_id: str) -> WarmupNote | None:
+        directory = os.environ.get(JOURNAL_ENV)
+        if not directory:
+            return None
+        try:
+            return cls(own_file(directory, NOTE_SUFFIX), model_id)
+        except OSError:
+            return None
+
+    def write(self, **fields: Any) -> None:
+        self.data.update(fields)
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.data, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
 
 
 def warmup_samples(model_config: dict[str, Any], model_dir: str) -> list[tuple[str, dict[str, np.ndarray]]]:

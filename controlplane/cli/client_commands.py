@@ -179,6 +179,8 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
     columns = ["model", "state", "instances", "last access", "keep-alive", "memory"]
     columns += ["GPU memory"] if gpu else []
     columns += ["nodes"] if fleet else []
+    warm = any(model["status"].get("warmup") for model in models)  # servers before warm-up sources: no column
+    columns += ["warm-up"] if warm else []
     table = Table(*columns, "last cold start")
     table.columns[0].no_wrap = True  # a model id is what users copy: never cut it
     for column in table.columns:  # narrow terminals wrap the cells, never cut a header's word
@@ -191,18 +193,33 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
             _keep_alive(s), _memory_cell(s),
             *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
             *([_nodes(s.get("nodes"))] if fleet else []),
+            *([_warmup_cell(s.get("warmup"))] if warm else []),
             "-" if cold is None else f"{cold:.2f}s",
         )
     return table
 
 
+def _warmup_cell(line: str | None) -> str:
+    """The warm-up's source (signature, learned, samples), "skipped" (the line below says why), or "-"."""
+    if not line:
+        return "-"
+    return "skipped" if line.startswith("skipped") else line
+
+
 def _failure_lines(models: list[dict[str, Any]]) -> list[str]:
-    """Below the table, one line per failed model: its reason's first line (a table cell is too narrow)."""
-    return [
+    """Below the table, one line per failed model: its reason's first line (a table cell is too narrow); and
+    one per model whose generated warm-up was skipped, with why."""
+    failed = [
         f"{model['id']}: {_short_reason(model['status']['reason'])}"
         for model in models
         if model["status"].get("state") == "failed" and model["status"].get("reason")
     ]
+    skipped = [
+        f"{model['id']}: warmup: {model['status']['warmup']}"
+        for model in models
+        if str(model["status"].get("warmup") or "").startswith("skipped")
+    ]
+    return failed + skipped
 
 
 def _runtime(client: Any) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, M
 from controlplane.lifecycle.triton_sync import TritonSync
 from controlplane.lifecycle.unloading import Unloader
 from controlplane.lifecycle.warmth import Warmth
+from controlplane.lifecycle.warmups import harvest, status_line
 from controlplane.lifecycle.workers import parent_status, parents, parents_bytes
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
@@ -241,6 +242,8 @@ class LifecycleManager:
         pending = await self.sync.pending_counts()
         now = time.time()
         self.sequences.refresh(self.states.values(), now)
+        for rec in ready:
+            await asyncio.to_thread(harvest, rec, self.journal_dir)
         for rec in ready:
             if rec.op is not None or rec.state is not ModelState.READY:
                 continue
@@ -613,6 +616,7 @@ class LifecycleManager:
         await self.states.settle(rec)
         rec.model = self.store.get(model_id)
         rec.config_override = None  # a republish ends a client's override: the new config is what loads
+        rec.warmup = None  # and its learned warm-up (the folder was replaced): the new config's source
         if rec.state is ModelState.FAILED:
             self.states.set_state(rec, ModelState.UNLOADED, "republished; loads on the next request")
         elif rec.state is ModelState.READY:
@@ -642,6 +646,7 @@ class LifecycleManager:
         rec = self.states.record(model_id)
         loaded = rec.loaded
         measured = loaded and rec.footprint_source is not None
+        harvest(rec, self.journal_dir)  # a few small files: the warm-up line is current right after a load
         return ModelStatus(
             id=rec.id,
             state=rec.state,
@@ -658,6 +663,7 @@ class LifecycleManager:
             gpu_memory_bytes=self.gpu.status_bytes(rec),
             keep_alive=self.warmth.windows(rec),
             worker=rec.model.deployment.worker if rec.is_python and rec.model.kind == "custom" else None,
+            warmup=status_line(rec),
         )
 
     def statuses(self) -> list[ModelStatus]:

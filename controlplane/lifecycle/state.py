@@ -53,6 +53,7 @@ class ModelStatus:
     gpu_memory_bytes: dict[str, int] | None = None  # per GPU index while loaded; None: no GPU measured
     keep_alive: dict[str, Any] | None = None  # the keep-alive policy's windows and pre-warm counts (windows())
     worker: str | None = None  # custom python models: where the model's code runs, "in-stub" or "preforked"
+    warmup: str | None = None  # the load warm-up's source (signature, learned, samples) or why it was skipped
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -71,6 +72,7 @@ class ModelStatus:
             "gpu_memory_bytes": self.gpu_memory_bytes,
             "keep_alive": self.keep_alive,
             "worker": self.worker,
+            "warmup": self.warmup,
         }
 
 
@@ -124,6 +126,8 @@ class ModelRecord:
     config_override: dict[str, Any] | None = None
     override_loaded: bool = False  # Triton holds the model loaded with a client's override
     dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
+    warmup: str | None = None  # its last load's warm-up: source, or why it was skipped (lifecycle/warmups.py)
+    warmup_said: str | None = None  # the skipped warm-up already logged (said once)
 
     @property
     def last_access(self) -> float | None:

@@ -42,6 +42,8 @@ WORKER_SUFFIX = ".worker"
 PARENT_PREFIX, PARENT_SUFFIX = "prefork-", ".parent"
 # A stateful model process's live sequences (python_backend/sequences.py): JSON {"model", "live", "until"}.
 SEQUENCES_SUFFIX = ".sequences"
+# What a model process's warm-up did and its first request's shapes (python_backend/warmup.py WarmupNote).
+WARMUP_SUFFIX = ".warmup"
 
 
 def journal_path(journal_dir: Path, pid: int, start_ticks: int) -> Path:
@@ -109,7 +111,7 @@ def sequences_note(journal_dir: Path, stub: StubProcess) -> tuple[int, float]:
 def _owner(path: Path) -> tuple[int, int] | None:
     """(pid, start ticks) of the process a file of the journal folder is about; None: not ours."""
     name = path.name
-    for suffix in (SUFFIX, WORKER_SUFFIX, SEQUENCES_SUFFIX):
+    for suffix in (SUFFIX, WORKER_SUFFIX, SEQUENCES_SUFFIX, WARMUP_SUFFIX):
         if name.endswith(suffix):
             pid, _, ticks = name[: -len(suffix)].partition("-")
             with contextlib.suppress(ValueError):

@@ -143,10 +143,11 @@ def test_broken_models_fail_with_reasons_against_running_triton(
     load_fail = by[("validate-fails-load", "load")]
     assert load_fail.status == FAIL and "weights.bin is missing" in load_fail.message
     assert "model 'validate-fails-load'" in load_fail.message and "Fix:" in load_fail.message
-    # The load runs a warm-up inference (model_warmup): a broken predict fails the load with its own error.
-    predict_fail = by[("validate-fails-predict", "load")]
+    # The load's generated warm-up is best effort (a broken predict still loads, the warm-up skipped); the
+    # validation's own inference then reports the model's error.
+    assert by[("validate-fails-predict", "load")].status == OK
+    predict_fail = by[("validate-fails-predict", "warmup_infer")]
     assert predict_fail.status == FAIL and "predict is broken" in predict_fail.message
-    assert '"warmup": false' in predict_fail.fix
     assert by[("validate-linear", "warmup_infer")].status == OK
     assert by[("validate-linear", "load")].load_secs > 0
 

@@ -1,8 +1,10 @@
 """Warm-up inside the load (Triton's model_warmup, rendered from the signature): against the real tritonserver.
 
 The load runs one inference per instance before the model is ready, with inputs built from the declared
-signature (zeros, variable dims 1, BYTES a short string); a warm-up that fails fails the load with the
-model's own error; ``"warmup": false`` leaves predict alone until the first request.
+signature (zeros, variable dims 1, BYTES a short string), from the package's samples, or from the shapes
+the model's traffic taught; generated inputs that fail are skipped (said once, the model loads), shipped
+samples that fail fail the load with the model's own error; ``"warmup": false`` leaves predict alone
+until the first request.
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ class Model:
         x, text = inputs["x"], inputs["text"]
         with open(self.calls, "a") as f:
             f.write(json.dumps({"x": x.tolist(), "text": [t.decode() for t in text.reshape(-1)]}) + "\\n")
-        if self.fail:
+        if self.fail and not x.any():  # refuses zeros (what a generated warm-up sends), answers real inputs
             raise RuntimeError(self.fail)
         return {"y": (x * 2).astype(np.float32)}
 '''
 
 
-def publish(repo: Path, tmp: Path, name: str, *, warmup: bool = True, worker: str = "in-stub", instances: int = 1,
-            fail: str = "") -> Path:
+def publish(repo: Path, tmp: Path, name: str, *, warmup: bool | dict = True, worker: str = "in-stub",
+            instances: int = 1, fail: str = "") -> Path:
     pkg = tmp / name
     pkg.mkdir()
     (pkg / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
@@ -60,6 +62,9 @@ def publish(repo: Path, tmp: Path, name: str, *, warmup: bool = True, worker: st
         "params": {"calls": str(calls), "fail": fail},
         "warmup": warmup,
     }
+    if isinstance(warmup, dict):
+        np.save(pkg / "x.npy", np.zeros((3, 2), np.float32))
+        np.save(pkg / "text.npy", np.array([b"shipped"]))
     (pkg / "snooze_model.json").write_text(json.dumps(manifest))
     spec = resolve(DeploymentSpec(id=name, path=pkg, worker=worker, instances=instances))
     write_model(render_model(spec, embedded_target()), repo)
@@ -91,18 +96,79 @@ def test_the_load_runs_one_inference_per_instance_from_the_signature(embedded_tr
         client.close()
 
 
-def test_a_failing_warmup_fails_the_load_with_the_models_error(embedded_triton, model_repo, tmp_path):
-    calls = publish(model_repo, tmp_path, "warm-fails", fail="the feature store is down")
+def notes(journal: Path, name: str) -> list[dict]:
+    """The model's processes' warm-up notes, newest first (an unloaded process's may linger until it exits)."""
+    paths = sorted(journal.glob("*.warmup"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    found = [json.loads(p.read_text()) for p in paths]
+    return [n for n in found if n.get("model") == name]
+
+
+def infer_ones(client: httpclient.InferenceServerClient, name: str, rows: int = 1) -> np.ndarray:
+    x = httpclient.InferInput("x", [1, rows, 2], "FP32")
+    x.set_data_from_numpy(np.ones((1, rows, 2), np.float32))
+    text = httpclient.InferInput("text", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"hi"]], dtype=object))
+    return client.infer(name, [x, text]).as_numpy("y")
+
+
+def test_a_generated_warmup_that_fails_is_skipped_and_the_model_loads(embedded_triton, model_repo, tmp_path):
+    """Fails without the fix: the load failed with the model's error ("in the load's warm-up inference")."""
+    calls = publish(model_repo, tmp_path, "warm-refuses", fail="zeros are not a feature vector")
+    client = httpclient.InferenceServerClient(embedded_triton.http_url.removeprefix("http://"))
+    try:
+        client.load_model("warm-refuses")
+        assert client.is_model_ready("warm-refuses")
+        # predict ran once (the runtime's run); Triton's run was answered with outputs, never the failure.
+        assert len(lines(calls)) == 1 and embedded_triton.is_running()
+        [note] = notes(embedded_triton.journal_dir, "warm-refuses")
+        assert note["source"] == "signature"
+        assert note["skipped"].startswith("skipped (signature input x [1,1,2], text [1,1] failed: ")
+        assert "zeros are not a feature vector" in note["skipped"]
+        assert note["skipped"].endswith('ship samples or set "warmup": false)')
+        np.testing.assert_array_equal(infer_ones(client, "warm-refuses"), [[[2.0, 2.0]]])
+        # The first real request's shapes (never its data), for the control plane to learn.
+        assert notes(embedded_triton.journal_dir, "warm-refuses")[0]["learned"] == {
+            "x": {"shape": [1, 2], "datatype": "FP32"}, "text": {"shape": [1], "datatype": "BYTES"}}
+    finally:
+        client.unload_model("warm-refuses")
+        client.close()
+
+
+def test_a_shipped_sample_that_fails_fails_the_load_with_the_models_error(embedded_triton, model_repo, tmp_path):
+    calls = publish(model_repo, tmp_path, "warm-fails", fail="the feature store is down",
+                    warmup={"x": "x.npy", "text": "text.npy"})
     client = httpclient.InferenceServerClient(embedded_triton.http_url.removeprefix("http://"))
     try:
         with pytest.raises(InferenceServerException, match="the feature store is down") as failed:
             client.load_model("warm-fails")
-        assert "in the load's warm-up inference 'snooze_warmup'" in failed.value.message()
+        assert "in the load's warm-up inference 'snooze_warmup_samples'" in failed.value.message()
         # The runtime ran the sample in initialize and failed there: Triton never ran a failing sample (its own
         # path for one crashed tritonserver about one load in five), and the server is still up.
         assert not client.is_model_ready("warm-fails") and len(lines(calls)) == 1
         assert embedded_triton.is_running() and client.is_server_live()
     finally:
+        client.close()
+
+
+def test_learned_shapes_replace_the_generated_inputs(embedded_triton, model_repo, tmp_path):
+    from controlplane.warmup import keep_learned, learned_shapes
+
+    calls = publish(model_repo, tmp_path, "warm-learns")
+    client = httpclient.InferenceServerClient(embedded_triton.http_url.removeprefix("http://"))
+    try:
+        client.load_model("warm-learns")
+        infer_ones(client, "warm-learns", rows=4)
+        [note] = notes(embedded_triton.journal_dir, "warm-learns")
+        assert note["source"] == "signature" and note["learned"]["x"] == {"shape": [4, 2], "datatype": "FP32"}
+        assert keep_learned(model_repo / "warm-learns", note["learned"])  # what the control plane's sweep does
+        assert learned_shapes(model_repo / "warm-learns") == note["learned"]
+        client.unload_model("warm-learns")
+        client.load_model("warm-learns")
+        # The next load's warm-up ran zeros of the learned shapes (BYTES: empty strings), not the signature's.
+        assert lines(calls)[-1] == {"x": [[[0.0, 0.0]] * 4], "text": [""]}
+        assert notes(embedded_triton.journal_dir, "warm-learns")[0]["source"] == "learned"
+    finally:
+        client.unload_model("warm-learns")
         client.close()
 
 

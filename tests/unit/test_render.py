@@ -240,7 +240,7 @@ def test_the_runtime_reads_back_the_warmup_sample_triton_gets(tmp_path: Path) ->
     config = json_format.MessageToDict(parse_config((model / "config.pbtxt").read_text(), where="test"),
                                        preserving_proto_field_name=True)
     [(name, arrays)] = warmup_samples(config, str(model))
-    assert name == "snooze_warmup" and set(arrays) == {"x", "text"}
+    assert name == "snooze_warmup_samples" and set(arrays) == {"x", "text"}
     np.testing.assert_array_equal(arrays["x"], [[1.5, -2.0, 3.0]])
     assert arrays["text"].dtype == object and arrays["text"].tolist() == [[b"snooze"]]
     config["max_batch_size"] = 0

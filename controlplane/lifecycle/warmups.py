@@ -1,0 +1,57 @@
+"""What a model's load warm-up did, and the warm-ups its traffic teaches (see controlplane/warmup.py).
+
+The runtime notes per model process the warm-up's source and, when generated inputs failed, why it was
+skipped; after the first real request, that request's input shapes (``python_backend/warmup.py``). This
+reads those notes for a loaded model: its status says the warm-up's source (``signature``, ``learned``,
+``samples``) or why it was skipped, said once in the log; learned shapes are kept in the model's folder
+(``learned_warmup.json``), where its next loads' runtime finds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from controlplane.lifecycle.state import ModelRecord, ModelState
+from controlplane.warmup import keep_learned, learned_shapes, plan_source, read_note
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+
+def configured_source(rec: ModelRecord) -> str | None:
+    """The source the published config declares, or None (no warm-up); ``learned`` once shapes were kept
+    for a generated one."""
+    try:
+        source = plan_source(rec.model.config_text)
+    except Exception:  # deleted or republished meanwhile: nothing to say
+        return None
+    if source == "signature" and rec.model.backend == "python" and learned_shapes(rec.model.path):
+        return "learned"
+    return source
+
+
+def harvest(rec: ModelRecord, journal_dir: Path | None) -> None:
+    """Read the notes of a loaded model's processes: its warm-up line, and learned shapes to keep."""
+    if journal_dir is None or rec.state is not ModelState.READY or not rec.stubs:
+        return
+    notes = [n for s in rec.stubs if (n := read_note(journal_dir, s.pid, s.start_ticks)) is not None]
+    if not notes:
+        return
+    skipped = next((n["skipped"] for n in notes if n.get("skipped")), None)
+    source = next((n["source"] for n in notes if n.get("source")), None)
+    line = skipped or source
+    if line and line != rec.warmup:
+        rec.warmup = line
+        if skipped and skipped != rec.warmup_said:
+            rec.warmup_said = skipped
+            log.warning("model '%s': warmup: %s", rec.id, skipped)
+    learned = next((n["learned"] for n in notes if isinstance(n.get("learned"), dict) and n["learned"]), None)
+    if learned and rec.model.backend == "python" and keep_learned(rec.model.path, learned):
+        shapes = ", ".join(f"{k} {v.get('shape')}" for k, v in learned.items())
+        log.info("model '%s': learned its warm-up from traffic: %s", rec.id, shapes)
+
+
+def status_line(rec: ModelRecord) -> str | None:
+    """The warm-up as ``snoozectl status`` and ``GET /v1/models/{id}`` say it: the last load's outcome, or
+    what the published config will do."""
+    return rec.warmup or configured_source(rec)
