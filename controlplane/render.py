@@ -98,9 +98,12 @@ def _environment() -> jinja2.Environment:
 
 def _tensor_view(t: TensorSpec, batching: bool) -> dict[str, Any]:
     dims = list(t.dims)
-    if not dims and not batching:
-        dims = [1]  # Triton needs a shape; a non-batching scalar is a one-element tensor
-    return {"name": t.name, "triton_type": parse_dtype(t.datatype).triton, "dims": dims}
+    # Triton needs a non-empty dims: a rank-0 tensor is [1] on the wire. Batching, `reshape: []` hands the
+    # model [batch]; without batching Triton 2.51 refuses an empty reshape ("scalar tensors are not supported"),
+    # so the backend converts: the ONNX Runtime backend feeds a rank-0 ORT input from dims [1] (its scalar
+    # support, onnxruntime_backend PR 213, 23.10+), the python runtime reshapes [1] <-> [] itself.
+    reshape = not dims and batching
+    return {"name": t.name, "triton_type": parse_dtype(t.datatype).triton, "dims": dims or [1], "reshape": reshape}
 
 
 def _backend_for(spec: ModelSpec, target: TritonTarget) -> str:
@@ -240,6 +243,7 @@ def deployment_record(spec: ModelSpec, backend: str) -> dict[str, Any]:
         "load_timeout_secs": manifest.load_timeout_secs,
         "request_timeout_secs": manifest.request_timeout_secs,
         "decoupled": spec.decoupled,
+        "notes": list(spec.notes),
     }
 
 

@@ -262,6 +262,7 @@ class ModelSpec:
     deployment: DeploymentSpec
     package: ModelPackage
     params: dict[str, Any] = field(default_factory=dict)  # validated, defaults applied
+    notes: tuple[str, ...] = ()  # what publishing decided for the user (a default it changed, and why)
 
     @property
     def id(self) -> str:
@@ -559,15 +560,30 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
     """Load and validate the package of one deployment."""
     package = load_package(deployment.path)
     params = validate_params(package, deployment.params, model_id=deployment.id)
+    notes: list[str] = []
     if package.kind is PackageKind.ONNX and deployment.max_batch_size > 0 and not package.batch_dynamic:
         from converters.onnx_inspect import inspect_onnx
 
         try:
             inspect_onnx(package.path / ONNX_FILE).require_batchable()
         except Exception as exc:
+            if "max_batch_size" not in deployment.model_fields_set:  # the default, not the user's choice
+                # A batch axis that is not the first (a state tensor [2, batch, 128]) or none at all: served as
+                # it is, each request one call (the package's dims are the file's full shapes already).
+                why = str(exc).split(": ", 1)[-1].split(". Fix:", 1)[0]
+                notes.append(f"max_batch_size 0 (no batching): {why}; Triton batches along the first axis only, "
+                             "so requests are served one at a time with the file's full shapes")
+                deployment = deployment.model_copy(update={"max_batch_size": 0})
+                return _checked(ModelSpec(deployment, package, params, tuple(notes)))
             raise InvalidPackageError(
                 f"model '{deployment.id}': {exc}", hint="or set max_batch_size = 0 for this model"
             ) from exc
+    return _checked(ModelSpec(deployment, package, params, tuple(notes)))
+
+
+def _checked(spec: ModelSpec) -> ModelSpec:
+    """The deployment checks that hold whatever max_batch_size publishing chose."""
+    deployment, package = spec.deployment, spec.package
     if deployment.worker == "preforked" and package.kind is not PackageKind.CUSTOM:
         raise InvalidPackageError(
             f"model '{deployment.id}': worker = \"preforked\" applies to custom models (snooze_model.py); "
@@ -580,7 +596,7 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
             f"instances ({deployment.instances})",
             hint="raise max_instances or lower instances",
         )
-    return ModelSpec(deployment, package, params)
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class PublishedModel:
     metadata: dict[str, Any]
     load_timeout_secs: float
     request_timeout_secs: float
+    notes: tuple[str, ...] = ()  # what publishing decided for the user (ModelSpec.notes)
 
     @property
     def config_text(self) -> str:
@@ -66,6 +67,7 @@ class PublishedModel:
             metadata=record.get("metadata", {}),
             load_timeout_secs=record["load_timeout_secs"],
             request_timeout_secs=record["request_timeout_secs"],
+            notes=tuple(record.get("notes", ())),
         )
 
 

@@ -169,7 +169,8 @@ def _tensor_spec(value: onnx.ValueInfoProto, path: Path) -> TensorSpec:
             f"{path}: tensor '{value.name}' has no shape (unknown rank) even after shape inference; "
             "re-export the model with static ranks on its inputs and outputs"
         )
-    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
+    # 0 (how some exporters write an unknown size), '?', a symbol or an expression ('batch*2'): variable.
+    dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1 for d in tensor_type.shape.dim]
     return TensorSpec(name=value.name, dtype=dtype, dims=dims)
 
 

@@ -138,6 +138,9 @@ class TritonPythonModel:
         self._sequences = SequenceNote.from_environment(spec.model_id, json.loads(args.get("model_config") or "{}"))
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
         self._plan = BatchPlan(spec)
+        # Rank-0 tensors: [1] on the wire (config dims [1], reshape []), [] for the model (see _scalar_inputs).
+        self._scalars = tuple(t.name for t in spec.inputs if t.dims == ())
+        self._scalar_outputs = tuple(t.name for t in spec.outputs if t.dims == ())
         self._timeout = spec.request_timeout_secs
         self._response_cls = pb_utils.InferenceResponse
         self._tensor_cls = pb_utils.Tensor
@@ -229,6 +232,8 @@ class TritonPythonModel:
             if source != SAMPLES and learned is not None:
                 run = learned_arrays(spec, learned) or arrays
                 source = LEARNED if run is not arrays else source
+            if self._scalars:
+                run = self._scalar_inputs(run)
             try:
                 [result] = self._plan.run([run], self._user_predict)
             except BaseException as e:  # as _run: SystemExit and the like are the model's failure too
@@ -289,6 +294,8 @@ class TritonPythonModel:
         """
         try:
             arrays = [{t.name(): t.as_numpy() for t in request.inputs()} for request in requests]
+            if self._scalars:
+                arrays = [self._scalar_inputs(a) for a in arrays]
             return self._plan.run(arrays, predict or self._predict)
         except BaseException as e:
             return [Failure(*describe_failure(e, self._spec.model_id, "predict", None))] * len(requests)
@@ -305,6 +312,8 @@ class TritonPythonModel:
         results = None
         try:
             arrays = {t.name(): t.as_numpy() for t in request.inputs()}
+            if self._scalars:
+                arrays = self._scalar_inputs(arrays)
             results = self._plan.stream(arrays, self._user_predict)
             for result in results:
                 response = self._response(result)
@@ -384,9 +393,35 @@ class TritonPythonModel:
         )
         os._exit(OVERRUN_EXIT_CODE)
 
+    def _scalar_inputs(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        """A rank-0 input as the model declares it: ``[]`` (``[batch]`` when batching) from the wire's ``[1]``
+        (``[batch, 1]``); Triton's reshape may have done it already."""
+        out = dict(arrays)
+        for name in self._scalars:
+            array = out.get(name)
+            if array is None:
+                continue
+            if self._spec.batched:
+                if array.ndim == 2 and array.shape[1] == 1:
+                    out[name] = array.reshape(array.shape[0])
+            elif array.shape == (1,):
+                out[name] = array.reshape(())
+        return out
+
+    def _scalar_outputs_wire(self, result: dict[str, Any]) -> dict[str, Any]:
+        """A rank-0 output back to the wire's shape: ``[1]`` (``[batch, 1]``), what its config's dims say."""
+        out = dict(result)
+        for name in self._scalar_outputs:
+            array = out.get(name)
+            if array is not None and array.ndim == (1 if self._spec.batched else 0):
+                out[name] = array.reshape(array.shape + (1,))
+        return out
+
     def _response(self, result: Any) -> Any:
         if type(result) is Failure:
             return self._response_cls(error=self._error(result))
+        if self._scalar_outputs:
+            result = self._scalar_outputs_wire(result)
         try:
             tensor = self._tensor_cls
             return self._response_cls(output_tensors=[tensor(name, array) for name, array in result.items()])

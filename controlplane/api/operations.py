@@ -232,6 +232,7 @@ class ModelOperations:
             "metadata": model.metadata,
             "config": config,
             "stats": stats,
+            "notes": list(model.notes),
         }
 
     # --- change

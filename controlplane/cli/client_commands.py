@@ -375,6 +375,8 @@ def publish(
     _out.print(f"published [bold]{name}[/] ({detail['kind']}, {detail['backend']} backend)", highlight=False)
     if decision is not None and _worth_saying(decision):
         _out.print(f"  native: {decision.reason}", highlight=False, markup=False, soft_wrap=True)
+    for note in detail.get("notes") or []:
+        _out.print(f"  note: {note}", highlight=False, markup=False, soft_wrap=True)
     if load:
         _out.print(_status_table([detail]))
 

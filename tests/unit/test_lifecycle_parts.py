@@ -104,7 +104,7 @@ def test_status_to_dict():
         "id": "m", "state": "ready", "reason": None, "instances": 2, "last_access": 1.5,
         "idle_timeout_secs": 300, "memory_bytes": 1024, "memory_source": "measured", "last_cold_start_secs": 0.4,
         "load_count": 1, "processes": 2, "last_crash": None, "gpu_memory_bytes": None, "keep_alive": None,
-        "worker": None,
+        "worker": None, "warmup": None,
     }
 
 
