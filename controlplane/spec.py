@@ -570,7 +570,8 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
             if "max_batch_size" not in deployment.model_fields_set:  # the default, not the user's choice
                 # A batch axis that is not the first (a state tensor [2, batch, 128]) or none at all: served as
                 # it is, each request one call (the package's dims are the file's full shapes already).
-                why = str(exc).split(": ", 1)[-1].split(". Fix:", 1)[0]
+                why = str(exc).split(": ", 1)[-1].split(". Fix:", 1)[0].removeprefix(
+                    "cannot serve with max_batch_size > 0 because ")
                 notes.append(f"max_batch_size 0 (no batching): {why}; Triton batches along the first axis only, "
                              "so requests are served one at a time with the file's full shapes")
                 deployment = deployment.model_copy(update={"max_batch_size": 0})

@@ -44,6 +44,10 @@ class ModelStatusBody(BaseModel):
     worker: str | None = Field(
         None, description="custom models: where the model's code runs, in-stub | preforked (a forked worker)"
     )
+    warmup: str | None = Field(
+        None, description="The load's warm-up: its inputs' source (signature | learned | samples), or 'skipped (...)' "
+        "when generated inputs failed (the model loaded; ship samples or set \"warmup\": false); None: no warm-up",
+    )
     keep_alive: dict[str, Any] | None = Field(
         None,
         description="The keep-alive policy now: policy (fixed | adaptive), pattern (a learned window is in use), "
@@ -118,6 +122,8 @@ class ModelDetail(ModelSummary):
     metadata: dict[str, Any] = Field(description="Capability/interface metadata from the package manifest")
     config: str = Field(description="The generated config.pbtxt")
     stats: dict[str, Any] | None = Field(None, description="Triton's inference statistics while loaded")
+    notes: list[str] = Field(default_factory=list, description="What publishing decided for the model and why "
+                             "(e.g. max_batch_size 0 for a model whose batch axis is not the first)")
 
 
 class LoadRequest(BaseModel):
