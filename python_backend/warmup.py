@@ -99,7 +99,7 @@ def learned_arrays(spec: RuntimeSpec, learned: dict[str, dict[str, Any]]) -> dic
         if seen is None or seen["datatype"] != tensor.datatype:
             return None
         shape = seen["shape"]
-        if len(shape) != len(tensor.dims) or any(d not in (-1, s) for d, s in zip(tensor.dims, shape)):
+        if len(shape) != len(tensor.dims) or any(d not in (-1, s) for d, s in zip(tensor.dims, shape, strict=True)):
             if not (tensor.dims == () and shape == [1]):
                 return None
         full = ([1] if spec.batched else []) + shape

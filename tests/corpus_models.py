@@ -76,6 +76,7 @@ def torch_reference(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
 
 def onnx_torch_case(root: Path, name: str) -> Case:
     import corpus_arch
+
     from converters.torch_export import Exporter, export_module_to_onnx
 
     pkg = root / f"onnx-{name}"

@@ -373,12 +373,16 @@ def publish(
         print(json.dumps(detail))
         return
     _out.print(f"published [bold]{name}[/] ({detail['kind']}, {detail['backend']} backend)", highlight=False)
-    if decision is not None and _worth_saying(decision):
-        _out.print(f"  native: {decision.reason}", highlight=False, markup=False, soft_wrap=True)
-    for note in detail.get("notes") or []:
-        _out.print(f"  note: {note}", highlight=False, markup=False, soft_wrap=True)
+    for line in _publish_notes(detail, decision):
+        _out.print(line, highlight=False, markup=False, soft_wrap=True)
     if load:
         _out.print(_status_table([detail]))
+
+
+def _publish_notes(detail: dict[str, Any], decision: Any) -> list[str]:
+    """Below `published ...`: the conversion's outcome worth saying, and what publishing decided (notes)."""
+    lines = [f"  native: {decision.reason}"] if decision is not None and _worth_saying(decision) else []
+    return lines + [f"  note: {note}" for note in detail.get("notes") or []]
 
 
 def _published(client: Any, model_id: str) -> bool:

@@ -111,26 +111,28 @@ def infer_ones(client: httpclient.InferenceServerClient, name: str, rows: int = 
     return client.infer(name, [x, text]).as_numpy("y")
 
 
-def test_a_generated_warmup_that_fails_is_skipped_and_the_model_loads(embedded_triton, model_repo, tmp_path):
+@pytest.mark.parametrize("worker", ["in-stub", "preforked"])
+def test_a_generated_warmup_that_fails_is_skipped_and_the_model_loads(embedded_triton, model_repo, tmp_path, worker):
     """Fails without the fix: the load failed with the model's error ("in the load's warm-up inference")."""
-    calls = publish(model_repo, tmp_path, "warm-refuses", fail="zeros are not a feature vector")
+    name = f"warm-refuses-{worker}"
+    calls = publish(model_repo, tmp_path, name, fail="zeros are not a feature vector", worker=worker)
     client = httpclient.InferenceServerClient(embedded_triton.http_url.removeprefix("http://"))
     try:
-        client.load_model("warm-refuses")
-        assert client.is_model_ready("warm-refuses")
+        client.load_model(name)
+        assert client.is_model_ready(name)
         # predict ran once (the runtime's run); Triton's run was answered with outputs, never the failure.
         assert len(lines(calls)) == 1 and embedded_triton.is_running()
-        [note] = notes(embedded_triton.journal_dir, "warm-refuses")
+        [note] = notes(embedded_triton.journal_dir, name)
         assert note["source"] == "signature"
         assert note["skipped"].startswith("skipped (signature input x [1,1,2], text [1,1] failed: ")
         assert "zeros are not a feature vector" in note["skipped"]
         assert note["skipped"].endswith('ship samples or set "warmup": false)')
-        np.testing.assert_array_equal(infer_ones(client, "warm-refuses"), [[[2.0, 2.0]]])
+        np.testing.assert_array_equal(infer_ones(client, name), [[[2.0, 2.0]]])
         # The first real request's shapes (never its data), for the control plane to learn.
-        assert notes(embedded_triton.journal_dir, "warm-refuses")[0]["learned"] == {
+        assert notes(embedded_triton.journal_dir, name)[0]["learned"] == {
             "x": {"shape": [1, 2], "datatype": "FP32"}, "text": {"shape": [1], "datatype": "BYTES"}}
     finally:
-        client.unload_model("warm-refuses")
+        client.unload_model(name)
         client.close()
 
 
