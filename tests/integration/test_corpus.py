@@ -162,6 +162,8 @@ def _run(corpus: tuple[Serve, dict[str, C.Case]], case_id: str) -> None:
         # warmed with the image size the client sent.
         assert status["warmup"].startswith("skipped (signature input [1,3,1,1] failed: "), status["warmup"]
         assert again["warmup"] == "learned", again["warmup"]
+        said = serve.log.read_text(errors="replace").count("model 'onnx-detector': warmup: skipped (")
+        assert said == 1, f"the control plane said the skipped warm-up {said} times"
     elif case.id == "onnx-stateful-gru":
         assert any("max_batch_size 0" in n and "first (batch) axis" in n for n in case.deployment["notes"])
     else:
