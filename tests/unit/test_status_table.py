@@ -151,3 +151,15 @@ def test_the_wake_queue_line_shows_each_waiting_load_and_is_absent_when_none_wai
     )
     assert _wake_queue_line({"length": 0, "waiting": [], "wait_bound_secs": 10.0}) is None
     assert _wake_queue_line(None) is None  # an older server without the wake queue
+
+
+def test_the_warm_up_column_says_its_source_and_a_skipped_one_says_why_below_the_table():
+    from controlplane.cli.client_commands import _failure_lines
+
+    skipped = 'skipped (signature input [1,3,1,1] failed: ...; ship samples or set "warmup": false)'
+    models = [model("det", warmup=skipped), model("vit", warmup="learned"), model("off")]
+    headers, text = render(models)
+    assert headers == [*BEFORE[:-1], "warm-up", "last cold start"]
+    assert row(text, "det")[-2] == "skipped" and row(text, "vit")[-2] == "learned" and row(text, "off")[-2] == "-"
+    assert _failure_lines(models) == [f"det: warmup: {skipped}"]
+    assert render([model("old")])[0] == BEFORE  # a server without warm-up sources: no column

@@ -96,3 +96,15 @@ def test_triton_s_warmup_request_is_answered_with_outputs_of_the_declared_shapes
     assert out["boxes"].shape == (1, 1, 7) and out["boxes"].dtype == np.float32
     assert out["label"].shape == (1,) and out["label"].dtype == np.int64
     assert declared_outputs(_runtime(max_batch_size=0))["label"].shape == ()
+
+
+def test_learned_shapes_survive_until_a_republish(tmp_path: Path) -> None:
+    from controlplane.store import ModelStore
+
+    store = ModelStore(tmp_path / "repo", embedded_target())
+    spec = resolve(DeploymentSpec(id="det", path=_image_model(tmp_path / "det")))
+    folder = store.publish(spec).path
+    assert keep_learned(folder, {"images": {"shape": [3, 64, 64], "datatype": "FP32"}})
+    assert learned_shapes(ModelStore(tmp_path / "repo", embedded_target()).get("det").path)  # a restart: kept
+    store.publish(spec)  # a republish replaces the folder: learned from the new model's traffic again
+    assert learned_shapes(store.get("det").path) is None
