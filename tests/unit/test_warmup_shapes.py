@@ -108,3 +108,13 @@ def test_learned_shapes_survive_until_a_republish(tmp_path: Path) -> None:
     assert learned_shapes(ModelStore(tmp_path / "repo", embedded_target()).get("det").path)  # a restart: kept
     store.publish(spec)  # a republish replaces the folder: learned from the new model's traffic again
     assert learned_shapes(store.get("det").path) is None
+
+
+def test_a_scalar_on_the_native_onnx_backend_is_dims_1_without_an_empty_reshape(tmp_path: Path) -> None:
+    from corpus_models import scalar_onnx
+
+    spec = resolve(DeploymentSpec(id="vad", path=scalar_onnx(tmp_path / "vad")))
+    text = render_model(spec, FULL_TARGET).config_text
+    # Triton 2.51 refuses an empty reshape without batching; its ONNX Runtime backend feeds a rank-0 input from [1].
+    assert 'platform: "onnxruntime_onnx"' in text and "max_batch_size" not in text  # 0: the proto default
+    assert 'name: "sr"\n  data_type: TYPE_INT64\n  dims: 1\n}' in text and "reshape" not in text
