@@ -244,10 +244,13 @@ def scalar_onnx(path: Path, sr: str = "sr", x: str = "x", y: str = "y", n: str =
 
 
 def scalar_case(root: Path) -> Case:
-    pkg = scalar_onnx(root / "onnx-scalar")
+    """Also names as exporters write them (``/``, ``.``, ``:``), through the gateway on both protocols."""
+    names = {"sr": "audio/sample_rate:0", "x": "input.x", "y": "out/y:0", "n": "meta.n"}
+    pkg = scalar_onnx(root / "onnx-scalar", **names)
     x = np.array([0.25, -3.0, 7.5], np.float32)
-    return Case("onnx-scalar", pkg, {"sr": np.array([16000], np.int64), "x": x},
-                {"y": x * np.float32(16000), "n": np.array([16000], np.int64)}, what="rank-0 int64 input")
+    return Case("onnx-scalar", pkg, {names["sr"]: np.array([16000], np.int64), names["x"]: x},
+                {names["y"]: x * np.float32(16000), names["n"]: np.array([16000], np.int64)},
+                what="rank-0 int64 input, tensor names with / . :")
 
 
 def _export(module: Any, args: tuple, path: Path, names: list[str], outputs: list[str],

@@ -11,11 +11,9 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from onnx import TensorProto, helper
 
 from controlplane.render import embedded_target, render_model, write_model
 from controlplane.spec import DeploymentSpec, resolve
@@ -26,24 +24,9 @@ SR, X, Y, N = "audio/sample_rate:0", "input.x", "out/y:0", "meta.n"
 
 
 def scalar_onnx(path: Path) -> Path:
-    """y = x * float(sr) with sr a rank-0 int64 (a voice-activity model's sample rate), n = sr (rank 0)."""
-    graph = helper.make_graph(
-        [
-            helper.make_node("Cast", [SR], ["srf"], to=TensorProto.FLOAT),
-            helper.make_node("Mul", [X, "srf"], [Y]),
-            helper.make_node("Identity", [SR], [N]),
-        ],
-        "scalar",
-        [helper.make_tensor_value_info(SR, TensorProto.INT64, []),
-         helper.make_tensor_value_info(X, TensorProto.FLOAT, ["?"])],
-        [helper.make_tensor_value_info(Y, TensorProto.FLOAT, ["?"]),
-         helper.make_tensor_value_info(N, TensorProto.INT64, [])],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path / "model.onnx"))
-    return path
+    from corpus_models import scalar_onnx as build
+
+    return build(path, sr=SR, x=X, y=Y, n=N)
 
 
 SCALAR_PY = '''
