@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -139,6 +140,19 @@ class ValidationReport:
                           f"failed across {n_models} model(s)")
 
 
+def _own_words(problem: str, model: str, file: str | None) -> str:
+    """``problem`` less a leading ``model '<model>' (<where>):`` of its own (an error raised for the same model
+    names it first), keeping its ``<where>`` only when the result names no file of its own."""
+    head = f"model '{model}'"
+    if not problem.startswith(head):
+        return problem
+    found = re.match(r"\s*(\(([^)]*)\))?:\s*", problem[len(head) :])
+    if found is None:
+        return problem
+    rest = problem[len(head) + found.end() :]
+    return f"{found.group(2)}: {rest}" if found.group(2) and not file else rest
+
+
 class Recorder:
     """Collects the results of one model; builds messages that name the model, file and fix."""
 
@@ -154,7 +168,9 @@ class Recorder:
 
     def fail(self, check: str, problem: str, *, file: str | None, fix: str) -> None:
         where = f" ({file})" if file else ""
-        message = f"model '{self.model}'{where}: {problem}. Fix: {fix}"
+        message = f"model '{self.model}'{where}: {_own_words(problem, self.model, file)}"
+        # A problem that already says its fix (a SnoozeError's message with its hint) is not told it twice.
+        message += "" if fix.rstrip(".") in problem else f". Fix: {fix}"
         self.results.append(CheckResult(self.model, check, FAIL, message, file, fix))
 
     @property
