@@ -107,10 +107,11 @@ class Stack:
         labels = {"model": name, "cause": "dead_stub"}
         return self.lifecycle.metrics.registry.get_sample_value("snooze_recoveries_total", labels) or 0
 
-    def publish_raiser(self, name: str, message: str, calls: Path, exception: str = "RuntimeError") -> str:
+    def publish_raiser(self, name: str, message: str, calls: Path, exception: str = "RuntimeError",
+                       worker: str = "in-stub") -> str:  # fmt: skip
         """A model whose predict logs its call to ``calls`` and raises ``exception(message)``."""
         params = {"message": message, "calls": str(calls), "exception": exception}
-        spec = DeploymentSpec(id=name, path=self.raiser, max_batch_size=8, params=params)
+        spec = DeploymentSpec(id=name, path=self.raiser, max_batch_size=8, params=params, worker=worker)
         self.store.publish(resolve(spec))
         return name
 
@@ -142,6 +143,14 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 RAISER_PY = """
+class _Refusal(ValueError):
+    snooze_error = "invalid_input"  # the duck-typed refusal (docs/packages.md), on a base class
+
+
+class NegativeCounts(_Refusal):
+    pass
+
+
 class Model:
     def __init__(self, message="", calls="", exception="RuntimeError"):
         self.message, self.calls, self.exception = message, calls, exception
@@ -152,7 +161,9 @@ class Model:
     def predict(self, inputs):
         with open(self.calls, "a") as f:
             f.write("call\\n")
-        raise {"RuntimeError": RuntimeError, "SystemExit": SystemExit}[self.exception](self.message)
+        kinds = {"RuntimeError": RuntimeError, "SystemExit": SystemExit, "ValueError": ValueError,
+                 "NegativeCounts": NegativeCounts}
+        raise kinds[self.exception](self.message)
 """
 
 
@@ -879,6 +890,34 @@ def _publish_repeater(stack: Stack, repeater: Path, name: str, log: Path | None 
 
 
 WORKERS = ["in-stub", "preforked"]
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_model_refusing_its_input_gets_400_invalid_argument_with_its_words(stack: Stack, tmp_path: Path,
+                                                                              protocol: str, worker: str):  # fmt: skip
+    """An exception whose class (a base of it, here) says ``snooze_error = "invalid_input"`` is the client's
+    error, in the stub and in a preforked worker; a plain ValueError with the same words stays a 500."""
+    for exception, status in (("NegativeCounts", ("400", "StatusCode.INVALID_ARGUMENT")),
+                              ("ValueError", ("500", "StatusCode.INTERNAL"))):  # fmt: skip
+        name = f"gw_refuse_{exception.lower()}_{worker.replace('-', '_')}_{protocol}"
+        calls = tmp_path / f"{name}.calls"
+        stack.publish_raiser(name, "counts must be >= 0", calls, exception, worker=worker)
+        stack.loop.run(stack.lifecycle.ensure_ready(name))
+        with pytest.raises(InferenceServerException) as info:
+            if protocol == "http":
+                with stack.http() as h:
+                    http_infer(h, name, _x())
+            else:
+                with stack.grpc() as g:
+                    grpc_infer(g, name, _x())
+        message = info.value.message()
+        assert info.value.status() == status[protocol == "grpc"], (exception, message)
+        if exception == "NegativeCounts":
+            assert message == f"[snooze:invalid_input] model '{name}': predict refused the input: counts must be >= 0"
+        else:
+            assert message.startswith(f"[snooze:model_error] model '{name}': predict raised ValueError: counts")
+        assert calls.read_text().split() == ["call"]  # not retried
 
 
 def _stream(g: grpcclient.InferenceServerClient, name: str, x: list[float]) -> list[Any]:
