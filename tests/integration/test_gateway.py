@@ -374,7 +374,7 @@ def test_unknown_model_answers_in_tritons_words(stack: Stack):
         with pytest.raises(InferenceServerException) as info:
             http_infer(h, "gw_nope", _x())
         assert info.value.status() == "404" and info.value.message().startswith(nope)
-        assert "'gw_nope' is not published" in info.value.message()
+        assert "'gw_nope' is not published (fix: list models with `snoozectl status`)" in info.value.message()
         _unknown_in_tritons_words((h.get_model_metadata, h.get_model_config), KEY, "404", known)
         assert not h.is_model_ready("gw_nope", headers=KEY)
     for path in ("infer", "versions/1/infer", "generate", "generate_stream"):
@@ -389,6 +389,21 @@ def test_unknown_model_answers_in_tritons_words(stack: Stack):
         _unknown_in_tritons_words((g.get_model_metadata, g.get_model_config), GRPC_KEY, "StatusCode.NOT_FOUND", known)
         assert not g.is_model_ready("gw_nope", headers=GRPC_KEY)
         assert _stream_error(g, "gw_nope").startswith(nope)
+
+
+def test_a_wrong_input_name_gets_tritons_words_then_the_declared_inputs(stack: Stack):
+    name = stack.publish("gw_names")
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
+    words = f"unexpected inference input 'q' for model '{name}'"
+    line = (f"snoozeml: model '{name}' declares input(s) 'x' (FP32, dims [-1]): send each input under its "
+            "declared name (names are case-sensitive)")
+    for lib, client, headers in ((httpclient, stack.http(), KEY), (grpcclient, stack.grpc(), GRPC_KEY)):
+        inp = lib.InferInput("q", [2, 4], "FP32")
+        inp.set_data_from_numpy(_x())
+        with client, pytest.raises(InferenceServerException) as info:
+            client.infer(name, [inp], headers=headers)
+        assert info.value.message() == f"{words}\n{line}", info.value.message()
+        assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
 
 
 BROKEN_PY = """
