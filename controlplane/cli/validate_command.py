@@ -71,7 +71,9 @@ def validate(
     if as_json:
         typer.echo(report.to_json())
     else:
-        report.print_table(verbose=verbose)
+        from controlplane.cli.output import out_console
+
+        report.print_table(out_console, verbose=verbose)
     raise typer.Exit(0 if report.ok else 1)
 
 

@@ -166,7 +166,8 @@ def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
         [".venv/bin/snoozectl", "status"], [".venv/bin/snoozectl", "publish"], ["curl", "-s"]
     ]
     # The ports are this stack's; the commands are the README's.
-    env = {**os.environ, "SNOOZE_API_URL": stack.api_url, "COLUMNS": "100"}
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # piped, no terminal width: as in a CI log
+    env["SNOOZE_API_URL"] = stack.api_url
     outputs = []
     for command in commands:
         command = command.replace("localhost:8080", f"localhost:{stack.api_port}")
@@ -176,6 +177,7 @@ def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
         outputs.append(proc.stdout)
     status, published, metrics = outputs
     assert re.search(r"numpy-linear\s.*ready", status), status  # woken by the snippet above
+    assert re.search(r"┃ model .* ┃ last cold start ┃$", status, re.M), status  # whole rows, not cut at 80 columns
     assert published.strip() == "published my-net (custom, python backend)"  # and nothing else
     assert 'snooze_cold_starts_total{model="numpy-linear",trigger="request"} 1.0' in metrics, metrics
     assert re.search(r'^nv_inference_request_success\{model="numpy-linear",version="1"\} [1-9]', metrics, re.M)
