@@ -401,7 +401,7 @@ def test_a_wrong_input_name_gets_tritons_words_then_the_declared_inputs(stack: S
         inp = lib.InferInput("q", [2, 4], "FP32")
         inp.set_data_from_numpy(_x())
         with client, pytest.raises(InferenceServerException) as info:
-            client.infer(name, [inp], headers=headers)
+            client.infer(name, [inp], headers=dict(headers))  # a copy: tritonclient.http adds to the dict
         assert info.value.message() == f"{words}\n{line}", info.value.message()
         assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
 
