@@ -114,6 +114,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NativeDeci
     decision = prefer_native(pkg, max_batch_size=8, out_dir=root / "mlp-onnx", progress=stages.append)
     assert decision.native and decision.converted, decision.reason
     assert "checking parity with Model.predict" in stages
+    # the report names the file beside it, not the temporary folder it was checked in
+    parity = json.loads((decision.publish_path / "parity.json").read_text())
+    assert parity["artifact"] == "model.onnx" and decision.report["artifact"] == "model.onnx", parity["artifact"]
     return pkg, decision
 
 
