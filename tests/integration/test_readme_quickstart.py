@@ -257,6 +257,30 @@ def test_the_streaming_examples_run_as_written(stack: Serve, user_dir: Path) -> 
     assert events and all('"token"' in e for e in events), proc.stdout
 
 
+def _make_test_prerequisites() -> list[str]:
+    prerequisites = re.search(r"^test: (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert prerequisites is not None
+    steps = prerequisites.group(1).split()
+    assert steps == ["install-dev", "examples", "test-runtime-py310"], steps
+    return steps
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [pytest.param(slice(0, 2), id="install-dev+examples"),
+     # the 3.10 runtime tests build a .venv310 in the clone and run what `make test` runs anyway: 40 s here
+     pytest.param(slice(2, 3), id="test-runtime-py310", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_make_tests_first_steps_run_in_the_fresh_clone(user_dir: Path, steps: slice) -> None:
+    """`make test` less its last step (the suite itself, which is what runs this): its prerequisites, as
+    make runs them from the clone's root."""
+    targets = _make_test_prerequisites()[steps]
+    proc = subprocess.run(["make", *targets], cwd=user_dir, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if "test-runtime-py310" in targets:
+        assert re.search(r"\d+ passed", proc.stdout) or "SKIPPED (no python3.10" in proc.stdout, proc.stdout
+
+
 def test_ctrl_c_stops_everything_and_says_so_last(stack: Serve) -> None:
     """Ctrl-C in make's terminal: SIGINT to its whole process group (make and snoozectl)."""
     assert stack.proc is not None
