@@ -428,3 +428,22 @@ def test_relative_and_absolute_repository_paths_give_the_same_result(
         (r.model, r.check, r.status) for r in absolute.results
     ]
     assert relative.repository == "repo"  # the report names the folder as the user gave it
+
+
+def test_validate_load_takes_the_packages_samples_bytes_included_and_generates_the_rest(tmp_path: Path) -> None:
+    from controlplane.render import parse_config
+    from controlplane.validation.live import GENERATED, choose_inputs
+
+    manifest = {"inputs": [{"name": "s", "datatype": "BYTES", "dims": [2]},
+                           {"name": "t", "datatype": "BYTES", "dims": [1]},
+                           {"name": "n", "datatype": "INT64", "dims": [1]}],
+                "outputs": [{"name": "y", "datatype": "BYTES", "dims": [1]}],
+                "warmup": {"s": "s.npy"}}  # fmt: skip
+    code = "class Model:\n    def load(self, d, dev): ...\n    def predict(self, x):\n        return {'y': x['t']}\n"
+    pkg = write_package(tmp_path, "words", code, manifest)
+    np.save(pkg / "s.npy", np.array([b"hello", b"world"]))
+    folder = render(tmp_path, {"words": pkg}) / "words"
+    chosen = choose_inputs(folder, parse_config((folder / "config.pbtxt").read_text(), where="words"))
+    assert chosen.sources == {"s": "warm-up sample", "t": GENERATED, "n": GENERATED}
+    assert chosen.arrays["s"].tolist() == [[b"hello", b"world"]]  # one item, with the batch axis
+    assert chosen.arrays["t"].shape == (1, 1) and chosen.generated == ["t", "n"]
