@@ -323,6 +323,7 @@ def prefer_native(
         }
         notify(f"starting the export worker ({hook})")
         result = run_worker(request, progress=notify, timeout=timeout, env=manifest.env)
+        _artifact_beside_report(result, work)
         if not result.get("ok"):
             decision = _failed(result, work, out_dir, package_dir, fallback)
         else:
@@ -333,6 +334,24 @@ def prefer_native(
         if created and (decision is None or not decision.native) and not any(out_dir.iterdir()):
             out_dir.rmdir()  # nothing to show: leave no empty folder behind
     return decision
+
+
+def _artifact_beside_report(result: Mapping[str, Any], work: Path) -> None:
+    """The parity report leaves the temporary ``work`` folder with the ONNX file it checked (for the package, or
+    ``rejected/``): it names that file as it sits beside the report, not by a path that is gone."""
+    report = result.get("parity")
+    if not isinstance(report, dict) or not report.get("artifact"):
+        return
+    artifact = Path(report["artifact"])
+    report["artifact"] = artifact.relative_to(work).as_posix() if artifact.is_relative_to(work) else artifact.name
+    path = work / PARITY_FILE
+    try:
+        written = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(written, dict):
+        written["artifact"] = report["artifact"]
+        path.write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
 
 
 def _prepare_out_dir(out_dir: Path, package_dir: Path) -> bool:

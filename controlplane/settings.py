@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -16,7 +16,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SNOOZE_", extra="ignore", env_ignore_empty=True)
 
     # --- where things live
-    work_dir: Path = Field(Path(".snooze"), description="Runtime folder: repository, logs, Envoy config")
+    work_dir: Path = Field(
+        Path(".snooze"), validate_default=True, description="Runtime folder: repository, logs, Envoy config"
+    )
     model_repository: Path | None = Field(
         None, description="Generated Triton model repository (default: <work_dir>/model_repository)"
     )
@@ -154,6 +156,13 @@ class Settings(BaseSettings):
     admin_keys: list[SecretStr] = Field(default_factory=list, description="Keys with the admin scope")
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("work_dir", "model_repository", "journal_dir")
+    @classmethod
+    def _absolute(cls, path: Path | None) -> Path | None:
+        # Resolved once here: Envoy, Triton and the stubs each run with a cwd of their own, so a relative
+        # path (`--work-dir .snooze`, as `make serve` passes it) would name another folder in each.
+        return None if path is None else path.expanduser().resolve()
 
     def triton_headers(self) -> dict[str, str] | None:
         if self.triton_admin_key is None:

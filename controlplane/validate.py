@@ -20,7 +20,16 @@ from pathlib import Path
 from controlplane.package_check import ProbePool
 from controlplane.render import TritonTarget, embedded_target, parse_config, target_by_name
 from controlplane.validation.live import DEFAULT_LOAD_TIMEOUT_SECS, dynamic_checks, warmup_infer, warmup_inputs
-from controlplane.validation.report import FAIL, OK, REPOSITORY, SKIP, CheckResult, Recorder, ValidationReport
+from controlplane.validation.report import (
+    FAIL,
+    OK,
+    REPOSITORY,
+    SKIP,
+    WARN,
+    CheckResult,
+    Recorder,
+    ValidationReport,
+)
 from controlplane.validation.static import check_model_static
 
 __all__ = [
@@ -29,6 +38,7 @@ __all__ = [
     "OK",
     "REPOSITORY",
     "SKIP",
+    "WARN",
     "CheckResult",
     "ValidationReport",
     "check_model_static",
@@ -57,12 +67,14 @@ def validate_repository(
     triton_headers: dict[str, str] | None = None,
     load_timeout: float = DEFAULT_LOAD_TIMEOUT_SECS,
     models: Iterable[str] | None = None,
+    strict: bool = False,
 ) -> ValidationReport:
     """Check a generated Triton model repository; with ``load``, load and warm up every model.
 
     ``target`` ("embedded", "full" or a TritonTarget) says which backends the serving Triton has;
     ``triton_url`` uses a running Triton instead of starting the embedded one (``triton_headers``
-    carry its model-repository API key); ``models`` restricts the check to some model folders.
+    carry its model-repository API key); ``models`` restricts the check to some model folders. ``strict``: an
+    inference on generated inputs that fails is a failure, not a warning (the model may refuse random values).
     """
     # Absolute inside (the import probe's children run in other working directories); the report keeps
     # the path as given.
@@ -102,6 +114,6 @@ def validate_repository(
                 candidates.append((folder, parse_config((folder / "config.pbtxt").read_text(), where=folder.name)))
         if candidates:
             report.results += dynamic_checks(repo_path, candidates, tgt, triton_url, dict(triton_headers or {}),
-                                              load_timeout)
+                                              load_timeout, strict)
     report.results.sort(key=lambda r: (r.model != REPOSITORY, r.model))  # stable: checks keep their order
     return report

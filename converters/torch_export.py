@@ -253,6 +253,9 @@ def export_module_to_onnx(
     errors: dict[Exporter, str] = {}
     started = time.perf_counter()  # export time includes exporters that failed before the one that worked
     for exporter in exporters:
+        if errors:  # say why the previous exporter is left, in the words its start was announced with
+            failed, reason = next(reversed(errors.items()))
+            notify(f"the {failed.value} exporter failed ({_shorten(reason)}): trying the {exporter.value} exporter")
         notify(f"exporting to ONNX ({exporter.value} exporter, opset {opset})")
         with tempfile.TemporaryDirectory(dir=onnx_path.parent, prefix=".export-") as stage_dir:
             staged = Path(stage_dir) / "export" / onnx_path.name
@@ -281,6 +284,10 @@ def export_module_to_onnx(
         )
     reasons = "; ".join(f"{e.value}: {msg}" for e, msg in errors.items())
     raise ExportError(f"{onnx_path}: every exporter failed ({reasons})")
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _batched_examples(example_inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -1,7 +1,8 @@
 """Error kinds and their messages: `[snooze:<kind>] model '<id>': <what happened>; <what to fix>`.
 
 Kinds: `model_error` (the model's code raised, or returned outputs that do not match its manifest),
-`invalid_input`, `oom`, `timeout`, and `internal` (the runtime itself failed).
+`invalid_input` (the request does not fit the signature, or predict raised an exception whose class declares
+``snooze_error = "invalid_input"``), `oom`, `timeout`, and `internal` (the runtime itself failed).
 
 The control plane and clients read the kind from the message prefix (see docs/internals.md), so the
 prefix is the contract; the Triton error code only steers the HTTP/gRPC status.
@@ -19,6 +20,7 @@ INVALID_INPUT = "invalid_input"
 INTERNAL = "internal"  # a failure of the runtime itself (or of Triton's stub), not of the model's code
 MODEL_ERROR = "model_error"  # the model's own code raised or returned something wrong
 TIMEOUT = "timeout"
+REFUSAL_ATTRIBUTE = "snooze_error"  # on a model's exception class: "invalid_input" -> HTTP 400 / INVALID_ARGUMENT
 
 # How many of the innermost frames of the model's traceback an internal error carries: enough to
 # point at the failing line in the user's code without flooding the client.
@@ -75,6 +77,13 @@ def prefix(kind: str, model_id: str) -> str:
     return f"[snooze:{kind}] model '{model_id}':"
 
 
+def refuses_input(exc: BaseException) -> bool:
+    """The model's own way to say "bad input" without importing snoozeml: its exception's class (or a base)
+    sets ``snooze_error = "invalid_input"`` (docs/packages.md). Declared by the package, never read from a
+    message."""
+    return getattr(type(exc), REFUSAL_ATTRIBUTE, None) == INVALID_INPUT
+
+
 def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError):
         return True
@@ -109,6 +118,8 @@ def describe_failure(
     if isinstance(exc, SnoozeError):
         return exc.kind, f"{prefix(exc.kind, model_id)} {exc}"
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if stage == "predict" and refuses_input(exc):
+        return INVALID_INPUT, f"{prefix(INVALID_INPUT, model_id)} predict refused the input: {str(exc) or what}"
     if is_oom(exc):
         batch = f" on a batch of {batch_size}" if batch_size is not None else ""
         fix = (

@@ -197,7 +197,9 @@ def check(
     for name, array in result.outputs.items():
         first = ", ".join(_short(v) for v in array.ravel()[:6])
         more = ", ..." if array.size > 6 else ""
-        console.print(f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{more}]", highlight=False)
+        # markup off: a BYTES value in brackets ([b'hello w42']) would read as a Rich tag and vanish
+        console.print(f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{more}]", highlight=False,
+                      markup=False)
         if name in result.notes:  # what predict really returned, when the runtime narrowed it
             console.print(f"    note: {result.notes[name]}", highlight=False, markup=False, soft_wrap=True)
 

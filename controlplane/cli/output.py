@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Annotated, Any
 
 import typer
@@ -11,8 +12,20 @@ from rich.markup import escape
 
 from controlplane.errors import SnoozeError
 
-out_console = Console()
-err_console = Console(stderr=True)
+# Piped (a CI log, a file, grep) Rich would fold tables at 80 columns, cutting rows apart: wide enough for
+# whole rows instead, unless COLUMNS says otherwise. A terminal keeps its own width.
+PIPED_WIDTH = 240
+
+
+def console_for(*, stderr: bool = False) -> Console:
+    console = Console(stderr=stderr)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console = Console(stderr=stderr, width=PIPED_WIDTH)
+    return console
+
+
+out_console = console_for()
+err_console = console_for(stderr=True)
 
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output on stdout")]
 

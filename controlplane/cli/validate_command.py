@@ -50,6 +50,8 @@ def validate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of a table")] = False,
     junit_xml: Annotated[Path | None, typer.Option("--junit-xml", help="Also write a JUnit XML report")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="List every check, passed ones too")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="--load: an inference on generated inputs that fails is "
+                                         "a failure (default: a warning; the model may refuse random values)")] = False,
 ) -> None:
     """Check that a generated model repository is correct and (with --load) loadable. Exit 1 on any failure."""
     from controlplane.validate import validate_repository
@@ -62,13 +64,16 @@ def validate(
         triton_headers=_parse_headers(triton_header),
         load_timeout=load_timeout,
         models=model or None,
+        strict=strict,
     )
     if junit_xml is not None:
         report.write_junit_xml(junit_xml)
     if as_json:
         typer.echo(report.to_json())
     else:
-        report.print_table(verbose=verbose)
+        from controlplane.cli.output import out_console
+
+        report.print_table(out_console, verbose=verbose)
     raise typer.Exit(0 if report.ok else 1)
 
 

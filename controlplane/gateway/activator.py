@@ -269,16 +269,18 @@ class BadRequestError(SnoozeError):
 
 
 class ReadyFlags:
-    """One empty file per READY model in ``folder``: what the wake filter reads to let a warm stream on
-    without waiting for Python (``wake_lua``).
+    """One file per READY model in ``folder``: what the wake filter reads to let a warm stream on without
+    waiting for Python (``wake_lua``; only that it exists). Its one line, from ``describe``, is the hint the
+    gateway adds to Triton's answer for an input the model does not have (``input_names_hint``).
 
     ``update`` is a lifecycle state listener: it runs synchronously inside the transition, so a flag goes
     away the moment the model leaves READY (an idle unload, an eviction, a recovery, Triton gone), before
     the transition awaits anything. Flags left by an earlier run are removed at ``open``.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, describe: Callable[[str], str] | None = None) -> None:
         self.folder = folder
+        self.describe = describe
         self._open = False
 
     def open(self) -> None:
@@ -299,11 +301,32 @@ class ReadyFlags:
         path = self.folder / model
         try:
             if str(getattr(state, "value", state)) == "ready":
-                os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+                text = self._describe(model)
+                # Renamed into place: the gateway never reads half a line (a dot name is never a flag).
+                partial = self.folder / f".{model}.partial"
+                partial.write_text(text + "\n" if text else "", encoding="utf-8")
+                os.replace(partial, path)
             else:
                 path.unlink(missing_ok=True)
         except OSError as e:  # without its flag the model is only slower to stream (the cold path's call)
             log.warning("model '%s': ready flag %s not updated: %s", model, path, e)
+
+
+    def _describe(self, model: str) -> str:
+        if self.describe is None:
+            return ""
+        try:
+            return self.describe(model)
+        except Exception as e:  # a flag without its hint costs a line in one error, never the flag
+            log.warning("model '%s': no input hint for the gateway: %s", model, e)
+            return ""
+
+
+def input_names_hint(record: Any) -> str:
+    """The line the gateway adds to Triton's "unexpected inference input" for ``record`` (a PublishedModel)."""
+    declared = ", ".join(f"'{t.name}' ({t.datatype}, dims {list(t.dims)})" for t in record.inputs)
+    return (f"snoozeml: model '{record.id}' declares input(s) {declared}: send each input under its declared "
+            "name (names are case-sensitive)")
 
 
 class HoldRegistry:
@@ -391,11 +414,12 @@ class HoldRegistry:
 
 
 def error_response(error: SnoozeError) -> JSONResponse:
-    """The KServe v2 error shape (``{"error": ...}``, plus snoozeml's code and hint)."""
+    """The KServe v2 error shape (``{"error": ...}``, plus snoozeml's code and hint). The error says its fix too,
+    as a gRPC answer's message does: tritonclient shows clients the ``error`` field alone."""
     headers = {}
     if isinstance(error, UnavailableError):
         headers["Retry-After"] = str(max(1, round(error.retry_after or 1)))
-    return JSONResponse(error.to_dict(), status_code=error.status_code, headers=headers)
+    return JSONResponse({**error.to_dict(), "error": str(error)}, status_code=error.status_code, headers=headers)
 
 
 class HttpForwarder:
@@ -693,7 +717,7 @@ class Activator:
         self._uvicorn: EmbeddedUvicorn | None = None
         self._uvicorn_task: asyncio.Task[None] | None = None
         self.holds = HoldRegistry(self.answers, held_log_path(settings))
-        self.ready_flags = ReadyFlags(ready_dir_path(settings))
+        self.ready_flags = ReadyFlags(ready_dir_path(settings), lambda m: input_names_hint(store.get(m)))
         self._tail_task: asyncio.Task[None] | None = None
 
     @property

@@ -227,6 +227,7 @@ def render_bootstrap(
         hold_namespace=METADATA_NAMESPACE,
         hold_key=METADATA_KEY,
         held_log=str(held_log),
+        hint_dir=lua_string("" if ready_dir is None else str(ready_dir).rstrip("/") + "/"),
     )
 
 

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +41,99 @@ def warmup_inputs(config: Any, seed: int = 0) -> dict[str, Any]:
     return arrays
 
 
-def warmup_infer(http_url: str, config: Any, headers: dict[str, str], timeout: float) -> str:
+@dataclass
+class ChosenInputs:
+    """The inputs of validate's inference and where each came from (``GENERATED`` or a source's name)."""
+
+    arrays: dict[str, Any]
+    sources: dict[str, str]
+
+    @property
+    def generated(self) -> list[str]:
+        return [name for name, source in self.sources.items() if source == GENERATED]
+
+    def describe(self) -> str:
+        by: dict[str, list[str]] = {}
+        for name, source in self.sources.items():
+            by.setdefault(source, []).append(name)
+        return "; ".join(f"{source}: {', '.join(names)}" for source, names in by.items())
+
+
+GENERATED = "generated"
+
+
+def sample_inputs(folder: Path, config: Any) -> dict[str, Any]:
+    """The package's own warm-up samples, as the render wrote them for Triton (``model_warmup`` data files in
+    ``<model>/warmup/``), one item each (with the batch axis when the model batches). Inputs the load warms up
+    with generated data (zeros, or the short BYTES string) are not samples and are left out."""
+    import numpy as np
+    from tritonclient.grpc import model_config_pb2
+    from tritonclient.utils import deserialize_bytes_tensor
+
+    from controlplane.warmup import SHORT_STRING, WARMUP_DIR
+
+    arrays: dict[str, Any] = {}
+    for warmup in config.model_warmup[:1]:
+        for name, item in warmup.inputs.items():
+            if not item.input_data_file:
+                continue
+            try:
+                raw = (folder / WARMUP_DIR / item.input_data_file).read_bytes()
+            except OSError:
+                continue  # the static checks report a missing file
+            wire = from_triton(model_config_pb2.DataType.Name(item.data_type))
+            if wire.wire == "BYTES":
+                array = deserialize_bytes_tensor(raw)
+                if all(v == SHORT_STRING for v in array):
+                    continue
+            else:
+                array = np.frombuffer(raw, dtype=wire.numpy).copy()
+            try:
+                array = array.reshape(list(item.dims))
+            except ValueError:
+                continue
+            arrays[name] = array[np.newaxis] if config.max_batch_size > 0 else array
+    return arrays
+
+
+def learned_inputs(folder: Path, config: Any) -> dict[str, Any]:
+    """Inputs shaped as the model's traffic showed (kept with its record): none are stored yet."""
+    return {}
+
+
+# Tried in order; an input none of them has is generated (``warmup_inputs``).
+INPUT_SOURCES: tuple[tuple[str, Callable[[Path, Any], dict[str, Any]]], ...] = (
+    ("warm-up sample", sample_inputs),
+    ("learned shape", learned_inputs),
+)
+
+
+def choose_inputs(folder: Path, config: Any) -> ChosenInputs:
+    """Each input from the first source that has it, else generated from the config."""
+    chosen, sources = {}, {}
+    for source, provide in INPUT_SOURCES:
+        for name, array in provide(folder, config).items():
+            if name not in chosen:
+                chosen[name], sources[name] = array, source
+    generated = warmup_inputs(config)
+    names = [name for name, _, _ in config_tensors(config, "input")]
+    for name in names:
+        if name not in chosen:
+            chosen[name], sources[name] = generated[name], GENERATED
+    return ChosenInputs({n: chosen[n] for n in names}, {n: sources[n] for n in names})
+
+
+def warmup_infer(http_url: str, config: Any, headers: dict[str, str], timeout: float,
+                 chosen: ChosenInputs | None = None) -> str:
     """One inference through tritonclient.http; returns a short description, raises on failure."""
     import tritonclient.http as httpclient
 
     ssl = http_url.startswith("https://")
     url = re.sub(r"^https?://", "", http_url).rstrip("/")
     types = {name: from_triton(t).wire for name, t, _ in config_tensors(config, "input")}
+    arrays = chosen.arrays if chosen is not None else warmup_inputs(config)
     inputs = []
-    for name, array in warmup_inputs(config).items():
+    for name, array in arrays.items():
         tensor = httpclient.InferInput(name, list(array.shape), types[name])
         tensor.set_data_from_numpy(array, binary_data=True)
         inputs.append(tensor)
@@ -73,7 +158,7 @@ def _load_timeout(folder: Path, default: float) -> float:
 
 
 async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, headers: dict[str, str],
-                    default_timeout: float, was_ready: bool) -> list[CheckResult]:
+                    default_timeout: float, was_ready: bool, strict: bool = False) -> list[CheckResult]:
     name = folder.name
     rec = Recorder(name)
     rel = f"{name}/config.pbtxt"
@@ -95,12 +180,22 @@ async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, header
         rec.skip("warmup_infer", "a decoupled (streaming) model: Triton answers it on gRPC streams only, so no "
                  "HTTP inference is sent; it loaded", rel)
     else:
+        chosen = choose_inputs(folder, config)
         try:
-            shapes = await asyncio.to_thread(warmup_infer, http_url, config, headers, timeout)
-            rec.ok("warmup_infer", f"one inference in {time.perf_counter() - start:.3f}s: {shapes}", rel)
+            shapes = await asyncio.to_thread(warmup_infer, http_url, config, headers, timeout, chosen)
+            rec.ok("warmup_infer", f"one inference in {time.perf_counter() - start:.3f}s ({chosen.describe()}): "
+                   f"{shapes}", rel)
         except Exception as exc:  # tritonclient raises InferenceServerException and transport errors
-            rec.fail("warmup_infer", f"the warm-up inference failed: {exc}", file=rel,
-                     fix="run the model's predict() on inputs shaped like its config; check dtypes and dims")
+            if chosen.generated:
+                # Random values the model may rightly refuse: the package can say what it takes.
+                problem = (f"the inference on generated input(s) {chosen.generated} (random values shaped like "
+                           f"the config) failed: {exc}")
+                fix = ("if the model refuses such values, ship a sample of what it takes: 'warmup': {\"<input>\": "
+                       "\"<file>.npy\"} in snooze_model.json (validate sends it instead); else fix predict()")
+                (rec.fail if strict else rec.warn)("warmup_infer", problem, file=rel, fix=fix)
+            else:
+                rec.fail("warmup_infer", f"the inference on the package's own inputs ({chosen.describe()}) failed: "
+                         f"{exc}", file=rel, fix="fix the model's predict() for the inputs it ships")
     if was_ready:
         rec.ok("unload", "left loaded: it was loaded before validation started", rel)
         return rec.results
@@ -113,7 +208,7 @@ async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, header
 
 
 async def _load_all(http_url: str, models: list[tuple[Path, Any]], headers: dict[str, str],
-                    default_timeout: float) -> list[CheckResult]:
+                    default_timeout: float, strict: bool = False) -> list[CheckResult]:
     from controlplane.triton.client import TritonAdminClient
 
     # The restricted model-repository API of a compose/Kubernetes Triton wants its key in a header.
@@ -128,7 +223,7 @@ async def _load_all(http_url: str, models: list[tuple[Path, Any]], headers: dict
         results: list[CheckResult] = []
         for folder, config in models:
             results += await _load_one(admin, http_url, folder, config, headers, default_timeout,
-                                       folder.name in ready)
+                                       folder.name in ready, strict)
         return results
 
 
@@ -143,7 +238,8 @@ def _run_coroutine(make: Callable[[], Any]) -> Any:
 
 
 def dynamic_checks(repo: Path, candidates: list[tuple[Path, Any]], target: TritonTarget,
-                    triton_url: str | None, headers: dict[str, str], load_timeout: float) -> list[CheckResult]:
+                    triton_url: str | None, headers: dict[str, str], load_timeout: float,
+                    strict: bool = False) -> list[CheckResult]:
     from controlplane.triton.launcher import EmbeddedTriton, detect_backends
 
     results: list[CheckResult] = []
@@ -172,7 +268,7 @@ def dynamic_checks(repo: Path, candidates: list[tuple[Path, Any]], target: Trito
             else:
                 results.append(CheckResult(folder.name, "load", SKIP,
                                            f"not loaded: this Triton has no '{backend}' backend ({sorted(backends)})"))
-        results += _run_coroutine(lambda: _load_all(triton_url, runnable, headers, load_timeout))
+        results += _run_coroutine(lambda: _load_all(triton_url, runnable, headers, load_timeout, strict))
     finally:
         if triton is not None:
             triton.stop()

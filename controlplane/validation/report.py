@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-OK, FAIL, SKIP = "ok", "fail", "skip"
+OK, FAIL, SKIP, WARN = "ok", "fail", "skip", "warn"  # a warning passes (unless --strict made it a fail)
 REPOSITORY = "(repository)"
 
 
@@ -20,7 +21,7 @@ class CheckResult:
 
     model: str
     check: str
-    status: str  # ok | fail | skip
+    status: str  # ok | fail | skip | warn
     message: str
     file: str | None = None  # relative to the repository
     fix: str | None = None
@@ -117,7 +118,7 @@ class ValidationReport:
         table = Table(title=f"snoozectl validate {self.repository} (target {self.target})")
         for col in ("model", "check", "status", "load s", "message"):
             table.add_column(col, overflow="fold")
-        style = {OK: "green", FAIL: "bold red", SKIP: "yellow"}
+        style = {OK: "green", FAIL: "bold red", SKIP: "yellow", WARN: "yellow"}
         for model in dict.fromkeys(r.model for r in self.results):
             results = self.for_model(model)
             load = next((r.load_secs for r in results if r.load_secs is not None), None)
@@ -133,10 +134,25 @@ class ValidationReport:
         console.print(table)
         n_models = len(self.models)
         if self.ok:
-            console.print(f"[green]OK[/]: {n_models} model(s), {len(self.results)} checks, none failed")
+            warned = sum(r.status == WARN for r in self.results)
+            console.print(f"[green]OK[/]: {n_models} model(s), {len(self.results)} checks, none failed"
+                          + (f", {warned} warning(s)" if warned else ""))
         else:
             console.print(f"[bold red]FAILED[/]: {len(self.failures)} of {len(self.results)} checks "
                           f"failed across {n_models} model(s)")
+
+
+def _own_words(problem: str, model: str, file: str | None) -> str:
+    """``problem`` less a leading ``model '<model>' (<where>):`` of its own (an error raised for the same model
+    names it first), keeping its ``<where>`` only when the result names no file of its own."""
+    head = f"model '{model}'"
+    if not problem.startswith(head):
+        return problem
+    found = re.match(r"\s*(\(([^)]*)\))?:\s*", problem[len(head) :])
+    if found is None:
+        return problem
+    rest = problem[len(head) + found.end() :]
+    return f"{found.group(2)}: {rest}" if found.group(2) and not file else rest
 
 
 class Recorder:
@@ -152,10 +168,16 @@ class Recorder:
     def skip(self, check: str, message: str, file: str | None = None) -> None:
         self.results.append(CheckResult(self.model, check, SKIP, message, file))
 
-    def fail(self, check: str, problem: str, *, file: str | None, fix: str) -> None:
+    def fail(self, check: str, problem: str, *, file: str | None, fix: str, status: str = FAIL) -> None:
         where = f" ({file})" if file else ""
-        message = f"model '{self.model}'{where}: {problem}. Fix: {fix}"
-        self.results.append(CheckResult(self.model, check, FAIL, message, file, fix))
+        message = f"model '{self.model}'{where}: {_own_words(problem, self.model, file)}"
+        # A problem that already says its fix (a SnoozeError's message with its hint) is not told it twice.
+        message += "" if fix.rstrip(".") in problem else f". Fix: {fix}"
+        self.results.append(CheckResult(self.model, check, status, message, file, fix))
+
+    def warn(self, check: str, problem: str, *, file: str | None, fix: str) -> None:
+        """A problem that does not fail the gate (validate --strict makes it a failure)."""
+        self.fail(check, problem, file=file, fix=fix, status=WARN)
 
     @property
     def failed(self) -> bool:

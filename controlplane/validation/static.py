@@ -313,12 +313,17 @@ def _check_manifest_and_params(m: _ModelFolder, spec: Any, package_dir: Path) ->
             return
     kind = PackageKind.ONNX if spec.kind == "onnx" else PackageKind.CUSTOM
     package = ModelPackage(package_dir, kind, manifest, [], [], [])
-    try:
-        validated = validate_params(package, dict(spec.params), model_id=m.name)
-    except InvalidPackageError as exc:
-        m.rec.fail("params", exc.message, file=m.rel(package_dir.parent / RUNTIME_FILE),
-                   fix=exc.hint or "declare the params in the manifest's params_schema")
-        return
+    if kind is PackageKind.ONNX and not manifest_path.exists():
+        # An ONNX package is served without its manifest (render checked the params against its schema):
+        # what is left to check here is that onnxruntime knows them.
+        validated, rel = dict(spec.params), m.rel(package_dir.parent / RUNTIME_FILE)
+    else:
+        try:
+            validated = validate_params(package, dict(spec.params), model_id=m.name)
+        except InvalidPackageError as exc:
+            m.rec.fail("params", exc.message, file=m.rel(package_dir.parent / RUNTIME_FILE),
+                       fix=exc.hint or "declare the params in the manifest's params_schema")
+            return
     if spec.kind == "onnx" and validated:
         bad = _unknown_session_options(validated)
         if bad:

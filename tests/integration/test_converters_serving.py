@@ -20,6 +20,7 @@ from controlplane.render import RUNTIME_FILE, embedded_target, render_model, wri
 from controlplane.spec import DeploymentSpec, PackageKind, resolve
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
+from controlplane.validate import OK, validate_repository
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 pytestmark = [
@@ -113,6 +114,9 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NativeDeci
     decision = prefer_native(pkg, max_batch_size=8, out_dir=root / "mlp-onnx", progress=stages.append)
     assert decision.native and decision.converted, decision.reason
     assert "checking parity with Model.predict" in stages
+    # the report names the file beside it, not the temporary folder it was checked in
+    parity = json.loads((decision.publish_path / "parity.json").read_text())
+    assert parity["artifact"] == "model.onnx" and decision.report["artifact"] == "model.onnx", parity["artifact"]
     return pkg, decision
 
 
@@ -163,6 +167,23 @@ async def test_exported_onnx_package_is_served_and_matches_torch(
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=protocol)
     finally:
         await triton_admin.unload(model_id)
+
+
+def test_the_converted_package_validates_clean_static_and_loaded(
+    exported: tuple[Path, NativeDecision], embedded_triton: EmbeddedTriton
+) -> None:
+    """The converter's own output (params from OMP_NUM_THREADS, served without its manifest) passes
+    `snoozectl validate`: it used to fail on 'params given but the package declares no params_schema'."""
+    _, decision = exported
+    model_id = f"validate-converted-{uuid.uuid4().hex[:8]}"
+    spec = resolve(DeploymentSpec(id=model_id, path=decision.publish_path, max_batch_size=8))
+    write_model(render_model(spec, embedded_target()), embedded_triton.model_repository)
+    for load in (False, True):
+        report = validate_repository(embedded_triton.model_repository, load=load, models=[model_id],
+                                     triton_url=embedded_triton.http_url)  # fmt: skip
+        assert report.ok, [r.message for r in report.failures]
+        passed = {r.check for r in report.results if r.status == OK}
+        assert "params" in passed and (not load or {"load", "warmup_infer", "unload"} <= passed), report.results
 
 
 async def test_failed_export_falls_back_to_the_custom_package(

@@ -107,10 +107,11 @@ class Stack:
         labels = {"model": name, "cause": "dead_stub"}
         return self.lifecycle.metrics.registry.get_sample_value("snooze_recoveries_total", labels) or 0
 
-    def publish_raiser(self, name: str, message: str, calls: Path, exception: str = "RuntimeError") -> str:
+    def publish_raiser(self, name: str, message: str, calls: Path, exception: str = "RuntimeError",
+                       worker: str = "in-stub") -> str:  # fmt: skip
         """A model whose predict logs its call to ``calls`` and raises ``exception(message)``."""
         params = {"message": message, "calls": str(calls), "exception": exception}
-        spec = DeploymentSpec(id=name, path=self.raiser, max_batch_size=8, params=params)
+        spec = DeploymentSpec(id=name, path=self.raiser, max_batch_size=8, params=params, worker=worker)
         self.store.publish(resolve(spec))
         return name
 
@@ -142,6 +143,14 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 RAISER_PY = """
+class _Refusal(ValueError):
+    snooze_error = "invalid_input"  # the duck-typed refusal (docs/packages.md), on a base class
+
+
+class NegativeCounts(_Refusal):
+    pass
+
+
 class Model:
     def __init__(self, message="", calls="", exception="RuntimeError"):
         self.message, self.calls, self.exception = message, calls, exception
@@ -152,7 +161,9 @@ class Model:
     def predict(self, inputs):
         with open(self.calls, "a") as f:
             f.write("call\\n")
-        raise {"RuntimeError": RuntimeError, "SystemExit": SystemExit}[self.exception](self.message)
+        kinds = {"RuntimeError": RuntimeError, "SystemExit": SystemExit, "ValueError": ValueError,
+                 "NegativeCounts": NegativeCounts}
+        raise kinds[self.exception](self.message)
 """
 
 
@@ -363,7 +374,7 @@ def test_unknown_model_answers_in_tritons_words(stack: Stack):
         with pytest.raises(InferenceServerException) as info:
             http_infer(h, "gw_nope", _x())
         assert info.value.status() == "404" and info.value.message().startswith(nope)
-        assert "'gw_nope' is not published" in info.value.message()
+        assert "'gw_nope' is not published (fix: list models with `snoozectl status`)" in info.value.message()
         _unknown_in_tritons_words((h.get_model_metadata, h.get_model_config), KEY, "404", known)
         assert not h.is_model_ready("gw_nope", headers=KEY)
     for path in ("infer", "versions/1/infer", "generate", "generate_stream"):
@@ -378,6 +389,21 @@ def test_unknown_model_answers_in_tritons_words(stack: Stack):
         _unknown_in_tritons_words((g.get_model_metadata, g.get_model_config), GRPC_KEY, "StatusCode.NOT_FOUND", known)
         assert not g.is_model_ready("gw_nope", headers=GRPC_KEY)
         assert _stream_error(g, "gw_nope").startswith(nope)
+
+
+def test_a_wrong_input_name_gets_tritons_words_then_the_declared_inputs(stack: Stack):
+    name = stack.publish("gw_names")
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
+    words = f"unexpected inference input 'q' for model '{name}'"
+    line = (f"snoozeml: model '{name}' declares input(s) 'x' (FP32, dims [-1]): send each input under its "
+            "declared name (names are case-sensitive)")
+    for lib, client, headers in ((httpclient, stack.http(), KEY), (grpcclient, stack.grpc(), GRPC_KEY)):
+        inp = lib.InferInput("q", [2, 4], "FP32")
+        inp.set_data_from_numpy(_x())
+        with client, pytest.raises(InferenceServerException) as info:
+            client.infer(name, [inp], headers=dict(headers))  # a copy: tritonclient.http adds to the dict
+        assert info.value.message() == f"{words}\n{line}", info.value.message()
+        assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
 
 
 BROKEN_PY = """
@@ -879,6 +905,34 @@ def _publish_repeater(stack: Stack, repeater: Path, name: str, log: Path | None 
 
 
 WORKERS = ["in-stub", "preforked"]
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_model_refusing_its_input_gets_400_invalid_argument_with_its_words(stack: Stack, tmp_path: Path,
+                                                                              protocol: str, worker: str):  # fmt: skip
+    """An exception whose class (a base of it, here) says ``snooze_error = "invalid_input"`` is the client's
+    error, in the stub and in a preforked worker; a plain ValueError with the same words stays a 500."""
+    for exception, status in (("NegativeCounts", ("400", "StatusCode.INVALID_ARGUMENT")),
+                              ("ValueError", ("500", "StatusCode.INTERNAL"))):  # fmt: skip
+        name = f"gw_refuse_{exception.lower()}_{worker.replace('-', '_')}_{protocol}"
+        calls = tmp_path / f"{name}.calls"
+        stack.publish_raiser(name, "counts must be >= 0", calls, exception, worker=worker)
+        stack.loop.run(stack.lifecycle.ensure_ready(name))
+        with pytest.raises(InferenceServerException) as info:
+            if protocol == "http":
+                with stack.http() as h:
+                    http_infer(h, name, _x())
+            else:
+                with stack.grpc() as g:
+                    grpc_infer(g, name, _x())
+        message = info.value.message()
+        assert info.value.status() == status[protocol == "grpc"], (exception, message)
+        if exception == "NegativeCounts":
+            assert message == f"[snooze:invalid_input] model '{name}': predict refused the input: counts must be >= 0"
+        else:
+            assert message.startswith(f"[snooze:model_error] model '{name}': predict raised ValueError: counts")
+        assert calls.read_text().split() == ["call"]  # not retried
 
 
 def _stream(g: grpcclient.InferenceServerClient, name: str, x: list[float]) -> list[Any]:

@@ -17,7 +17,7 @@ import pytest
 from controlplane.render import embedded_target, render_repository
 from controlplane.spec import DeploymentSpec, discover, resolve_all
 from controlplane.triton.launcher import EmbeddedTriton
-from controlplane.validate import FAIL, OK, SKIP, validate_repository
+from controlplane.validate import FAIL, OK, SKIP, WARN, validate_repository
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +35,16 @@ class Model:
         raise RuntimeError("weights.bin is missing")
 
     def predict(self, inputs):
+        return {"y": inputs["x"]}
+"""
+REFUSES_NEGATIVES = """
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        if (inputs["x"] < 0).any():
+            raise ValueError("x must be non-negative (it is a count)")
         return {"y": inputs["x"]}
 """
 FAILS_PREDICT = """
@@ -150,6 +160,34 @@ def test_broken_models_fail_with_reasons_against_running_triton(
     assert predict_fail.status == FAIL and "predict is broken" in predict_fail.message
     assert by[("validate-linear", "warmup_infer")].status == OK
     assert by[("validate-linear", "load")].load_secs > 0
+
+
+def test_load_sends_the_packages_samples_and_a_generated_input_that_fails_is_a_warning(
+    embedded_triton: EmbeddedTriton, model_repo: Path, tmp_path: Path
+) -> None:
+    """A model that refuses negative numbers: with a warm-up sample it passes on it; without one the random
+    input fails, which is a warning that says the input was generated and how to ship one (--strict: a fail)."""
+    import numpy as np
+
+    with_sample = _package(tmp_path, "with-sample", REFUSES_NEGATIVES)
+    np.save(with_sample / "x.npy", np.array([3.0, 4.0], dtype=np.float32))
+    manifest = json.loads((with_sample / "snooze_model.json").read_text())
+    (with_sample / "snooze_model.json").write_text(json.dumps({**manifest, "warmup": {"x": "x.npy"}}))
+    packages = {"validate-sample": with_sample,
+                "validate-generated": _package(tmp_path, "generated", REFUSES_NEGATIVES)}  # fmt: skip
+    specs = resolve_all(DeploymentSpec(id=name, path=path) for name, path in packages.items())
+    render_repository(specs, model_repo, embedded_target())
+    for strict in (False, True):
+        report = validate_repository(model_repo, load=True, triton_url=embedded_triton.http_url,
+                                     models=list(packages), strict=strict)  # fmt: skip
+        by = {(r.model, r.check): r for r in report.results}
+        sampled = by[("validate-sample", "warmup_infer")]
+        assert sampled.status == OK and "warm-up sample: x" in sampled.message, sampled.message
+        generated = by[("validate-generated", "warmup_infer")]
+        assert generated.status == (FAIL if strict else WARN), generated.message
+        assert "generated input(s) ['x']" in generated.message and "x must be non-negative" in generated.message
+        assert "'warmup'" in generated.fix and "snooze_model.json" in generated.fix
+        assert report.ok is not strict, [r.message for r in report.failures]
 
 
 def test_models_the_target_cannot_run_are_skipped(embedded_triton: EmbeddedTriton, model_repo: Path) -> None:

@@ -50,3 +50,12 @@ def test_check_is_quiet_when_predict_returns_the_declared_dtype(tmp_path: Path) 
     result = CliRunner().invoke(app, ["check", str(pkg), "--input", "x:2x4", "--json"])
     y = json.loads(result.stdout)["outputs"]["y"]
     assert y["returned_dtype"] == "float32" and "note" not in y
+
+
+def test_check_shows_the_values_of_a_bytes_output() -> None:
+    """The human output printed BYTES values in brackets as Rich markup, which swallowed them."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "models"
+    result = CliRunner().invoke(app, ["check", str(examples / "text-features")])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.strip().startswith("greeting:"))
+    assert line.endswith("]") and "[b'hello, " in line, line

@@ -160,9 +160,17 @@ def test_failing_export_names_each_exporter(tmp_path: Path) -> None:
 
 def test_dynamo_failure_falls_back_and_parity_catches_it(tmp_path: Path) -> None:
     module = DataDependentBranch()
-    result = export_module_to_onnx(module, {"x": np.ones((2, 3), np.float32)}, tmp_path / "m.onnx", ["y"])
+    stages: list[str] = []
+    result = export_module_to_onnx(module, {"x": np.ones((2, 3), np.float32)}, tmp_path / "m.onnx", ["y"],
+                                   progress=stages.append)  # fmt: skip
     assert result.exporter is Exporter.TORCHSCRIPT
     assert result.dynamo_error and "data-dependent" in result.dynamo_error
+    # each exporter announced the same way, and the switch said why
+    exporting = [s for s in stages if s.startswith("exporting to ONNX")]
+    assert [s.split(" exporter")[0].split("(")[1] for s in exporting] == ["dynamo", "torchscript"]
+    [switch] = [s for s in stages if s.startswith("the dynamo exporter failed (")]
+    assert switch.endswith("): trying the torchscript exporter")
+    assert stages.index(switch) == stages.index(exporting[1]) - 1
     report = check_parity(
         TorchRunner(module, ["x"], ["y"]),
         result.onnx_path,

@@ -247,3 +247,31 @@ def test_watchdog_with_a_limit_beyond_what_sleep_accepts_still_runs():
         assert stub.watch._thread.is_alive() and stub.overruns == []
     finally:
         stub.watch.stop()
+
+
+class _Refusal(Exception):
+    snooze_error = "invalid_input"
+
+
+class _NegativeCounts(_Refusal, ValueError):
+    pass
+
+
+class _Other(ValueError):
+    snooze_error = "something else"
+
+
+def test_a_refusal_is_declared_by_the_exception_class_never_read_from_its_message():
+    def kind_of(exc: BaseException, stage: str = "predict") -> tuple[str, str]:
+        try:
+            raise exc
+        except Exception as e:
+            return describe_failure(e, "m1", stage, 2)
+
+    assert kind_of(_NegativeCounts("counts must be >= 0")) == (
+        "invalid_input", "[snooze:invalid_input] model 'm1': predict refused the input: counts must be >= 0"
+    )
+    assert kind_of(_Refusal())[1].endswith("predict refused the input: _Refusal")
+    for exc in (ValueError("invalid input: counts must be >= 0"), _Other("x")):  # words or another value: no
+        assert kind_of(exc)[0] == "model_error"
+    assert kind_of(_NegativeCounts("weights"), "load")[0] == "model_error"  # a load cannot refuse an input

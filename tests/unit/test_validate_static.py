@@ -251,6 +251,27 @@ def test_undeclared_params_fail(linear_repo: Path) -> None:
     spec_file.write_text(json.dumps(spec))
     [bad] = failures(validate_repository(linear_repo), "params")
     assert bad.model == "linear" and "params_schema" in bad.message and "Fix:" in bad.message
+    # the spec's error names the model first too: the report says it once, and its fix once
+    assert bad.message.count("model 'linear'") == 1 and bad.message.count("params_schema' with") == 1, bad.message
+
+
+def test_a_converted_onnx_package_validates_clean(tmp_path: Path) -> None:
+    """What the converter writes: an ONNX package whose params come from its params_schema's defaults
+    (intra_op_num_threads, from OMP_NUM_THREADS); the manifest is not served with it."""
+    pkg = tmp_path / "packages" / "converted"
+    write_onnx(pkg / "model.onnx")
+    schema = {"intra_op_num_threads": {"type": "int", "default": 1, "description": "from OMP_NUM_THREADS"}}
+    (pkg / "snooze_model.json").write_text(json.dumps({"params_schema": schema}))
+    repo = render(tmp_path, {"converted": pkg})
+    assert not (repo / "converted" / "1" / "package" / "snooze_model.json").exists()
+    report = validate_repository(repo)
+    assert report.ok, [r.message for r in report.failures]
+    spec_file = repo / "converted" / "1" / "snooze_runtime.json"
+    spec = json.loads(spec_file.read_text())
+    spec["params"] = {"intra_op_threads": 1}  # not a SessionOptions field: still caught, in a file that exists
+    spec_file.write_text(json.dumps(spec))
+    [bad] = failures(validate_repository(repo), "params")
+    assert "intra_op_threads" in bad.message and (repo / bad.file).is_file(), bad.message
 
 
 def test_hand_written_python_model_passes(tmp_path: Path) -> None:
@@ -407,3 +428,22 @@ def test_relative_and_absolute_repository_paths_give_the_same_result(
         (r.model, r.check, r.status) for r in absolute.results
     ]
     assert relative.repository == "repo"  # the report names the folder as the user gave it
+
+
+def test_validate_load_takes_the_packages_samples_bytes_included_and_generates_the_rest(tmp_path: Path) -> None:
+    from controlplane.render import parse_config
+    from controlplane.validation.live import GENERATED, choose_inputs
+
+    manifest = {"inputs": [{"name": "s", "datatype": "BYTES", "dims": [2]},
+                           {"name": "t", "datatype": "BYTES", "dims": [1]},
+                           {"name": "n", "datatype": "INT64", "dims": [1]}],
+                "outputs": [{"name": "y", "datatype": "BYTES", "dims": [1]}],
+                "warmup": {"s": "s.npy"}}  # fmt: skip
+    code = "class Model:\n    def load(self, d, dev): ...\n    def predict(self, x):\n        return {'y': x['t']}\n"
+    pkg = write_package(tmp_path, "words", code, manifest)
+    np.save(pkg / "s.npy", np.array([b"hello", b"world"]))
+    folder = render(tmp_path, {"words": pkg}) / "words"
+    chosen = choose_inputs(folder, parse_config((folder / "config.pbtxt").read_text(), where="words"))
+    assert chosen.sources == {"s": "warm-up sample", "t": GENERATED, "n": GENERATED}
+    assert chosen.arrays["s"].tolist() == [[b"hello", b"world"]]  # one item, with the batch axis
+    assert chosen.arrays["t"].shape == (1, 1) and chosen.generated == ["t", "n"]
