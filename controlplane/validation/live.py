@@ -97,8 +97,24 @@ def sample_inputs(folder: Path, config: Any) -> dict[str, Any]:
 
 
 def learned_inputs(folder: Path, config: Any) -> dict[str, Any]:
-    """Inputs shaped as the model's traffic showed (kept with its record): none are stored yet."""
-    return {}
+    """Zeros shaped as the model's traffic showed (``learned_warmup.json`` in its folder; BYTES: empty strings),
+    one item each: what its next load warms up with."""
+    import numpy as np
+
+    from controlplane.warmup import learned_shapes
+
+    declared = {name: from_triton(t) for name, t, _ in config_tensors(config, "input")}
+    arrays: dict[str, Any] = {}
+    for name, learned in (learned_shapes(folder) or {}).items():
+        dtype = declared.get(name)
+        if dtype is None or dtype.wire != learned["datatype"]:
+            continue  # learned before a change of signature: not this config's input
+        shape = ([1] if config.max_batch_size > 0 else []) + learned["shape"]
+        if dtype.wire == "BYTES":
+            arrays[name] = np.full(shape, b"", dtype=object)
+        else:
+            arrays[name] = np.zeros(shape, dtype=np.float32 if dtype.numpy == "bfloat16" else dtype.numpy)
+    return arrays
 
 
 # Tried in order; an input none of them has is generated (``warmup_inputs``).

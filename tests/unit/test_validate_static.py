@@ -447,3 +447,27 @@ def test_validate_load_takes_the_packages_samples_bytes_included_and_generates_t
     assert chosen.sources == {"s": "warm-up sample", "t": GENERATED, "n": GENERATED}
     assert chosen.arrays["s"].tolist() == [[b"hello", b"world"]]  # one item, with the batch axis
     assert chosen.arrays["t"].shape == (1, 1) and chosen.generated == ["t", "n"]
+
+
+def test_validate_load_takes_learned_shapes_after_samples_before_generated(tmp_path: Path) -> None:
+    from controlplane.render import parse_config
+    from controlplane.validation.live import GENERATED, choose_inputs
+    from controlplane.warmup import keep_learned
+
+    manifest = {"inputs": [{"name": "image", "datatype": "FP32", "dims": [3, -1, -1]},
+                           {"name": "tag", "datatype": "BYTES", "dims": [1]},
+                           {"name": "n", "datatype": "INT64", "dims": [1]}],
+                "outputs": [{"name": "y", "datatype": "FP32", "dims": [1]}]}  # fmt: skip
+    code = "class Model:\n    def load(self, d, dev): ...\n    def predict(self, x):\n        return {'y': x['n']}\n"
+    pkg = write_package(tmp_path, "det", code, manifest)
+    folder = render(tmp_path, {"det": pkg}) / "det"
+    config = parse_config((folder / "config.pbtxt").read_text(), where="det")
+    assert choose_inputs(folder, config).generated == ["image", "tag", "n"]
+    # what the model's traffic showed (a 96x64 image); an input learned under another datatype is not used
+    assert keep_learned(folder, {"image": {"shape": [3, 64, 96], "datatype": "FP32"},
+                                 "tag": {"shape": [1], "datatype": "BYTES"},
+                                 "n": {"shape": [1], "datatype": "FP32"}})  # fmt: skip
+    chosen = choose_inputs(folder, config)
+    assert chosen.sources == {"image": "learned shape", "tag": "learned shape", "n": GENERATED}
+    assert chosen.arrays["image"].shape == (1, 3, 64, 96) and not chosen.arrays["image"].any()
+    assert chosen.arrays["tag"].tolist() == [[b""]]
