@@ -154,10 +154,12 @@ def test_broken_models_fail_with_reasons_against_running_triton(
     assert load_fail.status == FAIL and "weights.bin is missing" in load_fail.message
     assert "model 'validate-fails-load'" in load_fail.message and "Fix:" in load_fail.message
     # The load's generated warm-up is best effort (a broken predict still loads, the warm-up skipped); the
-    # validation's own inference then reports the model's error.
+    # validation's own inference then reports the model's error, a warning since its inputs were generated
+    # (the package ships no sample that could tell a broken model from a refused input).
     assert by[("validate-fails-predict", "load")].status == OK
     predict_fail = by[("validate-fails-predict", "warmup_infer")]
-    assert predict_fail.status == FAIL and "predict is broken" in predict_fail.message
+    assert predict_fail.status == WARN and "predict is broken" in predict_fail.message
+    assert "generated" in predict_fail.message
     assert by[("validate-linear", "warmup_infer")].status == OK
     assert by[("validate-linear", "load")].load_secs > 0
 
