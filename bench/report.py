@@ -852,6 +852,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         ]
     lines += _recovery_lines(sec.get("recovery"))
     lines += _streaming_lines(sec.get("streaming"))
+    lines += _gateway_filters_lines(sec.get("gateway_filters"))
     lines += _keepalive_sections(sec, plots, plot_rel)
     lines += _keepalive_live_lines(sec.get("keepalive_live"))
     lines += _fleet_lines(sec.get("fleet"), plots, plot_rel)
@@ -1022,6 +1023,47 @@ def _streaming_lines(st: dict[str, Any] | None) -> list[str]:
         f"{st.get('warm_holds', '-')}. A stream with a token every 0.5 s for {open_['seconds']} s on a model whose "
         f"idle timeout is {open_['idle_timeout_secs']} s: {open_['tokens']} tokens, the model "
         f"{open_['state_at_end']} at its end, unloaded {open_['unloaded_after_end_secs']} s after it.",
+        "",
+    ]
+
+
+def _gateway_filters_lines(gf: dict[str, Any] | None) -> list[str]:
+    if not gf:
+        return []
+    st, la = gf["settings"], gf["load_average"]
+    names = {
+        "direct": "direct to Triton",
+        "bare_envoy": "bare Envoy (router only)",
+        "gateway": "**the gateway, as served**",
+        "gateway_no_auth": "gateway without api_key_auth",
+        "gateway_no_hints": "gateway without the shape-hint filter",
+        "gateway_no_wake": "gateway without the wake filters",
+        "gateway_no_dead_stub": "gateway without the dead-stub marker (HTTP's upstream)",
+    }
+    rows = [
+        [
+            r["protocol"],
+            names.get(r["target"], r["target"]),
+            r["c32_rps"],
+            f"{r['c32_vs_bare_envoy']:.3f}",
+            r["c1_p50_ms"],
+            f"{r['c1_added_p50_ms']:+.3f}",
+        ]
+        for r in gf["table"]
+    ]
+    return [
+        "## What each gateway filter costs a warm unary request",
+        "",
+        f"`bench/gateway_filters.py`: {st['rounds']} rounds; each measures every target at concurrency 1 and 32, "
+        f"{st['seconds']} s each after {st['warmup_secs']} s of warm-up, the order rotating from round to round; "
+        f"medians over rounds of per-round numbers (throughput over the same round's bare hop, p50 over the same "
+        f"round's direct p50). Client: {st['client']}. Load average at the start {la['start']}, at the end "
+        f"{la['end']}. Lua runs in the served gateway over all these warm requests: {gf['gateway_lua_executions']}.",
+        "",
+        _table(
+            ["protocol", "target", "c=32 req/s", "c=32 / bare Envoy", "c=1 p50 (ms)", "c=1 p50 over direct (ms)"],
+            rows,
+        ),
         "",
     ]
 
