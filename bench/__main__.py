@@ -98,7 +98,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
-        "gateway_filters": {"seconds": 2.0, "warmup": 0.3, "rounds": 5},
+        "gateway_filters": {"seconds": 1.0, "warmup": 0.2, "rounds": 9},
         "coldstart": {
             "cycles": 20,
             "models": [

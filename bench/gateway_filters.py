@@ -1,9 +1,10 @@
 """What each gateway filter costs a warm unary request: the gateway as served, the gateway without each filter in
 turn, a bare Envoy router (no filter but the router) and direct Triton, interleaved in one run.
 
-Every round measures every target at every (protocol, concurrency), the targets' order rotating from round to
-round, so a burst of load from the machine's other users lands on different targets; the table takes medians over
-rounds of per-round numbers (throughput over the bare hop of the same round, p50 over direct of the same round).
+For each (protocol, concurrency), every round measures every target for a short slice, the targets' order rotating
+from round to round, so a burst of load from the machine's other users lands on different targets and the bare hop
+is measured within seconds of each variant; the table takes medians over rounds of per-round numbers (throughput
+over the bare hop of the same round, p50 over direct of the same round).
 The variants are extra Envoy processes rendered by ``render_bootstrap(omit=...)`` in front of the same Triton and
 activator, with the served gateway's keys (``no_auth``: rendered without keys).
 """
@@ -77,10 +78,10 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
             for process in processes.values():
                 process.start()
             async with LoadWorker() as worker:
-                for r in range(rounds):
-                    order = targets[r % len(targets) :] + targets[: r % len(targets)]
-                    for protocol in PROTOCOLS:
-                        for concurrency in CONCURRENCY:
+                for protocol in PROTOCOLS:
+                    for concurrency in CONCURRENCY:
+                        for r in range(rounds):
+                            order = targets[r % len(targets) :] + targets[: r % len(targets)]
                             for name in order:
                                 job = Job(
                                     protocol,
@@ -104,7 +105,7 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
                                         "first_error": result.first_error,
                                     }
                                 )
-                    runs[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
+                            runs[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
             lua_during = _lua_executions(stack.gateway.stats()) - lua_before
         finally:
             for process in processes.values():

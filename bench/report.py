@@ -1054,8 +1054,9 @@ def _gateway_filters_lines(gf: dict[str, Any] | None) -> list[str]:
     return [
         "## What each gateway filter costs a warm unary request",
         "",
-        f"`bench/gateway_filters.py`: {st['rounds']} rounds; each measures every target at concurrency 1 and 32, "
-        f"{st['seconds']} s each after {st['warmup_secs']} s of warm-up, the order rotating from round to round; "
+        f"`bench/gateway_filters.py`: per protocol and concurrency (1, 32), {st['rounds']} rounds; each measures "
+        f"every target for {st['seconds']} s after {st['warmup_secs']} s of warm-up, the order rotating from round to "
+        "round; "
         f"medians over rounds of per-round numbers (throughput over the same round's bare hop, p50 over the same "
         f"round's direct p50). Client: {st['client']}. Load average at the start {la['start']}, at the end "
         f"{la['end']}. Lua runs in the served gateway over all these warm requests: {gf['gateway_lua_executions']}.",
