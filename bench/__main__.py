@@ -45,8 +45,8 @@ from typing import Any  # noqa: E402
 from bench.common import machine  # noqa: E402
 
 DEFAULT_SECTIONS = (
-    "gateway", "gateway_filters", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "keepalive_live", "fleet",
-    "streaming", "eviction", "churn",
+    "gateway", "gateway_filters", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive",
+    "keepalive_live", "fleet", "streaming", "eviction", "churn",
 )  # fmt: skip
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
@@ -98,7 +98,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
-        "gateway_filters": {"seconds": 1.0, "warmup": 0.2, "rounds": 9},
+        "gateway_filters": {"seconds": 1.0, "warmup": 0.2, "rounds": 11},
         "coldstart": {
             "cycles": 20,
             "models": [
@@ -146,14 +146,10 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
 
 
 async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, Any]:
-    if name == "gateway":
-        from bench import gateway
+    if name in ("gateway", "gateway_filters"):
+        from bench import gateway, gateway_filters
 
-        return await gateway.run(root, **kw)
-    if name == "gateway_filters":
-        from bench import gateway_filters
-
-        return await gateway_filters.run(root, **kw)
+        return await {"gateway": gateway, "gateway_filters": gateway_filters}[name].run(root, **kw)
     if name == "coldstart":
         from bench import coldstart
 

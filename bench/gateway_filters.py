@@ -18,8 +18,14 @@ from typing import Any
 
 from bench._load import Job, LoadWorker, bare_envoy_bootstrap
 from bench.common import API_KEY, direct_urls, echo_package, gateway_urls, serving_stack
-from controlplane.gateway.envoy import OPTIONAL_FILTERS, EnvoyProcess, Upstream, gateway_keys, render_bootstrap
-from controlplane.gateway.envoy import ready_dir_path
+from controlplane.gateway.envoy import (
+    OPTIONAL_FILTERS,
+    EnvoyProcess,
+    Upstream,
+    gateway_keys,
+    ready_dir_path,
+    render_bootstrap,
+)
 from controlplane.triton.launcher import free_port
 
 MODEL = "bench-echo"
@@ -141,14 +147,18 @@ def _table(runs: list[dict[str, Any]], targets: list[str], rounds: int) -> list[
         for target in targets:
             c32 = [by[(r, protocol, 32, target)] for r in range(rounds)]
             ratio = [x["rps"] / by[(r, protocol, 32, "bare_envoy")]["rps"] for r, x in enumerate(c32)]
-            added = [by[(r, protocol, 1, target)]["p50_ms"] - by[(r, protocol, 1, "direct")]["p50_ms"] for r in range(rounds)]
+            added = [
+                by[(r, protocol, 1, target)]["p50_ms"] - by[(r, protocol, 1, "direct")]["p50_ms"] for r in range(rounds)
+            ]
             rows.append(
                 {
                     "protocol": protocol,
                     "target": target,
                     "c32_rps": round(statistics.median(x["rps"] for x in c32), 1),
                     "c32_vs_bare_envoy": round(statistics.median(ratio), 3),
-                    "c1_p50_ms": round(statistics.median(by[(r, protocol, 1, target)]["p50_ms"] for r in range(rounds)), 3),
+                    "c1_p50_ms": round(
+                        statistics.median(by[(r, protocol, 1, target)]["p50_ms"] for r in range(rounds)), 3
+                    ),
                     "c1_added_p50_ms": round(statistics.median(added), 3),
                     "errors": sum(by[(r, protocol, c, target)]["errors"] for r in range(rounds) for c in CONCURRENCY),
                 }
