@@ -6,7 +6,7 @@ from round to round, so a burst of load from the machine's other users lands on 
 is measured within seconds of each variant; the table takes medians over rounds of per-round numbers (throughput
 over the bare hop of the same round, p50 over direct of the same round).
 The variants are extra Envoy processes rendered by ``render_bootstrap(omit=...)`` in front of the same Triton and
-activator, with the served gateway's keys (``no_auth``: rendered without keys).
+activator, with the served gateway's keys (``no_auth``, ``no_filters``: rendered without keys).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from controlplane.triton.launcher import free_port
 MODEL = "bench-echo"
 CONCURRENCY = (1, 32)
 PROTOCOLS = ("grpc", "http")
-VARIANTS = ("no_auth", *(f"no_{name}" for name in OPTIONAL_FILTERS))
+# Each filter left out in turn; "no_filters": none of them (what the routes alone cost: retry, gate, request id).
+VARIANTS = ("no_auth", *(f"no_{name}" for name in OPTIONAL_FILTERS), "no_filters")
 
 
 async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict[str, Any]:
@@ -58,7 +59,7 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
         urls["bare_envoy"] = {"http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}"}
         for variant in VARIANTS:
             ports = free_port(), free_port()
-            omitted = variant.removeprefix("no_")
+            omitted = {"no_filters": "all"}.get(variant, variant.removeprefix("no_"))
             bootstrap = render_bootstrap(
                 host="127.0.0.1",
                 http_port=ports[0],
@@ -69,9 +70,9 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
                 activator_http=Upstream.parse(stack.activator.http_address),
                 activator_grpc=Upstream.parse(stack.activator.grpc_address),
                 wake_buffer_bytes=stack.settings.wake_buffer_bytes,
-                api_keys=[] if omitted == "auth" else gateway_keys(stack.settings),
+                api_keys=[] if omitted in ("auth", "all") else gateway_keys(stack.settings),
                 ready_dir=ready_dir_path(stack.settings),
-                omit=[] if omitted == "auth" else [omitted],
+                omit={"auth": [], "all": OPTIONAL_FILTERS}.get(omitted, [omitted]),
             )
             processes[f"gateway_{variant}"] = EnvoyProcess(
                 bootstrap, root / variant, listen=[("127.0.0.1", p) for p in ports], name=variant
