@@ -6,8 +6,8 @@
     python -m bench --out-dir /tmp/b      # write report.md, report.json and plots/ elsewhere
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
-Sections: gateway, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live, fleet,
-streaming, eviction, churn (default), native (opt-in: torch custom vs its ONNX export), keepalive_replay
+Sections: gateway, gateway_filters, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live,
+fleet, streaming, eviction, churn (default), native (opt-in: torch custom vs its ONNX export), keepalive_replay
 (--replay). Loopback only; each
 measurement is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no
 server, seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
@@ -45,8 +45,8 @@ from typing import Any  # noqa: E402
 from bench.common import machine  # noqa: E402
 
 DEFAULT_SECTIONS = (
-    "gateway", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive", "keepalive_live", "fleet",
-    "streaming", "eviction", "churn",
+    "gateway", "gateway_filters", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive",
+    "keepalive_live", "fleet", "streaming", "eviction", "churn",
 )  # fmt: skip
 ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
@@ -56,6 +56,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
     if quick:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
+            "gateway_filters": {"seconds": 0.2, "warmup": 0.05, "rounds": 1},
             "coldstart": {
                 "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
                 "memory_copies": 2, "warmup_cycle": False,
@@ -97,6 +98,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         }
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
+        "gateway_filters": {"seconds": 1.0, "warmup": 0.2, "rounds": 11},
         "coldstart": {
             "cycles": 20,
             "models": [
@@ -144,10 +146,10 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
 
 
 async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, Any]:
-    if name == "gateway":
-        from bench import gateway
+    if name in ("gateway", "gateway_filters"):
+        from bench import gateway, gateway_filters
 
-        return await gateway.run(root, **kw)
+        return await {"gateway": gateway, "gateway_filters": gateway_filters}[name].run(root, **kw)
     if name == "coldstart":
         from bench import coldstart
 

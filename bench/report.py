@@ -852,6 +852,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
         ]
     lines += _recovery_lines(sec.get("recovery"))
     lines += _streaming_lines(sec.get("streaming"))
+    lines += _gateway_filters_lines(sec.get("gateway_filters"))
     lines += _keepalive_sections(sec, plots, plot_rel)
     lines += _keepalive_live_lines(sec.get("keepalive_live"))
     lines += _fleet_lines(sec.get("fleet"), plots, plot_rel)
@@ -1024,6 +1025,75 @@ def _streaming_lines(st: dict[str, Any] | None) -> list[str]:
         f"{open_['state_at_end']} at its end, unloaded {open_['unloaded_after_end_secs']} s after it.",
         "",
     ]
+
+
+def _gateway_filters_lines(gf: dict[str, Any] | None) -> list[str]:
+    if not gf:
+        return []
+    st, la = gf["settings"], gf["load_average"]
+    names = {
+        "direct": "direct to Triton",
+        "bare_envoy": "bare Envoy (router only)",
+        "gateway": "**the gateway, as served**",
+        "gateway_no_auth": "gateway without api_key_auth",
+        "gateway_no_hints": "gateway without the shape-hint filter",
+        "gateway_no_wake": "gateway without the wake filters",
+        "gateway_no_dead_stub": "gateway without the dead-stub marker (HTTP's upstream)",
+        "gateway_no_filters": "gateway routes without any of these filters",
+    }
+    rows = [
+        [
+            r["protocol"],
+            names.get(r["target"], r["target"]),
+            r["c32_rps"],
+            f"{r['c32_vs_bare_envoy']:.3f}",
+            r["c1_p50_ms"],
+            f"{r['c1_added_p50_ms']:+.3f}",
+        ]
+        for r in gf["table"]
+    ]
+    return [
+        "## What each gateway filter costs a warm unary request",
+        "",
+        f"`bench/gateway_filters.py`: per protocol and concurrency (1, 32), {st['rounds']} rounds; each measures "
+        f"every target for {st['seconds']} s after {st['warmup_secs']} s of warm-up, the order rotating from round to "
+        "round; "
+        f"medians over rounds of per-round numbers (throughput over the same round's bare hop, p50 over the same "
+        f"round's direct p50). Client: {st['client']}. Load average at the start {la['start']}, at the end "
+        f"{la['end']}. Lua runs in the served gateway over all these warm requests: {gf['gateway_lua_executions']}.",
+        "",
+        _table(
+            ["protocol", "target", "c=32 req/s", "c=32 / bare Envoy", "c=1 p50 (ms)", "c=1 p50 over direct (ms)"],
+            rows,
+        ),
+        "",
+        *_gateway_filters_reading(gf["table"]),
+    ]
+
+
+def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
+    """Against the issue's targets (c=32 >= 0.95x the bare hop; c=1 added p50 <= the bare hop's + 0.1 ms), and the
+    run's own noise: on gRPC the dead-stub marker does not exist, so that variant's config is the gateway's."""
+    by = {(r["protocol"], r["target"]): r for r in table}
+    lines = []
+    for protocol in ("grpc", "http"):
+        g, b = by.get((protocol, "gateway")), by.get((protocol, "bare_envoy"))
+        if not g or not b:
+            continue
+        over = g["c1_added_p50_ms"] - b["c1_added_p50_ms"]
+        lines.append(
+            f"- {protocol}: the gateway at c=32 is {g['c32_vs_bare_envoy']:.3f}x the bare hop (target 0.95: "
+            f"{'met' if g['c32_vs_bare_envoy'] >= 0.95 else 'not met'}); at c=1 it adds {over:+.3f} ms over the bare "
+            f"hop's added p50 (target +0.1 ms: {'met' if over <= 0.1 else 'not met'})."
+        )
+    twin, served = by.get(("grpc", "gateway_no_dead_stub")), by.get(("grpc", "gateway"))
+    if twin and served:
+        lines.append(
+            f"- Noise: the gRPC row without the dead-stub marker runs the gateway's own gRPC config; it reads "
+            f"{twin['c32_vs_bare_envoy']:.3f}x and {twin['c1_added_p50_ms']:+.3f} ms against the gateway's "
+            f"{served['c32_vs_bare_envoy']:.3f}x and {served['c1_added_p50_ms']:+.3f} ms."
+        )
+    return [*lines, ""] if lines else []
 
 
 def _envoy_floor_lines(st: dict[str, Any]) -> list[str]:

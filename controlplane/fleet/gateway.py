@@ -3,8 +3,8 @@
 Ownership is Envoy's consistent hashing (a ring of node names) on the model name with bounded load: a
 model normally lives on one node, and a hot one spills onto the next node(s) of the ring, which wake
 it by their own retry-to-activator path; its spilled copies unload by their own idle timeout. The
-model name is put in a header by a Lua filter (HTTP: the path; gRPC: the request message's name field),
-so no Python runs on the hot path. Nodes are health-checked; a dead node's models are answered by the
+ring's key is the model's name, found by Envoy's own filters (HTTP: the path; gRPC: the request message's name
+field): no Python and no Lua on the hot path. Nodes are health-checked; a dead node's models are answered by the
 next node of the ring (a cold start there) and come back when it does. Several fleet gateways over the
 same nodes give the same answers: the ring depends on the node names only.
 """
@@ -25,7 +25,6 @@ from controlplane.gateway.envoy import (
     GatewayError,
     render_template,
 )
-from controlplane.gateway.wake_lua import LUA_PROTOBUF_STRING_FIELD
 
 MODEL_HEADER = "x-snooze-model"
 # A node may take this % of the average load (requests in flight) before the ring's next node helps.
@@ -33,64 +32,23 @@ HASH_BALANCE_FACTOR = 150
 # ring_hash: each model to its owner node (model-affine); round_robin: every node in turn (a baseline).
 LB_POLICIES = ("ring_hash", "round_robin")
 
-HTTP_LUA = f"""
-function envoy_on_request(handle)
-  local headers = handle:headers()
-  local path = headers:get(":path") or ""
-  local model = string.match(path, "^/v2/models/([^/?]+)") or string.match(path, "^/v2/repository/models/([^/?]+)")
-  if model then
-    headers:replace("{MODEL_HEADER}", model)
-  else
-    headers:remove("{MODEL_HEADER}")
-  end
-end
-"""
-
-# gRPC: the model name is a field of the request message (field 1; field 2 of the repository calls).
-# A small protobuf walk over the first bytes of the body (5 bytes of gRPC framing, then the message).
-# A ModelStreamInfer stream's body never ends, so its first message's model_name comes from Envoy's
-# grpc_field_extraction filter before it (which holds the headers until that message is in).
+# HTTP: the model's name from the path, as the ring's key (Envoy rewrites the :path value it hashes; no Lua).
+HTTP_KEY_REGEX = r"^/v2/(?:repository/)?models/([^/?]+).*$"
+# gRPC: the request message's name field, extracted by grpc_field_extraction (C++; a stream's from its first
+# message), which holds the headers until the field is in; header_mutation copies it into MODEL_HEADER, where
+# it renders as a one-item JSON list beside "-" for the absent other field name: the key is what is inside.
 EXTRACTION_METADATA = "envoy.filters.http.grpc_field_extraction"
-STREAM_METHOD = "inference.GRPCInferenceService.ModelStreamInfer"
-GRPC_LUA = f"""
-local NAME_FIELD = {{
-  ["/inference.GRPCInferenceService/ModelInfer"] = 1,
-  ["/inference.GRPCInferenceService/ModelReady"] = 1,
-  ["/inference.GRPCInferenceService/ModelMetadata"] = 1,
-  ["/inference.GRPCInferenceService/ModelConfig"] = 1,
-  ["/inference.GRPCInferenceService/ModelStatistics"] = 1,
-  ["/inference.GRPCInferenceService/RepositoryModelLoad"] = 2,
-  ["/inference.GRPCInferenceService/RepositoryModelUnload"] = 2,
-}}
-
-{LUA_PROTOBUF_STRING_FIELD}
-function envoy_on_request(handle)
-  handle:headers():remove("{MODEL_HEADER}")
-  local path = handle:headers():get(":path")
-  if path == "/inference.GRPCInferenceService/ModelStreamInfer" then
-    local extracted = handle:streamInfo():dynamicMetadata():get("{EXTRACTION_METADATA}")
-    local names = extracted and extracted["model_name"]
-    local model = names and names[1]
-    if model then
-      handle:headers():replace("{MODEL_HEADER}", model)
-    end
-    return
-  end
-  local wanted = NAME_FIELD[path]
-  if wanted == nil then
-    return
-  end
-  local body = handle:body()
-  if body == nil then
-    return
-  end
-  local model = string_field(body:getBytes(0, math.min(body:length(), 4096)), wanted)
-  if model then
-    -- headers() again: a handle taken before body() does not outlive it
-    handle:headers():replace("{MODEL_HEADER}", model)
-  end
-end
-"""
+GRPC_KEY_REGEX = r'^-?\["(.*)"\]-?$'
+GRPC_NAME_FIELDS = (
+    ("inference.GRPCInferenceService.ModelInfer", "model_name"),
+    ("inference.GRPCInferenceService.ModelStreamInfer", "model_name"),
+    ("inference.GRPCInferenceService.ModelReady", "name"),
+    ("inference.GRPCInferenceService.ModelMetadata", "name"),
+    ("inference.GRPCInferenceService.ModelConfig", "name"),
+    ("inference.GRPCInferenceService.ModelStatistics", "name"),
+    ("inference.GRPCInferenceService.RepositoryModelLoad", "model_name"),
+    ("inference.GRPCInferenceService.RepositoryModelUnload", "model_name"),
+)
 
 
 @dataclass(frozen=True)
@@ -171,10 +129,11 @@ def render_fleet_bootstrap(
         hash_balance_factor=hash_balance_factor,
         lb_policy=lb_policy,
         model_header=MODEL_HEADER,
-        http_lua=HTTP_LUA,
-        grpc_lua=GRPC_LUA,
+        http_key_regex=HTTP_KEY_REGEX,
+        grpc_key_regex=GRPC_KEY_REGEX,
+        grpc_name_fields=GRPC_NAME_FIELDS,
+        extraction_metadata=EXTRACTION_METADATA,
         grpc_descriptor_set=grpc_descriptor_set(),
-        stream_method=STREAM_METHOD,
         unauthorized_message=UNAUTHORIZED_MESSAGE,
         max_upstream=MAX_UPSTREAM,
     )

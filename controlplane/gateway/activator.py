@@ -195,14 +195,14 @@ class ModelAnswers:
         through sleep and wake; ``file:`` ones are refused). A failed load answers in Triton's words and status:
         400 (load failed), or 500 for an override Triton could not read (``overrides``)."""
         files = [key for key in parameters if key != "config"]
-        if files:
-            raise BadRequestError(  # Triton's words for a load that did not happen first (clients check them)
-                words.explained(
-                    f"{words.LOAD_UNKNOWN} '{name}'",
+        if files:  # never forwarded: Triton 2.51 aborts on a file: name longer than NAME_MAX
+            raise words.RefusedLoadFilesError(
+                name,
+                BadRequestError(
                     f"load parameters {', '.join(sorted(files))} for model '{name}' are not accepted through the "
                     "gateway (only 'config')",
+                    hint="publish a new package (snoozectl publish) to change a model's files",
                 ),
-                hint="publish a new package (snoozectl publish) to change a model's files",
             )
         text = parameters.get("config")
         try:

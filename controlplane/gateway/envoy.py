@@ -39,7 +39,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -81,6 +81,9 @@ UNAUTHORIZED_MESSAGE = (
     "send it as the X-API-Key header or 'Authorization: Bearer <key>' (gRPC metadata x-api-key or authorization)"
 )
 MAX_UPSTREAM = 100_000
+WAKE_FILTER_NAME = "snoozeml.wake"  # the first wake filter (HTTP's only one; gRPC's first stage)
+# Filters the bench can leave out one at a time (render_bootstrap(omit=...)) to measure what each costs.
+OPTIONAL_FILTERS = ("hints", "wake", "dead_stub")
 GATE_RUNTIME_KEY = "snooze.gateway.closed"
 GATE_CLOSED_MESSAGE = (
     "snoozeml is not admitting requests: a snapshot of this workload is being taken; retry once it is restored"
@@ -193,12 +196,18 @@ def render_bootstrap(
     api_keys: Sequence[ApiKey] = (),
     held_log: Path | str = os.devnull,
     ready_dir: Path | str | None = None,
+    omit: Collection[str] = (),
 ) -> str:
     """The Envoy bootstrap YAML. No ``api_keys`` = no auth filter (auth off). ``held_log``: the access log
     of held requests' ends, which the activator tails (``held_log_path``). ``ready_dir``: the ready flags
-    (``ready_dir_path``); None: every stream waits for the activator's answer before it moves on."""
+    (``ready_dir_path``); None: every stream waits for the activator's answer before it moves on.
+    ``omit``: filters left out (``OPTIONAL_FILTERS``), for the bench's per-filter cost only."""
     if wake_buffer_bytes <= 0:
         raise GatewayError(f"wake_buffer_bytes must be positive, got {wake_buffer_bytes}")
+    if unknown := set(omit) - set(OPTIONAL_FILTERS):
+        raise GatewayError(f"unknown gateway filters {sorted(unknown)}", hint=f"one of {', '.join(OPTIONAL_FILTERS)}")
+    flags = None if ready_dir is None else str(ready_dir)
+    grpc_wake = [] if "wake" in omit else grpc_wake_chain(wake_buffer_bytes, flags)
     return render_template(
         "controlplane.gateway",
         "envoy.yaml.j2",
@@ -222,8 +231,10 @@ def render_bootstrap(
         max_upstream=MAX_UPSTREAM,
         gate_runtime_key=GATE_RUNTIME_KEY,
         gate_closed_message=GATE_CLOSED_MESSAGE,
-        http_wake_lua=[http_wake_lua(wake_buffer_bytes, None if ready_dir is None else str(ready_dir))],
-        grpc_wake_lua=grpc_wake_chain(wake_buffer_bytes, None if ready_dir is None else str(ready_dir)),
+        http_wake_lua=[] if "wake" in omit else [http_wake_lua(wake_buffer_bytes, flags)],
+        grpc_wake_lua=grpc_wake,
+        wake_filter_names=[WAKE_FILTER_NAME] + [f"snoozeml.stream_wake.{i}" for i in range(2, len(grpc_wake) + 1)],
+        omit=set(omit),
         hold_namespace=METADATA_NAMESPACE,
         hold_key=METADATA_KEY,
         held_log=str(held_log),

@@ -80,6 +80,15 @@ class BadConfigOverrideError(LoadUnknownModelError):
     code = "bad_config_override"
 
 
+class RefusedLoadFilesError(LoadUnknownModelError):
+    """A repository load with ``file:`` parameters, refused before Triton sees it (Triton 2.51 aborts on a file name
+    longer than NAME_MAX): as Triton answers a load whose repository poll failed, HTTP 500 / gRPC INTERNAL,
+    ``failed to load 'm', failed to poll from model repository`` (Triton's model-control example checks it);
+    snoozeml's reason after."""
+
+    code = "load_files_refused"
+
+
 class LoadFailedError(SnoozeError):
     """A repository load that failed, as Triton answers it: HTTP 400 / gRPC INVALID_ARGUMENT, its words first."""
 

@@ -224,14 +224,12 @@ function envoy_on_request(handle)
   local id = handle:headers():get("x-request-id") or ""
   if path == UNARY then
     for chunk in handle:bodyChunks() do
-      local bytes = chunk:getBytes(0, math.min(chunk:length(), 4096))
-      if #bytes < 5 then
+      -- The route sent only requests without a small content-length here: gRPC's carry none, so the
+      -- frame's 5-byte header says the size; the model's name is read only for a large one.
+      if chunk:length() < 5 or frame_size(chunk:getBytes(0, 5)) <= WAKE_BUFFER then
         return
       end
-      if frame_size(bytes) <= WAKE_BUFFER then
-        return
-      end
-      local model = string_field(bytes, 1)
+      local model = string_field(chunk:getBytes(0, math.min(chunk:length(), 4096)), 1)
       if model ~= nil and string.match(model, "^[%w_%.%-]+$") then
         hold(handle, model, id)
       end

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 SECTION_KEYS = {
     "gateway": {"rows", "ratios", "gateway_retries_during_run", "settings"},
+    "gateway_filters": {"table", "runs", "load_average", "gateway_lua_executions"},
     "coldstart": {"cycles", "models"},
     "batching": {"settings", "models", "runtime_vs_handwritten"},
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
@@ -35,7 +36,7 @@ SECTION_KEYS = {
 }
 # Scenarios other tests assert: tests/reliability (recovery), test_keepalive_live, test_gateway (streams),
 # tests/model/test_fast_unload.py and test_memory_budget (churn).
-SLOW_SECTIONS = ("recovery", "keepalive_live", "streaming", "churn")
+SLOW_SECTIONS = ("recovery", "keepalive_live", "streaming", "churn", "gateway_filters")
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
 
 
@@ -117,3 +118,7 @@ def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
     assert "## Churn: many models in little memory, the eviction policies side by side" in text
     assert data["sections"]["streaming"]["open_stream"]["tokens"] == 6
     assert "## Streaming: generate_stream (SSE) and gRPC streams of a decoupled model" in text
+    filters = data["sections"]["gateway_filters"]
+    assert {row["target"] for row in filters["table"]} >= {"direct", "bare_envoy", "gateway", "gateway_no_wake"}
+    assert all(row["errors"] == 0 for row in filters["table"]), filters["table"]
+    assert "## What each gateway filter costs a warm unary request" in text

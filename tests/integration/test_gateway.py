@@ -271,6 +271,35 @@ def test_warm_inference_stays_on_envoy(stack: Stack):
     assert "envoy_cluster_upstream_rq_retry" in httpx.get(stack.gateway.prometheus_url).text
 
 
+def _lua_runs(stack: Stack) -> dict[str, int]:
+    """Envoy's count of Lua runs, per listener and the infer_http cluster's upstream chain, and of filters a
+    composite filter created (the shape hint, the dead-stub marker)."""
+    stats = stack.gateway.stats()
+    return {k: v for k, v in stats.items() if k.endswith(("lua.executions", "composite.filter_delegation_success"))}
+
+
+def test_a_warm_unary_request_meets_no_lua(stack: Stack):
+    """A unary infer to a loaded model whose size the headers tell: no Lua runs for it (the wake filters are off
+    on its route; the shape hint and the dead-stub marker are created only for a 400 / INVALID_ARGUMENT / 500).
+    gRPC carries no content-length: there the first wake stage reads the message's 5-byte frame header, once."""
+    name = stack.publish("gw_no_lua")
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
+    x = _x()
+    before = _lua_runs(stack)
+    with stack.http() as client:
+        for binary in (True, False):
+            np.testing.assert_allclose(http_infer(client, name, x, binary=binary), x * 3)
+    r = httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/generate", json={"x": [1.0]}, headers=KEY)
+    assert r.status_code == 200, r.text
+    assert _lua_runs(stack) == before
+    with stack.grpc() as client:
+        for _ in range(3):
+            np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
+    after = _lua_runs(stack)
+    assert after.pop("http.kserve_grpc.lua.executions") == before.pop("http.kserve_grpc.lua.executions") + 3
+    assert after == before
+
+
 def test_sleeping_model_wakes_over_http(stack: Stack):
     name = stack.publish("gw_sleep_http")
     assert not stack.triton_ready(name)
@@ -512,12 +541,15 @@ def test_repository_unload_and_load_answer_as_triton_does(stack: Stack):
         with pytest.raises(InferenceServerException) as info:
             g.load_model("gw_nope", headers=grpc_admin)
         assert info.value.status() == "StatusCode.INTERNAL" and info.value.message().startswith(words)
-        # Triton 2.51 aborts on a load whose file parameter's name is longer than NAME_MAX (measured; newer
-        # Triton's model-control example checks it): load parameters never reach Triton through the gateway.
-        with pytest.raises(InferenceServerException, match="not accepted through the gateway") as info:
-            g.load_model(name, headers=grpc_admin, config="{}", files={"file:" + "A" * 256: b"a"})
-        assert info.value.message().startswith(f"failed to load '{name}': snoozeml: ")
-        assert g.is_server_live() and stack.triton_ready(name)
+        # Triton 2.51 aborts on a load whose file parameter's name is longer than NAME_MAX (measured): load
+        # parameters never reach Triton through the gateway. Triton's newest model-control example sends one and
+        # expects INTERNAL, "failed to poll from model repository", then a live server.
+        refused = f"failed to load '{name}', failed to poll from model repository: snoozeml: "
+        for client, headers, status in ((g, grpc_admin, "StatusCode.INTERNAL"), (h, admin, "500")):
+            with pytest.raises(InferenceServerException, match="not accepted through the gateway") as info:
+                client.load_model(name, headers=headers, config="{}", files={"file:" + "A" * 256: b"a"})
+            assert info.value.status() == status and info.value.message().startswith(refused), info.value
+            assert client.is_server_live() and stack.triton_ready(name)
 
 
 def test_a_clients_config_override_holds_through_sleep_and_wake(stack: Stack):

@@ -43,6 +43,7 @@ def test_the_fleet_bootstrap_is_valid_for_envoy(tmp_path: Path, dns: bool):
     bootstrap = render_fleet_bootstrap(NODES, host="127.0.0.1", http_port=1, grpc_port=2, api_keys=keys, dns=dns)
     assert bootstrap.count(MODEL_HEADER) >= 2 and "hash_balance_factor" in bootstrap
     assert all(f'hostname: "{n.name}"' in bootstrap for n in NODES)
+    assert "filters.http.lua" not in bootstrap  # the ring's key comes from Envoy's own filters: no Lua per request
     EnvoyProcess(bootstrap, tmp_path).validate()
 
 
