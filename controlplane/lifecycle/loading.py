@@ -20,11 +20,17 @@ from typing import Any
 from google.protobuf import json_format
 
 from controlplane.errors import SnoozeError, TritonModelLoadError, UnavailableError
-from controlplane.gpu_budget import GPU_OOM_HINT, is_cuda_oom
-from controlplane.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.autoscale import LoadWindow
-from controlplane.lifecycle.gpu import GpuMemory
-from controlplane.lifecycle.memory import OOM_HINT, BudgetInUse, MemoryBudget, declared_bytes, is_oom_error
+from controlplane.lifecycle.memory import (
+    GPU_OOM_HINT,
+    OOM_HINT,
+    BudgetInUse,
+    MemoryBudget,
+    classify_oom,
+    declared_bytes,
+)
+from controlplane.lifecycle.memory.gpu import GpuMemory
+from controlplane.lifecycle.memory.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.overrides import apply_override
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
@@ -316,7 +322,7 @@ class Loader:
     def _size_unknown(self, rec: ModelRecord, need: int) -> bool:
         """No estimate for the model's memory although it will be measured (a python model, processes in view)."""
         return (
-            not need and self.settings.memory_budget_mb is not None and rec.is_python and self.processes.visible
+            not need and self.budget.budget_mb is not None and rec.is_python and self.processes.visible
         )
 
     def _first_in_line(self, rec: ModelRecord) -> bool:
@@ -350,10 +356,10 @@ class Loader:
             await self._load_within(rec, config, timeout)
             return
         except TritonModelLoadError as e:
-            on_gpu = bool(gpu_need)
-            if not evict or not (is_cuda_oom(e.reason, on_gpu=on_gpu) or is_oom_error(e.reason)):
+            kind = classify_oom(e.reason, on_gpu=bool(gpu_need))
+            if not evict or kind is None:
                 raise
-            first, cuda = e, is_cuda_oom(e.reason, on_gpu=on_gpu)
+            first, cuda = e, kind == "gpu"
         # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same eviction order, once.
         if cuda:
             evicted = await self.gpu.evict_for_oom(rec, gpu_need)
@@ -369,7 +375,7 @@ class Loader:
         try:
             await self._load_within(rec, config, timeout)
         except TritonModelLoadError as e:
-            if not (is_oom_error(e.reason) or is_cuda_oom(e.reason, on_gpu=bool(gpu_need))):
+            if classify_oom(e.reason, on_gpu=bool(gpu_need)) is None:
                 raise
             raise TritonModelLoadError(
                 rec.id,
@@ -471,16 +477,16 @@ class Loader:
         self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint if rec.footprint_source else 0)
 
     async def remeasure(self) -> None:
-        """Read again what loaded python models hold (each sweep): a stub grows after its load (measured: a model
-        of 85 MiB at its load held 88 MiB once it had answered a request), and the budget counts what is held.
-        The stubs' RSS only: a preforked model's workers (USS, a costlier read) are measured at its load."""
+        """Read again what loaded python models hold (each sweep), stubs and workers: a stub grows after its load
+        (measured: a model of 85 MiB at its load held 88 MiB once it had answered a request), and its share of the
+        pages it shares with other processes (libpython, numpy) falls as more models load and rises as they leave;
+        the budget counts what is held now. One smaps_rollup read per process (``bench/pss_sweep.py``)."""
         seen = [
             (r, r.generation)
             for r in self.states.values()
-            if r.state is ModelState.READY and r.op is None and r.stubs and not r.workers
-            and r.footprint_source == "measured"
+            if r.state is ModelState.READY and r.op is None and r.stubs and r.footprint_source == "measured"
         ]
-        if not seen or self.settings.memory_budget_mb is None:
+        if not seen or self.budget.budget_mb is None:
             return
 
         def read() -> list[int | None]:
@@ -488,24 +494,30 @@ class Loader:
             for stub in self.processes.stubs():
                 live.setdefault(stub.model, []).append(stub)
             # a model whose processes are changing (an instance leaving, one that died) is measured at its next load
-            return [
-                self.processes.rss(live[r.id]) if len(live.get(r.id, ())) == r.instances else None for r, _ in seen
-            ]
+            return [self._held(r, live[r.id]) if len(live.get(r.id, ())) == r.instances else None for r, _ in seen]
 
         sizes = await asyncio.to_thread(read)
         for (rec, generation), size in zip(seen, sizes, strict=True):
             if size and rec.generation == generation and rec.op is None:
-                rec.growth = max(rec.growth, size - rec.load_footprint)
-                rec.footprint = rec.load_footprint + rec.growth  # at least what it grew to in this load
+                grown = max(size - rec.load_footprint, 0)
+                # what it holds now; until its first request, plus the growth that request brings (counted ahead)
+                rec.footprint = size if rec.served_seen else size + max(rec.growth - grown, 0)
+                rec.growth = max(rec.growth, grown)
                 self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint)
 
     def _footprint(self, rec: ModelRecord) -> int:
-        """The stubs' RSS, plus what their preforked workers add (USS: pages shared with the parent are
-        the parent's, counted once in the budget's overhead)."""
-        used = self.processes.rss(rec.stubs)
+        """What the model's processes hold (``_held``); a preforked model's parents are read again beside it."""
+        used = self._held(rec, rec.stubs)
+        if rec.workers:
+            self.budget.overhead = parents_bytes(self.journal_dir, self.processes.proc_root)
+        return used
+
+    def _held(self, rec: ModelRecord, stubs: Any) -> int:
+        """The Pss of the model's stubs and of their preforked workers: each shared page split among the processes
+        mapping it (the parents' share is the budget's overhead), so the sums over models count what is held."""
+        used = self.processes.memory(stubs)
         if rec.workers:
             used += worker_bytes(rec.workers, self.processes.proc_root)
-            self.budget.overhead = parents_bytes(self.journal_dir, self.processes.proc_root)
         return used
 
     def forget_loaded(self, rec: ModelRecord) -> None:
@@ -520,6 +532,6 @@ class Loader:
         self.metrics.memory_bytes.labels(model=rec.id).set(0)
 
     def load_failed(self, rec: ModelRecord, error: SnoozeError) -> None:
-        kind = "oom" if is_oom_error(str(error)) or is_cuda_oom(str(error)) else "error"
+        kind = "oom" if classify_oom(str(error)) is not None else "error"
         self.metrics.load_failures.labels(model=rec.id, kind=kind).inc()
         log.warning("model '%s': load failed: %s", rec.id, error)

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from controlplane.errors import ConflictError, SnoozeError, UnavailableError
-from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
-from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout, rendered_config
 from controlplane.lifecycle.memory import MemoryBudget
+from controlplane.lifecycle.memory.cgroup import CgroupMemory, TritonCgroup
+from controlplane.lifecycle.memory.gpu import GpuMemory
+from controlplane.lifecycle.memory.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.overrides import KEEP_OVERRIDE, apply_override
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.sequences import LiveSequences, describe_live
@@ -72,8 +73,10 @@ class LifecycleManager:
         metrics: SnoozeMetrics | None = None,
         gpu_reader: GpuProcessReader | None = None,
         gpu_pid_map: NvmlPidMap | None = None,
+        cgroup: Callable[[], CgroupMemory | None] | None = None,
     ) -> None:
-        """``gpu_reader`` / ``gpu_pid_map``: NVML and its pid mapping (tests inject them: no GPU here)."""
+        """``gpu_reader`` / ``gpu_pid_map``: NVML and its pid mapping (tests inject them: no GPU here); ``cgroup``:
+        reads Triton's memory cgroup (default: found through tritonserver's pid under /proc and /sys)."""
         self.settings = settings
         self.store = store
         self.triton = triton
@@ -96,7 +99,8 @@ class LifecycleManager:
             self.states,
             evict=self._evict_one,
             pending=self.sync.pending_counts,
-            server_rss=processes.server_rss,
+            server_memory=processes.server_memory,
+            cgroup=cgroup if cgroup is not None else TritonCgroup.of(processes).read,
         )
         self.states.on_drop.append(self.budget.forget)
         self.budget.unrecorded = self.sync.unrecorded
@@ -674,6 +678,7 @@ class LifecycleManager:
             "preloaded_parents": lines,
             "overhead_bytes": self.budget.overhead,
             "triton_server_bytes": self.budget.server,
+            **self.budget.totals(),
             "eviction_policy": self.budget.policy.describe(),
             "wake_queue": self.loader.wake_queue(),
         }

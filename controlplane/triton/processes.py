@@ -151,6 +151,56 @@ def _port_of(url: str) -> int | None:
         return None
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_rss_fallback_said = False
+
+
+def proportional_bytes(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """The process's Pss (``/proc/<pid>/smaps_rollup``): its private pages plus each shared page divided by the
+    number of processes mapping it, so that a sum over processes counts a shared page once; None where it cannot
+    be read (gone, no smaps_rollup before Linux 4.14, or another uid without ptrace access)."""
+    try:
+        raw = (proc_root / str(pid) / "smaps_rollup").read_bytes()
+    except OSError:
+        return None
+    at = raw.find(b"\nPss:")
+    if at < 0:
+        return None
+    try:
+        return int(raw[at + 5 : raw.index(b"kB", at)]) * 1024
+    except ValueError:
+        return None
+
+
+def resident_bytes(pid: int, proc_root: Path = Path("/proc")) -> int | None:
+    """The process's RSS (``/proc/<pid>/statm``, readable for any uid); None when it is gone."""
+    try:
+        return int((proc_root / str(pid) / "statm").read_bytes().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def held_bytes(pids: Iterable[int], proc_root: Path = Path("/proc")) -> int:
+    """What these processes hold of the machine's memory: the sum of their Pss (one read of smaps_rollup each),
+    else, for a process whose Pss cannot be read, its RSS (said once in the log: shared pages then count once
+    per process); a process gone counts 0."""
+    global _rss_fallback_said
+    total = 0
+    for pid in pids:
+        pss = proportional_bytes(pid, proc_root)
+        if pss is None and (pss := resident_bytes(pid, proc_root)) is not None and not _rss_fallback_said:
+            _rss_fallback_said = True
+            log.warning(
+                "cannot read %s/%d/smaps_rollup (Linux before 4.14, or another uid without ptrace access): the "
+                "memory budget counts RSS for such processes, so their shared pages count once per process; run "
+                "the control plane as Triton's uid (or with CAP_SYS_PTRACE) to count proportional memory",
+                proc_root,
+                pid,
+            )
+        total += pss or 0
+    return total
+
+
 class TritonProcesses:
     """Finds tritonserver (``server_pid`` for a child, else by the port it listens on) and its stubs.
 
@@ -293,6 +343,10 @@ class TritonProcesses:
                 total += psutil.Process(stub.pid).memory_info().rss
         return total
 
+    def memory(self, stubs: Iterable[StubProcess]) -> int:
+        """What these stubs hold of the machine's memory: their proportional bytes (``held_bytes``)."""
+        return held_bytes((s.pid for s in stubs), self.proc_root)
+
     def kill(self, stubs: Iterable[StubProcess]) -> list[int]:
         """SIGKILL these stubs (those still alive); their pids."""
         return self.signal(stubs, signal.SIGKILL)
@@ -306,6 +360,23 @@ class TritonProcesses:
                     os.kill(stub.pid, signum)
                     sent.append(stub.pid)
         return sent
+
+    def server_memory(self) -> int | None:
+        """tritonserver's own proportional bytes (``held_bytes``; not its model processes'); None when unseen."""
+        server = self.server()
+        if server is None:
+            return None
+        return held_bytes([server.pid], self.proc_root)
+
+    def tree_memory(self) -> int:
+        """Proportional bytes of tritonserver and all its descendants (what the tree holds); 0 when not visible."""
+        server = self.server()
+        if server is None:
+            return 0
+        pids = [server.pid]
+        with contextlib.suppress(psutil.Error):
+            pids += [p.pid for p in server.children(recursive=True)]
+        return held_bytes(pids, self.proc_root)
 
     def server_rss(self) -> int | None:
         """Resident bytes of tritonserver itself (not its model processes); None when it cannot be seen."""

@@ -583,6 +583,9 @@ class FakeProcesses:
     def rss(self, stubs: list[StubProcess]) -> int:
         return sum(s.memory for p in stubs if (s := self._find(p)) is not None and s.alive)
 
+    def memory(self, stubs: list[StubProcess]) -> int:  # a stub's scripted memory is its own: Pss = RSS
+        return self.rss(stubs)
+
     def kill(self, stubs: list[StubProcess]) -> list[int]:
         return self.signal(stubs, signal.SIGKILL)
 
@@ -599,6 +602,9 @@ class FakeProcesses:
         return sent
 
     def server_rss(self) -> int | None:
+        return self.triton.server_bytes()
+
+    def server_memory(self) -> int | None:
         return self.triton.server_bytes()
 
     def tree_rss(self) -> int:

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-MIB = 1024 * 1024
+from controlplane.lifecycle.memory.units import MIB
+
 POLICIES = ("lru", "gdsf")
 # TinyLFU's sample size is ten times the cache's capacity; here: ten requests per model the policy knows
 AGING_REQUESTS_PER_MODEL = 10

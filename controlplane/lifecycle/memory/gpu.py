@@ -1,7 +1,7 @@
 """Video memory per model and GPU: measured, budgeted per GPU, least recently used evicted first.
 
 Measured per process through NVML where NVML's pids map to the ones seen here
-(``controlplane.gpu_memory``), else as what a load added to each GPU's used memory (loads are
+(``gpu_memory``), else as what a load added to each GPU's used memory (loads are
 serialised on a machine with a GPU, ``Loader._slot``, for that to hold). ``SNOOZE_GPU_MEMORY_BUDGET_MB`` applies to
 each GPU on its own: before a load, idle models holding memory on the GPUs it needs are unloaded until
 its estimate fits; after it, a measurement above the estimate evicts again; a load that fails with a
@@ -18,15 +18,21 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from controlplane.errors import UnavailableError
-from controlplane.gpu_budget import (
+from controlplane.lifecycle.memory.gpu_budget import (
     GpuResident,
     estimate_gpu_need,
     gpu_instances_per_device,
     plan_gpu_eviction,
     plan_gpu_oom_eviction,
 )
-from controlplane.gpu_memory import GpuLoadDelta, GpuProcessReader, NvmlPidMap, NvmlReader, per_model_gpu_bytes
-from controlplane.lifecycle.memory import EvictFn
+from controlplane.lifecycle.memory.gpu_memory import (
+    GpuLoadDelta,
+    GpuProcessReader,
+    NvmlPidMap,
+    NvmlReader,
+    per_model_gpu_bytes,
+)
+from controlplane.lifecycle.memory.host import EvictFn
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.settings import Settings
 from controlplane.triton.processes import TritonProcesses

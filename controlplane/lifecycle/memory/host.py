@@ -25,20 +25,14 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 from controlplane.errors import SnoozeError, UnavailableError
-from controlplane.lifecycle.eviction import Candidate, EvictionPolicy, eviction_policy
+from controlplane.lifecycle.memory.cgroup import CgroupMemory, headroom_bytes
+from controlplane.lifecycle.memory.eviction import Candidate, EvictionPolicy, eviction_policy
+from controlplane.lifecycle.memory.units import MIB
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.settings import Settings
 
 log = logging.getLogger("snoozeml.lifecycle")
 
-MIB = 1024 * 1024
-# How a load failure says "out of memory": the python_backend runtime's kind prefix, Python's
-# exception name, and the wording of CUDA, onnxruntime and cuDNN.
-OOM_MARKERS = ("[snooze:oom]", "memoryerror", "out of memory")
-OOM_HINT = (
-    "give the machine more memory, lower memory_budget_mb so fewer models stay loaded, or declare the "
-    "model's memory_mb so the budget keeps room for it"
-)
 
 # Unload ``victim`` (idle) to make room for ``for_model``; False when it turned out to be in use.
 EvictFn = Callable[[ModelRecord, str, str], Awaitable[bool]]
@@ -46,11 +40,6 @@ EvictFn = Callable[[ModelRecord, str, str], Awaitable[bool]]
 
 class BudgetInUse(UnavailableError):
     """The budget is full of models in use (requests in flight) or loading: nothing idle to evict now."""
-
-
-def is_oom_error(text: str) -> bool:
-    lowered = text.lower()
-    return any(marker in lowered for marker in OOM_MARKERS)
 
 
 # How many recent loads' growth of tritonserver itself its expected growth is the median of.
@@ -73,7 +62,8 @@ class MemoryBudget:
         *,
         evict: EvictFn,
         pending: Callable[[], Awaitable[dict[str, float]]],
-        server_rss: Callable[[], int | None] | None = None,
+        server_memory: Callable[[], int | None] | None = None,
+        cgroup: Callable[[], CgroupMemory | None] | None = None,
     ) -> None:
         self.settings = settings
         self.states = states
@@ -84,9 +74,12 @@ class MemoryBudget:
         self.unrecorded: dict[str, int] = {}
         # Bytes held outside any model: the preloaded parents of preforked models (measured at their loads).
         self.overhead = 0
-        # tritonserver's own resident bytes (``measure_server``); 0 where it cannot be seen (a remote Triton)
+        # tritonserver's own proportional bytes (``measure_server``); 0 where it cannot be seen (a remote Triton)
         self.server = 0
-        self._server_rss = server_rss
+        self._server_memory = server_memory
+        # Triton's memory cgroup as last read (``measure_server``); None where it cannot be read
+        self.cgroup: CgroupMemory | None = None
+        self._cgroup = cgroup
         # what tritonserver grew by across recent loads (its side of each model's shared memory, ...), clamped at 0
         self._server_growths: deque[int] = deque(maxlen=SERVER_GROWTH_WINDOW)
 
@@ -104,19 +97,45 @@ class MemoryBudget:
             self._server_growths.append(max(self.server - before, 0))
 
     async def measure_server(self) -> int:
-        """Read tritonserver's own resident memory (not its model processes') again; its bytes (0: unseen)."""
-        if self._server_rss is not None:
-            self.server = await asyncio.to_thread(self._server_rss) or 0
+        """Read tritonserver's own memory (Pss; not its model processes') and Triton's cgroup again; the server's
+        bytes (0: unseen)."""
+        if self._server_memory is not None:
+            self.server = await asyncio.to_thread(self._server_memory) or 0
+        if self._cgroup is not None:
+            self.cgroup = await asyncio.to_thread(self._cgroup)
         return self.server
+
+    @property
+    def ceiling(self) -> int | None:
+        """The container's ceiling in bytes: Triton's cgroup limit less the headroom; None without a limit."""
+        cg = self.cgroup
+        if cg is None or cg.limit is None:
+            return None
+        return cg.limit - headroom_bytes(cg.limit, self.settings.memory_headroom_mb)
+
+    @property
+    def budget_mb(self) -> float | None:
+        """The budget: SNOOZE_MEMORY_BUDGET_MB, else the container's ceiling (its cgroup limit less the headroom),
+        else None (no limit)."""
+        if self.settings.memory_budget_mb is not None:
+            return self.settings.memory_budget_mb
+        ceiling = self.ceiling
+        return ceiling / MIB if ceiling is not None else None
+
+    def _budget_name(self) -> str:
+        if self.settings.memory_budget_mb is not None:
+            return f"SNOOZE_MEMORY_BUDGET_MB={self.settings.memory_budget_mb:g}"
+        budget = self.budget_mb or 0
+        return f"the memory budget ({budget:.0f} MiB: the container's limit less SNOOZE_MEMORY_HEADROOM_MB)"
 
     def check_server(self) -> None:
         """Log an error when tritonserver alone holds the whole budget: no model can load."""
-        budget = self.settings.memory_budget_mb
+        budget = self.budget_mb
         if budget is not None and self.server >= budget * MIB:
             log.error(
-                "SNOOZE_MEMORY_BUDGET_MB=%g is not more than tritonserver's own memory (%.0f MiB, measured): no "
-                "model can load; raise it by at least the memory of the models to keep loaded",
-                budget,
+                "%s is not more than tritonserver's own memory (%.0f MiB, measured): no model can load; raise it by "
+                "at least the memory of the models to keep loaded",
+                self._budget_name(),
                 self.server / MIB,
             )
 
@@ -157,26 +176,26 @@ class MemoryBudget:
 
     def fits(self, rec: ModelRecord, need: int) -> bool:
         """Whether ``need`` more bytes fit the budget beside what the other models hold, without evicting."""
-        if self.settings.memory_budget_mb is None:
+        if self.budget_mb is None:
             return True
-        return self.used(rec) + need <= int(self.settings.memory_budget_mb * MIB)
+        return self.used(rec) + need <= int(self.budget_mb * MIB)
 
     def free(self, rec: ModelRecord) -> int:
         """Bytes of the budget not held beside ``rec`` (negative when over it)."""
-        return int((self.settings.memory_budget_mb or 0) * MIB) - self.used(rec)
+        return int((self.budget_mb or 0) * MIB) - self.used(rec)
 
     async def make_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
         """Evict idle models until ``need`` more bytes fit (``beside``: what the model's loaded version holds
         while a reload builds the new one beside it); UnavailableError when they cannot."""
-        if self.settings.memory_budget_mb is None:
+        if self.budget_mb is None:
             return
-        budget = int(self.settings.memory_budget_mb * MIB)
+        budget = int(self.budget_mb * MIB)
         room = budget - self.server  # what tritonserver itself leaves to the models
         if need > room:
             if self.server:
                 raise UnavailableError(
-                    f"model '{rec.id}' needs about {need / MIB:.0f} MiB, but SNOOZE_MEMORY_BUDGET_MB="
-                    f"{self.settings.memory_budget_mb:g} leaves {max(room, 0) / MIB:.0f} MiB for models beside "
+                    f"model '{rec.id}' needs about {need / MIB:.0f} MiB, but {self._budget_name()} "
+                    f"leaves {max(room, 0) / MIB:.0f} MiB for models beside "
                     f"tritonserver's own {self.server / MIB:.0f} MiB (measured; the budget is for the whole "
                     "Triton tree)",
                     hint=f"raise SNOOZE_MEMORY_BUDGET_MB to at least {(self.server + need) / MIB:.0f}, or load the "
@@ -184,7 +203,7 @@ class MemoryBudget:
                 )
             raise UnavailableError(
                 f"model '{rec.id}' needs about {need / MIB:.0f} MiB, more than the whole memory budget "
-                f"({self.settings.memory_budget_mb:g} MiB)",
+                f"({self.budget_mb:g} MiB)",
                 hint="raise SNOOZE_MEMORY_BUDGET_MB, or load the model with fewer instances",
             )
         # A swap larger than the room left (a model over half of it) evicts every idle model and goes ahead:
@@ -204,7 +223,7 @@ class MemoryBudget:
                     parents += f", {self.server / MIB:.0f} MiB by tritonserver itself"
                 raise BudgetInUse(
                     f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
-                    f"{self.used(rec) / MIB:.0f} of {self.settings.memory_budget_mb:g} MiB are held by models in use "
+                    f"{self.used(rec) / MIB:.0f} of {self.budget_mb:g} MiB are held by models in use "
                     f"({', '.join(busy)}){parents}",
                     hint="retry when they are idle, or raise SNOOZE_MEMORY_BUDGET_MB",
                     retry_after=5,
@@ -218,18 +237,33 @@ class MemoryBudget:
         tritonserver itself grow (each sweep reads them again); and a restarted control plane adopts whatever
         Triton holds. Best effort: models in use stay, and one model alone may exceed it.
         """
-        if self.settings.memory_budget_mb is None:
+        if self.budget_mb is None:
             return []
         # what is held, not what loads in flight reserved: those make their own room
-        over = self.used(None, reserved=False) - int(self.settings.memory_budget_mb * MIB)
-        if over <= 0 or sum(1 for r in self.states.values() if r.holds_memory) <= 1:
+        over = self.used(None, reserved=False) - int(self.budget_mb * MIB)
+        # the container's own count: over its ceiling, evict whatever the per-model sums say
+        ceiling = self.ceiling
+        over_cgroup = self.cgroup.usage - ceiling if self.cgroup is not None and ceiling is not None else 0
+        if max(over, over_cgroup) <= 0 or sum(1 for r in self.states.values() if r.holds_memory) <= 1:
             return []
+        if over_cgroup > over:
+            evicted = await self.evict(rec, over_cgroup, "memory")
+            log.warning(
+                "Triton's cgroup holds %.0f MiB, %.0f MiB over its limit (%.0f MiB) less the headroom (the models "
+                "count %.0f MiB); evicted %s",
+                self.cgroup.usage / MIB if self.cgroup is not None else 0,
+                over_cgroup / MIB,
+                (self.cgroup.limit or 0) / MIB if self.cgroup is not None else 0,
+                self.used(None, reserved=False) / MIB,
+                ", ".join(evicted) or "nothing (the others are in use)",
+            )
+            return evicted
         evicted = await self.evict(rec, over, "memory")
         log.warning(
             "the Triton tree holds %.0f MiB more than the memory budget (%g MiB; tritonserver itself %.0f MiB)%s; "
             "evicted %s",
             over / MIB,
-            self.settings.memory_budget_mb,
+            self.budget_mb,
             self.server / MIB,
             f" after '{rec.id}' measured {(rec.footprint or 0) / MIB:.0f} MiB"
             f"{f' (estimated {estimate / MIB:.0f} MiB)' if estimate is not None else ''}"
@@ -238,6 +272,20 @@ class MemoryBudget:
             ", ".join(evicted) or "nothing (the others are in use)",
         )
         return evicted
+
+    def totals(self) -> dict[str, int | None]:
+        """Both counts, for status: what the budget counts (models, tritonserver, parents: proportional bytes) and
+        the budget itself; Triton's cgroup usage (working set), its limit and the ceiling (None: not readable)."""
+        budget = self.budget_mb
+        cg = self.cgroup
+        return {
+            "accounted_bytes": self.used(None, reserved=False),
+            "models_bytes": self.used(None, reserved=False) - self.server - self.overhead,
+            "budget_bytes": int(budget * MIB) if budget is not None else None,
+            "cgroup_usage_bytes": cg.usage if cg is not None else None,
+            "cgroup_limit_bytes": cg.limit if cg is not None else None,
+            "cgroup_ceiling_bytes": self.ceiling,
+        }
 
     def candidate(self, rec: ModelRecord) -> Candidate:
         return Candidate(
