@@ -40,7 +40,7 @@ from controlplane.render import parse_config
 from controlplane.settings import Settings
 from controlplane.store import PublishedModel
 from controlplane.triton.client import TritonAdminClient
-from controlplane.triton.processes import TritonProcesses
+from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
 
@@ -494,7 +494,12 @@ class Loader:
             for stub in self.processes.stubs():
                 live.setdefault(stub.model, []).append(stub)
             # a model whose processes are changing (an instance leaving, one that died) is measured at its next load
-            return [self._held(r, live[r.id]) if len(live.get(r.id, ())) == r.instances else None for r, _ in seen]
+            return [
+                self._held(r, live[r.id], max_age=SWEEP_PSS_MAX_AGE_SECS)
+                if len(live.get(r.id, ())) == r.instances
+                else None
+                for r, _ in seen
+            ]
 
         sizes = await asyncio.to_thread(read)
         for (rec, generation), size in zip(seen, sizes, strict=True):
@@ -512,12 +517,13 @@ class Loader:
             self.budget.overhead = parents_bytes(self.journal_dir, self.processes.proc_root)
         return used
 
-    def _held(self, rec: ModelRecord, stubs: Any) -> int:
+    def _held(self, rec: ModelRecord, stubs: Any, *, max_age: float = 0.0) -> int:
         """The Pss of the model's stubs and of their preforked workers: each shared page split among the processes
-        mapping it (the parents' share is the budget's overhead), so the sums over models count what is held."""
-        used = self.processes.memory(stubs)
+        mapping it (the parents' share is the budget's overhead), so the sums over models count what is held
+        (``max_age``: a sweep's, ``held_bytes``)."""
+        used = self.processes.memory(stubs, max_age=max_age)
         if rec.workers:
-            used += worker_bytes(rec.workers, self.processes.proc_root)
+            used += worker_bytes(rec.workers, self.processes.proc_root, max_age=max_age)
         return used
 
     def forget_loaded(self, rec: ModelRecord) -> None:

@@ -46,7 +46,7 @@ from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.client import RepositoryEntry, TritonAdminClient
-from controlplane.triton.processes import StubDeath, StubProcess, TritonProcesses
+from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, StubDeath, StubProcess, TritonProcesses
 
 if TYPE_CHECKING:
     from controlplane.triton.launcher import EmbeddedTriton
@@ -239,7 +239,9 @@ class LifecycleManager:
         await self.loader.remeasure()
         await self.budget.enforce()
         if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
-            self.budget.overhead = await asyncio.to_thread(parents_bytes, self.journal_dir, self.processes.proc_root)
+            self.budget.overhead = await asyncio.to_thread(
+                parents_bytes, self.journal_dir, self.processes.proc_root, max_age=SWEEP_PSS_MAX_AGE_SECS
+            )
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
         await asyncio.gather(*(self.sync.refresh_access(r) for r in ready))
         pending = await self.sync.pending_counts()

@@ -105,10 +105,11 @@ def alive(pid: int, start_ticks: int, proc_root: Path = Path("/proc")) -> bool:
     return stat is not None and stat.state != "Z" and (not start_ticks or stat.start_ticks == start_ticks)
 
 
-def worker_bytes(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc")) -> int:
+def worker_bytes(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc"), *, max_age: float = 0.0) -> int:
     """What the workers hold (Pss: a page shared with their parent is split between them, so the parents' Pss and
     the workers' add up to what the machine holds)."""
-    return held_bytes((w.pid for w in workers if alive(w.pid, w.start_ticks, proc_root)), proc_root)
+    live = (w.pid for w in workers if alive(w.pid, w.start_ticks, proc_root))
+    return held_bytes(live, proc_root, max_age=max_age)
 
 
 def kill_workers(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc")) -> list[int]:
@@ -179,6 +180,6 @@ def parent_status(parent: PreloadedParent) -> dict[str, Any]:
     }
 
 
-def parents_bytes(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> int:
+def parents_bytes(journal_dir: Path | None, proc_root: Path = Path("/proc"), *, max_age: float = 0.0) -> int:
     """What the live preloaded parents hold (Pss, as their workers)."""
-    return held_bytes((p.pid for p in parents(journal_dir, proc_root)), proc_root)
+    return held_bytes((p.pid for p in parents(journal_dir, proc_root)), proc_root, max_age=max_age)

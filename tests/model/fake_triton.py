@@ -583,7 +583,8 @@ class FakeProcesses:
     def rss(self, stubs: list[StubProcess]) -> int:
         return sum(s.memory for p in stubs if (s := self._find(p)) is not None and s.alive)
 
-    def memory(self, stubs: list[StubProcess]) -> int:  # a stub's scripted memory is its own: Pss = RSS
+    def memory(self, stubs: list[StubProcess], *, max_age: float = 0.0) -> int:
+        """A stub's scripted memory is its own: its Pss is its RSS."""
         return self.rss(stubs)
 
     def kill(self, stubs: list[StubProcess]) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,17 @@ def test_this_machines_cgroup_reads_where_readable():
     if reading is None:
         pytest.skip(f"memory cgroup {where[0]} has no readable memory files")
     assert reading.usage > 0 and (reading.limit is None or reading.limit > reading.usage)
+
+
+def test_a_sweep_reads_pss_again_only_when_rss_moved_or_the_reading_aged(tmp_path):
+    fake_proc(tmp_path, 30, rollup=ROLLUP, rss_pages=1000)
+    assert held_bytes([30], tmp_path, max_age=10) == 24000 * 1024
+    (tmp_path / "30" / "smaps_rollup").write_text(ROLLUP.replace("24000", "23000"))  # another process mapped more
+    assert held_bytes([30], tmp_path, max_age=10) == 24000 * 1024  # RSS unchanged: the reading stands
+    assert held_bytes([30], tmp_path) == 23000 * 1024  # a load's read is always fresh
+    (tmp_path / "30" / "smaps_rollup").write_text(ROLLUP.replace("24000", "30000"))
+    (tmp_path / "30" / "statm").write_text(f"100000 {1000 + 2 * MIB // os.sysconf('SC_PAGE_SIZE')} 0 0 0 0 0\n")
+    assert held_bytes([30], tmp_path, max_age=10) == 30000 * 1024  # RSS moved 2 MiB: read again
+    (tmp_path / "30" / "smaps_rollup").write_text(ROLLUP.replace("24000", "29000"))
+    later = time.monotonic() + 11
+    assert held_bytes([30], tmp_path, max_age=10, clock=lambda: later) == 29000 * 1024  # aged: read again
