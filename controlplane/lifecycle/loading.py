@@ -31,6 +31,7 @@ from controlplane.lifecycle.memory import (
 )
 from controlplane.lifecycle.memory.gpu import GpuMemory
 from controlplane.lifecycle.memory.gpu_memory import GpuLoadDelta
+from controlplane.lifecycle.memory.plan import EvictFn, carry_out
 from controlplane.lifecycle.overrides import apply_override
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
@@ -124,6 +125,7 @@ class Loader:
         warmth: Warmth,
         *,
         wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
+        evict: EvictFn,
         journal_dir: Path | None = None,
     ) -> None:
         self.settings = settings
@@ -136,6 +138,7 @@ class Loader:
         self.gpu = gpu
         self.metrics = metrics
         self._wait_for_triton = wait_for_triton
+        self._evict_one = evict  # the manager's unload of an idle model: what carries out the budgets' plans
         # Host-memory loads run side by side (each reserves its memory first); on a machine with a GPU they run
         # one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
@@ -198,8 +201,9 @@ class Loader:
                 rec.reserved, rec.gpu_reserved = 0, {}
             self.budget.loaded(rec)
         if evict:
-            await self.budget.enforce(rec, estimate=need)
-            await self.gpu.enforce(rec)
+            await self.enforce(rec, estimate=need)
+            if (plan := await self.gpu.plan_enforce(rec)) is not None:
+                await carry_out(plan, self._evict_one)
         self.warmth.loaded(rec, trigger, elapsed if trigger is not None else None)
         if trigger == "prewarm":
             self.metrics.prewarm_loads.labels(model=rec.id).inc()
@@ -298,12 +302,12 @@ class Loader:
                 alone = not self._loading_beside(rec) and self._first_in_line(rec)
                 if unknown and alone:
                     rec.reserved = max(self.budget.free(rec), 0)
-                    await self.gpu.make_room(rec, gpu_need)
+                    await self._gpu_room(rec, gpu_need)
                     return need
                 if not unknown and (self.budget.fits(rec, reserve) or alone):
                     try:
-                        await self.gpu.make_room(rec, gpu_need)
-                        await self.budget.make_room(rec, need, beside=beside)
+                        await self._gpu_room(rec, gpu_need)
+                        await self._host_room(rec, need, beside=beside)
                         return need
                     except BudgetInUse:
                         if not bounded or rec.wake_deadline is None:
@@ -318,6 +322,34 @@ class Loader:
         finally:
             self.queue.pop(rec.id, None)
             self._line.pop(rec.id, None)
+
+    async def _host_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
+        """Carry out the host budget's plans until the load fits (BudgetInUse: nothing idle left to evict)."""
+        while (plan := await self.budget.plan_room(rec, need, beside=beside)) is not None:
+            if await carry_out(plan, self._evict_one):
+                continue
+            if (wait := self.budget.still_over(rec, need, beside=beside)) is not None:
+                raise wait
+
+    async def _gpu_room(self, rec: ModelRecord, need: dict[int, int]) -> None:
+        """Carry out the GPU budget's plans until the load fits each GPU (or nothing more could be evicted)."""
+        for _ in range(len(self.states.records) + 1):  # each pass unloads at least one model, or stops
+            plan = await self.gpu.plan_room(rec, need)
+            if plan is None or not await carry_out(plan, self._evict_one):
+                return
+
+    async def enforce(self, rec: ModelRecord | None = None, *, estimate: int | None = None) -> list[str]:
+        """Evict idle models (not ``rec``) until the host budget and Triton's cgroup ceiling hold again; their ids."""
+        plan = await self.budget.plan_enforce(rec)
+        if plan is None:
+            return []
+        evicted = await carry_out(plan, self._evict_one)
+        self.budget.enforced(plan, evicted, rec, estimate=estimate)
+        return evicted
+
+    async def evict(self, rec: ModelRecord | None, amount: int, reason: str) -> list[str]:
+        """Unload idle models but ``rec`` in the eviction order until ``amount`` bytes are freed; their ids."""
+        return await carry_out(await self.budget.plan_evict(rec, amount, reason), self._evict_one)
 
     def _size_unknown(self, rec: ModelRecord, need: int) -> bool:
         """No estimate for the model's memory although it will be measured (a python model, processes in view)."""
@@ -362,9 +394,10 @@ class Loader:
             first, cuda = e, kind == "gpu"
         # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same eviction order, once.
         if cuda:
-            evicted = await self.gpu.evict_for_oom(rec, gpu_need)
+            plan = await self.gpu.plan_oom(rec, gpu_need)
+            evicted = await carry_out(plan, self._evict_one) if plan is not None else []
         else:
-            evicted = await self.budget.evict(rec, max(need, 1), "oom")
+            evicted = await self.evict(rec, max(need, 1), "oom")
         if not evicted:
             raise TritonModelLoadError(
                 rec.id,

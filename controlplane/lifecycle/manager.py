@@ -97,7 +97,6 @@ class LifecycleManager:
         self.budget = MemoryBudget(
             settings,
             self.states,
-            evict=self._evict_one,
             pending=self.sync.pending_counts,
             server_memory=processes.server_memory,
             cgroup=cgroup if cgroup is not None else TritonCgroup.of(processes).read,
@@ -108,7 +107,6 @@ class LifecycleManager:
             settings,
             self.states,
             processes,
-            evict=self._evict_one,
             pending=self.sync.pending_counts,
             reader=gpu_reader,
             pid_map=gpu_pid_map,
@@ -123,6 +121,7 @@ class LifecycleManager:
             self.metrics,
             self.warmth,
             wait_for_triton=self.sync.wait_until_up,
+            evict=self._evict_one,  # the budgets plan evictions; the loader carries them out with this
             journal_dir=journal_dir,
         )
         self.sync.loader, self.sync.warmth, self.sync.accessed = self.loader, self.warmth, self.budget.accessed
@@ -144,7 +143,7 @@ class LifecycleManager:
         await self.sync.start()
         await self.budget.measure_server()
         self.budget.check_server()
-        await self.budget.enforce()  # what was adopted may hold more than the budget
+        await self.loader.enforce()  # what was adopted may hold more than the budget
         if not self._tasks:
             self._tasks = [
                 asyncio.create_task(
@@ -237,7 +236,7 @@ class LifecycleManager:
         await self._leave_unpublished(entries)
         await self.budget.measure_server()
         await self.loader.remeasure()
-        await self.budget.enforce()
+        await self.loader.enforce()
         if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
             self.budget.overhead = await asyncio.to_thread(
                 parents_bytes, self.journal_dir, self.processes.proc_root, max_age=SWEEP_PSS_MAX_AGE_SECS

@@ -24,9 +24,10 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.errors import UnavailableError
 from controlplane.lifecycle.memory.cgroup import CgroupMemory, headroom_bytes
 from controlplane.lifecycle.memory.eviction import Candidate, EvictionPolicy, eviction_policy
+from controlplane.lifecycle.memory.plan import Plan
 from controlplane.lifecycle.memory.units import MIB
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.settings import Settings
@@ -34,8 +35,6 @@ from controlplane.settings import Settings
 log = logging.getLogger("snoozeml.lifecycle")
 
 
-# Unload ``victim`` (idle) to make room for ``for_model``; False when it turned out to be in use.
-EvictFn = Callable[[ModelRecord, str, str], Awaitable[bool]]
 
 
 class BudgetInUse(UnavailableError):
@@ -60,14 +59,12 @@ class MemoryBudget:
         settings: Settings,
         states: ModelStates,
         *,
-        evict: EvictFn,
         pending: Callable[[], Awaitable[dict[str, float]]],
         server_memory: Callable[[], int | None] | None = None,
         cgroup: Callable[[], CgroupMemory | None] | None = None,
     ) -> None:
         self.settings = settings
         self.states = states
-        self._evict_one = evict
         self._pending = pending
         self.policy: EvictionPolicy = eviction_policy(settings.eviction_policy)
         # Bytes Triton holds for models without a record (unpublished, being unloaded), by model: TritonSync's
@@ -184,11 +181,12 @@ class MemoryBudget:
         """Bytes of the budget not held beside ``rec`` (negative when over it)."""
         return int((self.budget_mb or 0) * MIB) - self.used(rec)
 
-    async def make_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
-        """Evict idle models until ``need`` more bytes fit (``beside``: what the model's loaded version holds
-        while a reload builds the new one beside it); UnavailableError when they cannot."""
+    async def plan_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> Plan | None:
+        """What to evict so that ``need`` more bytes fit (``beside``: what the model's loaded version holds while a
+        reload builds the new one beside it): None when it fits; UnavailableError when it never can; BudgetInUse
+        ("wait") when nothing idle is left to evict. Carried out (``plan.carry_out``), then asked again."""
         if self.budget_mb is None:
-            return
+            return None
         budget = int(self.budget_mb * MIB)
         room = budget - self.server  # what tritonserver itself leaves to the models
         if need > room:
@@ -209,28 +207,44 @@ class MemoryBudget:
         # A swap larger than the room left (a model over half of it) evicts every idle model and goes ahead:
         # Triton holds both versions only until the old one exits (the budget plus one model at most).
         need = min(need + beside, room)
-        while self.used(rec) + need > budget:
-            if not await self.evict(rec, self.used(rec) + need - budget, "memory"):
-                busy = sorted(
-                    r.id
-                    for r in self.states.values()
-                    if r is not rec
-                    and (r.footprint or r.reserved)
-                    and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
-                )
-                parents = f", {self.overhead / MIB:.0f} MiB of it by preloaded parents" if self.overhead else ""
-                if self.server:
-                    parents += f", {self.server / MIB:.0f} MiB by tritonserver itself"
-                raise BudgetInUse(
-                    f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
-                    f"{self.used(rec) / MIB:.0f} of {self.budget_mb:g} MiB are held by models in use "
-                    f"({', '.join(busy)}){parents}",
-                    hint="retry when they are idle, or raise SNOOZE_MEMORY_BUDGET_MB",
-                    retry_after=5,
-                )
+        over = self.used(rec) + need - budget
+        if over <= 0:
+            return None
+        plan = await self.plan_evict(rec, over, "memory")
+        if not plan.victims:
+            raise self._in_use(rec, need)
+        return plan
 
-    async def enforce(self, rec: ModelRecord | None = None, *, estimate: int | None = None) -> list[str]:
-        """Evict idle models (not ``rec``) until what the models hold fits the budget again; their ids.
+    def _in_use(self, rec: ModelRecord, need: int) -> BudgetInUse:
+        busy = sorted(
+            r.id
+            for r in self.states.values()
+            if r is not rec
+            and (r.footprint or r.reserved)
+            and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
+        )
+        parents = f", {self.overhead / MIB:.0f} MiB of it by preloaded parents" if self.overhead else ""
+        if self.server:
+            parents += f", {self.server / MIB:.0f} MiB by tritonserver itself"
+        return BudgetInUse(
+            f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
+            f"{self.used(rec) / MIB:.0f} of {self.budget_mb:g} MiB are held by models in use "
+            f"({', '.join(busy)}){parents}",
+            hint="retry when they are idle, or raise SNOOZE_MEMORY_BUDGET_MB",
+            retry_after=5,
+        )
+
+    def still_over(self, rec: ModelRecord, need: int, *, beside: int = 0) -> BudgetInUse | None:
+        """After a plan was carried out and freed nothing: the "wait" to raise (None: it fits after all)."""
+        if self.budget_mb is None:
+            return None
+        room = int(self.budget_mb * MIB) - self.server
+        need = min(need + beside, room)
+        return self._in_use(rec, need) if self.used(rec) + need > int(self.budget_mb * MIB) else None
+
+    async def plan_enforce(self, rec: ModelRecord | None = None) -> Plan | None:
+        """What to evict (idle models, not ``rec``) so that what the models hold fits the budget again, and
+        Triton's cgroup stays under its ceiling; None when both hold (or one model alone is left).
 
         Admission keeps loads within the budget on their estimates, but a load can measure more: a republish
         between the estimate and Triton's read of the files, a model never measured; loaded models and
@@ -238,31 +252,37 @@ class MemoryBudget:
         Triton holds. Best effort: models in use stay, and one model alone may exceed it.
         """
         if self.budget_mb is None:
-            return []
+            return None
         # what is held, not what loads in flight reserved: those make their own room
         over = self.used(None, reserved=False) - int(self.budget_mb * MIB)
         # the container's own count: over its ceiling, evict whatever the per-model sums say
         ceiling = self.ceiling
         over_cgroup = self.cgroup.usage - ceiling if self.cgroup is not None and ceiling is not None else 0
         if max(over, over_cgroup) <= 0 or sum(1 for r in self.states.values() if r.holds_memory) <= 1:
-            return []
-        if over_cgroup > over:
-            evicted = await self.evict(rec, over_cgroup, "memory")
+            return None
+        plan = await self.plan_evict(rec, max(over, over_cgroup), "memory")
+        plan.ceiling = over_cgroup > over
+        return plan
+
+    def enforced(
+        self, plan: Plan, evicted: list[str], rec: ModelRecord | None = None, *, estimate: int | None = None
+    ) -> None:
+        """Say what ``plan_enforce``'s plan, carried out, evicted."""
+        if plan.ceiling and self.cgroup is not None:
             log.warning(
                 "Triton's cgroup holds %.0f MiB, %.0f MiB over its limit (%.0f MiB) less the headroom (the models "
                 "count %.0f MiB); evicted %s",
-                self.cgroup.usage / MIB if self.cgroup is not None else 0,
-                over_cgroup / MIB,
-                (self.cgroup.limit or 0) / MIB if self.cgroup is not None else 0,
+                self.cgroup.usage / MIB,
+                (plan.amount or 0) / MIB,
+                (self.cgroup.limit or 0) / MIB,
                 self.used(None, reserved=False) / MIB,
                 ", ".join(evicted) or "nothing (the others are in use)",
             )
-            return evicted
-        evicted = await self.evict(rec, over, "memory")
+            return
         log.warning(
             "the Triton tree holds %.0f MiB more than the memory budget (%g MiB; tritonserver itself %.0f MiB)%s; "
             "evicted %s",
-            over / MIB,
+            (plan.amount or 0) / MIB,
             self.budget_mb,
             self.server / MIB,
             f" after '{rec.id}' measured {(rec.footprint or 0) / MIB:.0f} MiB"
@@ -271,7 +291,6 @@ class MemoryBudget:
             else "",
             ", ".join(evicted) or "nothing (the others are in use)",
         )
-        return evicted
 
     def totals(self) -> dict[str, int | None]:
         """Both counts, for status: what the budget counts (models, tritonserver, parents: proportional bytes) and
@@ -312,30 +331,19 @@ class MemoryBudget:
         """``count`` requests for the model were served since the last call (Triton's statistics)."""
         self.policy.accessed(rec.id, count)
 
-    async def evict(self, rec: ModelRecord | None, amount: int, reason: str) -> list[str]:
-        """Unload idle models but ``rec`` (``eviction_order``) until ``amount`` bytes are freed; their ids."""
+    async def plan_evict(self, rec: ModelRecord | None, amount: int, reason: str) -> Plan:
+        """Idle models but ``rec``, in ``eviction_order``, to unload until ``amount`` bytes are freed."""
         pending = await self._pending()
         candidates = self.eviction_order(
             [r for r in self.states.values() if r is not rec and r.state is ModelState.READY]
         )
-        freed, evicted = 0, []
-        for victim in candidates:
-            if freed >= amount:
-                break
-            # another load's eviction may have taken it meanwhile (loads make room in parallel)
-            if victim.state is not ModelState.READY or victim.op is not None or victim.users > 0:
-                continue
-            if pending.get(victim.id, 0.0) > 0:
-                continue
-            size = victim.footprint or 0
-            seen = self.candidate(victim)
-            try:
-                unloaded = await self._evict_one(victim, reason, rec.id if rec is not None else "the memory budget")
-            except SnoozeError as e:
-                log.warning("model '%s': eviction failed: %s", victim.id, e)
-                continue
-            if unloaded:
-                self.policy.evicted(seen)
-                freed += size
-                evicted.append(victim.id)
-        return evicted
+        victims = [v for v in candidates if v.op is None and v.users == 0 and pending.get(v.id, 0.0) <= 0]
+        return Plan(
+            victims,
+            reason,
+            rec.id if rec is not None else "the memory budget",
+            amount=amount,
+            sizes={v.id: v.footprint or 0 for v in victims},
+            seen={v.id: self.candidate(v) for v in victims},
+            policy=self.policy,
+        )
