@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.errors import UnavailableError
+from controlplane.lifecycle.memory.eviction import bets_first
 from controlplane.lifecycle.memory.units import MIB
 
 
@@ -30,8 +31,9 @@ class GpuResident:
     prewarmed_unused: bool = False  # loaded by a pre-warm and not used yet: evicted before any other
 
 
-def _eviction_order(r: GpuResident) -> tuple[bool, float, str]:
-    return (not r.prewarmed_unused, r.last_access, r.model)
+def _in_order(residents: Iterable[GpuResident]) -> list[GpuResident]:
+    """Least recently used first, after the unused pre-warms (``eviction.bets_first``)."""
+    return bets_first(sorted(residents, key=lambda r: (r.last_access, r.model)), lambda r: r.prewarmed_unused)
 
 
 def plan_gpu_eviction(
@@ -60,7 +62,7 @@ def plan_gpu_eviction(
     for r in residents:
         for device, amount in r.bytes_by_device.items():
             held[device] = held.get(device, 0) + amount
-    candidates = sorted((r for r in residents if r.evictable), key=_eviction_order)
+    candidates = _in_order(r for r in residents if r.evictable)
     victims: list[GpuResident] = []
     for device, amount in sorted(need.items()):
         if amount <= 0:
@@ -75,7 +77,7 @@ def plan_gpu_eviction(
                 held[d] -= b
         if held.get(device, 0) + amount > budget:
             _raise_full(model, device, amount, held.get(device, 0), budget_mb, residents, victims)
-    return [r.model for r in sorted(victims, key=_eviction_order)]
+    return [r.model for r in _in_order(victims)]
 
 
 def _raise_full(
@@ -106,7 +108,7 @@ def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuReside
     amounts = {d: max(n, 1) for d, n in need.items()}
     if not amounts:
         amounts = {d: 1 for r in residents for d, b in r.bytes_by_device.items() if b > 0}
-    candidates = sorted((r for r in residents if r.evictable), key=_eviction_order)
+    candidates = _in_order(r for r in residents if r.evictable)
     victims: list[GpuResident] = []
     freed: dict[int, int] = {}
     for device, amount in sorted(amounts.items()):
@@ -118,7 +120,7 @@ def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuReside
             victims.append(r)
             for d, b in r.bytes_by_device.items():
                 freed[d] = freed.get(d, 0) + b
-    return [r.model for r in sorted(victims, key=_eviction_order)]
+    return [r.model for r in _in_order(victims)]
 
 
 def gpu_instances_per_device(config: Mapping[str, Any], devices: Sequence[int]) -> dict[int, int]:

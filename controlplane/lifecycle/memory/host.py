@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from controlplane.errors import UnavailableError
 from controlplane.lifecycle.memory.cgroup import CgroupMemory, headroom_bytes
-from controlplane.lifecycle.memory.eviction import Candidate, EvictionPolicy, eviction_policy
+from controlplane.lifecycle.memory.eviction import Candidate, EvictionPolicy, bets_first, eviction_policy
 from controlplane.lifecycle.memory.plan import Plan
 from controlplane.lifecycle.memory.units import MIB
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
@@ -318,7 +318,7 @@ class MemoryBudget:
         """``records`` in eviction order: a pre-warm nobody used yet first (it was a bet), then the policy's."""
         by_id = {r.id: r for r in records}
         ranked = [by_id[c.id] for c in self.policy.order([self.candidate(r) for r in records])]
-        return sorted(ranked, key=lambda r: not r.prewarmed_unused)  # stable: the policy's order within each
+        return bets_first(ranked, lambda r: r.prewarmed_unused)
 
     def loaded(self, rec: ModelRecord) -> None:
         self.policy.loaded(rec.id)
