@@ -139,6 +139,7 @@ class Loader:
         self.metrics = metrics
         self._wait_for_triton = wait_for_triton
         self._evict_one = evict  # the manager's unload of an idle model: what carries out the budgets' plans
+        self._swept: frozenset[tuple[int, int]] = frozenset()  # the stubs the last sweep measured
         # Host-memory loads run side by side (each reserves its memory first); on a machine with a GPU they run
         # one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
@@ -493,7 +494,7 @@ class Loader:
                 and rec.footprint_deployment == rec.model.deployment
             ):
                 rec.growth = 0
-            rec.load_footprint = measured
+            rec.load_footprint, rec.load_private = measured, measured - rec.shared
             rec.footprint = measured + rec.growth
             rec.footprint_instances, rec.footprint_source = instances, "measured"
             rec.footprint_deployment = rec.model.deployment
@@ -524,11 +525,17 @@ class Loader:
 
         def read() -> list[int | None]:
             live: dict[str, list[Any]] = {}
-            for stub in self.processes.stubs():
+            stubs = self.processes.stubs()
+            for stub in stubs:
                 live.setdefault(stub.model, []).append(stub)
+            # Processes came or went since the last sweep: every share of the pages they share moved, so every Pss
+            # is read afresh (a cached one would count what a model held beside the others as they were)
+            pids = frozenset((s.pid, s.start_ticks) for s in stubs)
+            max_age = SWEEP_PSS_MAX_AGE_SECS if pids == self._swept else 0.0
+            self._swept = pids
             # a model whose processes are changing (an instance leaving, one that died) is measured at its next load
             return [
-                self._held(r, live[r.id], max_age=SWEEP_PSS_MAX_AGE_SECS)
+                self._held(r, live[r.id], max_age=max_age)
                 if len(live.get(r.id, ())) == r.instances
                 else None
                 for r, _ in seen
@@ -537,7 +544,8 @@ class Loader:
         sizes = await asyncio.to_thread(read)
         for (rec, generation), size in zip(seen, sizes, strict=True):
             if size and rec.generation == generation and rec.op is None:
-                grown = max(size - rec.load_footprint, 0)
+                # growth is private memory: a share of shared pages moves as other models come and go
+                grown = max(size - rec.shared - rec.load_private, 0)
                 # what it holds now; until its first request, plus the growth that request brings (counted ahead)
                 rec.footprint = size if rec.served_seen else size + max(rec.growth - grown, 0)
                 rec.growth = max(rec.growth, grown)
@@ -554,9 +562,11 @@ class Loader:
         """The Pss of the model's stubs and of their preforked workers: each shared page split among the processes
         mapping it (the parents' share is the budget's overhead), so the sums over models count what is held
         (``max_age``: a sweep's, ``held_bytes``)."""
-        used = self.processes.memory(stubs, max_age=max_age)
+        used, private = self.processes.memory_split(stubs, max_age=max_age)
         if rec.workers:
-            used += worker_bytes(rec.workers, self.processes.proc_root, max_age=max_age)
+            pss, own = worker_bytes(rec.workers, self.processes.proc_root, max_age=max_age)
+            used, private = used + pss, private + own
+        rec.shared = max(used - private, 0)
         return used
 
     def forget_loaded(self, rec: ModelRecord) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from controlplane.triton.journal import PARENT_PREFIX, PARENT_SUFFIX, WORKER_SUFFIX
-from controlplane.triton.processes import StubProcess, TritonProcesses, held_bytes, read_stat
+from controlplane.triton.processes import StubProcess, TritonProcesses, held_bytes, held_split, read_stat
 from python_backend.exits import describe_wait_status
 
 
@@ -105,11 +105,13 @@ def alive(pid: int, start_ticks: int, proc_root: Path = Path("/proc")) -> bool:
     return stat is not None and stat.state != "Z" and (not start_ticks or stat.start_ticks == start_ticks)
 
 
-def worker_bytes(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc"), *, max_age: float = 0.0) -> int:
-    """What the workers hold (Pss: a page shared with their parent is split between them, so the parents' Pss and
-    the workers' add up to what the machine holds)."""
+def worker_bytes(
+    workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc"), *, max_age: float = 0.0
+) -> tuple[int, int]:
+    """What the workers hold, (Pss, private bytes): a page shared with their parent is split between them, so the
+    parents' Pss and the workers' add up to what the machine holds."""
     live = (w.pid for w in workers if alive(w.pid, w.start_ticks, proc_root))
-    return held_bytes(live, proc_root, max_age=max_age)
+    return held_split(live, proc_root, max_age=max_age)
 
 
 def kill_workers(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc")) -> list[int]:

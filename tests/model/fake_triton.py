@@ -587,6 +587,10 @@ class FakeProcesses:
         """A stub's scripted memory is its own: its Pss is its RSS."""
         return self.rss(stubs)
 
+    def memory_split(self, stubs: list[StubProcess], *, max_age: float = 0.0) -> tuple[int, int]:
+        """(Pss, private): all of a stub's scripted memory is private."""
+        return self.rss(stubs), self.rss(stubs)
+
     def kill(self, stubs: list[StubProcess]) -> list[int]:
         return self.signal(stubs, signal.SIGKILL)
 

@@ -324,3 +324,4 @@ def test_settle_yields_while_an_ended_transition_is_still_recorded():
         assert rec.op is None
 
     asyncio.run(go())
+
