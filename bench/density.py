@@ -105,8 +105,10 @@ def _tree_pids(stack: Any) -> list[int]:
     pids = [server.pid]
     with contextlib.suppress(psutil.Error):
         pids += [p.pid for p in server.children(recursive=True)]
-    pids += [p.pid for p in parents(stack.lifecycle.journal_dir) if p.pid not in pids]
-    return pids
+    for parent in parents(stack.lifecycle.journal_dir):  # preforked: the parents and the workers they forked
+        with contextlib.suppress(psutil.Error):
+            pids += [parent.pid, *(c.pid for c in psutil.Process(parent.pid).children(recursive=True))]
+    return sorted(set(pids))
 
 
 async def _kind(root: Path, name: str, rounds: int) -> dict[str, Any]:
