@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.lifecycle.eviction import MIB, POLICIES, Candidate, EvictionPolicy, eviction_policy
+from controlplane.lifecycle.memory.eviction import MIB, POLICIES, Candidate, EvictionPolicy, eviction_policy
 
 MODELS = 40
 BUDGET_MIB = 400.0  # the churn scenario: 40 models of about 100 MiB each, a 400 MiB budget

@@ -438,7 +438,7 @@ def _eviction_lines(ev: dict[str, Any] | None) -> list[str]:
     lines = [
         "## Eviction policies replayed in virtual time",
         "",
-        "The policy code the lifecycle runs (`controlplane/lifecycle/eviction.py`, driven through the calls "
+        "The policy code the lifecycle runs (`controlplane/lifecycle/memory/eviction.py`, driven through the calls "
         f"`MemoryBudget` makes) over request traces ({ev['source']}), on a budget of {ev['budget_mib']:g} MiB; "
         "models of 20-250 MiB loading in 0.07-2.4 s (`bench/eviction_replay.py`). A miss evicts in the policy's "
         "order until the model fits and charges its client the model's load time. Unit-sized: every model the "

@@ -100,7 +100,18 @@ class Settings(BaseSettings):
         "the python backend's 1 s health probe, its processes may take to exit before they are ended (Triton "
         "waits for a finalizing stub without a limit)",
     )
-    memory_budget_mb: float | None = Field(None, description="Memory for loaded models; unset = no limit")
+    memory_budget_mb: float | None = Field(
+        None,
+        description="Memory for the Triton tree (proportional: shared pages split among the processes mapping "
+        "them); unset = the limit of Triton's memory cgroup less SNOOZE_MEMORY_HEADROOM_MB where it can be read, "
+        "else no limit",
+    )
+    memory_headroom_mb: float | None = Field(
+        None,
+        ge=0,
+        description="What the budget leaves free below Triton's cgroup memory limit (its default budget, and the "
+        "ceiling each sweep checks the cgroup's usage against); unset = 10% of the limit",
+    )
     eviction_policy: Literal["gdsf", "lru"] = Field(
         "gdsf",
         description="Which idle model leaves memory first when a load needs room: 'gdsf' (GreedyDual-Size-"

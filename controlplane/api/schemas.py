@@ -68,7 +68,9 @@ class PreloadedParentBody(BaseModel):
     warm_secs: dict[str, float] = Field(
         default_factory=dict, description="Seconds spent warming each module's kernels and thread pools before forking"
     )
-    memory_bytes: int | None = Field(None, description="Its own memory (RSS): what its workers share, counted once")
+    memory_bytes: int | None = Field(
+        None, description="Its own memory (Pss: its share of the pages its workers share with it)"
+    )
     unique_bytes: int | None = Field(None, description="USS: what would leave if it ended")
     workers: int = Field(0, description="Workers it forked that are still running")
 
@@ -96,6 +98,21 @@ class RuntimeBody(BaseModel):
         description="tritonserver's own resident memory, which the memory budget counts beside the models' (last "
         "read at a sweep or a load; 0 where tritonserver's process cannot be seen: the budget is then for the "
         "models alone)",
+    )
+    accounted_bytes: int = Field(
+        0, description="What the memory budget counts now: models, tritonserver and parents (proportional bytes)"
+    )
+    models_bytes: int = Field(0, description="The loaded models' share of it (their processes' Pss summed)")
+    budget_bytes: int | None = Field(
+        None, description="The host memory budget (SNOOZE_MEMORY_BUDGET_MB, else the cgroup ceiling); None: no limit"
+    )
+    cgroup_usage_bytes: int | None = Field(
+        None,
+        description="Triton's memory cgroup's working set (usage less inactive file pages); None where not readable",
+    )
+    cgroup_limit_bytes: int | None = Field(None, description="Its memory limit; None: no limit or not readable")
+    cgroup_ceiling_bytes: int | None = Field(
+        None, description="The limit less SNOOZE_MEMORY_HEADROOM_MB: over it, each sweep evicts idle models"
     )
     eviction_policy: dict[str, Any] = Field(
         default_factory=dict,

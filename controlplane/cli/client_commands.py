@@ -240,6 +240,23 @@ def _parent_line(parent: dict[str, Any]) -> str:
     )
 
 
+def _memory_line(runtime: dict[str, Any]) -> str | None:
+    """Both counts of host memory: what the budget counts (models' Pss summed, tritonserver, parents) and Triton's
+    cgroup's own usage, where the server reports them."""
+    if "accounted_bytes" not in runtime:
+        return None
+    budget = runtime.get("budget_bytes")
+    line = (
+        f"memory: models {_memory(runtime.get('models_bytes'))}, counted in all {_memory(runtime['accounted_bytes'])}"
+        f" of {_memory(budget) if budget is not None else 'no budget'} (proportional: shared pages split)"
+    )
+    if runtime.get("cgroup_usage_bytes") is not None:
+        limit = runtime.get("cgroup_limit_bytes")
+        line += f"; Triton's cgroup holds {_memory(runtime['cgroup_usage_bytes'])}"
+        line += f" of {_memory(limit)} (evicts over {_memory(runtime.get('cgroup_ceiling_bytes'))})" if limit else ""
+    return line
+
+
 def _wake_queue_line(queue: dict[str, Any] | None) -> str | None:
     """Loads waiting to start, when there are any (``GET /v1/runtime``'s ``wake_queue``)."""
     if not queue or not queue.get("waiting"):
@@ -452,6 +469,8 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
             _out.print(line, highlight=False, markup=False, soft_wrap=True)
         for parent in runtime.get("preloaded_parents", []):
             _out.print(_parent_line(parent), highlight=False)
+        if memory := _memory_line(runtime):
+            _out.print(memory, highlight=False, markup=False, soft_wrap=True)
         if queue := _wake_queue_line(runtime.get("wake_queue")):
             _out.print(queue, highlight=False, markup=False, soft_wrap=True)
 

@@ -20,11 +20,18 @@ from typing import Any
 from google.protobuf import json_format
 
 from controlplane.errors import SnoozeError, TritonModelLoadError, UnavailableError
-from controlplane.gpu_budget import GPU_OOM_HINT, is_cuda_oom
-from controlplane.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.autoscale import LoadWindow
-from controlplane.lifecycle.gpu import GpuMemory
-from controlplane.lifecycle.memory import OOM_HINT, BudgetInUse, MemoryBudget, declared_bytes, is_oom_error
+from controlplane.lifecycle.memory import (
+    GPU_OOM_HINT,
+    OOM_HINT,
+    BudgetInUse,
+    MemoryBudget,
+    classify_oom,
+    declared_bytes,
+)
+from controlplane.lifecycle.memory.gpu import GpuMemory
+from controlplane.lifecycle.memory.gpu_memory import GpuLoadDelta
+from controlplane.lifecycle.memory.plan import EvictFn, carry_out
 from controlplane.lifecycle.overrides import apply_override
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
@@ -34,7 +41,7 @@ from controlplane.render import parse_config
 from controlplane.settings import Settings
 from controlplane.store import PublishedModel
 from controlplane.triton.client import TritonAdminClient
-from controlplane.triton.processes import TritonProcesses
+from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
 
@@ -118,6 +125,7 @@ class Loader:
         warmth: Warmth,
         *,
         wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
+        evict: EvictFn,
         journal_dir: Path | None = None,
     ) -> None:
         self.settings = settings
@@ -130,6 +138,8 @@ class Loader:
         self.gpu = gpu
         self.metrics = metrics
         self._wait_for_triton = wait_for_triton
+        self._evict_one = evict  # the manager's unload of an idle model: what carries out the budgets' plans
+        self._swept: frozenset[tuple[int, int]] = frozenset()  # the stubs the last sweep measured
         # Host-memory loads run side by side (each reserves its memory first); on a machine with a GPU they run
         # one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
@@ -192,8 +202,9 @@ class Loader:
                 rec.reserved, rec.gpu_reserved = 0, {}
             self.budget.loaded(rec)
         if evict:
-            await self.budget.enforce(rec, estimate=need)
-            await self.gpu.enforce(rec)
+            await self.enforce(rec, estimate=need)
+            if (plan := await self.gpu.plan_enforce(rec)) is not None:
+                await carry_out(plan, self._evict_one)
         self.warmth.loaded(rec, trigger, elapsed if trigger is not None else None)
         if trigger == "prewarm":
             self.metrics.prewarm_loads.labels(model=rec.id).inc()
@@ -292,12 +303,12 @@ class Loader:
                 alone = not self._loading_beside(rec) and self._first_in_line(rec)
                 if unknown and alone:
                     rec.reserved = max(self.budget.free(rec), 0)
-                    await self.gpu.make_room(rec, gpu_need)
+                    await self._gpu_room(rec, gpu_need)
                     return need
                 if not unknown and (self.budget.fits(rec, reserve) or alone):
                     try:
-                        await self.gpu.make_room(rec, gpu_need)
-                        await self.budget.make_room(rec, need, beside=beside)
+                        await self._gpu_room(rec, gpu_need)
+                        await self._host_room(rec, need, beside=beside)
                         return need
                     except BudgetInUse:
                         if not bounded or rec.wake_deadline is None:
@@ -313,10 +324,38 @@ class Loader:
             self.queue.pop(rec.id, None)
             self._line.pop(rec.id, None)
 
+    async def _host_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
+        """Carry out the host budget's plans until the load fits (BudgetInUse: nothing idle left to evict)."""
+        while (plan := await self.budget.plan_room(rec, need, beside=beside)) is not None:
+            if await carry_out(plan, self._evict_one):
+                continue
+            if (wait := self.budget.still_over(rec, need, beside=beside)) is not None:
+                raise wait
+
+    async def _gpu_room(self, rec: ModelRecord, need: dict[int, int]) -> None:
+        """Carry out the GPU budget's plans until the load fits each GPU (or nothing more could be evicted)."""
+        for _ in range(len(self.states.records) + 1):  # each pass unloads at least one model, or stops
+            plan = await self.gpu.plan_room(rec, need)
+            if plan is None or not await carry_out(plan, self._evict_one):
+                return
+
+    async def enforce(self, rec: ModelRecord | None = None, *, estimate: int | None = None) -> list[str]:
+        """Evict idle models (not ``rec``) until the host budget and Triton's cgroup ceiling hold again; their ids."""
+        plan = await self.budget.plan_enforce(rec)
+        if plan is None:
+            return []
+        evicted = await carry_out(plan, self._evict_one)
+        self.budget.enforced(plan, evicted, rec, estimate=estimate)
+        return evicted
+
+    async def evict(self, rec: ModelRecord | None, amount: int, reason: str) -> list[str]:
+        """Unload idle models but ``rec`` in the eviction order until ``amount`` bytes are freed; their ids."""
+        return await carry_out(await self.budget.plan_evict(rec, amount, reason), self._evict_one)
+
     def _size_unknown(self, rec: ModelRecord, need: int) -> bool:
         """No estimate for the model's memory although it will be measured (a python model, processes in view)."""
         return (
-            not need and self.settings.memory_budget_mb is not None and rec.is_python and self.processes.visible
+            not need and self.budget.budget_mb is not None and rec.is_python and self.processes.visible
         )
 
     def _first_in_line(self, rec: ModelRecord) -> bool:
@@ -350,15 +389,16 @@ class Loader:
             await self._load_within(rec, config, timeout)
             return
         except TritonModelLoadError as e:
-            on_gpu = bool(gpu_need)
-            if not evict or not (is_cuda_oom(e.reason, on_gpu=on_gpu) or is_oom_error(e.reason)):
+            kind = classify_oom(e.reason, on_gpu=bool(gpu_need))
+            if not evict or kind is None:
                 raise
-            first, cuda = e, is_cuda_oom(e.reason, on_gpu=on_gpu)
+            first, cuda = e, kind == "gpu"
         # A CUDA out-of-memory frees GPU memory, any other frees host memory: the same eviction order, once.
         if cuda:
-            evicted = await self.gpu.evict_for_oom(rec, gpu_need)
+            plan = await self.gpu.plan_oom(rec, gpu_need)
+            evicted = await carry_out(plan, self._evict_one) if plan is not None else []
         else:
-            evicted = await self.budget.evict(rec, max(need, 1), "oom")
+            evicted = await self.evict(rec, max(need, 1), "oom")
         if not evicted:
             raise TritonModelLoadError(
                 rec.id,
@@ -369,7 +409,7 @@ class Loader:
         try:
             await self._load_within(rec, config, timeout)
         except TritonModelLoadError as e:
-            if not (is_oom_error(e.reason) or is_cuda_oom(e.reason, on_gpu=bool(gpu_need))):
+            if classify_oom(e.reason, on_gpu=bool(gpu_need)) is None:
                 raise
             raise TritonModelLoadError(
                 rec.id,
@@ -454,7 +494,7 @@ class Loader:
                 and rec.footprint_deployment == rec.model.deployment
             ):
                 rec.growth = 0
-            rec.load_footprint = measured
+            rec.load_footprint, rec.load_private = measured, measured - rec.shared
             rec.footprint = measured + rec.growth
             rec.footprint_instances, rec.footprint_source = instances, "measured"
             rec.footprint_deployment = rec.model.deployment
@@ -471,41 +511,62 @@ class Loader:
         self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint if rec.footprint_source else 0)
 
     async def remeasure(self) -> None:
-        """Read again what loaded python models hold (each sweep): a stub grows after its load (measured: a model
-        of 85 MiB at its load held 88 MiB once it had answered a request), and the budget counts what is held.
-        The stubs' RSS only: a preforked model's workers (USS, a costlier read) are measured at its load."""
+        """Read again what loaded python models hold (each sweep), stubs and workers: a stub grows after its load
+        (measured: a model of 85 MiB at its load held 88 MiB once it had answered a request), and its share of the
+        pages it shares with other processes (libpython, numpy) falls as more models load and rises as they leave;
+        the budget counts what is held now. One smaps_rollup read per process (``bench/pss_sweep.py``)."""
         seen = [
             (r, r.generation)
             for r in self.states.values()
-            if r.state is ModelState.READY and r.op is None and r.stubs and not r.workers
-            and r.footprint_source == "measured"
+            if r.state is ModelState.READY and r.op is None and r.stubs and r.footprint_source == "measured"
         ]
-        if not seen or self.settings.memory_budget_mb is None:
+        if not seen or self.budget.budget_mb is None:
             return
 
         def read() -> list[int | None]:
             live: dict[str, list[Any]] = {}
-            for stub in self.processes.stubs():
+            stubs = self.processes.stubs()
+            for stub in stubs:
                 live.setdefault(stub.model, []).append(stub)
+            # Processes came or went since the last sweep: every share of the pages they share moved, so every Pss
+            # is read afresh (a cached one would count what a model held beside the others as they were)
+            pids = frozenset((s.pid, s.start_ticks) for s in stubs)
+            max_age = SWEEP_PSS_MAX_AGE_SECS if pids == self._swept else 0.0
+            self._swept = pids
             # a model whose processes are changing (an instance leaving, one that died) is measured at its next load
             return [
-                self.processes.rss(live[r.id]) if len(live.get(r.id, ())) == r.instances else None for r, _ in seen
+                self._held(r, live[r.id], max_age=max_age)
+                if len(live.get(r.id, ())) == r.instances
+                else None
+                for r, _ in seen
             ]
 
         sizes = await asyncio.to_thread(read)
         for (rec, generation), size in zip(seen, sizes, strict=True):
             if size and rec.generation == generation and rec.op is None:
-                rec.growth = max(rec.growth, size - rec.load_footprint)
-                rec.footprint = rec.load_footprint + rec.growth  # at least what it grew to in this load
+                # growth is private memory: a share of shared pages moves as other models come and go
+                grown = max(size - rec.shared - rec.load_private, 0)
+                # what it holds now; until its first request, plus the growth that request brings (counted ahead)
+                rec.footprint = size if rec.served_seen else size + max(rec.growth - grown, 0)
+                rec.growth = max(rec.growth, grown)
                 self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint)
 
     def _footprint(self, rec: ModelRecord) -> int:
-        """The stubs' RSS, plus what their preforked workers add (USS: pages shared with the parent are
-        the parent's, counted once in the budget's overhead)."""
-        used = self.processes.rss(rec.stubs)
+        """What the model's processes hold (``_held``); a preforked model's parents are read again beside it."""
+        used = self._held(rec, rec.stubs)
         if rec.workers:
-            used += worker_bytes(rec.workers, self.processes.proc_root)
             self.budget.overhead = parents_bytes(self.journal_dir, self.processes.proc_root)
+        return used
+
+    def _held(self, rec: ModelRecord, stubs: Any, *, max_age: float = 0.0) -> int:
+        """The Pss of the model's stubs and of their preforked workers: each shared page split among the processes
+        mapping it (the parents' share is the budget's overhead), so the sums over models count what is held
+        (``max_age``: a sweep's, ``held_bytes``)."""
+        used, private = self.processes.memory_split(stubs, max_age=max_age)
+        if rec.workers:
+            pss, own = worker_bytes(rec.workers, self.processes.proc_root, max_age=max_age)
+            used, private = used + pss, private + own
+        rec.shared = max(used - private, 0)
         return used
 
     def forget_loaded(self, rec: ModelRecord) -> None:
@@ -520,6 +581,6 @@ class Loader:
         self.metrics.memory_bytes.labels(model=rec.id).set(0)
 
     def load_failed(self, rec: ModelRecord, error: SnoozeError) -> None:
-        kind = "oom" if is_oom_error(str(error)) or is_cuda_oom(str(error)) else "error"
+        kind = "oom" if classify_oom(str(error)) is not None else "error"
         self.metrics.load_failures.labels(model=rec.id, kind=kind).inc()
         log.warning("model '%s': load failed: %s", rec.id, error)

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from controlplane.errors import ConflictError, SnoozeError, UnavailableError
-from controlplane.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
-from controlplane.lifecycle.gpu import GpuMemory
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout, rendered_config
 from controlplane.lifecycle.memory import MemoryBudget
+from controlplane.lifecycle.memory.cgroup import CgroupMemory, TritonCgroup
+from controlplane.lifecycle.memory.gpu import GpuMemory
+from controlplane.lifecycle.memory.gpu_memory import GpuProcessReader, NvmlPidMap
 from controlplane.lifecycle.overrides import KEEP_OVERRIDE, apply_override
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.sequences import LiveSequences, describe_live
@@ -46,7 +47,7 @@ from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.client import RepositoryEntry, TritonAdminClient
-from controlplane.triton.processes import StubDeath, StubProcess, TritonProcesses
+from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, StubDeath, StubProcess, TritonProcesses
 
 if TYPE_CHECKING:
     from controlplane.triton.launcher import EmbeddedTriton
@@ -73,8 +74,10 @@ class LifecycleManager:
         metrics: SnoozeMetrics | None = None,
         gpu_reader: GpuProcessReader | None = None,
         gpu_pid_map: NvmlPidMap | None = None,
+        cgroup: Callable[[], CgroupMemory | None] | None = None,
     ) -> None:
-        """``gpu_reader`` / ``gpu_pid_map``: NVML and its pid mapping (tests inject them: no GPU here)."""
+        """``gpu_reader`` / ``gpu_pid_map``: NVML and its pid mapping (tests inject them: no GPU here); ``cgroup``:
+        reads Triton's memory cgroup (default: found through tritonserver's pid under /proc and /sys)."""
         self.settings = settings
         self.store = store
         self.triton = triton
@@ -95,9 +98,9 @@ class LifecycleManager:
         self.budget = MemoryBudget(
             settings,
             self.states,
-            evict=self._evict_one,
             pending=self.sync.pending_counts,
-            server_rss=processes.server_rss,
+            server_memory=processes.server_memory,
+            cgroup=cgroup if cgroup is not None else TritonCgroup.of(processes).read,
         )
         self.states.on_drop.append(self.budget.forget)
         self.budget.unrecorded = self.sync.unrecorded
@@ -105,7 +108,6 @@ class LifecycleManager:
             settings,
             self.states,
             processes,
-            evict=self._evict_one,
             pending=self.sync.pending_counts,
             reader=gpu_reader,
             pid_map=gpu_pid_map,
@@ -120,6 +122,7 @@ class LifecycleManager:
             self.metrics,
             self.warmth,
             wait_for_triton=self.sync.wait_until_up,
+            evict=self._evict_one,  # the budgets plan evictions; the loader carries them out with this
             journal_dir=journal_dir,
         )
         self.sync.loader, self.sync.warmth, self.sync.accessed = self.loader, self.warmth, self.budget.accessed
@@ -141,7 +144,7 @@ class LifecycleManager:
         await self.sync.start()
         await self.budget.measure_server()
         self.budget.check_server()
-        await self.budget.enforce()  # what was adopted may hold more than the budget
+        await self.loader.enforce()  # what was adopted may hold more than the budget
         if not self._tasks:
             self._tasks = [
                 asyncio.create_task(
@@ -234,9 +237,11 @@ class LifecycleManager:
         await self._leave_unpublished(entries)
         await self.budget.measure_server()
         await self.loader.remeasure()
-        await self.budget.enforce()
+        await self.loader.enforce()
         if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
-            self.budget.overhead = await asyncio.to_thread(parents_bytes, self.journal_dir, self.processes.proc_root)
+            self.budget.overhead = await asyncio.to_thread(
+                parents_bytes, self.journal_dir, self.processes.proc_root, max_age=SWEEP_PSS_MAX_AGE_SECS
+            )
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
         await asyncio.gather(*(self.sync.refresh_access(r) for r in ready))
         pending = await self.sync.pending_counts()
@@ -680,6 +685,7 @@ class LifecycleManager:
             "preloaded_parents": lines,
             "overhead_bytes": self.budget.overhead,
             "triton_server_bytes": self.budget.server,
+            **self.budget.totals(),
             "eviction_policy": self.budget.policy.describe(),
             "wake_queue": self.loader.wake_queue(),
         }

@@ -98,6 +98,8 @@ class ModelRecord:
     footprint_source: str | None = None  # "measured" or "declared"
     footprint_deployment: Any = None  # the DeploymentSpec it was measured under
     load_footprint: int = 0  # bytes measured when its last load ended
+    shared: int = 0  # of its footprint, its share of pages shared with other processes (Pss less private bytes)
+    load_private: int = 0  # its private bytes when its last load ended
     growth: int = 0  # how many bytes more its processes held later (sweeps), counted ahead when loaded again as it was
     reserved: int = 0  # bytes set aside while loading
     gpu_footprint: dict[int, int] | None = None  # last measured bytes per GPU index

@@ -170,7 +170,7 @@ class TritonSync:
             elif entry is not None and entry.state == "UNLOADING" and not rec.holds_memory:
                 # an unload this control plane did not see through (before a restart): what its processes hold
                 stubs = await asyncio.to_thread(self.processes.stubs, model_id)
-                held = await asyncio.to_thread(self.processes.rss, stubs)
+                held = await asyncio.to_thread(self.processes.memory, stubs)
                 # a python model whose processes are all gone holds nothing (they were ended: unloading.py)
                 if held or not (rec.is_python and self.processes.visible):
                     rec.draining, rec.footprint = True, held or rec.footprint or declared_bytes(rec)
@@ -195,7 +195,7 @@ class TritonSync:
         for name, entry in entries.items():
             if entry.state in BUSY_STATES and name not in self.states.records:
                 stubs = await asyncio.to_thread(self.processes.stubs, name)
-                held[name] = await asyncio.to_thread(self.processes.rss, stubs)
+                held[name] = await asyncio.to_thread(self.processes.memory, stubs)
         self.unrecorded.clear()
         self.unrecorded.update(held)
 

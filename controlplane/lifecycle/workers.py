@@ -30,7 +30,7 @@ from typing import Any
 import psutil
 
 from controlplane.triton.journal import PARENT_PREFIX, PARENT_SUFFIX, WORKER_SUFFIX
-from controlplane.triton.processes import StubProcess, TritonProcesses, read_stat
+from controlplane.triton.processes import StubProcess, TritonProcesses, held_bytes, held_split, read_stat
 from python_backend.exits import describe_wait_status
 
 
@@ -105,17 +105,13 @@ def alive(pid: int, start_ticks: int, proc_root: Path = Path("/proc")) -> bool:
     return stat is not None and stat.state != "Z" and (not start_ticks or stat.start_ticks == start_ticks)
 
 
-def unique_bytes(pids: Iterable[int]) -> int:
-    """USS: the memory that leaves when these processes end (pages no other process maps)."""
-    total = 0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            total += psutil.Process(pid).memory_full_info().uss
-    return total
-
-
-def worker_bytes(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc")) -> int:
-    return unique_bytes(w.pid for w in workers if alive(w.pid, w.start_ticks, proc_root))
+def worker_bytes(
+    workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc"), *, max_age: float = 0.0
+) -> tuple[int, int]:
+    """What the workers hold, (Pss, private bytes): a page shared with their parent is split between them, so the
+    parents' Pss and the workers' add up to what the machine holds."""
+    live = (w.pid for w in workers if alive(w.pid, w.start_ticks, proc_root))
+    return held_split(live, proc_root, max_age=max_age)
 
 
 def kill_workers(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc")) -> list[int]:
@@ -165,13 +161,13 @@ def parents(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> list[P
 
 
 def parent_status(parent: PreloadedParent) -> dict[str, Any]:
-    """One parent's line in status: its own memory (RSS: the pages its workers share, counted once)."""
-    rss = uss = None
+    """One parent's line in status: its own memory (Pss: its share of the pages its workers share with it)."""
+    pss = uss = None
     workers = 0
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(parent.pid)
         info = proc.memory_full_info()
-        rss, uss = info.rss, info.uss
+        pss, uss = info.pss, info.uss
         workers = len(proc.children())
     return {
         "pid": parent.pid,
@@ -180,15 +176,12 @@ def parent_status(parent: PreloadedParent) -> dict[str, Any]:
         "python": parent.python,
         "import_secs": parent.import_secs,
         "warm_secs": parent.warm_secs,
-        "memory_bytes": rss,
+        "memory_bytes": pss,
         "unique_bytes": uss,
         "workers": workers,
     }
 
 
-def parents_bytes(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> int:
-    total = 0
-    for parent in parents(journal_dir, proc_root):
-        with contextlib.suppress(psutil.Error):
-            total += psutil.Process(parent.pid).memory_info().rss
-    return total
+def parents_bytes(journal_dir: Path | None, proc_root: Path = Path("/proc"), *, max_age: float = 0.0) -> int:
+    """What the live preloaded parents hold (Pss, as their workers)."""
+    return held_bytes((p.pid for p in parents(journal_dir, proc_root)), proc_root, max_age=max_age)

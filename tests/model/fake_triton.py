@@ -583,6 +583,14 @@ class FakeProcesses:
     def rss(self, stubs: list[StubProcess]) -> int:
         return sum(s.memory for p in stubs if (s := self._find(p)) is not None and s.alive)
 
+    def memory(self, stubs: list[StubProcess], *, max_age: float = 0.0) -> int:
+        """A stub's scripted memory is its own: its Pss is its RSS."""
+        return self.rss(stubs)
+
+    def memory_split(self, stubs: list[StubProcess], *, max_age: float = 0.0) -> tuple[int, int]:
+        """(Pss, private): all of a stub's scripted memory is private."""
+        return self.rss(stubs), self.rss(stubs)
+
     def kill(self, stubs: list[StubProcess]) -> list[int]:
         return self.signal(stubs, signal.SIGKILL)
 
@@ -599,6 +607,9 @@ class FakeProcesses:
         return sent
 
     def server_rss(self) -> int | None:
+        return self.triton.server_bytes()
+
+    def server_memory(self) -> int | None:
         return self.triton.server_bytes()
 
     def tree_rss(self) -> int:

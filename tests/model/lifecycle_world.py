@@ -25,6 +25,7 @@ from controlplane.gateway.activator import HoldRegistry, ModelAnswers
 from controlplane.lifecycle import loading, manager, recovery, unloading
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.manager import LifecycleManager
+from controlplane.lifecycle.memory.cgroup import CgroupMemory
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
@@ -133,6 +134,8 @@ class LifecycleWorld:
         self.other_node = ModelStore(repo, embedded_target())  # another node's writes to the shared store
         self.triton = FakeTriton(repo, self.journal)
         self.processes = FakeProcesses(self.triton)
+        # Triton's memory cgroup as the manager reads it (None: unseen), or what reads it
+        self.cgroup: CgroupMemory | Callable[[], CgroupMemory] | None = None
         self.settings = Settings(
             work_dir=root / "work",
             memory_budget_mb=BUDGET_MB,
@@ -171,6 +174,7 @@ class LifecycleWorld:
             journal_dir=self.journal,
             gpu_reader=self.gpu_reader,
             gpu_pid_map=None,
+            cgroup=lambda: self.cgroup() if callable(self.cgroup) else self.cgroup,
         )
         m.warmth.clock = self.clock.time
         self.probe.install(m.states)
@@ -538,15 +542,14 @@ class LifecycleWorld:
             and not any(self.triton.loads_in_flight.values())
             and all(m.state != "UNLOADING" for m in self.triton.models.values())
         )
-        if self.settings.memory_budget_mb is not None and self.triton.peak > (
-            self.settings.memory_budget_mb * MIB + self.triton.largest
-        ):
+        budget = self.manager.budget.budget_mb  # the setting, else the cgroup's limit less its headroom
+        if budget is not None and self.triton.peak > budget * MIB + self.triton.largest:
             problems.append(
                 f"Triton's tree held {self.triton.peak / MIB:.0f} MiB at its peak, over the budget plus one model "
-                f"({self.settings.memory_budget_mb:g} + {self.triton.largest / MIB:.0f} MiB)"
+                f"({budget:g} + {self.triton.largest / MIB:.0f} MiB)"
             )
-        if quiet and self.settings.memory_budget_mb is not None:
+        if quiet and budget is not None:
             used = self.triton.server_bytes() + sum(holding.values())
-            if used > self.settings.memory_budget_mb * MIB and len(holding) > 1:
+            if used > budget * MIB and len(holding) > 1:
                 problems.append(f"Triton holds {used / MIB:.0f} MiB in {sorted(holding)}, over the budget")
         return problems

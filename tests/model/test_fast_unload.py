@@ -13,7 +13,7 @@ import pytest
 from fake_triton import MIB
 from lifecycle_world import BUDGET_MB, LifecycleWorld
 
-from controlplane.gpu_memory import GpuDevice
+from controlplane.lifecycle.memory.gpu_memory import GpuDevice
 from controlplane.lifecycle.state import ModelState
 
 TRITON_UNLOAD_SECS = 1.2  # the python backend's 1 s health probe, then the stub's finalize and exit

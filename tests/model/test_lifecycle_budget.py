@@ -3,6 +3,7 @@ what concurrent wake-ups reserve, and how long a wake-up may wait for its load t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ from fake_triton import MIB
 from lifecycle_world import LifecycleWorld
 
 from controlplane.errors import UnavailableError
+from controlplane.lifecycle.memory.cgroup import CgroupMemory
 from controlplane.lifecycle.state import ModelState
 
 LONG_IDLE = {"idle_timeout_secs": 600}  # no idle unload in these tests: only memory pressure evicts
@@ -280,3 +282,47 @@ def test_a_load_reserves_what_tritonserver_itself_grows_by_with_each_model(make_
     assert world.manager.budget.server_growth == 10 * MIB
     assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
     assert state(world, "c") is ModelState.READY and sum(state(world, m) is ModelState.READY for m in "abc") == 2
+
+
+def _cgroup(limit_mb: float | None, usage_mb: float) -> CgroupMemory:
+    limit = int(limit_mb * MIB) if limit_mb else None
+    return CgroupMemory(Path("/sys/fs/cgroup/triton"), 2, limit, int(usage_mb * MIB))
+
+
+def test_without_a_budget_setting_the_cgroup_limit_less_the_headroom_is_the_budget(make_world):
+    """No SNOOZE_MEMORY_BUDGET_MB; Triton's cgroup is limited to 500 MiB, headroom 100 MiB: five 100 MiB models
+    woken one after another keep at most four loaded (400 MiB), each wake answered."""
+    world = make_world(memory_budget_mb=None, memory_headroom_mb=100)
+    world.cgroup = _cgroup(500, 0)
+    for m in ("a", "b", "c", "d", "e"):
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+    for m in ("a", "b", "c", "d", "e"):
+        world.step(world.request(m), 1.0)
+    assert {c.answer for c in world.calls + world.answered} == {"published", "200"}
+    loaded = [m for m in "abcde" if state(world, m) is ModelState.READY]
+    assert len(loaded) == 4, loaded
+    assert world.manager.runtime()["budget_bytes"] == 400 * MIB
+
+
+def test_a_sweep_evicts_when_the_cgroup_passes_its_ceiling_whatever_the_models_sum(make_world):
+    """The models count 300 MiB of a 1000 MiB budget, but Triton's cgroup (limit 500 MiB, headroom 50) holds
+    480 MiB (page cache, memory outside any model): the next sweep evicts idle models until its usage is
+    accounted under the ceiling; below the ceiling nothing is evicted."""
+    world = make_world(memory_budget_mb=1000, memory_headroom_mb=50)
+    for m in ("a", "b", "c"):
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+        world.step(world.request(m), 1.0)
+    outside = 140  # what the cgroup holds beside the models
+    world.cgroup = lambda: _cgroup(500, outside + world.triton.server_bytes() / MIB + held(world) / MIB)
+    world.step(asyncio.sleep(0), 3.0)
+    assert all(state(world, m) is ModelState.READY for m in "abc")
+    runtime = world.manager.runtime()
+    assert runtime["cgroup_usage_bytes"] == 440 * MIB and runtime["models_bytes"] == 300 * MIB
+    outside = 180
+    world.step(asyncio.sleep(0), 3.0)
+    evicted = [m for m in "abc" if state(world, m) is ModelState.UNLOADED]
+    assert len(evicted) == 1, evicted  # 30 MiB over: one idle 100 MiB model is enough
+
+
+def held(world: LifecycleWorld) -> int:
+    return sum(s.memory for m in world.triton.models.values() for s in m.stubs if s.alive)

@@ -1,11 +1,11 @@
 """The memory budget holds with measured memory, wherever Triton runs.
 
 Three models of ~150 MiB each under a 480 MiB budget (tritonserver's own memory counts too): two fit, the
-third evicts the least recently used one (the policy pinned to ``lru``). The footprints are measured (the RSS of
+third evicts the least recently used one (the policy pinned to ``lru``). The footprints are measured (the Pss of
 each model's processes), not declared, so this needs the control plane to see Triton's processes: as its child,
 and in a process of its own (the deployed topology, where it once went unmeasured and all three stayed loaded).
-With preforked workers a model is charged its stub plus what its worker adds (USS), the preloaded parent is
-counted once beside the models (a budget larger by about the parent's size), and an evicted model's
+With preforked workers a model is charged its stub plus its worker (Pss), the preloaded parent is
+counted beside the models (a budget larger by about the parent's size), and an evicted model's
 worker is gone: its memory left with the unload.
 """
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 MIB = 1024 * 1024
 BALLAST_MB = 150
-# two ~195 MiB models fit beside tritonserver itself (~50 MiB: the budget is for the whole Triton tree), three do
+# two ~175 MiB models (Pss) fit beside tritonserver itself (~50 MiB: the budget is for the whole Triton tree), three do
 # not; preforked: plus the numpy-only parent (~40 MiB), counted once
 BUDGET_MB = {"in-stub": 480, "preforked": 540}
 

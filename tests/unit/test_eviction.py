@@ -1,4 +1,4 @@
-"""The eviction policies' maths (``controlplane/lifecycle/eviction.py``) and the virtual-time replay that
+"""The eviction policies' maths (``controlplane/lifecycle/memory/eviction.py``) and the virtual-time replay that
 compares them (``bench/eviction_replay.py``)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import eviction_replay as er
-from controlplane.lifecycle.eviction import (
+from controlplane.lifecycle.memory.eviction import (
     MIB,
     MIN_AGING_WINDOW,
     Candidate,

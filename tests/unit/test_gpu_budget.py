@@ -6,17 +6,15 @@ from __future__ import annotations
 import pytest
 
 from controlplane.errors import UnavailableError
-from controlplane.gpu_budget import (
+from controlplane.lifecycle import is_oom_error, rendered_config
+from controlplane.lifecycle.memory import MIB, is_cuda_oom
+from controlplane.lifecycle.memory.gpu_budget import (
     GpuResident,
     estimate_gpu_need,
     gpu_instances_per_device,
-    is_cuda_oom,
     plan_gpu_eviction,
     plan_gpu_oom_eviction,
 )
-from controlplane.lifecycle import is_oom_error, rendered_config
-
-MIB = 1024 * 1024
 
 
 def resident(model: str, last_access: float, evictable: bool = True, **mib_by_gpu: int) -> GpuResident:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from controlplane.gpu_memory import (
+from controlplane.lifecycle.memory.gpu_memory import (
     PROC_PID_INIT_INO,
     GpuDevice,
     GpuLoadDelta,

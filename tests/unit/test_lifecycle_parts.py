@@ -211,7 +211,7 @@ def budget(policy: str, records: list[ModelRecord]) -> MemoryBudget:
     async def never(*_: object) -> dict[str, float]:
         raise AssertionError("not called")
 
-    return MemoryBudget(Settings(eviction_policy=policy), States(), evict=never, pending=never)  # type: ignore[arg-type]
+    return MemoryBudget(Settings(eviction_policy=policy), States(), pending=never)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("policy", ["lru", "gdsf"])
@@ -324,3 +324,4 @@ def test_settle_yields_while_an_ended_transition_is_still_recorded():
         assert rec.op is None
 
     asyncio.run(go())
+

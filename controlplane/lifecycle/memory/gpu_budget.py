@@ -3,7 +3,7 @@
 ``SNOOZE_GPU_MEMORY_BUDGET_MB`` is one number that applies to each GPU on its own. A load that
 would take a GPU past it first unloads the least recently used idle models holding memory on that
 GPU (``plan_gpu_eviction``; a pre-warmed model not used yet goes before any other); a load that fails
-with a GPU out-of-memory (``is_cuda_oom``) evicts idle models on its GPUs (``plan_gpu_oom_eviction``)
+with a GPU out-of-memory (``oom.classify_oom``) evicts idle models on its GPUs (``plan_gpu_oom_eviction``)
 and retries once, as for host memory.
 Everything here is pure: the lifecycle gathers the numbers, unloads the victims, and calls again if
 one of them could not be unloaded.
@@ -16,46 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from controlplane.errors import UnavailableError
-
-MIB = 1024 * 1024
-GPU_OOM_HINT = (
-    "lower SNOOZE_GPU_MEMORY_BUDGET_MB below what the GPU really has free so that idle models are unloaded "
-    "first, give the model fewer instances, or place it on another GPU (instance_group gpus)"
-)
-
-# Wordings only a GPU allocation failure uses: PyTorch, the CUDA driver and runtime APIs, cuDNN,
-# cuBLAS, TensorRT ("Error Code 2: OutOfMemory", "Requested amount of GPU memory ... could not be
-# allocated") and the OutOfMemoryError classes of torch and CuPy.
-_GPU_OOM_MARKERS = (
-    "cuda out of memory",
-    "cuda_error_out_of_memory",
-    "cudaerrormemoryallocation",
-    "cudnn_status_alloc_failed",
-    "cublas_status_alloc_failed",
-    "outofmemory",
-    "requested amount of gpu memory",
-)
-# Wordings that say an allocation failed without naming the device: onnxruntime's arena ("Failed to
-# allocate memory for requested buffer of size N") serves CPU and CUDA alike, and "out of memory" is
-# also what a host allocation says.
-_ANY_DEVICE_OOM_MARKERS = ("out of memory", "failed to allocate memory")
-# Words that put such a failure on the GPU: "CUDA failure 2: out of memory ; GPU=0",
-# "[TRT] ... Cuda Error in allocate: 2 (out of memory)".
-_GPU_CONTEXT = ("cuda", "gpu", "cudnn", "tensorrt", "[trt]")
-
-
-def is_cuda_oom(text: str, *, on_gpu: bool = False) -> bool:
-    """Whether a load or inference error says a GPU allocation failed.
-
-    ``on_gpu``: the model runs on a GPU, so a failure that does not name its device (onnxruntime's
-    arena, a bare "out of memory") counts as well.
-    """
-    lowered = text.lower()
-    if any(marker in lowered for marker in _GPU_OOM_MARKERS):
-        return True
-    if not any(marker in lowered for marker in _ANY_DEVICE_OOM_MARKERS):
-        return False
-    return on_gpu or any(word in lowered for word in _GPU_CONTEXT)
+from controlplane.lifecycle.memory.eviction import bets_first
+from controlplane.lifecycle.memory.units import MIB
 
 
 @dataclass(frozen=True)
@@ -69,8 +31,9 @@ class GpuResident:
     prewarmed_unused: bool = False  # loaded by a pre-warm and not used yet: evicted before any other
 
 
-def _eviction_order(r: GpuResident) -> tuple[bool, float, str]:
-    return (not r.prewarmed_unused, r.last_access, r.model)
+def _in_order(residents: Iterable[GpuResident]) -> list[GpuResident]:
+    """Least recently used first, after the unused pre-warms (``eviction.bets_first``)."""
+    return bets_first(sorted(residents, key=lambda r: (r.last_access, r.model)), lambda r: r.prewarmed_unused)
 
 
 def plan_gpu_eviction(
@@ -99,7 +62,7 @@ def plan_gpu_eviction(
     for r in residents:
         for device, amount in r.bytes_by_device.items():
             held[device] = held.get(device, 0) + amount
-    candidates = sorted((r for r in residents if r.evictable), key=_eviction_order)
+    candidates = _in_order(r for r in residents if r.evictable)
     victims: list[GpuResident] = []
     for device, amount in sorted(need.items()):
         if amount <= 0:
@@ -114,7 +77,7 @@ def plan_gpu_eviction(
                 held[d] -= b
         if held.get(device, 0) + amount > budget:
             _raise_full(model, device, amount, held.get(device, 0), budget_mb, residents, victims)
-    return [r.model for r in sorted(victims, key=_eviction_order)]
+    return [r.model for r in _in_order(victims)]
 
 
 def _raise_full(
@@ -145,7 +108,7 @@ def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuReside
     amounts = {d: max(n, 1) for d, n in need.items()}
     if not amounts:
         amounts = {d: 1 for r in residents for d, b in r.bytes_by_device.items() if b > 0}
-    candidates = sorted((r for r in residents if r.evictable), key=_eviction_order)
+    candidates = _in_order(r for r in residents if r.evictable)
     victims: list[GpuResident] = []
     freed: dict[int, int] = {}
     for device, amount in sorted(amounts.items()):
@@ -157,7 +120,7 @@ def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuReside
             victims.append(r)
             for d, b in r.bytes_by_device.items():
                 freed[d] = freed.get(d, 0) + b
-    return [r.model for r in sorted(victims, key=_eviction_order)]
+    return [r.model for r in _in_order(victims)]
 
 
 def gpu_instances_per_device(config: Mapping[str, Any], devices: Sequence[int]) -> dict[int, int]:

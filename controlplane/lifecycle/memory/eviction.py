@@ -21,12 +21,14 @@ them; that rule is the caller's (``MemoryBudget``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
-MIB = 1024 * 1024
+from controlplane.lifecycle.memory.units import MIB
+
 POLICIES = ("lru", "gdsf")
+T = TypeVar("T")
 # TinyLFU's sample size is ten times the cache's capacity; here: ten requests per model the policy knows
 AGING_REQUESTS_PER_MODEL = 10
 MIN_AGING_WINDOW = 100  # requests: a handful of models still age over a meaningful sample
@@ -123,6 +125,12 @@ class GreedyDualSizeFrequency(EvictionPolicy):
             self.frequency[model_id] /= 2
         self.counted /= 2
         self.halvings += 1
+
+
+def bets_first(items: Iterable[T], unused: Callable[[T], bool]) -> list[T]:
+    """``items`` (in a policy's order) with the pre-warms no request used yet first: each was a bet on a request
+    that has not come; stable, so the policy's order holds within each group. The one rule for host and GPU."""
+    return sorted(items, key=lambda item: not unused(item))
 
 
 def eviction_policy(name: str) -> EvictionPolicy:

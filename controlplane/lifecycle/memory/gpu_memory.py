@@ -66,7 +66,6 @@ from typing import Any, Protocol
 
 log = logging.getLogger("snoozeml.gpu")
 
-MIB = 1024 * 1024
 # The kernel's fixed inode number of the initial PID namespace (include/linux/proc_ns.h).
 PROC_PID_INIT_INO = 0xEFFFFFFC
 GPU_EXTRA_HINT = "pip install 'snoozeml[gpu]' (nvidia-ml-py) on a machine with the NVIDIA driver"

@@ -24,33 +24,21 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from controlplane.errors import SnoozeError, UnavailableError
-from controlplane.lifecycle.eviction import Candidate, EvictionPolicy, eviction_policy
+from controlplane.errors import UnavailableError
+from controlplane.lifecycle.memory.cgroup import CgroupMemory, headroom_bytes
+from controlplane.lifecycle.memory.eviction import Candidate, EvictionPolicy, bets_first, eviction_policy
+from controlplane.lifecycle.memory.plan import Plan
+from controlplane.lifecycle.memory.units import MIB
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.settings import Settings
 
 log = logging.getLogger("snoozeml.lifecycle")
 
-MIB = 1024 * 1024
-# How a load failure says "out of memory": the python_backend runtime's kind prefix, Python's
-# exception name, and the wording of CUDA, onnxruntime and cuDNN.
-OOM_MARKERS = ("[snooze:oom]", "memoryerror", "out of memory")
-OOM_HINT = (
-    "give the machine more memory, lower memory_budget_mb so fewer models stay loaded, or declare the "
-    "model's memory_mb so the budget keeps room for it"
-)
 
-# Unload ``victim`` (idle) to make room for ``for_model``; False when it turned out to be in use.
-EvictFn = Callable[[ModelRecord, str, str], Awaitable[bool]]
 
 
 class BudgetInUse(UnavailableError):
     """The budget is full of models in use (requests in flight) or loading: nothing idle to evict now."""
-
-
-def is_oom_error(text: str) -> bool:
-    lowered = text.lower()
-    return any(marker in lowered for marker in OOM_MARKERS)
 
 
 # How many recent loads' growth of tritonserver itself its expected growth is the median of.
@@ -71,22 +59,24 @@ class MemoryBudget:
         settings: Settings,
         states: ModelStates,
         *,
-        evict: EvictFn,
         pending: Callable[[], Awaitable[dict[str, float]]],
-        server_rss: Callable[[], int | None] | None = None,
+        server_memory: Callable[[], int | None] | None = None,
+        cgroup: Callable[[], CgroupMemory | None] | None = None,
     ) -> None:
         self.settings = settings
         self.states = states
-        self._evict_one = evict
         self._pending = pending
         self.policy: EvictionPolicy = eviction_policy(settings.eviction_policy)
         # Bytes Triton holds for models without a record (unpublished, being unloaded), by model: TritonSync's
         self.unrecorded: dict[str, int] = {}
         # Bytes held outside any model: the preloaded parents of preforked models (measured at their loads).
         self.overhead = 0
-        # tritonserver's own resident bytes (``measure_server``); 0 where it cannot be seen (a remote Triton)
+        # tritonserver's own proportional bytes (``measure_server``); 0 where it cannot be seen (a remote Triton)
         self.server = 0
-        self._server_rss = server_rss
+        self._server_memory = server_memory
+        # Triton's memory cgroup as last read (``measure_server``); None where it cannot be read
+        self.cgroup: CgroupMemory | None = None
+        self._cgroup = cgroup
         # what tritonserver grew by across recent loads (its side of each model's shared memory, ...), clamped at 0
         self._server_growths: deque[int] = deque(maxlen=SERVER_GROWTH_WINDOW)
 
@@ -104,19 +94,45 @@ class MemoryBudget:
             self._server_growths.append(max(self.server - before, 0))
 
     async def measure_server(self) -> int:
-        """Read tritonserver's own resident memory (not its model processes') again; its bytes (0: unseen)."""
-        if self._server_rss is not None:
-            self.server = await asyncio.to_thread(self._server_rss) or 0
+        """Read tritonserver's own memory (Pss; not its model processes') and Triton's cgroup again; the server's
+        bytes (0: unseen)."""
+        if self._server_memory is not None:
+            self.server = await asyncio.to_thread(self._server_memory) or 0
+        if self._cgroup is not None:
+            self.cgroup = await asyncio.to_thread(self._cgroup)
         return self.server
+
+    @property
+    def ceiling(self) -> int | None:
+        """The container's ceiling in bytes: Triton's cgroup limit less the headroom; None without a limit."""
+        cg = self.cgroup
+        if cg is None or cg.limit is None:
+            return None
+        return cg.limit - headroom_bytes(cg.limit, self.settings.memory_headroom_mb)
+
+    @property
+    def budget_mb(self) -> float | None:
+        """The budget: SNOOZE_MEMORY_BUDGET_MB, else the container's ceiling (its cgroup limit less the headroom),
+        else None (no limit)."""
+        if self.settings.memory_budget_mb is not None:
+            return self.settings.memory_budget_mb
+        ceiling = self.ceiling
+        return ceiling / MIB if ceiling is not None else None
+
+    def _budget_name(self) -> str:
+        if self.settings.memory_budget_mb is not None:
+            return f"SNOOZE_MEMORY_BUDGET_MB={self.settings.memory_budget_mb:g}"
+        budget = self.budget_mb or 0
+        return f"the memory budget ({budget:.0f} MiB: the container's limit less SNOOZE_MEMORY_HEADROOM_MB)"
 
     def check_server(self) -> None:
         """Log an error when tritonserver alone holds the whole budget: no model can load."""
-        budget = self.settings.memory_budget_mb
+        budget = self.budget_mb
         if budget is not None and self.server >= budget * MIB:
             log.error(
-                "SNOOZE_MEMORY_BUDGET_MB=%g is not more than tritonserver's own memory (%.0f MiB, measured): no "
-                "model can load; raise it by at least the memory of the models to keep loaded",
-                budget,
+                "%s is not more than tritonserver's own memory (%.0f MiB, measured): no model can load; raise it by "
+                "at least the memory of the models to keep loaded",
+                self._budget_name(),
                 self.server / MIB,
             )
 
@@ -157,26 +173,27 @@ class MemoryBudget:
 
     def fits(self, rec: ModelRecord, need: int) -> bool:
         """Whether ``need`` more bytes fit the budget beside what the other models hold, without evicting."""
-        if self.settings.memory_budget_mb is None:
+        if self.budget_mb is None:
             return True
-        return self.used(rec) + need <= int(self.settings.memory_budget_mb * MIB)
+        return self.used(rec) + need <= int(self.budget_mb * MIB)
 
     def free(self, rec: ModelRecord) -> int:
         """Bytes of the budget not held beside ``rec`` (negative when over it)."""
-        return int((self.settings.memory_budget_mb or 0) * MIB) - self.used(rec)
+        return int((self.budget_mb or 0) * MIB) - self.used(rec)
 
-    async def make_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
-        """Evict idle models until ``need`` more bytes fit (``beside``: what the model's loaded version holds
-        while a reload builds the new one beside it); UnavailableError when they cannot."""
-        if self.settings.memory_budget_mb is None:
-            return
-        budget = int(self.settings.memory_budget_mb * MIB)
+    async def plan_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> Plan | None:
+        """What to evict so that ``need`` more bytes fit (``beside``: what the model's loaded version holds while a
+        reload builds the new one beside it): None when it fits; UnavailableError when it never can; BudgetInUse
+        ("wait") when nothing idle is left to evict. Carried out (``plan.carry_out``), then asked again."""
+        if self.budget_mb is None:
+            return None
+        budget = int(self.budget_mb * MIB)
         room = budget - self.server  # what tritonserver itself leaves to the models
         if need > room:
             if self.server:
                 raise UnavailableError(
-                    f"model '{rec.id}' needs about {need / MIB:.0f} MiB, but SNOOZE_MEMORY_BUDGET_MB="
-                    f"{self.settings.memory_budget_mb:g} leaves {max(room, 0) / MIB:.0f} MiB for models beside "
+                    f"model '{rec.id}' needs about {need / MIB:.0f} MiB, but {self._budget_name()} "
+                    f"leaves {max(room, 0) / MIB:.0f} MiB for models beside "
                     f"tritonserver's own {self.server / MIB:.0f} MiB (measured; the budget is for the whole "
                     "Triton tree)",
                     hint=f"raise SNOOZE_MEMORY_BUDGET_MB to at least {(self.server + need) / MIB:.0f}, or load the "
@@ -184,52 +201,89 @@ class MemoryBudget:
                 )
             raise UnavailableError(
                 f"model '{rec.id}' needs about {need / MIB:.0f} MiB, more than the whole memory budget "
-                f"({self.settings.memory_budget_mb:g} MiB)",
+                f"({self.budget_mb:g} MiB)",
                 hint="raise SNOOZE_MEMORY_BUDGET_MB, or load the model with fewer instances",
             )
         # A swap larger than the room left (a model over half of it) evicts every idle model and goes ahead:
         # Triton holds both versions only until the old one exits (the budget plus one model at most).
         need = min(need + beside, room)
-        while self.used(rec) + need > budget:
-            if not await self.evict(rec, self.used(rec) + need - budget, "memory"):
-                busy = sorted(
-                    r.id
-                    for r in self.states.values()
-                    if r is not rec
-                    and (r.footprint or r.reserved)
-                    and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
-                )
-                parents = f", {self.overhead / MIB:.0f} MiB of it by preloaded parents" if self.overhead else ""
-                if self.server:
-                    parents += f", {self.server / MIB:.0f} MiB by tritonserver itself"
-                raise BudgetInUse(
-                    f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
-                    f"{self.used(rec) / MIB:.0f} of {self.settings.memory_budget_mb:g} MiB are held by models in use "
-                    f"({', '.join(busy)}){parents}",
-                    hint="retry when they are idle, or raise SNOOZE_MEMORY_BUDGET_MB",
-                    retry_after=5,
-                )
+        over = self.used(rec) + need - budget
+        if over <= 0:
+            return None
+        plan = await self.plan_evict(rec, over, "memory")
+        if not plan.victims:
+            raise self._in_use(rec, need)
+        return plan
 
-    async def enforce(self, rec: ModelRecord | None = None, *, estimate: int | None = None) -> list[str]:
-        """Evict idle models (not ``rec``) until what the models hold fits the budget again; their ids.
+    def _in_use(self, rec: ModelRecord, need: int) -> BudgetInUse:
+        busy = sorted(
+            r.id
+            for r in self.states.values()
+            if r is not rec
+            and (r.footprint or r.reserved)
+            and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
+        )
+        parents = f", {self.overhead / MIB:.0f} MiB of it by preloaded parents" if self.overhead else ""
+        if self.server:
+            parents += f", {self.server / MIB:.0f} MiB by tritonserver itself"
+        return BudgetInUse(
+            f"memory budget full: model '{rec.id}' needs about {need / MIB:.0f} MiB and "
+            f"{self.used(rec) / MIB:.0f} of {self.budget_mb:g} MiB are held by models in use "
+            f"({', '.join(busy)}){parents}",
+            hint="retry when they are idle, or raise SNOOZE_MEMORY_BUDGET_MB",
+            retry_after=5,
+        )
+
+    def still_over(self, rec: ModelRecord, need: int, *, beside: int = 0) -> BudgetInUse | None:
+        """After a plan was carried out and freed nothing: the "wait" to raise (None: it fits after all)."""
+        if self.budget_mb is None:
+            return None
+        room = int(self.budget_mb * MIB) - self.server
+        need = min(need + beside, room)
+        return self._in_use(rec, need) if self.used(rec) + need > int(self.budget_mb * MIB) else None
+
+    async def plan_enforce(self, rec: ModelRecord | None = None) -> Plan | None:
+        """What to evict (idle models, not ``rec``) so that what the models hold fits the budget again, and
+        Triton's cgroup stays under its ceiling; None when both hold (or one model alone is left).
 
         Admission keeps loads within the budget on their estimates, but a load can measure more: a republish
         between the estimate and Triton's read of the files, a model never measured; loaded models and
         tritonserver itself grow (each sweep reads them again); and a restarted control plane adopts whatever
         Triton holds. Best effort: models in use stay, and one model alone may exceed it.
         """
-        if self.settings.memory_budget_mb is None:
-            return []
+        if self.budget_mb is None:
+            return None
         # what is held, not what loads in flight reserved: those make their own room
-        over = self.used(None, reserved=False) - int(self.settings.memory_budget_mb * MIB)
-        if over <= 0 or sum(1 for r in self.states.values() if r.holds_memory) <= 1:
-            return []
-        evicted = await self.evict(rec, over, "memory")
+        over = self.used(None, reserved=False) - int(self.budget_mb * MIB)
+        # the container's own count: over its ceiling, evict whatever the per-model sums say
+        ceiling = self.ceiling
+        over_cgroup = self.cgroup.usage - ceiling if self.cgroup is not None and ceiling is not None else 0
+        if max(over, over_cgroup) <= 0 or sum(1 for r in self.states.values() if r.holds_memory) <= 1:
+            return None
+        plan = await self.plan_evict(rec, max(over, over_cgroup), "memory")
+        plan.ceiling = over_cgroup > over
+        return plan
+
+    def enforced(
+        self, plan: Plan, evicted: list[str], rec: ModelRecord | None = None, *, estimate: int | None = None
+    ) -> None:
+        """Say what ``plan_enforce``'s plan, carried out, evicted."""
+        if plan.ceiling and self.cgroup is not None:
+            log.warning(
+                "Triton's cgroup holds %.0f MiB, %.0f MiB over its limit (%.0f MiB) less the headroom (the models "
+                "count %.0f MiB); evicted %s",
+                self.cgroup.usage / MIB,
+                (plan.amount or 0) / MIB,
+                (self.cgroup.limit or 0) / MIB,
+                self.used(None, reserved=False) / MIB,
+                ", ".join(evicted) or "nothing (the others are in use)",
+            )
+            return
         log.warning(
             "the Triton tree holds %.0f MiB more than the memory budget (%g MiB; tritonserver itself %.0f MiB)%s; "
             "evicted %s",
-            over / MIB,
-            self.settings.memory_budget_mb,
+            (plan.amount or 0) / MIB,
+            self.budget_mb,
             self.server / MIB,
             f" after '{rec.id}' measured {(rec.footprint or 0) / MIB:.0f} MiB"
             f"{f' (estimated {estimate / MIB:.0f} MiB)' if estimate is not None else ''}"
@@ -237,7 +291,20 @@ class MemoryBudget:
             else "",
             ", ".join(evicted) or "nothing (the others are in use)",
         )
-        return evicted
+
+    def totals(self) -> dict[str, int | None]:
+        """Both counts, for status: what the budget counts (models, tritonserver, parents: proportional bytes) and
+        the budget itself; Triton's cgroup usage (working set), its limit and the ceiling (None: not readable)."""
+        budget = self.budget_mb
+        cg = self.cgroup
+        return {
+            "accounted_bytes": self.used(None, reserved=False),
+            "models_bytes": self.used(None, reserved=False) - self.server - self.overhead,
+            "budget_bytes": int(budget * MIB) if budget is not None else None,
+            "cgroup_usage_bytes": cg.usage if cg is not None else None,
+            "cgroup_limit_bytes": cg.limit if cg is not None else None,
+            "cgroup_ceiling_bytes": self.ceiling,
+        }
 
     def candidate(self, rec: ModelRecord) -> Candidate:
         return Candidate(
@@ -251,7 +318,7 @@ class MemoryBudget:
         """``records`` in eviction order: a pre-warm nobody used yet first (it was a bet), then the policy's."""
         by_id = {r.id: r for r in records}
         ranked = [by_id[c.id] for c in self.policy.order([self.candidate(r) for r in records])]
-        return sorted(ranked, key=lambda r: not r.prewarmed_unused)  # stable: the policy's order within each
+        return bets_first(ranked, lambda r: r.prewarmed_unused)
 
     def loaded(self, rec: ModelRecord) -> None:
         self.policy.loaded(rec.id)
@@ -264,30 +331,19 @@ class MemoryBudget:
         """``count`` requests for the model were served since the last call (Triton's statistics)."""
         self.policy.accessed(rec.id, count)
 
-    async def evict(self, rec: ModelRecord | None, amount: int, reason: str) -> list[str]:
-        """Unload idle models but ``rec`` (``eviction_order``) until ``amount`` bytes are freed; their ids."""
+    async def plan_evict(self, rec: ModelRecord | None, amount: int, reason: str) -> Plan:
+        """Idle models but ``rec``, in ``eviction_order``, to unload until ``amount`` bytes are freed."""
         pending = await self._pending()
         candidates = self.eviction_order(
             [r for r in self.states.values() if r is not rec and r.state is ModelState.READY]
         )
-        freed, evicted = 0, []
-        for victim in candidates:
-            if freed >= amount:
-                break
-            # another load's eviction may have taken it meanwhile (loads make room in parallel)
-            if victim.state is not ModelState.READY or victim.op is not None or victim.users > 0:
-                continue
-            if pending.get(victim.id, 0.0) > 0:
-                continue
-            size = victim.footprint or 0
-            seen = self.candidate(victim)
-            try:
-                unloaded = await self._evict_one(victim, reason, rec.id if rec is not None else "the memory budget")
-            except SnoozeError as e:
-                log.warning("model '%s': eviction failed: %s", victim.id, e)
-                continue
-            if unloaded:
-                self.policy.evicted(seen)
-                freed += size
-                evicted.append(victim.id)
-        return evicted
+        victims = [v for v in candidates if v.op is None and v.users == 0 and pending.get(v.id, 0.0) <= 0]
+        return Plan(
+            victims,
+            reason,
+            rec.id if rec is not None else "the memory budget",
+            amount=amount,
+            sizes={v.id: v.footprint or 0 for v in victims},
+            seen={v.id: self.candidate(v) for v in victims},
+            policy=self.policy,
+        )

@@ -1,7 +1,7 @@
 """Video memory per model and GPU: measured, budgeted per GPU, least recently used evicted first.
 
 Measured per process through NVML where NVML's pids map to the ones seen here
-(``controlplane.gpu_memory``), else as what a load added to each GPU's used memory (loads are
+(``gpu_memory``), else as what a load added to each GPU's used memory (loads are
 serialised on a machine with a GPU, ``Loader._slot``, for that to hold). ``SNOOZE_GPU_MEMORY_BUDGET_MB`` applies to
 each GPU on its own: before a load, idle models holding memory on the GPUs it needs are unloaded until
 its estimate fits; after it, a measurement above the estimate evicts again; a load that fails with a
@@ -18,15 +18,21 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from controlplane.errors import UnavailableError
-from controlplane.gpu_budget import (
+from controlplane.lifecycle.memory.gpu_budget import (
     GpuResident,
     estimate_gpu_need,
     gpu_instances_per_device,
     plan_gpu_eviction,
     plan_gpu_oom_eviction,
 )
-from controlplane.gpu_memory import GpuLoadDelta, GpuProcessReader, NvmlPidMap, NvmlReader, per_model_gpu_bytes
-from controlplane.lifecycle.memory import EvictFn
+from controlplane.lifecycle.memory.gpu_memory import (
+    GpuLoadDelta,
+    GpuProcessReader,
+    NvmlPidMap,
+    NvmlReader,
+    per_model_gpu_bytes,
+)
+from controlplane.lifecycle.memory.plan import Plan
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.settings import Settings
 from controlplane.triton.processes import TritonProcesses
@@ -41,7 +47,6 @@ class GpuMemory:
         states: ModelStates,
         processes: TritonProcesses,
         *,
-        evict: EvictFn,
         pending: Callable[[], Awaitable[dict[str, float]]],
         reader: GpuProcessReader | None = None,
         pid_map: NvmlPidMap | None = None,
@@ -51,7 +56,6 @@ class GpuMemory:
         self.processes = processes
         self.reader: GpuProcessReader = reader if reader is not None else NvmlReader()
         self.pid_map = pid_map if pid_map is not None else NvmlPidMap()
-        self._evict_one = evict
         self._pending = pending
         self._devices: list[int] | None = None  # GPU indices, read once
 
@@ -105,41 +109,29 @@ class GpuMemory:
             return False
         return True
 
-    async def make_room(self, rec: ModelRecord, need: dict[int, int]) -> None:
-        """Unload idle models, least recently used first, until ``need`` fits each GPU's budget."""
+    async def plan_room(self, rec: ModelRecord, need: dict[int, int]) -> Plan | None:
+        """Idle models to unload, least recently used first, so that ``need`` fits each GPU's budget; None when it
+        fits (UnavailableError: it never can, or everything is in use). Carried out, then asked again."""
         budget = self.settings.gpu_memory_budget_mb
         if budget is None or not need:
-            return
-        for _ in range(len(self.states.records) + 1):  # each pass unloads at least one model, or stops
-            victims = plan_gpu_eviction(rec.id, need, await self.residents(rec), budget)
-            if not victims:
-                return
-            if not await self._evict(victims, rec, "gpu_memory"):
-                return
+            return None
+        return self._plan(plan_gpu_eviction(rec.id, need, await self.residents(rec), budget), rec, "gpu_memory")
 
-    async def enforce(self, rec: ModelRecord) -> None:
-        """After a load measured more than its estimate: evict others until every GPU is within budget."""
+    async def plan_enforce(self, rec: ModelRecord) -> Plan | None:
+        """After a load measured more than its estimate: others to evict until every GPU is within budget."""
         budget = self.settings.gpu_memory_budget_mb
         if budget is None or not rec.gpu_footprint:
-            return
+            return None
         others = await self.residents(rec)
-        victims = plan_gpu_eviction(rec.id, rec.gpu_footprint, others, budget)
-        await self._evict(victims, rec, "gpu_memory")
+        return self._plan(plan_gpu_eviction(rec.id, rec.gpu_footprint, others, budget), rec, "gpu_memory")
 
-    async def evict_for_oom(self, rec: ModelRecord, need: dict[int, int]) -> list[str]:
-        """A load failed with a CUDA out-of-memory: unload idle models on its GPUs (best effort)."""
-        victims = plan_gpu_oom_eviction(need, await self.residents(rec))
-        return await self._evict(victims, rec, "gpu_oom")
+    async def plan_oom(self, rec: ModelRecord, need: dict[int, int]) -> Plan | None:
+        """A load failed with a CUDA out-of-memory: the idle models on its GPUs (best effort)."""
+        return self._plan(plan_gpu_oom_eviction(need, await self.residents(rec)), rec, "gpu_oom")
 
-    async def _evict(self, victims: list[str], rec: ModelRecord, reason: str) -> list[str]:
-        evicted = []
-        for model_id in victims:
-            victim = self.states.get(model_id)
-            if victim is None or victim.op is not None or victim.state is not ModelState.READY:
-                continue
-            if await self._evict_one(victim, reason, rec.id):
-                evicted.append(model_id)
-        return evicted
+    def _plan(self, victims: list[str], rec: ModelRecord, reason: str) -> Plan | None:
+        records = [v for v in (self.states.get(m) for m in victims) if v is not None]
+        return Plan(records, reason, rec.id) if records else None
 
     async def before_load(self) -> GpuLoadDelta | None:
         if not await self.devices():
@@ -187,4 +179,4 @@ class GpuMemory:
             close()
 
 
-__all__ = ["EvictFn", "GpuMemory"]
+__all__ = ["GpuMemory"]
