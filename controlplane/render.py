@@ -25,9 +25,9 @@ from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
 from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
 from controlplane.warmup import warmup_plan, warmup_view
+from python_backend.spec import SPEC_FILE as RUNTIME_FILE
 
 VERSION = "1"
-RUNTIME_FILE = "snooze_runtime.json"
 PACKAGE_SUBDIR = "package"
 RUNTIME_SUBDIR = "python_backend"
 DEPLOYMENT_FILE = "snooze_deployment.json"  # what was published; lets a restarted control plane recover

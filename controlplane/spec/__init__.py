@@ -31,8 +31,6 @@ from controlplane.spec.schema import (
     MANIFEST_FILE,
     MODEL_ID_PATTERN,
     MODULE_NAME_PATTERN,
-    ONNX_FILE,
-    PLAN_FILE,
     DeploymentSpec,
     Device,
     Manifest,
@@ -45,6 +43,7 @@ from controlplane.spec.schema import (
     is_decoupled,
     python_specifier,
 )
+from converters.files import ONNX_FILE, PLAN_FILE
 
 __all__ = [
     "CUSTOM_ENTRYPOINT",

@@ -11,11 +11,10 @@ from controlplane.errors import InvalidPackageError
 from controlplane.spec.schema import (
     CUSTOM_ENTRYPOINT,
     ENTRY_POINT_GROUP,
-    ONNX_FILE,
-    PLAN_FILE,
     DeploymentSpec,
     format_validation_error,
 )
+from converters.files import ONNX_FILE, PLAN_FILE
 
 
 def load_models_toml(path: str | Path) -> list[DeploymentSpec]:

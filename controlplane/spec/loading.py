@@ -17,9 +17,7 @@ from controlplane.errors import InvalidPackageError
 from controlplane.spec.schema import (
     CUSTOM_ENTRYPOINT,
     MANIFEST_FILE,
-    ONNX_FILE,
     PARAM_TYPES,
-    PLAN_FILE,
     DeploymentSpec,
     Manifest,
     ModelPackage,
@@ -28,6 +26,7 @@ from controlplane.spec.schema import (
     TensorSpec,
     format_validation_error,
 )
+from converters.files import ONNX_FILE, PLAN_FILE
 
 _IGNORED_NAMES = {"__pycache__", ".git", ".ipynb_checkpoints", ".DS_Store"}
 

@@ -27,8 +27,6 @@ from controlplane.source_inspect import predict_is_generator
 
 MANIFEST_FILE = "snooze_model.json"
 CUSTOM_ENTRYPOINT = "snooze_model.py"
-ONNX_FILE = "model.onnx"
-PLAN_FILE = "model.plan"
 ENTRY_POINT_GROUP = "snoozeml.models"
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
 MODULE_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
