@@ -277,6 +277,7 @@ def is_decoupled(package: ModelPackage) -> bool:
 
 
 def format_validation_error(exc: ValidationError, where: str) -> str:
+    """A validation error of these models in the user's words, each field named (loading and discovery)."""
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(root)"
