@@ -25,7 +25,7 @@ from typing import Any
 
 from bench._load import Job, LoadWorker
 from bench.common import EXAMPLES, ROOT
-from controlplane.render import embedded_target, render_repository
+from controlplane.render import RUNTIME_FILE, VERSION, embedded_target, render_repository
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.journal import REQUEST_ID_HEADER
@@ -81,7 +81,7 @@ def build_repository(repo: Path) -> dict[str, Any]:
     )
     render_repository([spec, no_limit], repo, embedded_target())
     # snoozeml's manifest requires a limit; a runtime spec may have none (as a hand-edited one would).
-    runtime_json = repo / NO_LIMIT / "1" / "snooze_runtime.json"
+    runtime_json = repo / NO_LIMIT / VERSION / RUNTIME_FILE
     runtime_json.write_text(json.dumps({**json.loads(runtime_json.read_text()), "request_timeout_secs": None}))
     hand = repo / HANDWRITTEN
     (hand / "1").mkdir(parents=True)

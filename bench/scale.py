@@ -22,8 +22,9 @@ def make_packages(root: Path, n: int) -> list[Path]:
 
 
 def render_all(packages: list[Path], repo: Path) -> dict[str, float]:
-    from controlplane.render import embedded_target, render_model, write_model
+    from controlplane.render import embedded_target, render_model
     from controlplane.spec import DeploymentSpec, resolve
+    from controlplane.store.transactions import write_model
 
     target = embedded_target()
     t_resolve = t_render = t_write = 0.0

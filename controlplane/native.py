@@ -55,15 +55,14 @@ from controlplane.spec import (
     load_package,
     validate_params,
 )
+from converters.files import ONNX_FILE, PLAN_FILE
+from converters.worker import PROGRESS_PREFIX
 
-ONNX_FILE = "model.onnx"
-PLAN_FILE = "model.plan"
 PARITY_FILE = "parity.json"
 PROVENANCE_DIR = "provenance"
 REJECTED_DIR = "rejected"
 DEFAULT_OPSET = 18  # converters.torch_export.DEFAULT_OPSET, without importing it here
 DEFAULT_TIMEOUT_SECS = 900.0
-PROGRESS_PREFIX = "progress: "  # converters.worker.PROGRESS_PREFIX
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 Progress = Callable[[str], None]

@@ -17,10 +17,11 @@ import queue
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from controlplane.source_inspect import required_imports
 from python_backend.import_probe import IMPORT_TIMEOUT_SECS, ML_FRAMEWORKS
 
 __all__ = [
@@ -174,7 +175,7 @@ def missing_modules(package_dir: Path, files: Iterable[str]) -> list[tuple[str, 
             tree = ast.parse((package_dir / rel).read_bytes(), filename=rel)
         except (SyntaxError, ValueError):
             continue  # the import check reports a file that does not parse
-        for line, name in _required_imports(tree):
+        for line, name in required_imports(tree):
             top = name.split(".")[0]
             if top in own or top in sys.stdlib_module_names or top in sys.builtin_module_names:
                 continue
@@ -185,25 +186,3 @@ def missing_modules(package_dir: Path, files: Iterable[str]) -> list[tuple[str, 
             if spec is None:
                 found.append((rel, line, top))
     return sorted(found)
-
-
-def _required_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
-    """(line, module) of absolute imports that are not guarded by ``except ImportError``."""
-    guarded: set[int] = set()  # ids of nodes inside a try body whose handlers catch ImportError
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
-            guarded.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
-    for node in ast.walk(tree):
-        if id(node) in guarded:
-            continue
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            yield node.lineno, node.module
-
-
-def _catches_import_error(handler: ast.ExceptHandler) -> bool:
-    names = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
-    kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
-    return handler.type is None or any(isinstance(k, ast.Name) and k.id in names for k in kinds)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from converters.errors import ParityError
+from converters.files import ONNX_FILE
 from converters.parity import ParityReport, Tolerance, check_parity
 from converters.signature import PackageSignature
 from converters.torch_export import (
@@ -25,7 +26,6 @@ from converters.torch_export import (
     load_export_hook,
 )
 
-ONNX_FILE = "model.onnx"
 PARITY_FILE = "parity.json"
 
 

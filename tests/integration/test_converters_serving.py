@@ -16,8 +16,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from controlplane.native import NativeDecision, prefer_native
-from controlplane.render import RUNTIME_FILE, embedded_target, render_model, write_model
+from controlplane.render import RUNTIME_FILE, embedded_target, render_model
 from controlplane.spec import DeploymentSpec, PackageKind, resolve
+from controlplane.store.transactions import write_model
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
 from controlplane.validate import OK, validate_repository

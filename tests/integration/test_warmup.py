@@ -18,8 +18,9 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from controlplane.render import embedded_target, render_model, write_model
+from controlplane.render import embedded_target, render_model
 from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store.transactions import write_model
 
 pytestmark = pytest.mark.integration
 

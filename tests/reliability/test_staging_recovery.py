@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from controlplane.render import _writer, recover_staging
+from controlplane.store.transactions import _writer, recover_staging
 
 
 def dead_pid() -> int:
@@ -67,11 +67,11 @@ def test_a_repository_at_a_mount_root_stages_inside_itself(tmp_path, monkeypatch
     from serve_harness import write_package
 
     from controlplane import render
-    from controlplane.render import INNER_STAGING
     from controlplane.spec import DeploymentSpec, resolve
-    from controlplane.store import ModelStore
+    from controlplane.store import ModelStore, transactions
+    from controlplane.store.transactions import INNER_STAGING
 
-    monkeypatch.setattr(render, "_same_filesystem", lambda a, b: False)
+    monkeypatch.setattr(transactions, "_same_filesystem", lambda a, b: False)
     repo = tmp_path / "models"
     store = ModelStore(repo, render.embedded_target())
     store.publish(resolve(DeploymentSpec(id="m", path=write_package(tmp_path / "pkg"))))

@@ -18,9 +18,9 @@ from controlplane.render import (
     parse_config,
     render_model,
     render_repository,
-    write_model,
 )
 from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store.transactions import write_model
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
 """The set of published models. The generated repository is the source of truth: each model
-folder carries its ``snooze_deployment.json``, so a restarted control plane recovers every model."""
+folder carries its ``snooze_deployment.json``, so a restarted control plane recovers every model.
+Its writes go through ``controlplane.store.transactions`` (one rename per model folder)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.errors import NotFoundError
-from controlplane.render import (
-    DEPLOYMENT_FILE,
-    TritonTarget,
-    recover_staging,
-    remove_model,
-    render_model,
-    repository_lock,
-    write_model,
-)
+from controlplane.render import DEPLOYMENT_FILE, TritonTarget, render_model
 from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec
+from controlplane.store.transactions import recover_staging, remove_model, repository_lock, write_model
 
 # A read that meets a republish between its two renames tries again (the window is two syscalls wide).
 GET_TRIES, GET_RETRY_SECS = 3, 0.002

@@ -1,0 +1,58 @@
+"""Reading user code without running it: ``ast`` walks over a package's Python source.
+
+The control plane never imports user code; what it needs to know about that code (is ``predict`` a
+generator, which modules does a file import) is read from the parsed source here. Standard library only.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+
+def predict_is_generator(source: str, class_name: str) -> bool:
+    """Whether ``class_name.predict`` in ``source`` is a generator function, read from the source
+    (``ast``; the control plane never runs user code): a ``yield`` in its own body, not a nested one."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.name == "predict":
+                    return _yields(item)
+    return False
+
+
+def _yields(function: ast.AST) -> bool:
+    stack = list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+def required_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, module) of absolute imports that are not guarded by ``except ImportError``."""
+    guarded: set[int] = set()  # ids of nodes inside a try body whose handlers catch ImportError
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
+            guarded.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+
+
+def _catches_import_error(handler: ast.ExceptHandler) -> bool:
+    names = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+    kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return handler.type is None or any(isinstance(k, ast.Name) and k.id in names for k in kinds)

@@ -1,0 +1,180 @@
+"""The repository's write transactions: a model folder written, replaced or removed with one rename, so a
+reader (Triton, another node of a fleet) never sees half a model; writers serialised by a lock on the
+shared filesystem; and what a killed writer left behind cleaned up at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import shutil
+import socket
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the renderer imports the store's writer, so its type is not imported at run time
+    from controlplane.render import RenderedModel
+
+INNER_STAGING = ".snooze-staging"
+
+
+def _staging_roots(repo: Path) -> tuple[Path, Path]:
+    return repo.parent / f".{repo.name}.staging", repo / INNER_STAGING
+
+
+def _staging_root(repo: Path) -> Path:
+    """Staging must be on the repository's filesystem (rename is atomic only there). Beside the
+    repository where its parent is writable and on that filesystem, so Triton never sees it; else (the
+    repository is a volume's mount root, as in the containers) a hidden folder inside it, which Triton
+    lists in its index but never loads, and which snoozeml skips."""
+    outside, inside = _staging_roots(repo)
+    with contextlib.suppress(OSError):
+        outside.mkdir(parents=True, exist_ok=True)
+        if _same_filesystem(outside, repo):
+            return outside
+    inside.mkdir(parents=True, exist_ok=True)
+    return inside
+
+
+def _same_filesystem(a: Path, b: Path) -> bool:
+    return a.stat().st_dev == b.stat().st_dev
+
+
+def _materialise(rendered: RenderedModel, folder: Path) -> None:
+    for src, rel in rendered.copies:
+        dest = folder / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dest)
+    for rel, content in rendered.writes.items():
+        dest = folder / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(content)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # filesystem or kernel without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _writer() -> str:
+    """``<host>.<pid>``: who writes a staging folder. The repository may be shared by the nodes of a fleet
+    (one filesystem, several machines), so a pid alone does not name a writer."""
+    host = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "localhost"
+    return f"{host}.{os.getpid()}"
+
+
+@contextlib.contextmanager
+def repository_lock(repo: Path) -> Iterator[None]:
+    """Serialise writers of one repository across processes and machines (flock on the shared filesystem)."""
+    with open(_staging_root(Path(repo)) / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def write_model(rendered: RenderedModel, repo: Path) -> Path:
+    """Write one model folder into ``repo`` atomically; an existing folder is replaced whole."""
+    repo = Path(repo)
+    repo.mkdir(parents=True, exist_ok=True)
+    # <model>@<host>.<pid>.<random>: recover_staging() tells a killed writer's leftovers by host and pid.
+    staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}@{_writer()}.", dir=_staging_root(repo)))
+    final = repo / rendered.model_id
+    try:
+        _materialise(rendered, staging / "model")
+        if final.exists():
+            # One atomic swap where the kernel offers it: readers never see the model missing.
+            if not _exchange(staging / "model", final):
+                retired = staging / "retired"
+                os.rename(final, retired)
+                try:
+                    os.rename(staging / "model", final)
+                except OSError:
+                    os.rename(retired, final)  # put the old model back: nothing changed
+                    raise
+        else:
+            os.rename(staging / "model", final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+
+def remove_model(repo: Path, model_id: str) -> bool:
+    """Take a model folder out of the repository with one rename, then delete it."""
+    final = Path(repo) / model_id
+    if not final.exists():
+        return False
+    graveyard = _staging_root(Path(repo)) / f"{model_id}@{_writer()}.removed{uuid.uuid4().hex[:8]}"
+    os.rename(final, graveyard)
+    shutil.rmtree(graveyard, ignore_errors=True)
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_staging(repo: Path) -> list[str]:
+    """Clean up after writers that were killed mid-write (their pid is in the staging folder's name).
+
+    A killed publish leaves its staging folder (possibly large); one killed between its two renames
+    also leaves the previous version in ``retired/`` with no model in the repository: that version is
+    put back. Folders of live processes, and names not written by this module, are left alone.
+    Returns the names of the folders removed.
+    """
+    removed = []
+    for root in _staging_roots(Path(repo)):
+        if root.is_dir():
+            removed += _recover_in(root, Path(repo))
+    return removed
+
+
+def _recover_in(root: Path, repo: Path) -> list[str]:
+    removed = []
+    host = _writer().rpartition(".")[0]
+    for entry in sorted(p for p in root.iterdir() if p.is_dir()):
+        model_id, at, writer = entry.name.partition("@")
+        if at:  # <model>@<host>.<pid>.<random>: only this host's writers can be checked from here
+            writer_host, _, rest = writer.rpartition(".")
+            writer_host, _, pid = writer_host.rpartition(".")
+            if writer_host != host:
+                continue
+        else:  # written before fleets: <model>.<pid>.<random>
+            model_id, _, rest = entry.name.rpartition(".")
+            model_id, _, pid = model_id.rpartition(".")
+        if not model_id or not pid.isdigit() or not rest or _pid_alive(int(pid)):
+            continue
+        retired, final = entry / "retired", Path(repo) / model_id
+        if retired.is_dir() and not final.exists():
+            os.rename(retired, final)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry.name)
+    return removed
