@@ -10,7 +10,6 @@ after unloads and recoveries.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -124,6 +123,7 @@ class ModelRecord:
     config_override: dict[str, Any] | None = None
     override_loaded: bool = False  # Triton holds the model loaded with a client's override
     dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
+    load_cancelled: str | None = None  # why its last load was cancelled (cancel.py): its waiters' 503 says it
 
     @property
     def last_access(self) -> float | None:
@@ -234,8 +234,13 @@ class ModelStates:
             if busy.done():  # ended, but the callback that clears rec.op has not run: awaiting it would not yield
                 await asyncio.sleep(0)
                 continue
-            with contextlib.suppress(SnoozeError):
+            try:
                 await asyncio.shield(busy)
+            except SnoozeError:
+                pass
+            except asyncio.CancelledError:  # a cancelled load (cancel.py) has settled too; else this task is cancelled
+                if not busy.cancelled():
+                    raise
 
     async def wait_all(self) -> None:
         ops = [r.op for r in self.records.values() if r.op is not None]
