@@ -164,7 +164,7 @@ class LifecycleManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        await asyncio.gather(*(self.cancel_load(rec, "stopping") for rec in self.states.values()))
+        await self.cancel_loads("stopping")
         await self.states.wait_all()
         self.sequences.release_all()
         self.gpu.close()
@@ -434,18 +434,15 @@ class LifecycleManager:
                         retry_after=self._retry_after(rec),
                     ) from None
                 except asyncio.CancelledError:
-                    if not op.cancelled() or rec.load_cancelled is None:
+                    if not op.cancelled() or self._cancelled_why(rec, op) is None:
                         raise  # this request itself was cancelled
-                    self._deleted_during_load(rec)
-                    raise UnavailableError(
-                        f"model '{model_id}' is not loaded: its load was cancelled ({rec.load_cancelled})",
-                        hint="retry the request: it loads the model again if it is still published",
-                        retry_after=self._retry_after(rec),
-                    ) from None
+                    raise self._cancelled_error(rec, op) from None
                 except WakeQueueTimeout as e:  # the load gave up the queue: the last of its wake-ups' bounds passed
                     self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=e.kind).inc()
                     raise UnavailableError(e.message, hint=e.hint, retry_after=e.retry_after) from e
                 except SnoozeError as e:
+                    if self._cancelled_why(rec, op) is not None:  # it failed because it was cancelled
+                        raise self._cancelled_error(rec, op) from e
                     if rec.state is ModelState.FAILED:
                         raise UnavailableError(
                             f"model '{model_id}' is unavailable: {rec.reason}",
@@ -604,27 +601,40 @@ class LifecycleManager:
         return self.status(model_id)
 
     @staticmethod
-    def _deleted_during_load(rec: ModelRecord) -> None:
-        if rec.load_cancelled == "deleted":  # as for any model that is not published
-            raise NotFoundError(f"model '{rec.id}' was deleted during its load", hint="publish it again to serve it")
+    def _cancelled_why(rec: ModelRecord, load: asyncio.Task[Any]) -> str | None:
+        return rec.load_cancelled[1] if rec.load_cancelled is not None and rec.load_cancelled[0] is load else None
+
+    def _cancelled_error(self, rec: ModelRecord, load: asyncio.Task[Any]) -> SnoozeError:
+        """What a request (or an API load) that waited on a cancelled load is answered."""
+        why = self._cancelled_why(rec, load)
+        if why == "deleted":  # as for any model that is not published
+            return NotFoundError(f"model '{rec.id}' was deleted during its load", hint="publish it again to serve it")
+        return UnavailableError(
+            f"model '{rec.id}' is not loaded: its load was cancelled ({why})",
+            hint="retry: the next request loads the model again if it is still published",
+            retry_after=self._retry_after(rec),
+        )
 
     async def _loading(self, rec: ModelRecord, load: asyncio.Task[Any]) -> None:
         """Await an API load: a cancelled one (an unload, a delete, a republish or a stop came) is a 503."""
         try:
             await asyncio.shield(load)
-        except asyncio.CancelledError:
-            if not load.cancelled() or rec.load_cancelled is None:
+        except (asyncio.CancelledError, SnoozeError) as e:
+            itself = isinstance(e, asyncio.CancelledError) and not load.cancelled()  # this caller was cancelled
+            if itself or self._cancelled_why(rec, load) is None:
                 raise
-            self._deleted_during_load(rec)
-            raise UnavailableError(
-                f"model '{rec.id}' is not loaded: its load was cancelled ({rec.load_cancelled})",
-                hint="load it again if it is still wanted",
-                retry_after=self._retry_after(rec),
-            ) from None
+            raise self._cancelled_error(rec, load) from None
+
+    async def cancel_loads(self, why: str) -> list[str]:
+        """Cancel every load in flight (a stop); the models whose load was cancelled."""
+        records = list(self.states.values())
+        done = await asyncio.gather(*(self.cancel_load(rec, why) for rec in records))
+        return [rec.id for rec, cancelled in zip(records, done, strict=True) if cancelled]
 
     async def cancel_load(self, rec: ModelRecord, why: str) -> bool:
         """End the model's load in flight now (cancel.py); False when none was."""
-        return await cancel_load(self.states, self.processes, self.journal_dir, self.triton, rec, why)
+        queued = self.loader.queued(rec)
+        return await cancel_load(self.states, self.processes, self.journal_dir, self.triton, rec, why, queued=queued)
 
     async def unload(self, model_id: str, *, reason: str = "api") -> ModelStatus:
         rec = self.states.record(model_id)

@@ -123,7 +123,8 @@ class ModelRecord:
     config_override: dict[str, Any] | None = None
     override_loaded: bool = False  # Triton holds the model loaded with a client's override
     dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
-    load_cancelled: str | None = None  # why its last load was cancelled (cancel.py): its waiters' 503 says it
+    # the load task cancel.py ended and why: the requests that waited on that task are told so
+    load_cancelled: tuple[asyncio.Task[Any], str] | None = None
 
     @property
     def last_access(self) -> float | None:
