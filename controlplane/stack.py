@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -281,6 +282,10 @@ class ServingStack:
         await asyncio.wait({wait, force}, return_when=asyncio.FIRST_COMPLETED)
         force.cancel()
 
+    @property
+    def forced(self) -> bool:
+        return self._force.is_set()
+
     def force(self) -> None:
         """A second Ctrl-C, or a SIGTERM during a graceful stop: skip the waits, SIGKILL tritonserver's and
         Envoy's process groups now (stubs, preforked parents and workers are in Triton's), and end this
@@ -360,6 +365,10 @@ async def serve_until_signal(stack: ServingStack) -> int:
             await stack.stop()
     # the last line of the log: every process of the stack has exited (a crash would not print it)
     stack.console.print(f"stopped: gateway, control plane and Triton exited ({time.monotonic() - started:.1f}s)")
+    if stack.forced:  # no wait for worker threads still in a drain: the servers are gone already
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     return 0
 
 
