@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from rich.console import Console
 
 from controlplane.errors import SnoozeError
 from controlplane.metrics import SnoozeMetrics
+from controlplane.processes import kill_group
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
@@ -221,6 +225,9 @@ class ServingStack:
                 await asyncio.wait_for(self._api_task, timeout=5)
 
         deadline = time.monotonic() + s.shutdown_grace_secs
+        cancel_loads = getattr(self.lifecycle, "cancel_loads", None)
+        if cancel_loads is not None:  # a stop never waits for a load (it may hang): cancelled, its waiters told
+            await step("loads in flight", lambda: cancel_loads("stopping"))
         if self.lifecycle is not None:  # first, while the gateway still admits: their next requests must get in
             await step("live sequences", lambda: self._wait_sequences(s.shutdown_grace_secs))
         if self.gateway is not None:
@@ -275,8 +282,24 @@ class ServingStack:
         await asyncio.wait({wait, force}, return_when=asyncio.FIRST_COMPLETED)
         force.cancel()
 
+    @property
+    def forced(self) -> bool:
+        return self._force.is_set()
+
     def force(self) -> None:
+        """A second Ctrl-C, or a SIGTERM during a graceful stop: skip the waits, SIGKILL tritonserver's and
+        Envoy's process groups now (stubs, preforked parents and workers are in Triton's), and end this
+        process within FORCE_EXIT_SECS whatever the rest of the stop is doing."""
+        if self._force.is_set():
+            return
         self._force.set()
+        for server in (self.triton_process, self.gateway):
+            pid = getattr(server, "pid", None)
+            if pid:
+                kill_group(pid)
+        timer = threading.Timer(FORCE_EXIT_SECS, _exit_forced)
+        timer.daemon = True
+        timer.start()
 
     # ------------------------------------------------------------------ report
 
@@ -293,6 +316,15 @@ class ServingStack:
         if self.store is not None:
             lines.append(f"models: {', '.join(self.store.ids()) or '(none yet: snoozectl publish PATH)'}")
         return "\n".join(lines)
+
+
+# After a forced stop, how long the remaining steps get before the process exits regardless.
+FORCE_EXIT_SECS = 1.5
+
+
+def _exit_forced() -> None:
+    print("stopped: forced (a second Ctrl-C or SIGTERM); tritonserver and Envoy were killed", flush=True)
+    os._exit(130)
 
 
 @contextlib.contextmanager
@@ -333,6 +365,10 @@ async def serve_until_signal(stack: ServingStack) -> int:
             await stack.stop()
     # the last line of the log: every process of the stack has exited (a crash would not print it)
     stack.console.print(f"stopped: gateway, control plane and Triton exited ({time.monotonic() - started:.1f}s)")
+    if stack.forced:  # no wait for worker threads still in a drain: the servers are gone already
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     return 0
 
 

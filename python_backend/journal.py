@@ -65,6 +65,28 @@ def own_file(directory: str, suffix: str) -> str:
     return os.path.join(directory, f"{os.getpid()}-{start_ticks()}{suffix}")
 
 
+PHASE_SUFFIX = ".phase"
+
+
+def note_phase(phase: str, *, stub: tuple[int, int] | None = None, **fields: Any) -> None:
+    """Say which part of a load this model process is in (import, load, warm-up; "ready" once done), in
+    ``<journal dir>/<stub pid>-<start ticks>.phase``: a load the control plane abandons at its timeout is
+    reported with the phase it hung in. ``stub``: (pid, start ticks) of the stub, when a preforked worker
+    writes it for its stub."""
+    directory = os.environ.get(JOURNAL_ENV)
+    if not directory:
+        return
+    try:
+        pid, ticks = stub if stub is not None else (os.getpid(), start_ticks())
+        path = os.path.join(directory, f"{pid}-{ticks}{PHASE_SUFFIX}")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"phase": phase, "since": time.time(), "pid": os.getpid(), **fields}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
 def clear_batch() -> None:
     """Empty this process's journal: the batch in it never reached a model process (its preforked
     worker was already gone), so the control plane may send those requests again after recovery."""

@@ -13,7 +13,8 @@ FORKED    worker -> stub  JSON ``{"pid", "start_ticks"}``, first thing after the
 READY     worker -> stub  JSON ``{"import_secs", "load_secs"}``: ``load`` returned
 INFER     stub -> worker  tensors (below)
 RESULT    worker -> stub  tensors (below); also the answer to SHUTDOWN (no tensors)
-ERROR     worker -> stub  JSON ``{"kind", "message", "stage"}`` (kind and message as errors.py)
+ERROR     worker -> stub  JSON ``{"kind", "message", "stage"}`` (kind and message as errors.py);
+          parent -> stub  JSON ``{"kind": "refused", "message"}`` instead of forking (it is not fork-safe)
 SHUTDOWN  stub -> worker  empty: run ``unload`` and exit
 STREAM    stub -> worker  tensors: one request of a decoupled model (``predict`` is a generator)
 ITEM      worker -> stub  tensors: one result the generator yielded; the worker waits for NEXT or CANCEL
@@ -51,6 +52,8 @@ FRAME_NAMES = {
     INFER: "INFER", RESULT: "RESULT", ERROR: "ERROR", SHUTDOWN: "SHUTDOWN",
     STREAM: "STREAM", ITEM: "ITEM", NEXT: "NEXT", CANCEL: "CANCEL", END: "END",
 }  # fmt: skip
+
+REFUSED = "refused"  # an ERROR's kind when the parent will not fork: the stub loads the model itself
 
 MAX_FRAME = 1 << 16  # JSON frames (an error message with a traceback summary fits many times over)
 MIN_REGION = 1 << 16

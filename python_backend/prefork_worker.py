@@ -23,7 +23,7 @@ from typing import Any
 
 from .batching import check_outputs, check_raw_outputs
 from .errors import describe_failure, without_prefix
-from .journal import start_ticks
+from .journal import note_phase, start_ticks
 from .prefork_protocol import (
     CANCEL,
     END,
@@ -126,10 +126,13 @@ def _run(conn: socket.socket, request: SpawnRequest) -> int:
         model_id = spec.model_id
         os.environ.update(spec.env)  # before the user's import, as in the stub
         stage = "import"
+        stub = (request.stub_pid, request.stub_start_ticks)
+        note_phase("import", stub=stub, worker=os.getpid())  # in its stub's note: the control plane reads that
         started = time.perf_counter()
         model = build_model(spec, request.package_dir)
         imported = time.perf_counter()
         stage = "load"
+        note_phase("load", stub=stub, worker=os.getpid())
         model.load(request.package_dir, request.device)
         loaded = time.perf_counter()
     except Exception as e:

@@ -50,6 +50,7 @@ from .prefork_protocol import (
     ITEM,
     NEXT,
     READY,
+    REFUSED,
     RESULT,
     SHUTDOWN,
     SPAWN,
@@ -307,6 +308,12 @@ class PreforkedModel:
             raise PreforkUnavailable(f"the parent closed the connection before forking ({type(e).__name__})") from e
         if fd is not None:
             os.close(fd)
+        if kind == ERROR:  # the parent refused to fork (threads that do not survive one): it said why
+            conn.close()
+            payload = parse_json(kind, body)
+            if payload.get("kind") == REFUSED:
+                raise PreforkUnavailable(str(payload.get("message", "the parent refused to fork")))
+            raise ProtocolError(f"the parent answered SPAWN with an error: {payload.get('message')}")
         if kind != FORKED:
             conn.close()
             raise ProtocolError(f"expected FORKED from the worker, got frame type {kind}")

@@ -21,7 +21,7 @@ import numpy as np
 from .batching import BatchPlan
 from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure, prefix
 from .exits import OVERRUN_EXIT_CODE
-from .journal import RequestJournal
+from .journal import RequestJournal, note_phase
 from .runners import PredictWatchdog, build_model, call_with_limit, device_for
 from .sequences import SEQUENCE_END, SEQUENCE_START, SequenceNote
 from .spec import RuntimeSpec, load_spec, spec_path
@@ -122,8 +122,10 @@ class TritonPythonModel:
         self._instance = args.get("model_instance_name", spec.model_id)
         stage = "import"
         try:
+            note_phase("import")
             self._model = _serving_model(spec, package_dir)
             stage = "load"
+            note_phase("load")
             self._model.load(package_dir, device)
         except Exception as e:
             # The kind prefix tells the control plane an out-of-memory load apart from a broken model.
@@ -155,7 +157,9 @@ class TritonPythonModel:
         self._note = WarmupNote.from_environment(spec.model_id) if not spec.decoupled and not spec.sequence else None
         self._learn = self._note is not None
         if not spec.decoupled and not spec.sequence:  # the renderer gives those no warm-up sample
+            note_phase("warm-up")
             self._warm_up(args, spec)
+        note_phase("ready")
         self._watch = None
         if self._timeout:
             self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")

@@ -41,6 +41,7 @@ def register(app: typer.Typer) -> None:
 
         The repository API needs the header `snooze-admin: $SNOOZE_TRITON_ADMIN_KEY` when that variable is set.
         """
+        from controlplane.processes import kill_group
         from controlplane.settings import Settings
         from controlplane.triton.launcher import EmbeddedTriton
 
@@ -61,8 +62,14 @@ def register(app: typer.Typer) -> None:
                 admin_key=key,
             )
             stop = threading.Event()
+
+            def on_signal(*_: object) -> None:
+                if stop.is_set() and server.pid:  # a second Ctrl-C, or SIGTERM during the stop: no graceful wait
+                    kill_group(server.pid)  # tritonserver, its stubs and preforked parents and workers
+                stop.set()
+
             for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
+                signal.signal(sig, on_signal)
             server.start()
         except SnoozeError as exc:
             raise fail(exc, as_json) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,8 +111,15 @@ async def run_until_signal(service: FleetService, console: Console) -> int:
     """Start ``service``, serve until SIGINT/SIGTERM (0) or until it fails on its own (1), stop it."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
+
+    def on_signal() -> None:
+        if stopping.is_set():  # a second Ctrl-C, or SIGTERM during the stop: its children die with it (PDEATHSIG)
+            console.print("stopping: forced", highlight=False)
+            os._exit(130)
+        stopping.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stopping.set)
+        loop.add_signal_handler(sig, on_signal)
     code = 0
     try:
         await service.start()

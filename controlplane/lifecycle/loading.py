@@ -41,6 +41,7 @@ from controlplane.render import parse_config
 from controlplane.settings import Settings
 from controlplane.store import PublishedModel
 from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.journal import hung_phase
 from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
@@ -427,6 +428,7 @@ class Loader:
         except TimeoutError:
             pass
         started = [s for s in await self._stubs(rec) if s.pid not in before]
+        phase = hung_phase(self.journal_dir, started)  # read before the kill: the notes go with the stubs
         killed = await asyncio.to_thread(end_model_processes, self.processes, self.journal_dir, started)
         if self.processes.visible:
             log.warning("model '%s': load exceeded %gs; killed its model processes %s", rec.id, timeout, killed)
@@ -445,7 +447,7 @@ class Loader:
                 await asyncio.sleep(0.1)
         raise TritonModelLoadError(
             rec.id,
-            f"load exceeded load_timeout_secs={timeout:g}",
+            f"load exceeded load_timeout_secs={timeout:g}" + (f": it hung in {phase}" if phase else ""),
             hint="make the model's load() faster, or raise load_timeout_secs in its snooze_model.json",
         )
 

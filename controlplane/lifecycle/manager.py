@@ -27,8 +27,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from controlplane.errors import ConflictError, SnoozeError, UnavailableError
+from controlplane.errors import ConflictError, NotFoundError, SnoozeError, UnavailableError
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
+from controlplane.lifecycle.cancel import cancel_load
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, Loader, NoRoomToPrewarm, WakeQueueTimeout, rendered_config
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.memory.cgroup import CgroupMemory, TritonCgroup
@@ -159,13 +160,15 @@ class LifecycleManager:
             ]
 
     async def stop(self) -> None:
-        """Stop sweeping and wait for running transitions; models stay loaded in Triton."""
+        """Stop sweeping, cancel loads in flight (a load may hang: a stop never waits for one) and wait for the
+        other running transitions; models stay loaded in Triton."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        await self.cancel_loads("stopping")
         await self.states.wait_all()
         self.sequences.release_all()
         self.gpu.close()
@@ -438,10 +441,16 @@ class LifecycleManager:
                         "(or SNOOZE_WAKE_TIMEOUT_SECS)",
                         retry_after=self._retry_after(rec),
                     ) from None
+                except asyncio.CancelledError:
+                    if not op.cancelled() or self._cancelled_why(rec, op) is None:
+                        raise  # this request itself was cancelled
+                    raise self._cancelled_error(rec, op) from None
                 except WakeQueueTimeout as e:  # the load gave up the queue: the last of its wake-ups' bounds passed
                     self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=e.kind).inc()
                     raise UnavailableError(e.message, hint=e.hint, retry_after=e.retry_after) from e
                 except SnoozeError as e:
+                    if self._cancelled_why(rec, op) is not None:  # it failed because it was cancelled
+                        raise self._cancelled_error(rec, op) from e
                     if rec.state is ModelState.FAILED:
                         raise UnavailableError(
                             f"model '{model_id}' is unavailable: {rec.reason}",
@@ -581,9 +590,8 @@ class LifecycleManager:
                     await asyncio.shield(self.states.spawn(rec, ModelState.READY, "new config", reloading))
                     return self.status(model_id)
                 if rec.state is not ModelState.READY:
-                    await asyncio.shield(
-                        self.states.spawn(rec, ModelState.LOADING, "loading", self._cold_load_op(rec, "api", instances))
-                    )
+                    loading = self._cold_load_op(rec, "api", instances)
+                    await self._loading(rec, self.states.spawn(rec, ModelState.LOADING, "loading", loading))
                 return self.status(model_id)
             except BaseException:
                 rec.config_override = previous  # Triton keeps the model (and its config) as it was
@@ -595,13 +603,50 @@ class LifecycleManager:
                     self.states.spawn(rec, ModelState.READY, f"scaling to {instances} instances", scaling)
                 )
         else:
-            await asyncio.shield(
-                self.states.spawn(rec, ModelState.LOADING, "loading", self._cold_load_op(rec, "api", instances))
+            await self._loading(
+                rec, self.states.spawn(rec, ModelState.LOADING, "loading", self._cold_load_op(rec, "api", instances))
             )
         return self.status(model_id)
 
+    @staticmethod
+    def _cancelled_why(rec: ModelRecord, load: asyncio.Task[Any]) -> str | None:
+        return rec.load_cancelled[1] if rec.load_cancelled is not None and rec.load_cancelled[0] is load else None
+
+    def _cancelled_error(self, rec: ModelRecord, load: asyncio.Task[Any]) -> SnoozeError:
+        """What a request (or an API load) that waited on a cancelled load is answered."""
+        why = self._cancelled_why(rec, load)
+        if why == "deleted":  # as for any model that is not published
+            return NotFoundError(f"model '{rec.id}' was deleted during its load", hint="publish it again to serve it")
+        return UnavailableError(
+            f"model '{rec.id}' is not loaded: its load was cancelled ({why})",
+            hint="retry: the next request loads the model again if it is still published",
+            retry_after=self._retry_after(rec),
+        )
+
+    async def _loading(self, rec: ModelRecord, load: asyncio.Task[Any]) -> None:
+        """Await an API load: a cancelled one (an unload, a delete, a republish or a stop came) is a 503."""
+        try:
+            await asyncio.shield(load)
+        except (asyncio.CancelledError, SnoozeError) as e:
+            itself = isinstance(e, asyncio.CancelledError) and not load.cancelled()  # this caller was cancelled
+            if itself or self._cancelled_why(rec, load) is None:
+                raise
+            raise self._cancelled_error(rec, load) from None
+
+    async def cancel_loads(self, why: str) -> list[str]:
+        """Cancel every load in flight (a stop); the models whose load was cancelled."""
+        records = list(self.states.values())
+        done = await asyncio.gather(*(self.cancel_load(rec, why) for rec in records))
+        return [rec.id for rec, cancelled in zip(records, done, strict=True) if cancelled]
+
+    async def cancel_load(self, rec: ModelRecord, why: str) -> bool:
+        """End the model's load in flight now (cancel.py); False when none was."""
+        queued = self.loader.queued(rec)
+        return await cancel_load(self.states, self.processes, self.journal_dir, self.triton, rec, why, queued=queued)
+
     async def unload(self, model_id: str, *, reason: str = "api") -> ModelStatus:
         rec = self.states.record(model_id)
+        await self.cancel_load(rec, "unloaded")  # an unload does not wait for a load (it may hang)
         await self.states.settle(rec)
         if rec.state is ModelState.READY:
             await asyncio.shield(self.states.spawn(rec, ModelState.UNLOADING, reason, self._unload_op(rec, reason)))
@@ -618,10 +663,13 @@ class LifecycleManager:
         rec = self.states.get(model_id)
         if rec is None:
             return
+        cancelled = await self.cancel_load(rec, "republished")  # the new version loads on the next request
         await self.states.settle(rec)
         rec.model = self.store.get(model_id)
         rec.config_override = None  # a republish ends a client's override: the new config is what loads
         rec.warmup = None  # and its learned warm-up (the folder was replaced): the new config's source
+        if cancelled:
+            self.states.set_state(rec, ModelState.UNLOADED, "republished during its load; loads on the next request")
         if rec.state is ModelState.FAILED:
             self.states.set_state(rec, ModelState.UNLOADED, "republished; loads on the next request")
         elif rec.state is ModelState.READY:
@@ -634,6 +682,7 @@ class LifecycleManager:
         rec = self.states.get(model_id)
         if rec is None:
             return
+        await self.cancel_load(rec, "deleted")
         await self.states.settle(rec)
         if rec.state is ModelState.READY:
             await asyncio.shield(

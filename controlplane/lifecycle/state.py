@@ -10,7 +10,6 @@ after unloads and recoveries.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -130,6 +129,8 @@ class ModelRecord:
     dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
     warmup: str | None = None  # its last load's warm-up: source, or why it was skipped (lifecycle/warmups.py)
     warmup_said: str | None = None  # the skipped warm-up already logged (said once)
+    # the load task cancel.py ended and why: the requests that waited on that task are told so
+    load_cancelled: tuple[asyncio.Task[Any], str] | None = None
 
     @property
     def last_access(self) -> float | None:
@@ -240,8 +241,13 @@ class ModelStates:
             if busy.done():  # ended, but the callback that clears rec.op has not run: awaiting it would not yield
                 await asyncio.sleep(0)
                 continue
-            with contextlib.suppress(SnoozeError):
+            try:
                 await asyncio.shield(busy)
+            except SnoozeError:
+                pass
+            except asyncio.CancelledError:  # a cancelled load (cancel.py) has settled too; else this task is cancelled
+                if not busy.cancelled():
+                    raise
 
     async def wait_all(self) -> None:
         ops = [r.op for r in self.records.values() if r.op is not None]

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ FLAG_DECLARES_UNLOAD = 1
 _TRAILER = struct.Struct("<QII")
 # Files of preforked models beside the journals (python_backend/preforked.py, prefork_parent.py).
 WORKER_SUFFIX = ".worker"
+PHASE_SUFFIX = ".phase"  # python_backend/journal.py note_phase: the part of a load a stub is in
 PARENT_PREFIX, PARENT_SUFFIX = "prefork-", ".parent"
 # A stateful model process's live sequences (python_backend/sequences.py): JSON {"model", "live", "until"}.
 SEQUENCES_SUFFIX = ".sequences"
@@ -91,6 +93,26 @@ def remove_journal(journal_dir: Path, stub: StubProcess) -> None:
     """The dead stub's journal and, for a preforked model, its worker note (``workers.py``)."""
     journal_path(journal_dir, stub.pid, stub.start_ticks).unlink(missing_ok=True)
     (journal_dir / f"{stub.pid}-{stub.start_ticks}{WORKER_SUFFIX}").unlink(missing_ok=True)
+    (journal_dir / f"{stub.pid}-{stub.start_ticks}{PHASE_SUFFIX}").unlink(missing_ok=True)
+
+
+def hung_phase(journal_dir: Path | None, stubs: list[StubProcess], now: float | None = None) -> str | None:
+    """Where a load of ``stubs`` is stuck, from their phase notes: "its warm-up (for 12 s, in model process
+    pid 7)"; None when no stub said (no journal folder, a remote Triton, a stub that never started)."""
+    if journal_dir is None:
+        return None
+    now = time.time() if now is None else now
+    for stub in stubs:
+        try:
+            raw = json.loads((journal_dir / f"{stub.pid}-{stub.start_ticks}{PHASE_SUFFIX}").read_text("utf-8"))
+            phase, since, pid = str(raw["phase"]), float(raw["since"]), int(raw.get("pid") or stub.pid)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if phase == "ready":
+            continue
+        where = f"its preforked worker pid {pid}" if pid != stub.pid else f"model process pid {stub.pid}"
+        return f"its {phase} (for {max(0.0, now - since):.1f} s, in {where})"
+    return None
 
 
 def sequences_until(journal_dir: Path, stub: StubProcess) -> float:
@@ -111,7 +133,7 @@ def sequences_note(journal_dir: Path, stub: StubProcess) -> tuple[int, float]:
 def _owner(path: Path) -> tuple[int, int] | None:
     """(pid, start ticks) of the process a file of the journal folder is about; None: not ours."""
     name = path.name
-    for suffix in (SUFFIX, WORKER_SUFFIX, SEQUENCES_SUFFIX, WARMUP_SUFFIX):
+    for suffix in (SUFFIX, WORKER_SUFFIX, SEQUENCES_SUFFIX, WARMUP_SUFFIX, PHASE_SUFFIX):
         if name.endswith(suffix):
             pid, _, ticks = name[: -len(suffix)].partition("-")
             with contextlib.suppress(ValueError):

@@ -47,6 +47,7 @@ MANIFEST = {
     "load_timeout_secs": LOAD_TIMEOUT,
 }
 MODELS = ("m0", "m1", "m2", "m3")
+CANCEL_BOUND = 5.0  # virtual seconds: a stop, an unload, a delete or a republish never waits for a hung load
 BUDGET_MB = 300
 SIZES_MB = (60, 100, 150)
 # how long a client may wait at most: its wake-up, a recovery, Triton's waits on dead stubs, and slack
@@ -451,6 +452,32 @@ class LifecycleWorld:
         await self.manager.start()
         self.resumed_at = self.now  # no sweep ran while the old manager stopped (it waits for its transitions)
 
+    async def stop_during_hung_load(self, model: str, action: str = "stop") -> None:
+        """A load that hangs until cancelled, then ``action`` arrives during it: a stop (Ctrl-C; a new control
+        plane starts after it), an unload, a delete or a republish. The action must not wait for the load."""
+        if self.paused_since is not None or not self.store.exists(model):
+            return
+        self.triton.script_load(model, "hang", 0.05)
+        await self.request(model)
+        await asyncio.sleep(1.0)
+        if action != "stop":
+            others = [c for c in self.calls if c.model == model and c.what != "request" and not c.task.done()]
+            await {"unload": self.api_unload, "delete": self.delete, "publish": self.publish}[action](model)
+            if not others and self.calls[-1].model == model:  # nothing ahead of it on the model's lock
+                self.calls[-1].bound = CANCEL_BOUND
+            return
+        started = self.now
+        await self.manager.stop()
+        if self.now - started > CANCEL_BOUND:
+            raise Violation(f"a stop during the hung load of '{model}' took {self.now - started:.1f}s")
+        await self._settle_calls()
+        await self._release_all()
+        self.manager = self._manager()
+        self.answers = ModelAnswers(self.manager, self.store, self.settings)
+        self.holds = HoldRegistry(self.answers, self.root / "held.log")
+        await self.manager.start()
+        self.resumed_at = self.now
+
     async def _release_all(self) -> None:
         while self.held:
             await self.release()
@@ -491,6 +518,17 @@ class LifecycleWorld:
             return []
         return [f"'{rec.id}' loaded with max_batch_size {got}, the client's override says {want}"]
 
+    def _cancelled_problems(self, rec: ModelRecord | None) -> list[str]:
+        """A model whose load was cancelled (cancel.py) holds no process and no memory budget."""
+        if rec is None or not (rec.reason or "").startswith("load cancelled"):
+            return []
+        problems = []
+        if self.processes.stubs(rec.id):
+            problems.append(f"'{rec.id}' had its load cancelled but its model processes live on")
+        if rec.reserved or rec.gpu_reserved or rec.holds_memory:
+            problems.append(f"'{rec.id}' had its load cancelled but still holds memory budget")
+        return problems
+
     def _model_problems(self) -> list[str]:
         problems = []
         m = self.manager
@@ -503,6 +541,7 @@ class LifecycleWorld:
                 continue  # a transition runs: Triton and the record may differ until it ends
             if self.triton.loads_in_flight[model]:
                 continue
+            problems += self._cancelled_problems(rec)
             leaving = self.triton.models[model].state == "UNLOADING" if model in holding else False
             # a model Triton holds that this manager did not load: deleted (the rule below gives it time), or
             # published since Triton loaded it (the next sweep's resync adopts it, or counts it while it leaves)

@@ -43,6 +43,7 @@ def random_op(rnd: random.Random, paused: bool) -> Op:
         "crash": (m,),
         "script_load": (m, rnd.choice(("oom", "hang", "error")), rnd.choice((0.05, 0.5))),
         "unload_hang": (m,),
+        "stop_during_hung_load": (m, rnd.choice(("stop", "unload", "delete", "publish"))),
         "remote_publish": (m, rnd.choice(SIZES_MB)),
         "remote_delete": (m,),
         "resume" if paused else "pause": (),

@@ -133,10 +133,13 @@ def test_a_wake_waiting_while_its_model_is_deleted_does_not_load_it_again(world)
     async def race() -> None:
         load = asyncio.create_task(manager.load("m0"))
         await asyncio.sleep(0.1)  # Triton is loading it
-        forget = asyncio.create_task(manager.forget("m0"))  # waits for the load, then unloads and drops
         await asyncio.sleep(0)
-        wake = asyncio.create_task(manager.ensure_ready("m0", timeout=10))  # waits for the load too
-        await asyncio.gather(load, forget)
+        wake = asyncio.create_task(manager.ensure_ready("m0", timeout=10))  # waits for the load
+        await asyncio.sleep(0)
+        forget = asyncio.create_task(manager.forget("m0"))  # cancels the load (cancel.py), then drops
+        await forget
+        with pytest.raises(NotFoundError):  # the load and its wake-up: the model is gone
+            await load
         with pytest.raises(NotFoundError):
             await wake
 

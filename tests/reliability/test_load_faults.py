@@ -31,6 +31,8 @@ def serve(serve_factory, package, tmp_path_factory, topology, worker):
     serve.publish("victim", package, worker=worker)
     serve.publish("hog", package, params={"load_error": "memory"}, worker=worker)
     serve.publish("hang", hanging, params={"load_sleep": 600.0}, worker=worker)
+    warm_hang = write_package(tmp_path_factory.mktemp("warmhang") / "pkg", load_timeout_secs=LOAD_TIMEOUT, warmup=True)
+    serve.publish("warmhang", warm_hang, params={"predict_sleep": 600.0}, worker=worker)
     serve.hanging, serve.worker = hanging, worker
     yield serve
     serve.stop()  # when its topology and worker are done: not idling beside the next ones
@@ -86,7 +88,9 @@ async def test_load_hanging_past_its_timeout_is_abandoned(serve, package):
             )
             answers.append(round(secs, 2))
             assert error.startswith("StatusCode.UNAVAILABLE"), error
-            assert f"load exceeded load_timeout_secs={LOAD_TIMEOUT:g}" in error
+            assert f"load exceeded load_timeout_secs={LOAD_TIMEOUT:g}: it hung in its load (for " in error, error
+            if serve.worker == "preforked":  # the user's load() runs in the worker: named, with its pid
+                assert "in its preforked worker pid" in error, error
             assert status["state"] == "failed" and f"load_timeout_secs={LOAD_TIMEOUT:g}" in status["reason"], status
             assert LOAD_TIMEOUT <= secs <= LOAD_TIMEOUT + 10, secs
         if serve.worker == "preforked":
@@ -107,3 +111,19 @@ async def test_load_hanging_past_its_timeout_is_abandoned(serve, package):
         neighbour_failed=f"{steady['failed']}/{steady['total']}",
     )
     assert steady["failed"] == 0, steady
+
+
+async def test_a_warm_up_hanging_past_the_load_timeout_is_abandoned_and_named(serve):
+    error, secs = await infer_error(serve, "warmhang", "grpc")
+    status = await asyncio.to_thread(serve.status, "warmhang")
+    gone = await until_async(
+        lambda: serve.stub_pids("warmhang") == [] and not alive_pids(serve.noted_workers("warmhang")),
+        "the stub hung in its warm-up (and its worker) to be killed",
+        timeout=10,
+    )
+    report(f"warm-up hangs past load_timeout_secs ({serve.topology}, {serve.worker})", client_error=error[:160],
+           answer_secs=round(secs, 2), processes_gone_within_secs=round(gone, 2))
+    assert error.startswith("StatusCode.UNAVAILABLE"), error
+    assert f"load exceeded load_timeout_secs={LOAD_TIMEOUT:g}: it hung in its warm-up (for " in error, error
+    assert status["state"] == "failed" and "warm-up" in status["reason"], status
+    assert LOAD_TIMEOUT <= secs <= LOAD_TIMEOUT + 10, secs

@@ -452,3 +452,119 @@ def test_the_stub_polls_briefly_for_an_answer_then_leaves_the_wait_to_recv(pair)
     started = time.perf_counter()
     preforked._poll_briefly(a, started + 5.0)  # an answer is there: back at once
     assert time.perf_counter() - started < 1.0 and recv_frame(a)[0] == READY
+
+
+# ---------------------------------------------------------------------------------------------
+# Real parallelism in a worker: the preloaded parent must not fork with a thread pool running
+
+TORCH_MODEL_PY = """
+import os
+
+import numpy as np
+import torch
+
+
+class Model:
+    def load(self, model_dir, device):
+        g = torch.Generator().manual_seed(0)
+        self.image = torch.rand(1, 8, 96, 96, generator=g)
+        self.kernel = torch.rand(16, 8, 5, 5, generator=g)
+        self.matrix = torch.rand(384, 384, generator=g)
+
+    def predict(self, inputs):
+        x = torch.from_numpy(inputs["x"])
+        with torch.inference_mode():
+            # both go parallel with the default thread count: OpenMP regions in the conv and the matmul
+            conv = torch.nn.functional.conv2d(self.image * x[:, :1, None, None], self.kernel, padding=2)
+            square = self.matrix @ (self.matrix * x[:1, 1:])
+            y = torch.stack([conv.mean((1, 2, 3)), square.mean().expand(len(x))], 1)
+        blas = np.ones((256, 256)) @ np.ones((256, 256))  # numpy's BLAS, in parallel too
+        threads = np.full((len(x), 1), torch.get_num_threads(), np.int64)
+        return {"y": y.numpy(), "pid": np.full((len(x), 1), os.getpid() + 0 * int(blas[0, 0]), np.int64),
+                "threads": threads}
+"""
+
+TORCH_DRIVER = """
+import json, sys
+import numpy as np
+from python_backend.preforked import PreforkedModel
+from python_backend.runners import build_model
+from python_backend.spec import load_spec
+
+spec_path, triton_pid, cycles, result_path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+spec = load_spec(spec_path)
+package = spec_path.rsplit("/", 1)[0] + "/package"
+x = np.array([[1.0, 0.5], [2.0, 0.5]], np.float32)
+answers = []
+for _ in range(cycles):  # a wake: a fresh worker forked from the same parent, one request, an unload
+    model = PreforkedModel(spec, package, server_pid=triton_pid)
+    model.load(package, "cpu")
+    out = model.predict({"x": x})
+    answers.append({"worker": model.worker_pid, "pid": int(out["pid"][0, 0]), "y": out["y"].tolist(),
+                    "threads": int(out["threads"][0, 0])})
+    model.unload()
+import torch
+reference = build_model(spec, package)
+reference.load(package, "cpu")
+with open(result_path, "w") as f:  # not stdout: the parent it started holds that open
+    json.dump({"answers": answers, "reference": reference.predict({"x": x})["y"].tolist(),
+               "threads": torch.get_num_threads(), "parallel_info": torch.__config__.parallel_info()}, f)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_preforked_torch_model_running_parallel_ops_answers_like_torch_across_wakes(tmp_path, triton, journal):
+    torch = pytest.importorskip("torch")
+    if torch.get_num_threads() < 2:
+        pytest.skip("one CPU thread: no op goes parallel here")
+    raw, package = write_model(tmp_path, "t", preload=["torch"], max_batch_size=4)
+    (package / "snooze_model.py").write_text(textwrap.dedent(TORCH_MODEL_PY))
+    raw["outputs"].append({"name": "threads", "datatype": "INT64", "dims": [1]})
+    (package.parent / "snooze_runtime.json").write_text(json.dumps(raw))
+    cycles, result_path = 20, tmp_path / "result.json"
+    driver = subprocess.Popen(
+        [sys.executable, "-c", TORCH_DRIVER, str(package.parent / "snooze_runtime.json"), str(triton.pid), str(cycles),
+         str(result_path)],
+        cwd=ROOT, env=os.environ.copy(),
+    )  # fmt: skip
+    try:
+        assert driver.wait(timeout=150) == 0
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        driver.wait()
+        pytest.fail("a preforked torch model hung (a worker forked with the parent's OpenMP pool running?)")
+    result = json.loads(result_path.read_text())
+    assert "OpenMP" in result["parallel_info"] and result["threads"] >= 2  # its ops do go parallel here
+    answers = result["answers"]
+    assert len(answers) == cycles and len({a["worker"] for a in answers}) == cycles
+    for answer in answers:
+        assert answer["pid"] == answer["worker"]  # ran in the worker
+        assert answer["threads"] == result["threads"]  # the worker got the configured thread count back
+        np.testing.assert_allclose(answer["y"], result["reference"], rtol=1e-5)
+    [record] = parent_records(journal)
+    # the parent forked with no thread pool running: numpy's OpenBLAS threads at most (they stop for a fork)
+    assert record["unsafe_threads"] == 0 and record["threads"] == 1 + record["fork_safe_threads"]
+    assert record["thread_pools"]["torch"] == result["threads"]
+
+
+def test_a_parent_running_a_thread_that_does_not_survive_a_fork_refuses_and_the_model_loads_in_its_stub(
+    tmp_path, journal, loaded, monkeypatch, capfd
+):
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "snooze_starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(modules))  # the parent's interpreter finds it
+    model = loaded(*write_model(tmp_path, preload=["snooze_starts_a_thread"]))
+    assert model.worker_pid is None and model.in_stub is not None  # no fork: it loaded here
+    assert model.predict({"x": np.ones((1, 2), np.float32)})["pid"].tolist() == [[os.getpid()]]
+    [record] = parent_records(journal)
+    assert record["unsafe_threads"] == 1 and not parents_children(record["pid"])
+    err = capfd.readouterr().err
+    assert "started by importing snooze_starts_a_thread" in err  # the parent's log says which and why
+    assert "do not survive a fork" in err and "loading in the stub instead" in err
+
+
+def parents_children(pid: int) -> list[int]:
+    return [c.pid for c in psutil.Process(pid).children() if not gone(c.pid)]

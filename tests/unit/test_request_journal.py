@@ -146,3 +146,19 @@ def test_live_sequences_note_is_read_as_written(tmp_path: Path, monkeypatch: pyt
     assert reader.sequences_until(tmp_path, me()) == 0.0
     note.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_the_phase_a_stub_or_its_worker_notes_names_where_a_load_hangs(tmp_path, monkeypatch):
+    monkeypatch.setenv(writer.JOURNAL_ENV, str(tmp_path))
+    stub = me()
+    assert reader.hung_phase(tmp_path, [stub]) is None  # no note: nothing to say
+    writer.note_phase("warm-up")
+    phase = reader.hung_phase(tmp_path, [stub], now=time.time() + 12)
+    assert phase is not None and phase.startswith("its warm-up (for 12.") and f"model process pid {stub.pid})" in phase
+    writer.note_phase("load", stub=(stub.pid, stub.start_ticks))  # as a preforked worker writes it
+    assert reader.hung_phase(tmp_path, [stub]).startswith("its load (for 0.")
+    writer.note_phase("ready")
+    assert reader.hung_phase(tmp_path, [stub]) is None
+    reader.remove_journal(tmp_path, stub)  # goes with the stub's other files
+    assert list(tmp_path.iterdir()) == []
+    assert reader.hung_phase(None, [stub]) is None

@@ -1,0 +1,97 @@
+"""Cancelling a load in flight: an unload, a delete, a republish or a stop does not wait for it.
+
+Triton 2.51 has no call to cancel a load, and its load call blocks until the model is loaded or failed
+(a python model's ``initialize`` without a limit). So a cancel ends the load's model processes (stubs and
+their preforked workers, as the load timeout does): Triton then fails the load at once, the load's task
+ends with that failure (its memory reservations and load slot released on the way out), and the model is
+marked UNLOADED. A load still queued (waiting for a slot or for memory: nothing in Triton yet), or one
+whose processes cannot be seen (a remote Triton), has its task cancelled instead, and Triton is asked to
+unload what it may have. Requests that waited on that load get a 503 with Retry-After, or a 404 for a
+delete (``Manager._cancelled_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from controlplane.errors import SnoozeError
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.workers import end_model_processes
+from controlplane.triton.processes import TritonProcesses
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+# How long the load gets to fail once its processes are killed (Triton notices a dead stub in milliseconds).
+CANCEL_WAIT_SECS = 2.0
+# How often its processes are looked for meanwhile (Triton may be starting a stub as the cancel comes).
+CANCEL_POLL_SECS = 0.1
+# How long Triton gets to drop a load whose task was cancelled (its index no longer LOADING).
+CANCEL_UNLOAD_SECS = 2.0
+
+
+def load_in_flight(rec: ModelRecord) -> bool:
+    return rec.state is ModelState.LOADING and rec.op is not None and not rec.op.done()
+
+
+async def end_processes(processes: TritonProcesses, journal_dir: Path | None, model_id: str) -> list[int]:
+    if not processes.can_observe:
+        return []
+    stubs = await asyncio.to_thread(processes.stubs, model_id)
+    return await asyncio.to_thread(end_model_processes, processes, journal_dir, stubs) if stubs else []
+
+
+async def cancel_load(
+    states: ModelStates,
+    processes: TritonProcesses,
+    journal_dir: Path | None,
+    triton: Any,
+    rec: ModelRecord,
+    why: str,
+    *,
+    queued: bool,
+) -> bool:
+    """End ``rec``'s load in flight (False: none was); the model is UNLOADED afterwards, holding nothing,
+    unless another caller started a new transition on it meanwhile. ``queued``: the load has not started."""
+    if not load_in_flight(rec):
+        return False
+    op = rec.op
+    assert op is not None
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    rec.load_cancelled = (op, why)
+    killed: list[int] = []
+    if queued or not processes.can_observe:
+        op.cancel()
+    deadline = started + CANCEL_WAIT_SECS
+    while not op.done() and loop.time() < deadline:
+        killed += await end_processes(processes, journal_dir, rec.id)
+        await asyncio.wait({op}, timeout=CANCEL_POLL_SECS)
+    cancelled = not op.done() or op.cancelled()
+    if not op.done():  # it did not fail in time: no longer the model's transition
+        op.cancel()
+        await asyncio.wait({op}, timeout=CANCEL_WAIT_SECS)
+    if rec.op is op:
+        rec.op = None
+    if cancelled and not queued:  # Triton may still be loading what the task left
+        with contextlib.suppress(SnoozeError, TimeoutError):
+            await asyncio.wait_for(_drop(triton, rec.id), CANCEL_UNLOAD_SECS)
+        killed += await end_processes(processes, journal_dir, rec.id)
+    if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
+        rec.stubs, rec.workers, rec.reserved, rec.gpu_reserved, rec.instances = (), (), 0, {}, 0
+        states.set_state(rec, ModelState.UNLOADED, f"load cancelled: {why}")
+    log.warning(
+        "model '%s': load cancelled (%s) in %.2fs; ended its model processes %s", rec.id, why,
+        loop.time() - started, killed,
+    )
+    return True
+
+
+async def _drop(triton: Any, model_id: str) -> None:
+    """Wait until Triton no longer loads the model, then unload whatever it kept."""
+    while any(e.name == model_id and e.state == "LOADING" for e in await triton.repository_index()):
+        await asyncio.sleep(CANCEL_POLL_SECS)
+    await triton.unload(model_id, wait=False)

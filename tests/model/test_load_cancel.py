@@ -1,0 +1,77 @@
+"""A load in flight never holds an unload, a delete, a republish or a stop (``controlplane/lifecycle/cancel.py``).
+
+The fake Triton's ``hang`` load keeps the model LOADING until its stubs are killed (a ``load()`` that never
+returns, at the default load timeout of 300 s): each action must end it within a few virtual seconds, end the
+model's processes, leave it holding no memory reservation, and tell the requests waiting on it why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from controlplane.errors import NotFoundError, UnavailableError
+from controlplane.lifecycle.state import ModelState
+
+ANSWER_SECS = 5.0  # the issue's bound for an unload's answer and for the model's processes to be gone
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("action", ["unload", "delete", "republish", "stop"])
+def test_an_action_during_a_hung_load_cancels_it_and_leaves_the_neighbour_alone(world, action):
+    manifest = world.package / "snooze_model.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "load_timeout_secs": 300}))  # the default
+    world.step(world.publish("m0", 60), 0.1)
+    world.step(world.publish("m1", 60), 0.1)
+    manager = world.manager
+    world.run(manager.ensure_ready("m1"))  # the neighbour, loaded
+    world.step(world.script_load("m0", "hang"), 0)
+
+    async def scenario() -> tuple[BaseException | None, float]:
+        wake = asyncio.create_task(manager.ensure_ready("m0"))  # waits on the load (its bound: 305 s)
+        await asyncio.sleep(2.0)  # Triton is in the model's load(), which never returns
+        rec = manager.states.get("m0")
+        assert rec is not None and rec.state is ModelState.LOADING and world.processes.stubs("m0")
+        started = world.now
+        if action == "unload":
+            await manager.unload("m0")
+        elif action == "delete":  # as the API does it: forget, then the store
+            await manager.forget("m0")
+            world.store.delete("m0")
+            world.deleted["m0"] = world.now
+        elif action == "republish":
+            world.store.publish(world._spec("m0", 60))
+            world.changed["m0"] = world.now
+            await manager.published("m0")
+        else:
+            await manager.stop()
+        answered = world.now - started
+        try:
+            await asyncio.wait_for(wake, ANSWER_SECS)
+        except (UnavailableError, NotFoundError) as e:
+            return e, answered
+        return None, answered
+
+    error, answered = world.run(scenario(), limit=120)
+    assert answered < ANSWER_SECS, f"{action} answered after {answered:.1f} virtual seconds"
+    assert error is not None, "the waiting request was served by a cancelled load"
+    if action == "delete":
+        assert isinstance(error, NotFoundError) and "deleted" in str(error)
+    else:
+        assert isinstance(error, UnavailableError) and error.retry_after and "load was cancelled" in str(error)
+    assert world.processes.stubs("m0") == [] and "m0" not in world.triton.holding()  # no process left
+    rec = manager.states.get("m0")
+    if rec is not None:
+        assert rec.state is ModelState.UNLOADED and rec.op is None and rec.reserved == 0 and not rec.gpu_reserved
+    if action != "stop":
+        neighbour = manager.states.get("m1")
+        assert neighbour is not None and neighbour.state is ModelState.READY
+        world.run(manager.ensure_ready("m1"))
+        world.step(world.script_load("m0", "ok"), 0)
+        if action != "delete":  # the next request loads it again
+            world.run(manager.ensure_ready("m0"))
+            assert manager.states.get("m0").state is ModelState.READY
+    else:
+        world.run(manager.start())  # the world's close() stops it again
