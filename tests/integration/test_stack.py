@@ -113,10 +113,10 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ------------------------------------------------------------------------------------------------
 # The small-budget stack: LRU eviction, then graceful shutdown (which ends it)
 
-BALLAST_MB = 100  # each LRU model holds ~100 MiB + the stub's own ~30-40 MiB
+BALLAST_MB = 100  # each LRU model holds ~100 MiB + the stub's own ~20 MiB of proportional memory (Pss)
 # two of them fit beside tritonserver's own memory (~50 MiB; the budget is for the whole Triton tree), three do not
-# (~2 x 142 measured + 140 declared for the next)
-BUDGET_MB = 400
+# (~2 x 121 measured + 140 declared for the next)
+BUDGET_MB = 360
 
 
 @pytest.fixture(scope="module")
