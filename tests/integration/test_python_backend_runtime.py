@@ -520,28 +520,6 @@ def test_unload_calls_model_unload(triton, mixed_model):
     assert marker.read_text() == "unloaded"
 
 
-# A torch model whose ops go parallel (an OpenMP region in the conv and the matmul): preforked, every
-# wake is a fresh worker forked from the same preloaded parent, which must not have had a pool running.
-PARALLEL_TORCH_MODEL = """
-    import numpy as np
-    import torch
-
-
-    class Model:
-        def load(self, model_dir, device):
-            g = torch.Generator().manual_seed(0)
-            self.image = torch.rand(1, 8, 96, 96, generator=g)
-            self.kernel = torch.rand(16, 8, 5, 5, generator=g)
-            self.matrix = torch.rand(384, 384, generator=g)
-
-        def predict(self, inputs):
-            x = torch.from_numpy(inputs["x"])
-            with torch.inference_mode():
-                conv = torch.nn.functional.conv2d(self.image * x[:, :1, None, None], self.kernel, padding=2)
-                square = self.matrix @ (self.matrix * x[:1, 1:])
-                y = torch.stack([conv.mean((1, 2, 3)), square.mean().expand(len(x))], 1)
-            return {"y": y.numpy(), "threads": np.full((len(x), 1), torch.get_num_threads(), np.int64)}
-"""
 
 
 @pytest.mark.slow
@@ -550,16 +528,19 @@ def test_a_preforked_torch_model_with_parallel_ops_answers_like_torch_across_wak
     torch = pytest.importorskip("torch")
     if torch.get_num_threads() < 2:
         pytest.skip("one CPU thread: no op goes parallel here")
+    from parallel_torch import PARALLEL_TORCH_MODEL
+
     name = "pbrt-parallel-torch-pf"
     runtime = {
         "kind": "custom", "entrypoint": "snooze_model.py", "class_name": "Model", "max_batch_size": 4,
         "worker": "preforked", "preload": ["torch"],
-        "inputs": [t("x", "FP32", [2])], "outputs": [t("y", "FP32", [2]), t("threads", "INT64", [1])],
+        "inputs": [t("x", "FP32", [2])],
+        "outputs": [t("y", "FP32", [2]), t("pid", "INT64", [1]), t("threads", "INT64", [1])],
     }  # fmt: skip
     build_model(triton["repo"], name, runtime, {"snooze_model.py": PARALLEL_TORCH_MODEL})
     x = np.array([[1.0, 0.5], [2.0, 0.5]], np.float32)
     namespace: dict = {}
-    exec(textwrap.dedent(PARALLEL_TORCH_MODEL), namespace)  # the same code, in this process
+    exec(PARALLEL_TORCH_MODEL, namespace)  # the same code, in this process
     reference = namespace["Model"]()
     reference.load(str(tmp_path), "cpu")
     expected = reference.predict({"x": x})["y"]

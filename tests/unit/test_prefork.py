@@ -457,32 +457,6 @@ def test_the_stub_polls_briefly_for_an_answer_then_leaves_the_wait_to_recv(pair)
 # ---------------------------------------------------------------------------------------------
 # Real parallelism in a worker: the preloaded parent must not fork with a thread pool running
 
-TORCH_MODEL_PY = """
-import os
-
-import numpy as np
-import torch
-
-
-class Model:
-    def load(self, model_dir, device):
-        g = torch.Generator().manual_seed(0)
-        self.image = torch.rand(1, 8, 96, 96, generator=g)
-        self.kernel = torch.rand(16, 8, 5, 5, generator=g)
-        self.matrix = torch.rand(384, 384, generator=g)
-
-    def predict(self, inputs):
-        x = torch.from_numpy(inputs["x"])
-        with torch.inference_mode():
-            # both go parallel with the default thread count: OpenMP regions in the conv and the matmul
-            conv = torch.nn.functional.conv2d(self.image * x[:, :1, None, None], self.kernel, padding=2)
-            square = self.matrix @ (self.matrix * x[:1, 1:])
-            y = torch.stack([conv.mean((1, 2, 3)), square.mean().expand(len(x))], 1)
-        blas = np.ones((256, 256)) @ np.ones((256, 256))  # numpy's BLAS, in parallel too
-        threads = np.full((len(x), 1), torch.get_num_threads(), np.int64)
-        return {"y": y.numpy(), "pid": np.full((len(x), 1), os.getpid() + 0 * int(blas[0, 0]), np.int64),
-                "threads": threads}
-"""
 
 TORCH_DRIVER = """
 import json, sys
@@ -525,7 +499,9 @@ def test_a_preforked_torch_model_running_parallel_ops_answers_like_torch_across_
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one CPU: no op goes parallel here")
     raw, package = write_model(tmp_path, "t", preload=["torch"], max_batch_size=4)
-    (package / "snooze_model.py").write_text(textwrap.dedent(TORCH_MODEL_PY))
+    from parallel_torch import PARALLEL_TORCH_MODEL  # tests/ (not on the py3.10 run's path: skipped there)
+
+    (package / "snooze_model.py").write_text(PARALLEL_TORCH_MODEL)
     raw["outputs"].append({"name": "threads", "datatype": "INT64", "dims": [1]})
     (package.parent / "snooze_runtime.json").write_text(json.dumps(raw))
     cycles, result_path = 20, tmp_path / "result.json"
