@@ -197,6 +197,7 @@ class Loader:
                     rec.override_loaded = rec.config_override is not None
                 elapsed = time.monotonic() - started
                 await self.loaded(rec, instances, gpu_delta=delta)  # measured: the reservation can go
+                self.budget.hold_floor(rec, need)  # ... but not below the estimate until it has answered
                 await self.budget.measure_server()
                 self.budget.note_server_growth(server_before)
             finally:
@@ -551,6 +552,7 @@ class Loader:
                 # what it holds now; until its first request, plus the growth that request brings (counted ahead)
                 rec.footprint = size if rec.served_seen else size + max(rec.growth - grown, 0)
                 rec.growth = max(rec.growth, grown)
+                self.budget.measured(rec)
                 self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint)
 
     def _footprint(self, rec: ModelRecord) -> int:

@@ -3,6 +3,7 @@ Triton's memory cgroup (v1 and v2, on fake /proc and /sys trees, and on this mac
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -10,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.lifecycle.memory import MIB
+from controlplane.lifecycle.memory import MIB, MemoryBudget
 from controlplane.lifecycle.memory.cgroup import TritonCgroup, cgroup_dir, headroom_bytes, read_cgroup
+from controlplane.lifecycle.state import ModelRecord, ModelState
+from controlplane.settings import Settings
+from controlplane.spec import DeploymentSpec
+from controlplane.store import PublishedModel
 from controlplane.triton import processes
 from controlplane.triton.processes import held_bytes, proportional_bytes, resident_bytes
 
@@ -137,3 +142,44 @@ def test_a_sweep_reads_pss_again_only_when_rss_moved_or_the_reading_aged(tmp_pat
     (tmp_path / "30" / "smaps_rollup").write_text(ROLLUP.replace("24000", "29000"))
     later = time.monotonic() + 11
     assert held_bytes([30], tmp_path, max_age=10, clock=lambda: later) == 29000 * 1024  # aged: read again
+
+
+def _record(model_id: str) -> ModelRecord:
+    dep = DeploymentSpec(id=model_id, path=Path("."))
+    rec = ModelRecord(model_id, PublishedModel(model_id, Path("."), dep, "custom", "python", [], [], {}, {}, 60, 60))
+    rec.state = ModelState.READY
+    return rec
+
+
+def test_a_fresh_load_counts_its_estimate_until_measured_after_its_first_request():
+    """A stub measured at its load holds less than after its first request; counting only that measurement
+    admitted another load into room the request took back, and the tree overran the budget until a sweep."""
+    old, fresh, next_load = _record("old"), _record("fresh"), _record("next")
+    old.footprint, old.footprint_instances = 40 * MIB, 1  # measured after requests: the estimate of a new one
+    records = [old, fresh, next_load]
+
+    class States:
+        def values(self) -> list[ModelRecord]:
+            return records
+
+    async def pending() -> dict[str, float]:
+        return {}
+
+    budget = MemoryBudget(Settings(memory_budget_mb=116), States(), pending=pending)  # type: ignore[arg-type]
+    need = budget.estimate(fresh, 1)
+    assert need == 40 * MIB
+    fresh.footprint, fresh.footprint_instances = 34 * MIB, 1  # what its load measured, before any request
+    budget.hold_floor(fresh, need)
+    next_load.state = ModelState.UNLOADED
+    assert budget.used(next_load) == 80 * MIB  # not 74: the fresh model will grow once it has answered
+    plan = asyncio.run(budget.plan_room(next_load, budget.estimate(next_load, 1)))
+    assert plan is not None and plan.amount is not None and plan.amount == 4 * MIB  # 80 + 40 over 116 (74 + 40 fitted)
+    budget.measured(fresh)  # a sweep before any request: still the floor
+    assert budget.used(next_load) == 80 * MIB
+    fresh.served_seen, fresh.footprint = 1, 36 * MIB  # answered, then measured again: what it holds now
+    budget.measured(fresh)
+    assert budget.used(next_load) == 76 * MIB
+    assert asyncio.run(budget.plan_room(next_load, budget.estimate(next_load, 1))) is None
+    fresh.footprint = 45 * MIB
+    budget.hold_floor(fresh, 40 * MIB)  # a load measured above its estimate: its measurement counts
+    assert "fresh" not in budget.floors

@@ -35,8 +35,6 @@ from controlplane.settings import Settings
 log = logging.getLogger("snoozeml.lifecycle")
 
 
-
-
 class BudgetInUse(UnavailableError):
     """The budget is full of models in use (requests in flight) or loading: nothing idle to evict now."""
 
@@ -79,6 +77,9 @@ class MemoryBudget:
         self._cgroup = cgroup
         # what tritonserver grew by across recent loads (its side of each model's shared memory, ...), clamped at 0
         self._server_growths: deque[int] = deque(maxlen=SERVER_GROWTH_WINDOW)
+        # By model: the estimate a load was admitted on, counted as a floor under what it measures until a
+        # measurement taken after its first request (``hold_floor``, ``measured``)
+        self.floors: dict[str, int] = {}
 
     @property
     def server_growth(self) -> int:
@@ -158,6 +159,28 @@ class MemoryBudget:
             )
         return int(per * instances)
 
+    def hold_floor(self, rec: ModelRecord, estimate: int) -> None:
+        """A load admitted on ``estimate`` ended and was measured. A stub measured before its first request holds
+        less than it will once it has answered (a model loaded for the first time has no growth noted yet):
+        counting only that measurement freed room until the next sweep saw the growth, and loads admitted into
+        that room left the tree over the budget (churn: 452 MiB against 400). So the estimate stays counted
+        until ``measured`` sees the model measured after a request."""
+        if estimate > (rec.footprint or 0):
+            self.floors[rec.id] = estimate
+        else:
+            self.floors.pop(rec.id, None)
+
+    def measured(self, rec: ModelRecord) -> None:
+        """A sweep measured the model again: once a request was served before that reading, what it holds is
+        what was read, and the floor goes."""
+        if rec.served_seen:
+            self.floors.pop(rec.id, None)
+
+    def held(self, rec: ModelRecord) -> int:
+        """Bytes a loaded model counts for: its footprint, at least what its load in flight reserved and what its
+        last load was admitted on until measured after a request (``hold_floor``)."""
+        return max(rec.footprint or 0, rec.reserved, self.floors.get(rec.id, 0))
+
     def used(self, exclude: ModelRecord | None, *, reserved: bool = True) -> int:
         """Bytes held beside ``exclude``: by tritonserver itself, by loaded models, and (``reserved``) set aside by
         loads in flight."""
@@ -168,7 +191,7 @@ class MemoryBudget:
             if r.state is ModelState.LOADING:
                 used += r.reserved if reserved else 0
             elif r.holds_memory:  # a loaded model being reloaded or rescaled: its reservation covers the swap
-                used += max(r.footprint or 0, r.reserved)
+                used += self.held(r)
         return used
 
     def fits(self, rec: ModelRecord, need: int) -> bool:
@@ -326,6 +349,7 @@ class MemoryBudget:
     def forget(self, model_id: str) -> None:
         """The model was deleted: its frequency goes with it."""
         self.policy.forget(model_id)
+        self.floors.pop(model_id, None)
 
     def accessed(self, rec: ModelRecord, count: float) -> None:
         """``count`` requests for the model were served since the last call (Triton's statistics)."""
@@ -343,7 +367,7 @@ class MemoryBudget:
             reason,
             rec.id if rec is not None else "the memory budget",
             amount=amount,
-            sizes={v.id: v.footprint or 0 for v in victims},
+            sizes={v.id: self.held(v) for v in victims},
             seen={v.id: self.candidate(v) for v in victims},
             policy=self.policy,
         )
