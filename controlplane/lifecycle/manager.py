@@ -112,6 +112,7 @@ class LifecycleManager:
             pending=self.sync.pending_counts,
             reader=gpu_reader,
             pid_map=gpu_pid_map,
+            order=self.budget.eviction_order,
         )
         self.loader = Loader(
             settings,

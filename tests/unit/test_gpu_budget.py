@@ -198,7 +198,7 @@ def placement(groups: str, devices: list[int]) -> dict[int, int]:
 
 
 def test_instances_per_gpu_follow_tritons_instance_groups():
-    assert placement('instance_group [{ kind: KIND_GPU, count: 2, gpus: [1] }]', [0, 1]) == {1: 2}
+    assert placement("instance_group [{ kind: KIND_GPU, count: 2, gpus: [1] }]", [0, 1]) == {1: 2}
     assert placement("instance_group [{ kind: KIND_GPU }]", [0, 1]) == {0: 1, 1: 1}
     assert placement("instance_group [{ kind: KIND_CPU, count: 4 }]", [0, 1]) == {}
     assert placement("", [0]) == {0: 1}  # no group: KIND_AUTO, one instance per GPU
@@ -213,3 +213,60 @@ def test_need_scales_the_last_measurement_per_instance():
     assert estimate_gpu_need({0: 1, 1: 2}, measured={0: 600}, measured_instances={0: 2}) == {0: 300, 1: 600}
     assert estimate_gpu_need({0: 2}, per_instance_fallback=100) == {0: 200}
     assert estimate_gpu_need({0: 0, 1: 1}) == {1: 0}
+
+
+@pytest.mark.parametrize("policy", ["lru", "gdsf"])
+def test_the_gpu_budget_evicts_in_the_host_budgets_order(policy):
+    """One eviction order for host and GPU memory: the unused pre-warms first, then gdsf or lru per the setting."""
+    import asyncio
+    from pathlib import Path
+
+    from controlplane.lifecycle.memory import MemoryBudget
+    from controlplane.lifecycle.memory.gpu import GpuMemory
+    from controlplane.lifecycle.state import ModelRecord, ModelState
+    from controlplane.settings import Settings
+    from controlplane.spec import DeploymentSpec
+    from controlplane.store import PublishedModel
+
+    def record(model_id: str, touched: float) -> ModelRecord:
+        dep = DeploymentSpec(id=model_id, path=Path("."))
+        rec = ModelRecord(
+            model_id, PublishedModel(model_id, Path("."), dep, "custom", "python", [], [], {}, {}, 60, 60)
+        )
+        rec.state, rec.touched = ModelState.READY, touched
+        rec.footprint, rec.footprint_instances, rec.last_cold_start = 100 * MIB, 1, 0.5
+        rec.gpu_footprint, rec.gpu_instances = {0: 300 * MIB}, 1
+        return rec
+
+    hot, cold, new = record("hot", 10.0), record("cold", 20.0), record("new", 0.0)  # hot: used less recently
+    new.state, new.gpu_footprint = ModelState.UNLOADED, None
+    records = {r.id: r for r in (hot, cold, new)}
+
+    class States:
+        def values(self) -> list[ModelRecord]:
+            return list(records.values())
+
+        def get(self, model_id: str) -> ModelRecord | None:
+            return records.get(model_id)
+
+    async def pending() -> dict[str, float]:
+        return {}
+
+    settings = Settings(eviction_policy=policy, gpu_memory_budget_mb=1000)
+    host = MemoryBudget(settings, States(), pending=pending)  # type: ignore[arg-type]
+    host.accessed(hot, 50)
+    host.accessed(cold, 1)
+    gpu = GpuMemory(
+        settings,
+        States(),
+        None,
+        pending=pending,
+        reader=object(),
+        pid_map=object(),
+        order=host.eviction_order,  # type: ignore[arg-type]
+    )
+    plan = asyncio.run(gpu.plan_room(new, {0: 600 * MIB}))
+    assert plan is not None
+    first = [v.id for v in plan.victims]
+    assert first == [r.id for r in host.eviction_order([hot, cold])][:1]
+    assert first == (["hot"] if policy == "lru" else ["cold"])

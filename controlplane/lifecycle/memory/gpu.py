@@ -1,4 +1,4 @@
-"""Video memory per model and GPU: measured, budgeted per GPU, least recently used evicted first.
+"""Video memory per model and GPU: measured, budgeted per GPU, evicted in the host budget's order.
 
 Measured per process through NVML where NVML's pids map to the ones seen here
 (``gpu_memory``), else as what a load added to each GPU's used memory (loads are
@@ -50,6 +50,7 @@ class GpuMemory:
         pending: Callable[[], Awaitable[dict[str, float]]],
         reader: GpuProcessReader | None = None,
         pid_map: NvmlPidMap | None = None,
+        order: Callable[[list[ModelRecord]], list[ModelRecord]] | None = None,
     ) -> None:
         self.settings = settings
         self.states = states
@@ -57,6 +58,9 @@ class GpuMemory:
         self.reader: GpuProcessReader = reader if reader is not None else NvmlReader()
         self.pid_map = pid_map if pid_map is not None else NvmlPidMap()
         self._pending = pending
+        # the eviction order host memory uses (``MemoryBudget.eviction_order``), so that both evict alike; None:
+        # least recently used, pre-warms nobody used first
+        self._order = order
         self._devices: list[int] | None = None  # GPU indices, read once
 
     async def devices(self) -> list[int]:
@@ -87,14 +91,17 @@ class GpuMemory:
     async def residents(self, exclude: ModelRecord) -> list[GpuResident]:
         pending = await self._pending()
         found = []
+        holding = []
         for r in self.states.values():
             if r is exclude:
                 continue
             held = r.gpu_reserved if r.state is ModelState.LOADING else (r.gpu_footprint if r.holds_memory else None)
-            if not held:
-                continue
+            if held:
+                holding.append((r, held))
+        rank = {r.id: i for i, r in enumerate(self._order([r for r, _ in holding]))} if self._order else {}
+        for r, held in holding:
             evictable = r.state is ModelState.READY and r.op is None and r.users == 0 and not pending.get(r.id)
-            found.append(GpuResident(r.id, dict(held), r.idle_since, evictable, r.prewarmed_unused))
+            found.append(GpuResident(r.id, dict(held), r.idle_since, evictable, r.prewarmed_unused, rank.get(r.id)))
         return found
 
     async def fits(self, rec: ModelRecord, need: dict[int, int]) -> bool:
@@ -110,7 +117,7 @@ class GpuMemory:
         return True
 
     async def plan_room(self, rec: ModelRecord, need: dict[int, int]) -> Plan | None:
-        """Idle models to unload, least recently used first, so that ``need`` fits each GPU's budget; None when it
+        """Idle models to unload, in the eviction order, so that ``need`` fits each GPU's budget; None when it
         fits (UnavailableError: it never can, or everything is in use). Carried out, then asked again."""
         budget = self.settings.gpu_memory_budget_mb
         if budget is None or not need:

@@ -1,8 +1,9 @@
 """The GPU memory budget: which idle models to unload before a load, and what a GPU out-of-memory says.
 
 ``SNOOZE_GPU_MEMORY_BUDGET_MB`` is one number that applies to each GPU on its own. A load that
-would take a GPU past it first unloads the least recently used idle models holding memory on that
-GPU (``plan_gpu_eviction``; a pre-warmed model not used yet goes before any other); a load that fails
+would take a GPU past it first unloads idle models holding memory on that
+GPU (``plan_gpu_eviction``; in the host budget's order where ``rank`` carries it: a pre-warmed model not used
+yet first, then gdsf or lru per SNOOZE_EVICTION_POLICY); a load that fails
 with a GPU out-of-memory (``oom.classify_oom``) evicts idle models on its GPUs (``plan_gpu_oom_eviction``)
 and retries once, as for host memory.
 Everything here is pure: the lifecycle gathers the numbers, unloads the victims, and calls again if
@@ -29,11 +30,16 @@ class GpuResident:
     last_access: float  # epoch seconds; the least recent goes first
     evictable: bool  # READY with no users, no pending requests and no transition running
     prewarmed_unused: bool = False  # loaded by a pre-warm and not used yet: evicted before any other
+    # its place in the eviction order host memory uses (``MemoryBudget.eviction_order``: the unused pre-warms,
+    # then the policy's); None: least recently used
+    rank: int | None = None
 
 
 def _in_order(residents: Iterable[GpuResident]) -> list[GpuResident]:
-    """Least recently used first, after the unused pre-warms (``eviction.bets_first``)."""
-    return bets_first(sorted(residents, key=lambda r: (r.last_access, r.model)), lambda r: r.prewarmed_unused)
+    """In ``rank`` order where given (one order for host and GPU memory), else least recently used first; the
+    unused pre-warms first either way (``eviction.bets_first``)."""
+    ranked = sorted(residents, key=lambda r: (r.rank if r.rank is not None else -1, r.last_access, r.model))
+    return bets_first(ranked, lambda r: r.prewarmed_unused)
 
 
 def plan_gpu_eviction(
@@ -41,10 +47,10 @@ def plan_gpu_eviction(
 ) -> list[str]:
     """The models to unload so that ``model``'s ``need`` (bytes per GPU) fits under the per-GPU budget.
 
-    Per GPU the model needs room on, idle residents holding memory there are taken least recently
-    used first; a victim frees its memory on every GPU it holds. ``residents`` leaves out ``model``
+    Per GPU the model needs room on, idle residents holding memory there are taken in eviction
+    order (``_in_order``); a victim frees its memory on every GPU it holds. ``residents`` leaves out ``model``
     itself and includes loading models (with their reservation, not evictable). Returns the victims,
-    least recently used first ([] when it fits or there is no budget); raises ``UnavailableError``
+    in that order ([] when it fits or there is no budget); raises ``UnavailableError``
     naming the model, the GPU and the MiB when even unloading every idle model would not do.
     """
     if budget_mb is None:
@@ -81,7 +87,12 @@ def plan_gpu_eviction(
 
 
 def _raise_full(
-    model: str, device: int, amount: int, held: int, budget_mb: float, residents: list[GpuResident],
+    model: str,
+    device: int,
+    amount: int,
+    held: int,
+    budget_mb: float,
+    residents: list[GpuResident],
     victims: list[GpuResident],
 ) -> None:
     busy = sorted(
@@ -100,7 +111,7 @@ def plan_gpu_oom_eviction(need: Mapping[int, int], residents: Iterable[GpuReside
     """After a load failed with a GPU out-of-memory: the idle models to unload before its one retry.
 
     Per GPU in ``need`` (every GPU a resident holds memory on, when ``need`` is empty because the
-    placement is unknown), idle residents holding memory there, least recently used first, until they
+    placement is unknown), idle residents holding memory there, in eviction order, until they
     free the need there (at least one model, as a need of 0 means "not known"). Best effort: [] when
     no idle model holds memory there, and the caller reports the out-of-memory with ``GPU_OOM_HINT``.
     """
