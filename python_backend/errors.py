@@ -14,6 +14,7 @@ import importlib
 import os
 import traceback
 from dataclasses import dataclass
+from typing import Literal
 
 OOM = "oom"
 INVALID_INPUT = "invalid_input"
@@ -28,7 +29,32 @@ TRACEBACK_FRAMES = 3
 
 # Folders whose frames are left out of tracebacks shown to model authors: this runtime, importlib.
 _PLUMBING_DIRS = {os.path.dirname(os.path.abspath(p)) for p in (__file__, importlib.__file__)}
-_OOM_MARKERS = ("out of memory",)  # covers "CUDA out of memory", onnxruntime's and cuDNN's wording
+
+# The one out-of-memory classifier, for the stub (is_oom) and the control plane (controlplane.lifecycle.memory.oom
+# imports it from here: this runtime cannot import controlplane). The wordings come from this runtime
+# ("[snooze:oom]", its kind prefix), Python (MemoryError), PyTorch, the CUDA driver and runtime APIs, cuDNN,
+# cuBLAS, TensorRT, onnxruntime's arena, torch's and CuPy's OutOfMemoryError classes.
+#
+# How a host allocation failure reads: the runtime's kind prefix, Python's exception name, the generic wording.
+_HOST_MARKERS = ("[snooze:oom]", "memoryerror", "out of memory")
+# Wordings only a GPU allocation failure uses (TensorRT: "Error Code 2: OutOfMemory", "Requested amount of GPU
+# memory ... could not be allocated").
+_GPU_MARKERS = (
+    "cuda out of memory",
+    "cuda_error_out_of_memory",
+    "cudaerrormemoryallocation",
+    "cudnn_status_alloc_failed",
+    "cublas_status_alloc_failed",
+    "outofmemory",
+    "requested amount of gpu memory",
+)
+# Wordings that say an allocation failed without naming the device: onnxruntime's arena ("Failed to allocate
+# memory for requested buffer of size N") serves CPU and CUDA alike; "out of memory" is a host's wording too.
+_ANY_DEVICE_MARKERS = ("out of memory", "failed to allocate memory")
+# Words that put such a failure on the GPU: "CUDA failure 2: out of memory ; GPU=0", "[TRT] ... Cuda Error ...".
+_GPU_CONTEXT = ("cuda", "gpu", "cudnn", "tensorrt", "[trt]")
+
+OomKind = Literal["gpu", "host"]
 
 
 # What to fix when a stage fails with an ordinary exception; other stages: "fix the model's <stage>".
@@ -84,11 +110,34 @@ def refuses_input(exc: BaseException) -> bool:
     return getattr(type(exc), REFUSAL_ATTRIBUTE, None) == INVALID_INPUT
 
 
+def classify_oom(text: str, *, on_gpu: bool = False) -> OomKind | None:
+    """``gpu`` when the text says a GPU allocation failed (``on_gpu``: the model runs on a GPU, so a failure that
+    names no device counts as the GPU's), ``host`` when it says a host allocation failed, else None."""
+    lowered = text.lower()
+    if any(m in lowered for m in _GPU_MARKERS) or (
+        any(m in lowered for m in _ANY_DEVICE_MARKERS) and (on_gpu or any(w in lowered for w in _GPU_CONTEXT))
+    ):
+        return "gpu"
+    if any(m in lowered for m in _HOST_MARKERS):
+        return "host"
+    return None
+
+
+def is_cuda_oom(text: str, *, on_gpu: bool = False) -> bool:
+    """Whether the text says a GPU allocation failed."""
+    return classify_oom(text, on_gpu=on_gpu) == "gpu"
+
+
+def is_oom_error(text: str) -> bool:
+    """Whether the text says an allocation failed (host wording; a GPU failure worded as one counts too)."""
+    lowered = text.lower()
+    return any(m in lowered for m in _HOST_MARKERS)
+
+
 def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, MemoryError):
-        return True
-    text = str(exc).lower()
-    return any(marker in text for marker in _OOM_MARKERS)
+    """Whether the exception is an allocation failure, host or GPU (its class name counts: torch's and CuPy's
+    OutOfMemoryError)."""
+    return isinstance(exc, MemoryError) or classify_oom(f"{type(exc).__name__}: {exc}") is not None
 
 
 def _is_plumbing(filename: str) -> bool:
@@ -107,9 +156,7 @@ def traceback_summary(exc: BaseException, frames: int = TRACEBACK_FRAMES) -> str
     return " <- ".join(f"{os.path.basename(e.filename)}:{e.lineno} in {e.name}" for e in reversed(entries))
 
 
-def describe_failure(
-    exc: BaseException, model_id: str, stage: str, batch_size: int | None
-) -> tuple[str, str]:
+def describe_failure(exc: BaseException, model_id: str, stage: str, batch_size: int | None) -> tuple[str, str]:
     """Map an exception raised by the runtime or by user code to (kind, message).
 
     `stage` names the user call that failed ("predict"); `batch_size` is the collated batch's size

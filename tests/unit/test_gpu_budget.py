@@ -263,10 +263,24 @@ def test_the_gpu_budget_evicts_in_the_host_budgets_order(policy):
         pending=pending,
         reader=object(),
         pid_map=object(),
-        order=host.eviction_order,  # type: ignore[arg-type]
+        order=host.eviction_order,
     )
     plan = asyncio.run(gpu.plan_room(new, {0: 600 * MIB}))
     assert plan is not None
     first = [v.id for v in plan.victims]
     assert first == [r.id for r in host.eviction_order([hot, cold])][:1]
     assert first == (["hot"] if policy == "lru" else ["cold"])
+
+
+def test_one_oom_classifier_for_the_stub_and_the_control_plane():
+    """The stub classifies its own failures with the function the control plane reads Triton's errors with."""
+    from controlplane.lifecycle.memory import classify_oom
+    from python_backend import errors as runtime_errors
+
+    assert classify_oom is runtime_errors.classify_oom
+    # a GPU-only wording the stub's check once missed: the model's failure is an out-of-memory, not its bug
+    exc = RuntimeError("CUDNN_STATUS_ALLOC_FAILED")
+    assert runtime_errors.is_oom(exc)
+    assert runtime_errors.describe_failure(exc, "m", "predict", 4)[0] == runtime_errors.OOM
+    assert classify_oom(runtime_errors.describe_failure(exc, "m", "predict", 4)[1]) == "gpu"
+    assert runtime_errors.is_oom(MemoryError()) and not runtime_errors.is_oom(ValueError("bad shape"))
