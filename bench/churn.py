@@ -201,11 +201,13 @@ def _timed_unloads(lifecycle: Any) -> list[dict[str, Any]]:
 
 
 async def _sample_memory(processes: Any, peak: dict[str, int]) -> None:
-    """Peak RSS of the Triton tree, and of its processes without tritonserver itself, every SAMPLE_S."""
+    """Peak RSS of the Triton tree, and of its processes without tritonserver itself, every SAMPLE_S; and the
+    tree's peak proportional memory (Pss: what the budget counts, each shared page once)."""
 
     def sample() -> None:
         server = processes.server()
         tree = processes.tree_rss()
+        peak["tree_pss"] = max(peak["tree_pss"], processes.tree_memory())
         own = 0
         if server is not None:
             with contextlib.suppress(Exception):
@@ -245,7 +247,7 @@ async def _phase(
     if policy is not None:
         overrides["eviction_policy"] = policy
     traffic = _Traffic(root, models=models, ballast_mb=ballast_mb, zipf_s=zipf_s, seed=seed, seconds=seconds)
-    peak = {"tree": 0, "stubs": 0}
+    peak = {"tree": 0, "stubs": 0, "tree_pss": 0}
     load_avg_start = os.getloadavg()
     async with serving_stack(root / f"stack-{policy or 'lru'}", traffic.entries(), **overrides) as stack:
         urls = gateway_urls(stack)
@@ -320,6 +322,7 @@ def _summary(
         "unload_max_s": round(max(u["secs"] for u in unloads), 4) if unloads else None,
         "peak_tree_mib": round(peak["tree"] / MIB, 1),
         "peak_model_processes_mib": round(peak["stubs"] / MIB, 1),
+        "peak_tree_pss_mib": round(peak["tree_pss"] / MIB, 1),
         "loaded_at_end": loaded_end,
         "republishes": republishes,
         "republishes_ok": sum(r["ok"] for r in republishes),

@@ -403,14 +403,16 @@ def _churn_lines(c: dict[str, Any] | None) -> list[str]:
         _table(
             ["policy", "answers", "answers/s", "errors", "wrong", "hot p50 / p99 ms", "rest p50 / p99 ms",
              "cold starts", "evictions", "swaps/s", "unload median / p90 / max ms (ended of all)",
-             "peak tree MiB (models' processes)", "republishes ok", "load average (1 min) start / end"],
+             "peak tree RSS MiB (models' processes)", "peak tree Pss MiB (what the budget counts)", "republishes ok",
+             "load average (1 min) start / end"],
             [
                 [name, p["answers"], p["answers_per_s"], p["errors"], p["wrong_answers"],
                  f"{p['hot_p50_ms']} / {p['hot_p99_ms']}", f"{p['rest_p50_ms']} / {p['rest_p99_ms']}",
                  p["cold_starts"], p["evictions"], p["swaps_per_s"],
                  (f"{1000 * p['unload_median_s']:.0f} / {1000 * p['unload_p90_s']:.0f} / "
                   f"{1000 * p['unload_max_s']:.0f} ({p['unloads_ended']} of {p['unloads']})") if p["unloads"] else "-",
-                 f"{p['peak_tree_mib']:.0f} ({p['peak_model_processes_mib']:.0f}) vs {st['budget_mb']:g} budget",
+                 f"{p['peak_tree_mib']:.0f} ({p['peak_model_processes_mib']:.0f})",
+                 (f"{p['peak_tree_pss_mib']:.0f} vs {st['budget_mb']:g} budget" if "peak_tree_pss_mib" in p else "-"),
                  f"{p['republishes_ok']} of {len(p['republishes'])}",
                  f"{p['load_average_start'][0]} / {p['load_average_end'][0]}"]
                 for name, p in pol.items()
