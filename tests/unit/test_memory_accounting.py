@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -130,18 +129,34 @@ def test_this_machines_cgroup_reads_where_readable():
     assert reading.usage > 0 and (reading.limit is None or reading.limit > reading.usage)
 
 
+class FakeClock:
+    """A ``controlplane.clock.Clock`` the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 def test_a_sweep_reads_pss_again_only_when_rss_moved_or_the_reading_aged(tmp_path):
+    clock = FakeClock()
     fake_proc(tmp_path, 30, rollup=ROLLUP, rss_pages=1000)
-    assert held_bytes([30], tmp_path, max_age=10) == 24000 * 1024
+    assert held_bytes([30], tmp_path, max_age=10, clock=clock.monotonic) == 24000 * 1024
     (tmp_path / "30" / "smaps_rollup").write_text(ROLLUP.replace("24000", "23000"))  # another process mapped more
-    assert held_bytes([30], tmp_path, max_age=10) == 24000 * 1024  # RSS unchanged: the reading stands
-    assert held_bytes([30], tmp_path) == 23000 * 1024  # a load's read is always fresh
+    assert held_bytes([30], tmp_path, max_age=10, clock=clock.monotonic) == 24000 * 1024  # RSS unchanged: it stands
+    assert held_bytes([30], tmp_path, clock=clock.monotonic) == 23000 * 1024  # a load's read is always fresh
     (tmp_path / "30" / "smaps_rollup").write_text(ROLLUP.replace("24000", "30000"))
     (tmp_path / "30" / "statm").write_text(f"100000 {1000 + 2 * MIB // os.sysconf('SC_PAGE_SIZE')} 0 0 0 0 0\n")
-    assert held_bytes([30], tmp_path, max_age=10) == 30000 * 1024  # RSS moved 2 MiB: read again
+    assert held_bytes([30], tmp_path, max_age=10, clock=clock.monotonic) == 30000 * 1024  # RSS moved 2 MiB: read again
     (tmp_path / "30" / "smaps_rollup").write_text(ROLLUP.replace("24000", "29000"))
-    later = time.monotonic() + 11
-    assert held_bytes([30], tmp_path, max_age=10, clock=lambda: later) == 29000 * 1024  # aged: read again
+    clock.now += 9
+    assert held_bytes([30], tmp_path, max_age=10, clock=clock.monotonic) == 30000 * 1024  # within 10 s: it stands
+    clock.now += 2
+    assert held_bytes([30], tmp_path, max_age=10, clock=clock.monotonic) == 29000 * 1024  # aged: read again
 
 
 def _record(model_id: str) -> ModelRecord:
