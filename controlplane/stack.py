@@ -63,6 +63,7 @@ class ServingStack:
         from controlplane.api.services import ControlPlaneServices
         from controlplane.gateway.activator import Activator
         from controlplane.lifecycle import LifecycleManager
+        from controlplane.lifecycle.gateway_port import GatewayPort
 
         s = self.settings
         s.work_dir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +84,7 @@ class ServingStack:
         )
         await self.lifecycle.start()
         self.activator = Activator(
-            self.lifecycle, self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url
+            GatewayPort(self.lifecycle), self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url
         )
         await self.activator.start()
         if s.gateway:

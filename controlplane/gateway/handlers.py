@@ -26,8 +26,7 @@ from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.errors import NotFoundError, SnoozeError, TritonModelLoadError, UnavailableError
 from controlplane.gateway import triton_words as words
 from controlplane.gateway.triton_words import UnknownModelError
-from controlplane.lifecycle.loading import config_for
-from controlplane.lifecycle.overrides import ForbiddenOverrideError, MalformedOverrideError, parse_override
+from controlplane.lifecycle.gateway_port import ForbiddenOverrideError, MalformedOverrideError
 from controlplane.render import VERSION, parse_config
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
@@ -45,15 +44,15 @@ INDEX_STATES = {
 
 
 class Waker(Protocol):
-    """What the activator needs from the lifecycle manager (``controlplane.lifecycle.LifecycleManager``)."""
+    """What the activator needs from the lifecycle (``controlplane.lifecycle.gateway_port.GatewayPort``)."""
 
     def serving(self, model_id: str, *, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
         """``ensure_ready`` (wake, single flight), then hold the model loaded while the block runs."""
 
     async def admit(self, model_id: str, request_id: str) -> None: ...  # raises if it ran in a dead process
     async def after_dead_answer(self, model_id: str, request_id: str) -> None: ...  # raises unless safe to resend
-    async def load(self, model_id: str, *, instances: int | None = None, override: Any = ...) -> Any: ...
-    def config_override(self, model_id: str) -> dict[str, Any] | None: ...  # a client's, from a repository load
+    async def load(self, model_id: str, override_text: str | None = None) -> Any: ...  # a repository load
+    def overridden_config(self, model: PublishedModel) -> dict[str, Any] | None: ...  # None: no client override
     async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
     def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
     def add_state_listener(self, listener: Callable[[str, Any], None]) -> None: ...  # now, then on every change
@@ -163,8 +162,7 @@ class ModelAnswers:
             )
         text = parameters.get("config")
         try:
-            override = None if text is None else parse_override(text, name)
-            await self.waker.load(name, override=override)
+            await self.waker.load(name, text)
         except MalformedOverrideError as e:
             raise words.BadConfigOverrideError(name, e) from e
         except (TritonModelLoadError, ForbiddenOverrideError) as e:
@@ -187,10 +185,10 @@ class ModelAnswers:
 
     def config(self, model: PublishedModel) -> model_config_pb2.ModelConfig:
         """The config the model loads with: its published config.pbtxt, and a client's override if one holds."""
-        override = self.waker.config_override(model.id)
-        if not override:
+        overridden = self.waker.overridden_config(model)
+        if overridden is None:
             return parse_config(model.config_text, where=str(model.path / "config.pbtxt"))
-        return json_format.ParseDict(config_for(model, override), model_config_pb2.ModelConfig())
+        return json_format.ParseDict(overridden, model_config_pb2.ModelConfig())
 
     def metadata(self, model: PublishedModel) -> dict[str, Any]:
         """KServe v2 model metadata, as Triton answers it for the loaded model."""
