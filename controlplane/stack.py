@@ -63,7 +63,6 @@ class ServingStack:
         from controlplane.api.services import ControlPlaneServices
         from controlplane.gateway.activator import Activator
         from controlplane.lifecycle import LifecycleManager
-        from controlplane.lifecycle.gateway_port import GatewayPort
 
         s = self.settings
         s.work_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +83,7 @@ class ServingStack:
         )
         await self.lifecycle.start()
         self.activator = Activator(
-            GatewayPort(self.lifecycle), self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url
+            self.lifecycle, self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url
         )
         await self.activator.start()
         if s.gateway:

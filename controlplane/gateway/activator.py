@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
@@ -33,9 +34,13 @@ from controlplane.gateway.envoy import held_log_path, ready_dir_path
 from controlplane.gateway.grpc_adapter import GRPC_OPTIONS, GrpcActivator
 from controlplane.gateway.handlers import HoldRegistry, ModelAnswers, ReadyFlags, Waker, input_names_hint
 from controlplane.gateway.http_adapter import HttpForwarder, create_http_app
+from controlplane.lifecycle.gateway_port import GatewayPort
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
+
+if TYPE_CHECKING:
+    from controlplane.lifecycle.manager import LifecycleManager
 
 # Imported from here by the stack and the tests: the servers, and the handlers they are built on.
 __all__ = ["Activator", "HoldRegistry", "ModelAnswers", "ReadyFlags", "Waker"]
@@ -59,7 +64,7 @@ class Activator:
 
     def __init__(
         self,
-        waker: Waker,
+        lifecycle: LifecycleManager,
         store: ModelStore,
         settings: Settings,
         *,
@@ -69,7 +74,7 @@ class Activator:
     ) -> None:
         self.settings = settings
         self.host = host
-        self.answers = ModelAnswers(waker, store, settings)
+        self.answers = ModelAnswers(GatewayPort(lifecycle), store, settings)
         self.triton_http_url = triton_http_url
         self.triton_grpc_url = triton_grpc_url
         self.http_port: int | None = None
