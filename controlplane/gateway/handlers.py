@@ -1,0 +1,368 @@
+"""What the activator answers, whatever the protocol: the gateway's handlers.
+
+``ModelAnswers`` wakes a model and forwards a request under its hold (run once: ``forward``), and answers
+readiness, metadata, config, the repository index and the admin calls for a published model as if it were
+loaded. ``ReadyFlags`` tells the wake filter which models are loaded; ``HoldRegistry`` keeps a model in use
+for the requests the wake filter let through. The HTTP (``http_adapter``) and gRPC (``grpc_adapter``)
+adapters translate their protocol to these calls and the answers back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2
+
+from controlplane.auth import Scope, check_scope
+from controlplane.clock import SYSTEM_CLOCK, Clock
+from controlplane.errors import NotFoundError, SnoozeError, TritonModelLoadError, UnavailableError
+from controlplane.gateway import triton_words as words
+from controlplane.gateway.triton_words import UnknownModelError
+from controlplane.lifecycle.gateway_port import ForbiddenOverrideError, MalformedOverrideError
+from controlplane.render import VERSION, parse_config
+from controlplane.settings import Settings
+from controlplane.store import ModelStore, PublishedModel
+
+log = logging.getLogger("snoozeml.activator")
+T = TypeVar("T")
+# Lifecycle state -> Triton repository-index state, the vocabulary tritonclient users know.
+INDEX_STATES = {
+    "ready": "READY",
+    "loading": "LOADING",
+    "unloading": "UNLOADING",
+    "unloaded": "UNAVAILABLE",
+    "failed": "UNAVAILABLE",
+}
+
+
+class Waker(Protocol):
+    """What the activator needs from the lifecycle (``controlplane.lifecycle.gateway_port.GatewayPort``)."""
+
+    def serving(self, model_id: str, *, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
+        """``ensure_ready`` (wake, single flight), then hold the model loaded while the block runs."""
+
+    async def admit(self, model_id: str, request_id: str) -> None: ...  # raises if it ran in a dead process
+    async def after_dead_answer(self, model_id: str, request_id: str) -> None: ...  # raises unless safe to resend
+    async def load(self, model_id: str, override_text: str | None = None) -> Any: ...  # a repository load
+    def overridden_config(self, model: PublishedModel) -> dict[str, Any] | None: ...  # None: no client override
+    async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
+    def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
+    def add_state_listener(self, listener: Callable[[str, Any], None]) -> None: ...  # now, then on every change
+    def remove_state_listener(self, listener: Callable[[str, Any], None]) -> None: ...
+
+
+class ModelAnswers:
+    """What the activator answers, shared by HTTP and gRPC: wake, readiness, metadata, config, index, admin."""
+
+    def __init__(self, waker: Waker, store: ModelStore, settings: Settings) -> None:
+        self.waker = waker
+        self.store = store
+        self.settings = settings
+        # Unloaded by a client through Triton's repository API: not ready (Triton's answer after an unload)
+        # until the model is READY again (a repository load, or a request that woke it).
+        self.unloaded_by_client: set[str] = set()
+
+    def published_for_load(self, name: str) -> PublishedModel:
+        """``published`` for a repository load: an unpublished model in Triton's words for a load (500)."""
+        try:
+            return self.store.get(name)
+        except NotFoundError as e:
+            raise words.LoadUnknownModelError(name, e) from None
+
+    async def unload(self, name: str) -> None:
+        """Repository unload (admin): the model sleeps now and reports not ready until it is loaded again."""
+        await self.waker.unload(name, reason="api")
+        if self.state(name) != "ready":
+            self.unloaded_by_client.add(name)
+
+    def on_state(self, name: str, state: Any) -> None:
+        """Lifecycle state listener: a model READY again (or gone) is no longer one a client unloaded."""
+        if state is None or str(getattr(state, "value", state)) == "ready":
+            self.unloaded_by_client.discard(name)
+
+    def published(self, name: str, version: str = "") -> PublishedModel:
+        """The published model; else Triton's own "unknown model" words (404), snoozeml's reason after."""
+        try:
+            model = self.store.get(name)
+        except NotFoundError as e:
+            raise UnknownModelError(words.not_found(name), e) from None
+        if version and version != VERSION:
+            raise UnknownModelError(
+                words.version_not_found(name, version), f"model '{name}' is published as version {VERSION} only"
+            )
+        return model
+
+    @contextlib.asynccontextmanager
+    async def serving(self, name: str, timeout: float | None = None) -> AsyncIterator[None]:
+        """Wake the model and keep it loaded (no idle unload, no eviction) until the block ends.
+
+        A load that failed or outlived the deadline answers with Triton's words for a model without a
+        loaded version first and snoozeml's reason after, as 503 / UNAVAILABLE with Retry-After (not
+        Triton's 404): the next request tries the load again, so a client that retries 503 is right.
+        The caller has checked that the model is published (``published``: Triton's words otherwise).
+        """
+        entered = False
+        try:
+            async with self.waker.serving(name, timeout=timeout):
+                entered = True
+                yield
+        except UnavailableError as e:
+            if entered or isinstance(e, words.NotYetAvailableError):
+                raise
+            raise words.NotYetAvailableError(name, e) from e
+
+    async def forward(
+        self,
+        name: str,
+        request_id: str,
+        send: Callable[[], Awaitable[T]],
+        dead: Callable[[T], bool],
+        *,
+        timeout: float | None = None,
+    ) -> T:
+        """Wake the model and ``send()`` the request to Triton, at most once to a live model process.
+
+        A request that already ran in a model process that died (Envoy retried its "stub not
+        healthy" answer here) is refused with the crash. One that meets a dead stub here is sent again
+        after recovery only when the journal shows it never reached a live process (``recovery``).
+        """
+        self.published(name)
+        await self.waker.admit(name, request_id)
+        async with self.serving(name, timeout):
+            answer = await send()
+            if not dead(answer):
+                return answer
+            await self.waker.after_dead_answer(name, request_id)
+            answer = await send()
+            if dead(answer):
+                await self.waker.after_dead_answer(name, request_id)
+            return answer
+
+    async def load(self, name: str, parameters: Mapping[str, Any]) -> None:
+        """Repository load (admin) with the request's load parameters (``config``: the client's override, held
+        through sleep and wake; ``file:`` ones are refused). A failed load answers in Triton's words and status:
+        400 (load failed), or 500 for an override Triton could not read (``overrides``)."""
+        files = [key for key in parameters if key != "config"]
+        if files:  # never forwarded: Triton 2.51 aborts on a file: name longer than NAME_MAX
+            raise words.RefusedLoadFilesError(
+                name,
+                BadRequestError(
+                    f"load parameters {', '.join(sorted(files))} for model '{name}' are not accepted through the "
+                    "gateway (only 'config')",
+                    hint="publish a new package (snoozectl publish) to change a model's files",
+                ),
+            )
+        text = parameters.get("config")
+        try:
+            await self.waker.load(name, text)
+        except MalformedOverrideError as e:
+            raise words.BadConfigOverrideError(name, e) from e
+        except (TritonModelLoadError, ForbiddenOverrideError) as e:
+            raise words.LoadFailedError(name, e) from e
+        if self.state(name) == "failed":
+            raise words.LoadFailedError(name, SnoozeError(self.waker.status(name).reason or "unknown reason"))
+
+    def state(self, name: str) -> str:
+        """The lifecycle state's name (``ModelStatus.state`` is a str enum)."""
+        state = self.waker.status(name).state
+        return str(getattr(state, "value", state))
+
+    def ready(self, name: str) -> bool:
+        """Published and not failed: a request would be served (after a wake if it sleeps). Not ready after a
+        client's repository unload, as Triton answers (Triton's client examples check it), until loaded again."""
+        return self.store.exists(name) and self.state(name) != "failed" and name not in self.unloaded_by_client
+
+    def loaded(self, name: str) -> bool:
+        return self.state(name) == "ready"
+
+    def config(self, model: PublishedModel) -> model_config_pb2.ModelConfig:
+        """The config the model loads with: its published config.pbtxt, and a client's override if one holds."""
+        overridden = self.waker.overridden_config(model)
+        if overridden is None:
+            return parse_config(model.config_text, where=str(model.path / "config.pbtxt"))
+        return json_format.ParseDict(overridden, model_config_pb2.ModelConfig())
+
+    def metadata(self, model: PublishedModel) -> dict[str, Any]:
+        """KServe v2 model metadata, as Triton answers it for the loaded model."""
+        config = self.config(model)
+        batch = [-1] if config.max_batch_size > 0 else []
+        return {
+            "name": model.id,
+            "versions": [VERSION],
+            "platform": config.platform or config.backend,
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + t.dims} for t in model.inputs],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + t.dims} for t in model.outputs],
+        }
+
+    def index(self, ready_only: bool) -> list[dict[str, str]]:
+        entries = []
+        for model in self.store.list():
+            lifecycle_state = self.state(model.id)
+            state = INDEX_STATES.get(lifecycle_state, "UNKNOWN")
+            if ready_only and state != "READY":
+                continue
+            reason = self.waker.status(model.id).reason or lifecycle_state
+            entries.append({"name": model.id, "version": VERSION, "state": state, "reason": reason})
+        return entries
+
+    def check_admin(self, headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
+        """Repository load/unload through the gateway need the admin scope (cold path: checked here)."""
+        check_scope(self.settings, headers, Scope.ADMIN, surface="activator")
+
+
+class BadRequestError(SnoozeError):
+    status_code = 400
+    code = "bad_request"
+
+
+class ReadyFlags:
+    """One file per READY model in ``folder``: what the wake filter reads to let a warm stream on without
+    waiting for Python (``wake_lua``; only that it exists). Its one line, from ``describe``, is the hint the
+    gateway adds to Triton's answer for an input the model does not have (``input_names_hint``).
+
+    ``update`` is a lifecycle state listener: it runs synchronously inside the transition, so a flag goes
+    away the moment the model leaves READY (an idle unload, an eviction, a recovery, Triton gone), before
+    the transition awaits anything. Flags left by an earlier run are removed at ``open``.
+    """
+
+    def __init__(self, folder: Path, describe: Callable[[str], str] | None = None) -> None:
+        self.folder = folder
+        self.describe = describe
+        self._open = False
+
+    def open(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._open = True
+
+    def close(self) -> None:
+        self._open = False
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def ready(self, model: str) -> bool:
+        return (self.folder / model).is_file()
+
+    def update(self, model: str, state: Any) -> None:
+        if not self._open or not model or model.startswith(".") or "/" in model:
+            return
+        path = self.folder / model
+        try:
+            if str(getattr(state, "value", state)) == "ready":
+                text = self._describe(model)
+                # Renamed into place: the gateway never reads half a line (a dot name is never a flag).
+                partial = self.folder / f".{model}.partial"
+                partial.write_text(text + "\n" if text else "", encoding="utf-8")
+                os.replace(partial, path)
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as e:  # without its flag the model is only slower to stream (the cold path's call)
+            log.warning("model '%s': ready flag %s not updated: %s", model, path, e)
+
+    def _describe(self, model: str) -> str:
+        if self.describe is None:
+            return ""
+        try:
+            return self.describe(model)
+        except Exception as e:  # a flag without its hint costs a line in one error, never the flag
+            log.warning("model '%s': no input hint for the gateway: %s", model, e)
+            return ""
+
+
+def input_names_hint(record: Any) -> str:
+    """The line the gateway adds to Triton's "unexpected inference input" for ``record`` (a PublishedModel)."""
+    declared = ", ".join(f"'{t.name}' ({t.datatype}, dims {list(t.dims)})" for t in record.inputs)
+    return (
+        f"snoozeml: model '{record.id}' declares input(s) {declared}: send each input under its declared "
+        "name (names are case-sensitive)"
+    )
+
+
+class HoldRegistry:
+    """Models held in use for the requests the wake filter let through (streams, large bodies).
+
+    ``hold`` wakes the model (single flight) and keeps it in use (``serving``: no idle unload, no
+    eviction, no scale-down) until Envoy's access log of held requests (``held_log``, one hold token per
+    line, written when the request ends, normally or by a reset) names its token: ``tail`` reads it.
+    The wake filter sets the token before it calls, so an end logged before its hold was taken (the
+    client went away during the wake) releases the hold at once; ends that never had a hold (an unknown
+    model) are forgotten after ``ENDED_MEMORY_SECS``.
+    """
+
+    ENDED_MEMORY_SECS = 600.0
+
+    def __init__(
+        self, answers: ModelAnswers, held_log: Path, *, poll_secs: float = 0.05, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self.answers = answers
+        self.held_log = held_log
+        self.poll_secs = poll_secs
+        self.clock = clock
+        self._holds: dict[str, tuple[str, contextlib.AsyncExitStack]] = {}
+        self._ended: dict[str, float] = {}
+        self._offset: int | None = None
+        self.warm_holds = 0  # holds the wake filter sent without waiting (the model's ready flag was there)
+
+    def open(self, model: str | None = None) -> int:
+        """Requests held now (for ``model``, or all)."""
+        return sum(1 for m, _ in self._holds.values() if model is None or m == model)
+
+    async def hold(self, model: str, token: str, *, warm: bool = False) -> None:
+        self.answers.published(model)
+        self.warm_holds += warm
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(self.answers.serving(model))
+        if not token or self._ended.pop(token, None) is not None or token in self._holds:
+            await stack.aclose()
+            return
+        self._holds[token] = (model, stack)
+
+    async def release(self, request_id: str) -> None:
+        held = self._holds.pop(request_id, None)
+        if held is None:
+            self._ended[request_id] = self.clock.monotonic()
+            return
+        await held[1].aclose()
+
+    def _new_lines(self) -> list[str]:
+        try:
+            size = self.held_log.stat().st_size
+        except FileNotFoundError:
+            self._offset = self._offset or 0
+            return []
+        if self._offset is None or size < self._offset:  # first look (older runs' lines), or a new file
+            self._offset = size if self._offset is None else 0
+            return []
+        if size == self._offset:
+            return []
+        with open(self.held_log, "rb") as f:
+            f.seek(self._offset)
+            data = f.read(size - self._offset)
+        complete = data.rfind(b"\n") + 1
+        self._offset += complete
+        return [line.strip().strip('"') for line in data[:complete].decode("utf-8", "replace").splitlines()]
+
+    async def tail(self) -> None:
+        """Release holds as Envoy logs their requests' ends (runs until cancelled)."""
+        while True:
+            for line in self._new_lines():
+                for token in line.split(","):  # a stream that held several models: each one's token
+                    if token and token != "-":
+                        await self.release(token)
+            now = self.clock.monotonic()
+            for request_id, at in list(self._ended.items()):
+                if now - at > self.ENDED_MEMORY_SECS:
+                    del self._ended[request_id]
+            await asyncio.sleep(self.poll_secs)
+
+    async def aclose(self) -> None:
+        for _, stack in list(self._holds.values()):
+            await stack.aclose()
+        self._holds.clear()
