@@ -21,7 +21,7 @@ from controlplane.spec import DeploymentSpec, PackageKind, resolve
 from controlplane.store.transactions import write_model
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
-from controlplane.validate import OK, validate_repository
+from controlplane.validation import OK, validate_repository
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 pytestmark = [

@@ -17,7 +17,7 @@ import pytest
 from controlplane.render import embedded_target, render_repository
 from controlplane.spec import DeploymentSpec, discover, resolve_all
 from controlplane.triton.launcher import EmbeddedTriton
-from controlplane.validate import FAIL, OK, SKIP, WARN, validate_repository
+from controlplane.validation import FAIL, OK, SKIP, WARN, validate_repository
 
 pytestmark = pytest.mark.integration
 

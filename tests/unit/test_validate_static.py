@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from controlplane.render import FULL_TARGET, embedded_target, render_repository
 from controlplane.spec import DeploymentSpec, resolve_all
-from controlplane.validate import FAIL, OK, SKIP, ValidationReport, validate_repository, warmup_inputs
+from controlplane.validation import FAIL, OK, SKIP, ValidationReport, validate_repository, warmup_inputs
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 
