@@ -22,8 +22,8 @@ from controlplane.render import (
 )
 from controlplane.validation.report import CheckResult, Recorder
 from controlplane.warmup import WARMUP_DIR
+from converters.files import ONNX_FILE, PLAN_FILE, PYTHON_MODEL_FILE
 
-# platform -> backend, and the file Triton looks for when the config names none.
 # platform -> backend, and the file Triton looks for when the config names none.
 PLATFORM_BACKENDS = {
     "onnxruntime_onnx": "onnxruntime",
@@ -33,9 +33,9 @@ PLATFORM_BACKENDS = {
     "tensorflow_savedmodel": "tensorflow",
 }
 _DEFAULT_FILES = {
-    "python": "model.py",
-    "onnxruntime": "model.onnx",
-    "tensorrt": "model.plan",
+    "python": PYTHON_MODEL_FILE,
+    "onnxruntime": ONNX_FILE,
+    "tensorrt": PLAN_FILE,
     "pytorch": "model.pt",
     "tensorflow_graphdef": "model.graphdef",
     "tensorflow_savedmodel": "model.savedmodel",
@@ -237,7 +237,7 @@ def _onnx_signature_problems(m: _ModelFolder, sig: Any) -> list[str]:
 
 def _check_python(m: _ModelFolder) -> None:
     for version in m.versions:
-        entry = version / (m.model_file or "model.py")
+        entry = version / (m.model_file or PYTHON_MODEL_FILE)
         runtime_file = version / RUNTIME_FILE
         generated = any(p.exists() for p in (runtime_file, version / "python_backend", m.path / DEPLOYMENT_FILE))
         spec = _check_runtime_spec(m, runtime_file) if generated else None
