@@ -25,8 +25,9 @@ from typing import Any
 
 from bench._load import Job, LoadWorker
 from bench.common import EXAMPLES, ROOT
-from controlplane.render import RUNTIME_FILE, VERSION, embedded_target, render_repository
+from controlplane.render import RUNTIME_FILE, VERSION, embedded_target
 from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store import render_repository
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.journal import REQUEST_ID_HEADER
 from controlplane.triton.launcher import EmbeddedTriton

@@ -247,11 +247,3 @@ def parse_config(text: str, *, where: str) -> model_config_pb2.ModelConfig:
     if not config.input or not config.output:
         raise InvalidPackageError(f"{where}: a model needs at least one input and one output")
     return config
-
-
-def render_repository(specs: Iterable[ModelSpec], repo: Path, target: TritonTarget) -> list[Path]:
-    """Render every model first (all-or-nothing validation), then write each one atomically."""
-    from controlplane.store.transactions import write_model  # the store imports the renderer: not at the top
-
-    rendered = [render_model(spec, target) for spec in specs]
-    return [write_model(r, repo) for r in rendered]

@@ -17,9 +17,9 @@ from controlplane.render import (
     embedded_target,
     parse_config,
     render_model,
-    render_repository,
 )
 from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store import render_repository
 from controlplane.store.transactions import write_model
 
 GOLDEN = Path(__file__).parent / "golden"
