@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from . import prefork_worker
-from .journal import start_ticks
+from .journal import PARENT_PREFIX, PARENT_SUFFIX, start_ticks
 from .prefork_protocol import (
     ERROR,
     EXITED,
@@ -59,7 +59,6 @@ STATUS_WAIT_SECS = 2.0  # a STATUS question about a live worker waits this long 
 REAPED_KEPT = 1024
 POLL_SECS = 1.0  # without pidfds: how often Triton is looked at
 PR_SET_NAME = 15
-RECORD_SUFFIX = ".parent"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +86,7 @@ class ParentConfig:
 
 
 def record_path(journal_dir: str, key: str) -> str:
-    return os.path.join(journal_dir, f"prefork-{key}{RECORD_SUFFIX}")
+    return os.path.join(journal_dir, f"{PARENT_PREFIX}{key}{PARENT_SUFFIX}")
 
 
 def set_process_name(name: str) -> None:

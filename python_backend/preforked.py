@@ -39,7 +39,7 @@ from typing import Any, NoReturn
 from . import RUNTIME_MODULES
 from .errors import INTERNAL, RemoteFailure, describe_failure, without_prefix
 from .exits import describe_wait_status
-from .journal import JOURNAL_ENV, clear_batch, own_file, start_ticks
+from .journal import JOURNAL_ENV, WORKER_SUFFIX, clear_batch, own_file, start_ticks
 from .prefork_protocol import (
     CANCEL,
     END,
@@ -74,7 +74,6 @@ from .spec import SPEC_FILE, RuntimeSpec
 PARENT_CONNECT_SECS = 15.0  # the parent binds its socket first thing: a slow start on a busy machine
 STATUS_ASK_SECS = 3.0  # how long a stub waits for the parent to say how its worker ended
 WORKER_EXIT_SECS = 10.0  # after SHUTDOWN, how long the worker gets to exit before it is killed
-WORKER_NOTE = ".worker"
 # After handing a batch to its worker, the stub's thread polls for the answer this long (yielding the CPU
 # to anything runnable) before it blocks in recv. Measured on this 2-core VM: waking a blocked process
 # costs about 75 µs, so a torch MLP's round trip took 163 µs blocking and 88 µs polling. Not when recent
@@ -522,7 +521,7 @@ class PreforkedModel:
         if not directory or not self._note:
             return
         self._note.update(fields)
-        path = own_file(directory, WORKER_NOTE)
+        path = own_file(directory, WORKER_SUFFIX)
         tmp = f"{path}.tmp"
         with contextlib.suppress(OSError):
             with open(tmp, "w", encoding="utf-8") as f:
@@ -533,7 +532,7 @@ class PreforkedModel:
         directory = os.environ.get(JOURNAL_ENV)
         if directory:
             with contextlib.suppress(OSError):
-                os.unlink(own_file(directory, WORKER_NOTE))
+                os.unlink(own_file(directory, WORKER_SUFFIX))
 
 
 def _poll_briefly(conn: socket.socket, until: float) -> None:
