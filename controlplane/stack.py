@@ -23,9 +23,9 @@ from pathlib import Path
 import uvicorn
 from rich.console import Console
 
+from controlplane.child_processes import kill_group
 from controlplane.errors import SnoozeError
 from controlplane.metrics import SnoozeMetrics
-from controlplane.processes import kill_group
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings

@@ -36,8 +36,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from controlplane.child_processes import kill_group, log_tail, spawn, stop_group
 from controlplane.errors import TritonLaunchError
-from controlplane.processes import kill_group, log_tail, spawn, stop_group
 from controlplane.triton.defer_shim import build_defer_shim, with_preload
 from controlplane.triton.journal import HEADER_FORWARD_ARGS, JOURNAL_ENV, prepare_journal_dir, remove_stale
 from controlplane.triton.processes import STUB_NAME, TritonProcesses
