@@ -23,6 +23,7 @@ RUNTIME_MODULES = (
     "import_probe.py",
     "journal.py",
     "prefork_parent.py",
+    "prefork_preload.py",
     "prefork_protocol.py",
     "prefork_worker.py",
     "preforked.py",
