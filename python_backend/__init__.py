@@ -22,6 +22,7 @@ RUNTIME_MODULES = (
     "exits.py",
     "import_probe.py",
     "journal.py",
+    "prefork_connect.py",
     "prefork_parent.py",
     "prefork_preload.py",
     "prefork_protocol.py",

@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 import pytest
 
-from python_backend import preforked
+from python_backend import prefork_connect, preforked
 from python_backend.errors import RemoteFailure
 from python_backend.journal import start_ticks
 from python_backend.prefork_protocol import (
@@ -334,9 +334,9 @@ def parents_of(key: str) -> list[int]:
 
 def test_parents_started_in_a_race_leave_one(tmp_path, triton, journal):
     raw, _ = write_model(tmp_path)
-    identity = preforked.parent_identity(parse_spec(raw), sys.executable, triton.pid)
+    identity = prefork_connect.parent_identity(parse_spec(raw), sys.executable, triton.pid)
     for _ in range(3):
-        preforked.start_parent(identity)
+        prefork_connect.start_parent(identity)
     until(lambda: parent_records(journal), "a parent")
     time.sleep(0.5)  # the others would have bound (and lost) by now
     assert len(parents_of(identity.key)) == 1 and len(parent_records(journal)) == 1
