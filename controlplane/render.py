@@ -26,7 +26,7 @@ from controlplane.errors import InvalidPackageError
 from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
 from controlplane.warmup import warmup_plan, warmup_view
 from converters.files import PYTHON_MODEL_FILE
-from python_backend.spec import SPEC_FILE as RUNTIME_FILE
+from python_backend.spec import SPEC_FILE
 
 VERSION = "1"
 PACKAGE_SUBDIR = "package"
@@ -206,7 +206,7 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
             rendered.copies.append((src, f"{VERSION}/{RUNTIME_SUBDIR}/{src.name}"))
         entry = _environment().get_template("python_model.py.j2").render(model_id=spec.id)
         rendered.writes[f"{VERSION}/{PYTHON_MODEL_FILE}"] = entry.encode()
-        rendered.writes[f"{VERSION}/{RUNTIME_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
+        rendered.writes[f"{VERSION}/{SPEC_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
     else:
         # Native backends: the model file and its external-data files sit in the version folder.
         for rel in (package.model_file, *package.external_data):
