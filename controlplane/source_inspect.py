@@ -37,8 +37,13 @@ def _yields(function: ast.AST) -> bool:
     return False
 
 
-def required_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
-    """(line, module) of absolute imports that are not guarded by ``except ImportError``."""
+def required_imports(source: str | bytes, *, filename: str = "<source>") -> Iterator[tuple[int, str]]:
+    """(line, module) of absolute imports that are not guarded by ``except ImportError``. A file that does
+    not parse raises SyntaxError (or ValueError, for null bytes) before anything is yielded."""
+    return _required_imports(ast.parse(source, filename=filename))
+
+
+def _required_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
     guarded: set[int] = set()  # ids of nodes inside a try body whose handlers catch ImportError
     for node in ast.walk(tree):
         if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
