@@ -9,7 +9,7 @@ import typer
 
 from controlplane.cli.control_client import DEFAULT_URL, ApiKey, Url, open_client, waiting
 from controlplane.cli.output import AsJson, out_console
-from controlplane.cli.status_command import _state
+from controlplane.cli.status_command import state_text
 
 
 def load(
@@ -27,7 +27,7 @@ def load(
         return
     cold = result.get("last_cold_start_secs")
     took = f" in {cold:.2f}s" if cold is not None else ""
-    out_console.print(f"[bold]{model_id}[/] is {_state(result)}{took} ({result.get('instances', 0)} instance(s))")
+    out_console.print(f"[bold]{model_id}[/] is {state_text(result)}{took} ({result.get('instances', 0)} instance(s))")
 
 
 def unload(
@@ -42,7 +42,7 @@ def unload(
     if as_json:
         print(json.dumps(result))
     else:
-        out_console.print(f"[bold]{model_id}[/] is {_state(result)}")
+        out_console.print(f"[bold]{model_id}[/] is {state_text(result)}")
 
 
 def delete(

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, Trans
 
 from controlplane.cli.control_client import DEFAULT_URL, ApiKey, Url, open_client, waiting
 from controlplane.cli.output import AsJson, err_console, fail, out_console
-from controlplane.cli.status_command import _status_table
+from controlplane.cli.status_command import status_table
 from controlplane.errors import SnoozeError
 
 
@@ -161,7 +161,7 @@ def publish(
     for line in _publish_notes(detail, decision):
         out_console.print(line, highlight=False, markup=False, soft_wrap=True)
     if load:
-        out_console.print(_status_table([detail]))
+        out_console.print(status_table([detail]))
 
 
 def _publish_notes(detail: dict[str, Any], decision: Any) -> list[str]:

@@ -85,7 +85,7 @@ def _short_reason(reason: str) -> str:
     return shown + (" (more: --json)" if cut else "")
 
 
-def _state(status: dict[str, Any], *, in_table: bool = False) -> str:
+def state_text(status: dict[str, Any], *, in_table: bool = False) -> str:
     state = status["state"]
     text = f"[{_STATE_STYLE[state]}]{state}[/]" if state in _STATE_STYLE else state
     # reasons quote runtime errors such as "[snooze:oom] ...": not rich markup
@@ -112,7 +112,7 @@ def _nodes(per_node: dict[str, dict[str, Any]] | None) -> str:
     return ", ".join(cells)
 
 
-def _status_table(models: list[dict[str, Any]]) -> Table:
+def status_table(models: list[dict[str, Any]]) -> Table:
     # the GPU column only where the server measures GPU memory: CPU-only servers keep the narrower table
     gpu = any(model["status"].get("gpu_memory_bytes") is not None for model in models)
     fleet = any("nodes" in model["status"] for model in models)  # a fleet API answered
@@ -129,7 +129,7 @@ def _status_table(models: list[dict[str, Any]]) -> Table:
         s = model["status"]
         cold = s.get("last_cold_start_secs")
         table.add_row(
-            model["id"], _state(s, in_table=True), str(s.get("instances", 0)), _ago(s.get("last_access")),
+            model["id"], state_text(s, in_table=True), str(s.get("instances", 0)), _ago(s.get("last_access")),
             _keep_alive(s), _memory_cell(s),
             *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
             *([_nodes(s.get("nodes"))] if fleet else []),
@@ -224,7 +224,7 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
     elif not models:
         out_console.print("no models published (publish one with `snoozectl publish <folder>`)")
     else:
-        out_console.print(_status_table(models))
+        out_console.print(status_table(models))
         for line in _failure_lines(models):
             out_console.print(line, highlight=False, markup=False, soft_wrap=True)
         for parent in runtime.get("preloaded_parents", []):

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from controlplane.cli.status_command import _status_table
+from controlplane.cli.status_command import status_table
 
 MIB = 1024 * 1024
 
@@ -21,7 +21,7 @@ def model(model_id: str, **status: object) -> dict:
 
 
 def render(models: list[dict]) -> tuple[list[str], str]:
-    table = _status_table(models)
+    table = status_table(models)
     out = io.StringIO()
     Console(file=out, width=200, color_system=None).print(table)
     return [str(c.header) for c in table.columns], out.getvalue()
@@ -128,7 +128,7 @@ def test_an_80_column_terminal_cuts_no_header_and_a_long_failure_goes_below_the_
     )
     models = [model("numpy-linear", last_access=1.0), model("text-features", state="failed", reason=reason)]
     out = io.StringIO()
-    Console(file=out, width=80, color_system=None).print(_status_table(models))
+    Console(file=out, width=80, color_system=None).print(status_table(models))
     text = out.getvalue()
     assert "…" not in text, text  # no header word (instances, keep-alive, ...) is cut
     assert "sklearnx" not in text  # the state cell says 'failed'; the reason is below
