@@ -22,8 +22,9 @@ import psutil
 
 from bench._load import Job, LoadWorker
 from controlplane.native import prefer_native
-from controlplane.render import embedded_target, render_repository
+from controlplane.render import embedded_target
 from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store import render_repository
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
 

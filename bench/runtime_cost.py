@@ -25,11 +25,13 @@ from typing import Any
 
 from bench._load import Job, LoadWorker
 from bench.common import EXAMPLES, ROOT
-from controlplane.render import RUNTIME_FILE, VERSION, embedded_target, render_repository
+from controlplane.render import VERSION, embedded_target
 from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store import render_repository
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.journal import REQUEST_ID_HEADER
 from controlplane.triton.launcher import EmbeddedTriton
+from python_backend.spec import SPEC_FILE
 
 MODEL = "numpy-linear"
 RUNTIME = "rt-runtime"
@@ -81,7 +83,7 @@ def build_repository(repo: Path) -> dict[str, Any]:
     )
     render_repository([spec, no_limit], repo, embedded_target())
     # snoozeml's manifest requires a limit; a runtime spec may have none (as a hand-edited one would).
-    runtime_json = repo / NO_LIMIT / VERSION / RUNTIME_FILE
+    runtime_json = repo / NO_LIMIT / VERSION / SPEC_FILE
     runtime_json.write_text(json.dumps({**json.loads(runtime_json.read_text()), "request_timeout_secs": None}))
     hand = repo / HANDWRITTEN
     (hand / "1").mkdir(parents=True)

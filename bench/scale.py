@@ -48,7 +48,7 @@ def render_all(packages: list[Path], repo: Path) -> dict[str, float]:
 
 
 def validate(repo: Path, models: list[str]) -> dict[str, Any]:
-    from controlplane.validate import validate_repository
+    from controlplane.validation import validate_repository
 
     load_start = [round(v, 2) for v in os.getloadavg()]
     start = time.perf_counter()

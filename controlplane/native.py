@@ -28,25 +28,21 @@ with native_package(path, max_batch_size=8, params=overrides, progress=print) as
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import importlib.util
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from controlplane.conversion_worker import DEFAULT_TIMEOUT_SECS, ConversionFailed, Progress, run_worker
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError, SnoozeError
+from controlplane.source_inspect import export_hook
 from controlplane.spec import (
     MANIFEST_FILE,
     ModelPackage,
@@ -55,25 +51,13 @@ from controlplane.spec import (
     load_package,
     validate_params,
 )
-from converters.files import ONNX_FILE, PLAN_FILE
-from converters.worker import PROGRESS_PREFIX
+from converters.files import ONNX_FILE
 
 PARITY_FILE = "parity.json"
 PROVENANCE_DIR = "provenance"
 REJECTED_DIR = "rejected"
 DEFAULT_OPSET = 18  # converters.torch_export.DEFAULT_OPSET, without importing it here
-DEFAULT_TIMEOUT_SECS = 900.0
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
-
-Progress = Callable[[str], None]
-
-
-class ConversionFailed(SnoozeError):
-    """A conversion the user asked for explicitly (snoozectl convert) did not succeed."""
-
-    status_code = 422
-    code = "conversion_failed"
-
 
 @dataclass(frozen=True)
 class NativeDecision:
@@ -117,18 +101,8 @@ class NativeDecision:
 def find_export_hook(package_dir: Path, entrypoint: str = "snooze_model.py", class_name: str = "Model") -> str | None:
     """Where the package defines its export hook (`Model.export_module` or a module-level
     `export_module`), found by parsing the entry file: nothing is imported. None when there is none."""
-    source = (Path(package_dir) / entrypoint).read_text(encoding="utf-8")
-    tree = ast.parse(source, filename=str(Path(package_dir) / entrypoint))
-    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
-    for node in tree.body:
-        if isinstance(node, functions) and node.name == "export_module":
-            return "export_module()"
-        if isinstance(node, ast.ClassDef) and node.name == class_name:
-            if any(isinstance(item, functions) and item.name == "export_module" for item in node.body):
-                return f"{class_name}.export_module()"
-        if isinstance(node, ast.Assign | ast.ImportFrom) and "export_module" in ast.unparse(node):
-            return "export_module (assigned or imported)"
-    return None
+    path = Path(package_dir) / entrypoint
+    return export_hook(path.read_text(encoding="utf-8"), class_name, filename=str(path))
 
 
 def torch_available() -> bool:
@@ -154,74 +128,6 @@ def _signature_request(package: ModelPackage) -> dict[str, Any]:
         return [{"name": t.name, "dtype": parse_dtype(t.datatype).numpy, "dims": list(t.dims)} for t in tensors]
 
     return {"inputs": decls(package.inputs), "outputs": decls(package.outputs)}
-
-
-# ---------------------------------------------------------------------------------------------
-# The child process
-
-
-def run_worker(
-    request: Mapping[str, Any],
-    *,
-    progress: Progress | None = None,
-    timeout: float = DEFAULT_TIMEOUT_SECS,
-    env: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """Run `python -m converters.worker` on `request` and return its result object.
-
-    Stage lines (`progress: ...`) on the child's stderr go to `progress`; other lines are kept (the
-    last 40) for the error message. Raises ConversionFailed when the child times out (its process
-    group is killed), crashes, or writes no result.
-    """
-    notify = progress or (lambda _stage: None)
-    with tempfile.TemporaryDirectory(prefix="snooze-convert-") as tmp:
-        request_path, result_path = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        request_path.write_text(json.dumps(dict(request)), encoding="utf-8")
-        child_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "converters.worker", str(request_path), str(result_path)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            cwd=tmp,
-            env=child_env,
-            start_new_session=True,  # its own process group: a timeout kills the whole tree
-        )
-        tail: deque[str] = deque(maxlen=40)
-
-        def pump() -> None:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                line = line.rstrip("\n")
-                if line.startswith(PROGRESS_PREFIX):
-                    with contextlib.suppress(Exception):
-                        notify(line[len(PROGRESS_PREFIX) :])
-                elif line.strip():
-                    tail.append(line)
-
-        reader = threading.Thread(target=pump, name="convert-worker-stderr", daemon=True)
-        reader.start()
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            reader.join(timeout=5)
-            raise ConversionFailed(
-                f"conversion ({request.get('op')}) did not finish within {timeout:.0f} s; the worker was stopped",
-                hint="raise the timeout, or check that the export hook does not hang",
-            ) from None
-        reader.join(timeout=5)
-        if result_path.is_file():
-            return json.loads(result_path.read_text(encoding="utf-8"))
-        output = "\n".join(tail) or "(no output)"
-        raise ConversionFailed(
-            f"the conversion worker exited with status {code} and wrote no result; its last output:\n{output}",
-            hint="a crash in native code (segfault, out of memory) ends the worker this way",
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,109 +428,3 @@ def native_package(
         return
     with tempfile.TemporaryDirectory(prefix="snooze-native-") as tmp:
         yield prefer_native(package_dir, out_dir=Path(tmp) / "package", **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------
-# ONNX -> TensorRT (for `snoozectl convert onnx-to-trt`)
-
-
-@dataclass(frozen=True)
-class PlanPackage:
-    path: Path
-    plan_path: Path
-    build_secs: float
-    fp16: bool
-    tensorrt_version: str
-
-
-def tensorrt_unavailable_reason() -> str | None:
-    """Why no TensorRT plan can be built here (no GPU/driver, no `tensorrt`); None when it can."""
-    from converters.tensorrt_build import tensorrt_unavailable_reason as reason
-
-    return reason()
-
-
-def build_tensorrt_package(
-    onnx_path: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    max_batch_size: int,
-    fp16: bool = False,
-    progress: Progress | None = None,
-    timeout: float = DEFAULT_TIMEOUT_SECS,
-) -> PlanPackage:
-    """Build `<out_dir>/model.plan` from an ONNX file (in the worker) plus a manifest with the signature
-    (TensorRT packages must declare it). Fails fast, before creating anything, without a GPU or
-    TensorRT; a failed build leaves no file behind (and removes `out_dir` if it created it)."""
-    from converters.errors import ConversionError
-    from converters.onnx_inspect import inspect_onnx
-    from converters.tensorrt_build import ALTERNATIVE
-
-    onnx_path, out_dir = Path(onnx_path).resolve(), Path(out_dir).resolve()
-    try:
-        sig = inspect_onnx(onnx_path)
-        if max_batch_size > 0:
-            sig.require_batchable()
-    except ConversionError as exc:
-        raise ConversionFailed(str(exc)) from exc
-    reason = tensorrt_unavailable_reason()
-    if reason:
-        raise ConversionFailed(
-            f"cannot build a TensorRT plan from {onnx_path} on this machine: {reason}",
-            hint="publish the ONNX model with deployment setting onnx_tensorrt = true: on the full target "
-            "(official Triton image, GPU) it is served by onnxruntime with the TensorRT execution accelerator, "
-            "no engine build needed. Or build the plan on a machine with an NVIDIA GPU after "
-            "`pip install 'snoozeml[gpu]'`",
-        )
-    plan = out_dir / PLAN_FILE
-    if plan.exists() or (out_dir / MANIFEST_FILE).exists():
-        raise ConversionFailed(f"{out_dir} already holds {PLAN_FILE} or {MANIFEST_FILE}", hint="choose a new folder")
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        result = run_worker(
-            {
-                "op": "onnx_to_trt",
-                "onnx_path": str(onnx_path),
-                "plan_path": str(plan),
-                "max_batch_size": max_batch_size,
-                "fp16": fp16,
-            },
-            progress=progress,
-            timeout=timeout,
-        )
-        if not result.get("ok"):
-            raise ConversionFailed(result.get("message", "TensorRT build failed"), hint=ALTERNATIVE)
-        batch = max_batch_size > 0
-
-        def specs(tensors: Any) -> list[dict[str, Any]]:
-            return [
-                {
-                    "name": t.name,
-                    "datatype": parse_dtype(t.dtype).wire,
-                    "dims": t.dims_without_batch if batch else t.dims,
-                }
-                for t in tensors
-            ]
-
-        manifest = {
-            "inputs": specs(sig.inputs),
-            "outputs": specs(sig.outputs),
-            "metadata": {
-                "converted_from": {
-                    "kind": "onnx",
-                    "file": str(onnx_path),
-                    "fp16": fp16,
-                    "max_batch_size": max_batch_size,
-                    "tensorrt": result.get("tensorrt_version"),
-                }
-            },
-        }
-        (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    except BaseException:
-        plan.unlink(missing_ok=True)
-        (out_dir / MANIFEST_FILE).unlink(missing_ok=True)
-        if created:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        raise
-    return PlanPackage(out_dir, plan, float(result["build_secs"]), fp16, str(result.get("tensorrt_version")))

@@ -8,7 +8,6 @@ a process forked from it; ``probe_imports`` spreads a batch of jobs over one pro
 
 from __future__ import annotations
 
-import ast
 import concurrent.futures
 import importlib.util
 import json
@@ -172,10 +171,10 @@ def missing_modules(package_dir: Path, files: Iterable[str]) -> list[tuple[str, 
     found: list[tuple[str, int, str]] = []
     for rel in sorted(f for f in files if f.endswith(".py")):
         try:
-            tree = ast.parse((package_dir / rel).read_bytes(), filename=rel)
+            imports = required_imports((package_dir / rel).read_bytes(), filename=rel)
         except (SyntaxError, ValueError):
             continue  # the import check reports a file that does not parse
-        for line, name in required_imports(tree):
+        for line, name in imports:
             top = name.split(".")[0]
             if top in own or top in sys.stdlib_module_names or top in sys.builtin_module_names:
                 continue

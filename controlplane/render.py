@@ -25,7 +25,8 @@ from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
 from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
 from controlplane.warmup import warmup_plan, warmup_view
-from python_backend.spec import SPEC_FILE as RUNTIME_FILE
+from converters.files import PYTHON_MODEL_FILE
+from python_backend.spec import SPEC_FILE
 
 VERSION = "1"
 PACKAGE_SUBDIR = "package"
@@ -204,8 +205,8 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
         for src in _runtime_sources():
             rendered.copies.append((src, f"{VERSION}/{RUNTIME_SUBDIR}/{src.name}"))
         entry = _environment().get_template("python_model.py.j2").render(model_id=spec.id)
-        rendered.writes[f"{VERSION}/model.py"] = entry.encode()
-        rendered.writes[f"{VERSION}/{RUNTIME_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
+        rendered.writes[f"{VERSION}/{PYTHON_MODEL_FILE}"] = entry.encode()
+        rendered.writes[f"{VERSION}/{SPEC_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
     else:
         # Native backends: the model file and its external-data files sit in the version folder.
         for rel in (package.model_file, *package.external_data):
@@ -246,11 +247,3 @@ def parse_config(text: str, *, where: str) -> model_config_pb2.ModelConfig:
     if not config.input or not config.output:
         raise InvalidPackageError(f"{where}: a model needs at least one input and one output")
     return config
-
-
-def render_repository(specs: Iterable[ModelSpec], repo: Path, target: TritonTarget) -> list[Path]:
-    """Render every model first (all-or-nothing validation), then write each one atomically."""
-    from controlplane.store.transactions import write_model  # the store imports the renderer: not at the top
-
-    rendered = [render_model(spec, target) for spec in specs]
-    return [write_model(r, repo) for r in rendered]

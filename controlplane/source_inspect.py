@@ -1,7 +1,8 @@
 """Reading user code without running it: ``ast`` walks over a package's Python source.
 
 The control plane never imports user code; what it needs to know about that code (is ``predict`` a
-generator, which modules does a file import) is read from the parsed source here. Standard library only.
+generator, which modules does a file import, where is the export hook) is read from the parsed source here.
+Standard library only.
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ def _yields(function: ast.AST) -> bool:
     return False
 
 
-def required_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
-    """(line, module) of absolute imports that are not guarded by ``except ImportError``."""
+def required_imports(source: str | bytes, *, filename: str = "<source>") -> Iterator[tuple[int, str]]:
+    """(line, module) of absolute imports that are not guarded by ``except ImportError``. A file that does
+    not parse raises SyntaxError (or ValueError, for null bytes) before anything is yielded."""
+    return _required_imports(ast.parse(source, filename=filename))
+
+
+def _required_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
     guarded: set[int] = set()  # ids of nodes inside a try body whose handlers catch ImportError
     for node in ast.walk(tree):
         if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
@@ -56,3 +62,20 @@ def _catches_import_error(handler: ast.ExceptHandler) -> bool:
     names = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
     kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
     return handler.type is None or any(isinstance(k, ast.Name) and k.id in names for k in kinds)
+
+
+def export_hook(source: str, class_name: str, *, filename: str = "<source>") -> str | None:
+    """Where ``source`` defines the export hook (``class_name.export_module`` or a module-level
+    ``export_module``, defined, assigned or imported); None when it does not. A syntax error propagates:
+    the caller says which file is broken."""
+    tree = ast.parse(source, filename=filename)
+    functions = (ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in tree.body:
+        if isinstance(node, functions) and node.name == "export_module":
+            return "export_module()"
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            if any(isinstance(item, functions) and item.name == "export_module" for item in node.body):
+                return f"{class_name}.export_module()"
+        if isinstance(node, ast.Assign | ast.ImportFrom) and "export_module" in ast.unparse(node):
+            return "export_module (assigned or imported)"
+    return None

@@ -23,17 +23,18 @@ from pathlib import Path
 import uvicorn
 from rich.console import Console
 
+from controlplane.child_processes import kill_group
 from controlplane.errors import SnoozeError
 from controlplane.metrics import SnoozeMetrics
-from controlplane.processes import kill_group
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, discover, entry_point_deployments, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient, wait_for_triton
+from controlplane.triton.embedded_dist import detect_backends
 from controlplane.triton.journal import JOURNAL_ENV
-from controlplane.triton.launcher import EmbeddedTriton, detect_backends
+from controlplane.triton.launcher import EmbeddedTriton
 from controlplane.triton.processes import TritonProcesses
 
 log = logging.getLogger("snoozeml.stack")

@@ -5,3 +5,4 @@ from __future__ import annotations
 
 ONNX_FILE = "model.onnx"
 PLAN_FILE = "model.plan"
+PYTHON_MODEL_FILE = "model.py"  # the python backend's entry point in a version folder, written by render

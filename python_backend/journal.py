@@ -4,8 +4,9 @@ Before each batch, the ids the gateway gave its requests (``x-snooze-request-id`
 as a request parameter) are written to ``$SNOOZE_JOURNAL_DIR/<pid>-<start ticks>.journal``. If the
 process dies, the control plane reads the batch it was running and never runs those requests again;
 requests that failed on the dead process without reaching it are served after recovery.
-(``controlplane/triton/journal.py`` reads it; the name and layout must stay the same on both sides:
-a little-endian u32 byte count, then the ids joined by newlines.)
+(``controlplane/triton/journal.py`` reads it, with the names and layout defined here: a little-endian
+u32 byte count, then the ids joined by newlines. The stub cannot import the control plane, so this
+module is where both sides take them from.)
 
 A memory-mapped file on the journal folder (a tmpfs in the deployed topologies): one copy into the
 page cache per batch, no system call.
@@ -27,15 +28,26 @@ import time
 from typing import Any
 
 JOURNAL_ENV = "SNOOZE_JOURNAL_DIR"
+# The gateway's header; Triton forwards it to the stub as a request parameter of the same name.
 REQUEST_ID_PARAMETER = "x-snooze-request-id"
 SIZE = 1 << 16
 TRAILER = 16  # u64 last batch end (monotonic ns), u32 busy, u32 flags; at SIZE - TRAILER
+TRAILER_LAYOUT = struct.Struct("<QII")
+LENGTH = struct.Struct("<I")  # the ids' byte count, at 0
 FLAG_DECLARES_UNLOAD = 1
 _TRAILER_AT = SIZE - TRAILER
 _BUSY_AT = SIZE - 8
 _IDLE = struct.Struct("<QI")  # end ns and busy = 0, written together
 _KEY = f'"{REQUEST_ID_PARAMETER}":"'
-_LENGTH = struct.Struct("<I")
+
+# The files a model process keeps in the journal folder, each ``<pid>-<start ticks><suffix>``, except the
+# preforked parents' ``<PARENT_PREFIX><key><PARENT_SUFFIX>``.
+JOURNAL_SUFFIX = ".journal"  # the request journal
+PHASE_SUFFIX = ".phase"  # note_phase: the part of a load a stub is in
+WORKER_SUFFIX = ".worker"  # a preforked model's worker status (preforked.py)
+SEQUENCES_SUFFIX = ".sequences"  # a stateful model's live sequences (sequences.py)
+WARMUP_SUFFIX = ".warmup"  # what a process's warm-up did (warmup.py)
+PARENT_PREFIX, PARENT_SUFFIX = "prefork-", ".parent"  # a preforked parent's record (prefork_parent.py)
 
 
 def start_ticks(pid: int | str = "self") -> int:
@@ -65,8 +77,6 @@ def own_file(directory: str, suffix: str) -> str:
     return os.path.join(directory, f"{os.getpid()}-{start_ticks()}{suffix}")
 
 
-PHASE_SUFFIX = ".phase"
-
 
 def note_phase(phase: str, *, stub: tuple[int, int] | None = None, **fields: Any) -> None:
     """Say which part of a load this model process is in (import, load, warm-up; "ready" once done), in
@@ -94,18 +104,18 @@ def clear_batch() -> None:
     if not directory:
         return
     try:
-        fd = os.open(own_file(directory, ".journal"), os.O_WRONLY)
+        fd = os.open(own_file(directory, JOURNAL_SUFFIX), os.O_WRONLY)
     except OSError:
         return
     try:
-        os.pwrite(fd, struct.pack("<I", 0), 0)  # the same page the journal's map writes: seen at once
+        os.pwrite(fd, LENGTH.pack(0), 0)  # the same page the journal's map writes: seen at once
     finally:
         os.close(fd)
 
 
 class RequestJournal:
     def __init__(self, directory: str) -> None:
-        self.path = own_file(directory, ".journal")
+        self.path = own_file(directory, JOURNAL_SUFFIX)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o660)
         try:
             os.ftruncate(fd, SIZE)
@@ -133,7 +143,7 @@ class RequestJournal:
         if len(data) > SIZE - 4 - TRAILER:
             data = data[: SIZE - 4 - TRAILER]
         self._map[4 : 4 + len(data)] = data
-        _LENGTH.pack_into(self._map, 0, len(data))
+        LENGTH.pack_into(self._map, 0, len(data))
 
     def batch_done(self) -> None:
         """The batch ``record`` announced has its results: the process is idle again."""

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import gc
-import importlib
 import json
 import os
 import selectors
@@ -34,12 +32,24 @@ import signal
 import socket
 import struct
 import sys
-import threading
 import time
 from typing import Any
 
 from . import prefork_worker
-from .journal import start_ticks
+from .journal import PARENT_PREFIX, PARENT_SUFFIX, start_ticks
+from .prefork_preload import (
+    ThreadPools,
+    cuda_initialised,
+    describe_threads,
+    fork_safe_threads,
+    log,
+    native_threads,
+    preload,
+    set_process_name,
+    thread_ids,
+    unsafe_threads,
+    warm_kernels,
+)
 from .prefork_protocol import (
     ERROR,
     EXITED,
@@ -54,12 +64,9 @@ from .prefork_protocol import (
     send_json,
 )
 
-ALWAYS_PRELOADED = ("numpy",)
 STATUS_WAIT_SECS = 2.0  # a STATUS question about a live worker waits this long for it to be reaped
 REAPED_KEPT = 1024
 POLL_SECS = 1.0  # without pidfds: how often Triton is looked at
-PR_SET_NAME = 15
-RECORD_SUFFIX = ".parent"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,191 +94,7 @@ class ParentConfig:
 
 
 def record_path(journal_dir: str, key: str) -> str:
-    return os.path.join(journal_dir, f"prefork-{key}{RECORD_SUFFIX}")
-
-
-def set_process_name(name: str) -> None:
-    """The name ``ps`` and psutil show (/proc/<pid>/comm), so parents and workers are easy to tell."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-
-
-def native_threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
-
-
-def thread_ids() -> set[int]:
-    """This process's native threads (the main one included), from /proc/self/task."""
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
-def thread_name(tid: int) -> str:
-    try:
-        with open(f"/proc/self/task/{tid}/comm", encoding="utf-8", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return "?"
-
-
-def _maps_name(fragment: str) -> bool:
-    """Whether a library whose file name contains ``fragment`` is mapped into this process."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return any(fragment in line.rsplit("/", 1)[-1] for line in f)
-    except OSError:
-        return False
-
-
-def preload(
-    modules: tuple[str, ...], started: dict[str, set[int]] | None = None
-) -> tuple[dict[str, float], dict[str, str]]:
-    """Import numpy and ``modules``; seconds per module, and the error of each that failed.
-    ``started``, when given, gets the native threads each import left running."""
-    seconds: dict[str, float] = {}
-    failed: dict[str, str] = {}
-    for name in dict.fromkeys((*ALWAYS_PRELOADED, *modules)):
-        before = thread_ids()
-        began = time.perf_counter()
-        try:
-            importlib.import_module(name)
-        except Exception as e:  # the worker's own import will fail with the model's name on it
-            failed[name] = f"{type(e).__name__}: {e}"
-            _log(f"could not preload {name!r} ({failed[name]}); models that need it import it themselves")
-        seconds[name] = round(time.perf_counter() - began, 4)
-        if started is not None:
-            started[name] = thread_ids() - before
-    return seconds, failed
-
-
-class ThreadPools:
-    """The parent's thread pools held at one thread, so that none runs when it forks (GNU OpenMP's pool,
-    torch's intra-op pool, MKL's, do not survive a fork: a worker's first parallel region would wait
-    for threads that are not there); each worker gets the configured counts back right after its fork.
-
-    ``limit`` runs after the imports and before the warmers: torch through ``torch.set_num_threads``
-    (OpenMP, MKL and its pthreadpool), every other BLAS/OpenMP library threadpoolctl finds (where it is
-    installed). Torch's inter-op pool is never started here (no warmer uses ``torch.jit.fork``)."""
-
-    def __init__(self) -> None:
-        self.torch_threads: int | None = None
-        self._limiter: Any = None  # threadpoolctl's, whose restore_original_limits() a worker calls
-
-    def limit(self) -> None:
-        torch = sys.modules.get("torch")  # first: threadpoolctl's OpenMP limit would change what it reports
-        if torch is not None:
-            try:
-                self.torch_threads = torch.get_num_threads()
-                torch.set_num_threads(1)
-            except Exception as e:
-                self.torch_threads = None
-                _log(f"could not hold torch at one thread ({type(e).__name__}: {e})")
-        try:
-            import threadpoolctl
-        except ImportError:
-            threadpoolctl = None
-        if threadpoolctl is not None:
-            try:
-                self._limiter = threadpoolctl.threadpool_limits(limits=1)
-            except Exception as e:  # an odd library: the fork check still stands guard
-                _log(f"threadpoolctl could not limit the thread pools ({type(e).__name__}: {e})")
-
-    def restore(self) -> None:
-        """In a fresh worker: the thread counts the parent found before it held them at one."""
-        if self._limiter is not None:
-            with contextlib.suppress(Exception):
-                self._limiter.restore_original_limits()
-        torch = sys.modules.get("torch")
-        if torch is not None and self.torch_threads is not None:
-            with contextlib.suppress(Exception):
-                torch.set_num_threads(self.torch_threads)
-
-    def describe(self) -> dict[str, Any]:
-        held: dict[str, Any] = {}
-        if self.torch_threads is not None:
-            held["torch"] = self.torch_threads
-        if self._limiter is not None:
-            with contextlib.suppress(Exception):
-                for lib in self._limiter._original_info:
-                    held[str(lib.get("prefix"))] = lib.get("num_threads")
-        return held
-
-
-def fork_safe_threads(started: dict[str, set[int]]) -> dict[int, str]:
-    """The native threads known to survive a fork, with why. numpy's wheels bundle OpenBLAS built on
-    pthreads, whose server threads start at import and are stopped by OpenBLAS's own fork handler
-    (pthread_atfork) before any fork; a worker starts its own on its first BLAS call. (An OpenBLAS built
-    on OpenMP starts no thread at import: its threads are OpenMP's, started by a first parallel call.)"""
-    safe: dict[int, str] = {}
-    if started.get("numpy") and _maps_name("openblas"):
-        safe.update({tid: "OpenBLAS server thread (numpy; stopped by its fork handler)" for tid in started["numpy"]})
-    return safe
-
-
-def unsafe_threads(safe: dict[int, str]) -> dict[int, str]:
-    """The threads other than the main one and the fork-safe ones: their name by id."""
-    main = os.getpid()
-    return {tid: thread_name(tid) for tid in sorted(thread_ids() - {main} - set(safe))}
-
-
-def _warm_numpy() -> None:
-    import numpy as np
-
-    a = np.ones((64, 64), dtype=np.float32)
-    (a @ a).sum()  # BLAS: its kernels are selected once, here (its threads are held at one: ThreadPools)
-    np.ones((64, 64), dtype=np.float64).dot(np.ones(64))
-
-
-def _warm_torch() -> None:
-    import torch
-
-    # CPU only, never CUDA: a context made here would not survive the fork. Gradients off, as models run.
-    # On one thread (ThreadPools.limit): a parallel region here would start OpenMP's pool in the parent.
-    with torch.inference_mode():
-        x = torch.ones(1, 3, 16, 16)
-        torch.nn.functional.conv2d(x, torch.ones(4, 3, 3, 3), padding=1).relu().sum()
-        (torch.ones(32, 32) @ torch.ones(32, 32)).sum()
-        torch.nn.functional.linear(torch.ones(2, 8), torch.ones(4, 8)).softmax(-1)
-    torch.get_num_threads()
-
-
-# Per preloaded module: a few small operations that set up what every model's first call would (kernel
-# selection, lazily built dispatch tables, the allocator), so each forked worker inherits them. Never
-# thread pools: those do not survive a fork (ThreadPools).
-KERNEL_WARMERS = {"numpy": _warm_numpy, "torch": _warm_torch}
-
-
-def warm_kernels(imported: dict[str, float], failed: dict[str, str]) -> dict[str, float]:
-    """Run the warmer of each module that imported; seconds per module (a failed warmer is logged)."""
-    seconds: dict[str, float] = {}
-    for name in imported:
-        warm = KERNEL_WARMERS.get(name)
-        if warm is None or name in failed:
-            continue
-        started = time.perf_counter()
-        try:
-            warm()
-        except Exception as e:  # the model's own first call pays instead
-            _log(f"could not warm {name!r} ({type(e).__name__}: {e})")
-        seconds[name] = round(time.perf_counter() - started, 4)
-    return seconds
-
-
-def _cuda_initialised() -> bool:
-    torch = sys.modules.get("torch")
-    try:
-        return bool(torch is not None and torch.cuda.is_initialized())
-    except Exception:  # an odd torch build: nothing to warn about
-        return False
-
-
-def _log(message: str) -> None:
-    print(f"snooze prefork parent {os.getpid()}: {message}", file=sys.stderr, flush=True)
+    return os.path.join(journal_dir, f"{PARENT_PREFIX}{key}{PARENT_SUFFIX}")
 
 
 def _pidfd(pid: int, ticks: int) -> int | None:
@@ -347,15 +170,15 @@ class PreloadedParent:
         threads = native_threads()
         self.fork_safe = fork_safe_threads(started)
         unsafe = unsafe_threads(self.fork_safe)
-        _log(f"preloaded {imported}, warmed {warmed} for Triton pid {self.config.triton_pid}; "
+        log(f"preloaded {imported}, warmed {warmed} for Triton pid {self.config.triton_pid}; "
              f"{threads} native thread(s), {len(self.fork_safe)} of them fork-safe "
              f"({', '.join(sorted(set(self.fork_safe.values()))) or 'none'}); thread pools held at one thread "
              f"for the fork: {self.pools.describe() or 'none found'}")
         if unsafe:
-            _log(f"other native threads are running ({_describe_threads(unsafe, started)}): a fork now could "
+            log(f"other native threads are running ({describe_threads(unsafe, started)}): a fork now could "
                  "deadlock its worker, so models of this preload set load in their stubs instead")
-        if _cuda_initialised():
-            _log("a preloaded module initialised CUDA: a CUDA context does not survive a fork, so GPU models "
+        if cuda_initialised():
+            log("a preloaded module initialised CUDA: a CUDA context does not survive a fork, so GPU models "
                  "forked from this parent will fail; preload only modules that leave CUDA alone at import")
         gc.collect()
         gc.freeze()  # the imported objects stay out of the collector's way: fewer pages copied per worker
@@ -476,16 +299,16 @@ class PreloadedParent:
             raise ProtocolError(f"the parent answers SPAWN and STATUS, got frame type {kind}")
         except (PeerClosed, ProtocolError, OSError, ValueError) as e:
             if not isinstance(e, PeerClosed):
-                _log(f"dropped a request: {e}")
+                log(f"dropped a request: {e}")
             self._close(conn)
 
     def _spawn(self, conn: socket.socket, request: prefork_worker.SpawnRequest) -> None:
         unsafe = unsafe_threads(self.fork_safe)
         if unsafe:  # a forked child would inherit locks those threads hold, and none of the threads
             reason = (f"the preloaded parent (pid {os.getpid()}) runs {len(unsafe)} native thread(s) that do not "
-                      f"survive a fork ({_describe_threads(unsafe, {})}); it does not fork a worker that could "
+                      f"survive a fork ({describe_threads(unsafe, {})}); it does not fork a worker that could "
                       "deadlock. Preload fewer modules (the spec's preload) or none to use a worker again")
-            _log(f"refused to fork for the stub pid {request.stub_pid}: {reason}")
+            log(f"refused to fork for the stub pid {request.stub_pid}: {reason}")
             with contextlib.suppress(OSError):
                 send_json(conn, ERROR, {"kind": REFUSED, "message": reason})
             self._close(conn)
@@ -585,15 +408,6 @@ class PreloadedParent:
                 os.kill(worker.pid, signal.SIGKILL)
 
 
-def _describe_threads(threads: dict[int, str], started: dict[str, set[int]]) -> str:
-    """``tid 'name'`` for each thread, with the preloaded module whose import started it where known."""
-    parts = []
-    for tid, name in threads.items():
-        by = [module for module, tids in started.items() if tid in tids]
-        parts.append(f"{tid} {name!r}" + (f" started by importing {by[0]}" if by else ""))
-    return ", ".join(parts)
-
-
 def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -603,6 +417,6 @@ def main(argv: list[str]) -> int:
     try:
         config = ParentConfig.from_json(json.loads(argv[-1]))
     except (IndexError, KeyError, TypeError, ValueError) as e:
-        _log(f"bad configuration {argv!r}: {e!r}")
+        log(f"bad configuration {argv!r}: {e!r}")
         return 2
     return PreloadedParent(config).run()

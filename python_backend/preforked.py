@@ -4,7 +4,7 @@ with ``worker: "preforked"``.
 It has the user model's duck type (``load``, ``predict``, ``unload``) and runs on the stub's thread
 like one (``request_timeout_secs`` is enforced by the stub's watchdog, as for any model), but the model lives
 in a worker process forked from a preloaded parent (prefork_parent.py): ``load`` finds or starts the
-parent, asks it for a worker and waits for READY; ``predict`` hands the collated batch over shared
+parent (prefork_connect.py), asks it for a worker and waits for READY; ``predict`` hands the collated batch over shared
 memory and returns the outputs (prefork_protocol.py); ``unload`` ends the worker and waits until it
 is gone, so its memory leaves with the unload.
 
@@ -22,29 +22,31 @@ model is loaded in the stub instead, with a warning in Triton's log.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import json
 import os
 import select
-import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from typing import Any, NoReturn
 
-from . import RUNTIME_MODULES
 from .errors import INTERNAL, RemoteFailure, describe_failure, without_prefix
 from .exits import describe_wait_status
-from .journal import JOURNAL_ENV, clear_batch, own_file, start_ticks
+from .journal import JOURNAL_ENV, WORKER_SUFFIX, clear_batch, own_file, start_ticks
+from .prefork_connect import (
+    ParentIdentity,
+    PreforkUnavailable,
+    ask_exit_status,
+    connect_parent,
+    find_interpreter,
+    parent_identity,
+)
 from .prefork_protocol import (
     CANCEL,
     END,
     ERROR,
-    EXITED,
     FORKED,
     INFER,
     ITEM,
@@ -54,13 +56,11 @@ from .prefork_protocol import (
     RESULT,
     SHUTDOWN,
     SPAWN,
-    STATUS,
     STREAM,
     PeerClosed,
     PeerRegion,
     ProtocolError,
     Region,
-    abstract_name,
     parse_json,
     read_tensors,
     recv_frame,
@@ -71,10 +71,7 @@ from .prefork_protocol import (
 from .runners import build_model
 from .spec import SPEC_FILE, RuntimeSpec
 
-PARENT_CONNECT_SECS = 15.0  # the parent binds its socket first thing: a slow start on a busy machine
-STATUS_ASK_SECS = 3.0  # how long a stub waits for the parent to say how its worker ended
 WORKER_EXIT_SECS = 10.0  # after SHUTDOWN, how long the worker gets to exit before it is killed
-WORKER_NOTE = ".worker"
 # After handing a batch to its worker, the stub's thread polls for the answer this long (yielding the CPU
 # to anything runnable) before it blocks in recv. Measured on this 2-core VM: waking a blocked process
 # costs about 75 µs, so a torch MLP's round trip took 163 µs blocking and 88 µs polling. Not when recent
@@ -82,25 +79,6 @@ WORKER_NOTE = ".worker"
 # SNOOZE_PREFORK_SPIN_US overrides the budget; 0 always blocks.
 ANSWER_SPIN_SECS = float(os.environ.get("SNOOZE_PREFORK_SPIN_US", "200")) * 1e-6
 SPIN_UNTIL_ANSWER_SECS = 0.001
-# The parent's entry point: fork once more (nobody's child, still in Triton's process group), then
-# import the runtime from this model's folder and run; the runtime folder leaves sys.path afterwards
-# so that it never shadows a model's own modules.
-_BOOT = (
-    "import os, sys\n"
-    "if os.fork():\n"
-    "    os._exit(0)\n"
-    "sys.path.insert(0, sys.argv[2])\n"
-    "from python_backend import prefork_parent\n"
-    "sys.path.remove(sys.argv[2])\n"
-    "sys.exit(prefork_parent.main(sys.argv[1:]))\n"
-)
-_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-class PreforkUnavailable(Exception):
-    """No preloaded parent can serve this model: it loads in the stub instead."""
-
-
 def _log(model_id: str, message: str) -> None:
     print(f"snooze model '{model_id}': {message}", file=sys.stderr, flush=True)
 
@@ -112,111 +90,6 @@ def exit_code_for(status: int | None) -> int:
     if status is not None and os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return 1
-
-
-def find_interpreter() -> str | None:
-    """The interpreter the stub embeds, as a program: the parent must import what the stub imports."""
-    exe = sys.executable
-    if exe and os.path.isfile(exe) and os.access(exe, os.X_OK):
-        return exe
-    return shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}")
-
-
-def runtime_digest(runtime_dir: str = _RUNTIME_DIR) -> str:
-    """A parent serves only stubs whose runtime files are the same as the ones it imported."""
-    h = hashlib.sha256()
-    for name in RUNTIME_MODULES:
-        with open(os.path.join(runtime_dir, name), "rb") as f:
-            h.update(name.encode() + b"\0" + f.read())
-    return h.hexdigest()
-
-
-@dataclasses.dataclass(frozen=True)
-class ParentIdentity:
-    """What a parent must share with the stubs it serves; its hash names the parent's socket."""
-
-    interpreter: str
-    runtime: str
-    preload: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
-    triton_pid: int
-    triton_start_ticks: int
-
-    @property
-    def key(self) -> str:
-        raw = json.dumps([os.getuid(), sys.version, *dataclasses.astuple(self)], sort_keys=True)
-        return hashlib.sha256(raw.encode()).hexdigest()[:24]
-
-
-def parent_identity(spec: RuntimeSpec, interpreter: str, server_pid: int | None = None) -> ParentIdentity:
-    triton = server_pid or os.getppid()  # the stub is tritonserver's child
-    return ParentIdentity(
-        interpreter,
-        runtime_digest(),
-        tuple(dict.fromkeys(("numpy", *spec.preload))),
-        tuple(sorted(spec.env.items())),
-        triton,
-        start_ticks(triton),
-    )
-
-
-def start_parent(identity: ParentIdentity) -> None:
-    """Start a parent for ``identity`` (it exits at once if another one already serves it)."""
-    config = {
-        "key": identity.key,
-        "preload": list(identity.preload),
-        "env": dict(identity.env),
-        "triton_pid": identity.triton_pid,
-        "triton_start_ticks": identity.triton_start_ticks,
-        "journal_dir": os.environ.get(JOURNAL_ENV) or None,
-    }
-    root = os.path.dirname(_RUNTIME_DIR)
-    proc = subprocess.Popen(
-        [identity.interpreter, "-c", _BOOT, "snooze-prefork", root, json.dumps(config)],
-        stdin=subprocess.DEVNULL,
-        close_fds=True,
-    )
-    proc.wait()  # the boot forks and its first process exits at once
-
-
-def connect_parent(identity: ParentIdentity, timeout: float = PARENT_CONNECT_SECS) -> socket.socket:
-    """A connection to the parent, started first if none listens; PreforkUnavailable when none comes."""
-    deadline = time.monotonic() + timeout
-    started = False
-    delay = 0.002
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            sock.connect(abstract_name(identity.key))
-            return sock
-        except (ConnectionRefusedError, FileNotFoundError):
-            sock.close()
-        if not started:
-            try:
-                start_parent(identity)
-            except OSError as e:
-                raise PreforkUnavailable(f"the parent could not be started with {identity.interpreter} ({e})") from e
-            started = True
-        if time.monotonic() > deadline:
-            raise PreforkUnavailable(f"no parent listened within {timeout:g} s")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
-def ask_exit_status(identity: ParentIdentity, worker_pid: int) -> int | None:
-    """How worker ``worker_pid`` ended, from the parent that reaped it (None: not known)."""
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        sock.settimeout(STATUS_ASK_SECS)
-        with sock:
-            sock.connect(abstract_name(identity.key))
-            send_json(sock, STATUS, {"pid": worker_pid})
-            kind, body, _ = recv_frame(sock)
-            payload = parse_json(kind, body) if kind == EXITED else {}
-    except (OSError, PeerClosed, ProtocolError):
-        return None
-    status = payload.get("status")
-    return status if isinstance(status, int) else None
 
 
 def _pidfd(pid: int) -> int | None:
@@ -522,7 +395,7 @@ class PreforkedModel:
         if not directory or not self._note:
             return
         self._note.update(fields)
-        path = own_file(directory, WORKER_NOTE)
+        path = own_file(directory, WORKER_SUFFIX)
         tmp = f"{path}.tmp"
         with contextlib.suppress(OSError):
             with open(tmp, "w", encoding="utf-8") as f:
@@ -533,7 +406,7 @@ class PreforkedModel:
         directory = os.environ.get(JOURNAL_ENV)
         if directory:
             with contextlib.suppress(OSError):
-                os.unlink(own_file(directory, WORKER_NOTE))
+                os.unlink(own_file(directory, WORKER_SUFFIX))
 
 
 def _poll_briefly(conn: socket.socket, until: float) -> None:

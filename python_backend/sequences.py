@@ -21,9 +21,8 @@ import os
 import time
 from typing import Any
 
-from .journal import JOURNAL_ENV, own_file
+from .journal import JOURNAL_ENV, SEQUENCES_SUFFIX, own_file
 
-SUFFIX = ".sequences"
 REFRESH_SECS = 1.0
 # TRITONSERVER_RequestFlag: the first and the last request of a sequence.
 SEQUENCE_START, SEQUENCE_END = 1, 2
@@ -55,7 +54,7 @@ class SequenceNote:
         if not directory or max_idle is None:
             return None
         try:
-            return cls(own_file(directory, SUFFIX), model_id, max_idle)
+            return cls(own_file(directory, SEQUENCES_SUFFIX), model_id, max_idle)
         except OSError:
             return None
 

@@ -26,14 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from .journal import JOURNAL_ENV, own_file
+from .journal import JOURNAL_ENV, WARMUP_SUFFIX, own_file
 from .spec import WIRE_TO_NUMPY, RuntimeSpec
 
 WARMUP_DIR = "warmup"
 SAMPLE_PREFIX = "snooze_warmup_"
 SAMPLES, SIGNATURE, LEARNED = "samples", "signature", "learned"
 LEARNED_FILE = "learned_warmup.json"  # in the model folder: {"format": 1, "inputs": {name: {shape, datatype}}}
-NOTE_SUFFIX = ".warmup"  # <journal dir>/<pid>-<start ticks>.warmup: what this process's warm-up did
 
 
 def _strings(raw: bytes, count: int) -> np.ndarray:
@@ -146,7 +145,7 @@ class WarmupNote:
         if not directory:
             return None
         try:
-            return cls(own_file(directory, NOTE_SUFFIX), model_id)
+            return cls(own_file(directory, WARMUP_SUFFIX), model_id)
         except OSError:
             return None
 

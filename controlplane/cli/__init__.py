@@ -135,8 +135,9 @@ def render(
     Example:
       snoozectl render models/ --out model_repository --target embedded
     """
-    from controlplane.render import render_repository, target_by_name
+    from controlplane.render import target_by_name
     from controlplane.spec import DeploymentSpec, discover, is_package_dir, resolve_all
+    from controlplane.store import render_repository
 
     try:
         deployments = []

@@ -120,7 +120,8 @@ def torch_command(
     as_json: AsJson = False,
 ) -> None:
     """Export a torch package to an ONNX package and check parity; the custom package is kept as provenance."""
-    from controlplane.native import PARITY_FILE, ConversionFailed, prefer_native, tolerances_from
+    from controlplane.conversion_worker import ConversionFailed
+    from controlplane.native import PARITY_FILE, prefer_native, tolerances_from
     from controlplane.spec import PackageKind, load_package
 
     try:
@@ -174,7 +175,7 @@ def onnx_to_trt_command(
     as_json: AsJson = False,
 ) -> None:
     """Build a TensorRT engine (needs an NVIDIA GPU and `tensorrt`); fails fast, with no file, without them."""
-    from controlplane.native import build_tensorrt_package
+    from controlplane.tensorrt_package import build_tensorrt_package
 
     try:
         with _stages(f"building a TensorRT plan from {model}", as_json) as progress:

@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
 
         The repository API needs the header `snooze-admin: $SNOOZE_TRITON_ADMIN_KEY` when that variable is set.
         """
-        from controlplane.processes import kill_group
+        from controlplane.child_processes import kill_group
         from controlplane.settings import Settings
         from controlplane.triton.launcher import EmbeddedTriton
 

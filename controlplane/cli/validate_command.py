@@ -1,4 +1,4 @@
-"""`snoozectl validate REPO`: the CI gate for a generated model repository (see controlplane/validate.py)."""
+"""`snoozectl validate REPO`: the CI gate for a generated model repository (see controlplane/validation/__init__.py)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def validate(
                                          "a failure (default: a warning; the model may refuse random values)")] = False,
 ) -> None:
     """Check that a generated model repository is correct and (with --load) loadable. Exit 1 on any failure."""
-    from controlplane.validate import validate_repository
+    from controlplane.validation import validate_repository
 
     report = validate_repository(
         repo,

@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
+from controlplane.child_processes import spawn, stop_group
 from controlplane.errors import SnoozeError
 from controlplane.fleet.frontend import FleetFrontend
 from controlplane.fleet.gateway import NodeAddress
-from controlplane.processes import spawn, stop_group
 from controlplane.settings import Settings
 from controlplane.triton.launcher import free_port
 

@@ -48,10 +48,10 @@ from urllib.parse import urlsplit
 import httpx
 import jinja2
 
+from controlplane.child_processes import log_tail, spawn, stop_group
 from controlplane.errors import SnoozeError
 from controlplane.gateway import grpc_names
 from controlplane.gateway.wake_lua import METADATA_KEY, METADATA_NAMESPACE, grpc_wake_chain, http_wake_lua
-from controlplane.processes import log_tail, spawn, stop_group
 from controlplane.settings import Settings
 from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
 from controlplane.triton.journal import REQUEST_ID_HEADER

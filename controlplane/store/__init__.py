@@ -8,6 +8,7 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,12 @@ class PublishedModel:
             request_timeout_secs=record["request_timeout_secs"],
             notes=tuple(record.get("notes", ())),
         )
+
+
+def render_repository(specs: Iterable[ModelSpec], repo: Path, target: TritonTarget) -> list[Path]:
+    """Render every model first (all-or-nothing validation), then write each one atomically."""
+    rendered = [render_model(spec, target) for spec in specs]
+    return [write_model(r, repo) for r in rendered]
 
 
 class ModelStore:

@@ -18,10 +18,8 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the renderer imports the store's writer, so its type is not imported at run time
-    from controlplane.render import RenderedModel
+from controlplane.render import RenderedModel
 
 INNER_STAGING = ".snooze-staging"
 

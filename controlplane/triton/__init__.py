@@ -6,14 +6,13 @@ from controlplane.triton.client import (
     TritonAdminClient,
     parse_pending_request_counts,
 )
-from controlplane.triton.launcher import (
-    EmbeddedTriton,
+from controlplane.triton.embedded_dist import (
     EmbeddedTritonDist,
     detect_backends,
     find_embedded_triton,
-    free_port,
     prepare_backend_dir,
 )
+from controlplane.triton.launcher import EmbeddedTriton, free_port
 
 __all__ = [
     "EmbeddedTriton",

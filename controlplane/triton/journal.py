@@ -4,7 +4,7 @@ The gateway gives every inference request a unique ``x-snooze-request-id`` heade
 forwards to the python backend as a request parameter (``--http-header-forward-pattern`` /
 ``--grpc-header-forward-pattern``). Before each batch runs, the runtime in the stub writes the ids of
 that batch to its journal, ``<journal dir>/<pid>-<start ticks>.journal`` (``python_backend/journal.py``
-writes it; both sides agree on the name and the layout below). When a stub dies, its journal holds the
+writes it and defines the names and the layout below; this side imports them). When a stub dies, its journal holds the
 batch it was running: those requests reached a live model process and must not be run again; any
 other request that failed on the dead stub never reached it and is served after recovery.
 
@@ -19,37 +19,62 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from controlplane.triton.processes import StubProcess, read_stat
+from python_backend.journal import (
+    FLAG_DECLARES_UNLOAD,
+    JOURNAL_ENV,
+    JOURNAL_SUFFIX,
+    LENGTH,
+    PARENT_PREFIX,
+    PARENT_SUFFIX,
+    PHASE_SUFFIX,
+    REQUEST_ID_PARAMETER,
+    SEQUENCES_SUFFIX,
+    SIZE,
+    TRAILER,
+    TRAILER_LAYOUT,
+    WARMUP_SUFFIX,
+    WORKER_SUFFIX,
+)
 
-JOURNAL_ENV = "SNOOZE_JOURNAL_DIR"
-REQUEST_ID_HEADER = "x-snooze-request-id"
+__all__ = [
+    "HEADER_FORWARD_ARGS",
+    "JOURNAL_ENV",
+    "PARENT_PREFIX",
+    "PARENT_SUFFIX",
+    "PHASE_SUFFIX",
+    "REQUEST_ID_HEADER",
+    "SEQUENCES_SUFFIX",
+    "SIZE",
+    "TRAILER",
+    "WARMUP_SUFFIX",
+    "WORKER_SUFFIX",
+    "Activity",
+    "hung_phase",
+    "journal_path",
+    "prepare_journal_dir",
+    "read_activity",
+    "read_journal",
+    "remove_journal",
+    "remove_stale",
+    "sequences_note",
+    "sequences_until",
+]
+
+REQUEST_ID_HEADER = REQUEST_ID_PARAMETER  # what the gateway sets; Triton forwards it under the same name
 # Triton's flags that hand the header to the python backend as a request parameter.
 HEADER_FORWARD_ARGS = (
     f"--http-header-forward-pattern=^{REQUEST_ID_HEADER}$",
     f"--grpc-header-forward-pattern=^{REQUEST_ID_HEADER}$",
 )
-SUFFIX = ".journal"
-SIZE = 1 << 16
-TRAILER = 16
-FLAG_DECLARES_UNLOAD = 1
-_TRAILER = struct.Struct("<QII")
-# Files of preforked models beside the journals (python_backend/preforked.py, prefork_parent.py).
-WORKER_SUFFIX = ".worker"
-PHASE_SUFFIX = ".phase"  # python_backend/journal.py note_phase: the part of a load a stub is in
-PARENT_PREFIX, PARENT_SUFFIX = "prefork-", ".parent"
-# A stateful model process's live sequences (python_backend/sequences.py): JSON {"model", "live", "until"}.
-SEQUENCES_SUFFIX = ".sequences"
-# What a model process's warm-up did and its first request's shapes (python_backend/warmup.py WarmupNote).
-WARMUP_SUFFIX = ".warmup"
 
 
 def journal_path(journal_dir: Path, pid: int, start_ticks: int) -> Path:
-    return journal_dir / f"{pid}-{start_ticks}{SUFFIX}"
+    return journal_dir / f"{pid}-{start_ticks}{JOURNAL_SUFFIX}"
 
 
 def read_journal(journal_dir: Path, stub: StubProcess) -> set[str] | None:
@@ -60,7 +85,7 @@ def read_journal(journal_dir: Path, stub: StubProcess) -> set[str] | None:
         return None
     if len(raw) < 4:
         return set()
-    (size,) = struct.unpack_from("<I", raw)
+    (size,) = LENGTH.unpack_from(raw)
     return {i for i in raw[4 : 4 + size].decode("utf-8", "replace").split("\n") if i}
 
 
@@ -85,7 +110,7 @@ def read_activity(journal_dir: Path, stub: StubProcess) -> Activity | None:
         os.close(fd)
     if len(raw) != TRAILER:
         return None
-    end_ns, busy, flags = _TRAILER.unpack(raw)
+    end_ns, busy, flags = TRAILER_LAYOUT.unpack(raw)
     return Activity(busy != 0, end_ns, bool(flags & FLAG_DECLARES_UNLOAD))
 
 
@@ -133,7 +158,7 @@ def sequences_note(journal_dir: Path, stub: StubProcess) -> tuple[int, float]:
 def _owner(path: Path) -> tuple[int, int] | None:
     """(pid, start ticks) of the process a file of the journal folder is about; None: not ours."""
     name = path.name
-    for suffix in (SUFFIX, WORKER_SUFFIX, SEQUENCES_SUFFIX, WARMUP_SUFFIX, PHASE_SUFFIX):
+    for suffix in (JOURNAL_SUFFIX, WORKER_SUFFIX, SEQUENCES_SUFFIX, WARMUP_SUFFIX, PHASE_SUFFIX):
         if name.endswith(suffix):
             pid, _, ticks = name[: -len(suffix)].partition("-")
             with contextlib.suppress(ValueError):

@@ -256,7 +256,8 @@ def _run_coroutine(make: Callable[[], Any]) -> Any:
 def dynamic_checks(repo: Path, candidates: list[tuple[Path, Any]], target: TritonTarget,
                     triton_url: str | None, headers: dict[str, str], load_timeout: float,
                     strict: bool = False) -> list[CheckResult]:
-    from controlplane.triton.launcher import EmbeddedTriton, detect_backends
+    from controlplane.triton.embedded_dist import detect_backends
+    from controlplane.triton.launcher import EmbeddedTriton
 
     results: list[CheckResult] = []
     triton = None

@@ -16,14 +16,14 @@ from controlplane.package_check import IMPORT_TIMEOUT_SECS, ProbePool
 from controlplane.render import (
     DEPLOYMENT_FILE,
     PACKAGE_SUBDIR,
-    RUNTIME_FILE,
     TritonTarget,
     parse_config,
 )
 from controlplane.validation.report import CheckResult, Recorder
 from controlplane.warmup import WARMUP_DIR
+from converters.files import ONNX_FILE, PLAN_FILE, PYTHON_MODEL_FILE
+from python_backend.spec import SPEC_FILE
 
-# platform -> backend, and the file Triton looks for when the config names none.
 # platform -> backend, and the file Triton looks for when the config names none.
 PLATFORM_BACKENDS = {
     "onnxruntime_onnx": "onnxruntime",
@@ -33,9 +33,9 @@ PLATFORM_BACKENDS = {
     "tensorflow_savedmodel": "tensorflow",
 }
 _DEFAULT_FILES = {
-    "python": "model.py",
-    "onnxruntime": "model.onnx",
-    "tensorrt": "model.plan",
+    "python": PYTHON_MODEL_FILE,
+    "onnxruntime": ONNX_FILE,
+    "tensorrt": PLAN_FILE,
     "pytorch": "model.pt",
     "tensorflow_graphdef": "model.graphdef",
     "tensorflow_savedmodel": "model.savedmodel",
@@ -237,8 +237,8 @@ def _onnx_signature_problems(m: _ModelFolder, sig: Any) -> list[str]:
 
 def _check_python(m: _ModelFolder) -> None:
     for version in m.versions:
-        entry = version / (m.model_file or "model.py")
-        runtime_file = version / RUNTIME_FILE
+        entry = version / (m.model_file or PYTHON_MODEL_FILE)
+        runtime_file = version / SPEC_FILE
         generated = any(p.exists() for p in (runtime_file, version / "python_backend", m.path / DEPLOYMENT_FILE))
         spec = _check_runtime_spec(m, runtime_file) if generated else None
         if not generated:
@@ -288,7 +288,7 @@ def _check_runtime_spec(m: _ModelFolder, path: Path) -> Any:
     if problems:
         m.rec.fail("runtime_spec", "inconsistent with config.pbtxt: " + "; ".join(problems), file=rel, fix=fix)
         return spec
-    m.rec.ok("runtime_spec", f"{RUNTIME_FILE} ({spec.kind}) agrees with config.pbtxt", rel)
+    m.rec.ok("runtime_spec", f"{SPEC_FILE} ({spec.kind}) agrees with config.pbtxt", rel)
     return spec
 
 
@@ -303,7 +303,7 @@ def _check_manifest_and_params(m: _ModelFolder, spec: Any, package_dir: Path) ->
         m.rec.fail("manifest", exc.message, file=rel, fix=exc.hint or "correct the manifest and re-render")
         return
     if spec.kind == "custom":
-        drift = [f"{key} is {ours!r} in {RUNTIME_FILE} but {theirs!r} in the manifest"
+        drift = [f"{key} is {ours!r} in {SPEC_FILE} but {theirs!r} in the manifest"
                  for key, ours, theirs in (("entrypoint", spec.entrypoint, manifest.entrypoint),
                                            ("class", spec.class_name, manifest.class_name),
                                            ("tensor_format", spec.tensor_format, manifest.tensor_format))
@@ -316,12 +316,12 @@ def _check_manifest_and_params(m: _ModelFolder, spec: Any, package_dir: Path) ->
     if kind is PackageKind.ONNX and not manifest_path.exists():
         # An ONNX package is served without its manifest (render checked the params against its schema):
         # what is left to check here is that onnxruntime knows them.
-        validated, rel = dict(spec.params), m.rel(package_dir.parent / RUNTIME_FILE)
+        validated, rel = dict(spec.params), m.rel(package_dir.parent / SPEC_FILE)
     else:
         try:
             validated = validate_params(package, dict(spec.params), model_id=m.name)
         except InvalidPackageError as exc:
-            m.rec.fail("params", exc.message, file=m.rel(package_dir.parent / RUNTIME_FILE),
+            m.rec.fail("params", exc.message, file=m.rel(package_dir.parent / SPEC_FILE),
                        fix=exc.hint or "declare the params in the manifest's params_schema")
             return
     if spec.kind == "onnx" and validated:

@@ -16,12 +16,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from controlplane.native import NativeDecision, prefer_native
-from controlplane.render import RUNTIME_FILE, embedded_target, render_model
+from controlplane.render import embedded_target, render_model
 from controlplane.spec import DeploymentSpec, PackageKind, resolve
 from controlplane.store.transactions import write_model
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
-from controlplane.validate import OK, validate_repository
+from controlplane.validation import OK, validate_repository
+from python_backend.spec import SPEC_FILE
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 pytestmark = [
@@ -126,7 +127,7 @@ async def _serve(triton: EmbeddedTriton, admin: TritonAdminClient, package: Path
     spec = resolve(DeploymentSpec(id=model_id, path=package, max_batch_size=8))
     rendered = render_model(spec, embedded_target())
     folder = write_model(rendered, triton.model_repository)
-    assert (folder / "1" / RUNTIME_FILE).is_file()
+    assert (folder / "1" / SPEC_FILE).is_file()
     await admin.load(model_id)
     return model_id
 
@@ -157,7 +158,7 @@ async def test_exported_onnx_package_is_served_and_matches_torch(
 
     model_id = await _serve(embedded_triton, triton_admin, decision.publish_path, "native-mlp")
     try:
-        runtime = json.loads((embedded_triton.model_repository / model_id / "1" / RUNTIME_FILE).read_text())
+        runtime = json.loads((embedded_triton.model_repository / model_id / "1" / SPEC_FILE).read_text())
         assert runtime["kind"] == "onnx" and runtime["onnx_file"] == "model.onnx"
         assert runtime["params"] == {"intra_op_num_threads": 1}
         x = np.random.default_rng(11).standard_normal((5, 6)).astype(np.float32)
@@ -200,7 +201,7 @@ async def test_failed_export_falls_back_to_the_custom_package(
 
     model_id = await _serve(embedded_triton, triton_admin, decision.publish_path, "fallback-eig")
     try:
-        runtime = json.loads((embedded_triton.model_repository / model_id / "1" / RUNTIME_FILE).read_text())
+        runtime = json.loads((embedded_triton.model_repository / model_id / "1" / SPEC_FILE).read_text())
         assert runtime["kind"] == "custom"
         x = np.array([[3, 1, 2, 0, 0, 0], [-1, 5, 4, 9, 9, 9]], dtype=np.float32)
         expected = np.sort(x[:, :3], axis=-1)

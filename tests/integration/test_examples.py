@@ -13,8 +13,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 
-from controlplane.render import embedded_target, render_repository
+from controlplane.render import embedded_target
 from controlplane.spec import discover, resolve_all
+from controlplane.store import render_repository
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
 

@@ -17,7 +17,8 @@ import tritonclient.http as httpclient
 
 from controlplane.errors import TritonLaunchError
 from controlplane.triton.client import TritonAdminClient
-from controlplane.triton.launcher import EmbeddedTriton, detect_backends
+from controlplane.triton.embedded_dist import detect_backends
+from controlplane.triton.launcher import EmbeddedTriton
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.render import embedded_target, render_repository
+from controlplane.render import embedded_target
 from controlplane.spec import DeploymentSpec, discover, resolve_all
+from controlplane.store import render_repository
 from controlplane.triton.launcher import EmbeddedTriton
-from controlplane.validate import FAIL, OK, SKIP, WARN, validate_repository
+from controlplane.validation import FAIL, OK, SKIP, WARN, validate_repository
 
 pytestmark = pytest.mark.integration
 

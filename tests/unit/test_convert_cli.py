@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
 from controlplane.cli import app
-from controlplane.native import tensorrt_unavailable_reason
+from controlplane.tensorrt_package import tensorrt_unavailable_reason
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 runner = CliRunner()

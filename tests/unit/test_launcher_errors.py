@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 
 from controlplane.errors import SnoozeError, TritonLaunchError
-from controlplane.triton import launcher
-from controlplane.triton.launcher import (
-    EmbeddedTriton,
+from controlplane.triton import embedded_dist, launcher
+from controlplane.triton.embedded_dist import (
     EmbeddedTritonDist,
     detect_backends,
     find_embedded_triton,
     prepare_backend_dir,
 )
+from controlplane.triton.launcher import EmbeddedTriton
 
 
 def _touch(path: Path, text: str = "", executable: bool = False) -> Path:
@@ -38,11 +38,11 @@ def fake_dist(tmp_path, monkeypatch) -> Path:
     _touch(root / "backends" / "python" / "__pycache__" / "triton_python_backend_utils.cpython-311.pyc")
     _touch(root / "python_backend_stubs" / "3.11" / "triton_python_backend_stub", "stub", executable=True)
     (site / "nvidia_pytriton.libs").mkdir()
-    monkeypatch.setattr(launcher, "_ldd_missing", lambda binary, library_path: [])
-    monkeypatch.setattr(launcher, "_ldconfig_libs", lambda: {"libpython3.11.so.1.0"})
-    monkeypatch.setattr(launcher.sysconfig, "get_config_var", lambda name: str(tmp_path / "no-libdir"))
-    monkeypatch.setattr(launcher.os, "confstr", lambda name: "glibc 2.36")
-    monkeypatch.setattr(launcher.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(embedded_dist, "_ldd_missing", lambda binary, library_path: [])
+    monkeypatch.setattr(embedded_dist, "_ldconfig_libs", lambda: {"libpython3.11.so.1.0"})
+    monkeypatch.setattr(embedded_dist.sysconfig, "get_config_var", lambda name: str(tmp_path / "no-libdir"))
+    monkeypatch.setattr(embedded_dist.os, "confstr", lambda name: "glibc 2.36")
+    monkeypatch.setattr(embedded_dist.platform, "machine", lambda: "x86_64")
     return site / "pytriton"
 
 
@@ -59,8 +59,8 @@ def test_errors_are_snooze_errors_with_hints():
 
 
 def test_pytriton_not_installed(monkeypatch):
-    monkeypatch.setattr(launcher.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(launcher.os, "confstr", lambda name: "glibc 2.36")
+    monkeypatch.setattr(embedded_dist.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(embedded_dist.os, "confstr", lambda name: "glibc 2.36")
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(TritonLaunchError, match="nvidia-pytriton package is not installed") as info:
         find_embedded_triton()
@@ -68,7 +68,7 @@ def test_pytriton_not_installed(monkeypatch):
 
 
 def test_wrong_machine(fake_dist, monkeypatch):
-    monkeypatch.setattr(launcher.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(embedded_dist.platform, "machine", lambda: "aarch64")
     with pytest.raises(TritonLaunchError, match="Linux x86_64 only.*aarch64") as info:
         find_embedded_triton(fake_dist, "3.11")
     assert "docker compose" in info.value.hint
@@ -76,7 +76,7 @@ def test_wrong_machine(fake_dist, monkeypatch):
 
 @pytest.mark.parametrize("glibc", ["glibc 2.31", "glibc 2.34", ""])
 def test_glibc_too_old(fake_dist, monkeypatch, glibc):
-    monkeypatch.setattr(launcher.os, "confstr", lambda name: glibc)
+    monkeypatch.setattr(embedded_dist.os, "confstr", lambda name: glibc)
     with pytest.raises(TritonLaunchError, match="needs glibc >= 2.35"):
         find_embedded_triton(fake_dist, "3.11")
 
@@ -96,7 +96,7 @@ def test_missing_binary_names_the_file(fake_dist):
 
 
 def test_no_libpython_anywhere(fake_dist, monkeypatch):
-    monkeypatch.setattr(launcher, "_ldconfig_libs", lambda: set())
+    monkeypatch.setattr(embedded_dist, "_ldconfig_libs", lambda: set())
     with pytest.raises(TritonLaunchError, match="no libpython3.11.so found") as info:
         find_embedded_triton(fake_dist, "3.11")
     assert "apt-get install libpython3.11" in info.value.hint and "--enable-shared" in info.value.hint
@@ -105,15 +105,15 @@ def test_no_libpython_anywhere(fake_dist, monkeypatch):
 def test_libpython_in_libdir_goes_on_library_path(fake_dist, tmp_path, monkeypatch):
     libdir = tmp_path / "pylib"
     _touch(libdir / "libpython3.11.so.1.0")
-    monkeypatch.setattr(launcher, "_ldconfig_libs", lambda: set())
-    monkeypatch.setattr(launcher.sysconfig, "get_config_var", lambda name: str(libdir))
+    monkeypatch.setattr(embedded_dist, "_ldconfig_libs", lambda: set())
+    monkeypatch.setattr(embedded_dist.sysconfig, "get_config_var", lambda name: str(libdir))
     dist = find_embedded_triton(fake_dist, "3.11")
     assert dist.libpython_dir == libdir
     assert dist.library_path().endswith(os.pathsep + str(libdir))
 
 
 def test_stub_cannot_load_libpython(fake_dist, monkeypatch):
-    monkeypatch.setattr(launcher, "_ldd_missing", lambda binary, library_path: ["libpython3.11.so.1.0"])
+    monkeypatch.setattr(embedded_dist, "_ldd_missing", lambda binary, library_path: ["libpython3.11.so.1.0"])
     with pytest.raises(TritonLaunchError, match="cannot load libpython3.11.so.1.0") as info:
         find_embedded_triton(fake_dist, "3.11")
     assert "apt-get install libpython3.11" in info.value.hint

@@ -16,15 +16,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from controlplane.conversion_worker import ConversionFailed, run_worker
 from controlplane.errors import InvalidPackageError
 from controlplane.native import (
-    ConversionFailed,
     NativeDecision,
     _worst_parity,
     find_export_hook,
     native_package,
     prefer_native,
-    run_worker,
     tolerances_from,
 )
 from controlplane.spec import PackageKind, load_package

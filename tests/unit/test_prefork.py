@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 import pytest
 
-from python_backend import preforked
+from python_backend import prefork_connect, preforked
 from python_backend.errors import RemoteFailure
 from python_backend.journal import start_ticks
 from python_backend.prefork_protocol import (
@@ -279,20 +279,20 @@ def test_the_parent_warms_what_it_preloads_before_forking_unless_told_not_to(tmp
 
 
 def test_kernel_warmers_skip_what_failed_to_import_and_survive_their_own_failure(monkeypatch):
-    from python_backend import prefork_parent
+    from python_backend import prefork_preload
 
     def broken() -> None:
         raise RuntimeError("no BLAS today")
 
-    monkeypatch.setitem(prefork_parent.KERNEL_WARMERS, "numpy", broken)
-    assert prefork_parent.warm_kernels({"numpy": 0.1, "json": 0.0, "torch": 0.0}, {"torch": "ImportError"}) == {
+    monkeypatch.setitem(prefork_preload.KERNEL_WARMERS, "numpy", broken)
+    assert prefork_preload.warm_kernels({"numpy": 0.1, "json": 0.0, "torch": 0.0}, {"torch": "ImportError"}) == {
         "numpy": pytest.approx(0, abs=1)  # timed, logged, not raised
     }
 
 
 def test_the_torch_warmer_runs_on_the_cpu_only():
     torch = pytest.importorskip("torch")
-    from python_backend.prefork_parent import warm_kernels
+    from python_backend.prefork_preload import warm_kernels
 
     assert set(warm_kernels({"torch": 0.0}, {})) == {"torch"}
     assert not torch.cuda.is_initialized()
@@ -334,9 +334,9 @@ def parents_of(key: str) -> list[int]:
 
 def test_parents_started_in_a_race_leave_one(tmp_path, triton, journal):
     raw, _ = write_model(tmp_path)
-    identity = preforked.parent_identity(parse_spec(raw), sys.executable, triton.pid)
+    identity = prefork_connect.parent_identity(parse_spec(raw), sys.executable, triton.pid)
     for _ in range(3):
-        preforked.start_parent(identity)
+        prefork_connect.start_parent(identity)
     until(lambda: parent_records(journal), "a parent")
     time.sleep(0.5)  # the others would have bound (and lost) by now
     assert len(parents_of(identity.key)) == 1 and len(parent_records(journal)) == 1

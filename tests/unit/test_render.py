@@ -13,14 +13,14 @@ from controlplane.errors import InvalidPackageError
 from controlplane.render import (
     DEPLOYMENT_FILE,
     FULL_TARGET,
-    RUNTIME_FILE,
     embedded_target,
     parse_config,
     render_model,
-    render_repository,
 )
 from controlplane.spec import DeploymentSpec, resolve
+from controlplane.store import render_repository
 from controlplane.store.transactions import write_model
+from python_backend.spec import SPEC_FILE
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +85,7 @@ def test_python_backend_config_matches_golden(tmp_path: Path) -> None:
     check_golden("python.pbtxt", rendered.config_text)
     dests = {rel for _, rel in rendered.copies}
     assert {"1/package/snooze_model.py", "1/package/weights/w.bin", "1/python_backend/triton_model.py"} <= dests
-    runtime = json.loads(rendered.writes[f"1/{RUNTIME_FILE}"])
+    runtime = json.loads(rendered.writes[f"1/{SPEC_FILE}"])
     assert runtime["kind"] == "custom" and runtime["max_batch_size"] == 16
     assert runtime["inputs"][1] == {"name": "text", "datatype": "BYTES", "dims": [-1]}
 
@@ -97,7 +97,7 @@ def test_onnx_renders_native_on_full_and_python_on_embedded(tmp_path: Path) -> N
     assert [rel for _, rel in full.copies] == ["1/model.onnx"]
     embedded = render_model(spec, embedded_target())
     assert embedded.backend == "python" and embedded.config.backend == "python"
-    assert json.loads(embedded.writes[f"1/{RUNTIME_FILE}"])["kind"] == "onnx"
+    assert json.loads(embedded.writes[f"1/{SPEC_FILE}"])["kind"] == "onnx"
     # same signature and batching on both targets
     assert [i.dims for i in full.config.input] == [i.dims for i in embedded.config.input]
     assert full.config.max_batch_size == embedded.config.max_batch_size == 4

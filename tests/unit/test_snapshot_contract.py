@@ -15,7 +15,6 @@ from rich.console import Console
 from controlplane.settings import Settings
 from controlplane.snapshot import (
     CONTROL_DIR_ENV,
-    FINGERPRINT_FORMAT,
     READY_FOR_SNAPSHOT,
     RESTORE_COMPLETE,
     RESTORE_FAILED,
@@ -24,11 +23,10 @@ from controlplane.snapshot import (
     ControlDir,
     SnapshotEntrypoint,
     SnapshotError,
-    _settings_part,
     control_dir_from_env,
-    fingerprint_differences,
     standby_from_env,
 )
+from controlplane.snapshot_fingerprint import FINGERPRINT_FORMAT, _settings_part, fingerprint_differences
 
 
 def test_control_dir_must_be_set_and_writable(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import io
 
 from rich.console import Console
 
-from controlplane.cli.client_commands import _status_table
+from controlplane.cli.status_command import status_table
 
 MIB = 1024 * 1024
 
@@ -21,7 +21,7 @@ def model(model_id: str, **status: object) -> dict:
 
 
 def render(models: list[dict]) -> tuple[list[str], str]:
-    table = _status_table(models)
+    table = status_table(models)
     out = io.StringIO()
     Console(file=out, width=200, color_system=None).print(table)
     return [str(c.header) for c in table.columns], out.getvalue()
@@ -111,7 +111,7 @@ def test_keep_alive_column_shows_the_policy_and_its_current_windows():
 
 
 def test_a_preloaded_parent_gets_a_line_of_its_own():
-    from controlplane.cli.client_commands import _parent_line
+    from controlplane.cli.status_command import _parent_line
 
     parent = {"pid": 42, "preload": ["numpy", "torch"], "memory_bytes": 230 * MIB, "workers": 3, "failed": {}}
     assert _parent_line(parent) == "preloaded parent pid 42 (numpy, torch): 230.0 MiB, 3 worker(s)"
@@ -120,7 +120,7 @@ def test_a_preloaded_parent_gets_a_line_of_its_own():
 
 
 def test_an_80_column_terminal_cuts_no_header_and_a_long_failure_goes_below_the_table():
-    from controlplane.cli.client_commands import _failure_lines
+    from controlplane.cli.status_command import _failure_lines
 
     reason = (
         "[snooze:model_error] model 'text-features': load raised ModuleNotFoundError: No module named 'sklearnx' "
@@ -128,7 +128,7 @@ def test_an_80_column_terminal_cuts_no_header_and_a_long_failure_goes_below_the_
     )
     models = [model("numpy-linear", last_access=1.0), model("text-features", state="failed", reason=reason)]
     out = io.StringIO()
-    Console(file=out, width=80, color_system=None).print(_status_table(models))
+    Console(file=out, width=80, color_system=None).print(status_table(models))
     text = out.getvalue()
     assert "…" not in text, text  # no header word (instances, keep-alive, ...) is cut
     assert "sklearnx" not in text  # the state cell says 'failed'; the reason is below
@@ -139,7 +139,7 @@ def test_an_80_column_terminal_cuts_no_header_and_a_long_failure_goes_below_the_
 
 
 def test_the_wake_queue_line_shows_each_waiting_load_and_is_absent_when_none_waits():
-    from controlplane.cli.client_commands import _wake_queue_line
+    from controlplane.cli.status_command import _wake_queue_line
 
     queue = {"length": 2, "oldest_wait_secs": 3.2, "wait_bound_secs": 10.0, "waiting": [
         {"model": "m1", "waiting_for": "a load slot", "wait_secs": 3.2},
@@ -154,7 +154,7 @@ def test_the_wake_queue_line_shows_each_waiting_load_and_is_absent_when_none_wai
 
 
 def test_the_warm_up_column_says_its_source_and_a_skipped_one_says_why_below_the_table():
-    from controlplane.cli.client_commands import _failure_lines
+    from controlplane.cli.status_command import _failure_lines
 
     skipped = 'skipped (signature input [1,3,1,1] failed: ...; ship samples or set "warmup": false)'
     models = [model("det", warmup=skipped), model("vit", warmup="learned"), model("off")]

@@ -15,9 +15,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from typer.testing import CliRunner
 
-from controlplane.render import FULL_TARGET, embedded_target, render_repository
+from controlplane.render import FULL_TARGET, embedded_target
 from controlplane.spec import DeploymentSpec, resolve_all
-from controlplane.validate import FAIL, OK, SKIP, ValidationReport, validate_repository, warmup_inputs
+from controlplane.store import render_repository
+from controlplane.validation import FAIL, OK, SKIP, ValidationReport, validate_repository, warmup_inputs
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 

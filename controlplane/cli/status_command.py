@@ -1,0 +1,235 @@
+"""`snoozectl status` (and its old name `list`): the published models as a table, then what they share."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from controlplane.cli.control_client import DEFAULT_URL, ApiKey, Url, open_client
+from controlplane.cli.output import AsJson, out_console
+
+
+def _ago(epoch: float | None) -> str:
+    if not epoch:
+        return "never"
+    secs = max(0.0, time.time() - epoch)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{secs / size:.0f}{unit} ago"
+    return f"{secs:.0f}s ago"
+
+
+def _duration(secs: float | None) -> str:
+    if secs is None:
+        return "-"
+    if secs >= 120:
+        return f"{secs / 60:g}m"
+    return f"{secs:g}s"
+
+
+def _keep_alive(status: dict[str, Any]) -> str:
+    """The keep-alive policy's current windows: ``fixed 5m``, ``learning 3/10 (5m)`` (the fixed timeout until then),
+    ``adaptive: pre-warm +6.2s, keep +30s`` (after each request), ``adaptive: keep +45s``."""
+    timeout = _duration(status.get("idle_timeout_secs"))
+    policy = status.get("keep_alive")
+    if not policy:  # a server from before keep-alive policies
+        return timeout
+    if policy["policy"] == "fixed":
+        return f"fixed {timeout}"
+    if not policy["pattern"]:
+        return f"learning {policy['samples']}/{policy.get('min_samples', '?')} ({timeout})"
+    keep = _span(policy["keep_alive_secs"])
+    if policy.get("prewarm_after_secs") is None:
+        return f"adaptive: keep +{keep}"
+    return f"adaptive: pre-warm +{_span(policy['prewarm_after_secs'])}, keep +{keep}"
+
+
+def _span(secs: float) -> str:
+    """A learned window edge, three digits at most: ``6.2s``, ``45s``, ``11.5m``, ``2.5h``."""
+    for unit, size in (("h", 7200), ("m", 120)):
+        if secs >= size:
+            return f"{secs / (size // 2):.3g}{unit}"
+    return f"{secs:.3g}s"
+
+
+def _memory(nbytes: int | None) -> str:
+    return "-" if not nbytes else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _memory_cell(status: dict[str, Any]) -> str:
+    """Measured memory as is; declared (memory_mb, where Triton's processes cannot be seen) marked so;
+    a loaded model whose memory nobody knows says so rather than showing nothing."""
+    source = status.get("memory_source", "measured")
+    if status.get("memory_bytes") and source == "declared":
+        return f"~{_memory(status['memory_bytes'])} (declared)"
+    if not status.get("memory_bytes") and status.get("state") in ("ready", "unloading"):
+        return "unknown"
+    return _memory(status.get("memory_bytes"))
+
+
+_STATE_STYLE = {"ready": "green", "loading": "yellow", "unloading": "yellow", "failed": "bold red"}
+
+
+REASON_CHARS = 100  # a failed model's reason in the table; --json and `GET /v1/models/{id}` carry it whole
+
+
+def _short_reason(reason: str) -> str:
+    """The first line of a load failure (Triton appends its own traceback), cut to fit a table cell."""
+    first = reason.strip().splitlines()[0] if reason.strip() else ""
+    cut = len(first) > REASON_CHARS or first != reason.strip()
+    shown = first[: REASON_CHARS - 1] + "…" if len(first) > REASON_CHARS else first
+    return shown + (" (more: --json)" if cut else "")
+
+
+def state_text(status: dict[str, Any], *, in_table: bool = False) -> str:
+    state = status["state"]
+    text = f"[{_STATE_STYLE[state]}]{state}[/]" if state in _STATE_STYLE else state
+    # reasons quote runtime errors such as "[snooze:oom] ...": not rich markup
+    if state == "failed" and status.get("reason") and not in_table:
+        return f"{text} ({escape(_short_reason(status['reason']))})"
+    return text
+
+
+def _gpu_memory(per_device: dict[str, int] | None) -> str:
+    """``{"0": 512 MiB, "1": 0}`` -> ``gpu0 512.0 MiB``; GPUs holding nothing are left out."""
+    held = sorted((int(device), n) for device, n in (per_device or {}).items() if n)
+    return ", ".join(f"gpu{device} {_memory(n)}" for device, n in held) or "-"
+
+
+def _nodes(per_node: dict[str, dict[str, Any]] | None) -> str:
+    """A fleet's view: the nodes holding the model, each with its state when not ready and its memory."""
+    if not per_node:
+        return "-"
+    cells = []
+    for name, s in sorted(per_node.items()):
+        state = "" if s.get("state") == "ready" else f" {s.get('state')}"
+        memory = f" {_memory(s['memory_bytes'])}" if s.get("memory_bytes") else ""
+        cells.append(f"{name}{state}{memory}")
+    return ", ".join(cells)
+
+
+def status_table(models: list[dict[str, Any]]) -> Table:
+    # the GPU column only where the server measures GPU memory: CPU-only servers keep the narrower table
+    gpu = any(model["status"].get("gpu_memory_bytes") is not None for model in models)
+    fleet = any("nodes" in model["status"] for model in models)  # a fleet API answered
+    columns = ["model", "state", "instances", "last access", "keep-alive", "memory"]
+    columns += ["GPU memory"] if gpu else []
+    columns += ["nodes"] if fleet else []
+    warm = any(model["status"].get("warmup") for model in models)  # servers before warm-up sources: no column
+    columns += ["warm-up"] if warm else []
+    table = Table(*columns, "last cold start")
+    table.columns[0].no_wrap = True  # a model id is what users copy: never cut it
+    for column in table.columns:  # narrow terminals wrap the cells, never cut a header's word
+        column.min_width = max(len(word) for word in str(column.header).split())
+    for model in models:
+        s = model["status"]
+        cold = s.get("last_cold_start_secs")
+        table.add_row(
+            model["id"], state_text(s, in_table=True), str(s.get("instances", 0)), _ago(s.get("last_access")),
+            _keep_alive(s), _memory_cell(s),
+            *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
+            *([_nodes(s.get("nodes"))] if fleet else []),
+            *([_warmup_cell(s.get("warmup"))] if warm else []),
+            "-" if cold is None else f"{cold:.2f}s",
+        )
+    return table
+
+
+def _warmup_cell(line: str | None) -> str:
+    """The warm-up's source (signature, learned, samples), "skipped" (the line below says why), or "-"."""
+    if not line:
+        return "-"
+    return "skipped" if line.startswith("skipped") else line
+
+
+def _failure_lines(models: list[dict[str, Any]]) -> list[str]:
+    """Below the table, one line per failed model: its reason's first line (a table cell is too narrow); and
+    one per model whose generated warm-up was skipped, with why."""
+    failed = [
+        f"{model['id']}: {_short_reason(model['status']['reason'])}"
+        for model in models
+        if model["status"].get("state") == "failed" and model["status"].get("reason")
+    ]
+    skipped = [
+        f"{model['id']}: warmup: {model['status']['warmup']}"
+        for model in models
+        if str(model["status"].get("warmup") or "").startswith("skipped")
+    ]
+    return failed + skipped
+
+
+def _runtime(client: Any) -> dict[str, Any]:
+    """The processes models share (preloaded parents); empty where the server has no such route (a fleet API)."""
+    from controlplane.api.client import ControlPlaneError
+
+    try:
+        return client.runtime()
+    except ControlPlaneError:
+        return {}
+
+
+def _parent_line(parent: dict[str, Any]) -> str:
+    failed = f", could not import {', '.join(parent['failed'])}" if parent.get("failed") else ""
+    return (
+        f"preloaded parent pid {parent['pid']} ({', '.join(parent.get('preload', []))}): "
+        f"{_memory(parent.get('memory_bytes'))}, {parent.get('workers', 0)} worker(s){failed}"
+    )
+
+
+def _memory_line(runtime: dict[str, Any]) -> str | None:
+    """Both counts of host memory: what the budget counts (models' Pss summed, tritonserver, parents) and Triton's
+    cgroup's own usage, where the server reports them."""
+    if "accounted_bytes" not in runtime:
+        return None
+    budget = runtime.get("budget_bytes")
+    line = (
+        f"memory: models {_memory(runtime.get('models_bytes'))}, counted in all {_memory(runtime['accounted_bytes'])}"
+        f" of {_memory(budget) if budget is not None else 'no budget'} (proportional: shared pages split)"
+    )
+    if runtime.get("cgroup_usage_bytes") is not None:
+        limit = runtime.get("cgroup_limit_bytes")
+        line += f"; Triton's cgroup holds {_memory(runtime['cgroup_usage_bytes'])}"
+        line += f" of {_memory(limit)} (evicts over {_memory(runtime.get('cgroup_ceiling_bytes'))})" if limit else ""
+    return line
+
+
+def _wake_queue_line(queue: dict[str, Any] | None) -> str | None:
+    """Loads waiting to start, when there are any (``GET /v1/runtime``'s ``wake_queue``)."""
+    if not queue or not queue.get("waiting"):
+        return None
+    waiting = ", ".join(f"{w['model']} ({w['waiting_for']}, {w['wait_secs']:.1f}s)" for w in queue["waiting"])
+    return (
+        f"wake queue: {queue['length']} load(s) waiting to start (a request waits at most "
+        f"{queue['wait_bound_secs']:g}s for its load to start): {waiting}"
+    )
+
+
+def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+    """Published models: state, instances, last access, keep-alive, memory, last cold start.
+
+    \b
+    Examples:
+      snoozectl status
+      snoozectl status --json --url http://10.0.0.5:8080 --api-key "$ADMIN_KEY"
+    """
+    with open_client(url, api_key, as_json) as client:
+        models = client.list()
+        runtime = _runtime(client)
+    if as_json:
+        print(json.dumps(models))
+    elif not models:
+        out_console.print("no models published (publish one with `snoozectl publish <folder>`)")
+    else:
+        out_console.print(status_table(models))
+        for line in _failure_lines(models):
+            out_console.print(line, highlight=False, markup=False, soft_wrap=True)
+        for parent in runtime.get("preloaded_parents", []):
+            out_console.print(_parent_line(parent), highlight=False)
+        if memory := _memory_line(runtime):
+            out_console.print(memory, highlight=False, markup=False, soft_wrap=True)
+        if queue := _wake_queue_line(runtime.get("wake_queue")):
+            out_console.print(queue, highlight=False, markup=False, soft_wrap=True)
