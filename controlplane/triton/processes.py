@@ -244,7 +244,7 @@ def held_split(
                 _pss_cache.clear()
             rss = rss if rss is not None else resident_bytes(pid, proc_root) or 0
             _pss_cache[(proc_root, pid)] = (rss, found[0], found[1], now)
-        elif (rss := resident_bytes(pid, proc_root)) is not None:
+        elif rss := resident_bytes(pid, proc_root):  # 0: a zombie (it exited after it was listed): nothing held
             found = (rss, rss)
             if not _rss_fallback_said:
                 _rss_fallback_said = True

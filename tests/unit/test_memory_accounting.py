@@ -57,6 +57,17 @@ def test_rss_is_the_fallback_and_said_once(tmp_path, caplog, monkeypatch):
     assert len(said) == 1 and "RSS" in said[0].getMessage()
 
 
+def test_a_zombie_is_not_a_fallback(tmp_path, caplog, monkeypatch):
+    """A process that exited after it was listed (a zombie: no Pss, RSS 0) holds nothing, and does not use up
+    the one warning that a real permission problem needs."""
+    monkeypatch.setattr(processes, "_rss_fallback_said", False)
+    fake_proc(tmp_path, 30, rollup="", rss_pages=0)
+    with caplog.at_level(logging.WARNING, logger="snoozeml.processes"):
+        assert held_bytes([30], tmp_path) == 0
+    assert not [r for r in caplog.records if "smaps_rollup" in r.getMessage()]
+    assert processes._rss_fallback_said is False
+
+
 def test_this_process_pss_is_at_most_its_rss():
     pss, rss = proportional_bytes(os.getpid()), resident_bytes(os.getpid())
     assert pss is not None and rss is not None and 0 < pss <= rss
