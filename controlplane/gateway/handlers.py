@@ -126,6 +126,7 @@ class ModelAnswers:
         send: Callable[[], Awaitable[T]],
         dead: Callable[[T], bool],
         *,
+        version: str = "",
         timeout: float | None = None,
     ) -> T:
         """Wake the model and ``send()`` the request to Triton, at most once to a live model process.
@@ -134,7 +135,7 @@ class ModelAnswers:
         healthy" answer here) is refused with the crash. One that meets a dead stub here is sent again
         after recovery only when the journal shows it never reached a live process (``recovery``).
         """
-        self.published(name)
+        self.published(name, version)
         await self.waker.admit(name, request_id)
         async with self.serving(name, timeout):
             answer = await send()

@@ -78,13 +78,13 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder, holds: Hold
 
     async def infer(request: Request) -> Response:
         name, version = model_of(request)
-        answers.published(name, version)
         body = await request.body()
         return await answers.forward(
             name,
             request.headers.get(REQUEST_ID_HEADER, ""),
             lambda: forwarder.send(request, body),
             lambda r: r.status_code == 500 and is_dead_stub_http_body(r.body),
+            version=version,
         )
 
     async def ready(request: Request) -> Response:
