@@ -33,7 +33,10 @@ pytestmark = pytest.mark.integration
 def test_warm_inference_stays_on_envoy(stack: Stack):
     name = stack.publish("gw_warm")
     stack.loop.run(stack.lifecycle.ensure_ready(name))
-    retries_before = stack.gateway.stats().get("cluster.infer_http.upstream_rq_retry", 0)
+    before = stack.gateway.stats()
+    retries_before = before.get("cluster.infer_http.upstream_rq_retry", 0)
+    # Delta over this test's own requests: the stack is shared with tests whose wakes are retried.
+    grpc_retries_before = before.get("cluster.infer_grpc.upstream_rq_retry", 0)
     x = _x()
     with stack.http() as client:
         np.testing.assert_allclose(http_infer(client, name, x, binary=True), x * 3)
@@ -45,7 +48,7 @@ def test_warm_inference_stays_on_envoy(stack: Stack):
         np.testing.assert_allclose(grpc_infer(client, name, x, {"authorization": f"Bearer {API_KEY}"}), x * 3)
     stats = stack.gateway.stats()
     assert stats.get("cluster.infer_http.upstream_rq_retry", 0) == retries_before
-    assert stats.get("cluster.infer_grpc.upstream_rq_retry", 0) == 0
+    assert stats.get("cluster.infer_grpc.upstream_rq_retry", 0) == grpc_retries_before
     assert "envoy_cluster_upstream_rq_retry" in httpx.get(stack.gateway.prometheus_url).text
 
 
