@@ -2,8 +2,8 @@
 plots and its JSON come out. Numbers are not asserted (this machine is shared and quick mode is short).
 
 The default tier runs the sections whose behaviour no other test drives; recovery, keepalive_live, streaming and
-churn repeat scenarios that tests/reliability, test_keepalive_live, test_gateway and tests/model/test_fast_unload.py
-assert, so their bench code runs in the `slow` tier
+churn repeat scenarios that tests/reliability, test_keepalive_live, tests/integration/gateway and
+tests/model/test_fast_unload.py assert, so their bench code runs in the `slow` tier
 (`pytest -m slow tests/integration/test_bench_smoke.py`) and in `make bench`."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ SECTION_KEYS = {
     "streaming": {"cold_ms", "tokens_per_s", "grpc_gateway_over_direct", "warm_first_token_ms", "open_stream"},
     "eviction": {"traces", "default_policy", "budget_mib", "ok"},
 }
-# Scenarios other tests assert: tests/reliability (recovery), test_keepalive_live, test_gateway (streams),
+# Scenarios other tests assert: tests/reliability (recovery), test_keepalive_live, tests/integration/gateway (streams),
 # tests/model/test_fast_unload.py and test_memory_budget (churn).
 SLOW_SECTIONS = ("recovery", "keepalive_live", "streaming", "churn", "gateway_filters")
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)

@@ -4,7 +4,7 @@ with auth on, driven only with standard clients (tritonclient http/grpc/grpc.aio
 
 Two stacks: the shared one (wake storms, idle unload, stub crash, auth, bad uploads, status,
 Triton killed; in that order, the Triton kill last) and a small-budget one (LRU eviction, then
-graceful shutdown, which ends it). Component-level behaviour is proven in test_gateway.py and
+graceful shutdown, which ends it). Component-level behaviour is proven in tests/integration/gateway and
 test_lifecycle.py; these tests prove the wiring: settings from the environment, models.toml, the
 CLI, the signal handling and the process tree of `snoozectl serve`.
 """

@@ -1,7 +1,7 @@
 """The one dead-stub signature (controlplane.triton.dead_stub): Triton's whole message, nothing a model says.
 
 What Triton 2.51 writes was measured against the wheel's tritonserver (see the module's docstring);
-the gateway tests (tests/integration/test_gateway.py) check the same through real Envoy and Triton.
+the gateway tests (tests/integration/gateway) check the same through real Envoy and Triton.
 """
 
 from __future__ import annotations

@@ -1,0 +1,189 @@
+"""Unary infers through the gateway: warm ones stay on Envoy, a sleeping model wakes over HTTP, gRPC and
+shared memory, its metadata answers while it sleeps.
+
+The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+module's tests (tests/integration/gateway/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcaio
+import tritonclient.http as httpclient
+
+from tests.gateway_harness import (
+    API_KEY,
+    GRPC_KEY,
+    KEY,
+    Stack,
+    _successes,
+    _x,
+    grpc_infer,
+    http_infer,
+)
+from tests.serve_harness import until
+
+pytestmark = pytest.mark.integration
+
+
+def test_warm_inference_stays_on_envoy(stack: Stack):
+    name = stack.publish("gw_warm")
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
+    before = stack.gateway.stats()
+    retries_before = before.get("cluster.infer_http.upstream_rq_retry", 0)
+    # Delta over this test's own requests: the stack is shared with tests whose wakes are retried.
+    grpc_retries_before = before.get("cluster.infer_grpc.upstream_rq_retry", 0)
+    x = _x()
+    with stack.http() as client:
+        np.testing.assert_allclose(http_infer(client, name, x, binary=True), x * 3)
+        np.testing.assert_allclose(http_infer(client, name, x, binary=False), x * 3)
+        np.testing.assert_allclose(http_infer(client, name, x, headers={"Authorization": f"Bearer {API_KEY}"}), x * 3)
+        assert client.is_server_live() and client.is_server_ready()  # health: Triton, no key needed
+    with stack.grpc() as client:
+        np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
+        np.testing.assert_allclose(grpc_infer(client, name, x, {"authorization": f"Bearer {API_KEY}"}), x * 3)
+    stats = stack.gateway.stats()
+    assert stats.get("cluster.infer_http.upstream_rq_retry", 0) == retries_before
+    assert stats.get("cluster.infer_grpc.upstream_rq_retry", 0) == grpc_retries_before
+    assert "envoy_cluster_upstream_rq_retry" in httpx.get(stack.gateway.prometheus_url).text
+
+
+def _lua_runs(stack: Stack) -> dict[str, int]:
+    """Envoy's count of Lua runs, per listener and the infer_http cluster's upstream chain, and of filters a
+    composite filter created (the shape hint, the dead-stub marker)."""
+    stats = stack.gateway.stats()
+    return {k: v for k, v in stats.items() if k.endswith(("lua.executions", "composite.filter_delegation_success"))}
+
+
+def test_a_warm_unary_request_meets_no_lua(stack: Stack):
+    """A unary infer to a loaded model whose size the headers tell: no Lua runs for it (the wake filters are off
+    on its route; the shape hint and the dead-stub marker are created only for a 400 / INVALID_ARGUMENT / 500).
+    gRPC carries no content-length: there the first wake stage reads the message's 5-byte frame header, once."""
+    name = stack.publish("gw_no_lua")
+    stack.loop.run(stack.lifecycle.ensure_ready(name))
+    x = _x()
+    before = _lua_runs(stack)
+    with stack.http() as client:
+        for binary in (True, False):
+            np.testing.assert_allclose(http_infer(client, name, x, binary=binary), x * 3)
+    r = httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/generate", json={"x": [1.0]}, headers=KEY)
+    assert r.status_code == 200, r.text
+    assert _lua_runs(stack) == before
+    with stack.grpc() as client:
+        for _ in range(3):
+            np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
+    after = _lua_runs(stack)
+    assert after.pop("http.kserve_grpc.lua.executions") == before.pop("http.kserve_grpc.lua.executions") + 3
+    assert after == before
+
+
+def test_sleeping_model_wakes_over_http(stack: Stack):
+    name = stack.publish("gw_sleep_http")
+    assert not stack.triton_ready(name)
+    x = _x(3)
+    with stack.http() as client:
+        np.testing.assert_allclose(http_infer(client, name, x), x * 3)
+    assert stack.triton_ready(name) and stack.load_count(name) == 1
+    assert stack.gateway.stats()["cluster.infer_http.upstream_rq_retry"] >= 1
+    # Put back to sleep: the next request wakes it again (non-binary JSON body this time).
+    stack.loop.run(stack.lifecycle.unload(name))
+    with stack.http() as client:
+        np.testing.assert_allclose(http_infer(client, name, x, binary=False), x * 3)
+    assert stack.load_count(name) == 2
+
+
+def test_sleeping_model_wakes_over_grpc(stack: Stack):
+    name = stack.publish("gw_sleep_grpc")
+    x = _x(1)
+    with stack.grpc() as client:
+        np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
+    assert stack.triton_ready(name) and stack.load_count(name) == 1
+    assert stack.gateway.stats()["cluster.infer_grpc.upstream_rq_retry"] >= 1
+
+
+async def test_grpc_aio_client_wakes_and_single_flight(stack: Stack):
+    name = stack.publish("gw_sleep_aio")
+    x = _x(2)
+    inp = grpcaio.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    async with grpcaio.InferenceServerClient(stack.gateway.grpc_url) as client:
+        assert await client.is_model_ready(name, headers=GRPC_KEY)
+        results = await asyncio.gather(*(client.infer(name, [inp], headers=GRPC_KEY) for _ in range(20)))
+    for r in results:
+        np.testing.assert_allclose(r.as_numpy("y"), x * 3)
+    assert stack.load_count(name) == 1
+
+
+def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
+    name = stack.publish("gw_meta")
+    with stack.http() as h, stack.grpc() as g:
+        assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)
+        meta_http = h.get_model_metadata(name, headers=KEY)
+        meta_grpc = g.get_model_metadata(name, headers=GRPC_KEY, as_json=True)
+        config_http = h.get_model_config(name, headers=KEY)
+        config_grpc = g.get_model_config(name, headers=GRPC_KEY).config
+        index = {e["name"]: e for e in h.get_model_repository_index(headers=KEY)}
+        assert not stack.triton_ready(name)  # none of this woke the model
+        assert index[name]["state"] == "UNAVAILABLE" and index["gw_warm"]["state"] == "READY"
+
+        assert meta_http == {
+            "name": name,
+            "versions": ["1"],
+            "platform": "python",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, -1]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, -1]}],
+        }
+        assert meta_grpc["inputs"][0]["shape"] == ["-1", "-1"] and meta_grpc["platform"] == "python"
+        assert config_http["name"] == name and config_http["max_batch_size"] == 8
+        assert config_grpc.name == name and config_grpc.backend == "python" and config_grpc.max_batch_size == 8
+
+        # Once awake the answers are Triton's own, and the metadata is the same as while asleep.
+        stack.loop.run(stack.lifecycle.ensure_ready(name))
+        triton = httpclient.InferenceServerClient(stack.triton.http_url.removeprefix("http://"))
+        assert triton.get_model_metadata(name) == meta_http == h.get_model_metadata(name, headers=KEY)
+        assert h.get_model_config(name, headers=KEY) == triton.get_model_config(name)
+        assert g.get_model_config(name, headers=GRPC_KEY).config.name == name
+        assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_64_mib_request_wakes_a_sleeping_model(stack: Stack, protocol: str):
+    """A body far over ``wake_buffer_bytes`` wakes its model (the wake filter, not the retry), runs once,
+    and the model is held only while the request runs."""
+    name = stack.publish(f"gw_big_{protocol}")
+    big = np.ones((1, 64 * 1024 * 1024 // 4), dtype=np.float32)
+    retries = stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0)
+    with stack.http() as h, stack.grpc() as g:
+        y = http_infer(h, name, big) if protocol == "http" else grpc_infer(g, name, big)
+    assert y.shape == big.shape and float(y[0, 0]) == 3.0 and float(y[0, -1]) == 3.0
+    assert stack.triton_ready(name) and stack.load_count(name) == 1
+    assert stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0) == retries  # no re-send
+    assert _successes(stack, name, 2) == 2  # it ran once (Triton also counts the load's warm-up inference)
+    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release once the request ended")
+
+
+def test_system_shared_memory_infer_wakes_a_sleeping_model(stack: Stack):
+    """Triton's shared-memory example through the gateway: the region is registered with Triton (the
+    default route), the request names it, and a sleeping model is woken by the retry path."""
+    import tritonclient.utils.shared_memory as shm
+
+    name = stack.publish("gw_shm")
+    x = _x(2)
+    region = shm.create_shared_memory_region("gw_shm_in", "/gw_shm_in", x.nbytes)
+    try:
+        shm.set_shared_memory_region(region, [x])
+        with stack.http() as h:
+            h.unregister_system_shared_memory("gw_shm_in", headers=KEY)
+            h.register_system_shared_memory("gw_shm_in", "/gw_shm_in", x.nbytes, headers=KEY)
+            inp = httpclient.InferInput("x", list(x.shape), "FP32")
+            inp.set_shared_memory("gw_shm_in", x.nbytes)
+            y = h.infer(name, [inp], headers=dict(KEY)).as_numpy("y")
+            h.unregister_system_shared_memory("gw_shm_in", headers=KEY)
+        np.testing.assert_allclose(y, x * 3)
+        assert stack.load_count(name) == 1
+    finally:
+        shm.destroy_shared_memory_region(region)
