@@ -311,8 +311,8 @@ class HoldRegistry:
         self._offset: int | None = None
         self.warm_holds = 0  # holds the wake filter sent without waiting (the model's ready flag was there)
 
-    def open(self, model: str | None = None) -> int:
-        """Requests held now (for ``model``, or all)."""
+    def held(self, model: str | None = None) -> int:
+        """How many requests are held now (for ``model``, or all)."""
         return sum(1 for m, _ in self._holds.values() if model is None or m == model)
 
     async def hold(self, model: str, token: str, *, warm: bool = False) -> None:

@@ -50,7 +50,7 @@ def test_generate_and_generate_stream_wake_a_sleeping_model(stack: Stack):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
     events = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines() if line.startswith("data: ")]
     assert [e["y"] for e in events] == [[6.0, 12.0]] and stack.load_count(name) == 2
-    until(lambda: stack.activator.holds.open(name) == 0, "the stream's hold released at its end")
+    until(lambda: stack.activator.holds.held(name) == 0, "the stream's hold released at its end")
     r = _generate(stack, "gw_nope", "generate_stream", {"x": [2.0]})  # Triton's own answer, unchanged
     assert r.status_code == 404 and r.json()["error"] == "Request for unknown model: 'gw_nope' is not found"
 
@@ -69,11 +69,11 @@ def test_a_stream_wakes_a_sleeping_model_and_holds_it_while_open(stack: Stack):
         for r in results:
             rows = int(r.get_response().id)
             np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
-        assert stack.load_count(name) == 1 and stack.activator.holds.open(name) == 1
+        assert stack.load_count(name) == 1 and stack.activator.holds.held(name) == 1
         # While the stream is open the model is in use: an unload by the sweeper would not pick it.
         assert stack.lifecycle.states.record(name).users >= 1
         g.stop_stream()
-    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release at the stream's end")
+    until(lambda: stack.activator.holds.held(name) == 0, "the hold's release at the stream's end")
     assert stack.lifecycle.states.record(name).users == 0
 
 
@@ -96,10 +96,10 @@ def test_a_stream_holds_every_model_it_names(stack: Stack):
             rows = int(r.get_response().id.rpartition("-")[2])
             np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
         assert stack.load_count(first) == 1 and stack.load_count(second) == 1
-        until(lambda: stack.activator.holds.open(first) == 1 and stack.activator.holds.open(second) == 1,
+        until(lambda: stack.activator.holds.held(first) == 1 and stack.activator.holds.held(second) == 1,
               "a hold of each model the stream names")  # fmt: skip
         g.stop_stream()
-    until(lambda: stack.activator.holds.open(first) + stack.activator.holds.open(second) == 0,
+    until(lambda: stack.activator.holds.held(first) + stack.activator.holds.held(second) == 0,
           "both holds released at the stream's end")  # fmt: skip
 
 
@@ -121,10 +121,10 @@ def test_a_stream_wakes_a_sleeping_model_it_names_after_an_earlier_wake(stack: S
             rows = int(r.get_response().id.rpartition("-")[2])
             np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
         assert [stack.load_count(name) for name in names] == [1, 1, 1]
-        until(lambda: [stack.activator.holds.open(name) for name in names] == [1, 1, 1],
+        until(lambda: [stack.activator.holds.held(name) for name in names] == [1, 1, 1],
               "a hold of each model the stream names")  # fmt: skip
         g.stop_stream()
-    until(lambda: sum(stack.activator.holds.open(name) for name in names) == 0, "every hold released at the end")
+    until(lambda: sum(stack.activator.holds.held(name) for name in names) == 0, "every hold released at the end")
 
 
 @contextlib.contextmanager
@@ -164,13 +164,13 @@ def test_a_warm_stream_does_not_wait_for_the_activator(stack: Stack, protocol: s
         assert answered, "the warm stream waited for the stuck control plane"
         if protocol == "grpc":
             np.testing.assert_allclose(answers[0].as_numpy("y"), _x(1) * 3)
-            until(lambda: stack.activator.holds.open(name) == 1, "the stream's hold, sent without waiting")
+            until(lambda: stack.activator.holds.held(name) == 1, "the stream's hold, sent without waiting")
             assert stack.lifecycle.states.record(name).users >= 1
             g.stop_stream()
         else:
             assert answers[0].status_code == 200 and '"y":[6.0,12.0]' in answers[0].text.replace(" ", ""), answers
     until(lambda: stack.activator.holds.warm_holds == warm_holds + 1, "the warm hold at the activator")
-    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release at the stream's end")
+    until(lambda: stack.activator.holds.held(name) == 0, "the hold's release at the stream's end")
     assert stack.load_count(name) == 1
     stack.loop.run(stack.lifecycle.unload(name))
     assert not stack.activator.ready_flags.ready(name)  # asleep: the next stream waits for its wake-up
@@ -241,7 +241,7 @@ def test_a_cancelled_stream_stops_the_generator(stack: Stack, repeater: Path, tm
         g.stop_stream(cancel_requests=True)
     lines = until(lambda: (t := log.read_text().splitlines()) and t[-1] == "closed" and t, "the generator's close")
     assert len(lines) - 1 < 10_000  # it stopped: far from all the responses it was asked for
-    until(lambda: stack.activator.holds.open(name) == 0, "the cancelled stream's hold released")
+    until(lambda: stack.activator.holds.held(name) == 0, "the cancelled stream's hold released")
 
 
 def _journaled_ids(stack: Stack) -> set[str]:
@@ -270,7 +270,7 @@ def test_an_open_stream_keeps_its_model_awake_and_is_journaled(stack: Stack, rep
         stack.loop.run(stack.lifecycle.sweep())
         assert stack.triton_ready(name) and stack.lifecycle.status(name).state == "ready"
         g.stop_stream()
-    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release")
+    until(lambda: stack.activator.holds.held(name) == 0, "the hold's release")
     until(lambda: stack.loop.run(stack.lifecycle.sweep()) or not stack.triton_ready(name), "the idle unload", 30)
 
     repeat = _publish_repeater(stack, repeater, "gw_repeat_journal")
@@ -360,6 +360,6 @@ def test_a_client_leaving_a_generate_stream_releases_its_hold(stack: Stack, repe
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break
-        assert stack.activator.holds.open(name) == 1  # the open stream holds its model
-    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release once the client left")
+        assert stack.activator.holds.held(name) == 1  # the open stream holds its model
+    until(lambda: stack.activator.holds.held(name) == 0, "the hold's release once the client left")
     assert stack.lifecycle.states.record(name).users == 0

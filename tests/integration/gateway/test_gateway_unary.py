@@ -163,7 +163,7 @@ def test_a_64_mib_request_wakes_a_sleeping_model(stack: Stack, protocol: str):
     assert stack.triton_ready(name) and stack.load_count(name) == 1
     assert stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0) == retries  # no re-send
     assert _successes(stack, name, 2) == 2  # it ran once (Triton also counts the load's warm-up inference)
-    until(lambda: stack.activator.holds.open(name) == 0, "the hold's release once the request ended")
+    until(lambda: stack.activator.holds.held(name) == 0, "the hold's release once the request ended")
 
 
 def test_system_shared_memory_infer_wakes_a_sleeping_model(stack: Stack):
