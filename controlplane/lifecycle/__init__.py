@@ -1,12 +1,6 @@
 """The model lifecycle: wake on request, idle unload, memory budget and eviction, autoscaling, recovery.
 
-One module per policy: ``state`` (states and the single flight of transitions), ``memory`` (budget, estimates,
-reservations), ``eviction`` (which idle model goes first: GDSF or LRU), ``gpu`` (GPU memory and its budget),
-``autoscale`` (the scaling rule), ``recovery`` (dead model processes and the requests they took),
-``processes`` (seeing Triton's processes), ``workers`` (preforked workers and their preloaded parents),
-``journal`` (which requests a model process was running), ``loading`` (Triton loads), ``warmth`` (keep-alive
-and pre-warm), ``triton_sync`` (Triton's health and index) and ``manager`` (``LifecycleManager``, which runs
-them).
+Which module owns which job is in docs/internals.md ("The map"); a module list here would go stale.
 """
 
 from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
