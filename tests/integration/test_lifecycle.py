@@ -459,7 +459,10 @@ class FakeNvml:
 
 async def test_gpu_memory_budget_evicts_the_least_recently_used_model_per_gpu(make_manager, publish, triton):
     a, b, c = publish("gpu-a"), publish("gpu-b"), publish("gpu-c")
-    manager = await make_manager(gpu_reader=FakeNvml(triton), gpu_memory_budget_mb=2 * GPU_MB + 100)
+    # lru named: the GPU budget evicts in the host budget's order, which the setting picks (gdsf by default)
+    manager = await make_manager(
+        gpu_reader=FakeNvml(triton), gpu_memory_budget_mb=2 * GPU_MB + 100, eviction_policy="lru"
+    )
     for model in (a, b):
         await manager.ensure_ready(model)
         assert manager.status(model).gpu_memory_bytes == {"0": GPU_MB * MIB}
