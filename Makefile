@@ -7,6 +7,10 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_PIN ?= torch==2.13.0
 EXAMPLE_ONNX := examples/models/onnx-mlp/model.onnx
 PYTEST_ARGS ?=
+# Two workers (pytest-xdist), each taking a whole test file at a time: most of the suite waits on Triton and
+# Envoy start-ups and model loads, which overlap well on two cores. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 # The python-backend runtime runs inside Triton's stub: Python 3.10 on the official 24.10 image. Its
 # unit tests also run under a 3.10 interpreter when the machine has one (python3.10 on PATH, else
 # pyenv's), in a small venv of its own (numpy, psutil, pytest; no snoozeml).
@@ -45,7 +49,7 @@ serve: install examples $(VENV)/.installed-torch
 	$(VENV)/bin/snoozectl serve --models examples/models --work-dir .snooze --no-auth
 
 test: install-dev examples test-runtime-py310
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 $(VENV310)/.installed:
 	$(PYTHON310) -m venv $(VENV310)
