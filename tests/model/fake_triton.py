@@ -48,13 +48,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import selectors
 import signal
 import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from virtual_time import EPOCH, Hang, VirtualTime, VirtualTimeLoop  # noqa: F401 (the fakes' clock, imported from here too)
 
 from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError
 from controlplane.lifecycle.loading import rendered_config
@@ -65,73 +66,9 @@ from controlplane.triton.journal import journal_path
 from controlplane.triton.processes import StubDeath, StubProcess
 
 MIB = 1024 * 1024
-EPOCH = 1_790_000_000.0  # what time.time() says at virtual time 0
 DEAD_STUB_WAIT = 1.0  # Triton's wait before failing a request sent to a dead stub (about a second, measured)
 SIGSEGV_STATUS = signal.SIGSEGV  # the wait status of a process killed by SIGSEGV
 SIGKILL_STATUS = signal.SIGKILL
-
-
-class Hang(AssertionError):
-    """Every task waits and no timer is set: nothing can ever happen again."""
-
-
-class _VirtualSelector(selectors.DefaultSelector):
-    """Never blocks: where the loop would wait ``timeout`` seconds for its next timer, time jumps there."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.loop: VirtualTimeLoop | None = None
-
-    def select(self, timeout: float | None = None) -> list[Any]:
-        events = super().select(0)
-        if events or timeout == 0:
-            return events
-        if timeout is None:
-            raise Hang("the event loop has nothing ready and no timer: every task waits forever")
-        assert self.loop is not None
-        self.loop.now += timeout
-        return []
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock moves only when every task waits: sleeps and timeouts take no real time.
-
-    Only for code that never waits on a thread or a socket (``asyncio.to_thread`` must be inline).
-    """
-
-    def __init__(self) -> None:
-        selector = _VirtualSelector()
-        super().__init__(selector)
-        selector.loop = self
-        self.now = 0.0
-
-    def time(self) -> float:
-        return self.now
-
-
-class VirtualTime:
-    """A stand-in for the ``time`` module in the lifecycle's modules: its clocks read the loop's."""
-
-    def __init__(self, loop: VirtualTimeLoop) -> None:
-        self.loop = loop
-
-    def time(self) -> float:
-        return EPOCH + self.loop.now
-
-    def monotonic(self) -> float:
-        return self.loop.now
-
-    def time_ns(self) -> int:
-        return int(self.time() * 1e9)
-
-    def monotonic_ns(self) -> int:
-        return int(self.loop.now * 1e9)
-
-    def sleep(self, secs: float) -> None:
-        """A blocking wait inside a worker thread (inline here): no virtual time passes."""
-
-    def strftime(self, fmt: str, *args: Any) -> str:
-        return f"t+{self.loop.now:.3f}s"
 
 
 @dataclass

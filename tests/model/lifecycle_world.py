@@ -22,7 +22,7 @@ from fake_triton import MIB, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime
 
 from controlplane.errors import SnoozeError
 from controlplane.gateway.activator import HoldRegistry, ModelAnswers
-from controlplane.lifecycle import loading, manager, recovery, unloading
+from controlplane.lifecycle import admission, configs, loading, recovery, request_path, supervisor, unloading
 from controlplane.lifecycle.gateway_port import GatewayPort
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.manager import LifecycleManager
@@ -120,7 +120,7 @@ class LifecycleWorld:
         self.root = root
         self.loop = VirtualTimeLoop()
         clock = VirtualTime(self.loop)
-        for module in (manager, loading, recovery, unloading):
+        for module in (supervisor, request_path, admission, configs, loading, recovery, unloading):
             monkeypatch.setattr(module, "time", clock)
         monkeypatch.setattr(asyncio, "to_thread", inline)
         self.clock = clock

@@ -104,7 +104,8 @@ def test_autoscale_up_under_load_and_down_when_idle(world):
 def test_a_held_model_is_neither_unloaded_for_idleness_nor_evicted_until_its_stream_ends(world):
     """A stream through the gateway holds its model (``HoldRegistry``): no idle unload and no eviction for another
     model's memory while it is open; once it ends, the idle timeout counts again. (Through Envoy, Triton and a real
-    gRPC stream: tests/integration/gateway/test_gateway_streams.py::test_an_open_stream_keeps_its_model_awake_and_is_journaled.)"""
+    gRPC stream: tests/integration/gateway/test_gateway_streams.py,
+    test_an_open_stream_keeps_its_model_awake_and_is_journaled.)"""
     w = world
     records = w.manager.states.records
     w.step(w.publish("m0", 150), 0.1)
