@@ -51,7 +51,15 @@ import jinja2
 from controlplane.child_processes import log_tail, spawn, stop_group
 from controlplane.errors import SnoozeError
 from controlplane.gateway import grpc_names
-from controlplane.gateway.wake_lua import METADATA_KEY, METADATA_NAMESPACE, grpc_wake_chain, http_wake_lua
+from controlplane.gateway.lua import lua_string, program
+from controlplane.gateway.wake_lua import (  # the paths: re-exported, the activator and the bench import them here
+    METADATA_KEY,
+    METADATA_NAMESPACE,
+    grpc_wake_chain,
+    held_log_path,
+    http_wake_lua,
+    ready_dir_path,
+)
 from controlplane.settings import Settings
 from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
 from controlplane.triton.journal import REQUEST_ID_HEADER
@@ -135,16 +143,6 @@ def find_envoy() -> Path:
     return path
 
 
-def held_log_path(settings: Settings) -> Path:
-    """Envoy's access log of held requests' ends (the wake filter's), read by the activator."""
-    return settings.work_dir / "gateway-held.log"
-
-
-def ready_dir_path(settings: Settings) -> Path:
-    """The folder of ready flags (one empty file per READY model) the wake filter reads (``ReadyFlags``)."""
-    return settings.work_dir / "gateway-ready"
-
-
 def gateway_keys(settings: Settings) -> list[ApiKey]:
     """Every key Envoy accepts (inference and admin scope); empty when auth is off."""
     if settings.auth == "off":
@@ -164,14 +162,6 @@ def render_template(package: str, name: str, **values: object) -> str:
     template = resources.files(package).joinpath(name).read_text(encoding="utf-8")
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     return env.from_string(template).render(**values)
-
-
-def lua_string(text: str) -> str:
-    """A Lua long-bracket string literal of ``text``: no escapes inside, it reads as written."""
-    level = 1
-    while f"]{'=' * level}]" in text:
-        level += 1
-    return f"[{'=' * level}[{text}]{'=' * level}]"
 
 
 def render_bootstrap(
@@ -200,6 +190,10 @@ def render_bootstrap(
         raise GatewayError(f"unknown gateway filters {sorted(unknown)}", hint=f"one of {', '.join(OPTIONAL_FILTERS)}")
     flags = None if ready_dir is None else str(ready_dir)
     grpc_wake = [] if "wake" in omit else grpc_wake_chain(wake_buffer_bytes, flags)
+    dead_stub, hints_dir = (
+        lua_string(LUA_HTTP_BODY_PATTERN),
+        lua_string("" if flags is None else flags.rstrip("/") + "/"),
+    )
     return render_template(
         "controlplane.gateway",
         "envoy.yaml.j2",
@@ -217,8 +211,7 @@ def render_bootstrap(
         grpc_service=grpc_names.SERVICE,
         grpc_retry_headers=GRPC_RETRY_HEADERS,
         http_retry_headers=HTTP_RETRY_HEADERS,
-        dead_stub_header=DEAD_STUB_HEADER,
-        dead_stub_body_pattern=lua_string(LUA_HTTP_BODY_PATTERN),
+        dead_stub_lua=program("dead_stub", dead_stub_header=f'"{DEAD_STUB_HEADER}"', dead_stub_body_pattern=dead_stub),
         request_id_header=REQUEST_ID_HEADER,
         unauthorized_message=UNAUTHORIZED_MESSAGE,
         max_upstream=MAX_UPSTREAM,
@@ -231,7 +224,7 @@ def render_bootstrap(
         hold_namespace=METADATA_NAMESPACE,
         hold_key=METADATA_KEY,
         held_log=str(held_log),
-        hint_dir=lua_string("" if ready_dir is None else str(ready_dir).rstrip("/") + "/"),
+        error_hints_lua=program("error_hints", ready_dir=hints_dir),
     )
 
 
