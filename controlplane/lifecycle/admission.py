@@ -1,7 +1,8 @@
 """Where a load waits before it starts: the wake queue (a load slot, then memory, in the order loads asked), and
 the room the memory accountant's plans make for it (idle models evicted first, host and GPU).
 
-Part of ``loading.Loader``: ``Admission`` is its base class and reads the attributes ``Loader.__init__`` sets.
+Part of ``loading.Loader``: ``Admission`` is its base class and reads the attributes ``Loader.__init__`` sets
+(``clock`` among them: the wake queue's times are its ``monotonic()``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -67,7 +67,7 @@ class Admission:
 
     def wake_queue(self) -> dict[str, Any]:
         """Loads waiting to start, oldest first: what they wait for and since how long (seconds)."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         waiting = sorted(self.queue.items(), key=lambda item: item[1][0])
         return {
             "length": len(waiting),
@@ -80,7 +80,7 @@ class Admission:
 
     def _oldest_wait(self) -> float:
         queue = list(self.queue.values())  # read from the metrics' thread too
-        return time.monotonic() - min(since for since, _ in queue) if queue else 0.0
+        return self.clock.monotonic() - min(since for since, _ in queue) if queue else 0.0
 
     def queue_retry_after(self) -> float:
         """Seconds until the queue ahead has probably drained: its loads at their last measured times."""
@@ -89,17 +89,17 @@ class Admission:
         return max(1.0, round(len(self.queue) * typical / self.settings.max_concurrent_loads, 1))
 
     def gave_up(self, rec: ModelRecord, what: str) -> WakeQueueTimeout:
-        since = self.queue.get(rec.id, (time.monotonic(), what))[0]
-        waited = time.monotonic() - since
+        since = self.queue.get(rec.id, (self.clock.monotonic(), what))[0]
+        waited = self.clock.monotonic() - since
         return WakeQueueTimeout(rec.id, what, waited, self.wake_queue(), self.queue_retry_after())
 
     @contextlib.asynccontextmanager
     async def _slot(self, rec: ModelRecord, *, bounded: bool) -> AsyncIterator[None]:
         """A load slot; ``bounded``: given up (``WakeQueueTimeout``) when ``rec.wake_deadline`` passes first."""
-        self.queue[rec.id] = (time.monotonic(), "a load slot")
+        self.queue[rec.id] = (self.clock.monotonic(), "a load slot")
         try:
             while True:
-                left = rec.wake_deadline - time.monotonic() if bounded and rec.wake_deadline is not None else None
+                left = rec.wake_deadline - self.clock.monotonic() if bounded and rec.wake_deadline is not None else None
                 if left is None or not self._slots.locked():
                     await self._slots.acquire()
                     break
@@ -156,10 +156,10 @@ class Admission:
                     except BudgetInUse:
                         if not bounded or rec.wake_deadline is None:
                             raise
-                self._line.setdefault(rec.id, time.monotonic())
+                self._line.setdefault(rec.id, self.clock.monotonic())
                 if bounded and rec.wake_deadline is not None:
-                    self.queue.setdefault(rec.id, (time.monotonic(), "memory"))
-                    if time.monotonic() >= rec.wake_deadline:
+                    self.queue.setdefault(rec.id, (self.clock.monotonic(), "memory"))
+                    if self.clock.monotonic() >= rec.wake_deadline:
                         raise self.gave_up(rec, "memory") from None
                 rec.reserved, rec.gpu_reserved = 0, {}  # waiting: the others may use what it would take
                 await asyncio.sleep(MEMORY_WAIT_POLL_SECS)

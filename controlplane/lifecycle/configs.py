@@ -41,5 +41,7 @@ def config_with_instances(config: dict[str, Any], instances: int, *, replace: bo
         groups.append({"kind": "KIND_CPU"})
     groups[0]["count"] = instances
     if replace:
+        # a token, not a time the lifecycle measures: the machine's nanoseconds differ on every call and across
+        # restarts (a virtual clock's would repeat within one instant, and Triton would keep the instances)
         config.setdefault("parameters", {})[GENERATION_PARAMETER] = {"string_value": str(time.time_ns())}
     return config

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.errors import SnoozeError, TritonModelLoadError
 from controlplane.lifecycle.admission import Admission, NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.autoscale import LoadWindow
@@ -76,8 +76,10 @@ class Loader(Admission):
         wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
         evict: EvictFn,
         journal_dir: Path | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.journal_dir = journal_dir  # where preforked models' stubs name their workers (workers.py)
         self.warmth = warmth
         self.states = states
@@ -134,11 +136,11 @@ class Loader(Admission):
                 elif not (self.budget.fits(rec, need + beside) and await self.gpu.fits(rec, gpu_need)):
                     raise NoRoomToPrewarm(f"model '{rec.id}': not pre-warmed, the free memory budget is too small")
                 delta = await self.gpu.before_load()
-                started = time.monotonic()
+                started = self.clock.monotonic()
                 await self._load_retrying_oom(rec, instances, need, gpu_need, how, evict=evict)
                 if how == "files":  # an in-place change keeps the config Triton has
                     rec.override_loaded = rec.config_override is not None
-                elapsed = time.monotonic() - started
+                elapsed = self.clock.monotonic() - started
                 await self.loaded(rec, instances, gpu_delta=delta)  # measured: the reservation can go
                 self.budget.hold_floor(rec, need)  # ... but not below the estimate until it has answered
                 await self.budget.measure_server()
@@ -210,7 +212,8 @@ class Loader(Admission):
         except TimeoutError:
             pass
         started = [s for s in await self._stubs(rec) if s.pid not in before]
-        phase = hung_phase(self.journal_dir, started)  # read before the kill: the notes go with the stubs
+        # read before the kill: the notes go with the stubs
+        phase = hung_phase(self.journal_dir, started, self.clock.time())
         killed = await asyncio.to_thread(end_model_processes, self.processes, self.journal_dir, started)
         if self.processes.visible:
             log.warning("model '%s': load exceeded %gs; killed its model processes %s", rec.id, timeout, killed)
@@ -221,9 +224,9 @@ class Loader(Admission):
                 rec.id,
                 timeout,
             )
-        deadline = time.monotonic() + LOAD_ABANDON_SECS
+        deadline = self.clock.monotonic() + LOAD_ABANDON_SECS
         with contextlib.suppress(SnoozeError):  # let Triton finish failing it, so a retry starts clean
-            while time.monotonic() < deadline and any(
+            while self.clock.monotonic() < deadline and any(
                 e.name == rec.id and e.state == "LOADING" for e in await self.triton.repository_index()
             ):
                 await asyncio.sleep(0.1)
@@ -259,8 +262,8 @@ class Loader(Admission):
     ) -> None:
         """The model is READY with ``instances``: note its model processes and measure its footprints."""
         stubs = await self._stubs(rec)
-        deadline = time.monotonic() + STUBS_SETTLE_SECS
-        while stubs and len(stubs) > instances and time.monotonic() < deadline:
+        deadline = self.clock.monotonic() + STUBS_SETTLE_SECS
+        while stubs and len(stubs) > instances and self.clock.monotonic() < deadline:
             # An instance fewer in place: Triton ends the leaving stub just after the load returns.
             await asyncio.sleep(0.05)
             stubs = await self._stubs(rec)
@@ -287,7 +290,7 @@ class Loader(Admission):
         else:
             rec.footprint_source = None
         await self.gpu.measure(rec, instances, gpu_delta)
-        rec.ready_at = time.time()
+        rec.ready_at = self.clock.time()
         rec.load_count += count
         rec.scale = LoadWindow()
         self.states.set_state(rec, ModelState.READY)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.lifecycle.loading import Loader
 from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.memory.cgroup import CgroupMemory, TritonCgroup
@@ -69,10 +70,13 @@ class LifecycleManager(Supervisor, RequestPath, Operations):
         gpu_reader: GpuProcessReader | None = None,
         gpu_pid_map: NvmlPidMap | None = None,
         cgroup: Callable[[], CgroupMemory | None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """``gpu_reader`` / ``gpu_pid_map``: NVML and its pid mapping (tests inject them: no GPU here); ``cgroup``:
-        reads Triton's memory cgroup (default: found through tritonserver's pid under /proc and /sys)."""
+        reads Triton's memory cgroup (default: found through tritonserver's pid under /proc and /sys); ``clock``:
+        what every part reads time from (the fast tier's is virtual)."""
         self.settings = settings
+        self.clock = clock
         self.store = store
         self.triton = triton
         self.triton_process = triton_process  # the embedded child, which this manager may restart
@@ -84,7 +88,7 @@ class LifecycleManager(Supervisor, RequestPath, Operations):
         self.journal_dir = journal_dir
         self.metrics = metrics or SnoozeMetrics()
         self.states = ModelStates(store, self.metrics)
-        self.warmth = Warmth(settings, self.metrics)
+        self.warmth = Warmth(settings, self.metrics, clock=clock.time)
         self.sequences = LiveSequences(journal_dir)  # live sequences hold their model as a user
         self.sync = TritonSync(
             settings, store, self.states, triton, processes, self.metrics, triton_process=triton_process
@@ -119,10 +123,17 @@ class LifecycleManager(Supervisor, RequestPath, Operations):
             wait_for_triton=self.sync.wait_until_up,
             evict=self._evict_one,  # the budgets plan evictions; the loader carries them out with this
             journal_dir=journal_dir,
+            clock=clock,
         )
         self.sync.loader, self.sync.warmth, self.sync.accessed = self.loader, self.warmth, self.budget.accessed
         self.unloader = Unloader(
-            settings, triton, processes, self.metrics, pending=self.sync.pending_counts, journal_dir=journal_dir
+            settings,
+            triton,
+            processes,
+            self.metrics,
+            pending=self.sync.pending_counts,
+            journal_dir=journal_dir,
+            clock=clock,
         )
         self._tasks: list[asyncio.Task[None]] = []
         # one lock per periodic job (sweep, process watch, store), held through one pass so that pause() can

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from controlplane.clock import Clock
     from controlplane.lifecycle.loading import Loader
     from controlplane.lifecycle.memory import MemoryBudget
     from controlplane.lifecycle.memory.gpu import GpuMemory
@@ -38,6 +39,7 @@ class ManagerParts:
     """The attributes ``LifecycleManager.__init__`` sets, which every part reads."""
 
     settings: Settings
+    clock: Clock  # every part reads time through it (controlplane/clock.py)
     store: ModelStore
     triton: TritonAdminClient
     triton_process: EmbeddedTriton | None

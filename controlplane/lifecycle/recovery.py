@@ -22,6 +22,7 @@ import time
 from enum import Enum
 from pathlib import Path
 
+from controlplane.clock import Clock
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle.state import ModelRecord, SeenDeath
 from controlplane.lifecycle.workers import kill_workers, worker_of
@@ -72,7 +73,7 @@ class ModelProcessDiedError(SnoozeError):
         self.death = death
 
 
-def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | None) -> list[StubDeath]:
+def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | None, clock: Clock) -> list[StubDeath]:
     """Record newly seen deaths of the model's processes and the requests each was running; the new ones."""
     known = {seen.death.stub for seen in rec.deaths}
     new = [d for d in deaths if d.stub not in known]
@@ -85,8 +86,9 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
         if ids is not None and worker is not None and worker.ran is False:
             # its worker died before taking the batch: whatever the stub journaled meanwhile never ran
             ids = set()
-        rec.deaths.append(SeenDeath(death, time.monotonic(), journaled=ids is not None))
-        rec.last_crash = f"{death.stub.instance or death.stub.pid}: {death.describe()} at {time.strftime('%H:%M:%S')}"
+        rec.deaths.append(SeenDeath(death, clock.monotonic(), journaled=ids is not None))
+        seen_at = time.strftime("%H:%M:%S", time.localtime(clock.time()))
+        rec.last_crash = f"{death.stub.instance or death.stub.pid}: {death.describe()} at {seen_at}"
         for request_id in ids or ():
             rec.crashed_requests[request_id] = death
         if journal_dir is not None:
@@ -105,20 +107,22 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
     return new
 
 
-def fate_of(rec: ModelRecord, request_id: str) -> tuple[RequestFate, StubDeath | None]:
+def fate_of(rec: ModelRecord, request_id: str, now: float) -> tuple[RequestFate, StubDeath | None]:
     """What happened to request ``request_id``, which failed on a dead process of the model (or was
     retried to the activator for another reason).
 
-    RAN when a dead process's journal holds it. NOT_RUN when the model's processes died recently and
-    every one of those deaths left a journal that does not hold it. UNKNOWN otherwise.
+    RAN when a dead process's journal holds it. NOT_RUN when the model's processes died recently (before
+    ``now``, monotonic seconds) and every one of those deaths left a journal that does not hold it. UNKNOWN
+    otherwise.
     """
     if request_id and request_id in rec.crashed_requests:
         return RequestFate.RAN, rec.crashed_requests[request_id]
-    recent = recent_deaths(rec)
+    recent = recent_deaths(rec, now)
     if request_id and recent and all(seen.journaled for seen in recent):
         return RequestFate.NOT_RUN, None
     return RequestFate.UNKNOWN, None
 
 
-def recent_deaths(rec: ModelRecord) -> list[SeenDeath]:
-    return [seen for seen in rec.deaths if time.monotonic() - seen.at < RECENT_DEATH_SECS]
+def recent_deaths(rec: ModelRecord, now: float) -> list[SeenDeath]:
+    """The deaths seen within ``RECENT_DEATH_SECS`` before ``now`` (monotonic seconds, the deaths' clock)."""
+    return [seen for seen in rec.deaths if now - seen.at < RECENT_DEATH_SECS]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
@@ -45,7 +44,7 @@ class RequestPath(ManagerParts):
         rec = self.states.get(model_id)
         if rec is not None and rec.state is ModelState.READY:
             self.warmth.request(rec)
-            rec.touched = time.time()
+            rec.touched = self.clock.time()
             return
         rec = self.states.record(model_id, refresh=True)
         self.warmth.request(rec)
@@ -58,10 +57,10 @@ class RequestPath(ManagerParts):
         deadline = loop.time() + wait
         # the wake queue: its load must start by then, else this request is answered 503 at once
         queue_bound = min(loop.time() + self.settings.wake_queue_timeout_secs, deadline)
-        # the loader's clock is time.monotonic(), which is the loop's
-        rec.wake_deadline = max(rec.wake_deadline or 0.0, time.monotonic() + queue_bound - loop.time())
+        # the wake queue's deadlines are the clock's monotonic seconds: the bound moves over from the loop's
+        rec.wake_deadline = max(rec.wake_deadline or 0.0, self.clock.monotonic() + queue_bound - loop.time())
         queue_checked = False
-        started = time.monotonic()
+        started = self.clock.monotonic()
         self.metrics.wake_waits.labels(model=model_id).inc()
         rec.users += 1
         try:
@@ -108,8 +107,8 @@ class RequestPath(ManagerParts):
                         ) from e
         finally:
             rec.users -= 1
-            self.metrics.wake_wait_seconds.labels(model=model_id).observe(time.monotonic() - started)
-        rec.touched = time.time()
+            self.metrics.wake_wait_seconds.labels(model=model_id).observe(self.clock.monotonic() - started)
+        rec.touched = self.clock.time()
 
     def add_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
         """Call ``listener(model_id, state)`` now for every model, then on every state change (``None``: the
@@ -133,7 +132,7 @@ class RequestPath(ManagerParts):
             yield
         finally:
             rec.users -= 1
-            rec.touched = time.time()
+            rec.touched = self.clock.time()
             self.warmth.served(rec, rec.touched)
 
     async def admit(self, model_id: str, request_id: str) -> None:
@@ -145,13 +144,13 @@ class RequestPath(ManagerParts):
         """
         rec = self.states.record(model_id)
         fate, death = await self._fate(rec, request_id)
-        if fate is RequestFate.RAN or (fate is RequestFate.UNKNOWN and recent_deaths(rec)):
+        if fate is RequestFate.RAN or (fate is RequestFate.UNKNOWN and recent_deaths(rec, self.clock.monotonic())):
             raise ModelProcessDiedError(model_id, death)  # unknown: a process died without a journal
         if (
             not self.processes.can_observe
             and rec.state is ModelState.READY
             and rec.op is None
-            and time.time() - rec.ready_at >= RECOVERY_DEDUP_SECS
+            and self.clock.time() - rec.ready_at >= RECOVERY_DEDUP_SECS
         ):
             self.states.spawn(rec, ModelState.LOADING, "recovering: a request failed", self._recover_op(rec))
             raise ModelProcessDiedError(model_id, None)
@@ -175,7 +174,7 @@ class RequestPath(ManagerParts):
             deaths = await self._observe(rec)
             if deaths:
                 self._start_recovery(rec, deaths)
-        return fate_of(rec, request_id)
+        return fate_of(rec, request_id, self.clock.monotonic())
 
     async def recover(self, model_id: str, cause: str) -> None:
         """Reload a model whose python stub died (Triton 2.51 does not restart stubs).
@@ -191,7 +190,7 @@ class RequestPath(ManagerParts):
                 if not deaths:
                     return
                 op = self._start_recovery(rec, deaths)
-            elif time.time() - rec.ready_at < RECOVERY_DEDUP_SECS:
+            elif self.clock.time() - rec.ready_at < RECOVERY_DEDUP_SECS:
                 return
             else:
                 op = self.states.spawn(rec, ModelState.LOADING, f"recovering: {cause}", self._recover_op(rec))

@@ -111,7 +111,7 @@ class ModelRecord:
     last_crash: str | None = None
     last_cold_start: float | None = None
     load_count: int = 0
-    wake_deadline: float | None = None  # loop time: the latest wait bound of its wake-ups (the wake queue)
+    wake_deadline: float | None = None  # clock.monotonic(): the latest wait bound of its wake-ups (the wake queue)
     users: int = 0  # wake-ups waiting for this model, and serving() blocks using it
     op: asyncio.Task[Any] | None = None
     generation: int = 0  # bumped on every state change; guards decisions made across an await

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -90,11 +89,11 @@ class Supervisor(ManagerParts):
         ``max_sequence_idle_secs`` passed since its last request), at most ``timeout`` seconds. Returns
         {model: live sequences} of those still live then (empty: none). A graceful stop and the snapshot
         quiesce call it while the gateway still admits requests (the sequences' next ones must get through)."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         said = False
         while True:
-            live = self.sequences.live_counts(self.states.values(), time.time())
-            left = deadline - time.monotonic()
+            live = self.sequences.live_counts(self.states.values(), self.clock.time())
+            left = deadline - self.clock.monotonic()
             if not live or left <= 0:
                 return live
             if not said:
@@ -147,7 +146,7 @@ class Supervisor(ManagerParts):
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
         await asyncio.gather(*(self.sync.refresh_access(r) for r in ready))
         pending = await self.sync.pending_counts()
-        now = time.time()
+        now = self.clock.time()
         self.sequences.refresh(self.states.values(), now)
         for rec in ready:
             await asyncio.to_thread(harvest, rec, self.journal_dir)
@@ -213,7 +212,7 @@ class Supervisor(ManagerParts):
             threshold=self.settings.autoscale_queue_threshold,
             window_secs=self.settings.autoscale_window_secs,
             idle_timeout_secs=dep.idle_timeout_secs,
-            now=time.monotonic(),
+            now=self.clock.monotonic(),
         )
         if target < rec.instances and rec.users > 0:
             return  # open work (a stream, a live sequence, a forward) may be on the instance that would go
@@ -275,7 +274,7 @@ class Supervisor(ManagerParts):
 
     def _start_recovery(self, rec: ModelRecord, deaths: list[StubDeath]) -> asyncio.Task[None] | None:
         """Note the deaths (and the requests they took) and reload the model, unless a transition runs."""
-        note_deaths(rec, deaths, self.journal_dir)
+        note_deaths(rec, deaths, self.journal_dir, self.clock)
         if rec.op is not None or rec.state is not ModelState.READY or self.paused:
             return rec.op
         what = ", ".join(f"{d.stub.instance or d.stub.pid} {d.describe()}" for d in deaths)

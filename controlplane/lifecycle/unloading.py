@@ -55,11 +55,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.errors import SnoozeError, TritonError
 from controlplane.lifecycle.state import ModelRecord
 from controlplane.lifecycle.workers import end_model_processes
@@ -94,8 +94,10 @@ class Unloader:
         *,
         pending: Callable[[], Awaitable[dict[str, float]]],
         journal_dir: Path | None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.triton = triton
         self.processes = processes
         self.metrics = metrics
@@ -108,9 +110,9 @@ class Unloader:
     async def unload(self, rec: ModelRecord) -> str:
         """Unload the model in Triton and return once its memory is free: "ended" (its processes were ended
         once Triton let go) or "waited" (Triton's own unload). Raises what ``TritonAdminClient.unload`` raises."""
-        started = time.monotonic()
+        started = self.clock.monotonic()
         how = await self._unload(rec)
-        self.metrics.unload_seconds.labels(how=how).observe(time.monotonic() - started)
+        self.metrics.unload_seconds.labels(how=how).observe(self.clock.monotonic() - started)
         return how
 
     async def _unload(self, rec: ModelRecord) -> str:
@@ -146,13 +148,15 @@ class Unloader:
         (a batch), "unknown" or "declares_unload" (let go on)."""
         self.processes.signal(stubs, signal.SIGSTOP)
         verdict = "idle"
-        now = time.monotonic_ns()
+        now = self.clock.monotonic()  # the clock the stubs' journals stamp batch ends on (CLOCK_MONOTONIC)
         for stub in stubs:
             at_rest = self.processes.at_rest(stub)
             for _ in range(STOP_POLLS):  # SIGSTOP reaches every thread in a moment
                 if at_rest is not False:
                     break
-                time.sleep(0.001)
+                # the kernel's delivery of SIGSTOP, waited for through the clock: a virtual one's processes are
+                # fakes, and its worker threads run inline on the event loop, where a real sleep only blocks it
+                self.clock.sleep(0.001)
                 at_rest = self.processes.at_rest(stub)
             if at_rest is None:
                 verdict = "unknown"
@@ -167,7 +171,7 @@ class Unloader:
             if activity.declares_unload:
                 verdict = "declares_unload"
                 break
-            if activity.busy or now - activity.last_end_ns < SETTLE_SECS * 1e9:
+            if activity.busy or now - activity.last_end_ns / 1e9 < SETTLE_SECS:
                 verdict = "busy"
         if verdict != "idle":
             self.processes.signal(stubs, signal.SIGCONT)
@@ -224,9 +228,9 @@ class Unloader:
 
     async def _gone(self, rec: ModelRecord, stubs: list[StubProcess]) -> None:
         """Return once the killed processes hold no memory (gone, or zombies)."""
-        deadline = time.monotonic() + KILL_WAIT_SECS
+        deadline = self.clock.monotonic() + KILL_WAIT_SECS
         while any(await asyncio.to_thread(lambda: [self.processes.alive(s) for s in stubs])):
-            if time.monotonic() >= deadline:
+            if self.clock.monotonic() >= deadline:
                 log.warning("model '%s': processes still alive %gs after SIGKILL", rec.id, KILL_WAIT_SECS)
                 return
             await asyncio.sleep(0.002)

@@ -20,10 +20,10 @@ and GPU: nothing is evicted for it), and a pre-warmed model nobody used yet is t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from controlplane.clock import SYSTEM_CLOCK
 from controlplane.keepalive import Action, FixedKeepAlive, keep_alive_policy
 from controlplane.lifecycle.state import ModelRecord
 from controlplane.metrics import SnoozeMetrics
@@ -42,7 +42,10 @@ EXPLICIT_TRIGGERS = ("api", "adopt")
 class Warmth:
     """The keep-alive policies of every model (one per ``ModelRecord``), and the metrics of their pre-warms."""
 
-    def __init__(self, settings: Settings, metrics: SnoozeMetrics, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, settings: Settings, metrics: SnoozeMetrics, *, clock: Callable[[], float] = SYSTEM_CLOCK.time
+    ) -> None:
+        """``clock``: wall seconds, the manager's ``Clock.time`` (the policies' times are all wall time)."""
         self.settings = settings
         self.metrics = metrics
         self.clock = clock

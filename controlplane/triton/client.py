@@ -209,14 +209,15 @@ class TritonAdminClient:
 async def wait_unloaded(triton: Any, name: str, timeout: float, *, after: float | None = None) -> None:
     """Poll ``triton``'s repository index (any object with ``repository_index``) until the model is UNAVAILABLE
     or absent; TritonError when it is still busy after ``timeout`` seconds (``after``: the seconds the message
-    names, since the unload call)."""
-    deadline = time.monotonic() + timeout
+    names, since the unload call). Timed on the event loop's clock, the one its polls sleep on."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     delay = 0.01
     while True:
         busy = [e for e in await triton.repository_index() if e.name == name and e.state in BUSY_STATES]
         if not busy:
             return
-        if time.monotonic() >= deadline:
+        if loop.time() >= deadline:
             raise TritonError(
                 f"model '{name}' is still {busy[0].state} {timeout if after is None else after:g}s after its unload",
                 hint="a python model's finalize() may hang; restarting Triton always frees it",

@@ -22,7 +22,6 @@ from fake_triton import MIB, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime
 
 from controlplane.errors import SnoozeError
 from controlplane.gateway.activator import HoldRegistry, ModelAnswers
-from controlplane.lifecycle import admission, configs, loading, recovery, request_path, supervisor, unloading
 from controlplane.lifecycle.gateway_port import GatewayPort
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.manager import LifecycleManager
@@ -119,11 +118,9 @@ class LifecycleWorld:
         self.gpu_reader = gpu_reader if gpu_reader is not None else NoGpu()
         self.root = root
         self.loop = VirtualTimeLoop()
-        clock = VirtualTime(self.loop)
-        for module in (supervisor, request_path, admission, configs, loading, recovery, unloading):
-            monkeypatch.setattr(module, "time", clock)
+        # the one clock of the manager and the gateway's holds
+        self.clock = VirtualTime(self.loop)
         monkeypatch.setattr(asyncio, "to_thread", inline)
-        self.clock = clock
         self.say = log or (lambda line: None)
         self.package = root / "package"
         self.package.mkdir()
@@ -151,7 +148,7 @@ class LifecycleWorld:
         self.probe = Probe()
         self.manager: LifecycleManager = self._manager()
         self.answers = ModelAnswers(GatewayPort(self.manager), self.store, self.settings)
-        self.holds = HoldRegistry(self.answers, root / "held.log")
+        self.holds = HoldRegistry(self.answers, root / "held.log", clock=self.clock)
         # open holds (a stream through the gateway): token -> (model, the model's idle unloads and evictions when
         # the hold was taken; None until it is)
         self.held: dict[str, tuple[str, float | None]] = {}
@@ -177,8 +174,8 @@ class LifecycleWorld:
             gpu_reader=self.gpu_reader,
             gpu_pid_map=None,
             cgroup=lambda: self.cgroup() if callable(self.cgroup) else self.cgroup,
+            clock=self.clock,
         )
-        m.warmth.clock = self.clock.time
         self.probe.install(m.states)
         return m
 
@@ -449,7 +446,7 @@ class LifecycleWorld:
         await self.manager.stop()
         self.manager = self._manager()
         self.answers = ModelAnswers(GatewayPort(self.manager), self.store, self.settings)
-        self.holds = HoldRegistry(self.answers, self.root / "held.log")
+        self.holds = HoldRegistry(self.answers, self.root / "held.log", clock=self.clock)
         await self.manager.start()
         self.resumed_at = self.now  # no sweep ran while the old manager stopped (it waits for its transitions)
 
@@ -475,7 +472,7 @@ class LifecycleWorld:
         await self._release_all()
         self.manager = self._manager()
         self.answers = ModelAnswers(GatewayPort(self.manager), self.store, self.settings)
-        self.holds = HoldRegistry(self.answers, self.root / "held.log")
+        self.holds = HoldRegistry(self.answers, self.root / "held.log", clock=self.clock)
         await self.manager.start()
         self.resumed_at = self.now
 

@@ -1,6 +1,6 @@
 """Virtual time for the lifecycle's fast tier: an event loop whose clock jumps to the next timer when every task
-waits (``VirtualTimeLoop``), the ``time`` stand-in that reads it (``VirtualTime``), and ``Hang``, raised when
-nothing is left to wake a task."""
+waits (``VirtualTimeLoop``), the ``Clock`` that reads it (``VirtualTime``, handed to the lifecycle manager and
+the gateway's holds), and ``Hang``, raised when nothing is left to wake a task."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 class VirtualTime:
-    """A stand-in for the ``time`` module in the lifecycle's modules: its clocks read the loop's."""
+    """A ``controlplane.clock.Clock`` whose clocks read the loop's."""
 
     def __init__(self, loop: VirtualTimeLoop) -> None:
         self.loop = loop
@@ -61,14 +61,5 @@ class VirtualTime:
     def monotonic(self) -> float:
         return self.loop.now
 
-    def time_ns(self) -> int:
-        return int(self.time() * 1e9)
-
-    def monotonic_ns(self) -> int:
-        return int(self.loop.now * 1e9)
-
     def sleep(self, secs: float) -> None:
         """A blocking wait inside a worker thread (inline here): no virtual time passes."""
-
-    def strftime(self, fmt: str, *args: Any) -> str:
-        return f"t+{self.loop.now:.3f}s"
