@@ -50,8 +50,33 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+# Ports handed out by free_port in any process on this machine during the last PORT_HOLD_SECS: one
+# empty file per port. Another process choosing in the same window (a parallel test worker, a bench
+# subprocess, a second stack) skips them, so two servers are not given one port before either binds.
+PORT_CLAIMS = Path(os.environ.get("SNOOZE_PORT_CLAIMS_DIR", "/tmp/snoozeml-port-claims"))
+PORT_HOLD_SECS = 300.0
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` for this caller unless another claimed it within PORT_HOLD_SECS."""
+    path = PORT_CLAIMS / str(port)
+    try:
+        PORT_CLAIMS.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        return True
+    except FileExistsError:
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > PORT_HOLD_SECS:
+                os.utime(path)  # a stale claim: take it over
+                return True
+        return False
+    except OSError:
+        return True  # no claims folder to write (read-only /tmp): the bind check alone
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago, chosen below the kernel's ephemeral range.
+    """A TCP port that was free a moment ago and that no other caller was given recently, chosen
+    below the kernel's ephemeral range.
 
     Between this call and the server's bind, any outgoing connection may be given an ephemeral
     port; picking outside that range keeps such connections from taking the port meanwhile."""
@@ -63,6 +88,7 @@ def free_port(host: str = "127.0.0.1") -> int:
                 s.bind((host, port))
             except OSError:
                 continue
+        if _claim(port):
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
