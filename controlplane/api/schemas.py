@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from controlplane.lifecycle.state import ModelStatus
 from controlplane.spec import TensorSpec
 
 
@@ -17,44 +20,20 @@ class ErrorBody(BaseModel):
     hint: str | None = Field(None, description="How to fix it")
 
 
-class ModelStatusBody(BaseModel):
-    """A model's lifecycle state (``ModelStatus`` in docs/internals.md)."""
+def _status_body() -> type[BaseModel]:
+    """``ModelStatus``'s fields as a response body: the same names, types and descriptions (one definition,
+    in ``lifecycle/state.py``). Extra keys are allowed: the fleet adds ``nodes``."""
+    hints = typing.get_type_hints(ModelStatus)
+    body: dict[str, Any] = {}
+    for f in dataclasses.fields(ModelStatus):
+        default = ... if f.default is dataclasses.MISSING else f.default
+        body[f.name] = (hints[f.name], Field(default, description=f.metadata.get("description")))
+    model = create_model("ModelStatusBody", __config__=ConfigDict(extra="allow"), **body)
+    model.__doc__ = "A model's lifecycle state (``ModelStatus`` in docs/internals.md)."
+    return model
 
-    model_config = ConfigDict(extra="allow")
 
-    id: str
-    state: str = Field(description="unloaded | loading | ready | unloading | failed")
-    reason: str | None = None
-    instances: int = 0
-    last_access: float | None = Field(None, description="Epoch seconds of the last request, None if never")
-    idle_timeout_secs: float | None = None
-    memory_bytes: int | None = None
-    memory_source: str | None = Field(
-        None,
-        description="measured (RSS of the model's processes, plus the USS of its preforked workers) | declared "
-        "(its memory_mb) | None: unknown",
-    )
-    processes: int | None = Field(None, description="Live model processes while loaded; None where not seen")
-    last_crash: str | None = Field(None, description="How the model's last process died, and when")
-    gpu_memory_bytes: dict[str, int] | None = Field(
-        None, description="Measured GPU memory per GPU index while loaded; None where GPU memory is not measured"
-    )
-    last_cold_start_secs: float | None = None
-    load_count: int = 0
-    worker: str | None = Field(
-        None, description="custom models: where the model's code runs, in-stub | preforked (a forked worker)"
-    )
-    warmup: str | None = Field(
-        None, description="The load's warm-up: its inputs' source (signature | learned | samples), or 'skipped (...)' "
-        "when generated inputs failed (the model loaded; ship samples or set \"warmup\": false); None: no warm-up",
-    )
-    keep_alive: dict[str, Any] | None = Field(
-        None,
-        description="The keep-alive policy now: policy (fixed | adaptive), pattern (a learned window is in use), "
-        "reason, samples (idle times on record), min_samples (adaptive), keep_alive_secs (stay loaded this long "
-        "after a request), prewarm_after_secs (adaptive: unload after a request and load again this long after "
-        "it; null: no pre-warm), prewarm_loads / prewarm_used / prewarm_wasted, prewarmed_unused",
-    )
+ModelStatusBody = _status_body()
 
 
 class PreloadedParentBody(BaseModel):

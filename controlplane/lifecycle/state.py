@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -35,44 +35,54 @@ class ModelState(str, Enum):
     FAILED = "failed"
 
 
+def _doc(description: str, **default: Any) -> Any:
+    """A ModelStatus field with the description its API schema shows (``api/schemas.py`` builds it)."""
+    return field(metadata={"description": description}, **default)
+
+
 @dataclass(frozen=True)
 class ModelStatus:
-    id: str
-    state: ModelState
-    reason: str | None
-    instances: int  # loaded instances (0 when not loaded)
-    last_access: float | None  # epoch seconds: Triton's last_inference or an activator wake-up
-    idle_timeout_secs: float
-    memory_bytes: int | None  # measured footprint while loaded (None: not loaded, or not measurable)
-    memory_source: str | None  # "measured" (its processes' RSS), "declared" (memory_mb), or None: unknown
-    last_cold_start_secs: float | None
-    load_count: int  # successful Triton loads (cold starts, reloads, rescales, recoveries)
-    processes: int | None  # live model processes (python backend), None when they cannot be seen
-    last_crash: str | None  # how its last model process died, and when (None: never seen dying)
-    gpu_memory_bytes: dict[str, int] | None = None  # per GPU index while loaded; None: no GPU measured
-    keep_alive: dict[str, Any] | None = None  # the keep-alive policy's windows and pre-warm counts (windows())
-    worker: str | None = None  # custom python models: where the model's code runs, "in-stub" or "preforked"
-    warmup: str | None = None  # the load warm-up's source (signature, learned, samples) or why it was skipped
+    """A model's lifecycle state as the control API, ``snoozectl status`` and the fleet show it. The one
+    definition of its fields: the API's ``ModelStatusBody`` is generated from these."""
+
+    id: str = _doc("The model's id")
+    state: ModelState = _doc("unloaded | loading | ready | unloading | failed")
+    reason: str | None = _doc("Why it is in this state (a failure's message, what unloaded it)")
+    instances: int = _doc("Loaded instances (0 when not loaded)")
+    last_access: float | None = _doc("Epoch seconds of the last request (Triton's last_inference or a wake-up), None if never")
+    idle_timeout_secs: float = _doc("Unloaded after this long without a request (the fixed keep-alive)")
+    memory_bytes: int | None = _doc(
+        "Measured while loaded: its stubs' Pss plus its preforked workers' Pss; None: not loaded, or not measurable"
+    )
+    memory_source: str | None = _doc(
+        "measured (its processes' proportional memory) | declared (its memory_mb) | None: unknown"
+    )
+    last_cold_start_secs: float | None = _doc("How long its last load took, None if never loaded")
+    load_count: int = _doc("Successful Triton loads (cold starts, reloads, rescales, recoveries)")
+    processes: int | None = _doc("Live model processes while loaded (python backend); None where not seen")
+    last_crash: str | None = _doc("How the model's last process died, and when; None: never seen dying")
+    gpu_memory_bytes: dict[str, int] | None = _doc(
+        "Measured GPU memory per GPU index while loaded; None where GPU memory is not measured", default=None
+    )
+    keep_alive: dict[str, Any] | None = _doc(
+        "The keep-alive policy now: policy (fixed | adaptive), pattern (a learned window is in use), reason, "
+        "samples (idle times on record), min_samples (adaptive), keep_alive_secs (stay loaded this long after a "
+        "request), prewarm_after_secs (adaptive: unload after a request and load again this long after it; null: "
+        "no pre-warm), prewarm_loads / prewarm_used / prewarm_wasted, prewarmed_unused",
+        default=None,
+    )
+    worker: str | None = _doc(
+        "Custom models: where the model's code runs, in-stub | preforked (a forked worker); None otherwise",
+        default=None,
+    )
+    warmup: str | None = _doc(
+        "The load's warm-up: its inputs' source (signature | learned | samples), or 'skipped (...)' when generated "
+        'inputs failed (the model loaded; ship samples or set "warmup": false); None: no warm-up',
+        default=None,
+    )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "state": self.state.value,
-            "reason": self.reason,
-            "instances": self.instances,
-            "last_access": self.last_access,
-            "idle_timeout_secs": self.idle_timeout_secs,
-            "memory_bytes": self.memory_bytes,
-            "memory_source": self.memory_source,
-            "last_cold_start_secs": self.last_cold_start_secs,
-            "load_count": self.load_count,
-            "processes": self.processes,
-            "last_crash": self.last_crash,
-            "gpu_memory_bytes": self.gpu_memory_bytes,
-            "keep_alive": self.keep_alive,
-            "worker": self.worker,
-            "warmup": self.warmup,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"state": self.state.value}
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import io
 import json
 import tarfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from controlplane.errors import NotFoundError
+from controlplane.lifecycle.state import ModelState, ModelStatus
 from controlplane.store import ModelStore
 
 ADMIN_KEY = "admin-key-for-tests"
@@ -41,20 +42,10 @@ MANIFEST = {
 }
 
 
-@dataclass
-class FakeStatus:
-    id: str
-    state: str = "unloaded"
-    reason: str | None = None
-    instances: int = 0
-    last_access: float | None = None
-    idle_timeout_secs: float | None = 300
-    memory_bytes: int | None = None
-    last_cold_start_secs: float | None = None
-    load_count: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+def fresh_status(model_id: str) -> ModelStatus:
+    """What the lifecycle says of a published model it never loaded (the real type, so the API's schema
+    is checked against what the lifecycle really returns)."""
+    return ModelStatus(model_id, ModelState.UNLOADED, None, 0, None, 300, None, None, None, 0, None, None)
 
 
 @dataclass
@@ -64,23 +55,23 @@ class RecordingLifecycle:
 
     store: ModelStore
     calls: list[tuple[str, ...]] = field(default_factory=list)
-    states: dict[str, FakeStatus] = field(default_factory=dict)
+    states: dict[str, ModelStatus] = field(default_factory=dict)
 
-    def status(self, model_id: str) -> FakeStatus:
+    def status(self, model_id: str) -> ModelStatus:
         if not self.store.exists(model_id):
             raise NotFoundError(f"model '{model_id}' is not published")
-        return self.states.setdefault(model_id, FakeStatus(model_id))
+        return self.states.setdefault(model_id, fresh_status(model_id))
 
-    async def load(self, model_id: str, *, instances: int | None = None) -> FakeStatus:
+    async def load(self, model_id: str, *, instances: int | None = None) -> ModelStatus:
         self.calls.append(("load", model_id, str(instances)))
         status = self.status(model_id)
-        status.state, status.instances, status.load_count = "ready", instances or 1, status.load_count + 1
+        status = replace(status, state=ModelState.READY, instances=instances or 1, load_count=status.load_count + 1)
+        self.states[model_id] = status
         return status
 
-    async def unload(self, model_id: str, *, reason: str = "api") -> FakeStatus:
+    async def unload(self, model_id: str, *, reason: str = "api") -> ModelStatus:
         self.calls.append(("unload", model_id, reason))
-        status = self.status(model_id)
-        status.state, status.instances = "unloaded", 0
+        self.states[model_id] = status = replace(self.status(model_id), state=ModelState.UNLOADED, instances=0)
         return status
 
     async def published(self, model_id: str) -> None:
