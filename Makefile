@@ -7,10 +7,11 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 TORCH_PIN ?= torch==2.13.0
 EXAMPLE_ONNX := examples/models/onnx-mlp/model.onnx
 PYTEST_ARGS ?=
-# PYTEST_WORKERS=2: two pytest-xdist workers, each taking a whole test file at a time (15 min 57 s of pytest
-# against 21 min 44 s in one process on this 2-core machine), not the default yet: with both cores saturated,
-# the fleet's node-kill test misses its 10 s bound for every model to answer again (13.7 s measured).
-PYTEST_WORKERS ?= 0
+# Three pytest-xdist workers, each taking a whole test file at a time (its module-scoped stack is shared
+# by its tests). Most of a lifecycle test is waiting for a process, so three fit two cores: 10 min 34 s of
+# pytest on a fresh clone of this 2-core machine, 13 min 03 s with the installs, against 19 min 20 s of
+# pytest in one process. PYTEST_WORKERS=0 runs one process (a debugger, -x).
+PYTEST_WORKERS ?= 3
 PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 # The python-backend runtime runs inside Triton's stub: Python 3.10 on the official 24.10 image. Its
 # unit tests also run under a 3.10 interpreter when the machine has one (python3.10 on PATH, else

@@ -13,6 +13,7 @@ from enum import Enum
 
 from controlplane.errors import AuthError, ForbiddenError, SnoozeError
 from controlplane.metrics import SnoozeMetrics
+from controlplane.modes import AuthMode
 from controlplane.settings import Settings
 
 _KEY_HINT = "send the key as 'X-API-Key: <key>' or 'Authorization: Bearer <key>'"
@@ -66,7 +67,7 @@ def check_scope(
     """Return if the request may act with ``scope``; raise AuthError (401) or ForbiddenError (403).
 
     Refusals are counted in ``metrics.auth_failures`` by ``surface`` (api, activator, ...) and reason."""
-    if settings.auth == "off":
+    if settings.auth == AuthMode.OFF:
         return
     refusal = _refusal(settings, presented_key(headers), Scope(scope))
     if refusal is not None:

@@ -76,9 +76,11 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
+
+from controlplane.modes import KeepAliveMode
 
 HISTORY = 128
 MIN_SAMPLES = 10
@@ -90,7 +92,7 @@ TAIL_SAMPLES = 8
 TAIL_SPAN = 5.0
 DEFAULT_LOAD_SECS = 1.0  # lead time of a pre-warm until a load has been measured
 
-KeepAliveKind = Literal["fixed", "adaptive"]
+KeepAliveKind = KeepAliveMode
 
 
 class Action(str, Enum):
@@ -114,7 +116,7 @@ class FixedKeepAlive:
     """Unload ``idle_timeout_secs`` after the last request, or after the last load (a freshly loaded model
     gets the full timeout, as the lifecycle's ``idle_since`` does today). Never pre-warms."""
 
-    kind: KeepAliveKind = "fixed"
+    kind: KeepAliveKind = KeepAliveMode.FIXED
 
     def __init__(self, idle_timeout_secs: float) -> None:
         if not idle_timeout_secs > 0:
@@ -240,7 +242,7 @@ class FixedKeepAlive:
 class AdaptiveKeepAlive(FixedKeepAlive):
     """Learned keep-alive and pre-warm windows (module docstring); the fixed timeout until a pattern shows."""
 
-    kind: KeepAliveKind = "adaptive"
+    kind: KeepAliveKind = KeepAliveMode.ADAPTIVE
 
     def __init__(
         self,
@@ -351,8 +353,8 @@ def keep_alive_policy(
 ) -> FixedKeepAlive:
     """The policy a deployment asks for (``keep_alive`` and ``idle_timeout_secs`` of ``DeploymentSpec``); the
     keyword arguments tune the adaptive one (``AdaptiveKeepAlive``)."""
-    if kind == "adaptive":
+    if kind == KeepAliveMode.ADAPTIVE:
         return AdaptiveKeepAlive(idle_timeout_secs, min_samples=min_samples, min_unloaded_secs=min_unloaded_secs)
-    if kind == "fixed":
+    if kind == KeepAliveMode.FIXED:
         return FixedKeepAlive(idle_timeout_secs)
     raise ValueError(f"keep_alive must be 'fixed' or 'adaptive', got {kind!r}")

@@ -42,6 +42,7 @@ from typing import Any
 from controlplane.conversion_worker import DEFAULT_TIMEOUT_SECS, ConversionFailed, Progress, run_worker
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError, SnoozeError
+from controlplane.modes import TensorFormat
 from controlplane.source_inspect import export_hook
 from controlplane.spec import (
     MANIFEST_FILE,
@@ -179,7 +180,7 @@ def prefer_native(
 
     manifest = package.manifest
     entry = package_dir / manifest.entrypoint
-    if manifest.tensor_format == "raw":
+    if manifest.tensor_format == TensorFormat.RAW:
         return fallback(
             "package",
             f"{package_dir / MANIFEST_FILE}: tensor_format 'raw' (per-request tensors) cannot be checked "

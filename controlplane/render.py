@@ -23,6 +23,7 @@ from tritonclient.grpc import model_config_pb2
 
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
+from controlplane.modes import TargetName
 from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
 from controlplane.warmup import warmup_plan, warmup_view
 from converters.files import PYTHON_MODEL_FILE
@@ -56,9 +57,9 @@ FULL_TARGET = TritonTarget("full", frozenset({"python", "onnxruntime", "tensorrt
 
 
 def target_by_name(name: str) -> TritonTarget:
-    if name == "embedded":
+    if name == TargetName.EMBEDDED:
         return embedded_target()
-    if name == "full":
+    if name == TargetName.FULL:
         return FULL_TARGET
     raise InvalidPackageError(f"unknown target {name!r}", hint="use 'embedded' or 'full'")
 

@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from controlplane.modes import AuthMode, EvictionMode, TargetName
+
 
 class Settings(BaseSettings):
     # An empty variable is an unset one: docker-compose.yml passes optional settings from .env as
@@ -22,7 +24,7 @@ class Settings(BaseSettings):
     model_repository: Path | None = Field(
         None, description="Generated Triton model repository (default: <work_dir>/model_repository)"
     )
-    target: Literal["embedded", "full"] = Field("embedded", description="Which backends Triton has")
+    target: TargetName = Field(TargetName.EMBEDDED, description="Which backends Triton has")
 
     # --- Triton
     triton_url: str | None = Field(
@@ -112,8 +114,8 @@ class Settings(BaseSettings):
         description="What the budget leaves free below Triton's cgroup memory limit (its default budget, and the "
         "ceiling each sweep checks the cgroup's usage against); unset = 10% of the limit",
     )
-    eviction_policy: Literal["gdsf", "lru"] = Field(
-        "gdsf",
+    eviction_policy: EvictionMode = Field(
+        EvictionMode.GDSF,
         description="Which idle model leaves memory first when a load needs room: 'gdsf' (GreedyDual-Size-"
         "Frequency: weighs each model's request frequency, measured load time and memory, so a hot set stays "
         "loaded through a burst of one-off requests) or 'lru' (least recently used)",
@@ -162,7 +164,7 @@ class Settings(BaseSettings):
     )
 
     # --- auth: keys compared in constant time; auth off only when said so
-    auth: Literal["on", "off"] = Field("on", description="'off' disables API keys (local use only)")
+    auth: AuthMode = Field(AuthMode.ON, description="'off' disables API keys (local use only)")
     api_keys: list[SecretStr] = Field(default_factory=list, description="Keys with the inference scope")
     admin_keys: list[SecretStr] = Field(default_factory=list, description="Keys with the admin scope")
 

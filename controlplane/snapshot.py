@@ -61,6 +61,7 @@ from rich.console import Console
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle import ModelState
 from controlplane.lifecycle.sequences import describe_live
+from controlplane.modes import AuthMode
 from controlplane.render import parse_config
 from controlplane.settings import Settings
 from controlplane.snapshot_fingerprint import compute_fingerprint, fingerprint_differences
@@ -397,7 +398,7 @@ class SnapshotEntrypoint:
 
 def _client_headers(settings: Settings) -> dict[str, str]:
     """The key the gateway wants for inference (none when auth is off)."""
-    if settings.auth == "off":
+    if settings.auth == AuthMode.OFF:
         return {}
     keys = settings.api_keys or settings.admin_keys
     return {"X-API-Key": keys[0].get_secret_value()} if keys else {}

@@ -26,6 +26,7 @@ from rich.console import Console
 from controlplane.child_processes import kill_group
 from controlplane.errors import SnoozeError
 from controlplane.metrics import SnoozeMetrics
+from controlplane.modes import AuthMode
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
@@ -385,7 +386,7 @@ def prepare_process(settings: Settings) -> Console:
     for noisy in ("httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if settings.log_level == "debug" else logging.WARNING)
     console = Console(stderr=True)
-    if settings.auth == "off":
+    if settings.auth == AuthMode.OFF:
         console.print(
             "[bold yellow]WARNING: API keys are OFF: anyone who can reach these ports can infer, publish and "
             "delete models. Use this only on a trusted machine (set SNOOZE_API_KEYS / SNOOZE_ADMIN_KEYS).[/]"

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-
-class TargetName(str, Enum):
-    embedded = "embedded"
-    full = "full"
+from controlplane.modes import TargetName
 
 
 def _parse_headers(values: list[str]) -> dict[str, str]:
@@ -41,7 +37,7 @@ def validate(
     target: Annotated[
         TargetName, typer.Option("--target", help="Backends of the serving Triton: embedded (python) or "
                                  "full (official image: python, onnxruntime, tensorrt)")
-    ] = TargetName.embedded,
+    ] = TargetName.EMBEDDED,
     model: Annotated[
         list[str], typer.Option("--model", metavar="MODEL_ID", help="Check only this model; repeatable")
     ] = [],  # noqa: B006

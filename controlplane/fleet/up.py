@@ -26,6 +26,7 @@ from controlplane.child_processes import spawn, stop_group
 from controlplane.errors import SnoozeError
 from controlplane.fleet.frontend import FleetFrontend
 from controlplane.fleet.gateway import NodeAddress
+from controlplane.modes import AuthMode
 from controlplane.settings import Settings
 from controlplane.triton.launcher import free_port
 
@@ -110,7 +111,7 @@ class Fleet:
         self.work_dir = work_dir.resolve()
         self.store = self.work_dir / "store"
         self.console = console or Console(stderr=True)
-        no_auth = settings.auth == "off"
+        no_auth = settings.auth == AuthMode.OFF
         self.nodes = [
             NodeProcess(
                 NodeAddress(f"node-{i}", "127.0.0.1", free_port(), free_port(), free_port()),

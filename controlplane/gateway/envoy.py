@@ -18,8 +18,7 @@ the process died (refused: it never runs twice) from one that only met the dead 
 after recovery). A model's own errors are never retried: the runtime starts each with
 ``[snooze:<kind>] model '<id>':``, so none is Triton's whole message.
 
-Gateway metrics are Envoy's own stats: scrape ``EnvoyGateway.prometheus_url``
-(``http://127.0.0.1:<admin_port>/stats/prometheus``, loopback only). Useful series:
+Gateway metrics are Envoy's own stats: ``EnvoyGateway.prometheus_url`` (loopback only). Useful series:
 ``envoy_http_downstream_rq_xx{envoy_http_conn_manager_prefix="kserve_http|kserve_grpc"}``,
 ``envoy_http_downstream_rq_time``, ``envoy_cluster_upstream_rq_retry{envoy_cluster_name="infer_http|infer_grpc"}``
 (wake retries), ``envoy_cluster_retry_or_shadow_abandoned`` (requests over ``wake_buffer_bytes``) and
@@ -60,6 +59,7 @@ from controlplane.gateway.wake_lua import (  # the paths: re-exported, the activ
     http_wake_lua,
     ready_dir_path,
 )
+from controlplane.modes import AuthMode
 from controlplane.settings import Settings
 from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
 from controlplane.triton.journal import REQUEST_ID_HEADER
@@ -145,7 +145,7 @@ def find_envoy() -> Path:
 
 def gateway_keys(settings: Settings) -> list[ApiKey]:
     """Every key Envoy accepts (inference and admin scope); empty when auth is off."""
-    if settings.auth == "off":
+    if settings.auth == AuthMode.OFF:
         return []
     keys = [ApiKey(k.get_secret_value(), f"api-{i}") for i, k in enumerate(settings.api_keys)]
     keys += [ApiKey(k.get_secret_value(), f"admin-{i}") for i, k in enumerate(settings.admin_keys)]

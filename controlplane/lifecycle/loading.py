@@ -267,7 +267,7 @@ class Loader(Admission):
             # An instance fewer in place: Triton ends the leaving stub just after the load returns.
             await asyncio.sleep(0.05)
             stubs = await self._stubs(rec)
-        rec.instances, rec.draining = instances, False
+        rec.instances, rec.triton_may_hold = instances, False
         rec.stubs = tuple(stubs)
         rec.workers = tuple(workers_of(self.journal_dir, stubs))
         if stubs:
@@ -360,7 +360,7 @@ class Loader(Admission):
     def forget_loaded(self, rec: ModelRecord) -> None:
         """The model left memory (unloaded, evicted, or Triton gone)."""
         self.warmth.unloaded(rec)
-        rec.instances, rec.draining, rec.served_seen = 0, False, 0
+        rec.instances, rec.triton_may_hold, rec.served_seen = 0, False, 0
         rec.override_loaded = False  # Triton loads an unloaded model from its files again (measured)
         rec.stubs = ()
         rec.workers = ()

@@ -159,7 +159,7 @@ class Operations(ManagerParts):
             await asyncio.shield(
                 self.states.spawn(rec, ModelState.UNLOADING, "deleted", self._unload_op(rec, "deleted"))
             )
-        if not rec.draining:  # else kept while Triton still holds its memory; a later sweep lets it go
+        if not rec.triton_may_hold:  # else kept while Triton still holds its memory; a later sweep lets it go
             self.states.drop(model_id)
 
     def config_override(self, model_id: str) -> dict[str, Any] | None:
@@ -259,7 +259,7 @@ class Operations(ManagerParts):
             await self.loader.load(rec, instances)
         except SnoozeError as e:
             self.loader.load_failed(rec, e)
-            rec.draining = rec.instances > 0  # Triton may still be unloading the old instances: still counted
+            rec.triton_may_hold = rec.instances > 0  # Triton may still be unloading the old instances: still counted
             self.states.set_state(rec, ModelState.FAILED, str(e.message))
             raise
         self.metrics.recoveries.labels(model=rec.id, cause=cause).inc()
@@ -311,13 +311,13 @@ class Operations(ManagerParts):
             # still queued in Triton, a wake-up waiting, or a request since the decision keeps it.
             await self.sync.refresh_access(rec)
             pending = (await self.sync.pending_counts()).get(rec.id, 0.0)
-            if pending > 0 or rec.users > 0 or rec.idle_since > seen_access:
+            if pending > 0 or rec.in_use > 0 or rec.idle_since > seen_access:
                 self.states.set_state(rec, ModelState.READY)
                 return False
         try:
             await self.unloader.unload(rec)  # returns once its memory is free (unloading.py)
         except SnoozeError as e:
-            rec.draining = True  # Triton may still hold it: the budget counts it until Triton's index lets go
+            rec.triton_may_hold = True  # Triton may still hold it: the budget counts it until Triton's index lets go
             self.states.set_state(rec, ModelState.FAILED, f"unload ({reason}) failed: {e}")
             raise
         self.loader.forget_loaded(rec)

@@ -62,13 +62,13 @@ class RequestPath(ManagerParts):
         queue_checked = False
         started = self.clock.monotonic()
         self.metrics.wake_waits.labels(model=model_id).inc()
-        rec.users += 1
+        rec.in_use += 1
         try:
             while rec.state is not ModelState.READY:
                 # While paused, a wake-up waits for resume() (within its deadline) instead of loading.
                 op = (
                     rec.op
-                    or self.states.resumed
+                    or self.states.pause_ends
                     or self.states.spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
                 )
                 try:
@@ -106,7 +106,7 @@ class RequestPath(ManagerParts):
                             retry_after=self._retry_after(rec),
                         ) from e
         finally:
-            rec.users -= 1
+            rec.in_use -= 1
             self.metrics.wake_wait_seconds.labels(model=model_id).observe(self.clock.monotonic() - started)
         rec.touched = self.clock.time()
 
@@ -126,12 +126,12 @@ class RequestPath(ManagerParts):
         """``ensure_ready``, then keep the model from idle unload and eviction until the block ends
         (for the activator's forward: between the wake-up and Triton receiving the request)."""
         rec = self.states.record(model_id)
-        rec.users += 1
+        rec.in_use += 1
         try:
             await self.ensure_ready(model_id, timeout=timeout)
             yield
         finally:
-            rec.users -= 1
+            rec.in_use -= 1
             rec.touched = self.clock.time()
             self.warmth.served(rec, rec.touched)
 

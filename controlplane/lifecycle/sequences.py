@@ -5,7 +5,7 @@ correlation id to the same instance): an idle unload, an eviction or an instance
 The runtime notes until when one of its sequences may be live (``python_backend/sequences.py``: from its
 START request until its END, or until its last request is the model's ``max_sequence_idle_secs`` old,
 when Triton ends it). At each sweep ``LiveSequences.refresh`` reads those notes for the models with a
-``[models.sequence]`` and holds each model with a live sequence as one user (``ModelRecord.users``): the
+``[models.sequence]`` and holds each model with a live sequence as one user (``ModelRecord.in_use``): the
 one place idle unload, eviction (host and GPU) and scale-down already look at. Bounds: a sequence counts
 from the first sweep after its START (before that its START request is the model's last access, as for
 any request) until at most ``max_sequence_idle_secs`` (+1 s) after its last request.
@@ -60,14 +60,14 @@ class LiveSequences:
                 self._release(rec.id)
                 held = None
             if live and held is None:
-                rec.users += 1
+                rec.in_use += 1
                 self.held[rec.id] = rec
         for model_id in [m for m in self.held if m not in seen]:
             self._release(model_id)
 
     def _release(self, model_id: str) -> None:
         rec = self.held.pop(model_id)
-        rec.users -= 1
+        rec.in_use -= 1
 
     def live(self, model_id: str) -> bool:
         return model_id in self.held

@@ -49,7 +49,9 @@ class ModelStatus:
     state: ModelState = _doc("unloaded | loading | ready | unloading | failed")
     reason: str | None = _doc("Why it is in this state (a failure's message, what unloaded it)")
     instances: int = _doc("Loaded instances (0 when not loaded)")
-    last_access: float | None = _doc("Epoch seconds of the last request (Triton's last_inference or a wake-up), None if never")
+    last_access: float | None = _doc(
+        "Epoch seconds of the last request (Triton's last_inference or a wake-up), None if never"
+    )
     idle_timeout_secs: float = _doc("Unloaded after this long without a request (the fixed keep-alive)")
     memory_bytes: int | None = _doc(
         "Measured while loaded: its stubs' Pss plus its preforked workers' Pss; None: not loaded, or not measurable"
@@ -122,7 +124,7 @@ class ModelRecord:
     last_cold_start: float | None = None
     load_count: int = 0
     wake_deadline: float | None = None  # clock.monotonic(): the latest wait bound of its wake-ups (the wake queue)
-    users: int = 0  # wake-ups waiting for this model, and serving() blocks using it
+    in_use: int = 0  # wake-ups waiting for this model, and serving() blocks using it
     op: asyncio.Task[Any] | None = None
     generation: int = 0  # bumped on every state change; guards decisions made across an await
     scale: LoadWindow = field(default_factory=LoadWindow)
@@ -131,7 +133,7 @@ class ModelRecord:
     access_reported: float = 0.0  # the last triton_last the sweeper handed to the policy
     prewarms_counted: tuple[int, int] = (0, 0)  # the policy's used / wasted pre-warms already in the metrics
     # an unload failed (Triton may still be unloading it): its memory stays counted until Triton's index lets go
-    draining: bool = False
+    triton_may_hold: bool = False
     # a client's config override (repository load; ``overrides``): every load uses it until a load without one,
     # a republish or a delete; in memory only
     config_override: dict[str, Any] | None = None
@@ -166,7 +168,7 @@ class ModelRecord:
     @property
     def holds_memory(self) -> bool:
         """Loaded, or left in Triton by an unload that failed: the memory budget counts it."""
-        return self.loaded or self.draining
+        return self.loaded or self.triton_may_hold
 
 
 class ModelStates:
@@ -176,7 +178,8 @@ class ModelStates:
         self.store = store
         self.metrics = metrics
         self.records: dict[str, ModelRecord] = {}
-        self.resumed: asyncio.Future[None] | None = None  # set while paused (a checkpoint is being taken)
+        # while paused (a checkpoint is being taken): done on resume
+        self.pause_ends: asyncio.Future[None] | None = None
         self.on_drop: list[Callable[[str], None]] = []  # what else forgets a deleted model (its eviction history)
         # Told every state change, synchronously, before anything awaits: the gateway's ready flags.
         self.listeners: list[Callable[[str, ModelState | None], None]] = []
@@ -247,7 +250,7 @@ class ModelStates:
     async def settle(self, rec: ModelRecord) -> None:
         """Wait until no transition runs for the model (their failures are in the model's state) and
         the lifecycle is not paused."""
-        while (busy := rec.op or self.resumed) is not None:
+        while (busy := rec.op or self.pause_ends) is not None:
             if busy.done():  # ended, but the callback that clears rec.op has not run: awaiting it would not yield
                 await asyncio.sleep(0)
                 continue

@@ -76,8 +76,8 @@ class Supervisor(ManagerParts):
         store follow (so no idle unload, autoscaling, recovery or resync), and wake-ups, ``recover()`` and
         the API's load, unload, publish and delete wait instead of acting. Returns once the passes and
         transitions already under way have finished."""
-        if self.states.resumed is None:
-            self.states.resumed = asyncio.get_running_loop().create_future()
+        if self.states.pause_ends is None:
+            self.states.pause_ends = asyncio.get_running_loop().create_future()
         for lock in list(self._passes.values()):
             async with lock:
                 pass
@@ -103,13 +103,13 @@ class Supervisor(ManagerParts):
 
     def resume(self) -> None:
         """End ``pause()``: whatever waited goes on, and the periodic passes run again."""
-        if self.states.resumed is not None and not self.states.resumed.done():
-            self.states.resumed.set_result(None)
-        self.states.resumed = None
+        if self.states.pause_ends is not None and not self.states.pause_ends.done():
+            self.states.pause_ends.set_result(None)
+        self.states.pause_ends = None
 
     @property
     def paused(self) -> bool:
-        return self.states.resumed is not None
+        return self.states.pause_ends is not None
 
     def _sweep_delay(self) -> float:
         """The sweep interval, shortened to the next keep-alive decision when one is due sooner."""
@@ -120,8 +120,8 @@ class Supervisor(ManagerParts):
     ) -> None:
         while True:
             await asyncio.sleep(interval() if callable(interval) else interval)
-            while self.states.resumed is not None:  # paused: no pass until resume()
-                await asyncio.shield(self.states.resumed)
+            while self.states.pause_ends is not None:  # paused: no pass until resume()
+                await asyncio.shield(self.states.pause_ends)
             try:
                 async with self._passes.setdefault(what, asyncio.Lock()):
                     await job()
@@ -153,10 +153,10 @@ class Supervisor(ManagerParts):
         for rec in ready:
             if rec.op is not None or rec.state is not ModelState.READY:
                 continue
-            if rec.users == 0:  # while the activator forwards, Triton's last_inference is that request's
+            if rec.in_use == 0:  # while the activator forwards, Triton's last_inference is that request's
                 self.warmth.triton_access(rec)
             queued = pending.get(rec.id, 0.0)
-            if rec.users == 0 and queued == 0 and self.warmth.unload_due(rec, now):
+            if rec.in_use == 0 and queued == 0 and self.warmth.unload_due(rec, now):
                 self.states.spawn(
                     rec, ModelState.UNLOADING, "idle", self._unload_op(rec, "idle", seen_access=rec.idle_since)
                 )
@@ -169,7 +169,7 @@ class Supervisor(ManagerParts):
         record (its model unloaded first), and a copy Triton holds that has no record (a delete that met a
         wake-up, a delete while this control plane was down)."""
         records = self.states.records
-        gone = {m for m, r in records.items() if r.op is None and r.users == 0 and not self.store.exists(m)}
+        gone = {m for m, r in records.items() if r.op is None and r.in_use == 0 and not self.store.exists(m)}
         gone |= {m for m, e in entries.items() if e.state == "READY" and m not in records and not self.store.exists(m)}
         confirmed, self._unpublished = gone & self._unpublished, gone
         for model_id in sorted(confirmed):
@@ -178,9 +178,9 @@ class Supervisor(ManagerParts):
                 log.warning("model '%s': loaded in Triton but no longer published; unloading it", model_id)
                 with contextlib.suppress(SnoozeError):
                     await self.triton.unload(model_id, wait=False)
-            elif rec.op is None and rec.users == 0 and rec.state is ModelState.READY:
+            elif rec.op is None and rec.in_use == 0 and rec.state is ModelState.READY:
                 self.states.spawn(rec, ModelState.UNLOADING, "deleted", self._forget_op(rec))
-            elif rec.op is None and rec.users == 0 and not rec.draining:
+            elif rec.op is None and rec.in_use == 0 and not rec.triton_may_hold:
                 self.states.drop(model_id)
 
     async def _forget_op(self, rec: ModelRecord) -> None:
@@ -214,7 +214,7 @@ class Supervisor(ManagerParts):
             idle_timeout_secs=dep.idle_timeout_secs,
             now=self.clock.monotonic(),
         )
-        if target < rec.instances and rec.users > 0:
+        if target < rec.instances and rec.in_use > 0:
             return  # open work (a stream, a live sequence, a forward) may be on the instance that would go
         if target != rec.instances:
             direction = "up" if target > rec.instances else "down"

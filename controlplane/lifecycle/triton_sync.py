@@ -165,7 +165,7 @@ class TritonSync:
             if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
                 continue
             entry = entries.get(model_id)
-            if rec.draining and (entry is None or entry.state not in BUSY_STATES):
+            if rec.triton_may_hold and (entry is None or entry.state not in BUSY_STATES):
                 self._loader.forget_loaded(rec)  # Triton finished the unload that had failed here
             elif entry is not None and entry.state == "UNLOADING" and not rec.holds_memory:
                 # an unload this control plane did not see through (before a restart): what its processes hold
@@ -173,7 +173,7 @@ class TritonSync:
                 held = await asyncio.to_thread(self.processes.memory, stubs)
                 # a python model whose processes are all gone holds nothing (they were ended: unloading.py)
                 if held or not (rec.is_python and self.processes.visible):
-                    rec.draining, rec.footprint = True, held or rec.footprint or declared_bytes(rec)
+                    rec.triton_may_hold, rec.footprint = True, held or rec.footprint or declared_bytes(rec)
             if not self.store.exists(model_id):
                 continue
             triton_ready = entry is not None and entry.state == "READY"

@@ -209,7 +209,7 @@ class Unloader:
             return "waited"
         except TritonError:
             if not any(await asyncio.to_thread(lambda: [self.processes.alive(s) for s in stubs])):
-                raise  # its processes are gone yet Triton still holds it: the caller marks it draining
+                raise  # its processes are gone yet Triton still holds it: the caller marks it triton_may_hold
         killed = await self._kill(rec, stubs)
         log.warning(
             "model '%s': its processes %s had not exited %gs after the unload (its unload() or finalize overran); "

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ConfigDict, ValidationError, create_model
 
 from controlplane.errors import InvalidPackageError
+from controlplane.modes import Worker
 from controlplane.spec.schema import (
     CUSTOM_ENTRYPOINT,
     MANIFEST_FILE,
@@ -279,7 +280,7 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
 def _checked(spec: ModelSpec) -> ModelSpec:
     """The deployment checks that hold whatever max_batch_size publishing chose."""
     deployment, package = spec.deployment, spec.package
-    if deployment.worker == "preforked" and package.kind is not PackageKind.CUSTOM:
+    if deployment.worker == Worker.PREFORKED and package.kind is not PackageKind.CUSTOM:
         raise InvalidPackageError(
             f"model '{deployment.id}': worker = \"preforked\" applies to custom models (snooze_model.py); "
             f"this package is {package.kind.value}",

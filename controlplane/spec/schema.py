@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from controlplane.dtypes import parse_dtype
+from controlplane.modes import KeepAliveMode, SequenceStrategy, TensorFormat, Worker
 from controlplane.source_inspect import predict_is_generator
 
 MANIFEST_FILE = "snooze_model.json"
@@ -102,7 +103,7 @@ class Manifest(BaseModel):
     class_name: str = Field("Model", alias="class", description="Class implementing load/predict")
     load_timeout_secs: float = Field(300, gt=0)
     request_timeout_secs: float = Field(60, gt=0)
-    tensor_format: Literal["numpy", "raw"] = "numpy"
+    tensor_format: TensorFormat = TensorFormat.NUMPY
     decoupled: bool | None = Field(
         None,
         description="Stream: each dict predict yields is one response (Triton's decoupled transaction "
@@ -166,8 +167,9 @@ class SequenceSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    strategy: Literal["direct", "oldest"] = Field(
-        "direct", description="direct: a batch slot per sequence; oldest: dynamic batching of the oldest sequences"
+    strategy: SequenceStrategy = Field(
+        SequenceStrategy.DIRECT,
+        description="direct: a batch slot per sequence; oldest: dynamic batching of the oldest sequences",
     )
     max_sequence_idle_secs: float = Field(
         60, gt=0, description="Triton ends a sequence with no request for this long (its state is dropped)"
@@ -178,7 +180,7 @@ class SequenceSpec(BaseModel):
 
     @model_validator(mode="after")
     def _candidates_need_oldest(self) -> SequenceSpec:
-        if self.max_candidate_sequences is not None and self.strategy != "oldest":
+        if self.max_candidate_sequences is not None and self.strategy != SequenceStrategy.OLDEST:
             raise ValueError("max_candidate_sequences applies to strategy = \"oldest\" only")
         return self
 
@@ -194,13 +196,13 @@ class DeploymentSpec(BaseModel):
     max_batch_size: int = Field(8, ge=0, description="0 disables batching (no batch axis)")
     max_batch_delay_ms: float = Field(0, ge=0, description="Dynamic batcher max queue delay")
     idle_timeout_secs: float = Field(300, gt=0, description="Unload after this long without traffic")
-    keep_alive: Literal["fixed", "adaptive"] = Field(
-        "fixed",
+    keep_alive: KeepAliveMode = Field(
+        KeepAliveMode.FIXED,
         description="fixed: unload after idle_timeout_secs; adaptive: learn keep-alive and pre-warm windows from "
         "the model's own idle times (controlplane/keepalive.py), idle_timeout_secs where no pattern is found",
     )
-    worker: Literal["in-stub", "preforked"] = Field(
-        "in-stub",
+    worker: Worker = Field(
+        Worker.IN_STUB,
         description="custom models: in-stub runs the model in its python-backend stub; preforked runs it in a "
         "worker forked from a parent that has imported the package's 'preload' modules (fast cold starts)",
     )

@@ -568,8 +568,8 @@ class LifecycleWorld:
                 since = max(gone, self.resumed_at)
                 wait = follow + 2 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS)
                 settled = self.paused_since is None and self.now - since > wait
-                draining = rec is not None and rec.draining and model in holding  # counted until Triton lets go
-                if (rec is not None or (model in holding and not leaving)) and settled and not draining:
+                lingering = rec is not None and rec.triton_may_hold and model in holding  # counted until Triton lets go
+                if (rec is not None or (model in holding and not leaving)) and settled and not lingering:
                     problems.append(f"deleted model '{model}' survives (record: {rec is not None}, in Triton: "
                                     f"{model in holding})")
         # memory in flux while Triton unloads something is not judged (left undone: a model whose unload hangs

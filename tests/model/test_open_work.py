@@ -48,7 +48,7 @@ def test_a_live_sequence_is_not_evicted_another_model_is(world):
     assert "m1" not in world.triton.holding() and "m2" in world.triton.holding()
     note_sequences(world, "m0", 0, 0)  # its END
     world.step(world.tick(1.5), 0)
-    assert world.manager.states.records["m0"].users == 0
+    assert world.manager.states.records["m0"].in_use == 0
     world.step(world.request("m1"), 2.0)  # now m0 is the one to go
     assert "m0" not in world.triton.holding() and "m1" in world.triton.holding()
 
@@ -61,7 +61,7 @@ def test_a_live_sequence_outlasts_its_idle_timeout_and_ends_within_its_bound(wor
     assert state(world, "m0") is ModelState.READY, "an idle unload cut a live sequence"
     world.step(world.tick(12.0), 0)  # the note's bound passed (an abandoned sequence): the model may sleep
     assert "m0" not in world.triton.holding()
-    assert world.manager.states.records["m0"].users == 0
+    assert world.manager.states.records["m0"].in_use == 0
 
 
 def test_a_live_sequence_stops_a_scale_down(world):

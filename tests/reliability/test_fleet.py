@@ -223,7 +223,8 @@ async def test_a_killed_node_is_replaced_by_the_ring_then_rejoins(fleet: Fleet):
         # Placement is read after every model is warm: earlier tests on this fleet may have left
         # some asleep or spilled, and the victim must be the node that holds them now.
         placement = {m: fleet.holders(m) for m in MODELS}
-        victim = max({n[0] for n in placement.values() if n}, key=lambda node: sum(p == [node] for p in placement.values()))
+        victim = max({n[0] for n in placement.values() if n},
+                     key=lambda node: sum(p == [node] for p in placement.values()))  # fmt: skip
         owned = [m for m, nodes in placement.items() if nodes == [victim]]
         serve = fleet.node_serve(victim)
         serve.send_signal(signal.SIGKILL)

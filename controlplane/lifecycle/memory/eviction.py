@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from controlplane.lifecycle.memory.units import MIB
+from controlplane.modes import EvictionMode
 
-POLICIES = ("lru", "gdsf")
+POLICIES = tuple(EvictionMode)
 T = TypeVar("T")
 # TinyLFU's sample size is ten times the cache's capacity; here: ten requests per model the policy knows
 AGING_REQUESTS_PER_MODEL = 10
@@ -135,8 +136,8 @@ def bets_first(items: Iterable[T], unused: Callable[[T], bool]) -> list[T]:
 
 def eviction_policy(name: str) -> EvictionPolicy:
     """A new policy by its setting's name (``SNOOZE_EVICTION_POLICY``)."""
-    if name == "lru":
+    if name == EvictionMode.LRU:
         return EvictionPolicy()
-    if name == "gdsf":
+    if name == EvictionMode.GDSF:
         return GreedyDualSizeFrequency()
     raise ValueError(f"unknown eviction policy {name!r}: expected one of {', '.join(POLICIES)}")

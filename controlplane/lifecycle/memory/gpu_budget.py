@@ -28,7 +28,7 @@ class GpuResident:
     model: str
     bytes_by_device: Mapping[int, int]
     last_access: float  # epoch seconds; the least recent goes first
-    evictable: bool  # READY with no users, no pending requests and no transition running
+    evictable: bool  # READY, not in use, no pending requests and no transition running
     prewarmed_unused: bool = False  # loaded by a pre-warm and not used yet: evicted before any other
     # its place in the eviction order host memory uses (``MemoryBudget.eviction_order``: the unused pre-warms,
     # then the policy's); None: least recently used

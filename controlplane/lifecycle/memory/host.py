@@ -361,7 +361,7 @@ class MemoryBudget:
         candidates = self.eviction_order(
             [r for r in self.states.values() if r is not rec and r.state is ModelState.READY]
         )
-        victims = [v for v in candidates if v.op is None and v.users == 0 and pending.get(v.id, 0.0) <= 0]
+        victims = [v for v in candidates if v.op is None and v.in_use == 0 and pending.get(v.id, 0.0) <= 0]
         return Plan(
             victims,
             reason,

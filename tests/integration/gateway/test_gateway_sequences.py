@@ -56,7 +56,7 @@ def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
         assert http_step(h, 2000, 10.0, True, False) == 10.0
         # Two live sequences: the model's process noted them, and a sweep holds the model in use.
         stack.loop.run(stack.lifecycle.sweep())
-        assert stack.lifecycle.sequences.live(name) and stack.lifecycle.states.record(name).users >= 1
+        assert stack.lifecycle.sequences.live(name) and stack.lifecycle.states.record(name).in_use >= 1
         assert grpc_step(g, 1000, 2.0, False, False) == 3.0
         assert http_step(h, 2000, 20.0, False, False) == 30.0
         assert grpc_step(g, 1000, 3.0, False, True) == 6.0
@@ -64,7 +64,7 @@ def test_a_sequence_model_keeps_state_per_correlation_id_asleep_at_the_start(
         assert stack.lifecycle.sequences.live(name)  # 2000 is still open
         assert http_step(h, 2000, 30.0, False, True) == 60.0
         stack.loop.run(stack.lifecycle.sweep())
-        assert not stack.lifecycle.sequences.live(name) and stack.lifecycle.states.record(name).users == 0
+        assert not stack.lifecycle.sequences.live(name) and stack.lifecycle.states.record(name).in_use == 0
         assert stack.load_count(name) == 1
         inp = grpcclient.InferInput("x", [1, 1], "FP32")
         inp.set_data_from_numpy(np.array([[1.0]], dtype=np.float32))

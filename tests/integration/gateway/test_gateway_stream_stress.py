@@ -199,12 +199,12 @@ def test_memory_pressure_evicts_another_model_than_one_with_an_open_stream(stack
             # of another test's model runs).
             others = [r for r in stack.lifecycle.states.values() if r.id not in (streaming, idle)]
             for r in others:
-                r.users += 1
+                r.in_use += 1
             try:
                 until(evict, "the idle model's eviction", 30)
             finally:
                 for r in others:
-                    r.users -= 1
+                    r.in_use -= 1
             assert streaming not in evicted and stack.triton_ready(streaming) and not stack.triton_ready(idle)
         finally:
             g.stop_stream(cancel_requests=True)

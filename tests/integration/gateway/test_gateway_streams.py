@@ -71,10 +71,10 @@ def test_a_stream_wakes_a_sleeping_model_and_holds_it_while_open(stack: Stack):
             np.testing.assert_allclose(r.as_numpy("y"), _x(rows) * 3)
         assert stack.load_count(name) == 1 and stack.activator.holds.held(name) == 1
         # While the stream is open the model is in use: an unload by the sweeper would not pick it.
-        assert stack.lifecycle.states.record(name).users >= 1
+        assert stack.lifecycle.states.record(name).in_use >= 1
         g.stop_stream()
     until(lambda: stack.activator.holds.held(name) == 0, "the hold's release at the stream's end")
-    assert stack.lifecycle.states.record(name).users == 0
+    assert stack.lifecycle.states.record(name).in_use == 0
 
 
 def test_a_stream_holds_every_model_it_names(stack: Stack):
@@ -165,7 +165,7 @@ def test_a_warm_stream_does_not_wait_for_the_activator(stack: Stack, protocol: s
         if protocol == "grpc":
             np.testing.assert_allclose(answers[0].as_numpy("y"), _x(1) * 3)
             until(lambda: stack.activator.holds.held(name) == 1, "the stream's hold, sent without waiting")
-            assert stack.lifecycle.states.record(name).users >= 1
+            assert stack.lifecycle.states.record(name).in_use >= 1
             g.stop_stream()
         else:
             assert answers[0].status_code == 200 and '"y":[6.0,12.0]' in answers[0].text.replace(" ", ""), answers
@@ -362,4 +362,4 @@ def test_a_client_leaving_a_generate_stream_releases_its_hold(stack: Stack, repe
                 break
         assert stack.activator.holds.held(name) == 1  # the open stream holds its model
     until(lambda: stack.activator.holds.held(name) == 0, "the hold's release once the client left")
-    assert stack.lifecycle.states.record(name).users == 0
+    assert stack.lifecycle.states.record(name).in_use == 0
