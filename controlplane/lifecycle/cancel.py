@@ -21,6 +21,7 @@ from typing import Any
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.workers import end_model_processes
+from controlplane.triton.journal import initialize_started
 from controlplane.triton.processes import TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
@@ -31,17 +32,30 @@ CANCEL_WAIT_SECS = 2.0
 CANCEL_POLL_SECS = 0.1
 # How long Triton gets to drop a load whose task was cancelled (its index no longer LOADING).
 CANCEL_UNLOAD_SECS = 2.0
+# How long a cancel waits for a stub Triton is starting to reach the model's initialize before it ends it
+# anyway (a stub starts in well under a second here; killed before that, Triton's load never ends).
+STUB_START_SECS = 10.0
 
 
 def load_in_flight(rec: ModelRecord) -> bool:
     return rec.state is ModelState.LOADING and rec.op is not None and not rec.op.done()
 
 
-async def end_processes(processes: TritonProcesses, journal_dir: Path | None, model_id: str) -> list[int]:
+async def end_processes(
+    processes: TritonProcesses, journal_dir: Path | None, model_id: str, *, waited: float = STUB_START_SECS
+) -> tuple[list[int], int]:
+    """End the model's stubs that have reached its initialize (and any, once ``waited`` reaches
+    STUB_START_SECS); (the pids ended, how many stubs were left because they are still starting)."""
     if not processes.can_observe:
-        return []
+        return [], 0
     stubs = await asyncio.to_thread(processes.stubs, model_id)
-    return await asyncio.to_thread(end_model_processes, processes, journal_dir, stubs) if stubs else []
+    if journal_dir is not None and waited < STUB_START_SECS:
+        starting = [s for s in stubs if not initialize_started(journal_dir, s)]
+        stubs = [s for s in stubs if s not in starting]
+    else:
+        starting = []
+    killed = await asyncio.to_thread(end_model_processes, processes, journal_dir, stubs) if stubs else []
+    return killed, len(starting)
 
 
 async def cancel_load(
@@ -67,8 +81,11 @@ async def cancel_load(
     if queued or not processes.can_observe:
         op.cancel()
     deadline = started + CANCEL_WAIT_SECS
-    while not op.done() and loop.time() < deadline:
-        killed += await end_processes(processes, journal_dir, rec.id)
+    while not op.done():
+        ended, starting = await end_processes(processes, journal_dir, rec.id, waited=loop.time() - started)
+        killed += ended
+        if loop.time() >= (started + STUB_START_SECS if starting else deadline):
+            break
         await asyncio.wait({op}, timeout=CANCEL_POLL_SECS)
     cancelled = not op.done() or op.cancelled()
     if not op.done():  # it did not fail in time: no longer the model's transition
@@ -79,7 +96,7 @@ async def cancel_load(
     if cancelled and not queued:  # Triton may still be loading what the task left
         with contextlib.suppress(SnoozeError, TimeoutError):
             await asyncio.wait_for(_drop(triton, rec.id), CANCEL_UNLOAD_SECS)
-        killed += await end_processes(processes, journal_dir, rec.id)
+        killed += (await end_processes(processes, journal_dir, rec.id, waited=loop.time() - started))[0]
     if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
         rec.stubs, rec.workers, rec.reserved, rec.gpu_reserved, rec.instances = (), (), 0, {}, 0
         states.set_state(rec, ModelState.UNLOADED, f"load cancelled: {why}")

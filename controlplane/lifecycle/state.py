@@ -262,7 +262,15 @@ class ModelStates:
                 if not busy.cancelled():
                     raise
 
-    async def wait_all(self) -> None:
-        ops = [r.op for r in self.records.values() if r.op is not None]
-        if ops:
-            await asyncio.gather(*ops, return_exceptions=True)
+    async def wait_all(self, timeout: float | None = None) -> list[str]:
+        """Wait for every running transition, at most ``timeout`` seconds; those still running then are
+        cancelled. Returns the models whose transitions were cancelled."""
+        ops = {r.op: r.id for r in self.records.values() if r.op is not None}
+        if not ops:
+            return []
+        _, pending = await asyncio.wait(ops, timeout=timeout)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+        return sorted(ops[t] for t in pending)

@@ -29,8 +29,9 @@ from controlplane.lifecycle.manager_parts import SEQUENCE_POLL_SECS
 
 log = logging.getLogger("snoozeml.lifecycle")
 
-
-
+# How long a stop waits for the transitions still running (an unload: Triton's unload, at most
+# SNOOZE_UNLOAD_FINALIZE_SECS of a model's clean-up) before it cancels them.
+STOP_TRANSITIONS_SECS = 15.0
 
 
 class Supervisor(ManagerParts):
@@ -67,7 +68,12 @@ class Supervisor(ManagerParts):
                 await task
         self._tasks = []
         await self.cancel_loads("stopping")
-        await self.states.wait_all()
+        # Bounded: a Triton whose model control hangs (its repository lock held by a load that never ends)
+        # must not keep the stop waiting for an unload's answer.
+        left = await self.states.wait_all(timeout=STOP_TRANSITIONS_SECS)
+        if left:
+            log.warning("stopping: %s still in transition after %gs; no longer waited for", ", ".join(left),
+                        STOP_TRANSITIONS_SECS)  # fmt: skip
         self.sequences.release_all()
         self.gpu.close()
 

@@ -121,6 +121,14 @@ def remove_journal(journal_dir: Path, stub: StubProcess) -> None:
     (journal_dir / f"{stub.pid}-{stub.start_ticks}{PHASE_SUFFIX}").unlink(missing_ok=True)
 
 
+def initialize_started(journal_dir: Path, stub: StubProcess) -> bool:
+    """The stub has reached the model's ``initialize`` (it wrote a phase note). Before that, Triton 2.51
+    waits for the stub's first message with no time limit: a stub killed there leaves the load, and
+    Triton's stop, waiting for ever (measured under churn: a cancel's SIGKILL 0.1 s into a stub's start).
+    From ``initialize`` on, Triton checks the stub's health every second and fails the load once it died."""
+    return (journal_dir / f"{stub.pid}-{stub.start_ticks}{PHASE_SUFFIX}").exists()
+
+
 def hung_phase(journal_dir: Path | None, stubs: list[StubProcess], now: float | None = None) -> str | None:
     """Where a load of ``stubs`` is stuck, from their phase notes: "its warm-up (for 12 s, in model process
     pid 7)"; None when no stub said (no journal folder, a remote Triton, a stub that never started)."""

@@ -61,8 +61,8 @@ from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError
 from controlplane.lifecycle.loading import rendered_config
 from controlplane.render import DEPLOYMENT_FILE
 from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry
+from controlplane.triton.journal import PHASE_SUFFIX, journal_path
 from controlplane.triton.journal import SIZE as JOURNAL_SIZE
-from controlplane.triton.journal import journal_path
 from controlplane.triton.processes import StubDeath, StubProcess
 
 MIB = 1024 * 1024
@@ -323,6 +323,9 @@ class FakeTriton:
         pid = next(self._pids)
         stub = Stub(pid, pid * 7, m.name, f"{m.name}_0_{m.next_instance}", memory)
         self._journal(stub, None, busy=False)
+        # The runtime's phase note: a stub here is in initialize as soon as it exists (the real one's start,
+        # before Triton's first untimed wait, is not modelled; cancel.py waits for this note before a kill).
+        (self.journal_dir / f"{stub.pid}-{stub.start_ticks}{PHASE_SUFFIX}").write_text('{"phase": "load"}')
         return stub
 
     def _exit(self, stubs: list[Stub]) -> None:
