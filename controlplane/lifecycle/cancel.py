@@ -4,7 +4,10 @@ Triton 2.51 has no call to cancel a load, and its load call blocks until the mod
 (a python model's ``initialize`` without a limit). So a cancel ends the load's model processes (stubs and
 their preforked workers, as the load timeout does): Triton then fails the load at once, the load's task
 ends with that failure (its memory reservations and load slot released on the way out), and the model is
-marked UNLOADED. A load still queued (waiting for a slot or for memory: nothing in Triton yet), or one
+marked UNLOADED. Only stubs that reached the model's initialize are ended (their phase note): Triton waits for
+a new stub's first message with no time limit, so one killed while it starts would leave the load, and every
+later load and unload of that Triton, waiting for ever; a starting stub is waited for (``STUB_START_SECS``).
+A load still queued (waiting for a slot or for memory: nothing in Triton yet), or one
 whose processes cannot be seen (a remote Triton), has its task cancelled instead, and Triton is asked to
 unload what it may have. Requests that waited on that load get a 503 with Retry-After, or a 404 for a
 delete (``Manager._cancelled_error``).

@@ -10,7 +10,6 @@ control plane's child, and in a process of its own).
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 
@@ -115,47 +114,3 @@ async def test_a_stop_during_a_hung_load_is_bounded_and_leaves_nothing(serve_fac
         assert took - (forced - started) < 2.0, took
     assert left == [], left
 
-
-# Loaded by every Python process that has it on PYTHONPATH; sleeps only in a python-backend stub, and only while
-# the flag file exists: the stub is then still starting, before its first message to Triton.
-SLOW_START = """
-import os, time
-if os.path.exists({flag!r}) and os.path.basename(os.readlink("/proc/self/exe")) == "triton_python_backend_stub":
-    time.sleep({secs})
-"""
-
-
-@pytest.mark.timeout(180)
-async def test_a_cancel_while_a_stub_is_still_starting_leaves_triton_serving(serve_factory, package, tmp_path,
-                                                                            topology, monkeypatch):
-    """Triton 2.51 waits for a new stub's first message with no time limit: a stub killed before it sends it
-    leaves that load LOADING for ever and every later load and unload queued behind it. A cancel (here an
-    unload) during a stub's start must not do that: the next loads work and the stop is bounded."""
-    site, flag = tmp_path / "site", tmp_path / "slow-start"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_START.format(flag=str(flag), secs=4))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
-    serve = serve_factory("slowstart", topology=topology)
-    serve.start()
-    serve.publish("slow", package)
-    serve.publish("other", package)
-    flag.touch()
-    waiting = asyncio.create_task(infer_error(serve, "slow", "grpc", timeout=120))
-    await until_async(lambda: serve.stub_pids("slow"), "the slow model's stub", timeout=30)
-    started = time.monotonic()
-    async with httpx.AsyncClient(headers=serve._headers(), timeout=60) as client:
-        r = await client.post(f"{serve.api_url}/v1/models/slow/unload")
-    answered = time.monotonic() - started
-    flag.unlink()
-    error, _ = await asyncio.wait_for(waiting, 30)
-    # Triton's model control still works: another model loads and answers, and the cancelled one wakes again.
-    other = await asyncio.wait_for(infer_once(serve, "other", "grpc", np.ones((1, 2), np.float32)), 60)
-    again = await asyncio.wait_for(infer_once(serve, "slow", "grpc", np.ones((1, 2), np.float32)), 60)
-    report(f"unload while a stub starts ({topology})", answer_secs=round(answered, 2), client_error=error[:120])
-    assert r.status_code == 200, r.text
-    assert answered < 15.0, answered
-    assert "load was cancelled (unloaded)" in error, error
-    assert isinstance(other, np.ndarray) and isinstance(again, np.ndarray)
-    stopped = time.monotonic()
-    serve.stop()
-    assert time.monotonic() - stopped < GRACE + 20

@@ -3,6 +3,7 @@ keep-alive policies hear from the lifecycle (``warmth``, on a fake clock)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from controlplane.lifecycle import (
     rendered_config,
 )
 from controlplane.lifecycle.memory import MemoryBudget
-from controlplane.lifecycle.state import ModelRecord
+from controlplane.lifecycle.state import ModelRecord, ModelStates
 from controlplane.lifecycle.warmth import FORWARD_STAMP_SLACK_SECS, MIN_SWEEP_GAP_SECS, Warmth
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
@@ -325,3 +326,19 @@ def test_settle_yields_while_an_ended_transition_is_still_recorded():
 
     asyncio.run(go())
 
+
+
+def test_waiting_for_transitions_is_bounded_and_cancels_what_is_left():
+    """A stop's wait for running transitions: a hung one (an unload Triton never answers) is cancelled at the
+    bound and named; one that ends in time is not touched."""
+
+    async def run() -> tuple[list[str], bool, bool]:
+        states = ModelStates(store=None, metrics=SnoozeMetrics())  # type: ignore[arg-type]
+        hung, quick = record("hung"), record("quick")
+        states.records = {"hung": hung, "quick": quick}
+        hung.op = asyncio.create_task(asyncio.Event().wait())
+        quick.op = asyncio.create_task(asyncio.sleep(0.01))
+        left = await states.wait_all(timeout=0.2)
+        return left, hung.op.cancelled(), quick.op.cancelled()
+
+    assert asyncio.run(run()) == (["hung"], True, False)
