@@ -8,30 +8,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
 
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, WakeQueueTimeout
-from controlplane.lifecycle.manager_parts import ManagerParts
+from controlplane.lifecycle.manager_parts import RECOVERY_DEDUP_SECS, ManagerParts
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, recent_deaths
 from controlplane.lifecycle.state import ModelRecord, ModelState
 from controlplane.triton.processes import StubDeath
 
-if TYPE_CHECKING:
-    pass
-
-
-from controlplane.lifecycle.manager_parts import RECOVERY_DEDUP_SECS
-
 log = logging.getLogger("snoozeml.lifecycle")
-
-
-
 
 
 class RequestPath(ManagerParts):
     """The request side of ``LifecycleManager``."""
-
 
     async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None:
         """Return once the model is READY, loading it (single flight) if needed.
@@ -48,6 +37,7 @@ class RequestPath(ManagerParts):
             return
         rec = self.states.record(model_id, refresh=True)
         self.warmth.request(rec)
+        self.sync.refuse_while_down(rec)
         wait = (
             timeout
             if timeout is not None

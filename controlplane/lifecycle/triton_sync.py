@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("snoozeml.lifecycle")
 
+# Retry-After of a wake-up refused while tritonserver is down: about what a restart and a small model's load take.
+DOWN_RETRY_AFTER_SECS = 2.0
+
 
 class TritonSync:
     def __init__(
@@ -52,6 +55,7 @@ class TritonSync:
         self.triton_process = triton_process  # the embedded child, which may be restarted
         self.up = asyncio.Event()
         self.up.set()
+        self.down_why = ""  # what took tritonserver away, while ``up`` is clear
         self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
         self.loader: Loader | None = None  # set by the manager (the loader waits on this sync)
         self.warmth: Warmth | None = None
@@ -62,7 +66,6 @@ class TritonSync:
         await self.resync(full=True)
         server = await asyncio.to_thread(self.processes.server)
         self.server_seen = server.pid if server is not None else None
-
 
     async def refresh_access(self, rec: ModelRecord) -> None:
         """Triton's last access and the requests it served since the last read (the eviction policy's
@@ -124,11 +127,29 @@ class TritonSync:
         if not self.up.is_set():
             return
         self.up.clear()
+        self.down_why = what
         log.error("%s; every model is unloaded", what)
         for rec in self.states.values():
             if rec.op is None:
                 self._loader.forget_loaded(rec)
                 self.states.set_state(rec, ModelState.UNLOADED, "tritonserver died")
+
+    def refuse_while_down(self, rec: ModelRecord) -> None:
+        """A wake-up while tritonserver is down is answered at once (503 with Retry-After) rather than held: it
+        would wait for the restart, the resync and its model's load, past the deadline of most clients (which
+        Triton's HTTP clients do not send). Loads asked for through the API still wait (``wait_until_up``)."""
+        if self.up.is_set():
+            return
+        if self.triton_process is not None and not self.settings.restart_triton:
+            raise UnavailableError(
+                f"model '{rec.id}' cannot wake: tritonserver is not running",
+                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
+            )
+        raise UnavailableError(
+            f"model '{rec.id}' cannot wake now: tritonserver is restarting ({self.down_why})",
+            hint="retry after the Retry-After seconds; every model loads again on its next request",
+            retry_after=DOWN_RETRY_AFTER_SECS,
+        )
 
     async def wait_until_up(self, rec: ModelRecord) -> None:
         if self.up.is_set():

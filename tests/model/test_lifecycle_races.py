@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from controlplane.errors import NotFoundError
-from controlplane.lifecycle.state import ModelRecord
+from controlplane.errors import NotFoundError, SnoozeError
+from controlplane.lifecycle.state import ModelRecord, ModelState
 from controlplane.settings import Settings
 from controlplane.stack import ServingStack
 
@@ -145,3 +145,43 @@ def test_a_wake_waiting_while_its_model_is_deleted_does_not_load_it_again(world)
 
     world.run(race())
     assert "m0" not in world.triton.holding() and "m0" not in manager.states.records
+
+
+def test_a_wake_while_tritonserver_is_away_is_answered_at_once_then_served_once_it_is_back(world):
+    """Race (seen in CI under load): after tritonserver died, a request waited for its restart, the resync and
+    its model's load, past the client's 8 s deadline (HTTP clients send none), instead of the 503 it gets while
+    Triton cannot be reached. While Triton is away a wake-up is refused at once with Retry-After; once it is
+    back, the next request loads the model again. (Triton's container restarting, as compose or the kubelet
+    does: its pid changes; the embedded child's restart takes the same path, tests/reliability/test_triton_kill.py.)"""
+    from fake_triton import _Server
+
+    w = world
+    w.step(w.publish("m0", 60), 0.1)
+    w.step(w.request("m0"), 0.0)
+    first = w.calls[-1]
+    w.step(w.tick(0.5), 0.0)
+    assert first.task.result() == "200"
+    w.processes._server = None  # type: ignore[assignment]
+    w.step(w.tick(1.5), 0.0)  # a sweep sees it
+    assert not w.manager.sync.up.is_set()
+    assert w.manager.states.records["m0"].state is ModelState.UNLOADED
+    w.triton.models.clear()  # what the gone tritonserver had loaded
+
+    async def through_the_activator() -> SnoozeError:
+        with pytest.raises(SnoozeError) as refused:
+            await w.answers.forward("m0", "rid-away", lambda: w.triton.infer("m0", "rid-away"), lambda a: a.dead)
+        return refused.value
+
+    started = w.now
+    refused = w.run(through_the_activator())
+    assert w.now - started < 0.1, "the wake-up waited for tritonserver to come back"
+    assert refused.status_code == 503 and "tritonserver is restarting" in str(refused), refused
+    assert refused.retry_after and refused.retry_after >= 1
+
+    w.processes._server = _Server(4343)  # a new tritonserver, nothing loaded
+    w.step(w.tick(1.5), 0.0)
+    assert w.manager.sync.up.is_set()
+    w.step(w.request("m0"), 0.0)
+    again = w.calls[-1]
+    w.step(w.tick(1.0), 0.0)
+    assert again.task.result() == "200"
