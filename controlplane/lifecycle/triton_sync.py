@@ -134,17 +134,21 @@ class TritonSync:
                 self._loader.forget_loaded(rec)
                 self.states.set_state(rec, ModelState.UNLOADED, "tritonserver died")
 
+    def _refuse_if_not_restarting(self, rec: ModelRecord, what: str) -> None:
+        """The embedded tritonserver is down for good (restarts are off)."""
+        if self.triton_process is not None and not self.settings.restart_triton:
+            raise UnavailableError(
+                f"model '{rec.id}' cannot {what}: tritonserver is not running",
+                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
+            )
+
     def refuse_while_down(self, rec: ModelRecord) -> None:
         """A wake-up while tritonserver is down is answered at once (503 with Retry-After) rather than held: it
         would wait for the restart, the resync and its model's load, past the deadline of most clients (which
         Triton's HTTP clients do not send). Loads asked for through the API still wait (``wait_until_up``)."""
         if self.up.is_set():
             return
-        if self.triton_process is not None and not self.settings.restart_triton:
-            raise UnavailableError(
-                f"model '{rec.id}' cannot wake: tritonserver is not running",
-                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
-            )
+        self._refuse_if_not_restarting(rec, "wake")
         raise UnavailableError(
             f"model '{rec.id}' cannot wake now: tritonserver is restarting ({self.down_why})",
             hint="retry after the Retry-After seconds; every model loads again on its next request",
@@ -154,11 +158,7 @@ class TritonSync:
     async def wait_until_up(self, rec: ModelRecord) -> None:
         if self.up.is_set():
             return
-        if self.triton_process is not None and not self.settings.restart_triton:
-            raise UnavailableError(
-                f"model '{rec.id}' cannot load: tritonserver is not running",
-                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
-            )
+        self._refuse_if_not_restarting(rec, "load")
         try:
             await asyncio.wait_for(self.up.wait(), rec.model.load_timeout_secs)
         except TimeoutError:
