@@ -412,7 +412,8 @@ async def test_triton_killed_is_restarted_and_resynced(make_manager, publish, tr
     os.kill(old_pid, signal.SIGKILL)
 
     await until(lambda: sample(manager, "snooze_triton_restarts_total") == 1, "the restart", timeout=90)
-    await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the resync")
+    # Until the resync has read the new Triton's index, a wake-up is refused at once (503, "restarting")
+    await until(lambda: manager.sync.up.is_set() and manager.status(model).state is ModelState.UNLOADED, "the resync")
     assert triton.is_running() and triton.pid != old_pid
 
     await manager.ensure_ready(model)
