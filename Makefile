@@ -55,7 +55,7 @@ test: install-dev examples test-runtime-py310
 
 $(VENV310)/.installed:
 	$(PYTHON310) -m venv $(VENV310)
-	$(VENV310)/bin/python -m pip --disable-pip-version-check -q install numpy psutil pytest
+	$(VENV310)/bin/python -m pip --disable-pip-version-check -q install numpy psutil pytest pytest-timeout
 	touch $@
 
 # Every runtime module imports on 3.10 (no 3.11-only syntax or library), and its unit tests pass there.

@@ -502,6 +502,6 @@ def test_publish_survives_restart_and_down_leaves_nothing(stack: Stack, tmp_path
     stack.compose.compose("down", "-v", "-t", "10", timeout=300)
     assert stack.compose.containers() == []
     assert stack.compose.volumes() == []
-    assert [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    assert [p for p in procs if p.is_running() and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)] == []
     dangling = docker("volume", "ls", "-q", "--filter", "dangling=true").split()
     assert not [v for v in dangling if len(v) == 64], f"anonymous volumes left: {dangling}"

@@ -100,7 +100,7 @@ def test_slow_import_times_out_and_its_processes_are_killed(tmp_path: Path) -> N
 
 def _alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
     except psutil.NoSuchProcess:
         return False
 

@@ -221,7 +221,7 @@ def until(condition, what: str, timeout: float = 15.0):
 
 def gone(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)  # X: being reaped
     except psutil.NoSuchProcess:
         return True
 
