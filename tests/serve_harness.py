@@ -384,7 +384,7 @@ class Serve:
         for p in self.descendants():
             with contextlib.suppress(psutil.Error):
                 argv = p.cmdline()
-                if argv and argv[0].endswith(STUB_NAME) and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                if argv and argv[0].endswith(STUB_NAME) and is_alive(p):
                     if model is None or (len(argv) > 1 and Path(argv[1]).parent.parent.name == model):
                         pids.append(p.pid)
         return sorted(pids)
