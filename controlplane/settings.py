@@ -68,9 +68,10 @@ class Settings(BaseSettings):
     activator_grpc_port: int = Field(0, description="Activator gRPC port on loopback (0 = a free port)")
     wake_buffer_bytes: int = Field(
         8 * 1024 * 1024,
-        description="Largest request body Envoy keeps to re-send to the activator when Triton answers 'not "
-        "found' (the retry wake path); a larger request, and every stream, is woken before its body moves "
-        "on instead (the wake filter), so any size Triton accepts wakes a sleeping model",
+        description="Largest HTTP request body Envoy keeps to re-send to the activator when Triton answers "
+        "'not found' (the retry wake path); a larger request, and every stream, is woken before its body moves "
+        "on instead (the wake filter), so any size Triton accepts wakes a sleeping model. gRPC's retry keeps "
+        "any message Triton accepts (gRPC carries no content-length a route could match)",
     )
     gateway: bool = Field(True, description="Start Envoy; off = clients talk to Triton directly")
 

@@ -3,10 +3,12 @@
 Warm traffic never touches Python: Envoy proxies inference to Triton. A request for a sleeping
 model gets Triton's "not found" (HTTP 404, grpc-status 5) and Envoy's retry policy re-sends it,
 body included, to priority 1 of the same cluster, the activator (``activator.py``), which wakes the
-model and forwards the request. ``wake_buffer_bytes`` bounds the body Envoy keeps for that retry.
-Requests that cannot be retried, streams (gRPC ``ModelStreamInfer``, HTTP ``generate_stream``) and
-bodies over ``wake_buffer_bytes``, are woken by the wake filter (``wake_lua.py``) before their body
-moves on, and hold their model in use until they end.
+model and forwards the request. ``wake_buffer_bytes`` bounds the HTTP body Envoy keeps for that retry;
+gRPC requests carry no content-length a route could match, so the gRPC listener keeps any message
+Triton accepts (``GRPC_RETRY_BUFFER_BYTES``) and a unary ``ModelInfer`` meets no Lua at all. Requests
+that cannot be retried, streams (gRPC ``ModelStreamInfer``, HTTP ``generate_stream``) and HTTP bodies
+over ``wake_buffer_bytes``, are woken by the wake filter (``wake_lua.py``) before their body moves on,
+and hold their model in use until they end.
 
 A request that met a dead python stub (Triton's whole message ``Stub process '<instance>' is not
 healthy.``, defined once in ``controlplane.triton.dead_stub``: gRPC INTERNAL with it as grpc-message;
@@ -21,7 +23,7 @@ after recovery). A model's own errors are never retried: the runtime starts each
 Gateway metrics are Envoy's own stats: ``EnvoyGateway.prometheus_url`` (loopback only). Useful series:
 ``envoy_http_downstream_rq_xx{envoy_http_conn_manager_prefix="kserve_http|kserve_grpc"}``,
 ``envoy_http_downstream_rq_time``, ``envoy_cluster_upstream_rq_retry{envoy_cluster_name="infer_http|infer_grpc"}``
-(wake retries), ``envoy_cluster_retry_or_shadow_abandoned`` (requests over ``wake_buffer_bytes``) and
+(wake retries), ``envoy_cluster_retry_or_shadow_abandoned`` (HTTP requests over ``wake_buffer_bytes``) and
 ``envoy_http_api_key_auth_*`` / 401 counts for auth refusals.
 
 The snapshot gate: the first route of each listener answers every request with 503 (HTTP: the KServe
@@ -72,6 +74,10 @@ GRPC_RETRY_HEADERS = (
     {"name": "grpc-status", "string_match": {"exact": "14"}},
     {"name": "grpc-message", "string_match": {"safe_regex": {"regex": GRPC_MESSAGE_REGEX}}},
 )
+# The gRPC retry buffer: the largest message Triton's gRPC server and tritonclient accept (INT32_MAX), so
+# every unary ModelInfer can be re-sent to the activator with no Lua reading its frame size. Envoy keeps a
+# copy of a request only while it runs, as large as the request itself.
+GRPC_RETRY_BUFFER_BYTES = 2**31 - 1
 # HTTP: Triton's 500 for a dead stub, marked by the Lua filter on the infer_http cluster.
 DEAD_STUB_HEADER = "x-snooze-dead-stub"
 HTTP_RETRY_HEADERS = ({"name": DEAD_STUB_HEADER, "present_match": True},)
@@ -189,7 +195,7 @@ def render_bootstrap(
     if unknown := set(omit) - set(OPTIONAL_FILTERS):
         raise GatewayError(f"unknown gateway filters {sorted(unknown)}", hint=f"one of {', '.join(OPTIONAL_FILTERS)}")
     flags = None if ready_dir is None else str(ready_dir)
-    grpc_wake = [] if "wake" in omit else grpc_wake_chain(wake_buffer_bytes, flags)
+    grpc_wake = [] if "wake" in omit else grpc_wake_chain(flags)
     dead_stub, hints_dir = (
         lua_string(LUA_HTTP_BODY_PATTERN),
         lua_string("" if flags is None else flags.rstrip("/") + "/"),
@@ -206,6 +212,7 @@ def render_bootstrap(
         activator_http=activator_http,
         activator_grpc=activator_grpc,
         wake_buffer_bytes=wake_buffer_bytes,
+        grpc_retry_buffer_bytes=GRPC_RETRY_BUFFER_BYTES,
         api_keys=list(api_keys),
         activator_grpc_methods=grpc_names.ACTIVATOR_ROUTED,
         grpc_service=grpc_names.SERVICE,

@@ -6,12 +6,12 @@ an unknown model as a message on the stream; a stream cannot be re-sent once byt
 body larger than ``wake_buffer_bytes``. For those the filter decides before the body moves on:
 
 - which requests: gRPC ``ModelStreamInfer`` and HTTP ``/generate_stream`` (every one: a stream also
-  holds its model awake while it is open), gRPC ``ModelInfer`` whose message (the gRPC frame's length)
-  and HTTP ``/infer`` / ``/generate`` whose ``content-length`` is over ``wake_buffer_bytes`` (or absent:
-  chunked). Smaller unary requests pass untouched (the retry path serves them; warm ones never touch
-  Python);
-- the model: HTTP from the path, gRPC from field 1 of the message (the same protobuf walk the fleet
-  gateway uses); on a ``ModelStreamInfer`` stream, of every message: each READY model the stream names is
+  holds its model awake while it is open), and HTTP ``/infer`` / ``/generate`` whose ``content-length``
+  is over ``wake_buffer_bytes`` (or absent: chunked). Smaller HTTP requests and every unary gRPC
+  ``ModelInfer`` pass untouched: the retry path serves them (gRPC carries no content-length, so its retry
+  buffer is as large as a message Triton accepts, ``envoy.GRPC_RETRY_BUFFER_BYTES``); warm ones never
+  touch Lua or Python;
+- the model: HTTP from the path; on a ``ModelStreamInfer`` stream, from field 1 of every message: each READY model the stream names is
   held (once) as its first message goes on, and each sleeping one is woken before its message moves on. A
   filter reads no further after a wake it waited for (Envoy's Lua lets a chunk held across a call it waited
   for go only when the script ends), so the gRPC listener chains ``STREAM_WAKE_STAGES`` filters: the next
@@ -93,16 +93,15 @@ STAGE_FROM_KEY = "stream_from_"  # + stage: the body offset (bytes) where that s
 STAGE_MODELS_KEY = "stream_models"  # models the earlier stages held, joined by commas
 
 
-def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None, stage: int = 1, stages: int = 1) -> str:
-    """One gRPC wake filter: stage 1 takes a large ``ModelInfer``'s model from field 1 of its message, and a
-    stream's from field 1 of each message until the first model it has to wake (waiting ends the script: Envoy
+def grpc_wake_lua(ready_dir: str | None = None, stage: int = 1, stages: int = 1) -> str:
+    """One gRPC stream wake filter: stage 1 takes a ``ModelStreamInfer`` stream's models from field 1 of each
+    message until the first model it has to wake (waiting ends the script: Envoy
     lets the chunk it held across that call go only then). Stage ``k`` > 1 (the next filter in the chain) takes
     over a stream where stage ``k - 1`` ended after such a wake: the message after the woken one, found from
     the body offset stage ``k - 1`` left in the dynamic metadata, with the models and hold tokens it had."""
     return program(
         "grpc_wake",
         ready_dir=_ready_dir(ready_dir),
-        wake_buffer_bytes=int(wake_buffer_bytes),
         stage=int(stage),
         stages=int(stages),
         grpc_service=GRPC_SERVICE,
@@ -112,8 +111,6 @@ def grpc_wake_lua(wake_buffer_bytes: int, ready_dir: str | None = None, stage: i
     )
 
 
-def grpc_wake_chain(
-    wake_buffer_bytes: int, ready_dir: str | None = None, stages: int = STREAM_WAKE_STAGES
-) -> list[str]:
+def grpc_wake_chain(ready_dir: str | None = None, stages: int = STREAM_WAKE_STAGES) -> list[str]:
     """The gRPC listener's wake filters, in chain order: a stream wakes up to ``stages`` sleeping models."""
-    return [grpc_wake_lua(wake_buffer_bytes, ready_dir, stage, stages) for stage in range(1, stages + 1)]
+    return [grpc_wake_lua(ready_dir, stage, stages) for stage in range(1, stages + 1)]

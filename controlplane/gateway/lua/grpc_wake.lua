@@ -1,11 +1,10 @@
---# One gRPC wake filter of the chain (wake_lua.grpc_wake_lua). Parameters: ready_dir (as in
---# http_wake.lua), wake_buffer_bytes, stage, stages, grpc_service, metadata_namespace, metadata_key,
---# stage_from_key, stage_models_key.
+--# One gRPC stream wake filter of the chain (wake_lua.grpc_wake_lua), on ModelStreamInfer only (a unary
+--# ModelInfer is woken by the retry). Parameters: ready_dir (as in http_wake.lua), stage, stages,
+--# grpc_service, metadata_namespace, metadata_key, stage_from_key, stage_models_key.
 local READY_DIR = {{ ready_dir }}
 --#include protobuf.lua
 --#include hold.lua
 
-local WAKE_BUFFER = {{ wake_buffer_bytes }}
 local STAGE, STAGES = {{ stage }}, {{ stages }}
 local STREAM = "{{ grpc_service }}ModelStreamInfer"
 local NAME_BYTES = 512  -- of a message read for its model name (field 1, first on the wire)
@@ -13,29 +12,12 @@ local NAME_BYTES = 512  -- of a message read for its model name (field 1, first 
 local function frame_size(s)
   return ((s:byte(2) * 256 + s:byte(3)) * 256 + s:byte(4)) * 256 + s:byte(5)
 end
-local UNARY = "{{ grpc_service }}ModelInfer"
 
 function envoy_on_request(handle)
-  local path = handle:headers():get(":path")
-  if path ~= STREAM and (STAGE > 1 or path ~= UNARY) then
+  if handle:headers():get(":path") ~= STREAM then
     return
   end
   local id = handle:headers():get("x-request-id") or ""
-  if path == UNARY then
-    for chunk in handle:bodyChunks() do
-      -- The route sent only requests without a small content-length here: gRPC's carry none, so the
-      -- frame's 5-byte header says the size; the model's name is read only for a large one.
-      if chunk:length() < 5 or frame_size(chunk:getBytes(0, 5)) <= WAKE_BUFFER then
-        return
-      end
-      local model = string_field(chunk:getBytes(0, math.min(chunk:length(), 4096)), 1)
-      if model ~= nil and string.match(model, "^[%w_%.%-]+$") then
-        hold(handle, model, id)
-      end
-      return
-    end
-    return
-  end
   -- A stream: each message's model is held (once) before that message moves on, until the first model
   -- that had to be woken: after a call the filter waited for, Envoy lets the held chunk go only when
   -- this script ends, so it ends there, and the next stage (if any) goes on from the next message. Frames

@@ -60,9 +60,9 @@ def _lua_runs(stack: Stack) -> dict[str, int]:
 
 
 def test_a_warm_unary_request_meets_no_lua(stack: Stack):
-    """A unary infer to a loaded model whose size the headers tell: no Lua runs for it (the wake filters are off
-    on its route; the shape hint and the dead-stub marker are created only for a 400 / INVALID_ARGUMENT / 500).
-    gRPC carries no content-length: there the first wake stage reads the message's 5-byte frame header, once."""
+    """A unary infer to a loaded model: no Lua runs for it, over HTTP (its size in the headers) or gRPC (no
+    content-length; its retry buffer takes any message): the wake filters are off on its route, the shape hint
+    and the dead-stub marker are created only for a 400 / INVALID_ARGUMENT / 500."""
     name = stack.publish("gw_no_lua")
     stack.loop.run(stack.lifecycle.ensure_ready(name))
     x = _x()
@@ -76,9 +76,7 @@ def test_a_warm_unary_request_meets_no_lua(stack: Stack):
     with stack.grpc() as client:
         for _ in range(3):
             np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
-    after = _lua_runs(stack)
-    assert after.pop("http.kserve_grpc.lua.executions") == before.pop("http.kserve_grpc.lua.executions") + 3
-    assert after == before
+    assert _lua_runs(stack) == before
 
 
 def test_sleeping_model_wakes_over_http(stack: Stack):
@@ -152,8 +150,9 @@ def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_64_mib_request_wakes_a_sleeping_model(stack: Stack, protocol: str):
-    """A body far over ``wake_buffer_bytes`` wakes its model (the wake filter, not the retry), runs once,
-    and the model is held only while the request runs."""
+    """A body far over ``wake_buffer_bytes`` wakes its model and runs once, and the model is held only while
+    the request runs. HTTP: the wake filter (the body is sent once); gRPC, whose retry buffer takes any message
+    Triton accepts: the retry (Triton's 'unknown model', then the activator)."""
     name = stack.publish(f"gw_big_{protocol}")
     big = np.ones((1, 64 * 1024 * 1024 // 4), dtype=np.float32)
     retries = stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0)
@@ -161,7 +160,8 @@ def test_a_64_mib_request_wakes_a_sleeping_model(stack: Stack, protocol: str):
         y = http_infer(h, name, big) if protocol == "http" else grpc_infer(g, name, big)
     assert y.shape == big.shape and float(y[0, 0]) == 3.0 and float(y[0, -1]) == 3.0
     assert stack.triton_ready(name) and stack.load_count(name) == 1
-    assert stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0) == retries  # no re-send
+    resent = stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0) - retries
+    assert resent == (0 if protocol == "http" else 1)
     assert _successes(stack, name, 2) == 2  # it ran once (Triton also counts the load's warm-up inference)
     until(lambda: stack.activator.holds.held(name) == 0, "the hold's release once the request ended")
 
