@@ -11,12 +11,13 @@ body larger than ``wake_buffer_bytes``. For those the filter decides before the 
   ``ModelInfer`` pass untouched: the retry path serves them (gRPC carries no content-length, so its retry
   buffer is as large as a message Triton accepts, ``envoy.GRPC_RETRY_BUFFER_BYTES``); warm ones never
   touch Lua or Python;
-- the model: HTTP from the path; on a ``ModelStreamInfer`` stream, from field 1 of every message: each READY model the stream names is
-  held (once) as its first message goes on, and each sleeping one is woken before its message moves on. A
-  filter reads no further after a wake it waited for (Envoy's Lua lets a chunk held across a call it waited
-  for go only when the script ends), so the gRPC listener chains ``STREAM_WAKE_STAGES`` filters: the next
-  one takes over at the message after the woken one (its body offset in the dynamic metadata). A stream
-  wakes up to that many sleeping models; one more first named on it gets Triton's answer on the stream;
+- the model: HTTP from the path; on a ``ModelStreamInfer`` stream, from field 1 of every message: each READY
+  model the stream names is held (once) as its first message goes on, and each sleeping one is woken before
+  its message moves on. A filter reads no further after a wake it waited for (Envoy's Lua lets a chunk held
+  across a call it waited for go only when the script ends), so the gRPC listener chains
+  ``STREAM_WAKE_STAGES`` filters: the next one takes over at the message after the woken one (its body offset
+  in the dynamic metadata). A stream wakes up to that many sleeping models; one more first named on it gets
+  Triton's answer on the stream;
 - how, cold: it waits for the first body chunk (so the request headers have already gone on, and Envoy
   applies flow control instead of a 413 while it holds the body), calls the activator's
   ``POST /_snooze/hold/<model>`` (``x-snooze-hold: <token>``), which wakes the model (single flight)
