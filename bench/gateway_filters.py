@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from bench._load import Job, LoadWorker, bare_envoy_bootstrap
-from bench.common import API_KEY, direct_urls, echo_package, gateway_urls, serving_stack
+from bench.common import API_KEY, direct_urls, echo_package, fp32, gateway_urls, serving_stack, write_package
 from controlplane.gateway.envoy import (
+    GRPC_RETRY_BUFFER_BYTES,
     OPTIONAL_FILTERS,
     EnvoyProcess,
     Upstream,
@@ -33,14 +34,36 @@ CONCURRENCY = (1, 32)
 PROTOCOLS = ("grpc", "http")
 # Each filter left out in turn; "no_filters": none of them (what the routes alone cost: retry, gate, request id).
 VARIANTS = ("no_auth", *(f"no_{name}" for name in OPTIONAL_FILTERS), "no_filters")
+# A warm large gRPC request: what the copy Envoy keeps for the retry costs it, against the same gateway whose gRPC
+# retry buffer is HTTP's (a request over it is not kept, so not copied: no wake for it either) and direct Triton.
+SINK = "bench-sink"
+SINK_PY = """
+import numpy as np
+
+
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        x = inputs["x"]
+        return {"y": np.zeros((x.shape[0], 4), np.float32) + x[:, :1]}
+"""
+LARGE_FLOATS = 8 * 1024 * 1024  # 32 MiB of FP32
+LARGE_TARGETS = ("direct", "gateway_large", "gateway_large_no_copy")
 
 
 async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict[str, Any]:
     pkg = echo_package(root / "pkg" / MODEL)
-    entries = [{"id": MODEL, "path": pkg, "max_batch_size": 8, "idle_timeout_secs": 3600}]
+    sink = write_package(root / "pkg" / SINK, SINK_PY, [fp32("x", -1)], [fp32("y", 4)])
+    entries = [
+        {"id": MODEL, "path": pkg, "max_batch_size": 8, "idle_timeout_secs": 3600},
+        {"id": SINK, "path": sink, "max_batch_size": 8, "idle_timeout_secs": 3600},
+    ]
     load_start = [round(v, 2) for v in os.getloadavg()]
     async with serving_stack(root / "stack", entries) as stack:
         await stack.lifecycle.ensure_ready(MODEL)
+        await stack.lifecycle.ensure_ready(SINK)
         triton = {p: Upstream.parse(u) for p, u in direct_urls(stack).items()}
         processes: dict[str, EnvoyProcess] = {}
         urls: dict[str, dict[str, str]] = {"direct": direct_urls(stack), "gateway": gateway_urls(stack)}
@@ -78,7 +101,33 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
                 bootstrap, root / variant, listen=[("127.0.0.1", p) for p in ports], name=variant
             )
             urls[f"gateway_{variant}"] = {"http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}"}
+        http_buffer = stack.settings.wake_buffer_bytes
+        for variant, buffer in (("large", GRPC_RETRY_BUFFER_BYTES), ("large_no_copy", http_buffer)):
+            ports = free_port(), free_port()
+            bootstrap = render_bootstrap(
+                host="127.0.0.1",
+                http_port=ports[0],
+                grpc_port=ports[1],
+                admin_port=0,
+                triton_http=triton["http"],
+                triton_grpc=triton["grpc"],
+                activator_http=Upstream.parse(stack.activator.http_address),
+                activator_grpc=Upstream.parse(stack.activator.grpc_address),
+                wake_buffer_bytes=stack.settings.wake_buffer_bytes,
+                api_keys=gateway_keys(stack.settings),
+                ready_dir=ready_dir_path(stack.settings),
+            )
+            limit = f"request_body_buffer_limit: {GRPC_RETRY_BUFFER_BYTES}"
+            assert bootstrap.count(limit) == 1, "the gRPC listener's retry buffer moved"
+            processes[f"gateway_{variant}"] = EnvoyProcess(
+                bootstrap.replace(limit, f"request_body_buffer_limit: {buffer}"),
+                root / variant,
+                listen=[("127.0.0.1", p) for p in ports],
+                name=variant,
+            )
+            urls[f"gateway_{variant}"] = {"http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}"}
         targets = ["direct", "bare_envoy", "gateway", *(f"gateway_{v}" for v in VARIANTS)]
+        large: list[dict[str, Any]] = []
         runs: list[dict[str, Any]] = []
         lua_before = _lua_executions(stack.gateway.stats())
         try:
@@ -113,7 +162,21 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
                                     }
                                 )
                             runs[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
-            lua_during = _lua_executions(stack.gateway.stats()) - lua_before
+                lua_during = _lua_executions(stack.gateway.stats()) - lua_before
+                for r in range(rounds):
+                    for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
+                        job = Job(
+                            "grpc",
+                            urls[name]["grpc"],
+                            SINK,
+                            1,
+                            seconds * 2,
+                            shape=[1, LARGE_FLOATS],
+                            headers={} if name == "direct" else {"x-api-key": API_KEY},
+                            warmup_secs=warmup,
+                        )
+                        result = await worker.run(job)
+                        large.append({"round": r, "target": name, "p50_ms": result.p50_ms, "errors": result.errors})
         finally:
             for process in processes.values():
                 process.stop()
@@ -132,6 +195,14 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
         "gateway_lua_executions": lua_during,  # the served gateway's Lua runs over all its warm requests
         "runs": runs,
         "table": _table(runs, targets, rounds),
+        "large": {
+            "request_mib": LARGE_FLOATS * 4 / 2**20,
+            "runs": large,
+            "p50_ms": {
+                t: round(statistics.median(x["p50_ms"] for x in large if x["target"] == t), 2) for t in LARGE_TARGETS
+            },
+            "errors": {t: sum(x["errors"] for x in large if x["target"] == t) for t in LARGE_TARGETS},
+        },
     }
 
 

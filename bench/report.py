@@ -1070,6 +1070,25 @@ def _gateway_filters_lines(gf: dict[str, Any] | None) -> list[str]:
         ),
         "",
         *_gateway_filters_reading(gf["table"]),
+        *_gateway_large_lines(gf.get("large"), st),
+    ]
+
+
+def _gateway_large_lines(large: dict[str, Any] | None, st: dict[str, Any]) -> list[str]:
+    """A warm large gRPC request: the copy the gRPC retry keeps (every ModelInfer can be retried, no Lua reads
+    its size) against the same gateway with HTTP's retry buffer (a large request not kept: no copy, no wake)."""
+    if not large:
+        return []
+    p50, errors = large["p50_ms"], large["errors"]
+    direct = p50["direct"]
+    return [
+        f"A warm {large['request_mib']:g} MiB gRPC ModelInfer (one client, {st['seconds'] * 2} s per target per "
+        f"round, the same rounds, rotating; p50 of each round's requests, median over rounds): direct "
+        f"{direct} ms; the gateway {p50['gateway_large']} ms ({p50['gateway_large'] - direct:+.2f} ms over "
+        f"direct), where Envoy keeps a copy for the retry; the same gateway with HTTP's retry buffer for gRPC (no "
+        f"copy, so no wake for it) {p50['gateway_large_no_copy']} ms "
+        f"({p50['gateway_large_no_copy'] - direct:+.2f} ms). Errors: {errors}.",
+        "",
     ]
 
 

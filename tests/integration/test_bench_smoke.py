@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 SECTION_KEYS = {
     "gateway": {"rows", "ratios", "gateway_retries_during_run", "settings"},
-    "gateway_filters": {"table", "runs", "load_average", "gateway_lua_executions"},
+    "gateway_filters": {"table", "runs", "load_average", "gateway_lua_executions", "large"},
     "coldstart": {"cycles", "models"},
     "batching": {"settings", "models", "runtime_vs_handwritten"},
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
@@ -121,4 +121,6 @@ def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
     filters = data["sections"]["gateway_filters"]
     assert {row["target"] for row in filters["table"]} >= {"direct", "bare_envoy", "gateway", "gateway_no_wake"}
     assert all(row["errors"] == 0 for row in filters["table"]), filters["table"]
+    assert set(filters["large"]["errors"].values()) == {0}, filters["large"]
+    assert "MiB gRPC ModelInfer" in text
     assert "## What each gateway filter costs a warm unary request" in text
