@@ -80,10 +80,9 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
             name="bare",
         )
         urls["bare_envoy"] = {"http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}"}
-        for variant in VARIANTS:
-            ports = free_port(), free_port()
-            omitted = {"no_filters": "all"}.get(variant, variant.removeprefix("no_"))
-            bootstrap = render_bootstrap(
+
+        def bootstrap_of(ports: tuple[int, int], *, keys: bool = True, omit: list[str] | tuple[str, ...] = ()) -> str:
+            return render_bootstrap(
                 host="127.0.0.1",
                 http_port=ports[0],
                 grpc_port=ports[1],
@@ -93,8 +92,17 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
                 activator_http=Upstream.parse(stack.activator.http_address),
                 activator_grpc=Upstream.parse(stack.activator.grpc_address),
                 wake_buffer_bytes=stack.settings.wake_buffer_bytes,
-                api_keys=[] if omitted in ("auth", "all") else gateway_keys(stack.settings),
+                api_keys=gateway_keys(stack.settings) if keys else [],
                 ready_dir=ready_dir_path(stack.settings),
+                omit=omit,
+            )
+
+        for variant in VARIANTS:
+            ports = free_port(), free_port()
+            omitted = {"no_filters": "all"}.get(variant, variant.removeprefix("no_"))
+            bootstrap = bootstrap_of(
+                ports,
+                keys=omitted not in ("auth", "all"),
                 omit={"auth": [], "all": OPTIONAL_FILTERS}.get(omitted, [omitted]),
             )
             processes[f"gateway_{variant}"] = EnvoyProcess(
@@ -104,19 +112,7 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
         http_buffer = stack.settings.wake_buffer_bytes
         for variant, buffer in (("large", GRPC_RETRY_BUFFER_BYTES), ("large_no_copy", http_buffer)):
             ports = free_port(), free_port()
-            bootstrap = render_bootstrap(
-                host="127.0.0.1",
-                http_port=ports[0],
-                grpc_port=ports[1],
-                admin_port=0,
-                triton_http=triton["http"],
-                triton_grpc=triton["grpc"],
-                activator_http=Upstream.parse(stack.activator.http_address),
-                activator_grpc=Upstream.parse(stack.activator.grpc_address),
-                wake_buffer_bytes=stack.settings.wake_buffer_bytes,
-                api_keys=gateway_keys(stack.settings),
-                ready_dir=ready_dir_path(stack.settings),
-            )
+            bootstrap = bootstrap_of(ports)
             limit = f"request_body_buffer_limit: {GRPC_RETRY_BUFFER_BYTES}"
             assert bootstrap.count(limit) == 1, "the gRPC listener's retry buffer moved"
             processes[f"gateway_{variant}"] = EnvoyProcess(
