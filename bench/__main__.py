@@ -7,8 +7,10 @@
     python -m bench --replay trace.csv    # keep-alive policies over your own trace (CSV lines model,timestamp)
 
 Sections: gateway, gateway_filters, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live,
-fleet, streaming, eviction, churn (default), native (opt-in: torch custom vs its ONNX export), keepalive_replay
-(--replay). Loopback only; each
+fleet, streaming, eviction, churn (default), gateway_targets (opt-in: the gateway's targets against the bare Envoy
+hop alone, many rounds, with a twin of the gateway for the noise), gateway_routes (opt-in: what the routes cost besides
+filters, each part left out in turn), native (opt-in: torch custom vs its ONNX export),
+keepalive_replay (--replay). Loopback only; each
 measurement is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no
 server, seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
 periodic caller through the real stack against an adaptive and a fixed copy of one model
@@ -48,8 +50,17 @@ DEFAULT_SECTIONS = (
     "gateway", "gateway_filters", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive",
     "keepalive_live", "fleet", "streaming", "eviction", "churn",
 )  # fmt: skip
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "native", "keepalive_replay")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "gateway_targets", "gateway_routes", "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
+
+
+GATEWAY_TARGETS = {"variants": (), "twin": True, "large_requests": False}
+# bench.gateway_filters.ROUTE_EDITS and VARIANTS, checked there
+GATEWAY_ROUTES = {
+    "variants": ("no_request_id", "no_retry", "no_gate", "no_access_log", "no_auth", "no_hints", "no_filters"),
+    "large_requests": False,
+    "direct_with_id": True,
+}
 
 
 def params(quick: bool) -> dict[str, dict[str, Any]]:
@@ -57,6 +68,8 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
             "gateway_filters": {"seconds": 0.2, "warmup": 0.05, "rounds": 1},
+            "gateway_targets": {"seconds": 0.2, "warmup": 0.05, "rounds": 2, **GATEWAY_TARGETS},
+            "gateway_routes": {"seconds": 0.2, "warmup": 0.05, "rounds": 1, **GATEWAY_ROUTES},
             "coldstart": {
                 "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
                 "memory_copies": 2, "warmup_cycle": False,
@@ -99,6 +112,12 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
         "gateway_filters": {"seconds": 1.0, "warmup": 0.2, "rounds": 11},
+        # Direct, the bare hop, the gateway and its twin only: 4 targets x 4 (protocol, concurrency) x 21 rounds
+        # x 1.8 s, about 10 minutes.
+        "gateway_targets": {"seconds": 1.5, "warmup": 0.3, "rounds": 21, **GATEWAY_TARGETS},
+        # What the routes do besides filters, each left out in turn, and the filters: 11 targets x 4 x 9 rounds x
+        # 1.2 s, 8 minutes.
+        "gateway_routes": {"seconds": 1.0, "warmup": 0.2, "rounds": 9, **GATEWAY_ROUTES},
         "coldstart": {
             "cycles": 20,
             "models": [
@@ -146,10 +165,10 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
 
 
 async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, Any]:
-    if name in ("gateway", "gateway_filters"):
+    if name in ("gateway", "gateway_filters", "gateway_targets", "gateway_routes"):
         from bench import gateway, gateway_filters
 
-        return await {"gateway": gateway, "gateway_filters": gateway_filters}[name].run(root, **kw)
+        return await (gateway if name == "gateway" else gateway_filters).run(root, **kw)
     if name == "coldstart":
         from bench import coldstart
 

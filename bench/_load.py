@@ -248,6 +248,10 @@ class LoadWorker:
                 proc.kill()
                 await proc.wait()
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
     async def run(self, job: Job) -> LoadResult:
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None

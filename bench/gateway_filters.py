@@ -12,9 +12,13 @@ activator, with the served gateway's keys (``no_auth``, ``no_filters``: rendered
 from __future__ import annotations
 
 import os
+import re
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from bench._load import Job, LoadWorker, bare_envoy_bootstrap
 from bench.common import API_KEY, direct_urls, echo_package, fp32, gateway_urls, serving_stack, write_package
@@ -27,6 +31,7 @@ from controlplane.gateway.envoy import (
     ready_dir_path,
     render_bootstrap,
 )
+from controlplane.triton.journal import REQUEST_ID_HEADER
 from controlplane.triton.launcher import free_port
 
 MODEL = "bench-echo"
@@ -34,6 +39,19 @@ CONCURRENCY = (1, 32)
 PROTOCOLS = ("grpc", "http")
 # Each filter left out in turn; "no_filters": none of them (what the routes alone cost: retry, gate, request id).
 VARIANTS = ("no_auth", *(f"no_{name}" for name in OPTIONAL_FILTERS), "no_filters")
+# What the routes do besides filters, each left out of the served bootstrap in turn (section gateway_routes; the
+# regexes must match, so a change to the template fails the bench rather than measuring the gateway twice).
+ROUTE_EDITS = {
+    # the x-snooze-request-id header (Envoy's UNIQUE_ID; Triton forwards it to the stub, which journals it)
+    "no_request_id": r"\n *request_headers_to_add:\n *- header: \{ key: \"x-snooze-request-id\"[^\n]*\n[^\n]*",
+    # the retry to the activator (and the request copy it keeps)
+    "no_retry": r"\n *retry_policy:\n(?:.*\n)*? *retry_back_off:[^\n]*",
+    # the snapshot gate (a runtime_fraction route ahead of every other)
+    "no_gate": r"\n *- match:\n *prefix: /\n *runtime_fraction:\n(?:[^\n]*\n){4}[^\n]*",
+    # the access log of held requests (a metadata filter per request)
+    "no_access_log": r"\n *access_log:\n(?:.*\n)*? *inline_string: \"%DYNAMIC_METADATA[^\n]*",
+}
+ROUTE_VARIANTS = tuple(ROUTE_EDITS)
 # A warm large gRPC request: what the copy Envoy keeps for the retry costs it, against the same gateway whose gRPC
 # retry buffer is HTTP's (a request over it is not kept, so not copied: no wake for it either) and direct Triton.
 SINK = "bench-sink"
@@ -53,7 +71,26 @@ LARGE_FLOATS = 8 * 1024 * 1024  # 32 MiB of FP32
 LARGE_TARGETS = ("direct", "gateway_large", "gateway_large_no_copy")
 
 
-async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict[str, Any]:
+async def run(
+    root: Path,
+    *,
+    seconds: float,
+    warmup: float,
+    rounds: int,
+    variants: tuple[str, ...] = VARIANTS,
+    twin: bool = False,
+    large_requests: bool = True,
+    direct_with_id: bool = False,
+) -> dict[str, Any]:
+    """``variants``: the filters left out in turn (``VARIANTS`` or a subset); ``twin``: a second Envoy with the
+    served gateway's own bootstrap (its distance from the gateway is this run's noise); ``large_requests``: the
+    warm 32 MiB gRPC comparison; ``direct_with_id``: direct Triton again, the client sending the gateway's
+    request-id header itself (what Triton and the stub spend on it). ``python -m bench --only gateway_targets``
+    runs the issue's check alone (direct, the bare hop, the gateway and its twin, over many rounds), ``--only
+    gateway_routes`` the route variants."""
+    if unknown := set(variants) - set(VARIANTS) - set(ROUTE_EDITS):
+        known = ", ".join((*VARIANTS, *ROUTE_EDITS))
+        raise ValueError(f"unknown gateway variants {sorted(unknown)}: one of {known}")
     pkg = echo_package(root / "pkg" / MODEL)
     sink = write_package(root / "pkg" / SINK, SINK_PY, [fp32("x", -1)], [fp32("y", 4)])
     entries = [
@@ -66,20 +103,9 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
         await stack.lifecycle.ensure_ready(SINK)
         triton = {p: Upstream.parse(u) for p, u in direct_urls(stack).items()}
         processes: dict[str, EnvoyProcess] = {}
-        urls: dict[str, dict[str, str]] = {"direct": direct_urls(stack), "gateway": gateway_urls(stack)}
-        ports = free_port(), free_port()
-        processes["bare_envoy"] = EnvoyProcess(
-            bare_envoy_bootstrap(
-                http_port=ports[0],
-                grpc_port=ports[1],
-                triton_http=(triton["http"].host, triton["http"].port),
-                triton_grpc=(triton["grpc"].host, triton["grpc"].port),
-            ),
-            root / "bare_envoy",
-            listen=[("127.0.0.1", p) for p in ports],
-            name="bare",
-        )
-        urls["bare_envoy"] = {"http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}"}
+        urls: dict[str, dict[str, str]] = {
+            "direct": direct_urls(stack), "direct_with_id": direct_urls(stack), "gateway": gateway_urls(stack)
+        }  # fmt: skip
 
         def bootstrap_of(ports: tuple[int, int], *, keys: bool = True, omit: list[str] | tuple[str, ...] = ()) -> str:
             return render_bootstrap(
@@ -97,32 +123,31 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
                 omit=omit,
             )
 
-        for variant in VARIANTS:
+        def bare(ports: tuple[int, int]) -> str:
+            return bare_envoy_bootstrap(
+                http_port=ports[0],
+                grpc_port=ports[1],
+                triton_http=(triton["http"].host, triton["http"].port),
+                triton_grpc=(triton["grpc"].host, triton["grpc"].port),
+            )
+
+        envoys = {"bare_envoy": bare, **_variant_bootstraps(bootstrap_of, variants, twin=twin)}
+        if large_requests:
+            envoys.update(_large_bootstraps(bootstrap_of, stack.settings.wake_buffer_bytes))
+        for name, bootstrap in envoys.items():
             ports = free_port(), free_port()
-            omitted = {"no_filters": "all"}.get(variant, variant.removeprefix("no_"))
-            bootstrap = bootstrap_of(
-                ports,
-                keys=omitted not in ("auth", "all"),
-                omit={"auth": [], "all": OPTIONAL_FILTERS}.get(omitted, [omitted]),
+            processes[name] = EnvoyProcess(
+                bootstrap(ports), root / name, listen=[("127.0.0.1", p) for p in ports], name=name
             )
-            processes[f"gateway_{variant}"] = EnvoyProcess(
-                bootstrap, root / variant, listen=[("127.0.0.1", p) for p in ports], name=variant
-            )
-            urls[f"gateway_{variant}"] = {"http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}"}
-        http_buffer = stack.settings.wake_buffer_bytes
-        for variant, buffer in (("large", GRPC_RETRY_BUFFER_BYTES), ("large_no_copy", http_buffer)):
-            ports = free_port(), free_port()
-            bootstrap = bootstrap_of(ports)
-            limit = f"request_body_buffer_limit: {GRPC_RETRY_BUFFER_BYTES}"
-            assert bootstrap.count(limit) == 1, "the gRPC listener's retry buffer moved"
-            processes[f"gateway_{variant}"] = EnvoyProcess(
-                bootstrap.replace(limit, f"request_body_buffer_limit: {buffer}"),
-                root / variant,
-                listen=[("127.0.0.1", p) for p in ports],
-                name=variant,
-            )
-            urls[f"gateway_{variant}"] = {"http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}"}
-        targets = ["direct", "bare_envoy", "gateway", *(f"gateway_{v}" for v in VARIANTS)]
+            urls[name] = {"http": f"http://127.0.0.1:{ports[0]}", "grpc": f"127.0.0.1:{ports[1]}"}
+        targets = [
+            "direct",
+            *(["direct_with_id"] if direct_with_id else []),
+            "bare_envoy",
+            "gateway",
+            *(["gateway_twin"] if twin else []),
+            *(f"gateway_{v}" for v in variants),
+        ]
         large: list[dict[str, Any]] = []
         runs: list[dict[str, Any]] = []
         lua_before = _lua_executions(stack.gateway.stats())
@@ -141,9 +166,12 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
                                     MODEL,
                                     concurrency,
                                     seconds,
-                                    headers={} if name in ("direct", "bare_envoy") else {"x-api-key": API_KEY},
+                                    headers=_headers(name),
                                     warmup_secs=warmup,
                                 )
+                                envoy = stack.gateway if name == "gateway" else processes.get(name)
+                                cpu = _CpuMeter(stack, client=worker.pid, envoy=envoy.pid if envoy else None)
+                                await cpu.start()
                                 result = await worker.run(job)
                                 runs.append(
                                     {
@@ -155,11 +183,12 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
                                         "p50_ms": result.p50_ms,
                                         "errors": result.errors,
                                         "first_error": result.first_error,
+                                        **await cpu.per_request(),
                                     }
                                 )
                             runs[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
                 lua_during = _lua_executions(stack.gateway.stats()) - lua_before
-                for r in range(rounds):
+                for r in range(rounds if large_requests else 0):
                     for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
                         job = Job(
                             "grpc",
@@ -191,14 +220,117 @@ async def run(root: Path, *, seconds: float, warmup: float, rounds: int) -> dict
         "gateway_lua_executions": lua_during,  # the served gateway's Lua runs over all its warm requests
         "runs": runs,
         "table": _table(runs, targets, rounds),
-        "large": {
-            "request_mib": LARGE_FLOATS * 4 / 2**20,
-            "runs": large,
-            "p50_ms": {
-                t: round(statistics.median(x["p50_ms"] for x in large if x["target"] == t), 2) for t in LARGE_TARGETS
-            },
-            "errors": {t: sum(x["errors"] for x in large if x["target"] == t) for t in LARGE_TARGETS},
+        "large": _large_summary(large) if large_requests else None,
+    }
+
+
+class _CpuMeter:
+    """CPU time per request over one job (its warm-up too), by part: the client process, the target's Envoy
+    (none for direct) and Triton with its model processes; the requests are Triton's count of the model's
+    successful inferences over the same span. Not wall time: a co-tenant's burst changes the throughput of a
+    slice far more than the CPU each request takes, so these numbers are what the table's throughput ratios are
+    made of, with less noise."""
+
+    def __init__(self, stack: Any, *, client: int | None, envoy: int | None) -> None:
+        self._stack, self._pids = stack, {"client": client, "envoy": envoy}
+        self._triton = stack.triton_process.pid if stack.triton_process else None
+        self._before: tuple[dict[str, float], int] | None = None
+
+    def _cpu(self) -> dict[str, float]:
+        out = {part: _cpu_seconds(pid, tree=False) for part, pid in self._pids.items() if pid}
+        if self._triton:
+            out["triton"] = _cpu_seconds(self._triton, tree=True)
+        return out
+
+    async def _served(self) -> int:
+        return (await self._stack.admin.model_stats(MODEL)).success_count
+
+    async def start(self) -> None:
+        self._before = (self._cpu(), await self._served())
+
+    async def per_request(self) -> dict[str, float]:
+        assert self._before is not None
+        cpu, served = self._cpu(), await self._served()
+        requests = served - self._before[1]
+        if requests <= 0:
+            return {}
+        return {f"{part}_cpu_us": round((t - self._before[0][part]) / requests * 1e6, 1) for part, t in cpu.items()}
+
+
+def _cpu_seconds(pid: int, *, tree: bool) -> float:
+    """User and system CPU seconds of a process (and, with ``tree``, its live descendants)."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)] if tree else [proc]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+Bootstrap = Callable[[tuple[int, int]], str]  # an Envoy's bootstrap for its (HTTP, gRPC) ports
+
+
+def _variant_bootstraps(
+    bootstrap_of: Callable[..., str], variants: tuple[str, ...], *, twin: bool
+) -> dict[str, Bootstrap]:
+    """The twin (the served bootstrap again) and each variant: a filter left out (``VARIANTS``) or a part of the
+    routes (``ROUTE_EDITS``)."""
+    out: dict[str, Bootstrap] = {"gateway_twin": bootstrap_of} if twin else {}
+    for variant in variants:
+        if variant in ROUTE_EDITS:
+            out[f"gateway_{variant}"] = lambda ports, v=variant: _without(bootstrap_of(ports), v)
+            continue
+        omitted = {"no_filters": "all"}.get(variant, variant.removeprefix("no_"))
+        out[f"gateway_{variant}"] = lambda ports, o=omitted: bootstrap_of(
+            ports, keys=o not in ("auth", "all"), omit={"auth": [], "all": OPTIONAL_FILTERS}.get(o, [o])
+        )
+    return out
+
+
+def _large_bootstraps(bootstrap_of: Callable[..., str], http_buffer: int) -> dict[str, Bootstrap]:
+    """The served gateway (its gRPC retry keeps any message) and the same with HTTP's retry buffer for gRPC."""
+    limit = f"request_body_buffer_limit: {GRPC_RETRY_BUFFER_BYTES}"
+
+    def with_buffer(buffer: int) -> Bootstrap:
+        def bootstrap(ports: tuple[int, int]) -> str:
+            text = bootstrap_of(ports)
+            assert text.count(limit) == 1, "the gRPC listener's retry buffer moved"
+            return text.replace(limit, f"request_body_buffer_limit: {buffer}")
+
+        return bootstrap
+
+    return {"gateway_large": with_buffer(GRPC_RETRY_BUFFER_BYTES), "gateway_large_no_copy": with_buffer(http_buffer)}
+
+
+def _headers(target: str) -> dict[str, str]:
+    if target == "direct_with_id":
+        return {REQUEST_ID_HEADER: "bench-request-id"}
+    return {} if target in ("direct", "bare_envoy") else {"x-api-key": API_KEY}
+
+
+def _without(bootstrap: str, variant: str) -> str:
+    """The served bootstrap less one thing its routes do (``ROUTE_EDITS``)."""
+    edited, n = re.subn(ROUTE_EDITS[variant], "", bootstrap)
+    if not n:
+        raise ValueError(f"{variant}: its pattern no longer matches the gateway's bootstrap (bench/gateway_filters.py)")
+    return edited
+
+
+def _large_summary(large: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "request_mib": LARGE_FLOATS * 4 / 2**20,
+        "runs": large,
+        "p50_ms": {
+            t: round(statistics.median(x["p50_ms"] for x in large if x["target"] == t), 2) for t in LARGE_TARGETS
         },
+        "errors": {t: sum(x["errors"] for x in large if x["target"] == t) for t in LARGE_TARGETS},
     }
 
 
@@ -218,17 +350,25 @@ def _table(runs: list[dict[str, Any]], targets: list[str], rounds: int) -> list[
             added = [
                 by[(r, protocol, 1, target)]["p50_ms"] - by[(r, protocol, 1, "direct")]["p50_ms"] for r in range(rounds)
             ]
+            quartiles = statistics.quantiles(ratio, n=4) if len(ratio) > 1 else [ratio[0]] * 3
             rows.append(
                 {
                     "protocol": protocol,
                     "target": target,
                     "c32_rps": round(statistics.median(x["rps"] for x in c32), 1),
                     "c32_vs_bare_envoy": round(statistics.median(ratio), 3),
+                    "c32_vs_bare_envoy_iqr": [round(quartiles[0], 3), round(quartiles[2], 3)],
                     "c1_p50_ms": round(
                         statistics.median(by[(r, protocol, 1, target)]["p50_ms"] for r in range(rounds)), 3
                     ),
                     "c1_added_p50_ms": round(statistics.median(added), 3),
                     "errors": sum(by[(r, protocol, c, target)]["errors"] for r in range(rounds) for c in CONCURRENCY),
+                    # CPU per request at c=32, by part (median over rounds): what the throughput is made of
+                    "c32_cpu_us": {
+                        part: round(statistics.median(x[f"{part}_cpu_us"] for x in c32 if f"{part}_cpu_us" in x), 1)
+                        for part in ("envoy", "triton", "client")
+                        if any(f"{part}_cpu_us" in x for x in c32)
+                    },
                 }
             )
     return rows

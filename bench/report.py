@@ -855,6 +855,8 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
     lines += _recovery_lines(sec.get("recovery"))
     lines += _streaming_lines(sec.get("streaming"))
     lines += _gateway_filters_lines(sec.get("gateway_filters"))
+    lines += _gateway_filters_lines(sec.get("gateway_targets"), section="gateway_targets")
+    lines += _gateway_filters_lines(sec.get("gateway_routes"), section="gateway_routes")
     lines += _keepalive_sections(sec, plots, plot_rel)
     lines += _keepalive_live_lines(sec.get("keepalive_live"))
     lines += _fleet_lines(sec.get("fleet"), plots, plot_rel)
@@ -1029,7 +1031,16 @@ def _streaming_lines(st: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def _gateway_filters_lines(gf: dict[str, Any] | None) -> list[str]:
+_GATEWAY_HEADINGS = {
+    "gateway_filters": "## What each gateway filter costs a warm unary request",
+    "gateway_targets": "## The gateway against a bare Envoy hop, many rounds (the warm path's targets)",
+    "gateway_routes": "## What the gateway's routes cost a warm unary request besides filters",
+}
+
+
+def _gateway_filters_lines(gf: dict[str, Any] | None, *, section: str = "gateway_filters") -> list[str]:
+    """The per-filter table (section gateway_filters), the gateway's targets alone (gateway_targets: direct, the
+    bare hop, the gateway and its twin over many rounds) or what its routes do (gateway_routes)."""
     if not gf:
         return []
     st, la = gf["settings"], gf["load_average"]
@@ -1037,6 +1048,12 @@ def _gateway_filters_lines(gf: dict[str, Any] | None) -> list[str]:
         "direct": "direct to Triton",
         "bare_envoy": "bare Envoy (router only)",
         "gateway": "**the gateway, as served**",
+        "gateway_twin": "twin: a second Envoy with the gateway's own bootstrap",
+        "direct_with_id": "direct to Triton, the client sending x-snooze-request-id",
+        "gateway_no_request_id": "gateway without the x-snooze-request-id header",
+        "gateway_no_retry": "gateway without the retry to the activator",
+        "gateway_no_gate": "gateway without the snapshot gate route",
+        "gateway_no_access_log": "gateway without the held-request access log",
         "gateway_no_auth": "gateway without api_key_auth",
         "gateway_no_hints": "gateway without the shape-hint filter",
         "gateway_no_wake": "gateway without the wake filters",
@@ -1049,23 +1066,32 @@ def _gateway_filters_lines(gf: dict[str, Any] | None) -> list[str]:
             names.get(r["target"], r["target"]),
             r["c32_rps"],
             f"{r['c32_vs_bare_envoy']:.3f}",
+            "{:.3f} to {:.3f}".format(*r["c32_vs_bare_envoy_iqr"]) if "c32_vs_bare_envoy_iqr" in r else "-",
             r["c1_p50_ms"],
             f"{r['c1_added_p50_ms']:+.3f}",
+            *(r.get("c32_cpu_us", {}).get(part, "-") for part in ("envoy", "triton", "client")),
         ]
         for r in gf["table"]
     ]
     return [
-        "## What each gateway filter costs a warm unary request",
+        _GATEWAY_HEADINGS[section],
         "",
-        f"`bench/gateway_filters.py`: per protocol and concurrency (1, 32), {st['rounds']} rounds; each measures "
+        f"`bench/gateway_filters.py` (section {section}): "
+        f"per protocol and concurrency (1, 32), {st['rounds']} rounds; each measures "
         f"every target for {st['seconds']} s after {st['warmup_secs']} s of warm-up, the order rotating from round to "
         "round; "
         f"medians over rounds of per-round numbers (throughput over the same round's bare hop, p50 over the same "
-        f"round's direct p50). Client: {st['client']}. Load average at the start {la['start']}, at the end "
+        "round's direct p50). CPU per request: user + system time of each process over a job (warm-up included) "
+        "over Triton's count of the model's successful inferences in it, median over rounds. "
+        f"Client: {st['client']}. Load average at the start {la['start']}, at the end "
         f"{la['end']}. Lua runs in the served gateway over all these warm requests: {gf['gateway_lua_executions']}.",
         "",
         _table(
-            ["protocol", "target", "c=32 req/s", "c=32 / bare Envoy", "c=1 p50 (ms)", "c=1 p50 over direct (ms)"],
+            [
+                "protocol", "target", "c=32 req/s", "c=32 / bare Envoy", "its middle half of rounds", "c=1 p50 (ms)",
+                "c=1 p50 over direct (ms)", "c=32 CPU µs per request: Envoy", "Triton and its model processes",
+                "client",
+            ],  # fmt: skip
             rows,
         ),
         "",
@@ -1107,6 +1133,14 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
             f"{'met' if g['c32_vs_bare_envoy'] >= 0.95 else 'not met'}); at c=1 it adds {over:+.3f} ms over the bare "
             f"hop's added p50 (target +0.1 ms: {'met' if over <= 0.1 else 'not met'})."
         )
+    for protocol in ("grpc", "http"):
+        twin, served = by.get((protocol, "gateway_twin")), by.get((protocol, "gateway"))
+        if twin and served:
+            lines.append(
+                f"- Noise, {protocol}: the twin runs the gateway's own bootstrap in a second Envoy; it reads "
+                f"{twin['c32_vs_bare_envoy']:.3f}x and {twin['c1_added_p50_ms']:+.3f} ms against the gateway's "
+                f"{served['c32_vs_bare_envoy']:.3f}x and {served['c1_added_p50_ms']:+.3f} ms."
+            )
     twin, served = by.get(("grpc", "gateway_no_dead_stub")), by.get(("grpc", "gateway"))
     if twin and served:
         lines.append(

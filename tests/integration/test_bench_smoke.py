@@ -23,6 +23,8 @@ pytestmark = pytest.mark.integration
 SECTION_KEYS = {
     "gateway": {"rows", "ratios", "gateway_retries_during_run", "settings"},
     "gateway_filters": {"table", "runs", "load_average", "gateway_lua_executions", "large"},
+    "gateway_targets": {"table", "runs", "load_average", "gateway_lua_executions"},
+    "gateway_routes": {"table", "runs", "load_average", "gateway_lua_executions"},
     "coldstart": {"cycles", "models"},
     "batching": {"settings", "models", "runtime_vs_handwritten"},
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
@@ -36,11 +38,13 @@ SECTION_KEYS = {
 }
 # Scenarios other tests assert: tests/reliability (recovery), test_keepalive_live, tests/integration/gateway (streams),
 # tests/model/test_fast_unload.py and test_memory_budget (churn).
-SLOW_SECTIONS = ("recovery", "keepalive_live", "streaming", "churn", "gateway_filters")
+SLOW_SECTIONS = (
+    "recovery", "keepalive_live", "streaming", "churn", "gateway_filters", "gateway_targets", "gateway_routes"
+)  # fmt: skip
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
 
 
-def run_quick(tmp_path: Path, sections: tuple[str, ...]) -> tuple[dict, str]:
+def run_quick(tmp_path: Path, sections: tuple[str, ...], *, timeout: float = 400) -> tuple[dict, str]:
     """`python -m bench --quick --only ...`: the report's JSON and markdown, after checking the run."""
     if not (ROOT / "examples" / "models" / "onnx-mlp" / "model.onnx").is_file():
         pytest.skip("examples/models/onnx-mlp/model.onnx missing: run `make examples`")
@@ -52,7 +56,7 @@ def run_quick(tmp_path: Path, sections: tuple[str, ...]) -> tuple[dict, str]:
         env={**os.environ, "TMPDIR": str(tmp_path)},
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = out / "report.md"
@@ -103,9 +107,9 @@ def test_bench_quick_writes_report_plots_and_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(540)
 def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
-    data, text = run_quick(tmp_path, SLOW_SECTIONS)
+    data, text = run_quick(tmp_path, SLOW_SECTIONS, timeout=520)
     assert set(data["sections"]["recovery"]["topologies"]) == {"embedded", "two_process"}
     assert "## Recovery after a model process dies, per topology" in text
     assert set(data["sections"]["keepalive_live"]["policies"]) == {"adaptive", "fixed"}
@@ -124,3 +128,14 @@ def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
     assert set(filters["large"]["errors"].values()) == {0}, filters["large"]
     assert "MiB gRPC ModelInfer" in text
     assert "## What each gateway filter costs a warm unary request" in text
+    targets = data["sections"]["gateway_targets"]
+    assert [row["target"] for row in targets["table"]][:4] == ["direct", "bare_envoy", "gateway", "gateway_twin"]
+    assert targets["large"] is None  # not measured in this section
+    routes = data["sections"]["gateway_routes"]["table"]
+    assert {"direct_with_id", "gateway_no_retry", "gateway_no_gate"} <= {row["target"] for row in routes}
+    for row in (*targets["table"], *routes):
+        assert row["errors"] == 0, row
+        # every Envoy target's own CPU per request is measured; direct has none
+        assert ("envoy" in row["c32_cpu_us"]) == row["target"] not in ("direct", "direct_with_id"), row
+        assert row["c32_cpu_us"]["triton"] > 0, row
+    assert "## The gateway against a bare Envoy hop, many rounds" in text
