@@ -9,7 +9,8 @@
 Sections: gateway, gateway_filters, coldstart, batching, scale_to_zero, scale, recovery, keepalive, keepalive_live,
 fleet, streaming, eviction, churn (default), gateway_targets (opt-in: the gateway's targets against the bare Envoy
 hop alone, many rounds, with a twin of the gateway for the noise), gateway_routes (opt-in: what the routes cost besides
-filters, each part left out in turn), native (opt-in: torch custom vs its ONNX export),
+filters, each part left out in turn), envoy_cpu (opt-in: each gateway configuration's own CPU per request in
+front of an Envoy that answers itself, no Triton), native (opt-in: torch custom vs its ONNX export),
 keepalive_replay (--replay). Loopback only; each
 measurement is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no
 server, seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
@@ -50,7 +51,7 @@ DEFAULT_SECTIONS = (
     "gateway", "gateway_filters", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive",
     "keepalive_live", "fleet", "streaming", "eviction", "churn",
 )  # fmt: skip
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "gateway_targets", "gateway_routes", "native", "keepalive_replay")
+ALL_SECTIONS = (*DEFAULT_SECTIONS, "gateway_targets", "gateway_routes", "envoy_cpu", "native", "keepalive_replay")
 BENCH_DIR = Path(__file__).resolve().parent
 
 
@@ -70,6 +71,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "gateway_filters": {"seconds": 0.2, "warmup": 0.05, "rounds": 1},
             "gateway_targets": {"seconds": 0.2, "warmup": 0.05, "rounds": 2, **GATEWAY_TARGETS},
             "gateway_routes": {"seconds": 0.2, "warmup": 0.05, "rounds": 1, **GATEWAY_ROUTES},
+            "envoy_cpu": {"seconds": 0.2, "rounds": 1, "concurrency": 8},
             "coldstart": {
                 "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
                 "memory_copies": 2, "warmup_cycle": False,
@@ -118,6 +120,8 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         # What the routes do besides filters, each left out in turn, and the filters: 11 targets x 4 x 9 rounds x
         # 1.2 s, 8 minutes.
         "gateway_routes": {"seconds": 1.0, "warmup": 0.2, "rounds": 9, **GATEWAY_ROUTES},
+        # 12 Envoy configurations x 2 protocols x 15 rounds x 1 s: 6 minutes
+        "envoy_cpu": {"seconds": 1.0, "rounds": 15, "concurrency": 8},
         "coldstart": {
             "cycles": 20,
             "models": [
@@ -165,10 +169,10 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
 
 
 async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, Any]:
-    if name in ("gateway", "gateway_filters", "gateway_targets", "gateway_routes"):
-        from bench import gateway, gateway_filters
+    if name in ("gateway", "gateway_filters", "gateway_targets", "gateway_routes", "envoy_cpu"):
+        from bench import envoy_cpu, gateway, gateway_filters
 
-        return await (gateway if name == "gateway" else gateway_filters).run(root, **kw)
+        return await {"gateway": gateway, "envoy_cpu": envoy_cpu}.get(name, gateway_filters).run(root, **kw)
     if name == "coldstart":
         from bench import coldstart
 

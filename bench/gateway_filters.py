@@ -131,7 +131,7 @@ async def run(
                 triton_grpc=(triton["grpc"].host, triton["grpc"].port),
             )
 
-        envoys = {"bare_envoy": bare, **_variant_bootstraps(bootstrap_of, variants, twin=twin)}
+        envoys = {"bare_envoy": bare, **variant_bootstraps(bootstrap_of, variants, twin=twin)}
         if large_requests:
             envoys.update(_large_bootstraps(bootstrap_of, stack.settings.wake_buffer_bytes))
         for name, bootstrap in envoys.items():
@@ -237,9 +237,9 @@ class _CpuMeter:
         self._before: tuple[dict[str, float], int] | None = None
 
     def _cpu(self) -> dict[str, float]:
-        out = {part: _cpu_seconds(pid, tree=False) for part, pid in self._pids.items() if pid}
+        out = {part: cpu_seconds(pid, tree=False) for part, pid in self._pids.items() if pid}
         if self._triton:
-            out["triton"] = _cpu_seconds(self._triton, tree=True)
+            out["triton"] = cpu_seconds(self._triton, tree=True)
         return out
 
     async def _served(self) -> int:
@@ -257,7 +257,7 @@ class _CpuMeter:
         return {f"{part}_cpu_us": round((t - self._before[0][part]) / requests * 1e6, 1) for part, t in cpu.items()}
 
 
-def _cpu_seconds(pid: int, *, tree: bool) -> float:
+def cpu_seconds(pid: int, *, tree: bool) -> float:
     """User and system CPU seconds of a process (and, with ``tree``, its live descendants)."""
     try:
         proc = psutil.Process(pid)
@@ -277,7 +277,7 @@ def _cpu_seconds(pid: int, *, tree: bool) -> float:
 Bootstrap = Callable[[tuple[int, int]], str]  # an Envoy's bootstrap for its (HTTP, gRPC) ports
 
 
-def _variant_bootstraps(
+def variant_bootstraps(
     bootstrap_of: Callable[..., str], variants: tuple[str, ...], *, twin: bool
 ) -> dict[str, Bootstrap]:
     """The twin (the served bootstrap again) and each variant: a filter left out (``VARIANTS``) or a part of the

@@ -857,6 +857,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
     lines += _gateway_filters_lines(sec.get("gateway_filters"))
     lines += _gateway_filters_lines(sec.get("gateway_targets"), section="gateway_targets")
     lines += _gateway_filters_lines(sec.get("gateway_routes"), section="gateway_routes")
+    lines += _envoy_cpu_lines(sec.get("envoy_cpu"))
     lines += _keepalive_sections(sec, plots, plot_rel)
     lines += _keepalive_live_lines(sec.get("keepalive_live"))
     lines += _fleet_lines(sec.get("fleet"), plots, plot_rel)
@@ -1031,6 +1032,24 @@ def _streaming_lines(st: dict[str, Any] | None) -> list[str]:
     ]
 
 
+_GATEWAY_TARGET_NAMES = {
+    "direct": "direct to Triton",
+    "bare_envoy": "bare Envoy (router only)",
+    "gateway": "**the gateway, as served**",
+    "gateway_twin": "twin: a second Envoy with the gateway's own bootstrap",
+    "direct_with_id": "direct to Triton, the client sending x-snooze-request-id",
+    "gateway_no_request_id": "gateway without the x-snooze-request-id header",
+    "gateway_no_retry": "gateway without the retry to the activator",
+    "gateway_no_gate": "gateway without the snapshot gate route",
+    "gateway_no_access_log": "gateway without the held-request access log",
+    "gateway_no_auth": "gateway without api_key_auth",
+    "gateway_no_hints": "gateway without the shape-hint filter",
+    "gateway_no_wake": "gateway without the wake filters",
+    "gateway_no_dead_stub": "gateway without the dead-stub marker (HTTP's upstream)",
+    "gateway_no_filters": "gateway routes without any of these filters",
+}
+
+
 _GATEWAY_HEADINGS = {
     "gateway_filters": "## What each gateway filter costs a warm unary request",
     "gateway_targets": "## The gateway against a bare Envoy hop, many rounds (the warm path's targets)",
@@ -1044,26 +1063,10 @@ def _gateway_filters_lines(gf: dict[str, Any] | None, *, section: str = "gateway
     if not gf:
         return []
     st, la = gf["settings"], gf["load_average"]
-    names = {
-        "direct": "direct to Triton",
-        "bare_envoy": "bare Envoy (router only)",
-        "gateway": "**the gateway, as served**",
-        "gateway_twin": "twin: a second Envoy with the gateway's own bootstrap",
-        "direct_with_id": "direct to Triton, the client sending x-snooze-request-id",
-        "gateway_no_request_id": "gateway without the x-snooze-request-id header",
-        "gateway_no_retry": "gateway without the retry to the activator",
-        "gateway_no_gate": "gateway without the snapshot gate route",
-        "gateway_no_access_log": "gateway without the held-request access log",
-        "gateway_no_auth": "gateway without api_key_auth",
-        "gateway_no_hints": "gateway without the shape-hint filter",
-        "gateway_no_wake": "gateway without the wake filters",
-        "gateway_no_dead_stub": "gateway without the dead-stub marker (HTTP's upstream)",
-        "gateway_no_filters": "gateway routes without any of these filters",
-    }
     rows = [
         [
             r["protocol"],
-            names.get(r["target"], r["target"]),
+            _GATEWAY_TARGET_NAMES.get(r["target"], r["target"]),
             r["c32_rps"],
             f"{r['c32_vs_bare_envoy']:.3f}",
             "{:.3f} to {:.3f}".format(*r["c32_vs_bare_envoy_iqr"]) if "c32_vs_bare_envoy_iqr" in r else "-",
@@ -1100,6 +1103,42 @@ def _gateway_filters_lines(gf: dict[str, Any] | None, *, section: str = "gateway
     ]
 
 
+def _envoy_cpu_lines(ec: dict[str, Any] | None) -> list[str]:
+    if not ec:
+        return []
+    st, la = ec["settings"], ec["load_average"]
+
+    def iqr(r: dict[str, Any]) -> str:
+        q = r["over_bare_iqr_us"]
+        return f"{q[0]:+.1f} to {q[1]:+.1f}" if q else "-"
+
+    rows = [
+        [
+            r["protocol"],
+            _GATEWAY_TARGET_NAMES.get(r["target"], r["target"]),
+            r["envoy_cpu_us"],
+            f"{r['over_bare_us']:+.1f}" if r["over_bare_us"] is not None else "-",
+            iqr(r),
+        ]
+        for r in ec["table"]
+    ]
+    return [
+        "## Each gateway configuration's own CPU per request, Triton taken out",
+        "",
+        f"`bench/envoy_cpu.py`: every configuration in front of one Envoy that answers each request itself (no "
+        f"Triton, no model); concurrency {st['concurrency']}, {st['rounds']} rounds of {st['seconds']} s per "
+        "target, the order rotating; the Envoy under test's user + system CPU over its own downstream request count, "
+        f"median over rounds. Envoy --concurrency {st['envoy_concurrency']}. Load average at the start {la['start']}, "
+        f"at the end {la['end']}.",
+        "",
+        _table(
+            ["protocol", "target", "Envoy CPU µs per request", "over the bare hop (µs)", "its middle half of rounds"],
+            rows,
+        ),
+        "",
+    ]
+
+
 def _gateway_large_lines(large: dict[str, Any] | None, st: dict[str, Any]) -> list[str]:
     """A warm large gRPC request: the copy the gRPC retry keeps (every ModelInfer can be retried, no Lua reads
     its size) against the same gateway with HTTP's retry buffer (a large request not kept: no copy, no wake)."""
@@ -1133,6 +1172,18 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
             f"{'met' if g['c32_vs_bare_envoy'] >= 0.95 else 'not met'}); at c=1 it adds {over:+.3f} ms over the bare "
             f"hop's added p50 (target +0.1 ms: {'met' if over <= 0.1 else 'not met'})."
         )
+    for protocol in ("grpc", "http"):
+        g, b = by.get((protocol, "gateway")), by.get((protocol, "bare_envoy"))
+        parts = ("envoy", "triton", "client")
+        if g and b and all(p in g.get("c32_cpu_us", {}) and p in b.get("c32_cpu_us", {}) for p in parts):
+            gc, bc = g["c32_cpu_us"], b["c32_cpu_us"]
+            extra = ", ".join(f"{p} {gc[p] - bc[p]:+.1f} µs" for p in parts)
+            total_g, total_b = sum(gc[p] for p in parts), sum(bc[p] for p in parts)
+            lines.append(
+                f"- CPU, {protocol}: a request through the gateway takes {total_g:.0f} µs of CPU against "
+                f"the bare hop's {total_b:.0f} µs ({extra}); on a machine that CPU bounds, that predicts "
+                f"{total_b / total_g:.3f}x the bare hop's throughput, against {g['c32_vs_bare_envoy']:.3f}x measured."
+            )
     for protocol in ("grpc", "http"):
         twin, served = by.get((protocol, "gateway_twin")), by.get((protocol, "gateway"))
         if twin and served:

@@ -25,6 +25,7 @@ SECTION_KEYS = {
     "gateway_filters": {"table", "runs", "load_average", "gateway_lua_executions", "large"},
     "gateway_targets": {"table", "runs", "load_average", "gateway_lua_executions"},
     "gateway_routes": {"table", "runs", "load_average", "gateway_lua_executions"},
+    "envoy_cpu": {"table", "runs", "load_average", "settings"},
     "coldstart": {"cycles", "models"},
     "batching": {"settings", "models", "runtime_vs_handwritten"},
     "scale_to_zero": {"rss_mib", "after_vs_before", "after_within_5pct_of_before", "samples", "events_s"},
@@ -39,7 +40,8 @@ SECTION_KEYS = {
 # Scenarios other tests assert: tests/reliability (recovery), test_keepalive_live, tests/integration/gateway (streams),
 # tests/model/test_fast_unload.py and test_memory_budget (churn).
 SLOW_SECTIONS = (
-    "recovery", "keepalive_live", "streaming", "churn", "gateway_filters", "gateway_targets", "gateway_routes"
+    "recovery", "keepalive_live", "streaming", "churn", "gateway_filters", "gateway_targets", "gateway_routes",
+    "envoy_cpu",
 )  # fmt: skip
 FAST_SECTIONS = tuple(s for s in SECTION_KEYS if s not in SLOW_SECTIONS) + ("keepalive",)
 
@@ -139,3 +141,9 @@ def test_bench_quick_recovery_and_live_keepalive(tmp_path: Path) -> None:
         assert ("envoy" in row["c32_cpu_us"]) == row["target"] not in ("direct", "direct_with_id"), row
         assert row["c32_cpu_us"]["triton"] > 0, row
     assert "## The gateway against a bare Envoy hop, many rounds" in text
+    envoy_cpu = data["sections"]["envoy_cpu"]["table"]
+    assert {"bare_envoy", "gateway", "gateway_twin", "gateway_no_retry", "gateway_no_hints"} <= {
+        row["target"] for row in envoy_cpu
+    }
+    assert all(row["envoy_cpu_us"] and row["envoy_cpu_us"] > 0 for row in envoy_cpu), envoy_cpu
+    assert "## Each gateway configuration's own CPU per request, Triton taken out" in text
