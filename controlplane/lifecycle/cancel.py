@@ -11,6 +11,10 @@ A load still queued (waiting for a slot or for memory: nothing in Triton yet), o
 whose processes cannot be seen (a remote Triton), has its task cancelled instead, and Triton is asked to
 unload what it may have. Requests that waited on that load get a 503 with Retry-After, or a 404 for a
 delete (``Manager._cancelled_error``).
+A load may also end well while the cancel waits for a starting stub: the model is then READY in Triton, where
+the gateway's warm path would serve it (the old version, after a republish), so it is unloaded in a transition
+of its own (UNLOADING, waited for) before the model is marked UNLOADED; its waiters are answered as for a
+cancelled load.
 """
 
 from __future__ import annotations
@@ -91,15 +95,22 @@ async def cancel_load(
             break
         await asyncio.wait({op}, timeout=CANCEL_POLL_SECS)
     cancelled = not op.done() or op.cancelled()
+    # The load ended as it was cancelled, and well (its stub was still starting, so it was waited for, not
+    # ended): the model is READY in Triton, where the gateway's warm path would serve it (after a republish,
+    # the old version), so it is unloaded as a cancelled load's leftovers are.
+    loaded = op.done() and not op.cancelled() and op.exception() is None
     if not op.done():  # it did not fail in time: no longer the model's transition
         op.cancel()
         await asyncio.wait({op}, timeout=CANCEL_WAIT_SECS)
     if rec.op is op:
         rec.op = None
     if cancelled and not queued:  # Triton may still be loading what the task left
-        with contextlib.suppress(SnoozeError, TimeoutError):
-            await asyncio.wait_for(_drop(triton, rec.id), CANCEL_UNLOAD_SECS)
-        killed += (await end_processes(processes, journal_dir, rec.id, waited=loop.time() - started))[0]
+        killed += await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=False)
+    elif loaded and rec.op is None and not rec.dropped:
+        # A transition of its own: out of service (UNLOADING) while it leaves Triton, so no request takes it
+        # for READY, and a wake waits for it, then loads the model anew.
+        leave = _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=True)
+        killed += await asyncio.shield(states.spawn(rec, ModelState.UNLOADING, f"load cancelled: {why}", leave))
     if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
         rec.stubs, rec.workers, rec.reserved, rec.gpu_reserved, rec.instances = (), (), 0, {}, 0
         states.set_state(rec, ModelState.UNLOADED, f"load cancelled: {why}")
@@ -110,8 +121,19 @@ async def cancel_load(
     return True
 
 
-async def _drop(triton: Any, model_id: str) -> None:
-    """Wait until Triton no longer loads the model, then unload whatever it kept."""
+async def _leave_triton(
+    processes: TritonProcesses, journal_dir: Path | None, triton: Any, model_id: str, *, started: float, wait: bool
+) -> list[int]:
+    """Drop the model from Triton (bounded) and end what is left of its processes; the pids ended."""
+    with contextlib.suppress(SnoozeError, TimeoutError):
+        await asyncio.wait_for(_drop(triton, model_id, wait=wait), CANCEL_UNLOAD_SECS)
+    waited = asyncio.get_running_loop().time() - started
+    return (await end_processes(processes, journal_dir, model_id, waited=waited))[0]
+
+
+async def _drop(triton: Any, model_id: str, *, wait: bool = False) -> None:
+    """Wait until Triton no longer loads the model, then unload whatever it kept (with ``wait``: until it is
+    gone from Triton's index as READY, so no request meets it after the cancel)."""
     while any(e.name == model_id and e.state == "LOADING" for e in await triton.repository_index()):
         await asyncio.sleep(CANCEL_POLL_SECS)
-    await triton.unload(model_id, wait=False)
+    await triton.unload(model_id, wait=wait)

@@ -95,6 +95,11 @@ class RequestPath(ManagerParts):
                             hint=e.hint or "fix the model and publish it again; the next request retries the load",
                             retry_after=self._retry_after(rec),
                         ) from e
+                else:
+                    if rec.state is not ModelState.READY and self._cancelled_why(rec, op) is not None:
+                        # it loaded, but its cancel came first and takes it out of Triton (cancel.py): as a
+                        # cancelled load, not a new load behind it
+                        raise self._cancelled_error(rec, op)
         finally:
             rec.in_use -= 1
             self.metrics.wake_wait_seconds.labels(model=model_id).observe(self.clock.monotonic() - started)

@@ -132,6 +132,9 @@ class Answer:
 class LoadScript:
     outcome: str = "ok"  # ok, oom, error, hang
     delay: float = 0.05
+    # False: the new stubs write no phase note until initialize ends (still starting, as a real stub before its
+    # first message), so a cancel waits for them instead of ending them
+    phase_note: bool = True
 
 
 class FakeTriton:
@@ -165,8 +168,8 @@ class FakeTriton:
 
     # ------------------------------------------------------------------ what the test scripts
 
-    def script_load(self, model: str, outcome: str, delay: float = 0.05) -> None:
-        self.scripts.setdefault(model, []).append(LoadScript(outcome, delay))
+    def script_load(self, model: str, outcome: str, delay: float = 0.05, *, phase_note: bool = True) -> None:
+        self.scripts.setdefault(model, []).append(LoadScript(outcome, delay, phase_note))
 
     def holding(self) -> dict[str, int]:
         """Models holding memory in Triton (loading, ready or unloading) and the bytes their live stubs hold."""
@@ -262,7 +265,7 @@ class FakeTriton:
         self.models[name] = m
         if not serving:
             m.state, m.reason, m.served = "LOADING", "", 0
-        new = [self._stub(m, per_stub) for _ in range(count - len(keep))]
+        new = [self._stub(m, per_stub, phase_note=script.phase_note) for _ in range(count - len(keep))]
         m.starting += new
         held = self.holding()
         self.peak = max(self.peak, self.server_bytes() + sum(held.values()))
@@ -271,6 +274,9 @@ class FakeTriton:
             await self._initialize(m, new, script, serving)
         finally:
             m.starting = [s for s in m.starting if s not in new]
+        if not script.phase_note:
+            for stub in new:
+                self._phase_note(stub)
         leaving = [s for s in m.stubs if s not in keep]
         m.stubs, m.config, m.state, m.reason, m.files = keep + new, config, "READY", "", files
         self._retire(leaving)
@@ -318,15 +324,19 @@ class FakeTriton:
         self._exit(m.stubs)
         m.stubs, m.state, m.reason = [], "UNAVAILABLE", why
 
-    def _stub(self, m: Loaded, memory: int) -> Stub:
+    def _stub(self, m: Loaded, memory: int, *, phase_note: bool = True) -> Stub:
         m.next_instance += 1
         pid = next(self._pids)
         stub = Stub(pid, pid * 7, m.name, f"{m.name}_0_{m.next_instance}", memory)
         self._journal(stub, None, busy=False)
-        # The runtime's phase note: a stub here is in initialize as soon as it exists (the real one's start,
-        # before Triton's first untimed wait, is not modelled; cancel.py waits for this note before a kill).
-        (self.journal_dir / f"{stub.pid}-{stub.start_ticks}{PHASE_SUFFIX}").write_text('{"phase": "load"}')
+        # The runtime's phase note: a stub here is in initialize as soon as it exists, unless the script says
+        # it is still starting (before Triton's first untimed wait; cancel.py waits for this note before a kill).
+        if phase_note:
+            self._phase_note(stub)
         return stub
+
+    def _phase_note(self, stub: Stub) -> None:
+        (self.journal_dir / f"{stub.pid}-{stub.start_ticks}{PHASE_SUFFIX}").write_text('{"phase": "load"}')
 
     def _exit(self, stubs: list[Stub]) -> None:
         """Triton ends these stubs and reaps them (a crashed one too, once its model unloads)."""

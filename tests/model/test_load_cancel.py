@@ -8,6 +8,7 @@ model's processes, leave it holding no memory reservation, and tell the requests
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -75,3 +76,43 @@ def test_an_action_during_a_hung_load_cancels_it_and_leaves_the_neighbour_alone(
             assert manager.states.get("m0").state is ModelState.READY
     else:
         world.run(manager.start())  # the world's close() stops it again
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("action", ["republish", "unload"])
+def test_a_load_that_ends_while_the_cancel_waits_for_its_starting_stub_is_not_left_in_triton(world, action):
+    """A stub still starting is not ended (cancel.py: ending it would wedge Triton 2.51), so the cancel waits for it,
+    and the load may end meanwhile with the model READY in Triton. Its task then did not fail: the model must
+    still leave Triton. Left there, the gateway's warm path (Envoy straight to Triton) served the old version
+    after a republish had returned (bench churn: 7 answers of the old version), and the record said UNLOADED
+    with no memory charged while its processes ran."""
+    world.step(world.publish("m0", 60), 0.1)
+    manager = world.manager
+    # its stub writes no phase note until initialize ends, 1 s in: the cancel does not end it, it waits
+    world.triton.script_load("m0", "ok", 1.0, phase_note=False)
+
+    async def scenario() -> None:
+        wake = asyncio.create_task(manager.ensure_ready("m0"))
+        await asyncio.sleep(0.3)
+        rec = manager.states.get("m0")
+        assert rec is not None and rec.state is ModelState.LOADING
+        if action == "republish":
+            world.store.publish(world._spec("m0", 60))
+            world.changed["m0"] = world.now
+            await manager.published("m0")
+        else:
+            await manager.unload("m0")
+        # sent before the action: served by the load that ended, or told to retry; either way answered
+        with contextlib.suppress(UnavailableError):
+            await asyncio.wait_for(wake, ANSWER_SECS)
+
+    world.run(scenario(), limit=60)
+    rec = manager.states.get("m0")
+    assert rec is not None and rec.state is ModelState.UNLOADED and rec.reserved == 0
+    assert "m0" not in world.triton.ready(), "the cancelled load's model is still serving in Triton"
+    world.run(asyncio.sleep(1.0))  # Triton's unload ends its processes
+    assert world.processes.stubs("m0") == [] and "m0" not in world.triton.holding()
+    if action == "republish":  # the next request loads the new version
+        world.run(manager.ensure_ready("m0"))
+        folder = world.triton.repository / "m0"
+        assert world.triton.models["m0"].files == (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)
