@@ -1162,6 +1162,7 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
     run's own noise: on gRPC the dead-stub marker does not exist, so that variant's config is the gateway's."""
     by = {(r["protocol"], r["target"]): r for r in table}
     lines = []
+    parts = ("envoy", "triton", "client")
     for protocol in ("grpc", "http"):
         g, b = by.get((protocol, "gateway")), by.get((protocol, "bare_envoy"))
         if not g or not b:
@@ -1172,10 +1173,7 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
             f"{'met' if g['c32_vs_bare_envoy'] >= 0.95 else 'not met'}); at c=1 it adds {over:+.3f} ms over the bare "
             f"hop's added p50 (target +0.1 ms: {'met' if over <= 0.1 else 'not met'})."
         )
-    for protocol in ("grpc", "http"):
-        g, b = by.get((protocol, "gateway")), by.get((protocol, "bare_envoy"))
-        parts = ("envoy", "triton", "client")
-        if g and b and all(p in g.get("c32_cpu_us", {}) and p in b.get("c32_cpu_us", {}) for p in parts):
+        if all(p in g.get("c32_cpu_us", {}) and p in b.get("c32_cpu_us", {}) for p in parts):
             gc, bc = g["c32_cpu_us"], b["c32_cpu_us"]
             extra = ", ".join(f"{p} {gc[p] - bc[p]:+.1f} µs" for p in parts)
             total_g, total_b = sum(gc[p] for p in parts), sum(bc[p] for p in parts)
@@ -1184,21 +1182,19 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
                 f"the bare hop's {total_b:.0f} µs ({extra}); on a machine that CPU bounds, that predicts "
                 f"{total_b / total_g:.3f}x the bare hop's throughput, against {g['c32_vs_bare_envoy']:.3f}x measured."
             )
-    for protocol in ("grpc", "http"):
-        twin, served = by.get((protocol, "gateway_twin")), by.get((protocol, "gateway"))
+    # Rows that run the gateway's own config (noise): its twin, and on gRPC the variant without the dead-stub
+    # marker (which only HTTP's upstream has)
+    twin = "the twin runs the gateway's own bootstrap in a second Envoy"
+    same = [(p, "gateway_twin", twin) for p in ("grpc", "http")]
+    same.append(("grpc", "gateway_no_dead_stub", "the row without the dead-stub marker runs the gateway's own config"))
+    for protocol, target, what in same:
+        twin, served = by.get((protocol, target)), by.get((protocol, "gateway"))
         if twin and served:
             lines.append(
-                f"- Noise, {protocol}: the twin runs the gateway's own bootstrap in a second Envoy; it reads "
-                f"{twin['c32_vs_bare_envoy']:.3f}x and {twin['c1_added_p50_ms']:+.3f} ms against the gateway's "
-                f"{served['c32_vs_bare_envoy']:.3f}x and {served['c1_added_p50_ms']:+.3f} ms."
+                f"- Noise, {protocol}: {what}; it reads {twin['c32_vs_bare_envoy']:.3f}x and "
+                f"{twin['c1_added_p50_ms']:+.3f} ms against the gateway's {served['c32_vs_bare_envoy']:.3f}x and "
+                f"{served['c1_added_p50_ms']:+.3f} ms."
             )
-    twin, served = by.get(("grpc", "gateway_no_dead_stub")), by.get(("grpc", "gateway"))
-    if twin and served:
-        lines.append(
-            f"- Noise: the gRPC row without the dead-stub marker runs the gateway's own gRPC config; it reads "
-            f"{twin['c32_vs_bare_envoy']:.3f}x and {twin['c1_added_p50_ms']:+.3f} ms against the gateway's "
-            f"{served['c32_vs_bare_envoy']:.3f}x and {served['c1_added_p50_ms']:+.3f} ms."
-        )
     return [*lines, ""] if lines else []
 
 
