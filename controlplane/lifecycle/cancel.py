@@ -108,7 +108,8 @@ async def cancel_load(
         killed += await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=False)
     elif loaded and rec.op is None and not rec.dropped:
         # A transition of its own: out of service (UNLOADING) while it leaves Triton, so no request takes it
-        # for READY, and a wake waits for it, then loads the model anew.
+        # for READY. A request that waited on the load gets its 503 (request_path); a later one waits for this,
+        # then loads the model anew.
         leave = _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=True)
         killed += await asyncio.shield(states.spawn(rec, ModelState.UNLOADING, f"load cancelled: {why}", leave))
     if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
