@@ -128,8 +128,9 @@ class Operations(ManagerParts):
     async def published(self, model_id: str) -> None:
         """After a (re)publish: reload a loaded model so it runs the new files and config.
 
-        A failed reload leaves Triton serving the previous version: the model stays READY and its
-        status reason says what failed.
+        A reload that fails leaves Triton serving the previous version: the model stays READY and its
+        status reason says what failed. One with no room beside the previous version (the memory budgets
+        full of models in use) unloads it instead: the new version loads on the next request.
         """
         rec = self.states.get(model_id)
         if rec is None:
@@ -293,6 +294,14 @@ class Operations(ManagerParts):
     async def _reload_op(self, rec: ModelRecord) -> None:
         try:
             await self.loader.load(rec, rec.model.deployment.instances)
+        except UnavailableError as e:
+            # No room for the new version beside the old one now (the memory budgets: their models in use).
+            # The old version must not go on answering for the new one, so it leaves; the new one loads on the
+            # next request, through the wake queue, once there is room.
+            self.loader.load_failed(rec, e)
+            why = f"republished; the new version loads on the next request (no room beside the old one: {e.message})"
+            self.states.set_state(rec, ModelState.UNLOADING, why)
+            await self._unload_op(rec, why)
         except SnoozeError as e:
             self.loader.load_failed(rec, e)
             self.states.set_state(

@@ -326,3 +326,23 @@ def test_a_sweep_evicts_when_the_cgroup_passes_its_ceiling_whatever_the_models_s
 
 def held(world: LifecycleWorld) -> int:
     return sum(s.memory for m in world.triton.models.values() for s in m.stubs if s.alive)
+
+
+def test_a_republish_with_no_room_beside_the_old_version_unloads_it_rather_than_serve_it(make_world):
+    """Three 100 MiB models fill the 300 MiB budget and each is held (a stream through the gateway): nothing can be
+    evicted, so the reload cannot build the new version beside the old one. The old version kept serving after the
+    republish had returned (bench churn --quick: answers of the old version). It now leaves Triton, and the next
+    request loads the new version once there is room."""
+    world = make_world()
+    for m in ("a", "b", "c"):
+        world.step(world.publish(m, 100, **LONG_IDLE), 0.01)
+        world.step(world.hold(m), 1.0)
+    world.step(world.publish("a", 100, **LONG_IDLE), 2.0)
+    rec = world.manager.states.records["a"]
+    assert rec.state is ModelState.UNLOADED and "no room beside the old one" in (rec.reason or ""), rec.reason
+    assert "a" not in world.triton.ready(), "the previous version of 'a' still serves"
+    world.step(world.release(), 0.5)  # the stream on 'a' ends (its old version had to be let go)
+    world.step(world.request("a"), 1.0)
+    assert state(world, "a") is ModelState.READY
+    folder = world.triton.repository / "a"
+    assert world.triton.models["a"].files == (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)
