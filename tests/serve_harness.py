@@ -49,13 +49,15 @@ class Model:
     """Knobs: ``crash="poison"`` exits on a request whose x[:, 0] is -1; ``crash="segv"|"exit"`` crashes
     once per ``crash_file`` created; ``marker`` (a file) logs predict calls that sleep, and a request whose
     x[:, 0] is -2 then stays 3 s in flight; ``ballast_mb`` is held (touched) after load; ``calls`` (a file)
-    gets one line per row predict receives: its x[0] (to count executions)."""
+    gets one line per row predict receives: its x[0] (to count executions); ``helper_secs``: load() forks a
+    process that lives that long, as a model's data loader or tokenizer server would (it inherits the stub's
+    open files)."""
 
     def __init__(self, scale=2.0, predict_sleep=0.0, load_sleep=0.0, load_error="", crash="", crash_file="",
-                 ballast_mb=0, marker="", calls=""):
+                 ballast_mb=0, marker="", calls="", helper_secs=0.0):
         self.scale, self.predict_sleep, self.load_sleep = scale, predict_sleep, load_sleep
         self.load_error, self.crash, self.crash_file = load_error, crash, crash_file
-        self.ballast_mb, self.marker, self.calls = ballast_mb, marker, calls
+        self.ballast_mb, self.marker, self.calls, self.helper_secs = ballast_mb, marker, calls, helper_secs
 
     def load(self, model_dir, device):
         time.sleep(self.load_sleep)
@@ -63,6 +65,9 @@ class Model:
             raise MemoryError("simulated: cannot allocate the weights")
         # Touched pages, so that the stub's RSS (the measured footprint) holds them.
         self.ballast = np.ones(self.ballast_mb * 1024 * 1024 // 8) if self.ballast_mb else None
+        if self.helper_secs and os.fork() == 0:
+            time.sleep(self.helper_secs)
+            os._exit(0)
 
     def predict(self, inputs):
         x = inputs["x"]
@@ -102,6 +107,7 @@ PARAMS_SCHEMA = {
     "ballast_mb": {"type": "int", "default": 0},
     "marker": {"type": "str", "default": ""},
     "calls": {"type": "str", "default": ""},
+    "helper_secs": {"type": "float", "default": 0.0},
 }
 
 

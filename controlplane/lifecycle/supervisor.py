@@ -241,7 +241,11 @@ class Supervisor(ManagerParts):
             await self.published(model_id)
 
     async def watch(self) -> None:
-        """One pass over the processes of every loaded python model: a crashed one starts its recovery."""
+        """One pass over the processes of every loaded python model: a crashed one starts its recovery. An
+        embedded tritonserver that exited is taken down and restarted from here, at once."""
+        if self.sync.server_exited():
+            await self.sync.check()
+            return
         watched = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None and r.stubs]
         if not watched:
             return

@@ -56,6 +56,7 @@ class TritonSync:
         self.up = asyncio.Event()
         self.up.set()
         self.down_why = ""  # what took tritonserver away, while ``up`` is clear
+        self._checking = asyncio.Lock()
         self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
         self.loader: Loader | None = None  # set by the manager (the loader waits on this sync)
         self.warmth: Warmth | None = None
@@ -93,14 +94,29 @@ class TritonSync:
             log.warning("cannot read Triton's pending request counts: %s", e)
             return {}
 
+    def server_exited(self) -> bool:
+        """The embedded tritonserver exited and ``check()`` has not seen it yet. A local check that calls no
+        Triton API: the process watch asks it, because a sweep can be waiting on a call to the dead server
+        (its leftover processes hold the connection open) when it dies."""
+        proc = self.triton_process
+        return proc is not None and self.up.is_set() and not proc.is_running()
+
     async def check(self) -> bool:
         """False while tritonserver is down; restarts the embedded one when settings allow. A Triton
         seen in a shared PID namespace that went away (its container restarted) means the same:
-        every model is unloaded, and the index is read again when it is back."""
+        every model is unloaded, and the index is read again when it is back. The sweep and the process
+        watch both call it: one at a time."""
+        async with self._checking:
+            return await self._check()
+
+    async def _check(self) -> bool:
         proc = self.triton_process
         if proc is not None:
             if not proc.is_running():
                 self.down(f"tritonserver (pid {proc.pid}) died")
+                # First of all: its stubs (and what they forked) keep its connections open, and every call
+                # over one (Envoy's requests, this control plane's loads) waits until they are gone.
+                await asyncio.to_thread(proc.end_leftovers)
                 if not self.settings.restart_triton:
                     return False
                 try:

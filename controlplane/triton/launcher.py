@@ -320,6 +320,14 @@ class EmbeddedTriton:
     def is_running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def end_leftovers(self) -> None:
+        """After tritonserver exited: SIGKILL what is left of its process group (its stubs, and processes a
+        model forked). They inherited its client connections (Triton's sockets are not close-on-exec), so
+        while one lives, a request Envoy or the control plane sends over such a connection waits for an
+        answer that never comes, instead of failing at once."""
+        if self._proc is not None and self._proc.poll() is not None:
+            kill_group(self._proc.pid)
+
     def stop(self, timeout: float | None = None) -> None:
         """SIGTERM, wait, then SIGKILL the whole process group; returns once no process of it is left."""
         proc = self._proc
