@@ -339,7 +339,11 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
     assert r.json()["error"] == f"Stub process '{model}_0_0' is not healthy."
 
     await manager.watch()
-    await until(lambda: manager.status(model).state is ModelState.READY, "the recovery")
+    # The transition's end, not the READY state: the load sets READY, then measures the server, then the
+    # recovery counts itself (a READY seen in between read 0 recoveries once, under load).
+    rec = manager.states.records[model]
+    await until(lambda: rec.op is None, "the recovery")
+    assert manager.status(model).state is ModelState.READY
     assert sample(manager, "snooze_recoveries_total", model=model, cause="dead_stub") == 1
     assert "SIGKILL" in (manager.status(model).last_crash or "")
     assert await output(triton, model) == [2.0, 4.0]
