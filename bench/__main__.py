@@ -55,7 +55,8 @@ ALL_SECTIONS = (*DEFAULT_SECTIONS, "gateway_targets", "gateway_routes", "envoy_c
 BENCH_DIR = Path(__file__).resolve().parent
 
 
-GATEWAY_TARGETS = {"variants": (), "twin": True, "large_requests": False}
+# The gateway with keys (as deployed with auth) and without (as `make serve` runs it), its twin for the noise.
+GATEWAY_TARGETS = {"variants": ("no_auth",), "twin": True, "large_requests": False, "bare_auth": True}
 # bench.gateway_filters.ROUTE_EDITS and VARIANTS, checked there
 GATEWAY_ROUTES = {
     "variants": ("no_request_id", "no_retry", "no_gate", "no_access_log", "no_auth", "no_hints", "no_filters"),
@@ -114,9 +115,9 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
     return {
         "gateway": {"seconds": 3.0, "warmup": 0.5},
         "gateway_filters": {"seconds": 1.0, "warmup": 0.2, "rounds": 11},
-        # Direct, the bare hop, the gateway and its twin only: 4 targets x 4 (protocol, concurrency) x 21 rounds
-        # x 1.8 s, about 10 minutes.
-        "gateway_targets": {"seconds": 1.5, "warmup": 0.3, "rounds": 21, **GATEWAY_TARGETS},
+        # Direct, the bare hop with and without a key check, the gateway with and without keys, and its twin:
+        # 6 targets x 4 (protocol, concurrency) x 15 rounds x 1.8 s, about 11 minutes.
+        "gateway_targets": {"seconds": 1.5, "warmup": 0.3, "rounds": 15, **GATEWAY_TARGETS},
         # What the routes do besides filters, each left out in turn, and the filters: 11 targets x 4 x 9 rounds x
         # 1.2 s, 8 minutes.
         "gateway_routes": {"seconds": 1.0, "warmup": 0.2, "rounds": 9, **GATEWAY_ROUTES},

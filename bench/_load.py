@@ -300,7 +300,7 @@ def _worker_main() -> None:
 # ------------------------------------------------------------------------------ Envoy references
 
 
-def _listener(name: str, port: int, codec: str, route: str, *, buffer: bool = False) -> str:
+def _listener(name: str, port: int, codec: str, route: str, *, buffer: bool = False, key: str | None = None) -> str:
     # A direct response sent before the request body is read makes Envoy close an HTTP/1.1 connection:
     # the buffer filter reads the whole request first, as a real server does.
     buffer_filter = (
@@ -312,6 +312,13 @@ def _listener(name: str, port: int, codec: str, route: str, *, buffer: bool = Fa
         if buffer
         else ""
     )
+    if key is not None:  # the same key check as the gateway's (api_key_auth, both key sources)
+        buffer_filter += f"""
+          - name: envoy.filters.http.api_key_auth
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.api_key_auth.v3.ApiKeyAuth
+              credentials: [{{ key: {json.dumps(key)}, client: bench }}]
+              key_sources: [{{ header: x-api-key }}, {{ header: authorization }}]"""
     return f"""
   - name: {name}
     address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
@@ -358,13 +365,23 @@ _ADMIN = "admin:\n  address: { socket_address: { address: 127.0.0.1, port_value:
 
 
 def bare_envoy_bootstrap(
-    *, http_port: int, grpc_port: int, triton_http: tuple[str, int], triton_grpc: tuple[str, int]
+    *,
+    http_port: int,
+    grpc_port: int,
+    triton_http: tuple[str, int],
+    triton_grpc: tuple[str, int],
+    key: str | None = None,
 ) -> str:
-    """The reference hop: Envoy proxying both ports to Triton, no retry, no auth, no local-reply mapping."""
+    """The reference hop: Envoy proxying both ports to Triton, no retry, no auth, no local-reply mapping; with
+    ``key``, Envoy's API key check in front of its router (the reference for a gateway with keys)."""
     return (
         _ADMIN
-        + _listener("bare_http", http_port, "AUTO", "\n                route: { cluster: triton_http, timeout: 0s }")
-        + _listener("bare_grpc", grpc_port, "HTTP2", "\n                route: { cluster: triton_grpc, timeout: 0s }")
+        + _listener(
+            "bare_http", http_port, "AUTO", "\n                route: { cluster: triton_http, timeout: 0s }", key=key
+        )
+        + _listener(
+            "bare_grpc", grpc_port, "HTTP2", "\n                route: { cluster: triton_grpc, timeout: 0s }", key=key
+        )
         + "\n  clusters:"
         + _cluster("triton_http", triton_http, False)
         + _cluster("triton_grpc", triton_grpc, True)

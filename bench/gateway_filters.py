@@ -81,13 +81,15 @@ async def run(
     twin: bool = False,
     large_requests: bool = True,
     direct_with_id: bool = False,
+    bare_auth: bool = False,
 ) -> dict[str, Any]:
     """``variants``: the filters left out in turn (``VARIANTS`` or a subset); ``twin``: a second Envoy with the
     served gateway's own bootstrap (its distance from the gateway is this run's noise); ``large_requests``: the
     warm 32 MiB gRPC comparison; ``direct_with_id``: direct Triton again, the client sending the gateway's
-    request-id header itself (what Triton and the stub spend on it). ``python -m bench --only gateway_targets``
-    runs the issue's check alone (direct, the bare hop, the gateway and its twin, over many rounds), ``--only
-    gateway_routes`` the route variants."""
+    request-id header itself (what Triton and the stub spend on it); ``bare_auth``: the bare hop with Envoy's API
+    key check too (the reference for the gateway with keys, which the keyless bare hop is not).
+    ``python -m bench --only gateway_targets`` runs the issue's check alone (direct, the bare hops, the gateway
+    with and without keys and its twin, over many rounds), ``--only gateway_routes`` the route variants."""
     if unknown := set(variants) - set(VARIANTS) - set(ROUTE_EDITS):
         known = ", ".join((*VARIANTS, *ROUTE_EDITS))
         raise ValueError(f"unknown gateway variants {sorted(unknown)}: one of {known}")
@@ -123,15 +125,7 @@ async def run(
                 omit=omit,
             )
 
-        def bare(ports: tuple[int, int]) -> str:
-            return bare_envoy_bootstrap(
-                http_port=ports[0],
-                grpc_port=ports[1],
-                triton_http=(triton["http"].host, triton["http"].port),
-                triton_grpc=(triton["grpc"].host, triton["grpc"].port),
-            )
-
-        envoys = {"bare_envoy": bare, **variant_bootstraps(bootstrap_of, variants, twin=twin)}
+        envoys = {**_bare_bootstraps(triton, bare_auth), **variant_bootstraps(bootstrap_of, variants, twin=twin)}
         if large_requests:
             envoys.update(_large_bootstraps(bootstrap_of, stack.settings.wake_buffer_bytes))
         for name, bootstrap in envoys.items():
@@ -144,6 +138,7 @@ async def run(
             "direct",
             *(["direct_with_id"] if direct_with_id else []),
             "bare_envoy",
+            *(["bare_envoy_auth"] if bare_auth else []),
             "gateway",
             *(["gateway_twin"] if twin else []),
             *(f"gateway_{v}" for v in variants),
@@ -294,6 +289,24 @@ def variant_bootstraps(
     return out
 
 
+def _bare_bootstraps(triton: dict[str, Upstream], with_key: bool) -> dict[str, Bootstrap]:
+    """The bare hop, and with ``with_key`` the bare hop that checks the gateway's API key too."""
+
+    def bare(ports: tuple[int, int], key: str | None = None) -> str:
+        return bare_envoy_bootstrap(
+            http_port=ports[0],
+            grpc_port=ports[1],
+            triton_http=(triton["http"].host, triton["http"].port),
+            triton_grpc=(triton["grpc"].host, triton["grpc"].port),
+            key=key,
+        )
+
+    out: dict[str, Bootstrap] = {"bare_envoy": bare}
+    if with_key:
+        out["bare_envoy_auth"] = lambda ports: bare(ports, API_KEY)
+    return out
+
+
 def _large_bootstraps(bootstrap_of: Callable[..., str], http_buffer: int) -> dict[str, Bootstrap]:
     """The served gateway (its gRPC retry keeps any message) and the same with HTTP's retry buffer for gRPC."""
     limit = f"request_body_buffer_limit: {GRPC_RETRY_BUFFER_BYTES}"
@@ -309,10 +322,14 @@ def _large_bootstraps(bootstrap_of: Callable[..., str], http_buffer: int) -> dic
     return {"gateway_large": with_buffer(GRPC_RETRY_BUFFER_BYTES), "gateway_large_no_copy": with_buffer(http_buffer)}
 
 
+# Rendered without keys (as ``make serve`` runs the gateway, --no-auth): their clients send none either.
+KEYLESS = ("direct", "bare_envoy", "gateway_no_auth", "gateway_no_filters")  # bare_envoy_auth: sent the key
+
+
 def _headers(target: str) -> dict[str, str]:
     if target == "direct_with_id":
         return {REQUEST_ID_HEADER: "bench-request-id"}
-    return {} if target in ("direct", "bare_envoy") else {"x-api-key": API_KEY}
+    return {} if target in KEYLESS else {"x-api-key": API_KEY}
 
 
 def _without(bootstrap: str, variant: str) -> str:
@@ -347,6 +364,14 @@ def _table(runs: list[dict[str, Any]], targets: list[str], rounds: int) -> list[
         for target in targets:
             c32 = [by[(r, protocol, 32, target)] for r in range(rounds)]
             ratio = [x["rps"] / by[(r, protocol, 32, "bare_envoy")]["rps"] for r, x in enumerate(c32)]
+            # against the bare hop with the same key check, where the run has it (the gateway with keys)
+            keyed = [x["rps"] / by[(r, protocol, 32, "bare_envoy_auth")]["rps"] for r, x in enumerate(c32)
+                     if (r, protocol, 32, "bare_envoy_auth") in by]  # fmt: skip
+            keyed_added = [
+                by[(r, protocol, 1, target)]["p50_ms"] - by[(r, protocol, 1, "bare_envoy_auth")]["p50_ms"]
+                for r in range(rounds)
+                if (r, protocol, 1, "bare_envoy_auth") in by
+            ]
             added = [
                 by[(r, protocol, 1, target)]["p50_ms"] - by[(r, protocol, 1, "direct")]["p50_ms"] for r in range(rounds)
             ]
@@ -362,6 +387,14 @@ def _table(runs: list[dict[str, Any]], targets: list[str], rounds: int) -> list[
                         statistics.median(by[(r, protocol, 1, target)]["p50_ms"] for r in range(rounds)), 3
                     ),
                     "c1_added_p50_ms": round(statistics.median(added), 3),
+                    **(
+                        {
+                            "c32_vs_bare_envoy_auth": round(statistics.median(keyed), 3),
+                            "c1_p50_over_bare_envoy_auth_ms": round(statistics.median(keyed_added), 3),
+                        }
+                        if keyed
+                        else {}
+                    ),
                     "errors": sum(by[(r, protocol, c, target)]["errors"] for r in range(rounds) for c in CONCURRENCY),
                     # CPU per request at c=32, by part (median over rounds): what the throughput is made of
                     "c32_cpu_us": {

@@ -1035,6 +1035,7 @@ def _streaming_lines(st: dict[str, Any] | None) -> list[str]:
 _GATEWAY_TARGET_NAMES = {
     "direct": "direct to Triton",
     "bare_envoy": "bare Envoy (router only)",
+    "bare_envoy_auth": "bare Envoy with the same API key check (api_key_auth, then the router)",
     "gateway": "**the gateway, as served**",
     "gateway_twin": "twin: a second Envoy with the gateway's own bootstrap",
     "direct_with_id": "direct to Triton, the client sending x-snooze-request-id",
@@ -1042,7 +1043,7 @@ _GATEWAY_TARGET_NAMES = {
     "gateway_no_retry": "gateway without the retry to the activator",
     "gateway_no_gate": "gateway without the snapshot gate route",
     "gateway_no_access_log": "gateway without the held-request access log",
-    "gateway_no_auth": "gateway without api_key_auth",
+    "gateway_no_auth": "gateway without api_key_auth, as `make serve` runs it (no keys; the client sends none)",
     "gateway_no_hints": "gateway without the shape-hint filter",
     "gateway_no_wake": "gateway without the wake filters",
     "gateway_no_dead_stub": "gateway without the dead-stub marker (HTTP's upstream)",
@@ -1163,13 +1164,14 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
     by = {(r["protocol"], r["target"]): r for r in table}
     lines = []
     parts = ("envoy", "triton", "client")
-    for protocol in ("grpc", "http"):
-        g, b = by.get((protocol, "gateway")), by.get((protocol, "bare_envoy"))
+    served_as = {"gateway": "the gateway", "gateway_no_auth": "the keyless gateway (`make serve`)"}
+    for protocol, target in ((p, t) for p in ("grpc", "http") for t in served_as):
+        g, b = by.get((protocol, target)), by.get((protocol, "bare_envoy"))
         if not g or not b:
             continue
         over = g["c1_added_p50_ms"] - b["c1_added_p50_ms"]
         lines.append(
-            f"- {protocol}: the gateway at c=32 is {g['c32_vs_bare_envoy']:.3f}x the bare hop (target 0.95: "
+            f"- {protocol}: {served_as[target]} at c=32 is {g['c32_vs_bare_envoy']:.3f}x the bare hop (target 0.95: "
             f"{'met' if g['c32_vs_bare_envoy'] >= 0.95 else 'not met'}); at c=1 it adds {over:+.3f} ms over the bare "
             f"hop's added p50 (target +0.1 ms: {'met' if over <= 0.1 else 'not met'})."
         )
@@ -1178,9 +1180,18 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
             extra = ", ".join(f"{p} {gc[p] - bc[p]:+.1f} µs" for p in parts)
             total_g, total_b = sum(gc[p] for p in parts), sum(bc[p] for p in parts)
             lines.append(
-                f"- CPU, {protocol}: a request through the gateway takes {total_g:.0f} µs of CPU against "
+                f"- CPU, {protocol}: a request through {served_as[target]} takes {total_g:.0f} µs of CPU against "
                 f"the bare hop's {total_b:.0f} µs ({extra}); on a machine that CPU bounds, that predicts "
                 f"{total_b / total_g:.3f}x the bare hop's throughput, against {g['c32_vs_bare_envoy']:.3f}x measured."
+            )
+    for protocol in ("grpc", "http"):
+        g = by.get((protocol, "gateway"))
+        if g and "c32_vs_bare_envoy_auth" in g:
+            ratio, over = g["c32_vs_bare_envoy_auth"], g["c1_p50_over_bare_envoy_auth_ms"]
+            lines.append(
+                f"- {protocol}, keys on both sides: the gateway with keys at c=32 is {ratio:.3f}x a bare hop that "
+                f"checks the same key (0.95: {'met' if ratio >= 0.95 else 'not met'}); at c=1 its p50 is "
+                f"{over:+.3f} ms over that hop's (+0.1 ms: {'met' if over <= 0.1 else 'not met'})."
             )
     # Rows that run the gateway's own config (noise): its twin, and on gRPC the variant without the dead-stub
     # marker (which only HTTP's upstream has)
