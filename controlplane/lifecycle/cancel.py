@@ -112,14 +112,27 @@ async def cancel_load(
         # then loads the model anew.
         leave = _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=True)
         killed += await asyncio.shield(states.spawn(rec, ModelState.UNLOADING, f"load cancelled: {why}", leave))
+    # Counted for an earlier unload Triton may not have finished (a crash's recovery unloads the dead instances
+    # without waiting, then loads): a python model none of whose processes live holds nothing (as triton_sync
+    # judges one it finds unloading), so its budget goes now rather than at the next sweep.
+    left_nothing = rec.triton_may_hold and rec.is_python and await _no_processes(processes, rec.id)
     if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
         rec.stubs, rec.workers, rec.reserved, rec.gpu_reserved, rec.instances = (), (), 0, {}, 0
+        if left_nothing:
+            rec.triton_may_hold = False
         states.set_state(rec, ModelState.UNLOADED, f"load cancelled: {why}")
     log.warning(
         "model '%s': load cancelled (%s) in %.2fs; ended its model processes %s", rec.id, why,
         loop.time() - started, killed,
     )
     return True
+
+
+async def _no_processes(processes: TritonProcesses, model_id: str) -> bool:
+    """The server is in sight and none of this model's processes lives."""
+    if not processes.can_observe:
+        return False
+    return await asyncio.to_thread(lambda: processes.visible and not processes.stubs(model_id))
 
 
 async def _leave_triton(

@@ -149,3 +149,19 @@ def test_a_load_that_measures_more_than_its_estimate_evicts_until_the_budget_hol
     world.step(world.resume(), 0.0)
     world.step(world.publish("m3", 150, 2), 1.0)
     world.step(world.restart(), 0.3)
+
+
+def test_a_delete_that_cancels_a_crash_recovery_frees_the_budget_at_once(world):
+    """Found by the machine (seeds 12, 13, 424242): a crash's recovery unloads the dead instances without waiting,
+    then loads; a delete cancels that load. The record kept counting the crashed instances (Triton might still be
+    unloading them) though none of the model's processes lived, until the next sweep."""
+    world.step(world.publish("m0", 100), 0.1)
+    world.step(world.api_load("m0", 1), 0.3)
+    world.step(world.script_load("m0", "ok", 2.0), 0)  # the recovery's load takes 2 s
+    world.step(world.crash("m0"), 0.5)  # the watch sees it: the recovery unloads (no wait), then loads anew
+    assert world.manager.states.records["m0"].op is not None
+    world.step(world.delete("m0"), 0.01)  # cancels the recovery's load
+    # every step checks the world's invariants, among them: a cancelled load holds no memory budget
+    for _ in range(10):
+        world.step(world.tick(0.3), 0.0)
+    assert not world.processes.stubs("m0") and "m0" not in world.manager.states.records
