@@ -46,7 +46,7 @@ class TritonError:
 class Request:
     def __init__(self, x: np.ndarray, request_id: str) -> None:
         self._inputs = [Tensor("x", x)]
-        self._parameters = json.dumps({"x-snooze-request-id": request_id}, separators=(",", ":"))
+        self._parameters = json.dumps({"x-request-id": request_id}, separators=(",", ":"))
 
     def inputs(self) -> list[Tensor]:
         return self._inputs

@@ -171,6 +171,122 @@ async def run_job(job: Job) -> LoadResult:
 
 
 @dataclass
+class AlternatingJob:
+    """The same closed-loop load on several targets in turn, ``slice_secs`` each after ``slice_warmup_secs`` on
+    the slice's own new connections: ``cycles`` cycles, the targets' order rotating by one from cycle to cycle.
+    Targets compared within one cycle are measured seconds apart, so a co-tenant's burst or a drift of the machine
+    lands on all of them alike. ``targets``: name -> host:port (gRPC) or http://host:port (HTTP);
+    ``cpu_pids``: per target, part -> the pids whose user + system CPU each slice reads (the worker adds its own
+    as "client")."""
+
+    protocol: str
+    targets: dict[str, str]
+    model: str
+    concurrency: int
+    slice_secs: float
+    cycles: int
+    headers: dict[str, dict[str, str]] = field(default_factory=dict)  # per target
+    cpu_pids: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    warmup_secs: float = 0.5  # per target, once, before the first cycle
+    slice_warmup_secs: float = 0.05  # before each slice, on its new connections (not measured)
+    shape: list[int] = field(default_factory=lambda: [1, 4])
+    input_name: str = "x"
+    output_name: str = "y"
+
+
+def _cpu_of(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+async def run_alternating(job: AlternatingJob) -> dict[str, Any]:
+    """Per slice: its cycle, target, successful requests, errors, seconds, p50 and the CPU microseconds per
+    successful request of each part."""
+    import contextlib
+    import os
+
+    x = np.ones(job.shape, dtype=np.float32)
+    for name, target in job.targets.items():
+        async with contextlib.AsyncExitStack() as stack:
+            send = await _open_sender(stack, job, target, job.headers.get(name, {}), x)
+            await drive(send, job.concurrency, job.warmup_secs, 1_000_000)
+    names = list(job.targets)
+    slices: list[dict[str, Any]] = []
+    for cycle in range(job.cycles):
+        for name in names[cycle % len(names) :] + names[: cycle % len(names)]:
+            # New connections for every slice: which of Envoy's workers takes a connection is the kernel's
+            # choice, so a lopsided split is one slice's noise, not a target's bias for the whole run.
+            async with contextlib.AsyncExitStack() as stack:
+                send = await _open_sender(stack, job, job.targets[name], job.headers.get(name, {}), x)
+                await drive(send, job.concurrency, job.slice_warmup_secs, 1_000_000)
+                parts = {**job.cpu_pids.get(name, {}), "client": [os.getpid()]}
+                before = {part: _cpu_of(pids) for part, pids in parts.items()}
+                result = await drive(send, job.concurrency, job.slice_secs, 1_000_000)
+                after = {part: _cpu_of(pids) for part, pids in parts.items()}
+            ok = result.requests
+            slices.append(
+                {
+                    "cycle": cycle,
+                    "target": name,
+                    "requests": ok,
+                    "errors": result.errors,
+                    "first_error": result.first_error,
+                    "seconds": round(result.seconds, 4),
+                    "rps": round(result.rps, 1),
+                    "p50_ms": result.p50_ms,
+                    **({f"{p}_cpu_us": round((after[p] - before[p]) / ok * 1e6, 1) for p in parts} if ok else {}),
+                }
+            )
+    return {"slices": slices}
+
+
+async def _open_sender(
+    stack: Any, job: AlternatingJob, target: str, headers: dict[str, str], x: np.ndarray
+) -> Callable[[], Awaitable[None]]:
+    """One request to ``target`` over a channel (gRPC) or session (HTTP) that ``stack`` closes."""
+    if job.protocol == "grpc":
+        import grpc
+
+        check_loopback(target.rsplit(":", 1)[0])
+        payload = infer_request_bytes(job.model, x, job.input_name)
+        metadata = tuple((k.lower(), v) for k, v in headers.items())
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(target))
+        call = channel.unary_unary(INFER_METHOD)
+
+        async def send_grpc() -> None:
+            await call(payload, metadata=metadata)
+
+        return send_grpc
+    if job.protocol == "http":
+        import aiohttp
+
+        check_loopback(target.split("//", 1)[-1].rsplit(":", 1)[0])
+        body, all_headers = http_infer_body(x, job.input_name, job.output_name)
+        all_headers.update(headers)
+        url = f"{target}/v2/models/{job.model}/infer"
+        session = await stack.enter_async_context(
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=job.concurrency))
+        )
+
+        async def send_http() -> None:
+            async with session.post(url, data=body, headers=all_headers) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}")
+
+        return send_http
+    raise ValueError(f"unknown protocol {job.protocol!r}")
+
+
+@dataclass
 class ReplayJob:
     """An open-loop trace over gRPC: request i goes to ``models[trace[i][1]]`` at ``trace[i][0]`` seconds after
     the start, whether or not the requests before it were answered (a cold start does not slow the arrivals)."""
@@ -253,26 +369,25 @@ class LoadWorker:
         return self._proc.pid if self._proc else None
 
     async def run(self, job: Job) -> LoadResult:
-        proc = self._proc
-        assert proc is not None and proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write((json.dumps(asdict(job)) + "\n").encode())
-        await proc.stdin.drain()
-        line = await asyncio.wait_for(proc.stdout.readline(), job.warmup_secs + job.seconds + 120)
-        if not line:
-            raise RuntimeError(f"the load worker exited (code {await proc.wait()})")
-        data = json.loads(line)
-        if "exception" in data:
-            raise RuntimeError(f"load worker: {data['exception']}")
-        return LoadResult(**data)
+        return LoadResult(**await self._ask(asdict(job), job.warmup_secs + job.seconds + 120))
+
+    async def alternate(self, job: AlternatingJob) -> dict[str, Any]:
+        """``run_alternating`` in the worker; its answer."""
+        bound = len(job.targets) * (job.warmup_secs + job.cycles * (job.slice_warmup_secs + job.slice_secs + 2)) + 120
+        return await self._ask(asdict(job), bound)
 
     async def replay(self, job: ReplayJob) -> dict[str, Any]:
         """``run_replay`` in the worker; its answer."""
+        end = job.trace[-1][0] if job.trace else 0.0
+        return await self._ask(asdict(job), end + job.timeout_secs + 60)
+
+    async def _ask(self, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One job line out, one answer line back within ``timeout`` seconds."""
         proc = self._proc
         assert proc is not None and proc.stdin is not None and proc.stdout is not None
-        proc.stdin.write((json.dumps(asdict(job)) + "\n").encode())
+        proc.stdin.write((json.dumps(job) + "\n").encode())
         await proc.stdin.drain()
-        end = job.trace[-1][0] if job.trace else 0.0
-        line = await asyncio.wait_for(proc.stdout.readline(), end + job.timeout_secs + 60)
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout)
         if not line:
             raise RuntimeError(f"the load worker exited (code {await proc.wait()})")
         data = json.loads(line)
@@ -288,7 +403,12 @@ def _worker_main() -> None:
         while line := await reader.readline():
             try:
                 job = json.loads(line)
-                out = await run_replay(ReplayJob(**job)) if "trace" in job else asdict(await run_job(Job(**job)))
+                if "trace" in job:
+                    out = await run_replay(ReplayJob(**job))
+                elif "cycles" in job:
+                    out = await run_alternating(AlternatingJob(**job))
+                else:
+                    out = asdict(await run_job(Job(**job)))
             except Exception as exc:  # noqa: BLE001 - sent back to the parent
                 out = {"exception": f"{type(exc).__name__}: {exc}"}
             sys.stdout.write(json.dumps(out) + "\n")

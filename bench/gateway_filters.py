@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from bench._load import Job, LoadWorker, bare_envoy_bootstrap
+from bench._load import AlternatingJob, Job, LoadWorker, bare_envoy_bootstrap
 from bench.common import API_KEY, direct_urls, echo_package, fp32, gateway_urls, serving_stack, write_package
 from controlplane.gateway.envoy import (
     GRPC_RETRY_BUFFER_BYTES,
@@ -42,8 +42,9 @@ VARIANTS = ("no_auth", *(f"no_{name}" for name in OPTIONAL_FILTERS), "no_filters
 # What the routes do besides filters, each left out of the served bootstrap in turn (section gateway_routes; the
 # regexes must match, so a change to the template fails the bench rather than measuring the gateway twice).
 ROUTE_EDITS = {
-    # the x-snooze-request-id header (Envoy's UNIQUE_ID; Triton forwards it to the stub, which journals it)
-    "no_request_id": r"\n *request_headers_to_add:\n *- header: \{ key: \"x-snooze-request-id\"[^\n]*\n[^\n]*",
+    # Envoy's x-request-id (Triton forwards it to the stub, which journals it): not generated (what Envoy saves;
+    # the bare hop's requests still carry one, which Triton forwards too)
+    "no_request_id": (r"generate_request_id: true", "generate_request_id: false"),
     # the retry to the activator (and the request copy it keeps)
     "no_retry": r"\n *retry_policy:\n(?:.*\n)*? *retry_back_off:[^\n]*",
     # the snapshot gate (a runtime_fraction route ahead of every other)
@@ -82,12 +83,15 @@ async def run(
     large_requests: bool = True,
     direct_with_id: bool = False,
     bare_auth: bool = False,
+    slice_secs: float | None = None,
 ) -> dict[str, Any]:
     """``variants``: the filters left out in turn (``VARIANTS`` or a subset); ``twin``: a second Envoy with the
     served gateway's own bootstrap (its distance from the gateway is this run's noise); ``large_requests``: the
     warm 32 MiB gRPC comparison; ``direct_with_id``: direct Triton again, the client sending the gateway's
     request-id header itself (what Triton and the stub spend on it); ``bare_auth``: the bare hop with Envoy's API
-    key check too (the reference for the gateway with keys, which the keyless bare hop is not).
+    key check too (the reference for the gateway with keys, which the keyless bare hop is not); ``slice_secs``:
+    each round is one cycle of ``slice_secs`` per target over connections the client opened once
+    (``AlternatingJob``), ``warmup`` once per target before the first, instead of a job per target per round.
     ``python -m bench --only gateway_targets`` runs the issue's check alone (direct, the bare hops, the gateway
     with and without keys and its twin, over many rounds), ``--only gateway_routes`` the route variants."""
     if unknown := set(variants) - set(VARIANTS) - set(ROUTE_EDITS):
@@ -150,38 +154,13 @@ async def run(
             for process in processes.values():
                 process.start()
             async with LoadWorker() as worker:
-                for protocol in PROTOCOLS:
+                for protocol in PROTOCOLS if slice_secs else ():
                     for concurrency in CONCURRENCY:
-                        for r in range(rounds):
-                            order = targets[r % len(targets) :] + targets[: r % len(targets)]
-                            for name in order:
-                                job = Job(
-                                    protocol,
-                                    urls[name][protocol],
-                                    MODEL,
-                                    concurrency,
-                                    seconds,
-                                    headers=_headers(name),
-                                    warmup_secs=warmup,
-                                )
-                                envoy = stack.gateway if name == "gateway" else processes.get(name)
-                                cpu = _CpuMeter(stack, client=worker.pid, envoy=envoy.pid if envoy else None)
-                                await cpu.start()
-                                result = await worker.run(job)
-                                runs.append(
-                                    {
-                                        "round": r,
-                                        "protocol": protocol,
-                                        "concurrency": concurrency,
-                                        "target": name,
-                                        "rps": round(result.rps, 1),
-                                        "p50_ms": result.p50_ms,
-                                        "errors": result.errors,
-                                        "first_error": result.first_error,
-                                        **await cpu.per_request(),
-                                    }
-                                )
-                            runs[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
+                        runs += await _alternating(
+                            worker, stack, processes, urls, targets, protocol, concurrency, rounds, slice_secs, warmup
+                        )
+                if not slice_secs:
+                    runs += await _jobs(worker, stack, processes, urls, targets, rounds, seconds, warmup)
                 lua_during = _lua_executions(stack.gateway.stats()) - lua_before
                 for r in range(rounds if large_requests else 0):
                     for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
@@ -203,7 +182,8 @@ async def run(
     return {
         "model": f"{MODEL}: numpy y = 2x, one 1x4 FP32 row per request, max_batch_size 8, 1 instance",
         "settings": {
-            "seconds": seconds,
+            "seconds": slice_secs or seconds,
+            "alternating": bool(slice_secs),
             "warmup_secs": warmup,
             "rounds": rounds,
             "concurrency": list(CONCURRENCY),
@@ -217,6 +197,90 @@ async def run(
         "table": _table(runs, targets, rounds),
         "large": _large_summary(large) if large_requests else None,
     }
+
+
+async def _jobs(
+    worker: LoadWorker,
+    stack: Any,
+    processes: dict[str, EnvoyProcess],
+    urls: dict[str, dict[str, str]],
+    targets: list[str],
+    rounds: int,
+    seconds: float,
+    warmup: float,
+) -> list[dict[str, Any]]:
+    """A job per target per round (its own connections and warm-up), the order rotating from round to round."""
+    runs: list[dict[str, Any]] = []
+    for protocol in PROTOCOLS:
+        for concurrency in CONCURRENCY:
+            for r in range(rounds):
+                order = targets[r % len(targets) :] + targets[: r % len(targets)]
+                for name in order:
+                    job = Job(
+                        protocol,
+                        urls[name][protocol],
+                        MODEL,
+                        concurrency,
+                        seconds,
+                        headers=_headers(name),
+                        warmup_secs=warmup,
+                    )
+                    envoy = stack.gateway if name == "gateway" else processes.get(name)
+                    cpu = _CpuMeter(stack, client=worker.pid, envoy=envoy.pid if envoy else None)
+                    await cpu.start()
+                    result = await worker.run(job)
+                    runs.append(
+                        {
+                            "round": r,
+                            "protocol": protocol,
+                            "concurrency": concurrency,
+                            "target": name,
+                            "rps": round(result.rps, 1),
+                            "p50_ms": result.p50_ms,
+                            "errors": result.errors,
+                            "first_error": result.first_error,
+                            **await cpu.per_request(),
+                        }
+                    )
+                runs[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    return runs
+
+
+async def _alternating(
+    worker: LoadWorker,
+    stack: Any,
+    processes: dict[str, EnvoyProcess],
+    urls: dict[str, dict[str, str]],
+    targets: list[str],
+    protocol: str,
+    concurrency: int,
+    cycles: int,
+    slice_secs: float,
+    warmup: float,
+) -> list[dict[str, Any]]:
+    """One ``AlternatingJob`` over every target; its slices as ``run``'s per-round records (a cycle is a round).
+    CPU per request: the client's own count of successful requests in the slice."""
+    triton = stack.triton_process.pid if stack.triton_process else None
+    triton_pids = [triton, *(c.pid for c in psutil.Process(triton).children(recursive=True))] if triton else []
+    cpu_pids: dict[str, dict[str, list[int]]] = {}
+    for name in targets:
+        envoy = stack.gateway if name == "gateway" else processes.get(name)
+        cpu_pids[name] = {"triton": triton_pids, **({"envoy": [envoy.pid]} if envoy and envoy.pid else {})}
+    job = AlternatingJob(
+        protocol,
+        {name: urls[name][protocol] for name in targets},
+        MODEL,
+        concurrency,
+        slice_secs,
+        cycles,
+        headers={name: _headers(name) for name in targets},
+        cpu_pids=cpu_pids,
+        warmup_secs=warmup,
+    )
+    answer = await worker.alternate(job)
+    out = [{"round": x.pop("cycle"), "protocol": protocol, "concurrency": concurrency, **x} for x in answer["slices"]]
+    out[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
+    return out
 
 
 class _CpuMeter:
@@ -333,8 +397,11 @@ def _headers(target: str) -> dict[str, str]:
 
 
 def _without(bootstrap: str, variant: str) -> str:
-    """The served bootstrap less one thing its routes do (``ROUTE_EDITS``)."""
-    edited, n = re.subn(ROUTE_EDITS[variant], "", bootstrap)
+    """The served bootstrap less one thing its routes do (``ROUTE_EDITS``: a pattern taken out, or a pattern and
+    what replaces it)."""
+    edit = ROUTE_EDITS[variant]
+    pattern, replacement = edit if isinstance(edit, tuple) else (edit, "")
+    edited, n = re.subn(pattern, replacement, bootstrap)
     if not n:
         raise ValueError(f"{variant}: its pattern no longer matches the gateway's bootstrap (bench/gateway_filters.py)")
     return edited
@@ -353,6 +420,16 @@ def _large_summary(large: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _lua_executions(stats: dict[str, int]) -> int:
     return sum(v for k, v in stats.items() if k.endswith("lua.executions"))
+
+
+def median_ci95(values: list[float]) -> list[float]:
+    """A distribution-free 95 % confidence interval of the median: the order statistics n/2 -+ 0.98 sqrt(n)
+    (the binomial's normal approximation); the whole range when there are too few values for one."""
+    xs = sorted(values)
+    n = len(xs)
+    half = 0.98 * n**0.5
+    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
+    return [round(xs[lo], 3), round(xs[hi], 3)]
 
 
 def _table(runs: list[dict[str, Any]], targets: list[str], rounds: int) -> list[dict[str, Any]]:
@@ -383,6 +460,7 @@ def _table(runs: list[dict[str, Any]], targets: list[str], rounds: int) -> list[
                     "c32_rps": round(statistics.median(x["rps"] for x in c32), 1),
                     "c32_vs_bare_envoy": round(statistics.median(ratio), 3),
                     "c32_vs_bare_envoy_iqr": [round(quartiles[0], 3), round(quartiles[2], 3)],
+                    "c32_vs_bare_envoy_ci95": median_ci95(ratio),
                     "c1_p50_ms": round(
                         statistics.median(by[(r, protocol, 1, target)]["p50_ms"] for r in range(rounds)), 3
                     ),

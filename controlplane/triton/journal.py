@@ -1,12 +1,15 @@
 """Which requests a model process had received when it died: the request journal, read side.
 
-The gateway gives every inference request a unique ``x-snooze-request-id`` header, which Triton
+Every inference request through the gateway carries an ``x-request-id`` header (Envoy's own: a UUID for a
+request that comes without one; a client that sends its own should keep it unique, see below), which Triton
 forwards to the python backend as a request parameter (``--http-header-forward-pattern`` /
 ``--grpc-header-forward-pattern``). Before each batch runs, the runtime in the stub writes the ids of
 that batch to its journal, ``<journal dir>/<pid>-<start ticks>.journal`` (``python_backend/journal.py``
 writes it and defines the names and the layout below; this side imports them). When a stub dies, its journal holds the
 batch it was running: those requests reached a live model process and must not be run again; any
-other request that failed on the dead stub never reached it and is served after recovery.
+other request that failed on the dead stub never reached it and is served after recovery. An id that two
+requests share can only make that more careful: a request whose id is in the journal is never run again,
+whichever of the two reached the process.
 
 Layout: a little-endian u32 byte count, then the ids joined by newlines (UTF-8). The file is ``SIZE``
 bytes; its last ``TRAILER`` bytes say whether the process is idle (``read_activity``): a u64 with the
@@ -65,7 +68,7 @@ __all__ = [
     "sequences_until",
 ]
 
-REQUEST_ID_HEADER = REQUEST_ID_PARAMETER  # what the gateway sets; Triton forwards it under the same name
+REQUEST_ID_HEADER = REQUEST_ID_PARAMETER  # what Envoy sets; Triton forwards it under the same name
 # Triton's flags that hand the header to the python backend as a request parameter.
 HEADER_FORWARD_ARGS = (
     f"--http-header-forward-pattern=^{REQUEST_ID_HEADER}$",

@@ -40,7 +40,7 @@ def _hcms(bootstrap: str) -> list[dict]:
 
 # What each edit takes away, read from the parsed bootstrap: (served count, count after the edit).
 PARTS = {
-    "no_request_id": lambda b: sum("request_headers_to_add" in r for r in _routes(b)),
+    "no_request_id": lambda b: sum(h["generate_request_id"] for h in _hcms(b)),
     "no_retry": lambda b: sum("retry_policy" in r.get("route", {}) for r in _routes(b)),
     "no_gate": lambda b: sum("runtime_fraction" in r["match"] for r in _routes(b)),
     "no_access_log": lambda b: sum("access_log" in h for h in _hcms(b)),

@@ -21,7 +21,7 @@ COMPOSE_GPU = ROOT / "docker-compose.gpu.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 ENV_EXAMPLE = ROOT / ".env.example"
 # Contracts with the control plane and the model runtime (docs/deploy.md).
-REQUEST_ID_PATTERN = "^x-snooze-request-id$"
+REQUEST_ID_PATTERN = "^x-request-id$"
 RUN_DIR = "/run/snooze"
 # Triton release <-> NGC container: 2.51 is the 24.10 image (the version nvidia-pytriton 0.7 bundles).
 TRITON_IMAGE_FOR_EMBEDDED = "nvcr.io/nvidia/tritonserver:24.10-py3"

@@ -22,7 +22,7 @@ BASE = K8S / "base"
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
 SECRET = "snooze-api-keys"
 # Contracts with the control plane and the model runtime (docs/deploy.md).
-REQUEST_ID_PATTERN = "^x-snooze-request-id$"
+REQUEST_ID_PATTERN = "^x-request-id$"
 RUN_DIR = "/run/snooze"
 TRITON_PORTS = {"http": 8100, "grpc": 8101, "metrics": 8102}
 

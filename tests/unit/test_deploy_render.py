@@ -66,8 +66,8 @@ def test_compose_escapes_a_literal_dollar_and_the_pod_keeps_it() -> None:
     compose, pod = _parsed(render.load())
     [triton] = [c for c in pod["containers"] if c["name"] == "triton"]
     # compose reads $$ as a literal $ (a lone $ would start a variable); Kubernetes expands only $(NAME).
-    assert "--http-header-forward-pattern=^x-snooze-request-id$$" in compose["triton"]["command"]
-    assert "--http-header-forward-pattern=^x-snooze-request-id$" in triton["args"]
+    assert "--http-header-forward-pattern=^x-request-id$$" in compose["triton"]["command"]
+    assert "--http-header-forward-pattern=^x-request-id$" in triton["args"]
     key = "--http-restricted-api=model-repository:snooze-admin="
     assert key + "${SNOOZE_TRITON_ADMIN_KEY:?set SNOOZE_TRITON_ADMIN_KEY in .env (see .env.example)}" \
         in compose["triton"]["command"]
@@ -77,7 +77,7 @@ def test_compose_escapes_a_literal_dollar_and_the_pod_keeps_it() -> None:
 @pytest.mark.parametrize("text", ["0.0.0.0", "10001:10001", "8080", "1.5", "true", "off", "null", "~", "",
                                   "a: b", "x #y", "#c", "{x}", "[x]", "- x", "* x", "'q'", '"q"', "@x", "%x",
                                   "--flag=a:b", "${V:?set V in .env (see .env.example)}", "http://h:${P:-1}",
-                                  "^x-snooze-request-id$", "0x1F", ".inf", "12:30:00", "1e3"])
+                                  "^x-request-id$", "0x1F", ".inf", "12:30:00", "1e3"])
 def test_scalars_read_back_as_the_same_string(text: str) -> None:
     assert yaml.safe_load(f"k: {render.scalar(text)}")["k"] == text
 

@@ -392,7 +392,7 @@ journal = RequestJournal.from_environment()
 
 class Request:
     def parameters(self):
-        return json.dumps({"x-snooze-request-id": "req-1"})
+        return json.dumps({"x-request-id": "req-1"})
 
 journal.record([Request()])
 print(model.worker_pid, flush=True)

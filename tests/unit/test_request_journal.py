@@ -32,10 +32,10 @@ def me() -> StubProcess:
 @pytest.mark.parametrize(
     ("parameters", "expected"),
     [
-        ('{"x-snooze-request-id":"abc-1"}', "abc-1"),
-        ('{"foo":1,"x-snooze-request-id":"abc-2","bar":"x"}', "abc-2"),
-        ('{"x-snooze-request-id": "spaced"}', "spaced"),
-        ('{"X-Snooze-Request-Id":"capitals"}', "capitals"),
+        ('{"x-request-id":"abc-1"}', "abc-1"),
+        ('{"foo":1,"x-request-id":"abc-2","bar":"x"}', "abc-2"),
+        ('{"x-request-id": "spaced"}', "spaced"),
+        ('{"X-Request-Id":"capitals"}', "capitals"),
         ('{"foo":1}', ""),
         ("{}", ""),
     ],
@@ -48,9 +48,9 @@ def test_the_reader_finds_the_last_batch_the_writer_recorded(tmp_path: Path):
     journal = writer.RequestJournal(str(tmp_path))
     assert writer.start_ticks() == me().start_ticks  # both sides name this process the same way
     assert reader.read_journal(tmp_path, me()) == set()
-    journal.record([FakeRequest({"x-snooze-request-id": f"r{i}"}) for i in range(3)])
+    journal.record([FakeRequest({"x-request-id": f"r{i}"}) for i in range(3)])
     assert reader.read_journal(tmp_path, me()) == {"r0", "r1", "r2"}
-    journal.record([FakeRequest({"x-snooze-request-id": "last"}), FakeRequest({})])
+    journal.record([FakeRequest({"x-request-id": "last"}), FakeRequest({})])
     assert reader.read_journal(tmp_path, me()) == {"last"}  # only the batch now running
     journal.close()
     assert reader.read_journal(tmp_path, me()) is None  # a clean unload leaves nothing
@@ -59,10 +59,10 @@ def test_the_reader_finds_the_last_batch_the_writer_recorded(tmp_path: Path):
 def test_a_batch_of_one_and_an_oversized_batch_are_journaled(tmp_path: Path):
     journal = writer.RequestJournal(str(tmp_path))
     try:
-        journal.record([FakeRequest({"x-snooze-request-id": "only"})])
+        journal.record([FakeRequest({"x-request-id": "only"})])
         assert reader.read_journal(tmp_path, me()) == {"only"}
         ids = [f"{i:08d}-{'x' * 60}" for i in range(2000)]  # ~140 KB of ids: more than the journal holds
-        journal.record([FakeRequest({"x-snooze-request-id": i}) for i in ids])
+        journal.record([FakeRequest({"x-request-id": i}) for i in ids])
         kept = reader.read_journal(tmp_path, me())
         assert ids[0] in kept and len(kept) < len(ids) and len(kept - set(ids)) <= 1  # at most one id cut short
         journal.record([FakeRequest({})])
@@ -78,7 +78,7 @@ def test_the_trailer_says_whether_the_process_is_idle(tmp_path: Path):
     try:
         assert reader.read_activity(tmp_path, me()) == reader.Activity(False, 0, False)  # a fresh stub: idle
         journal.declare(unload=True)
-        journal.record([FakeRequest({"x-snooze-request-id": f"{i:08d}-{'x' * 60}"}) for i in range(2000)])
+        journal.record([FakeRequest({"x-request-id": f"{i:08d}-{'x' * 60}"}) for i in range(2000)])
         running = reader.read_activity(tmp_path, me())
         assert running is not None and running.busy and running.declares_unload and running.last_end_ns == 0
         before = time.monotonic_ns()
