@@ -1038,7 +1038,7 @@ _GATEWAY_TARGET_NAMES = {
     "bare_envoy_auth": "bare Envoy with the same API key check (api_key_auth, then the router)",
     "gateway": "**the gateway, as served**",
     "gateway_twin": "twin: a second Envoy with the gateway's own bootstrap",
-    "direct_with_id": "direct to Triton, the client sending x-snooze-request-id",
+    "direct_with_id": "direct to Triton, the client sending x-request-id",
     "gateway_no_request_id": "gateway without a request id (Envoy's x-request-id not generated)",
     "gateway_no_retry": "gateway without the retry to the activator",
     "gateway_no_gate": "gateway without the snapshot gate route",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -34,6 +35,7 @@ from tests.gateway_harness import (
     _stream_error,
     _x,
     grpc_infer,
+    http_infer,
 )
 from tests.serve_harness import until
 
@@ -278,6 +280,34 @@ def test_an_open_stream_keeps_its_model_awake_and_is_journaled(stack: Stack, rep
     with stack.grpc() as g:
         assert len(_stream(g, repeat, [2.0, 0.0])) == 2
     assert _journaled_ids(stack) - before  # the stream's request carried the gateway's id into the journal
+
+
+def _journal_of(stack: Stack, name: str) -> set[str]:
+    """The ids in the journals of ``name``'s model processes (the last batch each received)."""
+    pids = {str(pid) for pid in stack.triton.stub_pids(name)}
+    ids: set[str] = set()
+    for path in stack.triton.journal_dir.glob("*.journal"):
+        if path.name.split("-", 1)[0] in pids:
+            raw = path.read_bytes()
+            ids.update(i for i in raw[4 : 4 + int.from_bytes(raw[:4], "little")].decode().split("\n") if i)
+    return ids
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_a_unary_request_is_journaled_by_envoys_request_id(stack: Stack, protocol: str):
+    """The journal's id is Envoy's x-request-id, forwarded by Triton: a UUID for a request that has none, the
+    client's own where it sends one (the gateway adds no header of its own)."""
+    name = f"gw_journal_id_{protocol}"
+    stack.store.publish(resolve(DeploymentSpec(id=name, path=stack.package, max_batch_size=8)))
+    infer = grpc_infer if protocol == "grpc" else http_infer
+    key = GRPC_KEY if protocol == "grpc" else KEY
+    with stack.grpc() if protocol == "grpc" else stack.http() as client:
+        assert infer(client, name, _x(1)).shape == (1, 4)  # woken by the retry, then warm
+        infer(client, name, _x(1))
+        [generated] = _journal_of(stack, name)
+        assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", generated), generated
+        infer(client, name, _x(1), headers={**key, "x-request-id": f"client-{protocol}-7"})
+        assert _journal_of(stack, name) == {f"client-{protocol}-7"}
 
 
 TEXT_GENERATOR = Path(__file__).resolve().parents[3] / "examples" / "models" / "text-generator"
