@@ -69,9 +69,9 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
     if quick:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
-            "gateway_filters": {"seconds": 0.2, "slice_secs": 0.2, "warmup": 0.05, "rounds": 1},
-            "gateway_targets": {"seconds": 0.2, "slice_secs": 0.2, "warmup": 0.05, "rounds": 2, **GATEWAY_TARGETS},
-            "gateway_routes": {"seconds": 0.2, "slice_secs": 0.2, "warmup": 0.05, "rounds": 1, **GATEWAY_ROUTES},
+            "gateway_filters": {"seconds": 0.2, "warmup": 0.05, "rounds": 1},
+            "gateway_targets": {"seconds": 0.2, "warmup": 0.05, "rounds": 2, **GATEWAY_TARGETS},
+            "gateway_routes": {"seconds": 0.2, "warmup": 0.05, "rounds": 1, **GATEWAY_ROUTES},
             "envoy_cpu": {"seconds": 0.2, "rounds": 1, "concurrency": 8},
             "coldstart": {
                 "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
@@ -116,13 +116,13 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "gateway": {"seconds": 3.0, "warmup": 0.5},
         # The gateway less each filter in turn, the bare hop and direct: 8 targets x 4 x 30 cycles x 0.45 s, and the
         # warm 32 MiB comparison: 8.5 minutes.
-        "gateway_filters": {"seconds": 0.4, "slice_secs": 0.4, "warmup": 1.0, "rounds": 30},
+        "gateway_filters": {"seconds": 0.4, "warmup": 1.0, "rounds": 30},
         # Direct, the bare hop with and without a key check, the gateway with and without keys, and its twin, in
         # turn (bench._load.AlternatingJob): 6 targets x 4 (protocol, concurrency) x 40 cycles x 0.55 s, 9 minutes.
-        "gateway_targets": {"seconds": 0.5, "slice_secs": 0.5, "warmup": 1.0, "rounds": 40, **GATEWAY_TARGETS},
+        "gateway_targets": {"seconds": 0.5, "warmup": 1.0, "rounds": 40, **GATEWAY_TARGETS},
         # What the routes do besides filters, each left out in turn, and the filters, in turn: 11 targets x 4 x 30
         # cycles x 0.35 s, 8 minutes.
-        "gateway_routes": {"seconds": 0.3, "slice_secs": 0.3, "warmup": 1.0, "rounds": 30, **GATEWAY_ROUTES},
+        "gateway_routes": {"seconds": 0.3, "warmup": 1.0, "rounds": 30, **GATEWAY_ROUTES},
         # 12 Envoy configurations x 2 protocols x 15 rounds x 1 s: 6 minutes
         "envoy_cpu": {"seconds": 1.0, "rounds": 15, "concurrency": 8},
         "coldstart": {

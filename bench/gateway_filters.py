@@ -83,17 +83,15 @@ async def run(
     large_requests: bool = True,
     direct_with_id: bool = False,
     bare_auth: bool = False,
-    slice_secs: float | None = None,
 ) -> dict[str, Any]:
     """``variants``: the filters left out in turn (``VARIANTS`` or a subset); ``twin``: a second Envoy with the
     served gateway's own bootstrap (its distance from the gateway is this run's noise); ``large_requests``: the
     warm 32 MiB gRPC comparison; ``direct_with_id``: direct Triton again, the client sending the gateway's
     request-id header itself (what Triton and the stub spend on it); ``bare_auth``: the bare hop with Envoy's API
-    key check too (the reference for the gateway with keys, which the keyless bare hop is not); ``slice_secs``:
-    each round is one cycle of ``slice_secs`` per target over connections the client opened once
-    (``AlternatingJob``), ``warmup`` once per target before the first, instead of a job per target per round.
-    ``python -m bench --only gateway_targets`` runs the issue's check alone (direct, the bare hops, the gateway
-    with and without keys and its twin, over many rounds), ``--only gateway_routes`` the route variants."""
+    key check too (the reference for the gateway with keys, which the keyless bare hop is not).
+    Each round is one cycle of ``seconds`` per target, in turn (``AlternatingJob``), ``warmup`` once per target
+    first. ``python -m bench --only gateway_targets`` runs the issue's check alone (direct, the bare hops, the
+    gateway with and without keys and its twin, over many rounds), ``--only gateway_routes`` the route variants."""
     if unknown := set(variants) - set(VARIANTS) - set(ROUTE_EDITS):
         known = ", ".join((*VARIANTS, *ROUTE_EDITS))
         raise ValueError(f"unknown gateway variants {sorted(unknown)}: one of {known}")
@@ -154,13 +152,11 @@ async def run(
             for process in processes.values():
                 process.start()
             async with LoadWorker() as worker:
-                for protocol in PROTOCOLS if slice_secs else ():
+                for protocol in PROTOCOLS:
                     for concurrency in CONCURRENCY:
                         runs += await _alternating(
-                            worker, stack, processes, urls, targets, protocol, concurrency, rounds, slice_secs, warmup
+                            worker, stack, processes, urls, targets, protocol, concurrency, rounds, seconds, warmup
                         )
-                if not slice_secs:
-                    runs += await _jobs(worker, stack, processes, urls, targets, rounds, seconds, warmup)
                 lua_during = _lua_executions(stack.gateway.stats()) - lua_before
                 for r in range(rounds if large_requests else 0):
                     for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
@@ -182,8 +178,7 @@ async def run(
     return {
         "model": f"{MODEL}: numpy y = 2x, one 1x4 FP32 row per request, max_batch_size 8, 1 instance",
         "settings": {
-            "seconds": slice_secs or seconds,
-            "alternating": bool(slice_secs),
+            "seconds": seconds,
             "warmup_secs": warmup,
             "rounds": rounds,
             "concurrency": list(CONCURRENCY),
@@ -197,53 +192,6 @@ async def run(
         "table": _table(runs, targets, rounds),
         "large": _large_summary(large) if large_requests else None,
     }
-
-
-async def _jobs(
-    worker: LoadWorker,
-    stack: Any,
-    processes: dict[str, EnvoyProcess],
-    urls: dict[str, dict[str, str]],
-    targets: list[str],
-    rounds: int,
-    seconds: float,
-    warmup: float,
-) -> list[dict[str, Any]]:
-    """A job per target per round (its own connections and warm-up), the order rotating from round to round."""
-    runs: list[dict[str, Any]] = []
-    for protocol in PROTOCOLS:
-        for concurrency in CONCURRENCY:
-            for r in range(rounds):
-                order = targets[r % len(targets) :] + targets[: r % len(targets)]
-                for name in order:
-                    job = Job(
-                        protocol,
-                        urls[name][protocol],
-                        MODEL,
-                        concurrency,
-                        seconds,
-                        headers=_headers(name),
-                        warmup_secs=warmup,
-                    )
-                    envoy = stack.gateway if name == "gateway" else processes.get(name)
-                    cpu = _CpuMeter(stack, client=worker.pid, envoy=envoy.pid if envoy else None)
-                    await cpu.start()
-                    result = await worker.run(job)
-                    runs.append(
-                        {
-                            "round": r,
-                            "protocol": protocol,
-                            "concurrency": concurrency,
-                            "target": name,
-                            "rps": round(result.rps, 1),
-                            "p50_ms": result.p50_ms,
-                            "errors": result.errors,
-                            "first_error": result.first_error,
-                            **await cpu.per_request(),
-                        }
-                    )
-                runs[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
-    return runs
 
 
 async def _alternating(
@@ -281,39 +229,6 @@ async def _alternating(
     out = [{"round": x.pop("cycle"), "protocol": protocol, "concurrency": concurrency, **x} for x in answer["slices"]]
     out[-1]["load_average"] = [round(v, 2) for v in os.getloadavg()]
     return out
-
-
-class _CpuMeter:
-    """CPU time per request over one job (its warm-up too), by part: the client process, the target's Envoy
-    (none for direct) and Triton with its model processes; the requests are Triton's count of the model's
-    successful inferences over the same span. Not wall time: a co-tenant's burst changes the throughput of a
-    slice far more than the CPU each request takes, so these numbers are what the table's throughput ratios are
-    made of, with less noise."""
-
-    def __init__(self, stack: Any, *, client: int | None, envoy: int | None) -> None:
-        self._stack, self._pids = stack, {"client": client, "envoy": envoy}
-        self._triton = stack.triton_process.pid if stack.triton_process else None
-        self._before: tuple[dict[str, float], int] | None = None
-
-    def _cpu(self) -> dict[str, float]:
-        out = {part: cpu_seconds(pid, tree=False) for part, pid in self._pids.items() if pid}
-        if self._triton:
-            out["triton"] = cpu_seconds(self._triton, tree=True)
-        return out
-
-    async def _served(self) -> int:
-        return (await self._stack.admin.model_stats(MODEL)).success_count
-
-    async def start(self) -> None:
-        self._before = (self._cpu(), await self._served())
-
-    async def per_request(self) -> dict[str, float]:
-        assert self._before is not None
-        cpu, served = self._cpu(), await self._served()
-        requests = served - self._before[1]
-        if requests <= 0:
-            return {}
-        return {f"{part}_cpu_us": round((t - self._before[0][part]) / requests * 1e6, 1) for part, t in cpu.items()}
 
 
 def cpu_seconds(pid: int, *, tree: bool) -> float:

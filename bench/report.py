@@ -1077,24 +1077,15 @@ def _gateway_filters_lines(gf: dict[str, Any] | None, *, section: str = "gateway
         ]
         for r in gf["table"]
     ]
-    if st.get("alternating"):
-        method = (
-            f"per protocol and concurrency (1, 32), one client process drives every target in turn, {st['seconds']} s "
-            f"each on new connections (after 0.05 s of warm-up on them), for {st['rounds']} cycles (after "
-            f"{st['warmup_secs']} s of warm-up per target first), the order rotating by one from cycle to cycle; "
-            "medians over cycles of per-cycle "
-            "numbers (throughput over the same cycle's bare hop, p50 over the same cycle's direct p50), with a 95 % "
-            "confidence interval of the median (order statistics). CPU per request: user + system time of each "
-            "process over a slice over the client's count of its successful requests, median over cycles. "
-        )
-    else:
-        method = (
-            f"per protocol and concurrency (1, 32), {st['rounds']} rounds; each measures every target for "
-            f"{st['seconds']} s after {st['warmup_secs']} s of warm-up, the order rotating from round to round; "
-            "medians over rounds of per-round numbers (throughput over the same round's bare hop, p50 over the same "
-            "round's direct p50). CPU per request: user + system time of each process over a job (warm-up "
-            "included) over Triton's count of the model's successful inferences in it, median over rounds. "
-        )
+    method = (
+        f"per protocol and concurrency (1, 32), one client process drives every target in turn, {st['seconds']} s "
+        f"each on new connections (after 0.05 s of warm-up on them), for {st['rounds']} cycles (after "
+        f"{st['warmup_secs']} s of warm-up per target first), the order rotating by one from cycle to cycle; "
+        "medians over cycles of per-cycle numbers (throughput over the same cycle's bare hop, p50 over the same "
+        "cycle's direct p50), with a 95 % confidence interval of the median (order statistics). CPU per request: "
+        "user + system time of each process over a slice over the client's count of its successful requests, "
+        "median over cycles. "
+    )
     return [
         _GATEWAY_HEADINGS[section],
         "",
