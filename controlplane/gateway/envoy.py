@@ -17,8 +17,8 @@ cluster marks with a header, since a retry policy cannot read bodies) is retried
 too. Every inference request carries an ``x-request-id`` (Envoy's own, kept across the retry: a UUID
 when the client sent none), which Triton forwards to the model's process; with it the activator tells a
 request that was running when the process died (refused: it never runs twice) from one that only met
-the dead process (sent again after recovery). A model's own errors are never retried: the runtime starts each with
-``[snooze:<kind>] model '<id>':``, so none is Triton's whole message.
+the dead process (sent again after recovery). A model's own errors are never retried: the runtime
+starts each with ``[snooze:<kind>] model '<id>':``, so none is Triton's whole message.
 
 Gateway metrics are Envoy's own stats: ``EnvoyGateway.prometheus_url`` (loopback only). Useful series:
 ``envoy_http_downstream_rq_xx{envoy_http_conn_manager_prefix="kserve_http|kserve_grpc"}``,

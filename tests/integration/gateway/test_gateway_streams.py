@@ -246,10 +246,14 @@ def test_a_cancelled_stream_stops_the_generator(stack: Stack, repeater: Path, tm
     until(lambda: stack.activator.holds.held(name) == 0, "the cancelled stream's hold released")
 
 
-def _journaled_ids(stack: Stack) -> set[str]:
-    """Every request id the model processes' journals hold now (controlplane/triton/journal.py layout)."""
+def _journaled_ids(stack: Stack, model: str | None = None) -> set[str]:
+    """Every request id the model processes' journals hold now (controlplane/triton/journal.py layout): the last
+    batch each process received; with ``model``, only its processes'."""
+    pids = None if model is None else {str(pid) for pid in stack.triton.stub_pids(model)}
     ids: set[str] = set()
     for path in stack.triton.journal_dir.glob("*.journal"):
+        if pids is not None and path.name.split("-", 1)[0] not in pids:
+            continue
         raw = path.read_bytes()
         size = int.from_bytes(raw[:4], "little")
         ids.update(i for i in raw[4 : 4 + size].decode().split("\n") if i)
@@ -282,17 +286,6 @@ def test_an_open_stream_keeps_its_model_awake_and_is_journaled(stack: Stack, rep
     assert _journaled_ids(stack) - before  # the stream's request carried the gateway's id into the journal
 
 
-def _journal_of(stack: Stack, name: str) -> set[str]:
-    """The ids in the journals of ``name``'s model processes (the last batch each received)."""
-    pids = {str(pid) for pid in stack.triton.stub_pids(name)}
-    ids: set[str] = set()
-    for path in stack.triton.journal_dir.glob("*.journal"):
-        if path.name.split("-", 1)[0] in pids:
-            raw = path.read_bytes()
-            ids.update(i for i in raw[4 : 4 + int.from_bytes(raw[:4], "little")].decode().split("\n") if i)
-    return ids
-
-
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_a_unary_request_is_journaled_by_envoys_request_id(stack: Stack, protocol: str):
     """The journal's id is Envoy's x-request-id, forwarded by Triton: a UUID for a request that has none, the
@@ -304,10 +297,10 @@ def test_a_unary_request_is_journaled_by_envoys_request_id(stack: Stack, protoco
     with stack.grpc() if protocol == "grpc" else stack.http() as client:
         assert infer(client, name, _x(1)).shape == (1, 4)  # woken by the retry, then warm
         infer(client, name, _x(1))
-        [generated] = _journal_of(stack, name)
+        [generated] = _journaled_ids(stack, name)
         assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", generated), generated
         infer(client, name, _x(1), headers={**key, "x-request-id": f"client-{protocol}-7"})
-        assert _journal_of(stack, name) == {f"client-{protocol}-7"}
+        assert _journaled_ids(stack, name) == {f"client-{protocol}-7"}
 
 
 TEXT_GENERATOR = Path(__file__).resolve().parents[3] / "examples" / "models" / "text-generator"
