@@ -13,7 +13,9 @@ measures: the parent sends one JSON job per line on stdin and reads one JSON res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -133,41 +135,12 @@ class Job:
 
 async def run_job(job: Job) -> LoadResult:
     x = np.ones(job.shape, dtype=np.float32)
-    if job.protocol == "grpc":
-        import grpc
-
-        check_loopback(job.target.rsplit(":", 1)[0])
-        payload = infer_request_bytes(job.model, x, job.input_name)
-        metadata = tuple((k.lower(), v) for k, v in job.headers.items())
-        async with grpc.aio.insecure_channel(job.target) as channel:
-            call = channel.unary_unary(INFER_METHOD)
-
-            async def send() -> None:
-                await call(payload, metadata=metadata)
-
-            if job.warmup_secs:
-                await drive(send, job.concurrency, job.warmup_secs, job.max_requests)
-            return await drive(send, job.concurrency, job.seconds, job.max_requests)
-    if job.protocol == "http":
-        import aiohttp
-
-        check_loopback(job.target.split("//", 1)[-1].rsplit(":", 1)[0])
-        body, headers = http_infer_body(x, job.input_name, job.output_name)
-        headers.update(job.headers)
-        url = f"{job.target}/v2/models/{job.model}/infer"
-        connector = aiohttp.TCPConnector(limit=job.concurrency)
-        async with aiohttp.ClientSession(connector=connector) as session:
-
-            async def send() -> None:
-                async with session.post(url, data=body, headers=headers) as r:
-                    await r.read()
-                    if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}")
-
-            if job.warmup_secs:
-                await drive(send, job.concurrency, job.warmup_secs, job.max_requests)
-            return await drive(send, job.concurrency, job.seconds, job.max_requests)
-    raise ValueError(f"unknown protocol {job.protocol!r}")
+    async with contextlib.AsyncExitStack() as stack:
+        send = await _open_sender(stack, job.protocol, job.target, job.model, job.concurrency, job.headers, x,
+                                  job.input_name, job.output_name)  # fmt: skip
+        if job.warmup_secs:
+            await drive(send, job.concurrency, job.warmup_secs, job.max_requests)
+        return await drive(send, job.concurrency, job.seconds, job.max_requests)
 
 
 @dataclass
@@ -210,13 +183,15 @@ def _cpu_of(pids: list[int]) -> float:
 async def run_alternating(job: AlternatingJob) -> dict[str, Any]:
     """Per slice: its cycle, target, successful requests, errors, seconds, p50 and the CPU microseconds per
     successful request of each part."""
-    import contextlib
-    import os
-
     x = np.ones(job.shape, dtype=np.float32)
-    for name, target in job.targets.items():
+
+    def sender(stack: contextlib.AsyncExitStack, name: str) -> Awaitable[Callable[[], Awaitable[None]]]:
+        return _open_sender(stack, job.protocol, job.targets[name], job.model, job.concurrency,
+                            job.headers.get(name, {}), x, job.input_name, job.output_name)  # fmt: skip
+
+    for name in job.targets:
         async with contextlib.AsyncExitStack() as stack:
-            send = await _open_sender(stack, job, target, job.headers.get(name, {}), x)
+            send = await sender(stack, name)
             await drive(send, job.concurrency, job.warmup_secs, 1_000_000)
     names = list(job.targets)
     slices: list[dict[str, Any]] = []
@@ -225,7 +200,7 @@ async def run_alternating(job: AlternatingJob) -> dict[str, Any]:
             # New connections for every slice: which of Envoy's workers takes a connection is the kernel's
             # choice, so a lopsided split is one slice's noise, not a target's bias for the whole run.
             async with contextlib.AsyncExitStack() as stack:
-                send = await _open_sender(stack, job, job.targets[name], job.headers.get(name, {}), x)
+                send = await sender(stack, name)
                 await drive(send, job.concurrency, job.slice_warmup_secs, 1_000_000)
                 parts = {**job.cpu_pids.get(name, {}), "client": [os.getpid()]}
                 before = {part: _cpu_of(pids) for part, pids in parts.items()}
@@ -249,14 +224,23 @@ async def run_alternating(job: AlternatingJob) -> dict[str, Any]:
 
 
 async def _open_sender(
-    stack: Any, job: AlternatingJob, target: str, headers: dict[str, str], x: np.ndarray
+    stack: contextlib.AsyncExitStack,
+    protocol: str,
+    target: str,
+    model: str,
+    concurrency: int,
+    headers: dict[str, str],
+    x: np.ndarray,
+    input_name: str = "x",
+    output_name: str = "y",
 ) -> Callable[[], Awaitable[None]]:
-    """One request to ``target`` over a channel (gRPC) or session (HTTP) that ``stack`` closes."""
-    if job.protocol == "grpc":
+    """One request to ``target`` over a channel (gRPC) or a session of ``concurrency`` connections (HTTP) that
+    ``stack`` closes: the request is built once, sent as raw bytes."""
+    if protocol == "grpc":
         import grpc
 
         check_loopback(target.rsplit(":", 1)[0])
-        payload = infer_request_bytes(job.model, x, job.input_name)
+        payload = infer_request_bytes(model, x, input_name)
         metadata = tuple((k.lower(), v) for k, v in headers.items())
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(target))
         call = channel.unary_unary(INFER_METHOD)
@@ -265,16 +249,15 @@ async def _open_sender(
             await call(payload, metadata=metadata)
 
         return send_grpc
-    if job.protocol == "http":
+    if protocol == "http":
         import aiohttp
 
         check_loopback(target.split("//", 1)[-1].rsplit(":", 1)[0])
-        body, all_headers = http_infer_body(x, job.input_name, job.output_name)
+        body, all_headers = http_infer_body(x, input_name, output_name)
         all_headers.update(headers)
-        url = f"{target}/v2/models/{job.model}/infer"
-        session = await stack.enter_async_context(
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=job.concurrency))
-        )
+        url = f"{target}/v2/models/{model}/infer"
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        session = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
 
         async def send_http() -> None:
             async with session.post(url, data=body, headers=all_headers) as r:
@@ -283,7 +266,7 @@ async def _open_sender(
                     raise RuntimeError(f"HTTP {r.status}")
 
         return send_http
-    raise ValueError(f"unknown protocol {job.protocol!r}")
+    raise ValueError(f"unknown protocol {protocol!r}")
 
 
 @dataclass
