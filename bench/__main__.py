@@ -57,6 +57,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 
 # The gateway with keys (as deployed with auth) and without (as `make serve` runs it), its twin for the noise.
 GATEWAY_TARGETS = {"variants": ("no_auth",), "twin": True, "large_requests": False, "bare_auth": True}
+# Every Envoy restarted after this many cycles (a process's own luck is one block's, not a target's): 4 blocks.
+RESTART_EVERY = 10
 # bench.gateway_filters.ROUTE_EDITS and VARIANTS, checked there
 GATEWAY_ROUTES = {
     "variants": ("no_request_id", "no_retry", "no_gate", "no_access_log", "no_auth", "no_hints", "no_filters"),
@@ -70,7 +72,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         return {
             "gateway": {"seconds": 0.2, "warmup": 0.05},
             "gateway_filters": {"seconds": 0.2, "warmup": 0.05, "rounds": 1},
-            "gateway_targets": {"seconds": 0.2, "warmup": 0.05, "rounds": 2, **GATEWAY_TARGETS},
+            "gateway_targets": {"seconds": 0.2, "warmup": 0.05, "rounds": 2, "restart_every": 1, **GATEWAY_TARGETS},
             "gateway_routes": {"seconds": 0.2, "warmup": 0.05, "rounds": 1, **GATEWAY_ROUTES},
             "envoy_cpu": {"seconds": 0.2, "rounds": 1, "concurrency": 8},
             "coldstart": {
@@ -119,7 +121,8 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "gateway_filters": {"seconds": 0.4, "warmup": 1.0, "rounds": 30},
         # Direct, the bare hop with and without a key check, the gateway with and without keys, and its twin, in
         # turn (bench._load.AlternatingJob): 6 targets x 4 (protocol, concurrency) x 40 cycles x 0.55 s, 9 minutes.
-        "gateway_targets": {"seconds": 0.5, "warmup": 1.0, "rounds": 40, **GATEWAY_TARGETS},
+        "gateway_targets": {"seconds": 0.5, "warmup": 1.0, "rounds": 40, "restart_every": RESTART_EVERY,
+                            **GATEWAY_TARGETS},  # fmt: skip
         # What the routes do besides filters, each left out in turn, and the filters, in turn: 11 targets x 4 x 30
         # cycles x 0.35 s, 8 minutes.
         "gateway_routes": {"seconds": 0.3, "warmup": 1.0, "rounds": 30, **GATEWAY_ROUTES},

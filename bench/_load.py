@@ -162,6 +162,7 @@ class AlternatingJob:
     cpu_pids: dict[str, dict[str, list[int]]] = field(default_factory=dict)
     warmup_secs: float = 0.5  # per target, once, before the first cycle
     slice_warmup_secs: float = 0.05  # before each slice, on its new connections (not measured)
+    first_cycle: int = 0  # the first cycle's number (its place in the rotation): a job can go on from another
     shape: list[int] = field(default_factory=lambda: [1, 4])
     input_name: str = "x"
     output_name: str = "y"
@@ -195,7 +196,7 @@ async def run_alternating(job: AlternatingJob) -> dict[str, Any]:
             await drive(send, job.concurrency, job.warmup_secs, 1_000_000)
     names = list(job.targets)
     slices: list[dict[str, Any]] = []
-    for cycle in range(job.cycles):
+    for cycle in range(job.first_cycle, job.first_cycle + job.cycles):
         for name in names[cycle % len(names) :] + names[: cycle % len(names)]:
             # New connections for every slice: which of Envoy's workers takes a connection is the kernel's
             # choice, so a lopsided split is one slice's noise, not a target's bias for the whole run.

@@ -83,12 +83,15 @@ async def run(
     large_requests: bool = True,
     direct_with_id: bool = False,
     bare_auth: bool = False,
+    restart_every: int | None = None,
 ) -> dict[str, Any]:
     """``variants``: the filters left out in turn (``VARIANTS`` or a subset); ``twin``: a second Envoy with the
     served gateway's own bootstrap (its distance from the gateway is this run's noise); ``large_requests``: the
     warm 32 MiB gRPC comparison; ``direct_with_id``: direct Triton again, the client sending the gateway's
     request-id header itself (what Triton and the stub spend on it); ``bare_auth``: the bare hop with Envoy's API
-    key check too (the reference for the gateway with keys, which the keyless bare hop is not).
+    key check too (the reference for the gateway with keys, which the keyless bare hop is not); ``restart_every``:
+    every Envoy of the run (the served gateway too) is restarted after that many cycles, so that what one process
+    keeps for its life (its upstream connections, where its threads run) is one block's luck, not a target's.
     Each round is one cycle of ``seconds`` per target, in turn (``AlternatingJob``), ``warmup`` once per target
     first. ``python -m bench --only gateway_targets`` runs the issue's check alone (direct, the bare hops, the
     gateway with and without keys and its twin, over many rounds), ``--only gateway_routes`` the route variants."""
@@ -147,17 +150,27 @@ async def run(
         ]
         large: list[dict[str, Any]] = []
         runs: list[dict[str, Any]] = []
-        lua_before = _lua_executions(stack.gateway.stats())
+        lua_before, lua_during = _lua_executions(stack.gateway.stats()), 0
         try:
             for process in processes.values():
                 process.start()
             async with LoadWorker() as worker:
+                block = restart_every or rounds
                 for protocol in PROTOCOLS:
                     for concurrency in CONCURRENCY:
-                        runs += await _alternating(
-                            worker, stack, processes, urls, targets, protocol, concurrency, rounds, seconds, warmup
-                        )
-                lua_during = _lua_executions(stack.gateway.stats()) - lua_before
+                        for first in range(0, rounds, block):
+                            if first:  # every Envoy of the run, the served gateway too, as a new process
+                                lua_during += _lua_executions(stack.gateway.stats()) - lua_before
+                                for process in (stack.gateway, *processes.values()):
+                                    process.stop()
+                                    process.start()
+                                lua_before = _lua_executions(stack.gateway.stats())
+                            runs += await _alternating(
+                                worker, stack, processes, urls, targets, protocol, concurrency,
+                                range(first, min(rounds, first + block)), seconds, warmup,
+                            )  # fmt: skip
+                restarts = sum(len(range(block, rounds, block)) for _ in PROTOCOLS for _ in CONCURRENCY)
+                lua_during += _lua_executions(stack.gateway.stats()) - lua_before
                 for r in range(rounds if large_requests else 0):
                     for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
                         job = Job(
@@ -183,6 +196,8 @@ async def run(
             "rounds": rounds,
             "concurrency": list(CONCURRENCY),
             "envoy_concurrency": 2,
+            "restart_every": restart_every,
+            "envoy_restarts": restarts,
             "client": "grpc.aio (raw ModelInferRequest bytes) / aiohttp, in a separate process",
         },
         "targets": targets,
@@ -202,12 +217,12 @@ async def _alternating(
     targets: list[str],
     protocol: str,
     concurrency: int,
-    cycles: int,
+    cycles: range,
     slice_secs: float,
     warmup: float,
 ) -> list[dict[str, Any]]:
-    """One ``AlternatingJob`` over every target; its slices as ``run``'s per-round records (a cycle is a round).
-    CPU per request: the client's own count of successful requests in the slice."""
+    """One ``AlternatingJob`` over every target for ``cycles`` (the rounds' numbers); its slices as ``run``'s
+    per-round records. CPU per request: the client's own count of successful requests in the slice."""
     triton = stack.triton_process.pid if stack.triton_process else None
     triton_pids = [triton, *(c.pid for c in psutil.Process(triton).children(recursive=True))] if triton else []
     cpu_pids: dict[str, dict[str, list[int]]] = {}
@@ -220,10 +235,11 @@ async def _alternating(
         MODEL,
         concurrency,
         slice_secs,
-        cycles,
+        len(cycles),
         headers={name: _headers(name) for name in targets},
         cpu_pids=cpu_pids,
         warmup_secs=warmup,
+        first_cycle=cycles.start,
     )
     answer = await worker.alternate(job)
     out = [{"round": x.pop("cycle"), "protocol": protocol, "concurrency": concurrency, **x} for x in answer["slices"]]

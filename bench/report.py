@@ -1086,6 +1086,12 @@ def _gateway_filters_lines(gf: dict[str, Any] | None, *, section: str = "gateway
         "user + system time of each process over a slice over the client's count of its successful requests, "
         "median over cycles. "
     )
+    if st.get("restart_every"):
+        method += (
+            f"Every Envoy of the run, the served gateway too, was restarted after each {st['restart_every']} "
+            f"cycles ({st['envoy_restarts']} times per Envoy), so what one process keeps for its life is one "
+            "block's luck, not a target's. "
+        )
     return [
         _GATEWAY_HEADINGS[section],
         "",
