@@ -11,6 +11,7 @@ activator, with the served gateway's keys (``no_auth``, ``no_filters``: rendered
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import statistics
@@ -150,7 +151,7 @@ async def run(
         ]
         large: list[dict[str, Any]] = []
         runs: list[dict[str, Any]] = []
-        lua_before, lua_during = _lua_executions(stack.gateway.stats()), 0
+        lua_before, lua_during, restarts = _lua_executions(stack.gateway.stats()), 0, 0
         try:
             for process in processes.values():
                 process.start()
@@ -165,11 +166,11 @@ async def run(
                                     process.stop()
                                     process.start()
                                 lua_before = _lua_executions(stack.gateway.stats())
+                                restarts += 1
                             runs += await _alternating(
                                 worker, stack, processes, urls, targets, protocol, concurrency,
                                 range(first, min(rounds, first + block)), seconds, warmup,
                             )  # fmt: skip
-                restarts = sum(len(range(block, rounds, block)) for _ in PROTOCOLS for _ in CONCURRENCY)
                 lua_during += _lua_executions(stack.gateway.stats()) - lua_before
                 for r in range(rounds if large_requests else 0):
                     for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
@@ -198,6 +199,7 @@ async def run(
             "envoy_concurrency": 2,
             "restart_every": restart_every,
             "envoy_restarts": restarts,
+            "slice_warmup_secs": AlternatingJob.slice_warmup_secs,
             "client": "grpc.aio (raw ModelInferRequest bytes) / aiohttp, in a separate process",
         },
         "targets": targets,
@@ -359,7 +361,7 @@ def median_ci95(values: list[float]) -> list[float]:
     xs = sorted(values)
     n = len(xs)
     half = 0.98 * n**0.5
-    lo, hi = max(0, int(n / 2 - half)), min(n - 1, int(n / 2 + half + 0.999))
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
     return [round(xs[lo], 3), round(xs[hi], 3)]
 
 

@@ -1079,7 +1079,8 @@ def _gateway_filters_lines(gf: dict[str, Any] | None, *, section: str = "gateway
     ]
     method = (
         f"per protocol and concurrency (1, 32), one client process drives every target in turn, {st['seconds']} s "
-        f"each on new connections (after 0.05 s of warm-up on them), for {st['rounds']} cycles (after "
+        f"each on new connections (after {st.get('slice_warmup_secs', 0.05)} s of warm-up on them), for "
+        f"{st['rounds']} cycles (after "
         f"{st['warmup_secs']} s of warm-up per target first), the order rotating by one from cycle to cycle; "
         "medians over cycles of per-cycle numbers (throughput over the same cycle's bare hop, p50 over the same "
         "cycle's direct p50), with a 95 % confidence interval of the median (order statistics). CPU per request: "
@@ -1184,8 +1185,7 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"- {protocol}: {served_as[target]} at c=32 is {g['c32_vs_bare_envoy']:.3f}x the bare hop{ci_text} "
             f"(target 0.95: {'met' if g['c32_vs_bare_envoy'] >= 0.95 else 'not met'}); at c=1 it adds {over:+.3f} ms "
-            "over the bare "
-            f"hop's added p50 (target +0.1 ms: {'met' if over <= 0.1 else 'not met'})."
+            f"over the bare hop's added p50 (target +0.1 ms: {'met' if over <= 0.1 else 'not met'})."
         )
         if all(p in g.get("c32_cpu_us", {}) and p in b.get("c32_cpu_us", {}) for p in parts):
             gc, bc = g["c32_cpu_us"], b["c32_cpu_us"]
