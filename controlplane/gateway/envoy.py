@@ -24,7 +24,9 @@ Gateway metrics are Envoy's own stats: ``EnvoyGateway.prometheus_url`` (loopback
 ``envoy_http_downstream_rq_xx{envoy_http_conn_manager_prefix="kserve_http|kserve_grpc"}``,
 ``envoy_http_downstream_rq_time``, ``envoy_cluster_upstream_rq_retry{envoy_cluster_name="infer_http|infer_grpc"}``
 (wake retries), ``envoy_cluster_retry_or_shadow_abandoned`` (HTTP requests over ``wake_buffer_bytes``) and
-``envoy_http_api_key_auth_*`` / 401 counts for auth refusals.
+``envoy_http_api_key_auth_*`` / 401 counts for auth refusals. The router keeps no per-response-code cluster
+series (``dynamic_stats: false``: ``upstream_rq_2xx``, ``upstream_rq_time`` and the like cost a name lookup per
+answer); the listeners' ``downstream_rq_xx`` count the same answers.
 
 The snapshot gate: the first route of each listener answers every request with 503 (HTTP: the KServe
 JSON error shape; gRPC: UNAVAILABLE) while the runtime key ``GATE_RUNTIME_KEY`` is at 100%.
@@ -195,9 +197,11 @@ def render_bootstrap(
         raise GatewayError(f"unknown gateway filters {sorted(unknown)}", hint=f"one of {', '.join(OPTIONAL_FILTERS)}")
     flags = None if ready_dir is None else str(ready_dir)
     grpc_wake = [] if "wake" in omit else grpc_wake_chain(flags)
-    dead_stub, hints_dir = (
-        lua_string(LUA_HTTP_BODY_PATTERN),
-        lua_string("" if flags is None else flags.rstrip("/") + "/"),
+    hints_dir = lua_string("" if flags is None else flags.rstrip("/") + "/")
+    dead_stub_lua = program(
+        "dead_stub",
+        dead_stub_header=f'"{DEAD_STUB_HEADER}"',
+        dead_stub_body_pattern=lua_string(LUA_HTTP_BODY_PATTERN),
     )
     return render_template(
         "controlplane.gateway",
@@ -217,7 +221,6 @@ def render_bootstrap(
         grpc_service=grpc_names.SERVICE,
         grpc_retry_headers=GRPC_RETRY_HEADERS,
         http_retry_headers=HTTP_RETRY_HEADERS,
-        dead_stub_lua=program("dead_stub", dead_stub_header=f'"{DEAD_STUB_HEADER}"', dead_stub_body_pattern=dead_stub),
         unauthorized_message=UNAUTHORIZED_MESSAGE,
         max_upstream=MAX_UPSTREAM,
         gate_runtime_key=GATE_RUNTIME_KEY,
@@ -229,8 +232,20 @@ def render_bootstrap(
         hold_namespace=METADATA_NAMESPACE,
         hold_key=METADATA_KEY,
         held_log=str(held_log),
-        error_hints_lua=program("error_hints", ready_dir=hints_dir),
+        **_on_error_filters(omit, program("error_hints", ready_dir=hints_dir), dead_stub_lua),
     )
+
+
+def _on_error_filters(omit: Collection[str], hints_lua: str, dead_stub_lua: str) -> dict[str, list[tuple[str, ...]]]:
+    """The Lua filters made only for an error answer (header, value, filter name, source): the shape hint
+    (gRPC: on its listener, for a trailers-only INVALID_ARGUMENT; HTTP: on the Triton clusters' upstream side,
+    for a 400) and the dead-stub marker (infer_http's upstream side, for a 500)."""
+    hint = "hints" not in omit
+    return {
+        "grpc_hints": [("grpc-status", "3", "snoozeml.hints_lua", hints_lua)] if hint else [],
+        "http_hints": [(":status", "400", "snoozeml.hints_lua", hints_lua)] if hint else [],
+        "dead_stub": [] if "dead_stub" in omit else [(":status", "500", "snoozeml.dead_stub_lua", dead_stub_lua)],
+    }
 
 
 class EnvoyProcess:
