@@ -10,7 +10,8 @@ Sections: gateway, gateway_filters, coldstart, batching, scale_to_zero, scale, r
 fleet, streaming, eviction, churn (default), gateway_targets (opt-in: the gateway's targets against the bare Envoy
 hop alone, many rounds, with a twin of the gateway for the noise), gateway_routes (opt-in: what the routes cost besides
 filters, each part left out in turn), envoy_cpu (opt-in: each gateway configuration's own CPU per request in
-front of an Envoy that answers itself, no Triton), native (opt-in: torch custom vs its ONNX export),
+front of an Envoy that answers itself, no Triton), envoy_instructions (opt-in: the same configurations'
+instructions per request, counted by callgrind: needs valgrind), native (opt-in: torch custom vs its ONNX export),
 keepalive_replay (--replay). Loopback only; each
 measurement is bounded in time and requests. keepalive replays the keep-alive policies in virtual time (no
 server, seconds): see bench/keepalive_replay.py for the traces and the trace file format; keepalive_live runs a
@@ -51,7 +52,10 @@ DEFAULT_SECTIONS = (
     "gateway", "gateway_filters", "coldstart", "batching", "scale_to_zero", "scale", "recovery", "keepalive",
     "keepalive_live", "fleet", "streaming", "eviction", "churn",
 )  # fmt: skip
-ALL_SECTIONS = (*DEFAULT_SECTIONS, "gateway_targets", "gateway_routes", "envoy_cpu", "native", "keepalive_replay")
+ALL_SECTIONS = (
+    *DEFAULT_SECTIONS, "gateway_targets", "gateway_routes", "envoy_cpu", "envoy_instructions", "native",
+    "keepalive_replay",
+)  # fmt: skip
 BENCH_DIR = Path(__file__).resolve().parent
 
 
@@ -75,6 +79,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "gateway_targets": {"seconds": 0.2, "warmup": 0.05, "rounds": 2, "restart_every": 1, **GATEWAY_TARGETS},
             "gateway_routes": {"seconds": 0.2, "warmup": 0.05, "rounds": 1, **GATEWAY_ROUTES},
             "envoy_cpu": {"seconds": 0.2, "rounds": 1, "concurrency": 8},
+            "envoy_instructions": {"requests": 100, "warmup_requests": 20, "repeats": 1, "concurrency": 8},
             "coldstart": {
                 "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
                 "memory_copies": 2, "warmup_cycle": False,
@@ -128,6 +133,8 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "gateway_routes": {"seconds": 0.3, "warmup": 1.0, "rounds": 30, **GATEWAY_ROUTES},
         # 12 Envoy configurations x 2 protocols x 15 rounds x 1 s: 6 minutes
         "envoy_cpu": {"seconds": 1.0, "rounds": 15, "concurrency": 8},
+        # 13 configurations under callgrind, each some 20 s to start and 2 x (300 + 2 x 2000) requests: 7 minutes
+        "envoy_instructions": {"requests": 2000, "warmup_requests": 300, "repeats": 2, "concurrency": 8},
         "coldstart": {
             "cycles": 20,
             "models": [
@@ -175,10 +182,11 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
 
 
 async def run_section(name: str, root: Path, kw: dict[str, Any]) -> dict[str, Any]:
-    if name in ("gateway", "gateway_filters", "gateway_targets", "gateway_routes", "envoy_cpu"):
+    if name in ("gateway", "gateway_filters", "gateway_targets", "gateway_routes", "envoy_cpu", "envoy_instructions"):
         from bench import envoy_cpu, gateway, gateway_filters
 
-        return await {"gateway": gateway, "envoy_cpu": envoy_cpu}.get(name, gateway_filters).run(root, **kw)
+        run = {"gateway": gateway.run, "envoy_cpu": envoy_cpu.run, "envoy_instructions": envoy_cpu.run_instructions}
+        return await run.get(name, gateway_filters.run)(root, **kw)
     if name == "coldstart":
         from bench import coldstart
 

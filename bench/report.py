@@ -858,6 +858,7 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
     lines += _gateway_filters_lines(sec.get("gateway_targets"), section="gateway_targets")
     lines += _gateway_filters_lines(sec.get("gateway_routes"), section="gateway_routes")
     lines += _envoy_cpu_lines(sec.get("envoy_cpu"))
+    lines += _envoy_instructions_lines(sec.get("envoy_instructions"))
     lines += _keepalive_sections(sec, plots, plot_rel)
     lines += _keepalive_live_lines(sec.get("keepalive_live"))
     lines += _fleet_lines(sec.get("fleet"), plots, plot_rel)
@@ -1044,7 +1045,7 @@ _GATEWAY_TARGET_NAMES = {
     "gateway_no_gate": "gateway without the snapshot gate route",
     "gateway_no_access_log": "gateway without the held-request access log",
     "gateway_no_auth": "gateway without api_key_auth, as `make serve` runs it (no keys; the client sends none)",
-    "gateway_no_hints": "gateway without the shape-hint filter",
+    "gateway_no_hints": "gateway without the shape hint (gRPC: its listener's filter; HTTP: its upstream matcher)",
     "gateway_no_wake": "gateway without the wake filters",
     "gateway_no_dead_stub": "gateway without the dead-stub marker (HTTP's upstream)",
     "gateway_no_filters": "gateway routes without any of these filters",
@@ -1146,6 +1147,48 @@ def _envoy_cpu_lines(ec: dict[str, Any] | None) -> list[str]:
             ["protocol", "target", "Envoy CPU µs per request", "over the bare hop (µs)", "its middle half of rounds"],
             rows,
         ),
+        "",
+    ]
+
+
+def _envoy_instructions_lines(ei: dict[str, Any] | None) -> list[str]:
+    if not ei:
+        return []
+    st = ei["settings"]
+
+    def signed(v: float | None) -> str:
+        return "-" if v is None else f"{v / 1000:+.1f}k"
+
+    rows = [
+        [
+            r["protocol"],
+            _GATEWAY_TARGET_NAMES.get(r["target"], r["target"]),
+            "-" if r["instructions_per_request"] is None else f"{r['instructions_per_request'] / 1000:.1f}k",
+            signed(r["over_bare"]),
+            "-" if r["over_bare_pct"] is None else f"{r['over_bare_pct']:+.1f} %",
+            signed(r["gateway_minus_this"]),
+            "-" if r["spread"] is None else f"{r['spread'] / 1000:.1f}k",
+        ]
+        for r in ei["table"]
+    ]
+    errors = sum(r["errors"] for r in ei["runs"])
+    return [
+        "## Each gateway configuration's instructions per request, counted (no noise)",
+        "",
+        "`python -m bench --only envoy_instructions` (`bench/envoy_cpu.py`, `run_instructions`): the configurations "
+        "of the section above, each Envoy in turn under valgrind's callgrind (one worker), in front of an Envoy that "
+        f"answers itself; per protocol {st['warmup_requests']} requests of warm-up, then {st['repeats']} times "
+        f"{st['requests']} requests at concurrency {st['concurrency']} between a zeroing and a dump of its counters. "
+        "Instructions are not time (a cache miss costs more than an add), but they do not move with the machine's "
+        "other work: repeats agree to a few hundred. `the gateway's minus this` is what leaving that part out "
+        "saves (rows without auth also save the key check). The gateway here has keys; its clients send the key, "
+        f"keyless rows' clients none. Requests that failed: {errors}.",
+        "",
+        _table(
+            ["protocol", "target", "instructions per request", "over the bare hop", "of the bare hop's",
+             "the gateway's minus this", "spread over repeats"],
+            rows,
+        ),  # fmt: skip
         "",
     ]
 
