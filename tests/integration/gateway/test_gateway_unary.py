@@ -50,6 +50,10 @@ def test_warm_inference_stays_on_envoy(stack: Stack):
     assert stats.get("cluster.infer_http.upstream_rq_retry", 0) == retries_before
     assert stats.get("cluster.infer_grpc.upstream_rq_retry", 0) == grpc_retries_before
     assert "envoy_cluster_upstream_rq_retry" in httpx.get(stack.gateway.prometheus_url).text
+    # The listeners count answers by class; the router keeps no per-code cluster series (dynamic_stats off).
+    assert stats["http.kserve_http.downstream_rq_2xx"] > before.get("http.kserve_http.downstream_rq_2xx", 0)
+    assert stats["http.kserve_grpc.downstream_rq_2xx"] > before.get("http.kserve_grpc.downstream_rq_2xx", 0)
+    assert not [k for k in stats if k.startswith("cluster.infer_") and ".upstream_rq_2" in k], sorted(stats)
 
 
 def _lua_runs(stack: Stack) -> dict[str, int]:
