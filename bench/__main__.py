@@ -123,7 +123,7 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "gateway": {"seconds": 3.0, "warmup": 0.5},
         # The gateway less each filter in turn, the bare hop and direct: 8 targets x 4 x 30 cycles x 0.45 s, and the
         # warm 32 MiB comparison: 8.5 minutes.
-        "gateway_filters": {"seconds": 0.4, "warmup": 1.0, "rounds": 30},
+        "gateway_filters": {"seconds": 0.4, "warmup": 1.0, "rounds": 30, "restart_every": RESTART_EVERY},
         # Direct, the bare hop with and without a key check, the gateway with and without keys, and its twin, in
         # turn (bench._load.AlternatingJob): 6 targets x 4 (protocol, concurrency) x 40 cycles x 0.55 s, 9 minutes.
         "gateway_targets": {"seconds": 0.5, "warmup": 1.0, "rounds": 40, "restart_every": RESTART_EVERY,
