@@ -166,7 +166,6 @@ def _table(runs: list[dict[str, Any]], targets: list[str]) -> list[dict[str, Any
     return rows
 
 
-
 # -------------------------------------------------------------------- instructions (section envoy_instructions)
 
 VALGRIND_HINT = "apt-get install valgrind (callgrind counts the instructions; callgrind_control ships with it)"
@@ -260,10 +259,11 @@ async def _count_one(
             for repeat in range(repeats):
                 await asyncio.to_thread(_callgrind_control, "-z", pid)
                 result = await worker.run(job(requests))
-                for old in work.glob(f"callgrind.{pid}.*"):
-                    old.unlink()
                 await asyncio.to_thread(_callgrind_control, "-d", pid)
-                total = sum(_callgrind_total(f) for f in work.glob(f"callgrind.{pid}.*"))
+                dumps = list(work.glob(f"callgrind.{pid}.*"))  # this dump's parts, read once and removed
+                total = sum(_callgrind_total(f) for f in dumps)
+                for dump in dumps:
+                    dump.unlink()
                 runs.append(
                     {
                         "protocol": protocol,
