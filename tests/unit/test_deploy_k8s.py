@@ -1,5 +1,5 @@
-"""deploy/k8s: a schema-light structural check of the kustomize base (kubeconform is not installable
-from the package registries here), plus `kubectl kustomize` when a kubectl is on PATH.
+"""deploy/k8s: structural checks of the kustomize base, on its files and on what `kubectl kustomize` renders
+(tests/unit/test_deploy_k8s_schemas.py checks the same against Kubernetes' schemas).
 
 The base is one pod: Triton and the control plane as two containers sharing the PID namespace, one
 non-root uid, the /run/snooze journal folder, and Triton on loopback ports apart from the gateway's.
@@ -8,11 +8,10 @@ non-root uid, the /run/snooze journal folder, and Triton on loopback ports apart
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from k8s_manifests import kustomize
 
 yaml = pytest.importorskip("yaml")
 
@@ -67,8 +66,7 @@ def _flag(args: list[str], name: str) -> str:
 
 def _expand(arg: str, env: dict[str, str]) -> str:
     """What the process receives for `arg`: Kubernetes expands `$(NAME)` from the container env, `$$` is `$`."""
-    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                  lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]), arg)
 
 
 def _controlplane_ports(container: dict) -> set[int]:
@@ -77,8 +75,14 @@ def _controlplane_ports(container: dict) -> set[int]:
 
     env = _env(container)
     ports = {p["containerPort"] for p in container["ports"]}
-    for field in ("http_port", "grpc_port", "api_port", "envoy_admin_port", "activator_http_port",
-                  "activator_grpc_port"):
+    for field in (
+        "http_port",
+        "grpc_port",
+        "api_port",
+        "envoy_admin_port",
+        "activator_http_port",
+        "activator_grpc_port",
+    ):
         name = f"SNOOZE_{field.upper()}"
         value = int(env[name]["value"]) if name in env else Settings.model_fields[field].default
         if value:  # 0 = a free port below the ephemeral range, chosen at start
@@ -171,10 +175,14 @@ def test_triton_args_shm_and_readonly_repository(pod: dict, containers: dict[str
     c = containers["triton"]
     assert c["image"] == TRITON_IMAGE
     args = c["args"]
-    for flag in ("--model-repository=/models", "--model-control-mode=explicit",
-                 "--disable-auto-complete-config", "--strict-readiness=false",
-                 "--http-restricted-api=model-repository:snooze-admin=$(SNOOZE_TRITON_ADMIN_KEY)",
-                 "--grpc-restricted-protocol=model-repository:snooze-admin=$(SNOOZE_TRITON_ADMIN_KEY)"):
+    for flag in (
+        "--model-repository=/models",
+        "--model-control-mode=explicit",
+        "--disable-auto-complete-config",
+        "--strict-readiness=false",
+        "--http-restricted-api=model-repository:snooze-admin=$(SNOOZE_TRITON_ADMIN_KEY)",
+        "--grpc-restricted-protocol=model-repository:snooze-admin=$(SNOOZE_TRITON_ADMIN_KEY)",
+    ):
         assert flag in args
     env = _env(c)
     assert "SNOOZE_TRITON_ADMIN_KEY" in env  # $(VAR) in args expands only from the container env
@@ -256,14 +264,7 @@ def test_secret_and_pvc_references_resolve(docs: list[dict], pod: dict, containe
 
 
 def test_kubectl_kustomize_builds_the_base() -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl on PATH; the structural tests above check the manifests")
-    proc = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and "unknown command" in proc.stderr:
-        pytest.skip(f"this kubectl has no kustomize: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr
-    built = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    built = kustomize(K8S)
     assert len(built) == 5
     assert all(d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "snoozeml" for d in built)
     [dep] = [d for d in built if d["kind"] == "Deployment"]

@@ -1,5 +1,5 @@
-"""deploy/k8s/fleet: structural checks of the fleet overlay, on what `kubectl kustomize` renders (skipped
-without a kubectl that has kustomize), plus the files themselves.
+"""deploy/k8s/fleet: structural checks of the fleet overlay, on what `kubectl kustomize` renders (the dev
+extra's kubectl; tests/k8s_manifests.py), plus the files themselves.
 
 The overlay turns the base's pod into StatefulSet/snooze-node (so the node pod is the base's pod, changed
 only where a fleet must differ), adds the headless Service of the nodes and the fleet gateway Deployment
@@ -10,13 +10,12 @@ by the real CLI and expanded by the real node-list code, so a flag typo or a nam
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import typer.main
+from k8s_manifests import kustomize
 
 from controlplane.cli import app
 from controlplane.fleet.nodes import fleet_nodes
@@ -43,25 +42,14 @@ NODE_POD_CHANGES = {
 }
 
 
-def _kustomize(path: Path) -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("no kubectl on PATH: the rendered overlay cannot be checked")
-    proc = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 and "unknown command" in proc.stderr:
-        pytest.skip(f"this kubectl has no kustomize: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def rendered() -> list[dict]:
-    return _kustomize(FLEET)
+    return kustomize(FLEET)
 
 
 @pytest.fixture(scope="module")
 def base_pod() -> dict:
-    [dep] = [d for d in _kustomize(K8S / "base") if d["kind"] == "Deployment"]
+    [dep] = [d for d in kustomize(K8S / "base") if d["kind"] == "Deployment"]
     return dep["spec"]["template"]
 
 

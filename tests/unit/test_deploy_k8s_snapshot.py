@@ -1,15 +1,14 @@
 """deploy/k8s/snapshot: structural checks of the snapshot overlay (its patch and seccomp profile),
-plus checks of the rendered manifests when a kubectl is on PATH (`kubectl kustomize`)."""
+plus checks of the rendered manifests (`kubectl kustomize`, the dev extra's kubectl; tests/k8s_manifests.py)."""
 
 from __future__ import annotations
 
 import json
 import shlex
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from k8s_manifests import kustomize
 
 yaml = pytest.importorskip("yaml")
 
@@ -115,12 +114,8 @@ def test_seccomp_profile_blocks_io_uring() -> None:
     assert rule["errnoRet"] == 38, "ENOSYS: libraries treat it as 'no io_uring here' and fall back to epoll"
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 def test_kustomize_renders_one_snapshot_workload() -> None:
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(SNAPSHOT)], capture_output=True, text=True, timeout=60, check=True
-    ).stdout
-    docs = [d for d in yaml.safe_load_all(out) if d]
+    docs = kustomize(SNAPSHOT)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["Deployment", "Secret", "Service", "Service"]
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
