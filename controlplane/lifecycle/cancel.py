@@ -10,7 +10,9 @@ later load and unload of that Triton, waiting for ever; a starting stub is waite
 A load still queued (waiting for a slot or for memory: nothing in Triton yet), or one
 whose processes cannot be seen (a remote Triton), has its task cancelled instead, and Triton is asked to
 unload what it may have. Requests that waited on that load get a 503 with Retry-After, or a 404 for a
-delete (``Manager._cancelled_error``).
+delete (``Operations._cancelled_error``); after a republish they wait for the new version instead (the model is
+still published), and so does any wake-up that comes while the cancel is under way: none starts a load before
+the cancelled one has left Triton.
 A load may also end well while the cancel waits for a starting stub: the model is then READY in Triton, where
 the gateway's warm path would serve it (the old version, after a republish), so it is unloaded in a transition
 of its own (UNLOADING, waited for) before the model is marked UNLOADED; its waiters are answered as for a
@@ -26,13 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.errors import SnoozeError
-from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
-from controlplane.lifecycle.workers import end_model_processes
+from controlplane.lifecycle.state import CancelledLoad, ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.workers import end_model_processes, none_alive
+from controlplane.tasks import read_task
 from controlplane.triton.journal import initialize_started
 from controlplane.triton.processes import TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
 
+# Why a republish cancels a load: its waiters are not answered with the cancel but wait for the new version.
+REPUBLISHED = "republished"
 # How long the load gets to fail once its processes are killed (Triton notices a dead stub in milliseconds).
 CANCEL_WAIT_SECS = 2.0
 # How often its processes are looked for meanwhile (Triton may be starting a stub as the cancel comes).
@@ -76,14 +81,47 @@ async def cancel_load(
     queued: bool,
 ) -> bool:
     """End ``rec``'s load in flight (False: none was); the model is UNLOADED afterwards, holding nothing,
-    unless another caller started a new transition on it meanwhile. ``queued``: the load has not started."""
+    unless another caller started a new transition on it meanwhile. ``queued``: the load has not started.
+    Until it returns, ``rec.load_cancelled.over`` is pending: a wake-up waits for it rather than start a load that
+    what is left of the cancelled one would meet in Triton."""
     if not load_in_flight(rec):
         return False
     op = rec.op
     assert op is not None
     loop = asyncio.get_running_loop()
     started = loop.time()
-    rec.load_cancelled = (op, why)
+    under_way = rec.load_cancelled
+    if under_way is not None and under_way.task is op and not under_way.over.done():
+        await asyncio.shield(under_way.over)  # another caller is cancelling it already (a stop during an unload)
+        return True
+    cancelling = rec.load_cancelled = CancelledLoad(op, why, loop.create_future())
+    try:
+        killed = await _cancel(states, processes, journal_dir, triton, rec, op, why, queued=queued)
+    finally:
+        cancelling.over.set_result(None)
+    log.warning(
+        "model '%s': load cancelled (%s) in %.2fs; ended its model processes %s",
+        rec.id,
+        why,
+        loop.time() - started,
+        killed,
+    )
+    return True
+
+
+async def _cancel(
+    states: ModelStates,
+    processes: TritonProcesses,
+    journal_dir: Path | None,
+    triton: Any,
+    rec: ModelRecord,
+    op: asyncio.Task[Any],
+    why: str,
+    *,
+    queued: bool,
+) -> list[int]:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     killed: list[int] = []
     if queued or not processes.can_observe:
         op.cancel()
@@ -104,35 +142,25 @@ async def cancel_load(
         await asyncio.wait({op}, timeout=CANCEL_WAIT_SECS)
     if rec.op is op:
         rec.op = None
-    if cancelled and not queued:  # Triton may still be loading what the task left
-        killed += await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=False)
-    elif loaded and rec.op is None and not rec.dropped:
-        # A transition of its own: out of service (UNLOADING) while it leaves Triton, so no request takes it
-        # for READY. A request that waited on the load gets its 503 (request_path); a later one waits for this,
-        # then loads the model anew.
-        leave = _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=True)
+    leftovers = (cancelled and not queued) or loaded  # Triton may still be loading what the task left, or hold it
+    if leftovers and rec.op is None and not rec.dropped:
+        # A transition of its own: out of service (UNLOADING) while it leaves Triton, so no request takes it for
+        # READY and no load starts meanwhile (Triton would meet the leftovers). A request that waited on the load
+        # gets its answer (request_path); a later one waits for this, then loads the model anew.
+        leave = _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=loaded)
         killed += await asyncio.shield(states.spawn(rec, ModelState.UNLOADING, f"load cancelled: {why}", leave))
+    elif cancelled and not queued:  # another transition owns the record now: only Triton's side is left
+        killed += await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=False)
     # Counted for an earlier unload Triton may not have finished (a crash's recovery unloads the dead instances
     # without waiting, then loads): a python model none of whose processes live holds nothing (as triton_sync
     # judges one it finds unloading), so its budget goes now rather than at the next sweep.
-    left_nothing = rec.triton_may_hold and rec.is_python and await _no_processes(processes, rec.id)
+    left_nothing = rec.triton_may_hold and rec.is_python and await asyncio.to_thread(none_alive, processes, rec.id)
     if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
         rec.stubs, rec.workers, rec.reserved, rec.gpu_reserved, rec.instances = (), (), 0, {}, 0
         if left_nothing:
             rec.triton_may_hold = False
         states.set_state(rec, ModelState.UNLOADED, f"load cancelled: {why}")
-    log.warning(
-        "model '%s': load cancelled (%s) in %.2fs; ended its model processes %s", rec.id, why,
-        loop.time() - started, killed,
-    )
-    return True
-
-
-async def _no_processes(processes: TritonProcesses, model_id: str) -> bool:
-    """The server is in sight and none of this model's processes lives."""
-    if not processes.can_observe:
-        return False
-    return await asyncio.to_thread(lambda: processes.visible and not processes.stubs(model_id))
+    return killed
 
 
 async def _leave_triton(
@@ -140,7 +168,7 @@ async def _leave_triton(
 ) -> list[int]:
     """Drop the model from Triton (bounded) and end what is left of its processes; the pids ended."""
     with contextlib.suppress(SnoozeError, TimeoutError):
-        await asyncio.wait_for(_drop(triton, model_id, wait=wait), CANCEL_UNLOAD_SECS)
+        await asyncio.wait_for(read_task(_drop(triton, model_id, wait=wait)), CANCEL_UNLOAD_SECS)
     waited = asyncio.get_running_loop().time() - started
     return (await end_processes(processes, journal_dir, model_id, waited=waited))[0]
 

@@ -30,11 +30,13 @@ from controlplane.lifecycle.memory import (
 from controlplane.lifecycle.memory.gpu import GpuMemory
 from controlplane.lifecycle.memory.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.memory.plan import EvictFn, carry_out
+from controlplane.lifecycle.recovery import crashes_among, note_deaths
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import end_model_processes, parents_bytes, worker_bytes, workers_of
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
+from controlplane.tasks import read_task
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.journal import hung_phase
 from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, TritonProcesses
@@ -206,7 +208,7 @@ class Loader(Admission):
         """Triton's load, abandoned after ``timeout`` seconds (killing the stubs it started)."""
         before = {s.pid for s in await self._stubs(rec)}
         try:
-            load = self.triton.load(rec.id, config=config, timeout=timeout + LOAD_ABANDON_SECS)
+            load = read_task(self.triton.load(rec.id, config=config, timeout=timeout + LOAD_ABANDON_SECS))
             await asyncio.wait_for(load, timeout)
             return
         except TimeoutError:
@@ -268,6 +270,7 @@ class Loader(Admission):
             await asyncio.sleep(0.05)
             stubs = await self._stubs(rec)
         rec.instances, rec.triton_may_hold = instances, False
+        await self.note_crashes(rec, [s for s in rec.stubs if s not in stubs])
         rec.stubs = tuple(stubs)
         rec.workers = tuple(workers_of(self.journal_dir, stubs))
         if stubs:
@@ -356,6 +359,14 @@ class Loader(Admission):
             used, private = used + pss, private + own
         rec.shared = max(used - private, 0)
         return used
+
+    async def note_crashes(self, rec: ModelRecord, leaving: list[Any]) -> None:
+        """Before the record lets go of ``leaving`` (its processes, at an unload, a reload or a cancel): those that
+        crashed under the transition are noted with the requests they took (``recovery.crashes_among``)."""
+        if leaving and self.processes.can_observe:
+            crashed = await asyncio.to_thread(crashes_among, self.processes, self.journal_dir, leaving)
+            if crashed:
+                note_deaths(rec, crashed, self.journal_dir, self.clock)
 
     def forget_loaded(self, rec: ModelRecord) -> None:
         """The model left memory (unloaded, evicted, or Triton gone)."""

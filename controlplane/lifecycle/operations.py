@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from controlplane.errors import ConflictError, NotFoundError, SnoozeError, UnavailableError
 from controlplane.lifecycle.autoscale import LoadWindow
-from controlplane.lifecycle.cancel import cancel_load
+from controlplane.lifecycle.cancel import REPUBLISHED, cancel_load
 from controlplane.lifecycle.loading import NoRoomToPrewarm, WakeQueueTimeout, rendered_config
 from controlplane.lifecycle.manager_parts import ManagerParts
 from controlplane.lifecycle.overrides import KEEP_OVERRIDE, apply_override
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStatus
 from controlplane.lifecycle.warmups import harvest, status_line
-from controlplane.lifecycle.workers import parent_status, parents
+from controlplane.lifecycle.workers import none_alive, parent_status, parents
 
 if TYPE_CHECKING:
     pass
@@ -81,7 +81,8 @@ class Operations(ManagerParts):
 
     @staticmethod
     def _cancelled_why(rec: ModelRecord, load: asyncio.Task[Any]) -> str | None:
-        return rec.load_cancelled[1] if rec.load_cancelled is not None and rec.load_cancelled[0] is load else None
+        cancelled = rec.load_cancelled
+        return cancelled.why if cancelled is not None and cancelled.task is load else None
 
     def _cancelled_error(self, rec: ModelRecord, load: asyncio.Task[Any]) -> SnoozeError:
         """What a request (or an API load) that waited on a cancelled load is answered."""
@@ -135,16 +136,17 @@ class Operations(ManagerParts):
         rec = self.states.get(model_id)
         if rec is None:
             return
-        cancelled = await self.cancel_load(rec, "republished")  # the new version loads on the next request
+        # the new version loads on the next request, or for the requests that waited on the cancelled load
+        cancelled = await self.cancel_load(rec, REPUBLISHED)
         await self.states.settle(rec)
         rec.model = self.store.get(model_id)
         rec.config_override = None  # a republish ends a client's override: the new config is what loads
         rec.warmup = None  # and its learned warm-up (the folder was replaced): the new config's source
-        if cancelled:
-            self.states.set_state(rec, ModelState.UNLOADED, "republished during its load; loads on the next request")
         if rec.state is ModelState.FAILED:
             self.states.set_state(rec, ModelState.UNLOADED, "republished; loads on the next request")
-        elif rec.state is ModelState.READY:
+        elif cancelled and rec.state is ModelState.UNLOADED:
+            self.states.set_state(rec, ModelState.UNLOADED, "republished during its load; loads on the next request")
+        elif rec.state is ModelState.READY:  # loaded before, or since the cancel (a waiting request's wake-up)
             await asyncio.shield(
                 self.states.spawn(rec, ModelState.READY, "reloading after publish", self._reload_op(rec))
             )
@@ -157,9 +159,11 @@ class Operations(ManagerParts):
         await self.cancel_load(rec, "deleted")
         await self.states.settle(rec)
         if rec.state is ModelState.READY:
-            await asyncio.shield(
-                self.states.spawn(rec, ModelState.UNLOADING, "deleted", self._unload_op(rec, "deleted"))
-            )
+            unloading = self.states.spawn(rec, ModelState.UNLOADING, "deleted", self._unload_op(rec, "deleted"))
+            try:
+                await asyncio.shield(unloading)
+            except SnoozeError as e:  # the delete goes on: what Triton may still hold stays counted (below)
+                log.warning("model '%s': deleted, but its unload failed: %s", model_id, e)
         if not rec.triton_may_hold:  # else kept while Triton still holds its memory; a later sweep lets it go
             self.states.drop(model_id)
 
@@ -326,9 +330,13 @@ class Operations(ManagerParts):
         try:
             await self.unloader.unload(rec)  # returns once its memory is free (unloading.py)
         except SnoozeError as e:
-            rec.triton_may_hold = True  # Triton may still hold it: the budget counts it until Triton's index lets go
+            # Triton may still hold it: the budget counts it until Triton's index lets go, unless none of a python
+            # model's processes lives (a dead stub's unload may never end in Triton 2.51, and holds nothing)
+            gone = rec.is_python and await asyncio.to_thread(none_alive, self.processes, rec.id)
+            rec.triton_may_hold = not gone
             self.states.set_state(rec, ModelState.FAILED, f"unload ({reason}) failed: {e}")
             raise
+        await self.loader.note_crashes(rec, list(rec.stubs))
         self.loader.forget_loaded(rec)
         self.states.set_state(rec, ModelState.UNLOADED, reason)
         if reason == "idle":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from enum import Enum
 from pathlib import Path
 
@@ -26,8 +27,8 @@ from controlplane.clock import Clock
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle.state import ModelRecord, SeenDeath
 from controlplane.lifecycle.workers import kill_workers, worker_of
-from controlplane.triton.journal import read_journal, remove_journal
-from controlplane.triton.processes import StubDeath
+from controlplane.triton.journal import has_journal, read_journal, remove_journal
+from controlplane.triton.processes import StubDeath, StubProcess, TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
 
@@ -105,6 +106,22 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
     while len(rec.crashed_requests) > CRASHED_REQUESTS_KEPT:
         rec.crashed_requests.pop(next(iter(rec.crashed_requests)))
     return new
+
+
+def crashes_among(
+    processes: TritonProcesses, journal_dir: Path | None, stubs: Iterable[StubProcess]
+) -> list[StubDeath]:
+    """The deaths among ``stubs`` that were crashes: not ended by this control plane (``StubDeath.ended``), and
+    either left a zombie (Triton reaps only what it ends) or, reaped since, left their journal (the runtime
+    removes it at a clean end). For the processes a record lets go of (an unload, a reload, a cancel): a crash
+    under a transition is noted before they are forgotten, so a request it took is never sent again. Blocking."""
+    crashed = []
+    for death in processes.deaths(stubs):
+        if death.ended:
+            continue
+        if not death.reaped or (journal_dir is not None and has_journal(journal_dir, death.stub)):
+            crashed.append(death)
+    return crashed
 
 
 def fate_of(rec: ModelRecord, request_id: str, now: float) -> tuple[RequestFate, StubDeath | None]:

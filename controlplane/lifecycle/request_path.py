@@ -8,8 +8,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.cancel import REPUBLISHED
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, WakeQueueTimeout
 from controlplane.lifecycle.manager_parts import RECOVERY_DEDUP_SECS, ManagerParts
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, recent_deaths
@@ -59,51 +61,69 @@ class RequestPath(ManagerParts):
                 op = (
                     rec.op
                     or self.states.pause_ends
+                    or self._cancel_under_way(rec)
                     or self.states.spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
                 )
                 try:
                     until = deadline if queue_checked else queue_bound
                     await asyncio.wait_for(asyncio.shield(op), max(until - loop.time(), 0))
                 except TimeoutError:
-                    if not queue_checked:  # the queue bound passed: its load must have started
-                        queue_checked = True
-                        if self.loader.queued(rec):
-                            gave_up = self.loader.gave_up(rec, self.loader.queue[rec.id][1])
-                            self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=gave_up.kind).inc()
-                            raise gave_up from None
-                        continue  # it started in time (or is not a load yet): wait up to the deadline
-                    self.metrics.wake_timeouts.labels(model=model_id).inc()
-                    raise UnavailableError(
-                        f"model '{model_id}' is not ready after {wait:g}s (it is {rec.state.value})",
-                        hint="retry later; if its load takes longer, raise the model's load_timeout_secs "
-                        "(or SNOOZE_WAKE_TIMEOUT_SECS)",
-                        retry_after=self._retry_after(rec),
-                    ) from None
+                    queue_checked = self._wait_bound_passed(rec, wait, queue_checked)
                 except asyncio.CancelledError:
                     if not op.cancelled() or self._cancelled_why(rec, op) is None:
                         raise  # this request itself was cancelled
-                    raise self._cancelled_error(rec, op) from None
+                    self._answer_cancelled(rec, op)
                 except WakeQueueTimeout as e:  # the load gave up the queue: the last of its wake-ups' bounds passed
                     self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=e.kind).inc()
                     raise UnavailableError(e.message, hint=e.hint, retry_after=e.retry_after) from e
                 except SnoozeError as e:
                     if self._cancelled_why(rec, op) is not None:  # it failed because it was cancelled
-                        raise self._cancelled_error(rec, op) from e
-                    if rec.state is ModelState.FAILED:
+                        self._answer_cancelled(rec, op, e)
+                    elif rec.state is ModelState.FAILED:
                         raise UnavailableError(
                             f"model '{model_id}' is unavailable: {rec.reason}",
                             hint=e.hint or "fix the model and publish it again; the next request retries the load",
                             retry_after=self._retry_after(rec),
                         ) from e
                 else:
-                    if rec.state is not ModelState.READY and self._cancelled_why(rec, op) is not None:
+                    if rec.state is not ModelState.READY:
                         # it loaded, but its cancel came first and takes it out of Triton (cancel.py): as a
                         # cancelled load, not a new load behind it
-                        raise self._cancelled_error(rec, op)
+                        self._answer_cancelled(rec, op)
         finally:
             rec.in_use -= 1
             self.metrics.wake_wait_seconds.labels(model=model_id).observe(self.clock.monotonic() - started)
         rec.touched = self.clock.time()
+
+    def _wait_bound_passed(self, rec: ModelRecord, wait: float, queue_checked: bool) -> bool:
+        """A wake-up's wait bound passed: the wake queue's (its load must have started by then; True: wait on up to
+        the deadline), else its whole wait (``UnavailableError``)."""
+        if not queue_checked:
+            if self.loader.queued(rec):
+                gave_up = self.loader.gave_up(rec, self.loader.queue[rec.id][1])
+                self.metrics.wake_queue_timeouts.labels(model=rec.id, waiting_for=gave_up.kind).inc()
+                raise gave_up from None
+            return True  # it started in time (or is not a load yet)
+        self.metrics.wake_timeouts.labels(model=rec.id).inc()
+        raise UnavailableError(
+            f"model '{rec.id}' is not ready after {wait:g}s (it is {rec.state.value})",
+            hint="retry later; if its load takes longer, raise the model's load_timeout_secs "
+            "(or SNOOZE_WAKE_TIMEOUT_SECS)",
+            retry_after=self._retry_after(rec),
+        ) from None
+
+    def _answer_cancelled(self, rec: ModelRecord, load: asyncio.Task[Any], cause: BaseException | None = None) -> None:
+        """A wake-up's load was cancelled (cancel.py): raise what it is told, unless a republish cancelled it (the
+        model is still published: the wake-up waits on for the new version, within its own bound)."""
+        why = self._cancelled_why(rec, load)
+        if why is not None and why != REPUBLISHED:
+            raise self._cancelled_error(rec, load) from cause
+
+    @staticmethod
+    def _cancel_under_way(rec: ModelRecord) -> asyncio.Future[None] | None:
+        """While a cancel of the model's load leaves Triton (cancel.py), what a wake-up waits for before it loads."""
+        cancelled = rec.load_cancelled
+        return cancelled.over if cancelled is not None and not cancelled.over.done() else None
 
     def add_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
         """Call ``listener(model_id, state)`` now for every model, then on every state change (``None``: the
@@ -169,6 +189,8 @@ class RequestPath(ManagerParts):
             deaths = await self._observe(rec)
             if deaths:
                 self._start_recovery(rec, deaths)
+        elif rec.stubs:  # in a transition (an unload, a reload): the watch skips it, yet a process may have crashed
+            await self.loader.note_crashes(rec, list(rec.stubs))
         return fate_of(rec, request_id, self.clock.monotonic())
 
     async def recover(self, model_id: str, cause: str) -> None:

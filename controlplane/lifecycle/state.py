@@ -94,6 +94,16 @@ class SeenDeath:
     journaled: bool  # its journal was read: the requests it was running are known
 
 
+@dataclass(frozen=True)
+class CancelledLoad:
+    """A load ``cancel.py`` ended: its task, why (unloaded, deleted, republished, stopping), and a future done once
+    the cancel is over (Triton's side left, the record UNLOADED)."""
+
+    task: asyncio.Task[Any]
+    why: str
+    over: asyncio.Future[None]
+
+
 @dataclass
 class ModelRecord:
     id: str
@@ -141,8 +151,8 @@ class ModelRecord:
     dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
     warmup: str | None = None  # its last load's warm-up: source, or why it was skipped (lifecycle/warmups.py)
     warmup_said: str | None = None  # the skipped warm-up already logged (said once)
-    # the load task cancel.py ended and why: the requests that waited on that task are told so
-    load_cancelled: tuple[asyncio.Task[Any], str] | None = None
+    # the load task cancel.py ended last, why, and when the cancel is over: the requests that waited on it are told
+    load_cancelled: CancelledLoad | None = None
 
     @property
     def last_access(self) -> float | None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.memory import declared_bytes
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.workers import none_alive
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
@@ -202,8 +203,12 @@ class TritonSync:
             if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
                 continue
             entry = entries.get(model_id)
-            if rec.triton_may_hold and (entry is None or entry.state not in BUSY_STATES):
-                self._loader.forget_loaded(rec)  # Triton finished the unload that had failed here
+            if rec.triton_may_hold and (
+                entry is None
+                or entry.state not in BUSY_STATES
+                or (rec.is_python and await asyncio.to_thread(none_alive, self.processes, model_id))
+            ):
+                self._loader.forget_loaded(rec)  # Triton finished the unload that had failed here, or holds nothing
             elif entry is not None and entry.state == "UNLOADING" and not rec.holds_memory:
                 # an unload this control plane did not see through (before a restart): what its processes hold
                 stubs = await asyncio.to_thread(self.processes.stubs, model_id)

@@ -123,6 +123,11 @@ class Unloader:
         if not rec.is_python or journal_dir is None:
             return await self._wait(rec, [])
         stubs = await asyncio.to_thread(self.processes.stubs, rec.id)
+        if not stubs and self.processes.visible:
+            # Every process of the model has died (a crash): nothing holds its memory, and Triton 2.51 may take
+            # minutes to finish unloading a model whose stub died, so its index is not waited for.
+            await self.triton.unload(rec.id, wait=False)
+            return "ended"
         if not stubs:
             return await self._wait(rec, [])
         verdict = "busy"

@@ -125,6 +125,12 @@ def kill_workers(workers: Iterable[WorkerProcess], proc_root: Path = Path("/proc
     return killed
 
 
+def none_alive(processes: TritonProcesses, model_id: str) -> bool:
+    """The server is in sight and none of this model's processes lives: a python model then holds no memory,
+    whatever Triton's index says of it (an unload Triton has not finished, its processes ended or dead). Blocking."""
+    return processes.can_observe and processes.visible and not processes.stubs(model_id)
+
+
 def end_model_processes(processes: TritonProcesses, journal_dir: Path | None, stubs: list[StubProcess]) -> list[int]:
     """SIGKILL a model's stubs and their preforked workers (named first: their notes go with their stubs);
     the pids ended."""

@@ -58,6 +58,7 @@ __all__ = [
     "WORKER_SUFFIX",
     "Activity",
     "hung_phase",
+    "has_journal",
     "journal_path",
     "prepare_journal_dir",
     "read_activity",
@@ -78,6 +79,11 @@ HEADER_FORWARD_ARGS = (
 
 def journal_path(journal_dir: Path, pid: int, start_ticks: int) -> Path:
     return journal_dir / f"{pid}-{start_ticks}{JOURNAL_SUFFIX}"
+
+
+def has_journal(journal_dir: Path, stub: StubProcess) -> bool:
+    """The stub's journal is still there: it has not ended cleanly (its runtime removes it then)."""
+    return journal_path(journal_dir, stub.pid, stub.start_ticks).exists()
 
 
 def read_journal(journal_dir: Path, stub: StubProcess) -> set[str] | None:

@@ -49,6 +49,8 @@ _WAITING_SYSCALLS: frozenset[int] | None = (
     else None
 )
 SERVER_NAME = "tritonserver"
+# How many stubs ended by the control plane are remembered (their deaths are told from crashes by it).
+ENDED_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,8 @@ class StubDeath:
     # Triton reaps the stubs it ends itself (unload, fewer instances) and leaves a crashed one a
     # zombie (measured), so a reaped stub was most likely ended on purpose.
     reaped: bool = False
+    # The control plane ended it (``TritonProcesses.kill``: an unload, a cancel, a load timeout): not a crash.
+    ended: bool = False
     # A preforked model's stub exits when its worker dies: the worker (workers.WorkerProcess) and how it ended.
     worker: Any = None
 
@@ -279,6 +283,8 @@ class TritonProcesses:
         self.proc_root = proc_root
         self._server: psutil.Process | None = None
         self._server_start: int | None = None
+        # the stubs this observer ended (``kill``), newest last: their deaths are not crashes
+        self._ended: dict[StubProcess, None] = {}
 
     @classmethod
     def unseen(cls) -> TritonProcesses:
@@ -361,11 +367,12 @@ class TritonProcesses:
     def death(self, stub: StubProcess) -> StubDeath | None:
         """None while the stub lives; else how it ended (when still knowable)."""
         stat = read_stat(stub.pid, self.proc_root)
+        ended = stub in self._ended
         if stat is not None and stat.start_ticks == stub.start_ticks:
             if stat.state != "Z":
                 return None
-            return StubDeath(stub, stat.exit_status)
-        return StubDeath(stub, None, reaped=True)
+            return StubDeath(stub, stat.exit_status, ended=ended)
+        return StubDeath(stub, None, reaped=True, ended=ended)
 
     def deaths(self, stubs: Iterable[StubProcess]) -> list[StubDeath]:
         return [d for d in (self.death(s) for s in stubs) if d is not None]
@@ -411,7 +418,12 @@ class TritonProcesses:
         return held_split((s.pid for s in stubs), self.proc_root, max_age=max_age)
 
     def kill(self, stubs: Iterable[StubProcess]) -> list[int]:
-        """SIGKILL these stubs (those still alive); their pids."""
+        """SIGKILL these stubs (those still alive); their pids. Their deaths say ``ended``: not crashes."""
+        stubs = list(stubs)
+        for stub in stubs:
+            self._ended[stub] = None
+        while len(self._ended) > ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
         return self.signal(stubs, signal.SIGKILL)
 
     def signal(self, stubs: Iterable[StubProcess], signum: int) -> list[int]:

@@ -86,6 +86,7 @@ class Stub:
     busy: bool = False  # its journal's busy flag: a batch runs in the model's code
     grown: bool = False  # it has run a request (and grown by the model's ``growth``)
     last_end: float = 0.0  # virtual seconds when its last batch ended
+    files: tuple[int, int] = (0, 0)  # the model folder it was started from (``Loaded.files``): the version it serves
     queued: int = 0  # requests sent to this instance that wait for it
     died: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -122,6 +123,7 @@ class Answer:
 
     status: int  # 200, 404, 500
     text: str = ""
+    files: tuple[int, int] | None = None  # a 200's: the model folder (version) the stub that ran it was started from
 
     @property
     def dead(self) -> bool:
@@ -161,6 +163,8 @@ class FakeTriton:
         self.peak = 0  # the most bytes the tree held at once: the server and the stubs (each from its start)
         self.largest = 0  # the most bytes one model's stubs held
         self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
+        self.retired: list[Stub] = []  # the old instances of reloads: alive until their requests are done
+        self.kept_old: set[str] = set()  # models whose last reload failed: Triton serves the version it had
         self.calls: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
         self._round_robin: Counter[str] = Counter()
@@ -259,13 +263,13 @@ class FakeTriton:
             self._retire(old.stubs)  # what they run completes there
             old.stubs, serving = [], False
         keep: list[Stub] = []
-        if serving and old is not None and _same_but_count(old.config, config):
+        if serving and old is not None and old.files == files and _same_but_count(old.config, config):
             keep = [s for s in old.stubs if s.alive][:count]
         m = old if old is not None else Loaded(name, "UNAVAILABLE")
         self.models[name] = m
         if not serving:
             m.state, m.reason, m.served = "LOADING", "", 0
-        new = [self._stub(m, per_stub, phase_note=script.phase_note) for _ in range(count - len(keep))]
+        new = [self._stub(m, per_stub, files, phase_note=script.phase_note) for _ in range(count - len(keep))]
         m.starting += new
         held = self.holding()
         self.peak = max(self.peak, self.server_bytes() + sum(held.values()))
@@ -279,11 +283,13 @@ class FakeTriton:
                 self._phase_note(stub)
         leaving = [s for s in m.stubs if s not in keep]
         m.stubs, m.config, m.state, m.reason, m.files = keep + new, config, "READY", "", files
+        self.kept_old.discard(name)
         self._retire(leaving)
 
     def _retire(self, stubs: list[Stub]) -> None:
         """The old instances of a reloaded model: new requests go to the new ones; the requests an old one runs or
         has queued complete there (they hold the old model), then it exits."""
+        self.retired += stubs
         busy = [s for s in stubs if s.alive and (s.running is not None or s.queued)]
         self._exit([s for s in stubs if s not in busy])
         if busy:
@@ -320,14 +326,15 @@ class FakeTriton:
 
     def _fail(self, m: Loaded, serving: bool, why: str) -> None:
         if serving:
+            self.kept_old.add(m.name)
             return  # a failed reload keeps the model as it was
         self._exit(m.stubs)
         m.stubs, m.state, m.reason = [], "UNAVAILABLE", why
 
-    def _stub(self, m: Loaded, memory: int, *, phase_note: bool = True) -> Stub:
+    def _stub(self, m: Loaded, memory: int, files: tuple[int, int], *, phase_note: bool = True) -> Stub:
         m.next_instance += 1
         pid = next(self._pids)
-        stub = Stub(pid, pid * 7, m.name, f"{m.name}_0_{m.next_instance}", memory)
+        stub = Stub(pid, pid * 7, m.name, f"{m.name}_0_{m.next_instance}", memory, files=files)
         self._journal(stub, None, busy=False)
         # The runtime's phase note: a stub here is in initialize as soon as it exists, unless the script says
         # it is still starting (before Triton's first untimed wait; cancel.py waits for this note before a kill).
@@ -339,11 +346,13 @@ class FakeTriton:
         (self.journal_dir / f"{stub.pid}-{stub.start_ticks}{PHASE_SUFFIX}").write_text('{"phase": "load"}')
 
     def _exit(self, stubs: list[Stub]) -> None:
-        """Triton ends these stubs and reaps them (a crashed one too, once its model unloads)."""
+        """Triton ends these stubs and reaps them (a crashed one too, once its model unloads). A live one ends
+        cleanly: its runtime removes its journal (a crashed one's stays)."""
         for s in stubs:
             if s.alive:
                 s.alive, s.exit_status = False, 0
                 s.died.set()
+                journal_path(self.journal_dir, s.pid, s.start_ticks).unlink(missing_ok=True)
             s.reaped = True
 
     def _kill(self, stub: Stub, status: int) -> None:
@@ -441,7 +450,7 @@ class FakeTriton:
             if done:
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
             m.served += 1
-            return Answer(200, "ok")
+            return Answer(200, "ok", stub.files)
         finally:
             if queued:
                 self.pending[name] -= 1
@@ -495,12 +504,16 @@ class FakeProcesses:
     def __init__(self, triton: FakeTriton) -> None:
         self.triton = triton
         self._server = _Server(4242)
+        self.ended: set[int] = set()  # the stubs the control plane killed (``kill``): their deaths are not crashes
 
     def _all(self) -> list[Stub]:
         return [s for m in self.triton.models.values() for s in m.stubs + m.starting]
 
     def _find(self, stub: StubProcess) -> Stub | None:
-        return next((s for s in self._all() if s.pid == stub.pid and s.start_ticks == stub.start_ticks), None)
+        """Any stub Triton started, the old instances of a reload too (their deaths and journals are seen)."""
+        stubs = self._all() + self.triton.retired
+        found = (s for s in stubs if s.pid == stub.pid and s.start_ticks == stub.start_ticks)
+        return next(found, None)
 
     def server(self) -> _Server:
         return self._server
@@ -519,9 +532,10 @@ class FakeProcesses:
 
     def death(self, stub: StubProcess) -> StubDeath | None:
         s = self._find(stub)
+        ended = stub.pid in self.ended
         if s is None or s.reaped:
-            return StubDeath(stub, None, reaped=True)
-        return None if s.alive else StubDeath(stub, s.exit_status)
+            return StubDeath(stub, None, reaped=True, ended=ended)
+        return None if s.alive else StubDeath(stub, s.exit_status, ended=ended)
 
     def deaths(self, stubs: list[StubProcess]) -> list[StubDeath]:
         return [d for d in (self.death(s) for s in stubs) if d is not None]
@@ -542,6 +556,7 @@ class FakeProcesses:
         return self.rss(stubs), self.rss(stubs)
 
     def kill(self, stubs: list[StubProcess]) -> list[int]:
+        self.ended.update(s.pid for s in stubs)  # pids are never reused here
         return self.signal(stubs, signal.SIGKILL)
 
     def signal(self, stubs: list[StubProcess], signum: int) -> list[int]:

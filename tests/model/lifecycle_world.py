@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fake_triton import MIB, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime, VirtualTimeLoop
+from fake_triton import MIB, Answer, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime, VirtualTimeLoop
 
 from controlplane.errors import SnoozeError
 from controlplane.gateway.activator import HoldRegistry, ModelAnswers
@@ -53,6 +53,8 @@ SIZES_MB = (60, 100, 150)
 # how long a client may wait at most: its wake-up, a recovery, Triton's waits on dead stubs, and slack
 SLACK = 2 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS) + 10.0
 RUN_LIMIT = 600.0  # virtual seconds one step (or a test's end) may take
+# What a request waiting on a load is told when an unload cancels it; after a republish it waits for the new version.
+REPUBLISH_REFUSAL = "its load was cancelled (republished)"
 
 
 class Violation(AssertionError):
@@ -157,6 +159,12 @@ class LifecycleWorld:
         self.ids = itertools.count(1)
         self.locks: dict[str, asyncio.Lock] = {}
         self.deleted: dict[str, float] = {}  # model -> when it left the store (virtual seconds)
+        # model -> its published folders (the fake's ``Loaded.files``), numbered in the order they were published
+        self.versions: dict[str, dict[tuple[int, int], int]] = {}
+        # model -> (when a publish through the API returned, the version it published): requests sent to Triton
+        # after that are answered by that version or a newer one (unless a reload failed: Triton keeps the old)
+        self.settled: dict[str, tuple[float, int]] = {}
+        self.stale: list[str] = []  # answers that broke that rule, or told a waiting request a republish failed it
         self.changed: dict[str, float] = {}  # model -> when the store last changed it (virtual seconds)
         self.paused_since: float | None = None
         self.paused_secs = 0.0
@@ -253,18 +261,52 @@ class LifecycleWorld:
         await asyncio.sleep(0)
 
     async def _client(self, model: str, rid: str, timeout: float | None) -> str:
-        answer = await self.triton.infer(model, rid)
+        answer = await self._infer(model, rid)
         if answer.status == 200:
             return "200"
         if answer.status != 404 and not answer.dead:
             return f"{answer.status}: {answer.text}"
         try:
             again = await self.answers.forward(
-                model, rid, lambda: self.triton.infer(model, rid), lambda a: a.dead, timeout=timeout
+                model, rid, lambda: self._infer(model, rid), lambda a: a.dead, timeout=timeout
             )
         except SnoozeError as e:
+            if REPUBLISH_REFUSAL in e.message:  # the model is still published: its new version answers
+                self.stale.append(f"request {rid} of '{model}' failed by a republish: {e.message}")
             return f"{e.status_code}: {e.message}"
         return f"{again.status}: {again.text}" if again.status != 200 else "200"
+
+    async def _infer(self, model: str, rid: str) -> Answer:
+        """Triton's answer to ``rid``; one served by a version older than a publish that returned before it was sent
+        is a violation (a republish's waiters and later requests get the new version)."""
+        sent = self.now
+        answer = await self.triton.infer(model, rid)
+        settled = self.settled.get(model)
+        if answer.status != 200 or settled is None or settled[0] > sent or model in self.triton.kept_old:
+            return answer
+        served = self.versions.get(model, {}).get(answer.files or (0, 0))
+        if served is not None and served < settled[1]:
+            self.stale.append(
+                f"request {rid} of '{model}' answered by version {served} after version {settled[1]} was published"
+            )
+        return answer
+
+    def _note_version(self, model: str) -> int:
+        """Number the folder just published for ``model`` (the fake Triton identifies a version by it)."""
+        folder = self.triton.repository / model  # the store's repository, which Triton reads
+        files = (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)
+        known = self.versions.setdefault(model, {})
+        return known.setdefault(files, len(known) + 1)
+
+    async def republish_while_waiting(self, model: str, outcome: str = "hang", n: int = 3) -> None:
+        """Requests wait on a load that is slow (``ok`` after 2 s) or hangs, then the model is republished: they
+        are answered by the new version (or a bounded, explained error), never failed by the republish."""
+        if not self.store.exists(model):
+            return
+        self.triton.script_load(model, outcome, 2.0 if outcome == "ok" else 0.05)
+        await self.burst(model, n)
+        await asyncio.sleep(0.5)
+        await self.publish(model, 60)
 
     async def burst(self, model: str, n: int) -> None:
         for _ in range(n):
@@ -338,9 +380,11 @@ class LifecycleWorld:
         async def go() -> str:
             async with self._lock(model):
                 self.store.publish(spec)
+                version = self._note_version(model)
                 self.deleted.pop(model, None)
                 self.changed[model] = self.now
                 await self.manager.published(model)
+                self.settled[model] = (self.now, version)
             return "published"
 
         self._start("publish", model, self._api(go()), self._api_bound())
@@ -401,6 +445,7 @@ class LifecycleWorld:
 
     async def remote_publish(self, model: str, size_mb: float = 60) -> None:
         self.other_node.publish(self._spec(model, size_mb))
+        self._note_version(model)
         self.deleted.pop(model, None)
         self.changed[model] = self.now
 
@@ -483,7 +528,7 @@ class LifecycleWorld:
     # ------------------------------------------------------------------ invariants
 
     def check(self) -> None:
-        problems = list(self.probe.violations) + list(self.triton.overlaps)
+        problems = list(self.probe.violations) + list(self.triton.overlaps) + list(self.stale)
         twice = [rid for rid, n in self.triton.executions.items() if n > 1]
         if twice:
             problems.append(f"requests executed twice: {twice}")

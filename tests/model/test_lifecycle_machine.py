@@ -45,6 +45,7 @@ def random_op(rnd: random.Random, paused: bool) -> Op:
         "unload_hang": (m,),
         "stop_during_hung_load": (m, rnd.choice(("stop", "unload", "delete", "publish"))),
         "remote_publish": (m, rnd.choice(SIZES_MB)),
+        "republish_while_waiting": (m, rnd.choice(("hang", "ok")), rnd.randint(1, 4)),
         "remote_delete": (m,),
         "resume" if paused else "pause": (),
         "hold": (m,),

@@ -52,7 +52,7 @@ def test_the_crash_watch_writes_records_on_the_event_loop_only(world):
     world.manager.states.records["m0"] = watched
     model = world.triton.models["m0"]
     world.triton._exit([model.stubs[0]])  # reaped: ended by Triton itself
-    model.stubs = model.stubs[1:] + [world.triton._stub(model, model.stubs[0].memory)]
+    model.stubs = model.stubs[1:] + [world.triton._stub(model, model.stubs[0].memory, model.files)]
     loop_thread = threading.current_thread().name
     with ThreadPoolExecutor(1, thread_name_prefix="watch") as pool:  # the watch's worker thread
         found = pool.submit(world.manager._crashes, watched).result()

@@ -165,3 +165,97 @@ def test_a_delete_that_cancels_a_crash_recovery_frees_the_budget_at_once(world):
     for _ in range(10):
         world.step(world.tick(0.3), 0.0)
     assert not world.processes.stubs("m0") and "m0" not in world.manager.states.records
+
+
+def test_a_crash_under_a_republish_that_unloads_is_noted_so_its_request_never_runs_twice(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=512885901): a republish found no room beside the old version and
+    unloaded it; a stub crashed meanwhile, running a request. The watch looks only at models with no transition, and
+    the unload forgot the record's processes without reading the dead one's journal, so the request's retry reached
+    the activator as one that never ran, and the new version ran it again. Now the processes a transition lets go
+    of are read for crashes first (``Loader.note_crashes``), and a retry during a transition reads them too."""
+    world.step(world.publish("m3", 150, 2), 1.0)
+    world.step(world.remote_publish("m0", 60), 0.0)
+    world.step(world.delete("m0"), 1.0)
+    world.step(world.publish("m3", 150, 1), 0.01)
+    world.step(world.remote_publish("m2", 60), 0.3)
+    world.step(world.hold("m2"), 1.0)
+    world.step(world.restart(), 1.0)
+    world.step(world.burst("m3", 8), 0.05)
+    world.step(world.request("m2", None), 0.01)
+    world.step(world.burst("m3", 9), 0.0)
+    world.step(world.publish("m3", 100, 2), 0.01)
+    world.step(world.crash("m3"), 1.0)  # every step checks that no request ran twice
+
+
+def test_a_republish_after_another_callers_load_reloads_instead_of_marking_it_unloaded(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=1058633503): a republish cancelled a load while paused; by the time
+    it went on, a client's repository load had loaded the model again, and the republish marked the record UNLOADED
+    (its cancel's flag) while Triton held it READY. Now a republish judges the state it finds after settling."""
+    world.step(world.publish("m1", 150, 1), 0.01)
+    world.step(world.script_load("m3", "hang", 0.5), 0.01)
+    world.step(world.pause(), 0.05)
+    world.step(world.remote_publish("m3", 150), 1.0)
+    world.step(world.request("m1", None), 0.01)
+    world.step(world.request("m3", None), 0.3)
+    world.step(world.resume(), 1.0)
+    world.step(world.pause(), 0.3)
+    world.step(world.publish("m1", 60, 2), 0.0)
+    world.step(world.script_load("m1", "hang", 0.5), 1.0)
+    world.step(world.publish("m3", 100, 1), 0.05)
+    world.step(world.api_load("m3", 3), 0.3)
+    world.step(world.api_override("m3", None), 0.3)
+    world.step(world.publish("m3", 60, 1), 0.0)
+    world.step(world.resume(), 1.0)
+    for _ in range(20):  # every step checks that Triton and the records agree
+        world.step(world.tick(1.0), 0.0)
+
+
+def test_a_delete_whose_unload_hangs_on_a_dead_process_lets_the_record_go(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=334062458): a model whose only process had crashed was deleted, and
+    Triton's unload of it hung (Triton 2.51 may take minutes to unload a model whose stub died). The failed unload
+    kept the record as "Triton may still hold it" for as long as Triton's index said UNLOADING, though none of its
+    processes lived; the delete also failed. Now a python model none of whose processes lives holds nothing: its
+    unload does not wait for Triton's index, and the delete goes on."""
+    world.step(world.remote_publish("m1", 60), 0.0)
+    world.step(world.request("m1", 0.3), 0.01)
+    world.step(world.pause(), 0.3)
+    world.step(world.crash("m1"), 0.05)
+    world.step(world.restart(), 0.01)
+    world.step(world.pause(), 0.0)
+    world.step(world.delete("m1"), 0.05)
+    world.step(world.remote_delete("m1"), 0.3)
+    world.step(world.unload_hang("m1"), 0.01)
+    world.step(world.resume(), 0.0)
+    for _ in range(10):
+        world.step(world.tick(1.0), 0.0)
+    assert "m1" not in world.manager.states.records
+
+
+def test_a_stop_does_not_wait_for_an_eviction_of_a_model_whose_processes_died(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=685101614): a wake-up evicted a model whose stub had crashed, and
+    Triton's unload of it hung; the stop cancelled the wake-up's load at once but then waited 15 s for that
+    eviction. An unload of a model none of whose processes lives no longer waits for Triton's index."""
+    world.step(world.unload_hang("m3"), 0.01)
+    world.step(world.remote_publish("m3", 150), 0.3)
+    world.step(world.pause(), 0.3)
+    world.step(world.publish("m1", 150, 2), 0.05)
+    world.step(world.request("m3", None), 1.0)
+    world.step(world.restart(), 0.01)
+    world.step(world.crash("m3"), 0.01)
+    world.step(world.request("m1", 0.3), 0.0)
+    world.step(world.stop_during_hung_load("m1", "stop"), 0.01)  # fails if the stop takes over CANCEL_BOUND
+
+
+@pytest.mark.parametrize("outcome", ["hang", "ok"])
+def test_requests_waiting_on_a_load_that_a_republish_cancels_get_the_new_version(world, outcome):
+    """A republish cancels the load in flight (a slow or hung old version need not finish), but the model is still
+    published: the requests that waited on that load, and those that come during the republish, are answered by the
+    new version, never with the cancel's 503 (the world's requests fail the step if one is, or if a version older
+    than the one published answers after the publish returned)."""
+    world.step(world.publish("m0", 60), 0.1)
+    world.step(world.republish_while_waiting("m0", outcome, 4), 0.1)
+    world.step(world.burst("m0", 3), 0.0)  # during the republish
+    for _ in range(6):
+        world.step(world.tick(1.0), 0.0)
+    answers = [c.answer for c in world.answered if c.what == "request" and c.model == "m0"]
+    assert answers == ["200"] * 7

@@ -57,6 +57,12 @@ def test_an_action_during_a_hung_load_cancels_it_and_leaves_the_neighbour_alone(
 
     error, answered = world.run(scenario(), limit=120)
     assert answered < ANSWER_SECS, f"{action} answered after {answered:.1f} virtual seconds"
+    if action == "republish":  # still published: the waiting request is served by the new version, not refused
+        assert error is None, f"a republish failed the request that waited on the load it cancelled: {error}"
+        assert_serves_the_published_files(world, "m0")
+        assert manager.states.get("m0").state is ModelState.READY
+        assert manager.states.get("m1").state is ModelState.READY
+        return
     assert error is not None, "the waiting request was served by a cancelled load"
     if action == "delete":
         assert isinstance(error, NotFoundError) and "deleted" in str(error)
@@ -85,7 +91,8 @@ def test_a_load_that_ends_while_the_cancel_waits_for_its_starting_stub_is_not_le
     and the load may end meanwhile with the model READY in Triton. Its task then did not fail: the model must
     still leave Triton. Left there, the gateway's warm path (Envoy straight to Triton) served the old version
     after a republish had returned (bench churn: 7 answers of the old version), and the record said UNLOADED
-    with no memory charged while its processes ran."""
+    with no memory charged while its processes ran. After a republish, the request that waited is served by the
+    new version, loaded once the old one has left."""
     world.step(world.publish("m0", 60), 0.1)
     manager = world.manager
     # its stub writes no phase note until initialize ends, 1 s in: the cancel does not end it, it waits
@@ -102,17 +109,27 @@ def test_a_load_that_ends_while_the_cancel_waits_for_its_starting_stub_is_not_le
             await manager.published("m0")
         else:
             await manager.unload("m0")
-        # sent before the action: served by the load that ended, or told to retry; either way answered
+        if action == "republish":  # the model is still published: the request waits for the new version
+            await asyncio.wait_for(wake, ANSWER_SECS)
+            return
+        # sent before the unload: served by the load that ended, or told to retry; either way answered
         with contextlib.suppress(UnavailableError):
             await asyncio.wait_for(wake, ANSWER_SECS)
 
     world.run(scenario(), limit=60)
+    if action == "republish":
+        assert_serves_the_published_files(world, "m0")
+        return
     rec = manager.states.get("m0")
     assert rec is not None and rec.state is ModelState.UNLOADED and rec.reserved == 0
     assert "m0" not in world.triton.ready(), "the cancelled load's model is still serving in Triton"
     world.run(asyncio.sleep(1.0))  # Triton's unload ends its processes
     assert world.processes.stubs("m0") == [] and "m0" not in world.triton.holding()
-    if action == "republish":  # the next request loads the new version
-        world.run(manager.ensure_ready("m0"))
-        folder = world.triton.repository / "m0"
-        assert world.triton.models["m0"].files == (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)
+
+
+def assert_serves_the_published_files(world, model: str) -> None:
+    """Triton holds ``model`` READY, loaded from the folder published now (a republish replaces it)."""
+    folder = world.triton.repository / model
+    loaded = world.triton.models[model]
+    assert loaded.state == "READY"
+    assert loaded.files == (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)

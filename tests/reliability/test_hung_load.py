@@ -1,7 +1,8 @@
 """A load whose load() never returns (the default load_timeout_secs, 300 s) holds no unload and no stop.
 
 With such a load in flight and a request waiting on it: an unload answers within seconds, the model's
-processes are gone, the waiting request gets a 503 naming the cancel, the neighbour serves throughout;
+processes are gone, the waiting request gets a 503 naming the cancel (a 404 after a delete; after a republish,
+the new version's answer: the model is still published), the neighbour serves throughout;
 Ctrl-C or SIGTERM stops ``snoozectl serve`` within shutdown_grace_secs (5 s here) + 5 s with nothing left
 running, and a second Ctrl-C during the graceful stop ends it within 2 s. Both topologies (Triton as the
 control plane's child, and in a process of its own).
@@ -16,7 +17,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from reliability_helpers import infer_error, infer_once, report
+from reliability_helpers import infer_once, report
 from serve_harness import until_async, write_package
 
 pytestmark = pytest.mark.integration
@@ -25,8 +26,9 @@ GRACE = 5.0  # SNOOZE_SHUTDOWN_GRACE_SECS of serve_factory
 
 
 async def hung_load(serve) -> asyncio.Task:
-    """A request that starts the hanging load; returns once Triton runs the model's load()."""
-    waiting = asyncio.create_task(infer_error(serve, "hung", "grpc", timeout=120))
+    """A request that starts the hanging load; returns once Triton runs the model's load(). The task's result is
+    the request's answer (an array) or its error (a string)."""
+    waiting = asyncio.create_task(infer_once(serve, "hung", "grpc", np.ones((1, 2), np.float32), timeout=120))
     await until_async(lambda: serve.stub_pids("hung"), "the hung model's stub", timeout=60)
     await asyncio.sleep(1.0)  # in load() now
     return waiting
@@ -58,17 +60,29 @@ async def test_an_unload_delete_or_republish_during_a_hung_load_cancels_it(publi
             r = await client.post(f"{serve.api_url}/v1/models/hung/unload")
         elif action == "delete":
             r = await client.delete(f"{serve.api_url}/v1/models/hung")
-        else:
+        else:  # a new version that loads: scale 5
             r = await client.post(f"{serve.api_url}/v1/models:from-path",
-                                  json={"id": "hung", "path": str(serve.hanging), "params": {"load_sleep": 600.0}})
+                                  json={"id": "hung", "path": str(serve.hanging), "params": {"scale": 5.0}})
     answered = time.monotonic() - started
     gone = await until_async(lambda: serve.stub_pids("hung") == [], "the hung model's stub to be gone", timeout=10)
-    error, _ = await asyncio.wait_for(waiting, 30)
+    answer = await asyncio.wait_for(waiting, 30)
     neighbour = await infer_once(serve, "steady", "grpc", np.ones((1, 2), np.float32))
     report(f"{action} during a hung load ({serve.topology})", answer_secs=round(answered, 2),
-           processes_gone_secs=round(answered + gone, 2), client_error=error[:160])  # fmt: skip
+           processes_gone_secs=round(answered + gone, 2), client_answer=str(answer)[:160])  # fmt: skip
     assert r.status_code in (200, 201, 204), r.text
     assert answered < 5.0 and answered + gone < 5.0
+    if action == "republish":  # still published: the request that waited gets the new version's answer
+        assert isinstance(answer, np.ndarray), answer
+        np.testing.assert_array_equal(answer, np.full((1, 2), 5.0, np.float32))
+        assert (await asyncio.to_thread(serve.status, "hung"))["state"] == "ready"
+        deleted = await asyncio.to_thread(
+            lambda: httpx.delete(f"{serve.api_url}/v1/models/hung", headers=serve._headers(), timeout=60)
+        )
+        assert deleted.status_code in (200, 204), deleted.text  # the next case publishes the hanging version again
+        assert isinstance(neighbour, np.ndarray)
+        return
+    assert isinstance(answer, str), f"a request to the cancelled load succeeded: {answer}"
+    error = answer
     if action == "delete":  # Triton's unknown-model words, as for any model that is not published
         assert "deleted during its load" in error or "unknown model" in error.lower(), error
     else:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.lifecycle.recovery import crashes_among
+from controlplane.triton.journal import journal_path
 from controlplane.triton.processes import (
     STUB_NAME,
     TritonProcesses,
@@ -70,6 +72,42 @@ def test_stubs_by_model_and_how_each_died(observer: TritonProcesses, tmp_path: P
         assert gone is not None and gone.reaped and gone.describe() == "exit status unknown"
     finally:
         for p in (a, b):
+            p.kill()
+            p.wait()
+
+
+def test_a_stub_this_observer_killed_is_ended_not_crashed_and_only_a_crash_left_its_journal(
+    observer: TritonProcesses, tmp_path: Path
+):
+    """``kill`` marks its deaths ``ended``; ``crashes_among`` (what a transition reads before it lets the processes
+    go) counts a zombie that was not ended, and a reaped one only if its journal is still there (the runtime removes
+    it at a clean end)."""
+    journals = tmp_path / "journals"
+    journals.mkdir()
+    ended = fake_stub(tmp_path, "m", "m_0_0")
+    crashed = fake_stub(tmp_path, "m", "m_0_1", code="import os, time; time.sleep(0.3); os._exit(139)")
+    clean = fake_stub(tmp_path, "m", "m_0_2", code="import os, time; time.sleep(0.3); os._exit(0)")
+    try:
+        deadline = time.monotonic() + 10
+        while len(observer.stubs("m")) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        stubs = {s.instance: s for s in observer.stubs("m")}
+        for stub in stubs.values():
+            journal_path(journals, stub.pid, stub.start_ticks).write_bytes(b"\0" * 8)
+        journal_path(journals, stubs["m_0_2"].pid, stubs["m_0_2"].start_ticks).unlink()  # its clean end
+        assert observer.kill([stubs["m_0_0"]]) == [ended.pid]
+        for p in (ended, crashed, clean):
+            wait_state(p.pid, "Z")
+        deaths = {d.stub.instance: d for d in observer.deaths(stubs.values())}
+        assert deaths["m_0_0"].ended and not deaths["m_0_1"].ended and not deaths["m_0_2"].ended
+        assert [d.stub.instance for d in crashes_among(observer, journals, stubs.values())] == ["m_0_1", "m_0_2"]
+        for p in (ended, crashed, clean):
+            p.wait()  # reaped, as Triton reaps what it ends and, at an unload, what crashed
+        found = crashes_among(observer, journals, stubs.values())
+        assert [d.stub.instance for d in found] == ["m_0_1"] and found[0].reaped
+    finally:
+        for p in (ended, crashed, clean):
             p.kill()
             p.wait()
 
