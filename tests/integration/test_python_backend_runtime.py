@@ -39,7 +39,13 @@ def t(name: str, datatype: str, dims: list[int]) -> dict:
 
 
 def config_pbtxt(
-    name: str, spec: dict, *, queue_delay_us: int, max_batch_size: int | None = None, decoupled: bool = False
+    name: str,
+    spec: dict,
+    *,
+    queue_delay_us: int,
+    max_batch_size: int | None = None,
+    decoupled: bool = False,
+    sequence: bool = False,
 ) -> str:
     def tensors(kind: str, items: list[dict]) -> str:
         return "\n".join(
@@ -49,6 +55,8 @@ def config_pbtxt(
 
     mbs = spec["max_batch_size"] if max_batch_size is None else max_batch_size
     batching = f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}" if mbs else ""
+    if sequence:
+        batching = "sequence_batching { max_sequence_idle_microseconds: 5000000 direct {} }"
     policy = "model_transaction_policy { decoupled: true }" if decoupled else ""
     return (
         textwrap.dedent(
@@ -77,6 +85,7 @@ def build_model(
     queue_delay_us: int = 0,
     config_max_batch_size: int | None = None,
     decoupled: bool = False,
+    sequence: bool = False,
 ) -> dict:
     """Write one model folder; `config_max_batch_size` lets config.pbtxt differ from the runtime spec."""
     spec = {"format": 1, "model_id": name, "tensor_format": "numpy", "env": {}, "params": {}, **runtime}
@@ -84,7 +93,12 @@ def build_model(
     (version / "package").mkdir(parents=True)
     (repo / name / "config.pbtxt").write_text(
         config_pbtxt(
-            name, spec, queue_delay_us=queue_delay_us, max_batch_size=config_max_batch_size, decoupled=decoupled
+            name,
+            spec,
+            queue_delay_us=queue_delay_us,
+            max_batch_size=config_max_batch_size,
+            decoupled=decoupled,
+            sequence=sequence,
         )
     )
     (version / "model.py").write_text(jinja2.Template(TEMPLATE.read_text()).render(model_id=name))
@@ -703,6 +717,64 @@ def test_text_a_streaming_model_yields_reaches_the_client_as_utf8_bytes(triton, 
     finally:
         client.close()
     assert [a if isinstance(a, list) else str(a) for a in answers] == [["zürich".encode()], ["straße".encode()]]
+
+
+SEQUENCE_TEXT_MODEL = """
+    import numpy as np
+
+
+    class Model:
+        def load(self, model_dir, device):
+            self.seen = {}
+
+        def predict(self, inputs, sequence):
+            # The words of this sequence so far, joined: fixed-width unicode, then numpy bytes scalars.
+            words = self.seen.setdefault(sequence.correlation_id, [])
+            words.extend(w.decode() for w in inputs["word"][:, 0])
+            text = " ".join(words)
+            if sequence.end:
+                return {"text": np.array([[np.bytes_(text.encode())]], dtype=object)}
+            return {"text": np.array([[text]])}
+"""
+
+
+def test_text_crosses_the_sequence_path_both_ways(triton):
+    """A stateful custom model's text answers, and an ONNX model with string tensors under the sequence batcher.
+    In the stub only: a preforked worker does not pass the sequence argument yet (docs/packages.md)."""
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "sequence": True,
+        "max_batch_size": 2,
+        "inputs": [t("word", "BYTES", [1])],
+        "outputs": [t("text", "BYTES", [1])],
+    }
+    model = load(triton, "pbrt-text-sequence", runtime, {"snooze_model.py": SEQUENCE_TEXT_MODEL}, sequence=True)
+    words = [np.array([[w.encode()]], dtype=object) for w in ("zürich", "straße")]
+    answers = []
+    for i, word in enumerate(words):
+        tensor = grpcclient.InferInput("word", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(word)
+        result = triton["grpc"].infer(model, [tensor], sequence_id=41, sequence_start=i == 0, sequence_end=i == 1)
+        answers.append(result.as_numpy("text").tolist())
+    assert answers == [[["zürich".encode()]], [["zürich straße".encode()]]]
+    data = cities_onnx()
+    onnx_runtime = {
+        "kind": "onnx",
+        "onnx_file": "model.onnx",
+        "sequence": True,
+        "max_batch_size": 2,
+        "inputs": [t("words", "BYTES", [2])],
+        "outputs": [t("ids", "INT64", [2]), t("upper", "BYTES", [2])],
+    }
+    onnx_model = load(triton, "pbrt-onnx-text-sequence", onnx_runtime, {"model.onnx": data}, sequence=True)
+    words = np.array([["straße".encode(), b"oslo"]], dtype=object)
+    tensor = grpcclient.InferInput("words", [1, 2], "BYTES")
+    tensor.set_data_from_numpy(words)
+    result = triton["grpc"].infer(onnx_model, [tensor], sequence_id=42, sequence_start=True, sequence_end=True)
+    want = onnxruntime_answer(data, words)
+    assert result.as_numpy("ids").tolist() == want["ids"].tolist() == [[2, 3]]
+    assert result.as_numpy("upper").tolist() == want["upper"].tolist() == [[b"STRASSE", b"OSLO"]]
 
 
 OOM_IN_LOAD = """
