@@ -31,6 +31,7 @@ RUNTIME_MODULES = (
     "runners.py",
     "sequences.py",
     "spec.py",
+    "strings.py",
     "triton_model.py",
     "warmup.py",
 )

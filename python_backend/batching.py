@@ -15,8 +15,10 @@ import numpy as np
 
 from .errors import BadModelOutput, Failure, InvalidInput, describe_failure
 from .spec import WIRE_TO_NUMPY, RuntimeSpec, TensorSpec
+from .strings import encode_text
 
 Arrays = dict[str, np.ndarray]
+Prepare = Callable[[Arrays], Arrays]
 
 _NUMPY_TO_WIRE = {dtype: wire for wire, dtype in WIRE_TO_NUMPY.items()}
 
@@ -142,9 +144,9 @@ def _conform(tensor: TensorSpec, value: Any, rows: int | None, batched: bool, wh
     if tensor.datatype == "BYTES":
         if array.dtype.kind not in "OSU":
             raise BadModelOutput(
-                f"{what} is {array.dtype} but is declared BYTES; return an object array of bytes"
+                f"{what} is {array.dtype} but is declared BYTES; return an object array of bytes or str"
             )
-        array = array.astype(np.object_, copy=False)
+        array = encode_text(array, what)
     elif array.dtype != tensor.dtype:
         if not np.can_cast(array.dtype, tensor.dtype, casting="same_kind"):
             raise BadModelOutput(
@@ -158,8 +160,7 @@ def _conform(tensor: TensorSpec, value: Any, rows: int | None, batched: bool, wh
         if array.ndim == 0 or array.shape[0] != rows:
             got = "a scalar" if array.ndim == 0 else f"{array.shape[0]} rows"
             raise BadModelOutput(
-                f"{what} has {got} but the batch has {rows}; predict must return one row per input row "
-                "along axis 0"
+                f"{what} has {got} but the batch has {rows}; predict must return one row per input row along axis 0"
             )
     sample_shape = array.shape[1:] if batched else array.shape
     if not _dims_match(tensor.dims, sample_shape):
@@ -216,8 +217,7 @@ def check_raw_outputs(spec: RuntimeSpec, outputs: Any, batch_sizes: Sequence[int
         if not isinstance(values, (list, tuple)) or len(values) != len(batch_sizes):
             got = "nothing" if values is None else f"{type(values).__name__} of {_length(values)}"
             raise BadModelOutput(
-                f"raw output '{t.name}' must be a list with one array per request ({len(batch_sizes)}), "
-                f"got {got}"
+                f"raw output '{t.name}' must be a list with one array per request ({len(batch_sizes)}), got {got}"
             )
         for i, (value, rows) in enumerate(zip(values, batch_sizes, strict=True)):
             what = f"output '{t.name}' of request {i}"
@@ -254,14 +254,18 @@ class BatchPlan:
     (wildcard dims, castable dtypes) and word every error, so both paths answer alike.
     """
 
-    def __init__(self, spec: RuntimeSpec) -> None:
+    def __init__(self, spec: RuntimeSpec, prepare: Prepare | None = None) -> None:
         self.spec = spec
+        # The model's own per-request conversion (OnnxRunner: text decoded), run on each valid request before
+        # collation; its InvalidInput fails that request alone, as a failed check does.
+        self.prepare = prepare
         self.model_id = spec.model_id
         self.batched = spec.batched
         self.max_batch_size = spec.max_batch_size
         self.raw = spec.tensor_format == "raw"
         self.inputs = _compiled(spec.inputs)
         self.outputs = _compiled(spec.outputs)
+        self.text_outputs = frozenset(t.name for t in spec.outputs if t.datatype == "BYTES")
         # Without -1 dims every valid request has the same per-sample shapes: one collation group.
         self.one_group = not any(wildcard for *_, wildcard in self.inputs)
 
@@ -305,7 +309,7 @@ class BatchPlan:
                     shape = shape[1:]
                 if shape != dims and (not wildcard or not _dims_match(dims, shape)):
                     break
-                checked[name] = array
+                checked[name] = encode_text(array, f"output '{name}'") if name in self.text_outputs else array
             else:
                 return checked
         return check_outputs(self.spec, outputs, rows)
@@ -316,9 +320,14 @@ class BatchPlan:
         results: list[Any] = [None] * len(requests)
         valid: list[int] = []
         batch_sizes: dict[int, int | None] = {}
+        prepare = self.prepare
+        if prepare is not None:
+            requests = list(requests)
         for i, arrays in enumerate(requests):
             try:
                 batch_sizes[i] = self.batch_size(arrays)
+                if prepare is not None:
+                    requests[i] = prepare(arrays)
                 valid.append(i)
             except InvalidInput as e:
                 results[i] = self._failure(e, None)
@@ -347,6 +356,8 @@ class BatchPlan:
     def _run_one(self, arrays: Arrays, predict: Callable[[Any], Any]) -> Any:
         try:
             rows = self.batch_size(arrays)
+            if self.prepare is not None:
+                arrays = self.prepare(arrays)
         except InvalidInput as e:
             return self._failure(e, None)
         try:
@@ -363,6 +374,8 @@ class BatchPlan:
         Closing this generator (a cancelled request) closes predict's."""
         try:
             rows = self.batch_size(arrays)
+            if self.prepare is not None:
+                arrays = self.prepare(arrays)
         except InvalidInput as e:
             yield self._failure(e, None)
             return

@@ -16,6 +16,9 @@ from typing import Any
 from .errors import PredictTimeout
 from .import_probe import import_model_class
 from .spec import RuntimeSpec, SpecError
+from .strings import decode_text, encode_text
+
+ONNX_STRING = "tensor(string)"  # an onnxruntime NodeArg's type for a string tensor
 
 
 def device_for(instance_kind: str, device_id: str) -> str:
@@ -56,6 +59,10 @@ class OnnxRunner:
     Serves ONNX models on a Triton without the onnxruntime backend (the embedded one). Keyword
     arguments (the spec's params) set onnxruntime SessionOptions fields, e.g. intra_op_num_threads:
     onnxruntime otherwise starts one thread per core in every instance.
+
+    String tensors (ONNX ``tensor(string)``) are read from the session at load: their inputs arrive as
+    Triton's BYTES (object arrays of bytes) and are decoded as UTF-8 text, their outputs go back as bytes
+    (strings.py says why). A model without them runs the session as it is, at no cost per request.
     """
 
     def __init__(self, onnx_file: str, output_names: list[str], **session_options: Any) -> None:
@@ -63,6 +70,12 @@ class OnnxRunner:
         self.output_names = output_names
         self.session_options = session_options
         self.session = None
+        self.text_inputs: tuple[str, ...] = ()
+        self._text_outputs: tuple[int, ...] = ()  # positions in output_names
+        # Per request, before the batch is collated (batching.BatchPlan): a request whose text is not UTF-8
+        # fails alone. None when the model takes no text.
+        self.prepare_inputs: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+        self.predict: Callable[[dict[str, Any]], dict[str, Any]] = self._run
 
     def load(self, model_dir: str, device: str) -> None:
         import onnxruntime as ort  # lazily: custom models must not pay for it
@@ -86,10 +99,29 @@ class OnnxRunner:
                     file=sys.stderr,
                 )
         path = os.path.join(model_dir, self.onnx_file)
-        self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
+        self.session = session = ort.InferenceSession(path, sess_options=options, providers=providers)
+        self.text_inputs = tuple(i.name for i in session.get_inputs() if i.type == ONNX_STRING)
+        text_outputs = {o.name for o in session.get_outputs() if o.type == ONNX_STRING}
+        self._text_outputs = tuple(i for i, name in enumerate(self.output_names) if name in text_outputs)
+        self.prepare_inputs = self._decode_inputs if self.text_inputs else None
+        self.predict = self._run_text if self.text_inputs or self._text_outputs else self._run
 
-    def predict(self, inputs: dict[str, Any]) -> dict[str, Any]:
+    def _run(self, inputs: dict[str, Any]) -> dict[str, Any]:
         return dict(zip(self.output_names, self.session.run(self.output_names, inputs), strict=True))
+
+    def _decode_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        decoded = dict(inputs)
+        for name in self.text_inputs:
+            if name in decoded:
+                decoded[name] = decode_text(decoded[name], name)
+        return decoded
+
+    def _run_text(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        # Inputs the plan decoded already pass through decode_text unchanged.
+        results = self.session.run(self.output_names, self._decode_inputs(inputs))
+        for i in self._text_outputs:
+            results[i] = encode_text(results[i], f"output '{self.output_names[i]}'")
+        return dict(zip(self.output_names, results, strict=True))
 
     def unload(self) -> None:
         self.session = None

@@ -139,7 +139,8 @@ class TritonPythonModel:
         # A stateful model notes until when one of its sequences may be live (the control plane keeps it in use).
         self._sequences = SequenceNote.from_environment(spec.model_id, json.loads(args.get("model_config") or "{}"))
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
-        self._plan = BatchPlan(spec)
+        # An ONNX model's per-request conversion (its text inputs decoded) runs in the plan, before collation.
+        self._plan = BatchPlan(spec, getattr(self._model, "prepare_inputs", None) if spec.kind == "onnx" else None)
         # Rank-0 tensors: [1] on the wire (config dims [1], reshape []), [] for the model (see _scalar_inputs).
         self._scalars = tuple(t.name for t in spec.inputs if t.dims == ())
         self._scalar_outputs = tuple(t.name for t in spec.outputs if t.dims == ())
@@ -244,8 +245,10 @@ class TritonPythonModel:
                 result = Failure(*describe_failure(e, spec.model_id, "predict", None))
             if type(result) is Failure and source != SAMPLES:
                 ordered = {t.name: run[t.name] for t in spec.inputs if t.name in run}
-                skipped = (f"skipped ({source} input {_shapes_text(ordered)} failed: {result.message}; "
-                           "ship samples or set \"warmup\": false)")
+                skipped = (
+                    f"skipped ({source} input {_shapes_text(ordered)} failed: {result.message}; "
+                    'ship samples or set "warmup": false)'
+                )
                 _log(spec.model_id, f"warm-up {skipped}")
                 if self._note is not None:
                     self._note.write(source=source, skipped=skipped)

@@ -34,13 +34,33 @@ pytestmark = [
 IDLE_SECS = 2.0
 ARCHS = ["resnet", "mobilenet", "vit", "gru", "text-encoder"]
 LIGHT = [f"onnx-{a}" for a in ARCHS] + [
-    "sklearn-pipeline", "sklearn-gbt", "onnx-sklearn-pipeline", "onnx-sklearn-gbt",
-    "onnx-scalar", "onnx-stateful-gru", "onnx-detector", "text-bytes",
+    "sklearn-pipeline",
+    "sklearn-gbt",
+    "onnx-sklearn-pipeline",
+    "onnx-sklearn-gbt",
+    "onnx-scalar",
+    "onnx-stateful-gru",
+    "onnx-detector",
+    "text-bytes",
+    "onnx-text-sklearn-cities",
+    "onnx-text-normalizer",
+    "onnx-text-label-encoder",
 ]
 HEAVY = [f"torch-{a}-{w}" for w in ("in-stub", "preforked") for a in ARCHS]
 
 
 def _build(root: Path, case_id: str) -> C.Case:
+    special = {
+        "onnx-scalar": C.scalar_case,
+        "onnx-stateful-gru": C.stateful_case,
+        "onnx-detector": C.detector_case,
+        "text-bytes": C.text_case,
+        "onnx-text-sklearn-cities": C.sklearn_cities_case,
+        "onnx-text-normalizer": C.string_normalizer_case,
+        "onnx-text-label-encoder": C.label_encoder_case,
+    }
+    if case_id in special:
+        return special[case_id](root)
     if case_id.startswith("torch-"):
         worker = "preforked" if case_id.endswith("-preforked") else "in-stub"
         return C.torch_custom_case(root, case_id.removeprefix("torch-").removesuffix(f"-{worker}"), worker)
@@ -48,10 +68,6 @@ def _build(root: Path, case_id: str) -> C.Case:
         return C.sklearn_onnx_case(root, case_id.removeprefix("onnx-sklearn-"))
     if case_id.startswith("sklearn-"):
         return C.sklearn_custom_case(root, case_id.removeprefix("sklearn-"))
-    special = {"onnx-scalar": C.scalar_case, "onnx-stateful-gru": C.stateful_case,
-               "onnx-detector": C.detector_case, "text-bytes": C.text_case}
-    if case_id in special:
-        return special[case_id](root)
     return C.onnx_torch_case(root, case_id.removeprefix("onnx-"))
 
 
@@ -61,8 +77,12 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, di
     a publish is cheap, their loads run only in the slow tier)."""
     root = tmp_path_factory.mktemp("corpus")
     wanted = LIGHT + HEAVY
-    env = {**os.environ, "SNOOZE_SWEEP_INTERVAL_SECS": "0.5", "SNOOZE_SHUTDOWN_GRACE_SECS": "5",
-           "SNOOZE_TRITON_EXIT_TIMEOUT_SECS": "2"}
+    env = {
+        **os.environ,
+        "SNOOZE_SWEEP_INTERVAL_SECS": "0.5",
+        "SNOOZE_SHUTDOWN_GRACE_SECS": "5",
+        "SNOOZE_TRITON_EXIT_TIMEOUT_SECS": "2",
+    }
     serve = Serve(root / "work", env)
     cases: dict[str, C.Case] = {}
     try:
@@ -79,8 +99,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serve, di
 
 
 def _wire(array: np.ndarray) -> str:
-    return "BYTES" if array.dtype == object else {"float32": "FP32", "float64": "FP64", "int64": "INT64"}[
-        str(array.dtype)]
+    return (
+        "BYTES" if array.dtype == object else {"float32": "FP32", "float64": "FP64", "int64": "INT64"}[str(array.dtype)]
+    )
 
 
 def infer(serve: Serve, protocol: str, model_id: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -155,8 +176,15 @@ def _run(corpus: tuple[Serve, dict[str, C.Case]], case_id: str) -> None:
     woken = time.perf_counter() - started
     check(case, call(serve, case, "http"), "http, after waking")
     again = state(serve, case.id)
-    _record(case, cold_secs=cold, warm_secs=warm, woken_secs=woken, warmup_first=status.get("warmup"),
-            warmup_after=again.get("warmup"), server_cold_secs=status.get("last_cold_start_secs"))
+    _record(
+        case,
+        cold_secs=cold,
+        warm_secs=warm,
+        woken_secs=woken,
+        warmup_first=status.get("warmup"),
+        warmup_after=again.get("warmup"),
+        server_cold_secs=status.get("last_cold_start_secs"),
+    )
     if case.id == "onnx-detector":
         # The generated [1,3,1,1] image fails the two-scale head: skipped, said in the status; the next load is
         # warmed with the image size the client sent.

@@ -13,6 +13,7 @@ import contextlib
 import json
 import shutil
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,7 +38,15 @@ def t(name: str, datatype: str, dims: list[int]) -> dict:
     return {"name": name, "datatype": datatype, "dims": dims}
 
 
-def config_pbtxt(name: str, spec: dict, *, queue_delay_us: int, max_batch_size: int | None = None) -> str:
+def config_pbtxt(
+    name: str,
+    spec: dict,
+    *,
+    queue_delay_us: int,
+    max_batch_size: int | None = None,
+    decoupled: bool = False,
+    sequence: bool = False,
+) -> str:
     def tensors(kind: str, items: list[dict]) -> str:
         return "\n".join(
             f'{kind} {{ name: "{i["name"]}" data_type: {TRITON_TYPES[i["datatype"]]} dims: {i["dims"]} }}'
@@ -46,15 +55,25 @@ def config_pbtxt(name: str, spec: dict, *, queue_delay_us: int, max_batch_size: 
 
     mbs = spec["max_batch_size"] if max_batch_size is None else max_batch_size
     batching = f"dynamic_batching {{ max_queue_delay_microseconds: {queue_delay_us} }}" if mbs else ""
-    return textwrap.dedent(
-        f"""\
+    if sequence:
+        batching = "sequence_batching { max_sequence_idle_microseconds: 5000000 direct {} }"
+    policy = "model_transaction_policy { decoupled: true }" if decoupled else ""
+    return (
+        textwrap.dedent(
+            f"""\
         name: "{name}"
         backend: "python"
         max_batch_size: {mbs}
         {batching}
+        {policy}
         instance_group {{ kind: KIND_CPU count: 1 }}
         """
-    ) + tensors("input", spec["inputs"]) + "\n" + tensors("output", spec["outputs"]) + "\n"
+        )
+        + tensors("input", spec["inputs"])
+        + "\n"
+        + tensors("output", spec["outputs"])
+        + "\n"
+    )
 
 
 def build_model(
@@ -65,13 +84,22 @@ def build_model(
     *,
     queue_delay_us: int = 0,
     config_max_batch_size: int | None = None,
+    decoupled: bool = False,
+    sequence: bool = False,
 ) -> dict:
     """Write one model folder; `config_max_batch_size` lets config.pbtxt differ from the runtime spec."""
     spec = {"format": 1, "model_id": name, "tensor_format": "numpy", "env": {}, "params": {}, **runtime}
     version = repo / name / "1"
     (version / "package").mkdir(parents=True)
     (repo / name / "config.pbtxt").write_text(
-        config_pbtxt(name, spec, queue_delay_us=queue_delay_us, max_batch_size=config_max_batch_size)
+        config_pbtxt(
+            name,
+            spec,
+            queue_delay_us=queue_delay_us,
+            max_batch_size=config_max_batch_size,
+            decoupled=decoupled,
+            sequence=sequence,
+        )
     )
     (version / "model.py").write_text(jinja2.Template(TEMPLATE.read_text()).render(model_id=name))
     (version / "python_backend").mkdir()
@@ -257,8 +285,12 @@ def test_bad_request_fails_alone_in_a_shared_batch(triton, worker):
         "outputs": [t("y", "FP32", [3]), t("rows", "INT64", [1])],
     }
     model = load(
-        triton, named("pbrt-batch", worker), runtime, {"snooze_model.py": BATCH_MODEL},
-        queue_delay_us=500_000, config_max_batch_size=8,
+        triton,
+        named("pbrt-batch", worker),
+        runtime,
+        {"snooze_model.py": BATCH_MODEL},
+        queue_delay_us=500_000,
+        config_max_batch_size=8,
     )
     requests = [np.full((rows, 3), value, np.float32) for rows, value in ((1, 1), (3, 5), (1, 2))]
 
@@ -335,13 +367,14 @@ def faulty_call(triton, model, mode, rows=2):
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [
-        (1, "[snooze:oom] model '{model}': predict ran out of memory on a batch of 2 "
-            "(MemoryError: simulated"),
+        (1, "[snooze:oom] model '{model}': predict ran out of memory on a batch of 2 (MemoryError: simulated"),
         (2, "[snooze:model_error] model '{model}': output 'y' has 1 rows but the batch has 2"),
-        (3, "[snooze:model_error] model '{model}': predict raised ValueError: mode 3 is not allowed at "
-            "snooze_model.py:7 in _check <- snooze_model.py:21 in predict; fix the model's predict"),
-        (4, "[snooze:model_error] model '{model}': output 'y' is object, which cannot be cast to its "
-            "declared FP32"),
+        (
+            3,
+            "[snooze:model_error] model '{model}': predict raised ValueError: mode 3 is not allowed at "
+            "snooze_model.py:7 in _check <- snooze_model.py:21 in predict; fix the model's predict",
+        ),
+        (4, "[snooze:model_error] model '{model}': output 'y' is object, which cannot be cast to its declared FP32"),
     ],
 )
 def test_model_errors_are_mapped_and_the_instance_survives(triton, faulty_model, mode, expected):
@@ -474,6 +507,276 @@ def test_onnx_kind_runs_onnxruntime(triton, worker):
     np.testing.assert_allclose(got["y"], x @ w + b, rtol=1e-5, atol=1e-6)
 
 
+def cities_onnx() -> bytes:
+    """words [batch, 2] (ONNX tensor(string)) -> ids (int64) and upper (string), by two ai.onnx.ml LabelEncoders
+    with non-ASCII keys and values."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    keys = ["zürich", "straße", "oslo"]
+    graph = helper.make_graph(
+        [
+            helper.make_node("LabelEncoder", ["words"], ["ids"], domain="ai.onnx.ml", keys_strings=keys,
+                             values_int64s=[1, 2, 3], default_int64=-1),
+            helper.make_node("LabelEncoder", ["words"], ["upper"], domain="ai.onnx.ml", keys_strings=keys,
+                             values_strings=["ZÜRICH", "STRASSE", "OSLO"], default_string="?"),
+        ],
+        "cities",
+        [helper.make_tensor_value_info("words", TensorProto.STRING, ["batch", 2])],
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", 2]),
+         helper.make_tensor_value_info("upper", TensorProto.STRING, ["batch", 2])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 2)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def onnxruntime_answer(data: bytes, words: np.ndarray) -> dict[str, np.ndarray]:
+    """onnxruntime in this process, given the text itself; string outputs as the bytes BYTES carries."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    text = np.vectorize(lambda b: b.decode(), otypes=[object])(words)
+    ids, upper = session.run(["ids", "upper"], {"words": text})
+    return {"ids": ids, "upper": np.vectorize(lambda s: s.encode(), otypes=[object])(upper)}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_an_onnx_models_string_tensors_answer_as_onnxruntime_in_process(triton, protocol):
+    """Triton hands BYTES over as bytes; onnxruntime's Python API would read b"oslo" as the text "b'oslo'"."""
+    data = cities_onnx()
+    runtime = {
+        "kind": "onnx",
+        "onnx_file": "model.onnx",
+        "max_batch_size": 4,
+        "params": {"intra_op_num_threads": 1},
+        "inputs": [t("words", "BYTES", [2])],
+        "outputs": [t("ids", "INT64", [2]), t("upper", "BYTES", [2])],
+    }
+    model = f"pbrt-onnx-text-{protocol}"
+    load(triton, model, runtime, {"model.onnx": data})
+    words = np.array([["zürich".encode(), b"oslo"], ["straße".encode(), b"paris"]], dtype=object)
+    got = infer(httpclient if protocol == "http" else grpcclient, triton[protocol], model, {"words": words},
+                ["ids", "upper"])  # fmt: skip
+    want = onnxruntime_answer(data, words)
+    assert got["ids"].tolist() == want["ids"].tolist() == [[1, 3], [2, -1]]
+    assert got["upper"].tolist() == want["upper"].tolist() == [["ZÜRICH".encode(), b"OSLO"], [b"STRASSE", b"?"]]
+
+
+def test_an_onnx_request_whose_text_is_not_utf8_fails_alone_in_a_shared_batch(triton):
+    data = cities_onnx()
+    runtime = {
+        "kind": "onnx",
+        "onnx_file": "model.onnx",
+        "max_batch_size": 4,
+        "params": {"intra_op_num_threads": 1},
+        "inputs": [t("words", "BYTES", [2])],
+        "outputs": [t("ids", "INT64", [2]), t("upper", "BYTES", [2])],
+    }
+    model = load(triton, "pbrt-onnx-text-batch", runtime, {"model.onnx": data}, queue_delay_us=500_000)
+    requests = [
+        np.array([["zürich".encode(), b"oslo"]], dtype=object),
+        np.array([[b"oslo", b"caf\xe9"]], dtype=object),  # Latin-1, not UTF-8
+        np.array([["straße".encode(), b"rome"]], dtype=object),
+    ]
+
+    def send(words):
+        client = grpcclient.InferenceServerClient(triton["grpc_url"])
+        try:
+            return infer(grpcclient, client, model, {"words": words}, ["ids", "upper"])
+        except InferenceServerException as e:
+            return e
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        good1, bad, good2 = pool.map(send, requests)
+
+    assert isinstance(bad, InferenceServerException), bad
+    assert bad.status() == "StatusCode.INVALID_ARGUMENT"
+    assert bad.message() == (
+        f"[snooze:invalid_input] model '{model}': input 'words' element [0, 1] is not UTF-8 (unexpected end of data "
+        "at byte 3); the model reads this input as text (ONNX tensor(string)): send UTF-8 encoded strings"
+    )
+    for words, got in ((requests[0], good1), (requests[2], good2)):
+        want = onnxruntime_answer(data, words)
+        assert got["ids"].tolist() == want["ids"].tolist() and got["upper"].tolist() == want["upper"].tolist()
+    deadline = time.monotonic() + 5
+    while (stats := triton["http"].get_inference_statistics(model)["model_stats"][0])["inference_count"] < 3:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+    assert stats["execution_count"] == 1  # the three requests were one batch: the bad one failed alone in it
+
+
+TEXT_OUTPUT_MODEL = """
+    import numpy as np
+
+    WORDS = ["zürich", "straße"]
+    # The ways a model may hand text back for a BYTES output, by the request's "style".
+    STYLES = {
+        0: lambda: np.array(WORDS, dtype=object),  # str objects
+        1: lambda: np.array(WORDS),  # fixed-width unicode
+        2: lambda: np.array([np.bytes_(w.encode()) for w in WORDS], dtype=object),  # numpy bytes scalars
+        3: lambda: np.array([w.encode() for w in WORDS]),  # fixed-width bytes
+        4: lambda: np.array([len(w) for w in WORDS], dtype=object),  # not text
+    }
+
+
+    def answer(style):
+        return np.stack([STYLES[int(s)]() for s in style[:, 0]])
+
+
+    class Model:
+        def load(self, model_dir, device):
+            pass
+
+        def predict(self, inputs):
+            style = inputs["style"]
+            if isinstance(style, list):  # tensor_format raw: one array per request
+                return {"text": [answer(s) for s in style]}
+            return {"text": answer(style)}
+"""
+
+TEXT_ANSWER = [["zürich".encode(), "straße".encode()]]
+
+
+@pytest.mark.parametrize("tensor_format", ["numpy", "raw"])
+def test_text_a_custom_model_returns_reaches_the_client_as_utf8_bytes(triton, worker, tensor_format):
+    """str, fixed-width unicode, numpy.bytes_ and fixed-width bytes all reach the client as the text's UTF-8
+    bytes; an element that is not text is the model's error, named (Triton's stub would send str(element))."""
+    runtime = {
+        "worker": worker,
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "tensor_format": tensor_format,
+        "max_batch_size": 4,
+        "inputs": [t("style", "INT64", [1])],
+        "outputs": [t("text", "BYTES", [2])],
+    }
+    model = load(triton, named(f"pbrt-text-out-{tensor_format}", worker), runtime,
+                 {"snooze_model.py": TEXT_OUTPUT_MODEL})  # fmt: skip
+    for style in range(4):
+        for mod, client in ((httpclient, triton["http"]), (grpcclient, triton["grpc"])):
+            got = infer(mod, client, model, {"style": np.array([[style]], np.int64)}, ["text"])
+            assert got["text"].tolist() == TEXT_ANSWER, (style, mod.__name__)
+    with pytest.raises(InferenceServerException) as e:
+        infer(grpcclient, triton["grpc"], model, {"style": np.array([[4]], np.int64)}, ["text"])
+    where = "output 'text'" if tensor_format == "numpy" else "output 'text' of request 0"
+    assert e.value.message() == (
+        f"[snooze:model_error] model '{model}': {where} element [0, 0] is a int, but the output is declared BYTES; "
+        "return bytes or str elements (str is sent as UTF-8)"
+    )
+
+
+STREAMED_TEXT_MODEL = """
+    import numpy as np
+
+
+    class Model:
+        def load(self, model_dir, device):
+            pass
+
+        def predict(self, inputs):
+            yield {"text": np.array(["zürich"])}  # fixed-width unicode
+            yield {"text": np.array([np.bytes_("straße".encode())], dtype=object)}  # a numpy bytes scalar
+"""
+
+
+def test_text_a_streaming_model_yields_reaches_the_client_as_utf8_bytes(triton, worker):
+    runtime = {
+        "worker": worker,
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "decoupled": True,
+        "max_batch_size": 0,
+        "inputs": [t("n", "INT64", [1])],
+        "outputs": [t("text", "BYTES", [1])],
+    }
+    model = load(triton, named("pbrt-text-stream", worker), runtime, {"snooze_model.py": STREAMED_TEXT_MODEL},
+                 decoupled=True)  # fmt: skip
+    answers, done = [], threading.Event()
+
+    def callback(result, error):
+        if error is not None:
+            answers.append(error)
+            done.set()
+        elif result.get_response().parameters["triton_final_response"].bool_param:
+            done.set()
+        else:
+            answers.append(result.as_numpy("text").tolist())
+
+    client = grpcclient.InferenceServerClient(triton["grpc_url"])
+    try:
+        client.start_stream(callback=callback)
+        n = grpcclient.InferInput("n", [1], "INT64")
+        n.set_data_from_numpy(np.array([1], np.int64))
+        client.async_stream_infer(model, [n], enable_empty_final_response=True)
+        assert done.wait(60), f"no final answer on the stream; got {answers}"
+        client.stop_stream()
+    finally:
+        client.close()
+    assert [a if isinstance(a, list) else str(a) for a in answers] == [["zürich".encode()], ["straße".encode()]]
+
+
+SEQUENCE_TEXT_MODEL = """
+    import numpy as np
+
+
+    class Model:
+        def load(self, model_dir, device):
+            self.seen = {}
+
+        def predict(self, inputs, sequence):
+            # The words of this sequence so far, joined: fixed-width unicode, then numpy bytes scalars.
+            words = self.seen.setdefault(sequence.correlation_id, [])
+            words.extend(w.decode() for w in inputs["word"][:, 0])
+            text = " ".join(words)
+            if sequence.end:
+                return {"text": np.array([[np.bytes_(text.encode())]], dtype=object)}
+            return {"text": np.array([[text]])}
+"""
+
+
+def test_text_crosses_the_sequence_path_both_ways(triton):
+    """A stateful custom model's text answers, and an ONNX model with string tensors under the sequence batcher.
+    In the stub only: a preforked worker does not pass the sequence argument yet (docs/packages.md)."""
+    runtime = {
+        "kind": "custom",
+        "entrypoint": "snooze_model.py",
+        "sequence": True,
+        "max_batch_size": 2,
+        "inputs": [t("word", "BYTES", [1])],
+        "outputs": [t("text", "BYTES", [1])],
+    }
+    model = load(triton, "pbrt-text-sequence", runtime, {"snooze_model.py": SEQUENCE_TEXT_MODEL}, sequence=True)
+    words = [np.array([[w.encode()]], dtype=object) for w in ("zürich", "straße")]
+    answers = []
+    for i, word in enumerate(words):
+        tensor = grpcclient.InferInput("word", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(word)
+        result = triton["grpc"].infer(model, [tensor], sequence_id=41, sequence_start=i == 0, sequence_end=i == 1)
+        answers.append(result.as_numpy("text").tolist())
+    assert answers == [[["zürich".encode()]], [["zürich straße".encode()]]]
+    data = cities_onnx()
+    onnx_runtime = {
+        "kind": "onnx",
+        "onnx_file": "model.onnx",
+        "sequence": True,
+        "max_batch_size": 2,
+        "inputs": [t("words", "BYTES", [2])],
+        "outputs": [t("ids", "INT64", [2]), t("upper", "BYTES", [2])],
+    }
+    onnx_model = load(triton, "pbrt-onnx-text-sequence", onnx_runtime, {"model.onnx": data}, sequence=True)
+    words = np.array([["straße".encode(), b"oslo"]], dtype=object)
+    tensor = grpcclient.InferInput("words", [1, 2], "BYTES")
+    tensor.set_data_from_numpy(words)
+    result = triton["grpc"].infer(onnx_model, [tensor], sequence_id=42, sequence_start=True, sequence_end=True)
+    want = onnxruntime_answer(data, words)
+    assert result.as_numpy("ids").tolist() == want["ids"].tolist() == [[2, 3]]
+    assert result.as_numpy("upper").tolist() == want["upper"].tolist() == [[b"STRASSE", b"OSLO"]]
+
+
 OOM_IN_LOAD = """
     class Model:
         def load(self, model_dir, device):
@@ -487,12 +790,17 @@ OOM_IN_LOAD = """
 @pytest.mark.parametrize(
     ("name", "source", "expected"),
     [
-        ("pbrt-load-oom", OOM_IN_LOAD,
-         "[snooze:oom] model '{model}': load ran out of memory (MemoryError: weights do not fit); "
-         "free memory"),
-        ("pbrt-import-error", "import pbrt_not_installed_pkg\n",
-         "[snooze:model_error] model '{model}': import raised ModuleNotFoundError: No module named "
-         "'pbrt_not_installed_pkg' at snooze_model.py:1 in <module>; install the missing package in the environment"),
+        (
+            "pbrt-load-oom",
+            OOM_IN_LOAD,
+            "[snooze:oom] model '{model}': load ran out of memory (MemoryError: weights do not fit); free memory",
+        ),
+        (
+            "pbrt-import-error",
+            "import pbrt_not_installed_pkg\n",
+            "[snooze:model_error] model '{model}': import raised ModuleNotFoundError: No module named "
+            "'pbrt_not_installed_pkg' at snooze_model.py:1 in <module>; install the missing package in the environment",
+        ),
     ],
 )
 def test_load_failure_names_kind_and_model(triton, worker, name, source, expected):
@@ -518,8 +826,6 @@ def test_unload_calls_model_unload(triton, mixed_model):
     while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert marker.read_text() == "unloaded"
-
-
 
 
 @pytest.mark.slow

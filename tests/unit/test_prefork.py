@@ -113,6 +113,20 @@ def test_bytes_tensors_and_lists_are_pickled(pair):
     assert [a.shape for a in got["x"]] == [(1, 2), (2, 3)]
 
 
+def test_string_tensors_cross_the_framing_with_their_element_types(pair):
+    """A preforked model's BYTES inputs (bytes, NUL and non-UTF-8 included) and text outputs (str objects, fixed-width
+    unicode) reach the other side as they left: what the stub's checks then make of them is the stub's business."""
+    sent = {
+        "raw": np.array([[b"a\x00"], [b"\xff\xfe"]], dtype=object),
+        "text": np.array([["zürich"], ["straße"]], dtype=object),
+        "fixed": np.array([["zürich"], ["oslo"]]),
+    }
+    got = round_trip(pair, sent, copy=True)
+    assert got["raw"].tolist() == [[b"a\x00"], [b"\xff\xfe"]] and type(got["raw"][0, 0]) is bytes
+    assert got["text"].tolist() == [["zürich"], ["straße"]] and type(got["text"][0, 0]) is str
+    assert got["fixed"].dtype == sent["fixed"].dtype and got["fixed"].tolist() == sent["fixed"].tolist()
+
+
 def test_a_region_grows_by_replacement_and_old_views_stay_readable(pair):
     region, peer = Region("t"), PeerRegion()
     small = round_trip(pair, {"x": np.arange(4, dtype=np.float64)}, copy=False, region=region, peer=peer)["x"]

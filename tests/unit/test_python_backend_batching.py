@@ -348,3 +348,70 @@ def test_a_narrowing_output_cast_is_said_once_and_a_safe_one_not_at_all(capsys):
         "(precision or range may be lost); return float32 or declare 'y' as float64 in snooze_model.json "
         "(said once per instance)"
     ]
+
+
+def test_the_models_per_request_conversion_runs_before_collation_and_fails_its_request_alone():
+    """An ONNX model's text decoding: a request it refuses fails alone, on every path, the others are collated."""
+    spec = make_spec()
+
+    def prepare(arrays):
+        if arrays["x"][0, 0] < 0:
+            raise InvalidInput("input 'x' is negative")
+        return {**arrays, "x": arrays["x"] + 100}
+
+    calls = []
+
+    def predict(inputs):
+        calls.append(inputs["x"].shape[0])
+        return {"y": inputs["x"]}
+
+    plan = BatchPlan(spec, prepare)
+    good1, bad, good2 = req(1), req(1, start=-50.0), req(2, start=10)
+    first, refused, second = plan.run([good1, bad, good2], predict)
+    assert calls == [3]
+    assert refused == Failure("invalid_input", "[snooze:invalid_input] model 'm1': input 'x' is negative")
+    np.testing.assert_array_equal(first["y"], good1["x"] + 100)
+    np.testing.assert_array_equal(second["y"], good2["x"] + 100)
+    assert plan.run([bad], predict) == [refused]
+    assert list(plan.stream(bad, lambda inputs: iter([predict(inputs)]))) == [refused]
+    [streamed] = plan.stream(good2, lambda inputs: iter([predict(inputs)]))
+    np.testing.assert_array_equal(streamed["y"], good2["x"] + 100)
+
+
+TEXT_OUTPUTS = [
+    np.array([["é"], ["a"]], dtype=object),
+    np.array([["é"], ["a"]]),
+    np.array([[np.bytes_("é".encode())], [np.bytes_(b"a")]], dtype=object),
+]
+
+
+@pytest.mark.parametrize("value", TEXT_OUTPUTS, ids=["str", "unicode", "numpy-bytes"])
+def test_text_outputs_reach_the_stub_as_plain_bytes_on_every_path(value):
+    """Triton's stub sends an element as it is only when it is exactly bytes (else its str(): a numpy.bytes_
+    would reach the client as "b'...'"): unary (both checks), raw and streamed answers all hand it bytes."""
+    outputs = [{"name": "t", "datatype": "BYTES", "dims": [1]}]
+    spec, raw_spec = make_spec(outputs=outputs), make_spec(outputs=outputs, tensor_format="raw")
+    plan = BatchPlan(spec)
+    answers = [
+        plan.checked_outputs({"t": value}, 2),
+        check_outputs(spec, {"t": value}, 2),
+        *plan.run([req(2)], lambda inputs: {"t": value}),
+        *BatchPlan(raw_spec).run([req(2)], lambda inputs: {"t": [value]}),
+        *plan.stream(req(2), lambda inputs: iter([{"t": value}, {"t": value}])),
+    ]
+    assert len(answers) == 6
+    for answer in answers:
+        assert answer["t"].dtype == object and answer["t"].tolist() == [["é".encode()], [b"a"]]
+        assert [type(v) for v in answer["t"].ravel()] == [bytes, bytes]
+
+
+def test_a_bytes_output_holding_something_else_is_the_models_error_on_every_path():
+    outputs = [{"name": "t", "datatype": "BYTES", "dims": [1]}]
+    spec, raw_spec = make_spec(outputs=outputs), make_spec(outputs=outputs, tensor_format="raw")
+    value = np.array([[b"a"], [7]], dtype=object)
+    fix = "but the output is declared BYTES; return bytes or str elements (str is sent as UTF-8)"
+    unary = Failure("model_error", f"[snooze:model_error] model 'm1': output 't' element [1, 0] is a int, {fix}")
+    assert BatchPlan(spec).run([req(2)], lambda inputs: {"t": value}) == [unary]
+    assert list(BatchPlan(spec).stream(req(2), lambda inputs: iter([{"t": value}]))) == [unary]
+    [raw] = BatchPlan(raw_spec).run([req(2)], lambda inputs: {"t": [value]})
+    assert raw.message == f"[snooze:model_error] model 'm1': output 't' of request 0 element [1, 0] is a int, {fix}"

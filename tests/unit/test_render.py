@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from serve_harness import tree_digest
+from tritonclient.grpc import model_config_pb2
 
 from controlplane.errors import InvalidPackageError
 from controlplane.render import (
@@ -78,8 +79,14 @@ def check_golden(name: str, text: str) -> None:
 
 def test_python_backend_config_matches_golden(tmp_path: Path) -> None:
     spec = resolve(
-        DeploymentSpec(id="custom-net", path=custom_pkg(tmp_path / "p"), max_batch_size=16,
-                       max_batch_delay_ms=2.5, instances=2, max_instances=3)
+        DeploymentSpec(
+            id="custom-net",
+            path=custom_pkg(tmp_path / "p"),
+            max_batch_size=16,
+            max_batch_delay_ms=2.5,
+            instances=2,
+            max_instances=3,
+        )
     )
     rendered = render_model(spec, embedded_target())
     check_golden("python.pbtxt", rendered.config_text)
@@ -101,6 +108,32 @@ def test_onnx_renders_native_on_full_and_python_on_embedded(tmp_path: Path) -> N
     # same signature and batching on both targets
     assert [i.dims for i in full.config.input] == [i.dims for i in embedded.config.input]
     assert full.config.max_batch_size == embedded.config.max_batch_size == 4
+
+
+def test_an_onnx_model_with_string_tensors_publishes_without_a_manifest_as_bytes(tmp_path: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    folder = tmp_path / "labels"
+    folder.mkdir()
+    node = helper.make_node("LabelEncoder", ["words"], ["upper"], domain="ai.onnx.ml", keys_strings=["a"],
+                            values_strings=["A"], default_string="?")  # fmt: skip
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info("words", TensorProto.STRING, ["batch", 3])],
+        [helper.make_tensor_value_info("upper", TensorProto.STRING, ["batch", 3])],
+    )  # fmt: skip
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 2)]
+    onnx.save(helper.make_model(graph, opset_imports=opsets), str(folder / "model.onnx"))
+    spec = resolve(DeploymentSpec(id="labels", path=folder))
+    for rendered in (render_model(spec, FULL_TARGET), render_model(spec, embedded_target())):
+        tensors = [*rendered.config.input, *rendered.config.output]
+        assert [(t.name, t.data_type, list(t.dims)) for t in tensors] == [
+            ("words", model_config_pb2.TYPE_STRING, [3]),
+            ("upper", model_config_pb2.TYPE_STRING, [3]),
+        ]
+    runtime = json.loads(rendered.writes[f"1/{SPEC_FILE}"])
+    assert [t["datatype"] for t in runtime["inputs"] + runtime["outputs"]] == ["BYTES", "BYTES"]
 
 
 def test_onnx_tensorrt_accelerator(tmp_path: Path) -> None:
@@ -237,8 +270,9 @@ def test_the_runtime_reads_back_the_warmup_sample_triton_gets(tmp_path: Path) ->
     pkg = custom_pkg(tmp_path / "p", warmup={"x": "x.npy"})
     np.save(pkg / "x.npy", np.array([1.5, -2.0, 3.0], dtype=np.float32))
     model = write_model(render_model(resolve(DeploymentSpec(id="m", path=pkg)), embedded_target()), tmp_path / "r")
-    config = json_format.MessageToDict(parse_config((model / "config.pbtxt").read_text(), where="test"),
-                                       preserving_proto_field_name=True)
+    config = json_format.MessageToDict(
+        parse_config((model / "config.pbtxt").read_text(), where="test"), preserving_proto_field_name=True
+    )
     [(name, arrays)] = warmup_samples(config, str(model))
     assert name == "snooze_warmup_samples" and set(arrays) == {"x", "text"}
     np.testing.assert_array_equal(arrays["x"], [[1.5, -2.0, 3.0]])
