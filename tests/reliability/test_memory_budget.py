@@ -80,25 +80,47 @@ async def test_the_budget_evicts_the_least_recently_used_model(serve):
 
 
 async def test_an_evicted_models_processes_are_ended_and_it_reloads_right_away(serve):
-    """After the test above b and c are loaded. A request for a evicts b: its processes are ended as soon as
-    Triton has taken it out of service (not after the python backend's 1 s health probe), which is not a crash
-    of b; b, requested right after (while Triton may still be finishing its unload), loads again and answers
-    right, evicting c the same way."""
+    """b and c loaded (requested in that order; a, if loaded, is evicted for them). A request for a evicts an idle
+    model: its processes are ended as soon as Triton has taken it out of service (not after the python backend's
+    1 s health probe), which is not a crash; b, requested right after (while Triton may still be finishing an
+    unload), loads again if it was evicted and answers right. Asserted: what the budget promises (it holds, the
+    last model requested is loaded, only idle models left and only for memory, each eviction ended its processes),
+    not which of the idle models LRU picked: their last accesses are milliseconds apart."""
     x = np.full((1, 2), 3.0, np.float32)
-    assert (await asyncio.to_thread(serve.status, "big-b"))["state"] == "ready"
-    b_processes = await asyncio.to_thread(serve.model_pids, "big-b", serve.worker)
-    assert b_processes
+    for name in "bc":
+        answer = await infer_once(serve, f"big-{name}", "grpc", x)
+        assert not isinstance(answer, str), answer
+    loaded_before = {n for n in "abc" if (await asyncio.to_thread(serve.status, f"big-{n}"))["state"] == "ready"}
+    assert loaded_before == {"b", "c"}, loaded_before  # three do not fit: a made room for them
+    processes = {n: await asyncio.to_thread(serve.model_pids, f"big-{n}", serve.worker) for n in "bc"}
+    assert all(processes.values()), processes
     ended_before = await asyncio.to_thread(serve.metric, "snooze_unload_seconds_count", how="ended")
+    evicted_before = {n: await asyncio.to_thread(serve.metric, "snooze_evictions_total", model=f"big-{n}",
+                                                 reason="memory") for n in "abc"}  # fmt: skip
     answer = await infer_once(serve, "big-a", "http", x)
     assert not isinstance(answer, str), answer
-    assert alive_pids(b_processes) == []  # its memory left with the eviction
-    answer = await infer_once(serve, "big-b", "grpc", x)  # evicts c; b's old instance may still be leaving Triton
+    left = [n for n in "bc" if (await asyncio.to_thread(serve.status, f"big-{n}"))["state"] != "ready"]
+    assert len(left) == 1, left  # one of them made room for a
+    assert alive_pids(processes[left[0]]) == []  # its memory left with the eviction
+    answer = await infer_once(serve, "big-b", "grpc", x)  # its old instance may still be leaving Triton
     assert not isinstance(answer, str), answer
     np.testing.assert_array_equal(answer, x * 2.0)
     statuses = {n: await asyncio.to_thread(serve.status, f"big-{n}") for n in "abc"}
-    assert {n: s["state"] for n, s in statuses.items()} == {"a": "ready", "b": "ready", "c": "unloaded"}, statuses
-    assert statuses["c"]["reason"] == "memory" and statuses["b"]["last_crash"] is None, statuses
+    loaded = {n for n, s in statuses.items() if s["state"] == "ready"}
+    assert "b" in loaded and len(loaded) == 2, statuses
+    for n in set("abc") - loaded:
+        assert statuses[n]["state"] == "unloaded" and statuses[n]["reason"] == "memory", statuses[n]
+    assert statuses["b"]["last_crash"] is None, statuses["b"]
+    assert sum(statuses[n]["memory_bytes"] for n in loaded) <= BUDGET_MB[serve.worker] * MIB, statuses
     assert await asyncio.to_thread(serve.metric, "snooze_recoveries_total", model="big-b", cause="dead_stub") == 0
+    evictions = sum(
+        [
+            await asyncio.to_thread(serve.metric, "snooze_evictions_total", model=f"big-{n}", reason="memory")
+            - evicted_before[n]
+            for n in "abc"
+        ]
+    )
     ended = await asyncio.to_thread(serve.metric, "snooze_unload_seconds_count", how="ended") - ended_before
-    report(f"fast eviction ({serve.topology}, {serve.worker})", evictions_ended=ended)
-    assert ended == 2  # b and c: both evictions ended their processes
+    report(f"fast eviction ({serve.topology}, {serve.worker})", evictions=evictions, evictions_ended=ended,
+           evicted=sorted(set("abc") - loaded))  # fmt: skip
+    assert evictions >= 1 and ended == evictions  # every eviction ended its processes
