@@ -81,8 +81,10 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "envoy_cpu": {"seconds": 0.2, "rounds": 1, "concurrency": 8},
             "envoy_instructions": {"requests": 100, "warmup_requests": 20, "repeats": 1, "concurrency": 8},
             "coldstart": {
-                "cycles": 1, "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
-                "memory_copies": 2, "warmup_cycle": False,
+                "cycles": 1,
+                "models": ["numpy-linear", "torch-mlp-preforked", "torch-conv-preforked", "onnx-mlp"],
+                "memory_copies": 2,
+                "warmup_cycle": False,
             },
             "batching": {"seconds": 0.2, "warmup": 0.05, "pairs": 1, "pair_seconds": 0.2, "torch_rounds": 0},
             "scale_to_zero": {
@@ -99,13 +101,23 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
             "streaming": {"cycles": 1, "tokens": 200},
             "keepalive": {},  # virtual time: the full replay takes seconds, quick or not
             "keepalive_live": {
-                "period_s": 4.0, "idle_timeout_s": 1.0, "requests": 7, "min_samples": 3, "min_unloaded_s": 1.0,
+                "period_s": 4.0,
+                "idle_timeout_s": 1.0,
+                "requests": 7,
+                "min_samples": 3,
+                "min_unloaded_s": 1.0,
             },
             "keepalive_replay": {},
             "eviction": {"requests": 2000},  # virtual time: the full replay takes seconds too
             # 4 models of ~50 MiB (8 MiB ballast + the stub) under a budget that holds two: swaps from the start
-            "churn": {"models": 4, "ballast_mb": 8, "budget_mb": 130, "seconds": 4.0, "clients": 4,
-                      "republish_secs": 2.0},
+            "churn": {
+                "models": 4,
+                "ballast_mb": 8,
+                "budget_mb": 130,
+                "seconds": 4.0,
+                "clients": 4,
+                "republish_secs": 2.0,
+            },
             "fleet": {
                 "nodes": 2,
                 "models": 6,
@@ -126,8 +138,13 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "gateway_filters": {"seconds": 0.4, "warmup": 1.0, "rounds": 30, "restart_every": RESTART_EVERY},
         # Direct, the bare hop with and without a key check, the gateway with and without keys, and its twin, in
         # turn (bench._load.AlternatingJob): 6 targets x 4 (protocol, concurrency) x 40 cycles x 0.55 s, 9 minutes.
-        "gateway_targets": {"seconds": 0.5, "warmup": 1.0, "rounds": 40, "restart_every": RESTART_EVERY,
-                            **GATEWAY_TARGETS},  # fmt: skip
+        "gateway_targets": {
+            "seconds": 0.5,
+            "warmup": 1.0,
+            "rounds": 40,
+            "restart_every": RESTART_EVERY,
+            **GATEWAY_TARGETS,
+        },  # fmt: skip
         # What the routes do besides filters, each left out in turn, and the filters, in turn: 11 targets x 4 x 30
         # cycles x 0.35 s, 8 minutes.
         "gateway_routes": {"seconds": 0.3, "warmup": 1.0, "rounds": 30, **GATEWAY_ROUTES},
@@ -138,7 +155,12 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "coldstart": {
             "cycles": 20,
             "models": [
-                "numpy-linear", "torch-mlp", "torch-mlp-preforked", "torch-mlp-onnx", "onnx-mlp", "torch-conv",
+                "numpy-linear",
+                "torch-mlp",
+                "torch-mlp-preforked",
+                "torch-mlp-onnx",
+                "onnx-mlp",
+                "torch-conv",
                 "torch-conv-preforked",
             ],
             "memory_copies": 5,
@@ -159,13 +181,23 @@ def params(quick: bool) -> dict[str, dict[str, Any]]:
         "keepalive": {},
         # the run: period 8 s, fixed timeout 2 s; the policy learns from 3 idle times (10 by default)
         "keepalive_live": {
-            "period_s": 8.0, "idle_timeout_s": 2.0, "requests": 16, "min_samples": 3, "min_unloaded_s": 2.0,
+            "period_s": 8.0,
+            "idle_timeout_s": 2.0,
+            "requests": 16,
+            "min_samples": 3,
+            "min_unloaded_s": 2.0,
         },
         "keepalive_replay": {},
         "eviction": {"requests": 20000},
         # the scenario: 40 models x 40 MiB of real memory under 400 MiB, 8 clients, Zipf(1), 120 s per policy
-        "churn": {"models": 40, "ballast_mb": 40, "budget_mb": 400, "seconds": 120.0, "clients": 8,
-                  "republish_secs": 15.0},
+        "churn": {
+            "models": 40,
+            "ballast_mb": 40,
+            "budget_mb": 400,
+            "seconds": 120.0,
+            "clients": 8,
+            "republish_secs": 15.0,
+        },
         "fleet": {
             "nodes": 3,
             "models": 24,

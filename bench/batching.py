@@ -178,8 +178,10 @@ async def _torch_workers(stack: Any, worker: LoadWorker, seconds: float, warmup:
             # paired with the in-stub model's run of the same round
             "c1_p50_added_ms": _median([s["p50_ms"] - b["p50_ms"] for s, b in zip(c1, base[1], strict=True)]),
             "c1_compute_added_us": _median(
-                [s["triton_compute_us_per_request"] - b["triton_compute_us_per_request"]
-                 for s, b in zip(c1, base[1], strict=True)]
+                [
+                    s["triton_compute_us_per_request"] - b["triton_compute_us_per_request"]
+                    for s, b in zip(c1, base[1], strict=True)
+                ]
             ),  # fmt: skip
             "c32_vs_in_stub": round(
                 _median([s["rows_per_s"] for s in c32]) / _median([b["rows_per_s"] for b in base[32]]), 3

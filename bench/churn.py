@@ -180,8 +180,13 @@ class _Traffic:
                 if ok:
                     self.version[model] = new  # requests sent from now on must answer in it
                 self.republishes.append(
-                    {"model": model, "ok": ok, "secs": round(time.perf_counter() - started, 3),
-                     "status": r.status_code, **({} if ok else {"error": r.text[:300]})}
+                    {
+                        "model": model,
+                        "ok": ok,
+                        "secs": round(time.perf_counter() - started, 3),
+                        "status": r.status_code,
+                        **({} if ok else {"error": r.text[:300]}),
+                    }
                 )
 
 
@@ -270,8 +275,17 @@ async def _phase(
         loaded_end = sum(1 for s in lifecycle.statuses() if s.state.value == "ready")
         waited = dict(lifecycle.unloader.waited)
     return _summary(
-        policy, traffic.rows, unloads, peak, traffic.republishes, wall=wall, cold=cold, evictions=evictions,
-        loaded_end=loaded_end, load_avg_start=load_avg_start, waited=waited,
+        policy,
+        traffic.rows,
+        unloads,
+        peak,
+        traffic.republishes,
+        wall=wall,
+        cold=cold,
+        evictions=evictions,
+        loaded_end=loaded_end,
+        load_avg_start=load_avg_start,
+        waited=waited,
     )
 
 

@@ -190,18 +190,20 @@ async def run(
                             await r.read()
                         timed.append(time.perf_counter() - start)
                     if cycle >= first_counted:
-                        samples[model].append({
-                            "prewarmed_first_s": timed[0],
-                            "warm_s": sorted(timed[1:-1])[len(timed[1:-1]) // 2],
-                            "warm_after_gap_s": timed[-1],
-                            "first_response_s": first,
-                            "triton_load_s": mine[0],
-                            "overhead_s": first - mine[0],
-                            "direct_load_and_first_infer_s": direct,
-                            "direct_load_s": direct - first_infer,
-                            "direct_first_infer_s": first_infer,
-                            "overhead_vs_direct_s": first - direct,
-                        })
+                        samples[model].append(
+                            {
+                                "prewarmed_first_s": timed[0],
+                                "warm_s": sorted(timed[1:-1])[len(timed[1:-1]) // 2],
+                                "warm_after_gap_s": timed[-1],
+                                "first_response_s": first,
+                                "triton_load_s": mine[0],
+                                "overhead_s": first - mine[0],
+                                "direct_load_and_first_infer_s": direct,
+                                "direct_load_s": direct - first_infer,
+                                "direct_first_infer_s": first_infer,
+                                "overhead_vs_direct_s": first - direct,
+                            }
+                        )
         admin.load = real_load
         memory = await _memory(stack, models, memory_copies)
     out: dict[str, Any] = {

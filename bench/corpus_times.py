@@ -33,9 +33,11 @@ def main(argv: list[str]) -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         server = r.get("server_cold_secs")
-        print(f"| {r['model']} | {r['what']} | {r['cold_secs'] * 1e3:.0f} | {r['warm_secs'] * 1e3:.1f} | "
-              f"{r['woken_secs'] * 1e3:.0f} | {'-' if server is None else f'{server:.2f}'} | "
-              f"{_short(r.get('warmup_first'))} / {_short(r.get('warmup_after'))} |")
+        print(
+            f"| {r['model']} | {r['what']} | {r['cold_secs'] * 1e3:.0f} | {r['warm_secs'] * 1e3:.1f} | "
+            f"{r['woken_secs'] * 1e3:.0f} | {'-' if server is None else f'{server:.2f}'} | "
+            f"{_short(r.get('warmup_first'))} / {_short(r.get('warmup_after'))} |"
+        )
     return rc
 
 

@@ -209,8 +209,11 @@ async def run_instructions(
         upstream.stop()
     return {
         "settings": {
-            "requests": requests, "warmup_requests": warmup_requests, "repeats": repeats,
-            "concurrency": concurrency, "envoy_concurrency": 1,
+            "requests": requests,
+            "warmup_requests": warmup_requests,
+            "repeats": repeats,
+            "concurrency": concurrency,
+            "envoy_concurrency": 1,
         },  # fmt: skip
         "targets": list(bootstraps),
         "load_average": {"start": load_start, "end": [round(v, 2) for v in os.getloadavg()]},

@@ -56,8 +56,12 @@ class ReplayResult:
 
 
 def replay(
-    requests: Sequence[str], models: dict[str, ReplayModel], budget_mib: float, policy: EvictionPolicy,
-    *, name: str | None = None,
+    requests: Sequence[str],
+    models: dict[str, ReplayModel],
+    budget_mib: float,
+    policy: EvictionPolicy,
+    *,
+    name: str | None = None,
 ) -> ReplayResult:
     """``requests`` (model ids, in order) against ``policy`` on a budget of ``budget_mib``."""
     res = ReplayResult(name or policy.name)
@@ -185,7 +189,11 @@ TRACES: tuple[EvictionTrace, ...] = (
 
 
 def compare(
-    requests: Sequence[str], models: dict[str, ReplayModel], budget_mib: float, *, unit_slots: int | None = None,
+    requests: Sequence[str],
+    models: dict[str, ReplayModel],
+    budget_mib: float,
+    *,
+    unit_slots: int | None = None,
 ) -> list[ReplayResult]:
     """Every policy over the same requests (a new policy object each); with ``unit_slots``, Belady too."""
     rows = [replay(requests, models, budget_mib, eviction_policy(p)) for p in POLICIES]

@@ -211,23 +211,36 @@ class TraceSpec:
 
 SYNTHETIC: tuple[TraceSpec, ...] = (
     TraceSpec(
-        "periodic-10m", "torch-mlp", "every 10 min, jitter sd 15 s",
-        lambda rng: periodic(rng, period=600, jitter_sd=15, days=1), periodic=True,
+        "periodic-10m",
+        "torch-mlp",
+        "every 10 min, jitter sd 15 s",
+        lambda rng: periodic(rng, period=600, jitter_sd=15, days=1),
+        periodic=True,
     ),
     TraceSpec(
-        "periodic-1h", "onnx-mlp", "every hour, jitter sd 60 s, a week",
-        lambda rng: periodic(rng, period=3600, jitter_sd=60, days=7), days=7, periodic=True,
+        "periodic-1h",
+        "onnx-mlp",
+        "every hour, jitter sd 60 s, a week",
+        lambda rng: periodic(rng, period=3600, jitter_sd=60, days=7),
+        days=7,
+        periodic=True,
     ),
     TraceSpec("poisson-10s", "numpy-linear", "Poisson, mean gap 10 s", lambda rng: poisson(rng, mean_gap=10, days=1)),
     TraceSpec("poisson-1m", "onnx-mlp", "Poisson, mean gap 60 s", lambda rng: poisson(rng, mean_gap=60, days=1)),
     TraceSpec("poisson-10m", "torch-mlp", "Poisson, mean gap 10 min", lambda rng: poisson(rng, mean_gap=600, days=1)),
     TraceSpec(
-        "bursty", "onnx-mlp", "bursts of mean 10 min (a request every 5 s) after silences of mean 1 h, 2 days",
-        lambda rng: bursty(rng, on_mean=600, off_mean=3600, gap_in_burst=5, days=2), days=2,
+        "bursty",
+        "onnx-mlp",
+        "bursts of mean 10 min (a request every 5 s) after silences of mean 1 h, 2 days",
+        lambda rng: bursty(rng, on_mean=600, off_mean=3600, gap_in_burst=5, days=2),
+        days=2,
     ),
     TraceSpec(
-        "diurnal", "numpy-linear", "Poisson, mean gap 20 s at noon to 30 min at midnight, a week",
-        lambda rng: diurnal(rng, peak_gap=20, trough_gap=1800, days=7), days=7,
+        "diurnal",
+        "numpy-linear",
+        "Poisson, mean gap 20 s at noon to 30 min at midnight, a week",
+        lambda rng: diurnal(rng, peak_gap=20, trough_gap=1800, days=7),
+        days=7,
     ),
 )
 
@@ -236,8 +249,13 @@ SYNTHETIC: tuple[TraceSpec, ...] = (
 
 
 def compare(
-    arrivals: Sequence[float], *, cold_start_secs: float, start: float, end: float,
-    fixed: Sequence[float] = FIXED_TIMEOUTS, fallback_secs: float = ADAPTIVE_FALLBACK_SECS,
+    arrivals: Sequence[float],
+    *,
+    cold_start_secs: float,
+    start: float,
+    end: float,
+    fixed: Sequence[float] = FIXED_TIMEOUTS,
+    fallback_secs: float = ADAPTIVE_FALLBACK_SECS,
 ) -> list[ReplayResult]:
     """Every policy over the same trace: fixed timeouts, always-on, adaptive."""
     kw: dict[str, Any] = {"cold_start_secs": cold_start_secs, "start": start, "end": end}
@@ -264,7 +282,9 @@ def verdict(rows: list[ReplayResult], *, periodic: bool = False) -> dict[str, An
     if cheaper:
         best = max(cheaper, key=lambda r: r.loaded_s)
         out["nearest_cheaper_fixed"] = {
-            "policy": best.policy, "cold": best.cold, "loaded_pct": round(best.loaded_pct, 2)
+            "policy": best.policy,
+            "cold": best.cold,
+            "loaded_pct": round(best.loaded_pct, 2),
         }
     if periodic:
         out["periodic_ok"] = adaptive.warm_pct >= 90.0 and adaptive.loaded_pct < 50.0
@@ -302,7 +322,8 @@ def _costs(measured: dict[str, Any] | None) -> tuple[dict[str, float], str]:
 
 
 def _replay_set(
-    traces: list[tuple[str, str, str, np.ndarray | list[float], float, float, bool]], costs: dict[str, float],
+    traces: list[tuple[str, str, str, np.ndarray | list[float], float, float, bool]],
+    costs: dict[str, float],
     default_cost: float,
 ) -> dict[str, Any]:
     out = {}
@@ -322,8 +343,12 @@ def _replay_set(
 
 
 def run(
-    root: Path | None = None, *, seed: int = 20200715, trace_file: Path | None = None,
-    cold_start_secs: float | None = None, measured: dict[str, Any] | None = None,
+    root: Path | None = None,
+    *,
+    seed: int = 20200715,
+    trace_file: Path | None = None,
+    cold_start_secs: float | None = None,
+    measured: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``keepalive`` bench section: every policy over the synthetic traces, or over ``trace_file``
     (each model with ``cold_start_secs``, else the cost of the example model of its name, else 1 s)."""

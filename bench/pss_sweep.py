@@ -71,12 +71,16 @@ def main() -> None:
                 totals[name] = read(pids)
                 secs[name].append(time.perf_counter() - t0)
         load = os.getloadavg()
-        print(f"{args.processes} processes (forks of a numpy parent), {args.rounds} rounds interleaved; "
-              f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+        print(
+            f"{args.processes} processes (forks of a numpy parent), {args.rounds} rounds interleaved; "
+            f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores"
+        )
         for name in reads:
             med = statistics.median(secs[name])
-            print(f"  {name}: median {med * 1e3:.1f} ms per sweep ({med / args.processes * 1e6:.0f} us per process), "
-                  f"total {totals[name] / 2**20:.0f} MiB")
+            print(
+                f"  {name}: median {med * 1e3:.1f} ms per sweep ({med / args.processes * 1e6:.0f} us per process), "
+                f"total {totals[name] / 2**20:.0f} MiB"
+            )
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGKILL)

@@ -34,7 +34,7 @@ from tritonclient.utils import InferenceServerException
 from bench.common import API_KEY, fp32, serving_stack, summary, write_package
 
 MODEL = "crashy"
-SOURCE = '''
+SOURCE = """
 import os
 
 import numpy as np
@@ -49,7 +49,7 @@ class Model:
         if (x[:, 0] == -1).any():
             os._exit(1)
         return {"y": (x * 2).astype(np.float32)}
-'''
+"""
 TOPOLOGIES = ("embedded", "two_process")
 
 

@@ -117,20 +117,32 @@ def plot_keepalive(res: dict[str, Any], path: Path) -> str:
     cols = min(4, len(traces))
     rows_n = -(-len(traces) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(3.3 * cols, 3.0 * rows_n), squeeze=False)
-    for ax in axes.flat[len(traces):]:
+    for ax in axes.flat[len(traces) :]:
         ax.axis("off")
     for ax, (name, tr) in zip(axes.flat, traces, strict=False):
         rows = tr["rows"]
         fixed = [r for r in rows if r["policy"].startswith("fixed")]
-        ax.plot([r["loaded_pct"] for r in fixed], [r["cold"] for r in fixed], "o-", color="#4c72b0", ms=4,
-                label="fixed timeout")
+        ax.plot(
+            [r["loaded_pct"] for r in fixed],
+            [r["cold"] for r in fixed],
+            "o-",
+            color="#4c72b0",
+            ms=4,
+            label="fixed timeout",
+        )
         for r in fixed:
-            ax.annotate(r["policy"].split()[1], (r["loaded_pct"], r["cold"]), fontsize=6, xytext=(3, 3),
-                        textcoords="offset points")
+            ax.annotate(
+                r["policy"].split()[1],
+                (r["loaded_pct"], r["cold"]),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
         for policy, style, color in (("always-on", "s", "black"), ("adaptive", "*", "#c44e52")):
             r = next(x for x in rows if x["policy"] == policy)
-            ax.plot([r["loaded_pct"]], [r["cold"]], style, color=color, ms=10 if policy == "adaptive" else 5,
-                    label=policy)
+            ax.plot(
+                [r["loaded_pct"]], [r["cold"]], style, color=color, ms=10 if policy == "adaptive" else 5, label=policy
+            )
         ax.set_yscale("symlog", linthresh=1)  # 0 and 1 cold start stay visible next to thousands
         ax.set_ylim(-0.3, 2 * tr["requests"])
         ax.set_xlim(-3, 103)
@@ -330,6 +342,8 @@ def _fleet_summary(f: dict[str, Any]) -> str:
         f"throughput vs the node's own gateway {hop['grpc_c1']['throughput_fleet_vs_node']:.2f} (c=1) / "
         f"{hop['grpc_c8']['throughput_fleet_vs_node']:.2f} (c=8)."
     )
+
+
 def _worker_summary(c: dict[str, Any]) -> str | None:
     m, mem = c["models"], c.get("memory") or {}
     if not {"torch-mlp", "torch-mlp-preforked"} <= set(m):
@@ -401,33 +415,60 @@ def _churn_lines(c: dict[str, Any] | None) -> list[str]:
         f"0.1 s.{skipped}",
         "",
         _table(
-            ["policy", "answers", "answers/s", "errors", "wrong", "hot p50 / p99 ms", "rest p50 / p99 ms",
-             "cold starts", "evictions", "swaps/s", "unload median / p90 / max ms (ended of all)",
-             "peak tree RSS MiB (models' processes)", "peak tree Pss MiB (what the budget counts)", "republishes ok",
-             "load average (1 min) start / end"],
             [
-                [name, p["answers"], p["answers_per_s"], p["errors"], p["wrong_answers"],
-                 f"{p['hot_p50_ms']} / {p['hot_p99_ms']}", f"{p['rest_p50_ms']} / {p['rest_p99_ms']}",
-                 p["cold_starts"], p["evictions"], p["swaps_per_s"],
-                 (f"{1000 * p['unload_median_s']:.0f} / {1000 * p['unload_p90_s']:.0f} / "
-                  f"{1000 * p['unload_max_s']:.0f} ({p['unloads_ended']} of {p['unloads']})") if p["unloads"] else "-",
-                 f"{p['peak_tree_mib']:.0f} ({p['peak_model_processes_mib']:.0f})",
-                 (f"{p['peak_tree_pss_mib']:.0f} vs {st['budget_mb']:g} budget" if "peak_tree_pss_mib" in p else "-"),
-                 f"{p['republishes_ok']} of {len(p['republishes'])}",
-                 f"{p['load_average_start'][0]} / {p['load_average_end'][0]}"]
+                "policy",
+                "answers",
+                "answers/s",
+                "errors",
+                "wrong",
+                "hot p50 / p99 ms",
+                "rest p50 / p99 ms",
+                "cold starts",
+                "evictions",
+                "swaps/s",
+                "unload median / p90 / max ms (ended of all)",
+                "peak tree RSS MiB (models' processes)",
+                "peak tree Pss MiB (what the budget counts)",
+                "republishes ok",
+                "load average (1 min) start / end",
+            ],
+            [
+                [
+                    name,
+                    p["answers"],
+                    p["answers_per_s"],
+                    p["errors"],
+                    p["wrong_answers"],
+                    f"{p['hot_p50_ms']} / {p['hot_p99_ms']}",
+                    f"{p['rest_p50_ms']} / {p['rest_p99_ms']}",
+                    p["cold_starts"],
+                    p["evictions"],
+                    p["swaps_per_s"],
+                    (
+                        f"{1000 * p['unload_median_s']:.0f} / {1000 * p['unload_p90_s']:.0f} / "
+                        f"{1000 * p['unload_max_s']:.0f} ({p['unloads_ended']} of {p['unloads']})"
+                    )
+                    if p["unloads"]
+                    else "-",
+                    f"{p['peak_tree_mib']:.0f} ({p['peak_model_processes_mib']:.0f})",
+                    (
+                        f"{p['peak_tree_pss_mib']:.0f} vs {st['budget_mb']:g} budget"
+                        if "peak_tree_pss_mib" in p
+                        else "-"
+                    ),
+                    f"{p['republishes_ok']} of {len(p['republishes'])}",
+                    f"{p['load_average_start'][0]} / {p['load_average_end'][0]}",
+                ]
                 for name, p in pol.items()
             ],
         ),
         "",
-        *(
-            f"- {name}: errors {p['error_examples']}" for name, p in pol.items() if p["error_examples"]
-        ),
-        *(
-            f"- {name}: wrong answers {p['wrong_examples']}" for name, p in pol.items() if p["wrong_examples"]
-        ),
+        *(f"- {name}: errors {p['error_examples']}" for name, p in pol.items() if p["error_examples"]),
+        *(f"- {name}: wrong answers {p['wrong_examples']}" for name, p in pol.items() if p["wrong_examples"]),
         *(
             f"- {name}: unloads that took Triton's own way, by reason: {p['unloads_waited_why']}"
-            for name, p in pol.items() if p.get("unloads_waited_why")
+            for name, p in pol.items()
+            if p.get("unloads_waited_why")
         ),
         "",
     ]
@@ -451,8 +492,17 @@ def _eviction_lines(ev: dict[str, Any] | None) -> list[str]:
         + ("met." if ev["ok"] else "**not met**."),
         "",
         _table(
-            ["trace", "requests (models)", "sizes", "policy", "hit ratio", "loads", "client cold-start s",
-             f"{d} - LRU hit ratio", "of optimum"],
+            [
+                "trace",
+                "requests (models)",
+                "sizes",
+                "policy",
+                "hit ratio",
+                "loads",
+                "client cold-start s",
+                f"{d} - LRU hit ratio",
+                "of optimum",
+            ],
             [
                 [
                     f"{t} ({tr['description']})" if kind == "sized" and i == 0 else "",
@@ -464,10 +514,14 @@ def _eviction_lines(ev: dict[str, Any] | None) -> list[str]:
                     r["cold_start_s"],
                     f"{100 * tr[kind]['verdict']['hit_ratio_minus_lru']:+.1f} pts" if r["policy"] == d else "",
                     (
-                        f"{tr[kind]['verdict']['hit_ratio_of_optimum']:.2f}" if r["policy"] == d
-                        else f"{tr[kind]['verdict']['lru_hit_ratio_of_optimum']:.2f}" if r["policy"] == "lru"
+                        f"{tr[kind]['verdict']['hit_ratio_of_optimum']:.2f}"
+                        if r["policy"] == d
+                        else f"{tr[kind]['verdict']['lru_hit_ratio_of_optimum']:.2f}"
+                        if r["policy"] == "lru"
                         else ""
-                    ) if "hit_ratio_of_optimum" in tr[kind]["verdict"] else "",
+                    )
+                    if "hit_ratio_of_optimum" in tr[kind]["verdict"]
+                    else "",
                 ]
                 for t, tr in ev["traces"].items()
                 for kind in ("sized", "unit")
@@ -490,9 +544,7 @@ def _keepalive_summary(k: dict[str, Any]) -> str:
     return (
         f"- **Keep-alive** (virtual-time replay): adaptive has fewer client-visible cold starts than every fixed "
         f"timeout using no more memory on {len(met)} of {len(k['traces'])} traces. Cold starts of adaptive (loaded "
-        "share of time) vs the fixed timeout with the most memory at or below it: "
-        + "; ".join(parts)
-        + "."
+        "share of time) vs the fixed timeout with the most memory at or below it: " + "; ".join(parts) + "."
     )
 
 
@@ -822,12 +874,15 @@ def markdown(results: dict[str, Any], plots: dict[str, str], plot_rel: str) -> s
                         f"{vd['total_s']} s ({vd['per_model_ms']} ms/model; {vd['note']}; ok={vd['ok']})",
                     ],
                     *(
-                        [[
-                            f"`snoozectl validate` of {vd['models']} of them (a fresh process, as CI runs it)",
-                            f"{vd['cli_total_s']} s, exit code {vd['cli_exit_code']} ({vd['cores']} cores, load "
-                            f"average {vd['load_average_start']} at the start)",
-                        ]]
-                        if "cli_total_s" in vd else []
+                        [
+                            [
+                                f"`snoozectl validate` of {vd['models']} of them (a fresh process, as CI runs it)",
+                                f"{vd['cli_total_s']} s, exit code {vd['cli_exit_code']} ({vd['cores']} cores, load "
+                                f"average {vd['load_average_start']} at the start)",
+                            ]
+                        ]
+                        if "cli_total_s" in vd
+                        else []
                     ),
                     [
                         f"control-plane RSS, {n} vs 0 models",
@@ -919,8 +974,17 @@ def _torch_worker_lines(t: dict[str, Any] | None) -> list[str]:
         "at c=1 is per batch).",
         "",
         _table(
-            ["model", "c=1 p50 ms", "added ms", "c=1 Triton compute µs", "added µs", "c=32 rows/s", "vs in-stub",
-             "c=32 mean batch", "errors"],
+            [
+                "model",
+                "c=1 p50 ms",
+                "added ms",
+                "c=1 Triton compute µs",
+                "added µs",
+                "c=32 rows/s",
+                "vs in-stub",
+                "c=32 mean batch",
+                "errors",
+            ],
             rows,
         ),  # fmt: skip
         "",
@@ -960,9 +1024,14 @@ def _coldstart_decomposition(c: dict[str, Any]) -> list[str]:
 def _prewarm_lines(c: dict[str, Any]) -> list[str]:
     """The first request after a pre-warm (a load with no request waiting) against warm requests."""
     rows = [
-        [m, _ms2(v["prewarmed_first_s"]["median"]), _ms2(v["prewarmed_first_s"]["p90"]), _ms2(v["warm_s"]["median"]),
-         v["prewarmed_first_vs_warm"],
-         _ms2(v["warm_after_gap_s"]["median"]) if v.get("warm_after_gap_s") else "-"]
+        [
+            m,
+            _ms2(v["prewarmed_first_s"]["median"]),
+            _ms2(v["prewarmed_first_s"]["p90"]),
+            _ms2(v["warm_s"]["median"]),
+            v["prewarmed_first_vs_warm"],
+            _ms2(v["warm_after_gap_s"]["median"]) if v.get("warm_after_gap_s") else "-",
+        ]
         for m, v in c["models"].items()
         if v.get("prewarmed_first_s")
     ]
@@ -978,8 +1047,10 @@ def _prewarm_lines(c: dict[str, Any]) -> list[str]:
         "thread has to wake up, warm model or not). All through the gateway on one open connection, medians over "
         "cycles.",
         "",
-        _table(["model", "first after pre-warm median", "p90", "warm median", "first / warm",
-                f"warm after {gap} idle"], rows),
+        _table(
+            ["model", "first after pre-warm median", "p90", "warm median", "first / warm", f"warm after {gap} idle"],
+            rows,
+        ),
         "",
     ]
 
@@ -1103,8 +1174,15 @@ def _gateway_filters_lines(gf: dict[str, Any] | None, *, section: str = "gateway
         "",
         _table(
             [
-                "protocol", "target", "c=32 req/s", "c=32 / bare Envoy", "its middle half of rounds", "c=1 p50 (ms)",
-                "c=1 p50 over direct (ms)", "c=32 CPU µs per request: Envoy", "Triton and its model processes",
+                "protocol",
+                "target",
+                "c=32 req/s",
+                "c=32 / bare Envoy",
+                "its middle half of rounds",
+                "c=1 p50 (ms)",
+                "c=1 p50 over direct (ms)",
+                "c=32 CPU µs per request: Envoy",
+                "Triton and its model processes",
                 "client",
             ],  # fmt: skip
             rows,
@@ -1185,8 +1263,15 @@ def _envoy_instructions_lines(ei: dict[str, Any] | None) -> list[str]:
         f"keyless rows' clients none. Requests that failed: {errors}.",
         "",
         _table(
-            ["protocol", "target", "instructions per request", "over the bare hop", "of the bare hop's",
-             "the gateway's minus this", "spread over repeats"],
+            [
+                "protocol",
+                "target",
+                "instructions per request",
+                "over the bare hop",
+                "of the bare hop's",
+                "the gateway's minus this",
+                "spread over repeats",
+            ],
             rows,
         ),  # fmt: skip
         "",
@@ -1302,7 +1387,7 @@ def _recovery_lines(r: dict[str, Any] | None) -> list[str]:
         f"{r['cycles']} cycles per topology, interleaved, gRPC through the gateway; load average at the end "
         f"{r['load_average']}. embedded = tritonserver is serve's child; two_process = `snoozectl triton` "
         "beside serve (the compose / Kubernetes topology on one machine). About a second of each answer "
-        "that meets the dead process is Triton's own wait before it says \"Stub process ... is not healthy\".",
+        'that meets the dead process is Triton\'s own wait before it says "Stub process ... is not healthy".',
         "",
         _table(["", *r["topologies"]], rows),
         "",
@@ -1337,8 +1422,15 @@ def _keepalive_lines(k: dict[str, Any], name: str, plots: dict[str, str], plot_r
         "adaptive's schedule (both loaded from the first request to the end) is a tie, not a defeat.",
         "",
         _table(
-            ["trace", "model", "requests", "adaptive: cold / warm % / loaded %", "pre-warms (wasted)",
-             "nearest fixed at no more memory: cold / loaded %", "met?"],
+            [
+                "trace",
+                "model",
+                "requests",
+                "adaptive: cold / warm % / loaded %",
+                "pre-warms (wasted)",
+                "nearest fixed at no more memory: cold / loaded %",
+                "met?",
+            ],
             [
                 [
                     f"{t} ({tr['description']})",
@@ -1352,8 +1444,11 @@ def _keepalive_lines(k: dict[str, Any], name: str, plots: dict[str, str], plot_r
                         else "none uses less"
                     ),
                     ("yes" if tr["verdict"]["ok"] else "**no**")
-                    + (" (tie: " + ", ".join(tr["verdict"]["fixed_same_schedule"]) + ")"
-                       if tr["verdict"]["fixed_same_schedule"] else ""),
+                    + (
+                        " (tie: " + ", ".join(tr["verdict"]["fixed_same_schedule"]) + ")"
+                        if tr["verdict"]["fixed_same_schedule"]
+                        else ""
+                    ),
                 ]
                 for t, tr in k["traces"].items()
             ],
@@ -1362,11 +1457,29 @@ def _keepalive_lines(k: dict[str, Any], name: str, plots: dict[str, str], plot_r
         "Every policy on every trace:",
         "",
         _table(
-            ["trace", "policy", "client-visible cold starts", "warm %", "loaded % of time", "loaded model-hours",
-             "request loads", "pre-warm loads (wasted)", "waited s"],
             [
-                [t, r["policy"], r["cold"], r["warm_pct"], r["loaded_pct"], round(r["loaded_s"] / 3600, 2),
-                 r["request_loads"], f"{r['prewarm_loads']} ({r['wasted_prewarms']})", r["wait_s"]]
+                "trace",
+                "policy",
+                "client-visible cold starts",
+                "warm %",
+                "loaded % of time",
+                "loaded model-hours",
+                "request loads",
+                "pre-warm loads (wasted)",
+                "waited s",
+            ],
+            [
+                [
+                    t,
+                    r["policy"],
+                    r["cold"],
+                    r["warm_pct"],
+                    r["loaded_pct"],
+                    round(r["loaded_s"] / 3600, 2),
+                    r["request_loads"],
+                    f"{r['prewarm_loads']} ({r['wasted_prewarms']})",
+                    r["wait_s"],
+                ]
                 for t, tr in k["traces"].items()
                 for r in tr["rows"]
             ],
@@ -1411,8 +1524,17 @@ def _keepalive_live_lines(live: dict[str, Any] | None) -> list[str]:
         "`snooze_prewarm_loads` (used / wasted: `snooze_prewarm_outcomes`).",
         "",
         _table(
-            ["policy (its window at the end)", "warm", "warm after learning", "request loads", "pre-warms (used / "
-             "wasted)", "unloaded between requests", "loaded", "median latency warm / cold", "errors"],
+            [
+                "policy (its window at the end)",
+                "warm",
+                "warm after learning",
+                "request loads",
+                "pre-warms (used / wasted)",
+                "unloaded between requests",
+                "loaded",
+                "median latency warm / cold",
+                "errors",
+            ],
             rows,
         ),
         "",
@@ -1423,6 +1545,8 @@ def _keepalive_live_lines(live: dict[str, Any] | None) -> list[str]:
         + ".",
         "",
     ]
+
+
 _FLEET_COLUMNS = {
     "requests": "requests",
     "errors": "errors",
@@ -1502,18 +1626,36 @@ def _fleet_lines(f: dict[str, Any] | None, plots: dict[str, str], plot_rel: str)
         f"before each phase. Loaded instances and their measured memory (RSS of the models' processes, summed over "
         f"the nodes) sampled every {st['sample_interval_secs']:g} s; client-visible cold starts are the nodes' "
         "`snooze_wake_waits_total` (requests that waited for a wake), loads by traffic their "
-        "`snooze_cold_starts_total{trigger=\"request\"}`; slow = latency above "
+        '`snooze_cold_starts_total{trigger="request"}`; slow = latency above '
         f"{st['cold_threshold_ms']:g} ms (10x the run's median, at least 100 ms), a cross-check. Nodes started in "
         f"{st['startup_s']:g} s; load average at the start {f['load_average_start']}, at the end {f['load_average']}.",
         "",
         _table(
-            ["policy", "phases", *_FLEET_COLUMNS.values(), "(node, model) pairs loaded", "mean / peak instances",
-             "mean / peak MiB", "second-half mean MiB", "p50 ms", "p99 ms", "slow: median / max ms"],
             [
-                [name, p["phases"], *(p[k] for k in _FLEET_COLUMNS), p["placements"],
-                 f"{p['mean_instances']} / {p['peak_instances']}",
-                 f"{p['mean_memory_mib']:.0f} / {p['peak_memory_mib']:.0f}", f"{p['second_half_mean_memory_mib']:.0f}",
-                 p["p50_ms"], p["p99_ms"], f"{p['slow_median_ms']} / {p['slow_max_ms']}"]
+                "policy",
+                "phases",
+                *_FLEET_COLUMNS.values(),
+                "(node, model) pairs loaded",
+                "mean / peak instances",
+                "mean / peak MiB",
+                "second-half mean MiB",
+                "p50 ms",
+                "p99 ms",
+                "slow: median / max ms",
+            ],
+            [
+                [
+                    name,
+                    p["phases"],
+                    *(p[k] for k in _FLEET_COLUMNS),
+                    p["placements"],
+                    f"{p['mean_instances']} / {p['peak_instances']}",
+                    f"{p['mean_memory_mib']:.0f} / {p['peak_memory_mib']:.0f}",
+                    f"{p['second_half_mean_memory_mib']:.0f}",
+                    p["p50_ms"],
+                    p["p99_ms"],
+                    f"{p['slow_median_ms']} / {p['slow_max_ms']}",
+                ]
                 for name, p in pol.items()
             ],
         ),
@@ -1529,15 +1671,35 @@ def _fleet_lines(f: dict[str, Any] | None, plots: dict[str, str], plot_rel: str)
         "this shared machine):",
         "",
         _table(
-            ["#", "policy", *_FLEET_COLUMNS.values(), "mean / peak instances", "mean / peak MiB", "p50 ms", "p99 ms",
-             "mean load s", "loads per node", "models held per node at the end", "client late max ms",
-             "load average (1 min) at the end"],
             [
-                [i + 1, ph["policy"], *(ph[k] for k in _FLEET_COLUMNS),
-                 f"{ph['mean_instances']} / {ph['peak_instances']}",
-                 f"{ph['mean_memory_mib']:.0f} / {ph['peak_memory_mib']:.0f}", ph["p50_ms"], ph["p99_ms"],
-                 ph["mean_load_s"], ", ".join(map(str, ph["loads_per_node"])),
-                 ", ".join(map(str, ph["models_per_node_end"])), ph["max_client_late_ms"], ph["load_average_1m"]]
+                "#",
+                "policy",
+                *_FLEET_COLUMNS.values(),
+                "mean / peak instances",
+                "mean / peak MiB",
+                "p50 ms",
+                "p99 ms",
+                "mean load s",
+                "loads per node",
+                "models held per node at the end",
+                "client late max ms",
+                "load average (1 min) at the end",
+            ],
+            [
+                [
+                    i + 1,
+                    ph["policy"],
+                    *(ph[k] for k in _FLEET_COLUMNS),
+                    f"{ph['mean_instances']} / {ph['peak_instances']}",
+                    f"{ph['mean_memory_mib']:.0f} / {ph['peak_memory_mib']:.0f}",
+                    ph["p50_ms"],
+                    ph["p99_ms"],
+                    ph["mean_load_s"],
+                    ", ".join(map(str, ph["loads_per_node"])),
+                    ", ".join(map(str, ph["models_per_node_end"])),
+                    ph["max_client_late_ms"],
+                    ph["load_average_1m"],
+                ]
                 for i, ph in enumerate(f["phases"])
             ],
         ),
@@ -1563,13 +1725,31 @@ def _fleet_lines(f: dict[str, Any] | None, plots: dict[str, str], plot_rel: str)
         ),
         "",
         _table(
-            ["protocol", "c", "fleet req/s", "node req/s", "throughput fleet / node", "fleet p50 ms", "node p50 ms",
-             "added p50 ms", "added p99 ms", "errors"],
             [
-                [protocol, c, by[(protocol, c, "fleet")]["rps"], by[(protocol, c, "node")]["rps"],
-                 v["throughput_fleet_vs_node"], by[(protocol, c, "fleet")]["p50_ms"],
-                 by[(protocol, c, "node")]["p50_ms"], v["added_p50_ms"], v["added_p99_ms"],
-                 by[(protocol, c, "fleet")]["errors"] + by[(protocol, c, "node")]["errors"]]
+                "protocol",
+                "c",
+                "fleet req/s",
+                "node req/s",
+                "throughput fleet / node",
+                "fleet p50 ms",
+                "node p50 ms",
+                "added p50 ms",
+                "added p99 ms",
+                "errors",
+            ],
+            [
+                [
+                    protocol,
+                    c,
+                    by[(protocol, c, "fleet")]["rps"],
+                    by[(protocol, c, "node")]["rps"],
+                    v["throughput_fleet_vs_node"],
+                    by[(protocol, c, "fleet")]["p50_ms"],
+                    by[(protocol, c, "node")]["p50_ms"],
+                    v["added_p50_ms"],
+                    v["added_p99_ms"],
+                    by[(protocol, c, "fleet")]["errors"] + by[(protocol, c, "node")]["errors"],
+                ]
                 for key, v in hop["ratios"].items()
                 for protocol, c in [(key.split("_c")[0], int(key.split("_c")[1]))]
             ],

@@ -50,7 +50,8 @@ def example_array(tensor: TensorSpec, shape: tuple[int, ...], rng: np.random.Gen
     if dtype.wire == "BF16":
         raise InvalidPackageError(
             f"input '{tensor.name}': the python-backend runtime cannot pass BF16 tensors to a model (numpy has no "
-            "bfloat16)", hint="declare the input FP32 (or FP16) and convert inside predict",
+            "bfloat16)",
+            hint="declare the input FP32 (or FP16) and convert inside predict",
         )
     return sample_array(dtype.numpy, shape, rng)
 
@@ -105,9 +106,14 @@ def check_package(
         (work / "runtime.json").write_text(json.dumps(runtime_config(spec)))
         np.savez(work / "inputs.npz", **inputs)
         cmd = [
-            sys.executable, "-m", "python_backend.local_check",
-            str(work / "runtime.json"), str(spec.package.path.resolve()), str(work / "inputs.npz"),
-            device, str(work / "out.npz"),
+            sys.executable,
+            "-m",
+            "python_backend.local_check",
+            str(work / "runtime.json"),
+            str(spec.package.path.resolve()),
+            str(work / "inputs.npz"),
+            device,
+            str(work / "out.npz"),
         ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, cwd=tmp)

@@ -178,7 +178,6 @@ class FixedKeepAlive:
     def window(self) -> Window:
         return self._fixed
 
-
     def keep_alive_until(self, last_request: float) -> float:
         """When to unload if no request comes after ``last_request``."""
         return last_request + self.window().keep_alive_secs

@@ -19,49 +19,65 @@ class SnoozeMetrics:
             "snooze_cold_starts", "Model loads triggered by a request or the API", ["model", "trigger"], registry=r
         )
         self.cold_start_seconds = Histogram(
-            "snooze_cold_start_seconds", "Time from load start to ready", ["model"],
-            buckets=_COLD_START_BUCKETS, registry=r,
+            "snooze_cold_start_seconds",
+            "Time from load start to ready",
+            ["model"],
+            buckets=_COLD_START_BUCKETS,
+            registry=r,
         )
         self.prewarm_loads = Counter(
-            "snooze_prewarm_loads", "Loads started by the adaptive keep-alive ahead of a predicted request",
-            ["model"], registry=r,
+            "snooze_prewarm_loads",
+            "Loads started by the adaptive keep-alive ahead of a predicted request",
+            ["model"],
+            registry=r,
         )
         self.prewarm_outcomes = Counter(
             "snooze_prewarm_outcomes",
             "Pre-warm loads by what became of them: used (a request came while loaded) or wasted (unloaded unused)",
-            ["model", "outcome"], registry=r,
+            ["model", "outcome"],
+            registry=r,
         )
         self.load_failures = Counter("snooze_load_failures", "Failed loads", ["model", "kind"], registry=r)
         self.wake_waits = Counter(
             "snooze_wake_waits", "Requests that waited for a model to wake", ["model"], registry=r
         )
         self.wake_wait_seconds = Histogram(
-            "snooze_wake_wait_seconds", "Time requests waited for a model to wake", ["model"],
-            buckets=_COLD_START_BUCKETS, registry=r,
+            "snooze_wake_wait_seconds",
+            "Time requests waited for a model to wake",
+            ["model"],
+            buckets=_COLD_START_BUCKETS,
+            registry=r,
         )
         self.wake_timeouts = Counter(
-            "snooze_wake_timeouts", "Requests answered 503 because the wake outlived its deadline", ["model"],
+            "snooze_wake_timeouts",
+            "Requests answered 503 because the wake outlived its deadline",
+            ["model"],
             registry=r,
         )
         self.wake_queue_length = Gauge(
-            "snooze_wake_queue_length", "Loads of sleeping models waiting to start (for a load slot or for memory)",
+            "snooze_wake_queue_length",
+            "Loads of sleeping models waiting to start (for a load slot or for memory)",
             registry=r,
         )
         self.wake_queue_oldest_seconds = Gauge(
-            "snooze_wake_queue_oldest_wait_seconds", "How long the oldest load in the wake queue has waited",
+            "snooze_wake_queue_oldest_wait_seconds",
+            "How long the oldest load in the wake queue has waited",
             registry=r,
         )
         self.wake_queue_timeouts = Counter(
             "snooze_wake_queue_timeouts",
             "Requests answered 503 because their model's load could not start within SNOOZE_WAKE_QUEUE_TIMEOUT_SECS",
-            ["model", "waiting_for"], registry=r,
+            ["model", "waiting_for"],
+            registry=r,
         )
         self.evictions = Counter("snooze_evictions", "Models unloaded to free memory", ["model", "reason"], registry=r)
         self.unload_seconds = Histogram(
             "snooze_unload_seconds",
             "Time from an unload's start until the model's memory is free; how: ended (its processes were ended "
             "once Triton had taken it out of service) or waited (Triton's own unload, finalize included)",
-            ["how"], buckets=_UNLOAD_BUCKETS, registry=r,
+            ["how"],
+            buckets=_UNLOAD_BUCKETS,
+            registry=r,
         )
         self.idle_unloads = Counter("snooze_idle_unloads", "Models unloaded for idleness", ["model"], registry=r)
         self.recoveries = Counter(
@@ -75,7 +91,9 @@ class SnoozeMetrics:
             "snooze_model_memory_bytes", "Measured footprint per loaded model", ["model"], registry=r
         )
         self.gpu_memory_bytes = Gauge(
-            "snooze_model_gpu_memory_bytes", "Measured GPU memory per loaded model and GPU", ["model", "gpu"],
+            "snooze_model_gpu_memory_bytes",
+            "Measured GPU memory per loaded model and GPU",
+            ["model", "gpu"],
             registry=r,
         )
         self.state = Gauge("snooze_model_state", "1 for the model's current state", ["model", "state"], registry=r)

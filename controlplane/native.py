@@ -60,6 +60,7 @@ REJECTED_DIR = "rejected"
 DEFAULT_OPSET = 18  # converters.torch_export.DEFAULT_OPSET, without importing it here
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 
+
 @dataclass(frozen=True)
 class NativeDecision:
     """What to publish, and why."""

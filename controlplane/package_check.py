@@ -138,8 +138,14 @@ def check_import(
     """None when ``entrypoint`` imports and defines ``class_name`` with load/predict; else the problem
     (the traceback of the import, relative to the package). ``env`` is the manifest's env."""
     folder = str(Path(package_dir).resolve())
-    job = {"package_dir": folder, "entrypoint": entrypoint, "class_name": class_name, "env": dict(env or {}),
-           "cwd": folder, "timeout": timeout}
+    job = {
+        "package_dir": folder,
+        "entrypoint": entrypoint,
+        "class_name": class_name,
+        "env": dict(env or {}),
+        "cwd": folder,
+        "timeout": timeout,
+    }
     with ImportProbe() as probe:
         answer = probe.run(job)
     if "timeout" in answer:

@@ -177,8 +177,11 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     inputs = [_tensor_view(t, batching) for t in spec.package.inputs]
     # No warm-up for a stream (answers go through response senders) or a stateful model (a sample carries no
     # sequence and would start one): those pay their first inference on their first request.
-    warmup = None if (backend == "python" and spec.decoupled) or dep.sequence is not None else warmup_plan(
-        spec, inputs, native=backend != "python")
+    warmup = (
+        None
+        if (backend == "python" and spec.decoupled) or dep.sequence is not None
+        else warmup_plan(spec, inputs, native=backend != "python")
+    )
     view = {
         "id": spec.id,
         "max_batch_size": dep.max_batch_size,

@@ -407,6 +407,7 @@ def _client_headers(settings: Settings) -> dict[str, str]:
 async def serve_snapshot(entry: SnapshotEntrypoint, standby: bool) -> int:
     """Run the state machine (or stand by), then serve until SIGINT/SIGTERM. 0 = served (or stood by) and
     stopped on a signal, 1 = the restore checks refused to serve."""
+
     def force() -> None:
         if entry.stack is not None:
             entry.stack.force()

@@ -41,7 +41,6 @@ from controlplane.triton.processes import TritonProcesses
 log = logging.getLogger("snoozeml.stack")
 
 
-
 class ServingStack:
     def __init__(self, settings: Settings, models_dir: Path | None = None, *, console: Console | None = None) -> None:
         self.settings = settings
@@ -84,9 +83,7 @@ class ServingStack:
             metrics=self.metrics,
         )
         await self.lifecycle.start()
-        self.activator = Activator(
-            self.lifecycle, self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url
-        )
+        self.activator = Activator(self.lifecycle, self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url)
         await self.activator.start()
         if s.gateway:
             await self._start_gateway(http_url, grpc_url)
@@ -174,8 +171,12 @@ class ServingStack:
         self.console.print(
             f"Triton's processes are visible (tritonserver pid {server.pid}): memory measured, crashed model "
             f"processes recovered, hanging loads killed; request journal: "
-            + (str(journal_dir) if journal_dir else f"[yellow]none[/] ({JOURNAL_ENV} of Triton not reachable here: "
-               "a request that meets a dead model process is not retried)"),
+            + (
+                str(journal_dir)
+                if journal_dir
+                else f"[yellow]none[/] ({JOURNAL_ENV} of Triton not reachable here: "
+                "a request that meets a dead model process is not retried)"
+            ),
             highlight=False,
         )
         return processes, journal_dir

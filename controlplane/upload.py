@@ -58,18 +58,24 @@ def _safe_name(archive_name: str, raw: str) -> str:
     """The member's path relative to the package root, or an error naming it."""
     if "\x00" in raw or "\\" in raw:
         raise _refuse(
-            archive_name, raw, "has a backslash or NUL in its name",
+            archive_name,
+            raw,
+            "has a backslash or NUL in its name",
             "build the archive with forward-slash paths (tar or zip on Linux/macOS, or snoozectl publish)",
         )
     if raw.startswith("/") or _DRIVE.match(raw):
         raise _refuse(
-            archive_name, raw, "has an absolute path",
+            archive_name,
+            raw,
+            "has an absolute path",
             "archive the package with paths relative to its folder (tar -C <folder> -czf pkg.tgz .)",
         )
     parts = [p for p in raw.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise _refuse(
-            archive_name, raw, "escapes the package folder ('..' in its path)",
+            archive_name,
+            raw,
+            "escapes the package folder ('..' in its path)",
             "archive the package with paths relative to its folder, without '..'",
         )
     return "/".join(parts)
@@ -79,14 +85,18 @@ def _check_link_target(archive_name: str, member: str, target: str, *, relative_
     """Normalised target of a link, which must stay inside the package."""
     if target.startswith("/") or _DRIVE.match(target):
         raise _refuse(
-            archive_name, member, f"is a link to the absolute path '{target}'",
+            archive_name,
+            member,
+            f"is a link to the absolute path '{target}'",
             "copy the file into the package instead of linking to it",
         )
     base = posixpath.dirname(member) if relative_to_member else ""
     resolved = posixpath.normpath(posixpath.join(base, target))
     if resolved == ".." or resolved.startswith("../"):
         raise _refuse(
-            archive_name, member, f"is a link pointing outside the package (to '{target}')",
+            archive_name,
+            member,
+            f"is a link pointing outside the package (to '{target}')",
             "copy the file into the package instead of linking to it",
         )
     return resolved
@@ -140,7 +150,9 @@ def _tar_members(tar: tarfile.TarFile, archive_name: str) -> Iterator[tuple[_Mem
             yield _Member(name, "hardlink", target), info
         else:
             raise _refuse(
-                archive_name, info.name, "is a device file or FIFO",
+                archive_name,
+                info.name,
+                "is a device file or FIFO",
                 "a package holds regular files, folders and links inside the package only",
             )
 
@@ -175,7 +187,9 @@ class _Extraction:
         # Copied, never linked: a later write to one name must not change the other.
         if member.link not in self.files:
             raise _refuse(
-                self.archive_name, member.name, f"is a hard link to '{member.link}', which is not a file before it",
+                self.archive_name,
+                member.name,
+                f"is a hard link to '{member.link}', which is not a file before it",
                 "archive the package with tar's default options (or replace the link by a copy)",
             )
         target = self.root / str(member.link)
@@ -191,7 +205,9 @@ class _Extraction:
             dest = self.path_of(member)
             if os.path.lexists(dest):
                 raise _refuse(
-                    self.archive_name, member.name, "is a symlink and also a file or folder of the archive",
+                    self.archive_name,
+                    member.name,
+                    "is a symlink and also a file or folder of the archive",
                     "keep one entry per path in the archive",
                 )
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +215,9 @@ class _Extraction:
         for member in self.symlinks:  # links to links: check where each one really ends
             if not self.path_of(member).resolve().is_relative_to(root):
                 raise _refuse(
-                    self.archive_name, member.name, f"is a link pointing outside the package (to '{member.link}')",
+                    self.archive_name,
+                    member.name,
+                    f"is a link pointing outside the package (to '{member.link}')",
                     "copy the file into the package instead of linking to it",
                 )
 
@@ -245,7 +263,9 @@ def _extract_zip(fileobj: BinaryIO, job: _Extraction) -> None:
                 kind = _zip_kind(info)
                 if kind == "special":
                     raise _refuse(
-                        job.archive_name, info.filename, "is a device file or FIFO",
+                        job.archive_name,
+                        info.filename,
+                        "is a device file or FIFO",
                         "a package holds regular files, folders and links inside the package only",
                     )
                 link = None

@@ -146,8 +146,9 @@ def _read_sample(spec: Any, name: str, rel: str, declared: list[int], triton_typ
 
 def _sample_bytes(array: np.ndarray, triton_type: str) -> bytes:
     if triton_type == "TYPE_STRING":
-        return serialize_bytes(np.vectorize(lambda v: v if isinstance(v, bytes) else str(v).encode(),
-                                            otypes=[object])(array))
+        return serialize_bytes(
+            np.vectorize(lambda v: v if isinstance(v, bytes) else str(v).encode(), otypes=[object])(array)
+        )
     return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
 
 
@@ -187,8 +188,10 @@ def learned_shapes(model_dir: Path) -> dict[str, dict[str, Any]] | None:
         raw = json.loads((Path(model_dir) / LEARNED_FILE).read_text("utf-8"))
         inputs = raw["inputs"]
         if isinstance(inputs, dict) and inputs:
-            return {str(k): {"shape": [int(d) for d in v["shape"]], "datatype": str(v["datatype"])}
-                    for k, v in inputs.items()}
+            return {
+                str(k): {"shape": [int(d) for d in v["shape"]], "datatype": str(v["datatype"])}
+                for k, v in inputs.items()
+            }
     return None
 
 

@@ -45,10 +45,20 @@ def scalar(value: object) -> str:
     if isinstance(value, int):
         return str(value)
     s = str(value)
-    plain = (s != "" and s[0] not in "?:,[]{}#&*!|>'\"%@`~ " and not s.startswith("- ") and ": " not in s
-             and " #" not in s and not s.endswith((":", " ")) and s.lower() not in RESERVED
-             and not re.fullmatch(r"[-+]?(\d[\d_]*)?(\.\d*)?([eE][-+]?\d+)?|[-+]?\d+(:\d+)+|0[xob][\da-fA-F]+|"
-                                  r"[-+]?\.(inf|Inf|INF|nan|NaN|NAN)", s))
+    plain = (
+        s != ""
+        and s[0] not in "?:,[]{}#&*!|>'\"%@`~ "
+        and not s.startswith("- ")
+        and ": " not in s
+        and " #" not in s
+        and not s.endswith((":", " "))
+        and s.lower() not in RESERVED
+        and not re.fullmatch(
+            r"[-+]?(\d[\d_]*)?(\.\d*)?([eE][-+]?\d+)?|[-+]?\d+(:\d+)+|0[xob][\da-fA-F]+|"
+            r"[-+]?\.(inf|Inf|INF|nan|NaN|NAN)",
+            s,
+        )
+    )
     return s if plain else json.dumps(s)
 
 
@@ -89,8 +99,9 @@ class Target:
 
         def one(m: re.Match[str]) -> str:
             if m[1] not in values:
-                raise SystemExit(f"{STACK.relative_to(ROOT)}: unknown {{{m[1]}}} in {text!r}; known: "
-                                 + ", ".join(sorted(values)))
+                raise SystemExit(
+                    f"{STACK.relative_to(ROOT)}: unknown {{{m[1]}}} in {text!r}; known: " + ", ".join(sorted(values))
+                )
             return values[m[1]]
 
         return re.sub(r"\{([\w.]+)\}", one, text)
@@ -117,13 +128,15 @@ class Target:
         secrets = self.s[part].get("secrets", [])
         if part == "triton" and self.t == "pod":
             # $(SNOOZE_TRITON_ADMIN_KEY) in Triton's args expands from the container's environment.
-            lines += self._pod_secret(next(x for x in self.s["controlplane"]["secrets"]
-                                           if x["name"] == "SNOOZE_TRITON_ADMIN_KEY"))
+            lines += self._pod_secret(
+                next(x for x in self.s["controlplane"]["secrets"] if x["name"] == "SNOOZE_TRITON_ADMIN_KEY")
+            )
         for e in [*self.s[part]["env"], *secrets]:
             lines += comment_lines(e.get("comment"))
             if "key" in e:  # a secret
-                lines += ([f"{e['name']}: {scalar(self.secret(e['name']))}"] if self.t == "compose"
-                          else self._pod_secret(e))
+                lines += (
+                    [f"{e['name']}: {scalar(self.secret(e['name']))}"] if self.t == "compose" else self._pod_secret(e)
+                )
                 continue
             value = scalar(self.fill(e["value"]))
             lines += [f"{e['name']}: {value}"] if self.t == "compose" else [f"- name: {e['name']}", f"  value: {value}"]
@@ -131,8 +144,13 @@ class Target:
 
     @staticmethod
     def _pod_secret(secret: dict) -> list[str]:
-        return [f"- name: {secret['name']}", "  valueFrom:", "    secretKeyRef:", "      name: snooze-api-keys",
-                f"      key: {secret['key']}"]
+        return [
+            f"- name: {secret['name']}",
+            "  valueFrom:",
+            "    secretKeyRef:",
+            "      name: snooze-api-keys",
+            f"      key: {secret['key']}",
+        ]
 
     def mounts(self, part: str) -> list[str]:
         lines: list[str] = []
@@ -164,24 +182,35 @@ class Target:
             if self.s["no_new_privileges"]:
                 lines.append('security_opt: ["no-new-privileges:true"]')
             return lines
-        return ["securityContext:", f"  allowPrivilegeEscalation: {scalar(not self.s['no_new_privileges'])}",
-                "  capabilities:", "    drop: [" + ", ".join(json.dumps(c) for c in self.s["drop_capabilities"]) + "]"]
+        return [
+            "securityContext:",
+            f"  allowPrivilegeEscalation: {scalar(not self.s['no_new_privileges'])}",
+            "  capabilities:",
+            "    drop: [" + ", ".join(json.dumps(c) for c in self.s["drop_capabilities"]) + "]",
+        ]
 
     def context(self) -> dict[str, str | list[str] | Callable[[], list[str]]]:
         s, tr, cp = self.s, self.s["triton"], self.s["controlplane"]
         vols = s["volumes"]
         ctx: dict = {
-            "user": self.user(), "uid": str(s["uid"]), "gid": str(s["gid"]),
-            "shm": mib(s["shm_mib"], self.t), "journal_size": mib(s["journal_mib"], self.t),
+            "user": self.user(),
+            "uid": str(s["uid"]),
+            "gid": str(s["gid"]),
+            "shm": mib(s["shm_mib"], self.t),
+            "journal_size": mib(s["journal_mib"], self.t),
             "triton.image": tr["image"],
             "triton.http_port": self.triton_port("http"),
             "triton.ready": f"http://127.0.0.1:{self.triton_port('http')}{tr['ready']}",
             "triton.live": f"http://127.0.0.1:{self.triton_port('http')}{tr['live']}",
-            "triton.args": self.triton_args, "triton.env": lambda: self.env("triton"),
+            "triton.args": self.triton_args,
+            "triton.env": lambda: self.env("triton"),
             "triton.mounts": lambda: self.mounts("triton"),
-            "controlplane.args": self.controlplane_args, "controlplane.env": lambda: self.env("controlplane"),
-            "controlplane.mounts": lambda: self.mounts("controlplane"), "controlplane.ports": self.controlplane_ports,
-            "controlplane.ready": cp["ready"], "controlplane.live": cp["live"],
+            "controlplane.args": self.controlplane_args,
+            "controlplane.env": lambda: self.env("controlplane"),
+            "controlplane.mounts": lambda: self.mounts("controlplane"),
+            "controlplane.ports": self.controlplane_ports,
+            "controlplane.ready": cp["ready"],
+            "controlplane.live": cp["live"],
             "lockdown": self.lockdown,
         }
         ctx.update({f"controlplane.port.{n}": str(p) for n, p in cp["ports"].items()})
@@ -234,8 +263,11 @@ def main(argv: list[str]) -> int:
             path.write_text(text)
             print(f"render: wrote {shipped}")
     for shipped in differ:
-        print(f"render: {shipped} differs from its rendering of deploy/stack.toml and deploy/templates/"
-              f"{OUTPUTS[shipped][0]}: run `{COMMAND}` (python3 deploy/render.py)", file=sys.stderr)
+        print(
+            f"render: {shipped} differs from its rendering of deploy/stack.toml and deploy/templates/"
+            f"{OUTPUTS[shipped][0]}: run `{COMMAND}` (python3 deploy/render.py)",
+            file=sys.stderr,
+        )
     return 1 if differ else 0
 
 

@@ -104,8 +104,13 @@ def _import_package(package_dir: str, entrypoint: str, class_name: str) -> dict[
         cls, missing = import_model_class(package_dir, entrypoint, class_name)
     except BaseException:
         return {"ok": False, "before": before, "error": _error(package_dir), "frameworks": _frameworks()}
-    return {"ok": True, "before": before, "frameworks": _frameworks(), "is_class": cls is not None,
-            "missing": missing if cls is not None else ["load", "predict"]}
+    return {
+        "ok": True,
+        "before": before,
+        "frameworks": _frameworks(),
+        "is_class": cls is not None,
+        "missing": missing if cls is not None else ["load", "predict"],
+    }
 
 
 def probe_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +143,7 @@ def run_forked(job: dict[str, Any]) -> dict[str, Any]:
             os.dup2(output, 2)
             answer = json.dumps(probe_job(job)).encode()
             while answer:
-                answer = answer[os.write(answer_w, answer):]
+                answer = answer[os.write(answer_w, answer) :]
         except BaseException:
             code = 70
         finally:

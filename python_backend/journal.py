@@ -78,7 +78,6 @@ def own_file(directory: str, suffix: str) -> str:
     return os.path.join(directory, f"{os.getpid()}-{start_ticks()}{suffix}")
 
 
-
 def note_phase(phase: str, *, stub: tuple[int, int] | None = None, **fields: Any) -> None:
     """Say which part of a load this model process is in (import, load, warm-up; "ready" once done), in
     ``<journal dir>/<stub pid>-<start ticks>.phase``: a load the control plane abandons at its timeout is

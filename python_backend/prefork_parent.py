@@ -170,16 +170,22 @@ class PreloadedParent:
         threads = native_threads()
         self.fork_safe = fork_safe_threads(started)
         unsafe = unsafe_threads(self.fork_safe)
-        log(f"preloaded {imported}, warmed {warmed} for Triton pid {self.config.triton_pid}; "
-             f"{threads} native thread(s), {len(self.fork_safe)} of them fork-safe "
-             f"({', '.join(sorted(set(self.fork_safe.values()))) or 'none'}); thread pools held at one thread "
-             f"for the fork: {self.pools.describe() or 'none found'}")
+        log(
+            f"preloaded {imported}, warmed {warmed} for Triton pid {self.config.triton_pid}; "
+            f"{threads} native thread(s), {len(self.fork_safe)} of them fork-safe "
+            f"({', '.join(sorted(set(self.fork_safe.values()))) or 'none'}); thread pools held at one thread "
+            f"for the fork: {self.pools.describe() or 'none found'}"
+        )
         if unsafe:
-            log(f"other native threads are running ({describe_threads(unsafe, started)}): a fork now could "
-                 "deadlock its worker, so models of this preload set load in their stubs instead")
+            log(
+                f"other native threads are running ({describe_threads(unsafe, started)}): a fork now could "
+                "deadlock its worker, so models of this preload set load in their stubs instead"
+            )
         if cuda_initialised():
-            log("a preloaded module initialised CUDA: a CUDA context does not survive a fork, so GPU models "
-                 "forked from this parent will fail; preload only modules that leave CUDA alone at import")
+            log(
+                "a preloaded module initialised CUDA: a CUDA context does not survive a fork, so GPU models "
+                "forked from this parent will fail; preload only modules that leave CUDA alone at import"
+            )
         gc.collect()
         gc.freeze()  # the imported objects stay out of the collector's way: fewer pages copied per worker
         record = self._write_record(imported, failed, threads, warmed, len(unsafe))
@@ -194,8 +200,9 @@ class PreloadedParent:
 
     # --- setup
 
-    def _write_record(self, imported: dict[str, float], failed: dict[str, str], threads: int,
-                      warmed: dict[str, float], unsafe: int) -> str | None:
+    def _write_record(
+        self, imported: dict[str, float], failed: dict[str, str], threads: int, warmed: dict[str, float], unsafe: int
+    ) -> str | None:
         directory = self.config.journal_dir
         if not directory or not os.path.isdir(directory):
             return None
@@ -305,9 +312,11 @@ class PreloadedParent:
     def _spawn(self, conn: socket.socket, request: prefork_worker.SpawnRequest) -> None:
         unsafe = unsafe_threads(self.fork_safe)
         if unsafe:  # a forked child would inherit locks those threads hold, and none of the threads
-            reason = (f"the preloaded parent (pid {os.getpid()}) runs {len(unsafe)} native thread(s) that do not "
-                      f"survive a fork ({describe_threads(unsafe, {})}); it does not fork a worker that could "
-                      "deadlock. Preload fewer modules (the spec's preload) or none to use a worker again")
+            reason = (
+                f"the preloaded parent (pid {os.getpid()}) runs {len(unsafe)} native thread(s) that do not "
+                f"survive a fork ({describe_threads(unsafe, {})}); it does not fork a worker that could "
+                "deadlock. Preload fewer modules (the spec's preload) or none to use a worker again"
+            )
             log(f"refused to fork for the stub pid {request.stub_pid}: {reason}")
             with contextlib.suppress(OSError):
                 send_json(conn, ERROR, {"kind": REFUSED, "message": reason})

@@ -79,6 +79,8 @@ WORKER_EXIT_SECS = 10.0  # after SHUTDOWN, how long the worker gets to exit befo
 # SNOOZE_PREFORK_SPIN_US overrides the budget; 0 always blocks.
 ANSWER_SPIN_SECS = float(os.environ.get("SNOOZE_PREFORK_SPIN_US", "200")) * 1e-6
 SPIN_UNTIL_ANSWER_SECS = 0.001
+
+
 def _log(model_id: str, message: str) -> None:
     print(f"snooze model '{model_id}': {message}", file=sys.stderr, flush=True)
 

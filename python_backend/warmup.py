@@ -83,8 +83,9 @@ def read_learned(model_dir: str) -> dict[str, dict[str, Any]] | None:
         with open(os.path.join(model_dir, LEARNED_FILE), encoding="utf-8") as f:
             raw = json.load(f)
         inputs = raw["inputs"]
-        return {str(k): {"shape": [int(d) for d in v["shape"]], "datatype": str(v["datatype"])}
-                for k, v in inputs.items()}
+        return {
+            str(k): {"shape": [int(d) for d in v["shape"]], "datatype": str(v["datatype"])} for k, v in inputs.items()
+        }
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -126,8 +127,10 @@ def declared_outputs(spec: RuntimeSpec) -> dict[str, np.ndarray]:
 def shapes_of(spec: RuntimeSpec, arrays: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
     """A request's input shapes (without the batch axis) and datatypes: what a warm-up learns, never data."""
     wire = {t.name: t.datatype for t in spec.inputs}
-    return {name: {"shape": [int(d) for d in (a.shape[1:] if spec.batched else a.shape)],
-                   "datatype": wire.get(name, "")} for name, a in arrays.items()}
+    return {
+        name: {"shape": [int(d) for d in (a.shape[1:] if spec.batched else a.shape)], "datatype": wire.get(name, "")}
+        for name, a in arrays.items()
+    }
 
 
 class WarmupNote:

@@ -27,8 +27,12 @@ TEST_OVERRIDE = ROOT / "tests" / "compose" / "docker-compose.test.yml"
 ENGINE_SCRIPT = ROOT / "deploy" / "docker" / "engine.sh"
 BUILD_SCRIPT = ROOT / "deploy" / "docker" / "build-images.sh"
 # engine.sh's exit codes (deploy/docker/engine.sh)
-ENGINE_EXIT = {10: "not root", 11: "no dockerd and it cannot be installed", 12: "dockerd did not answer",
-               13: "no docker client"}
+ENGINE_EXIT = {
+    10: "not root",
+    11: "no dockerd and it cannot be installed",
+    12: "dockerd did not answer",
+    13: "no docker client",
+}
 
 
 def compose_binary() -> tuple[list[str], bool] | None:
@@ -113,8 +117,14 @@ class ComposeStack:
 
     def compose(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         files = [a for f in self._copies for a in ("-f", str(f))]
-        proc = subprocess.run([*self.cmd, "--project-directory", str(ROOT), "-p", self.project, *files, *args],
-                              capture_output=True, text=True, env=self.env, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(
+            [*self.cmd, "--project-directory", str(ROOT), "-p", self.project, *files, *args],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=timeout,
+            cwd=ROOT,
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"compose {' '.join(args)}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
@@ -131,8 +141,15 @@ class ComposeStack:
         return out.split()
 
     def container(self, service: str) -> str:
-        out = docker("ps", "-a", "-q", "--filter", f"label=com.docker.compose.project={self.project}",
-                     "--filter", f"label=com.docker.compose.service={service}")
+        out = docker(
+            "ps",
+            "-a",
+            "-q",
+            "--filter",
+            f"label=com.docker.compose.project={self.project}",
+            "--filter",
+            f"label=com.docker.compose.service={service}",
+        )
         ids = out.split()
         assert len(ids) == 1, f"service {service}: containers {ids}"
         return ids[0]
@@ -148,8 +165,9 @@ class ComposeStack:
         return int(self.inspect(service)["State"]["Pid"])
 
     def logs(self, service: str, tail: int = 80) -> str:
-        proc = subprocess.run(["docker", "logs", "--tail", str(tail), self.container(service)],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["docker", "logs", "--tail", str(tail), self.container(service)], capture_output=True, text=True, timeout=60
+        )
         return proc.stdout + proc.stderr
 
     def exec(self, service: str, *cmd: str, user: str | None = None, timeout: float = 60) -> str:
@@ -171,8 +189,10 @@ class ComposeStack:
             if all(v == "healthy" for v in states.values()):
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout:
-                raise AssertionError(f"not healthy within {timeout:g} s: {states}\n"
-                                     + "\n".join(f"--- {s}\n{self._safe_logs(s)}" for s in services))
+                raise AssertionError(
+                    f"not healthy within {timeout:g} s: {states}\n"
+                    + "\n".join(f"--- {s}\n{self._safe_logs(s)}" for s in services)
+                )
             time.sleep(1)
 
     def _safe_logs(self, service: str) -> str:

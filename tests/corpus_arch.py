@@ -62,8 +62,12 @@ class MobileNet(nn.Module):
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
-            _separable(16, 32, 1), _separable(32, 64, 2), _separable(64, 64, 1),
+            nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False),
+            nn.BatchNorm2d(16),
+            nn.ReLU6(),
+            _separable(16, 32, 1),
+            _separable(32, 64, 2),
+            _separable(64, 64, 1),
         )
         self.head = nn.Linear(64, classes)
 
@@ -154,7 +158,11 @@ class Detector(nn.Module):
     def __init__(self, anchors: int = 3, classes: int = 2) -> None:
         super().__init__()
         self.s8 = nn.Sequential(
-            nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, 2, 1),
+            nn.Conv2d(3, 8, 3, 2, 1),
+            nn.ReLU(),
+            nn.Conv2d(8, 16, 3, 2, 1),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, 2, 1),
             nn.ReLU(),
         )
         self.s16 = nn.Sequential(nn.Conv2d(16, 32, 3, 2, 1), nn.ReLU())

@@ -112,8 +112,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error in %s %s", request.method, request.url.path)
-        body = {"error": f"internal error: {type(exc).__name__}: {exc}", "code": "internal",
-                "hint": "see the control plane's log"}
+        body = {
+            "error": f"internal error: {type(exc).__name__}: {exc}",
+            "code": "internal",
+            "hint": "see the control plane's log",
+        }
         return JSONResponse(body, status_code=500)
 
 
@@ -144,7 +147,10 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
     router = APIRouter(prefix=f"/{API_VERSION}", dependencies=[Depends(require_admin)], responses=_ERRORS)
 
     @router.post(
-        "/models", status_code=201, response_model=ModelDetail, tags=["models"],
+        "/models",
+        status_code=201,
+        response_model=ModelDetail,
+        tags=["models"],
         summary="Publish a package archive",
         description="Upload a .tar.gz/.tgz/.tar/.zip of a package folder as multipart field `package`, with "
         "deployment settings as JSON in field `deployment`. The package is validated (manifest, "
@@ -174,13 +180,17 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
             deployment = form.get("deployment")
             form_id = form.get("id")
             return await ops.publish_archive(
-                package.file, archive_name,
+                package.file,
+                archive_name,
                 ids=[model_id, form_id if isinstance(form_id, str) else None],
                 deployment_json=deployment if isinstance(deployment, str) else None,
             )
 
     @router.post(
-        "/models:from-path", status_code=201, response_model=ModelDetail, tags=["models"],
+        "/models:from-path",
+        status_code=201,
+        response_model=ModelDetail,
+        tags=["models"],
         summary="Publish a package folder on the server",
         description="Publish the folder at `path` on the server's filesystem (absolute). Refused unless the "
         "server sets `SNOOZE_ALLOW_LOCAL_PATHS`.",
@@ -193,8 +203,10 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
         return await ops.list()
 
     @router.get(
-        "/runtime", response_model=RuntimeBody, tags=["models"], summary="Processes shared by models, the eviction "
-        "policy and the wake queue",
+        "/runtime",
+        response_model=RuntimeBody,
+        tags=["models"],
+        summary="Processes shared by models, the eviction policy and the wake queue",
         description="The preloaded parents of preforked models: what each imported and the memory it holds "
         "itself (the pages its workers share with it, counted once; also counted in the memory budget); the "
         "eviction policy in use; and the wake queue (loads of sleeping models waiting for a load slot or for "
@@ -204,7 +216,10 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
         return await run_in_threadpool(services.lifecycle.runtime)
 
     @router.get(
-        "/models/{model_id}", response_model=ModelDetail, tags=["models"], summary="Describe one model",
+        "/models/{model_id}",
+        response_model=ModelDetail,
+        tags=["models"],
+        summary="Describe one model",
         description="Deployment, signature, params, manifest metadata, generated config, lifecycle state, "
         "and Triton's statistics while it is loaded.",
     )
@@ -212,7 +227,10 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
         return await ops.describe(model_id)
 
     @router.delete(
-        "/models/{model_id}", status_code=204, tags=["models"], summary="Unload and delete a model",
+        "/models/{model_id}",
+        status_code=204,
+        tags=["models"],
+        summary="Unload and delete a model",
         response_class=Response,
     )
     async def delete_model(model_id: ModelId) -> Response:
@@ -220,15 +238,21 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
         return Response(status_code=204)
 
     @router.post(
-        "/models/{model_id}/load", response_model=ModelStatusBody, tags=["lifecycle"],
-        summary="Load (wake) a model", description="Returns once the model is ready (a cold start).",
+        "/models/{model_id}/load",
+        response_model=ModelStatusBody,
+        tags=["lifecycle"],
+        summary="Load (wake) a model",
+        description="Returns once the model is ready (a cold start).",
     )
     async def load_model(model_id: ModelId, body: Annotated[LoadRequest | None, Body()] = None) -> dict[str, Any]:
         return await ops.load(model_id, body.instances if body else None)
 
     @router.post(
-        "/models/{model_id}/unload", response_model=ModelStatusBody, tags=["lifecycle"],
-        summary="Unload a model", description="It wakes again on its next request.",
+        "/models/{model_id}/unload",
+        response_model=ModelStatusBody,
+        tags=["lifecycle"],
+        summary="Unload a model",
+        description="It wakes again on its next request.",
     )
     async def unload_model(model_id: ModelId) -> dict[str, Any]:
         return await ops.unload(model_id)
@@ -255,19 +279,23 @@ def create_app(settings: Settings, services: ControlPlaneServices) -> FastAPI:
         return {"status": "live"}
 
     @app.get(
-        "/health/ready", tags=["health"], summary="Triton is reachable and ready",
+        "/health/ready",
+        tags=["health"],
+        summary="Triton is reachable and ready",
         responses={503: {"model": ErrorBody, "description": "Triton is not ready"}},
     )
     async def ready() -> dict[str, str]:
         if not await services.triton.ready():
             raise UnavailableError(
                 f"Triton at {services.triton.http_url} is not ready",
-                hint="wait for it to start, or check its log", retry_after=1,
+                hint="wait for it to start, or check its log",
+                retry_after=1,
             )
         return {"status": "ready"}
 
     @app.get(
-        "/metrics", tags=["health"],
+        "/metrics",
+        tags=["health"],
         summary="snoozeml's metrics and Triton's own (nv_*: per-model requests, failures, latency) in Prometheus "
         "text format",
     )
@@ -307,15 +335,19 @@ def install_offline_docs(app: FastAPI) -> None:
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui() -> Response:
         return get_swagger_ui_html(
-            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - docs",
-            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js", swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} - docs",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
         )
 
     @app.get("/redoc", include_in_schema=False)
     async def redoc() -> Response:
         return get_redoc_html(
-            openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - ReDoc",
-            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js", redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} - ReDoc",
+            redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
+            redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
             with_google_fonts=False,
         )

@@ -74,9 +74,7 @@ class ControlPlaneClient:
         headers = {"X-API-Key": api_key} if api_key else {}
         self.base_url = base_url.rstrip("/")
         # Loads and publishes can take minutes (cold start, big packages): long reads, short connects.
-        self._http = httpx.Client(
-            base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0)
-        )
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
 
     def close(self) -> None:
         self._http.close()
@@ -94,13 +92,15 @@ class ControlPlaneClient:
             raise ControlPlaneError(
                 f"the control API at {self.base_url} did not answer {method} {path} in time",
                 hint="the server may still be working (a slow cold start); check `snoozectl status`",
-                status_code=504, code="timeout",
+                status_code=504,
+                code="timeout",
             ) from exc
         except httpx.TransportError as exc:
             raise ControlPlaneError(
                 f"cannot reach the control API at {self.base_url} ({type(exc).__name__}: {exc})",
                 hint="is `snoozectl serve` running? point --url (or SNOOZE_API_URL) at its API port",
-                status_code=503, code="unreachable",
+                status_code=503,
+                code="unreachable",
             ) from exc
         if r.is_success:
             return r.json() if r.content else None
@@ -109,7 +109,8 @@ class ControlPlaneClient:
             message, hint, code = str(body["error"]), body.get("hint"), str(body.get("code", "internal"))
         except (ValueError, KeyError, TypeError):
             raise ControlPlaneError(
-                f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}", status_code=r.status_code,
+                f"{method} {path}: HTTP {r.status_code}: {r.text[:500]}",
+                status_code=r.status_code,
                 hint="is --url the snoozeml control API (not the inference gateway)?",
             ) from None
         raise ControlPlaneError(message, hint=hint, status_code=r.status_code, code=code)
@@ -130,7 +131,8 @@ class ControlPlaneClient:
             raise ControlPlaneError(
                 f"{source}: no such file or folder",
                 hint="pass the package folder (it is packed for you) or an archive of it",
-                code="invalid_package", status_code=422,
+                code="invalid_package",
+                status_code=422,
             )
         if source.is_dir():
             with tempfile.TemporaryFile() as tmp:
@@ -139,7 +141,8 @@ class ControlPlaneClient:
         if not source.name.endswith(ARCHIVE_SUFFIXES):
             raise ControlPlaneError(
                 f"{source}: not a package folder or a {', '.join(ARCHIVE_SUFFIXES)} archive",
-                hint="pass the package folder (it is packed for you) or an archive of it", code="invalid_package",
+                hint="pass the package folder (it is packed for you) or an archive of it",
+                code="invalid_package",
                 status_code=422,
             )
         try:
@@ -157,7 +160,10 @@ class ControlPlaneClient:
         file.seek(0)
         body: IO[bytes] | _ProgressReader = _ProgressReader(file, total, progress) if progress else file
         return self._call(
-            "POST", "/v1/models", params={"id": model_id}, data={"deployment": json.dumps(deployment)},
+            "POST",
+            "/v1/models",
+            params={"id": model_id},
+            data={"deployment": json.dumps(deployment)},
             files={"package": (name, body, "application/octet-stream")},
         )
 

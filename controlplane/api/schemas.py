@@ -56,16 +56,19 @@ class PreloadedParentBody(BaseModel):
 
 class WakeQueueEntry(BaseModel):
     model: str
-    waiting_for: str = Field(description="'a load slot' (SNOOZE_MAX_CONCURRENT_LOADS) or 'memory' (held by loads "
-                             "and requests in flight)")
+    waiting_for: str = Field(
+        description="'a load slot' (SNOOZE_MAX_CONCURRENT_LOADS) or 'memory' (held by loads and requests in flight)"
+    )
     wait_secs: float = Field(description="How long its load has waited to start")
 
 
 class WakeQueueBody(BaseModel):
     length: int = Field(0, description="Loads of sleeping models waiting to start")
     oldest_wait_secs: float = Field(0.0, description="How long the oldest of them has waited")
-    wait_bound_secs: float = Field(description="SNOOZE_WAKE_QUEUE_TIMEOUT_SECS: a request whose model's load has "
-                                   "not started by then is answered 503 with Retry-After")
+    wait_bound_secs: float = Field(
+        description="SNOOZE_WAKE_QUEUE_TIMEOUT_SECS: a request whose model's load has "
+        "not started by then is answered 503 with Retry-After"
+    )
     waiting: list[WakeQueueEntry] = Field(default_factory=list, description="Oldest first")
 
 
@@ -118,8 +121,11 @@ class ModelDetail(ModelSummary):
     metadata: dict[str, Any] = Field(description="Capability/interface metadata from the package manifest")
     config: str = Field(description="The generated config.pbtxt")
     stats: dict[str, Any] | None = Field(None, description="Triton's inference statistics while loaded")
-    notes: list[str] = Field(default_factory=list, description="What publishing decided for the model and why "
-                             "(e.g. max_batch_size 0 for a model whose batch axis is not the first)")
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What publishing decided for the model and why "
+        "(e.g. max_batch_size 0 for a model whose batch axis is not the first)",
+    )
 
 
 class LoadRequest(BaseModel):

@@ -63,9 +63,7 @@ def serve(
         Path | None,
         typer.Option(help="Models folder (packages and/or models.toml) to publish [default: none, publish later]"),
     ] = None,
-    work_dir: Annotated[
-        Path | None, typer.Option(help="Runtime folder [SNOOZE_WORK_DIR; default: .snooze]")
-    ] = None,
+    work_dir: Annotated[Path | None, typer.Option(help="Runtime folder [SNOOZE_WORK_DIR; default: .snooze]")] = None,
     host: Annotated[str | None, typer.Option(help="Gateway and API address [SNOOZE_HOST; 127.0.0.1]")] = None,
     http_port: Annotated[int | None, typer.Option(help="Gateway HTTP port [SNOOZE_HTTP_PORT; 8000]")] = None,
     grpc_port: Annotated[int | None, typer.Option(help="Gateway gRPC port [SNOOZE_GRPC_PORT; 8001]")] = None,
@@ -99,9 +97,17 @@ def serve(
     from controlplane.stack import run_stack
 
     given = {
-        "work_dir": work_dir, "host": host, "http_port": http_port, "grpc_port": grpc_port, "api_port": api_port,
-        "triton_url": triton_url, "triton_grpc_url": triton_grpc_url, "target": target,
-        "triton_metrics_url": triton_metrics_url, "model_repository": model_repository, "journal_dir": journal_dir,
+        "work_dir": work_dir,
+        "host": host,
+        "http_port": http_port,
+        "grpc_port": grpc_port,
+        "api_port": api_port,
+        "triton_url": triton_url,
+        "triton_grpc_url": triton_grpc_url,
+        "target": target,
+        "triton_metrics_url": triton_metrics_url,
+        "model_repository": model_repository,
+        "journal_dir": journal_dir,
     }
     overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
     if no_gateway:
@@ -161,8 +167,10 @@ def render(
 def check(
     path: Annotated[Path, typer.Argument(metavar="PATH", help="Package folder")],
     inputs: Annotated[
-        list[str] | None, typer.Option("--input", "-i", metavar="NAME:SHAPE|NAME=FILE.npy",
-                     help="Batch first, e.g. x:4x3 (repeat per input)")
+        list[str] | None,
+        typer.Option(
+            "--input", "-i", metavar="NAME:SHAPE|NAME=FILE.npy", help="Batch first, e.g. x:4x3 (repeat per input)"
+        ),
     ] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
     max_batch_size: Annotated[int, typer.Option(help="0 if the model does not batch")] = 8,
@@ -184,7 +192,8 @@ def check(
     if as_json:
         outputs = {
             name: {
-                "shape": list(a.shape), "dtype": str(a.dtype),
+                "shape": list(a.shape),
+                "dtype": str(a.dtype),
                 "returned_dtype": result.returned.get(name, str(a.dtype)),
                 **({"note": result.notes[name]} if name in result.notes else {}),
                 "data": a.ravel()[:8].tolist(),
@@ -199,8 +208,9 @@ def check(
         first = ", ".join(_short(v) for v in array.ravel()[:6])
         more = ", ..." if array.size > 6 else ""
         # markup off: a BYTES value in brackets ([b'hello w42']) would read as a Rich tag and vanish
-        console.print(f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{more}]", highlight=False,
-                      markup=False)
+        console.print(
+            f"  {name}: shape {tuple(array.shape)} {array.dtype}  [{first}{more}]", highlight=False, markup=False
+        )
         if name in result.notes:  # what predict really returned, when the runtime narrowed it
             console.print(f"    note: {result.notes[name]}", highlight=False, markup=False, soft_wrap=True)
 

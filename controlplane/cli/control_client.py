@@ -20,7 +20,9 @@ Url = Annotated[str, typer.Option("--url", envvar="SNOOZE_API_URL", help="Contro
 ApiKey = Annotated[
     str | None,
     typer.Option(
-        "--api-key", envvar="SNOOZE_API_KEY", show_default=False,
+        "--api-key",
+        envvar="SNOOZE_API_KEY",
+        show_default=False,
         help="An admin key of the control API (every /v1 call needs one; inference keys only infer)",
     ),
 ]

@@ -30,7 +30,6 @@ _err = err_console
 _INPUT = re.compile(r"^(?P<name>[^=]+)=(?P<file>.+\.npy)$")
 
 
-
 @contextmanager
 def _stages(title: str, as_json: bool) -> Iterator[Callable[[str], None]]:
     """A spinner showing the current stage; each finished stage stays printed with its duration."""

@@ -62,18 +62,24 @@ def publish(
     max_batch_delay_ms: Annotated[float | None, typer.Option(help="Dynamic batcher max queue delay")] = None,
     idle_timeout: Annotated[
         float | None,
-        typer.Option("--idle-timeout-secs", "--idle-timeout",
-                     help="Unload after this many idle seconds (idle_timeout_secs)"),
+        typer.Option(
+            "--idle-timeout-secs", "--idle-timeout", help="Unload after this many idle seconds (idle_timeout_secs)"
+        ),
     ] = None,
     keep_alive: Annotated[
         str | None,
-        typer.Option(metavar="fixed|adaptive", help="fixed: the idle timeout; adaptive: learned keep-alive and "
-                     "pre-warm windows [default: fixed]"),
+        typer.Option(
+            metavar="fixed|adaptive",
+            help="fixed: the idle timeout; adaptive: learned keep-alive and pre-warm windows [default: fixed]",
+        ),
     ] = None,
     worker: Annotated[
         str | None,
-        typer.Option(metavar="in-stub|preforked", help="Custom models: in the python-backend stub, or in a worker "
-                     "forked from a parent that preloaded the framework [default: in-stub]"),
+        typer.Option(
+            metavar="in-stub|preforked",
+            help="Custom models: in the python-backend stub, or in a worker "
+            "forked from a parent that preloaded the framework [default: in-stub]",
+        ),
     ] = None,
     instances: Annotated[int | None, typer.Option(help="Instances loaded on wake-up")] = None,
     max_instances: Annotated[int | None, typer.Option(help="Upper bound for the autoscaler")] = None,
@@ -107,14 +113,25 @@ def publish(
     from contextlib import ExitStack
 
     options = {
-        "device": device, "max_batch_size": max_batch_size, "max_batch_delay_ms": max_batch_delay_ms,
-        "idle_timeout_secs": idle_timeout, "keep_alive": keep_alive, "worker": worker, "instances": instances,
-        "max_instances": max_instances, "memory_mb": memory_mb,
+        "device": device,
+        "max_batch_size": max_batch_size,
+        "max_batch_delay_ms": max_batch_delay_ms,
+        "idle_timeout_secs": idle_timeout,
+        "keep_alive": keep_alive,
+        "worker": worker,
+        "instances": instances,
+        "max_instances": max_instances,
+        "memory_mb": memory_mb,
     }
     deployment = {k: v for k, v in options.items() if v is not None}
     if not server_path and not path.exists():
-        raise fail(SnoozeError(f"{path}: no such file or folder",
-                               hint="pass the package folder (it is packed for you) or an archive of it"), as_json)
+        raise fail(
+            SnoozeError(
+                f"{path}: no such file or folder",
+                hint="pass the package folder (it is packed for you) or an archive of it",
+            ),
+            as_json,
+        )
     with open_client(url, api_key, as_json) as client, ExitStack() as native:
         from controlplane.api.client import default_model_id
 
@@ -192,8 +209,9 @@ def _load_or_withdraw(client: Any, name: str, existed: bool, as_json: bool) -> d
         status = waiting(f"loading {name} (cold start)", as_json, lambda: client.load(name))
         if status.get("state") != "failed":
             return status
-        error = ControlPlaneError(f"model '{name}' failed to load: {status.get('reason', '')}", status_code=503,
-                                  code="load_failed")
+        error = ControlPlaneError(
+            f"model '{name}' failed to load: {status.get('reason', '')}", status_code=503, code="load_failed"
+        )
     except ControlPlaneError as exc:
         error = exc
     if existed:
@@ -202,8 +220,12 @@ def _load_or_withdraw(client: Any, name: str, existed: bool, as_json: bool) -> d
         client.delete(name)
         note = f"model '{name}' was not kept: publish --load keeps only a model that loads"
     hint = f"{error.hint}; " if error.hint else ""
-    raise ControlPlaneError(error.message, hint=f"{hint}{note}; try it with `snoozectl check <folder>`",
-                            status_code=error.status_code, code=error.code)
+    raise ControlPlaneError(
+        error.message,
+        hint=f"{hint}{note}; try it with `snoozectl check <folder>`",
+        status_code=error.status_code,
+        code=error.code,
+    )
 
 
 # Fallback stages that come after an export hook was found: the user asked for a native model.

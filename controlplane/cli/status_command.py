@@ -129,8 +129,12 @@ def status_table(models: list[dict[str, Any]]) -> Table:
         s = model["status"]
         cold = s.get("last_cold_start_secs")
         table.add_row(
-            model["id"], state_text(s, in_table=True), str(s.get("instances", 0)), _ago(s.get("last_access")),
-            _keep_alive(s), _memory_cell(s),
+            model["id"],
+            state_text(s, in_table=True),
+            str(s.get("instances", 0)),
+            _ago(s.get("last_access")),
+            _keep_alive(s),
+            _memory_cell(s),
             *([_gpu_memory(s.get("gpu_memory_bytes"))] if gpu else []),
             *([_nodes(s.get("nodes"))] if fleet else []),
             *([_warmup_cell(s.get("warmup"))] if warm else []),

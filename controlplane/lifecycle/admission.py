@@ -197,9 +197,7 @@ class Admission:
 
     def _size_unknown(self, rec: ModelRecord, need: int) -> bool:
         """No estimate for the model's memory although it will be measured (a python model, processes in view)."""
-        return (
-            not need and self.budget.budget_mb is not None and rec.is_python and self.processes.visible
-        )
+        return not need and self.budget.budget_mb is not None and rec.is_python and self.processes.visible
 
     def _first_in_line(self, rec: ModelRecord) -> bool:
         """No other load has waited for memory longer (evicting loads take turns in arrival order)."""

@@ -325,9 +325,7 @@ class Loader(Admission):
             self._swept = pids
             # a model whose processes are changing (an instance leaving, one that died) is measured at its next load
             return [
-                self._held(r, live[r.id], max_age=max_age)
-                if len(live.get(r.id, ())) == r.instances
-                else None
+                self._held(r, live[r.id], max_age=max_age) if len(live.get(r.id, ())) == r.instances else None
                 for r, _ in seen
             ]
 

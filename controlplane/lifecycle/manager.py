@@ -16,6 +16,7 @@ again, so no request is lost: before unloading, the model is taken out of servic
 UNLOADING, so wake-ups wait for the unload instead of racing it) and Triton must report zero
 pending requests for it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -48,9 +49,6 @@ if TYPE_CHECKING:
     from controlplane.triton.launcher import EmbeddedTriton
 
 log = logging.getLogger("snoozeml.lifecycle")
-
-
-
 
 
 class LifecycleManager(Supervisor, RequestPath, Operations):
@@ -140,4 +138,3 @@ class LifecycleManager(Supervisor, RequestPath, Operations):
         # wait for it; one job's long pass (the store's reloads) does not hold up the others
         self._passes: dict[str, asyncio.Lock] = {}
         self._unpublished: set[str] = set()  # models the last sweep found loaded or recorded but not published
-

@@ -22,11 +22,7 @@ if TYPE_CHECKING:
     pass
 
 
-
 log = logging.getLogger("snoozeml.lifecycle")
-
-
-
 
 
 class Operations(ManagerParts):
@@ -216,7 +212,6 @@ class Operations(ManagerParts):
         }
 
     # Transitions (each runs as the model's single op task)
-
 
     async def _cold_load_op(self, rec: ModelRecord, trigger: str, instances: int | None = None) -> None:
         try:

@@ -37,7 +37,6 @@ STOP_TRANSITIONS_SECS = 15.0
 class Supervisor(ManagerParts):
     """The periodic side of ``LifecycleManager``."""
 
-
     async def start(self) -> None:
         """Adopt what Triton has loaded (a restarted control plane keeps its models), start sweeping
         and watching model processes."""
@@ -47,9 +46,7 @@ class Supervisor(ManagerParts):
         await self.loader.enforce()  # what was adopted may hold more than the budget
         if not self._tasks:
             self._tasks = [
-                asyncio.create_task(
-                    self._every(self._sweep_delay, self.sweep, "sweep"), name="snooze-sweeper"
-                ),
+                asyncio.create_task(self._every(self._sweep_delay, self.sweep, "sweep"), name="snooze-sweeper"),
                 asyncio.create_task(
                     self._every(self.settings.watch_interval_secs, self.watch, "process watch"), name="snooze-watch"
                 ),

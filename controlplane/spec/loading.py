@@ -116,8 +116,11 @@ def load_package(path: str | Path) -> ModelPackage:
             )
         missing = [name for name in ("inputs", "outputs") if not getattr(manifest, name)]
         if missing:
-            hint = _MANIFEST_HINT if not manifest_path.exists() else "add " + ", ".join(
-                f'"{name}": [{{"name": "x", "datatype": "FP32", "dims": [3]}}]' for name in missing
+            hint = (
+                _MANIFEST_HINT
+                if not manifest_path.exists()
+                else "add "
+                + ", ".join(f'"{name}": [{{"name": "x", "datatype": "FP32", "dims": [3]}}]' for name in missing)
             )
             raise InvalidPackageError(_missing_signature_message(package_dir, missing), hint=hint)
         _check_unique_names(manifest.inputs or [], manifest.outputs or [], manifest_path)
@@ -133,7 +136,12 @@ def load_package(path: str | Path) -> ModelPackage:
                 hint="copy them from the ONNX model the plan was built from",
             )
     return ModelPackage(
-        package_dir, kind, manifest, list(manifest.inputs or []), list(manifest.outputs or []), files,
+        package_dir,
+        kind,
+        manifest,
+        list(manifest.inputs or []),
+        list(manifest.outputs or []),
+        files,
         model_file=PLAN_FILE,
     )
 
@@ -179,10 +187,7 @@ def _load_onnx_package(package_dir: Path, manifest: Manifest, files: list[str]) 
     batch = sig.batch_dynamic
 
     def derived(tensors: Any) -> list[TensorSpec]:
-        return [
-            TensorSpec(name=t.name, datatype=t.dtype, dims=list(t.dims[1:] if batch else t.dims))
-            for t in tensors
-        ]
+        return [TensorSpec(name=t.name, datatype=t.dtype, dims=list(t.dims[1:] if batch else t.dims)) for t in tensors]
 
     inputs, outputs = derived(sig.inputs), derived(sig.outputs)
     manifest_path = package_dir / MANIFEST_FILE
@@ -265,10 +270,16 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
             if "max_batch_size" not in deployment.model_fields_set:  # the default, not the user's choice
                 # A batch axis that is not the first (a state tensor [2, batch, 128]) or none at all: served as
                 # it is, each request one call (the package's dims are the file's full shapes already).
-                why = str(exc).split(": ", 1)[-1].split(". Fix:", 1)[0].removeprefix(
-                    "cannot serve with max_batch_size > 0 because ")
-                notes.append(f"max_batch_size 0 (no batching): {why}; Triton batches along the first axis only, "
-                             "so requests are served one at a time with the file's full shapes")
+                why = (
+                    str(exc)
+                    .split(": ", 1)[-1]
+                    .split(". Fix:", 1)[0]
+                    .removeprefix("cannot serve with max_batch_size > 0 because ")
+                )
+                notes.append(
+                    f"max_batch_size 0 (no batching): {why}; Triton batches along the first axis only, "
+                    "so requests are served one at a time with the file's full shapes"
+                )
                 deployment = deployment.model_copy(update={"max_batch_size": 0})
                 return _checked(ModelSpec(deployment, package, params, tuple(notes)))
             raise InvalidPackageError(

@@ -181,7 +181,7 @@ class SequenceSpec(BaseModel):
     @model_validator(mode="after")
     def _candidates_need_oldest(self) -> SequenceSpec:
         if self.max_candidate_sequences is not None and self.strategy != SequenceStrategy.OLDEST:
-            raise ValueError("max_candidate_sequences applies to strategy = \"oldest\" only")
+            raise ValueError('max_candidate_sequences applies to strategy = "oldest" only')
         return self
 
 

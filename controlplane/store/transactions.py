@@ -118,7 +118,6 @@ def write_model(rendered: RenderedModel, repo: Path) -> Path:
     return final
 
 
-
 def remove_model(repo: Path, model_id: str) -> bool:
     """Take a model folder out of the repository with one rename, then delete it."""
     final = Path(repo) / model_id

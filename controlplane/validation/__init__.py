@@ -84,8 +84,12 @@ def validate_repository(
     report = ValidationReport(str(given), tgt.name, load)
     rec = Recorder(REPOSITORY)
     if not repo_path.is_dir():
-        rec.fail("repository", "the model repository folder does not exist", file=str(given),
-                 fix="pass the folder snoozectl render / serve wrote (e.g. .snooze/model_repository)")
+        rec.fail(
+            "repository",
+            "the model repository folder does not exist",
+            file=str(given),
+            fix="pass the folder snoozectl render / serve wrote (e.g. .snooze/model_repository)",
+        )
         report.results = rec.results
         return report
     folders = _model_folders(repo_path)
@@ -96,8 +100,9 @@ def validate_repository(
             rec.fail("repository", f"no model folder '{name}'", file=name, fix="check the model name")
         folders = [f for f in folders if f.name in wanted]
     if not folders and not rec.failed:
-        rec.fail("repository", "no model folders", file=str(given),
-                 fix="render models into it first (snoozectl render)")
+        rec.fail(
+            "repository", "no model folders", file=str(given), fix="render models into it first (snoozectl render)"
+        )
     report.results += rec.results
     # One import probe per core (each checks many packages, forking per package); the reading and parsing
     # of the static checks runs on as many threads, most of it waiting on the probes.
@@ -114,7 +119,8 @@ def validate_repository(
             else:
                 candidates.append((folder, parse_config((folder / "config.pbtxt").read_text(), where=folder.name)))
         if candidates:
-            report.results += dynamic_checks(repo_path, candidates, tgt, triton_url, dict(triton_headers or {}),
-                                              load_timeout, strict)
+            report.results += dynamic_checks(
+                repo_path, candidates, tgt, triton_url, dict(triton_headers or {}), load_timeout, strict
+            )
     report.results.sort(key=lambda r: (r.model != REPOSITORY, r.model))  # stable: checks keep their order
     return report

@@ -139,8 +139,9 @@ def choose_inputs(folder: Path, config: Any) -> ChosenInputs:
     return ChosenInputs({n: chosen[n] for n in names}, {n: sources[n] for n in names})
 
 
-def warmup_infer(http_url: str, config: Any, headers: dict[str, str], timeout: float,
-                 chosen: ChosenInputs | None = None) -> str:
+def warmup_infer(
+    http_url: str, config: Any, headers: dict[str, str], timeout: float, chosen: ChosenInputs | None = None
+) -> str:
     """One inference through tritonclient.http; returns a short description, raises on failure."""
     import tritonclient.http as httpclient
 
@@ -173,8 +174,16 @@ def _load_timeout(folder: Path, default: float) -> float:
         return default
 
 
-async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, headers: dict[str, str],
-                    default_timeout: float, was_ready: bool, strict: bool = False) -> list[CheckResult]:
+async def _load_one(
+    admin: Any,
+    http_url: str,
+    folder: Path,
+    config: Any,
+    headers: dict[str, str],
+    default_timeout: float,
+    was_ready: bool,
+    strict: bool = False,
+) -> list[CheckResult]:
     name = folder.name
     rec = Recorder(name)
     rel = f"{name}/config.pbtxt"
@@ -185,33 +194,50 @@ async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, header
     except SnoozeError as exc:
         fix = exc.hint or "read Triton's reason above (and its log); fix the model and re-render"
         if "warmup sample" in exc.message or "warm-up inference" in exc.message:
-            fix = ("predict() failed on the load's warm-up inputs (zeros shaped like the signature, BYTES b'snooze'): "
-                   "fix it, ship 'warmup' samples in snooze_model.json, or set \"warmup\": false there")
+            fix = (
+                "predict() failed on the load's warm-up inputs (zeros shaped like the signature, BYTES b'snooze'): "
+                "fix it, ship 'warmup' samples in snooze_model.json, or set \"warmup\": false there"
+            )
         rec.fail("load", f"Triton did not load it: {exc.message}", file=rel, fix=fix)
         return rec.results
     load_secs = time.perf_counter() - start
     rec.ok("load", f"loaded in {load_secs:.2f}s", rel, load_secs=load_secs)
     start = time.perf_counter()
     if config.model_transaction_policy.decoupled:  # Triton refuses HTTP infer for a stream (501)
-        rec.skip("warmup_infer", "a decoupled (streaming) model: Triton answers it on gRPC streams only, so no "
-                 "HTTP inference is sent; it loaded", rel)
+        rec.skip(
+            "warmup_infer",
+            "a decoupled (streaming) model: Triton answers it on gRPC streams only, so no "
+            "HTTP inference is sent; it loaded",
+            rel,
+        )
     else:
         chosen = choose_inputs(folder, config)
         try:
             shapes = await asyncio.to_thread(warmup_infer, http_url, config, headers, timeout, chosen)
-            rec.ok("warmup_infer", f"one inference in {time.perf_counter() - start:.3f}s ({chosen.describe()}): "
-                   f"{shapes}", rel)
+            rec.ok(
+                "warmup_infer",
+                f"one inference in {time.perf_counter() - start:.3f}s ({chosen.describe()}): {shapes}",
+                rel,
+            )
         except Exception as exc:  # tritonclient raises InferenceServerException and transport errors
             if chosen.generated:
                 # Random values the model may rightly refuse: the package can say what it takes.
-                problem = (f"the inference on generated input(s) {chosen.generated} (random values shaped like "
-                           f"the config) failed: {exc}")
-                fix = ("if the model refuses such values, ship a sample of what it takes: 'warmup': {\"<input>\": "
-                       "\"<file>.npy\"} in snooze_model.json (validate sends it instead); else fix predict()")
+                problem = (
+                    f"the inference on generated input(s) {chosen.generated} (random values shaped like "
+                    f"the config) failed: {exc}"
+                )
+                fix = (
+                    "if the model refuses such values, ship a sample of what it takes: 'warmup': {\"<input>\": "
+                    '"<file>.npy"} in snooze_model.json (validate sends it instead); else fix predict()'
+                )
                 (rec.fail if strict else rec.warn)("warmup_infer", problem, file=rel, fix=fix)
             else:
-                rec.fail("warmup_infer", f"the inference on the package's own inputs ({chosen.describe()}) failed: "
-                         f"{exc}", file=rel, fix="fix the model's predict() for the inputs it ships")
+                rec.fail(
+                    "warmup_infer",
+                    f"the inference on the package's own inputs ({chosen.describe()}) failed: {exc}",
+                    file=rel,
+                    fix="fix the model's predict() for the inputs it ships",
+                )
     if was_ready:
         rec.ok("unload", "left loaded: it was loaded before validation started", rel)
         return rec.results
@@ -223,8 +249,9 @@ async def _load_one(admin: Any, http_url: str, folder: Path, config: Any, header
     return rec.results
 
 
-async def _load_all(http_url: str, models: list[tuple[Path, Any]], headers: dict[str, str],
-                    default_timeout: float, strict: bool = False) -> list[CheckResult]:
+async def _load_all(
+    http_url: str, models: list[tuple[Path, Any]], headers: dict[str, str], default_timeout: float, strict: bool = False
+) -> list[CheckResult]:
     from controlplane.triton.client import TritonAdminClient
 
     # The restricted model-repository API of a compose/Kubernetes Triton wants its key in a header.
@@ -233,13 +260,18 @@ async def _load_all(http_url: str, models: list[tuple[Path, Any]], headers: dict
             ready = {e.name for e in await admin.repository_index() if e.state == "READY"}
         except SnoozeError as exc:
             rec = Recorder(REPOSITORY)
-            rec.fail("triton", f"Triton at {http_url} does not answer its repository index: {exc}", file=None,
-                     fix="check --triton-url and the model-repository API key (--triton-header)")
+            rec.fail(
+                "triton",
+                f"Triton at {http_url} does not answer its repository index: {exc}",
+                file=None,
+                fix="check --triton-url and the model-repository API key (--triton-header)",
+            )
             return rec.results
         results: list[CheckResult] = []
         for folder, config in models:
-            results += await _load_one(admin, http_url, folder, config, headers, default_timeout,
-                                       folder.name in ready, strict)
+            results += await _load_one(
+                admin, http_url, folder, config, headers, default_timeout, folder.name in ready, strict
+            )
         return results
 
 
@@ -253,9 +285,15 @@ def _run_coroutine(make: Callable[[], Any]) -> Any:
         return pool.submit(lambda: asyncio.run(make())).result()
 
 
-def dynamic_checks(repo: Path, candidates: list[tuple[Path, Any]], target: TritonTarget,
-                    triton_url: str | None, headers: dict[str, str], load_timeout: float,
-                    strict: bool = False) -> list[CheckResult]:
+def dynamic_checks(
+    repo: Path,
+    candidates: list[tuple[Path, Any]],
+    target: TritonTarget,
+    triton_url: str | None,
+    headers: dict[str, str],
+    load_timeout: float,
+    strict: bool = False,
+) -> list[CheckResult]:
     from controlplane.triton.embedded_dist import detect_backends
     from controlplane.triton.launcher import EmbeddedTriton
 
@@ -270,8 +308,12 @@ def dynamic_checks(repo: Path, candidates: list[tuple[Path, Any]], target: Trito
             triton.start()
         except SnoozeError as exc:
             rec = Recorder(REPOSITORY)
-            rec.fail("triton", f"the embedded tritonserver did not start: {exc.message}", file=None,
-                     fix=exc.hint or "install snoozeml[embedded], or pass --triton-url of a running Triton")
+            rec.fail(
+                "triton",
+                f"the embedded tritonserver did not start: {exc.message}",
+                file=None,
+                fix=exc.hint or "install snoozeml[embedded], or pass --triton-url of a running Triton",
+            )
             shutil.rmtree(work_dir, ignore_errors=True)
             return rec.results
         backends = detect_backends(work_dir / "backends") or {"python"}  # detected, not assumed
@@ -283,8 +325,14 @@ def dynamic_checks(repo: Path, candidates: list[tuple[Path, Any]], target: Trito
             if backend in backends:
                 runnable.append((folder, config))
             else:
-                results.append(CheckResult(folder.name, "load", SKIP,
-                                           f"not loaded: this Triton has no '{backend}' backend ({sorted(backends)})"))
+                results.append(
+                    CheckResult(
+                        folder.name,
+                        "load",
+                        SKIP,
+                        f"not loaded: this Triton has no '{backend}' backend ({sorted(backends)})",
+                    )
+                )
         results += _run_coroutine(lambda: _load_all(triton_url, runnable, headers, load_timeout, strict))
     finally:
         if triton is not None:
@@ -292,4 +340,3 @@ def dynamic_checks(repo: Path, candidates: list[tuple[Path, Any]], target: Trito
         if work_dir is not None:
             shutil.rmtree(work_dir, ignore_errors=True)
     return results
-

@@ -79,18 +79,28 @@ class ValidationReport:
 
     def to_junit_xml(self) -> str:
         """JUnit XML: one testsuite per model, one testcase per check (load time as the case's time)."""
-        root = ET.Element("testsuites", name="snoozectl validate", tests=str(len(self.results)),
-                          failures=str(len(self.failures)))
+        root = ET.Element(
+            "testsuites", name="snoozectl validate", tests=str(len(self.results)), failures=str(len(self.failures))
+        )
         for model in dict.fromkeys(r.model for r in self.results):
             cases = self.for_model(model)
             suite = ET.SubElement(
-                root, "testsuite", name=f"snoozeml.validate.{model}", tests=str(len(cases)),
-                failures=str(sum(not c.ok for c in cases)), skipped=str(sum(c.status == SKIP for c in cases)),
+                root,
+                "testsuite",
+                name=f"snoozeml.validate.{model}",
+                tests=str(len(cases)),
+                failures=str(sum(not c.ok for c in cases)),
+                skipped=str(sum(c.status == SKIP for c in cases)),
                 time=f"{sum(c.load_secs or 0.0 for c in cases):.3f}",
             )
             for c in cases:
-                case = ET.SubElement(suite, "testcase", classname=f"snoozeml.validate.{model}", name=c.check,
-                                     time=f"{c.load_secs or 0.0:.3f}")
+                case = ET.SubElement(
+                    suite,
+                    "testcase",
+                    classname=f"snoozeml.validate.{model}",
+                    name=c.check,
+                    time=f"{c.load_secs or 0.0:.3f}",
+                )
                 if c.file:
                     case.set("file", c.file)
                 if c.status == FAIL:
@@ -126,20 +136,34 @@ class ValidationReport:
             shown = results if verbose else [r for r in results if r.status != OK]
             if not verbose:
                 passed = sum(r.status == OK for r in results)
-                table.add_row(model, "(all)", f"[{style[OK]}]ok[/]" if all(r.ok for r in results)
-                              else f"[{style[FAIL]}]fail[/]", load_text, f"{passed}/{len(results)} checks passed")
+                table.add_row(
+                    model,
+                    "(all)",
+                    f"[{style[OK]}]ok[/]" if all(r.ok for r in results) else f"[{style[FAIL]}]fail[/]",
+                    load_text,
+                    f"{passed}/{len(results)} checks passed",
+                )
             for r in shown:
-                table.add_row(model, r.check, f"[{style[r.status]}]{r.status}[/]",
-                              f"{r.load_secs:.2f}" if r.load_secs is not None else "", r.message)
+                table.add_row(
+                    model,
+                    r.check,
+                    f"[{style[r.status]}]{r.status}[/]",
+                    f"{r.load_secs:.2f}" if r.load_secs is not None else "",
+                    r.message,
+                )
         console.print(table)
         n_models = len(self.models)
         if self.ok:
             warned = sum(r.status == WARN for r in self.results)
-            console.print(f"[green]OK[/]: {n_models} model(s), {len(self.results)} checks, none failed"
-                          + (f", {warned} warning(s)" if warned else ""))
+            console.print(
+                f"[green]OK[/]: {n_models} model(s), {len(self.results)} checks, none failed"
+                + (f", {warned} warning(s)" if warned else "")
+            )
         else:
-            console.print(f"[bold red]FAILED[/]: {len(self.failures)} of {len(self.results)} checks "
-                          f"failed across {n_models} model(s)")
+            console.print(
+                f"[bold red]FAILED[/]: {len(self.failures)} of {len(self.results)} checks "
+                f"failed across {n_models} model(s)"
+            )
 
 
 def _own_words(problem: str, model: str, file: str | None) -> str:

@@ -73,22 +73,34 @@ def _check_config(m: _ModelFolder) -> None:
     path = m.path / "config.pbtxt"
     rel = m.rel(path)
     if not path.is_file():
-        m.rec.fail("config", "no config.pbtxt", file=rel,
-                   fix="re-render the repository (snoozectl render / publish); Triton runs with "
-                       "--disable-auto-complete-config and needs a complete config")
+        m.rec.fail(
+            "config",
+            "no config.pbtxt",
+            file=rel,
+            fix="re-render the repository (snoozectl render / publish); Triton runs with "
+            "--disable-auto-complete-config and needs a complete config",
+        )
         return
     try:
         m.config = parse_config(path.read_text(encoding="utf-8"), where=rel)
     except (InvalidPackageError, UnicodeDecodeError) as exc:
         problem = exc.message if isinstance(exc, InvalidPackageError) else f"not UTF-8 text ({exc})"
-        m.rec.fail("config", problem, file=rel,
-                   fix="correct the protobuf text (see Triton's model_config.proto) or re-render the model")
+        m.rec.fail(
+            "config",
+            problem,
+            file=rel,
+            fix="correct the protobuf text (see Triton's model_config.proto) or re-render the model",
+        )
         return
     m.rec.ok("config", "parses as Triton ModelConfig", rel)
     name = m.config.name
     if name and name != m.name:
-        m.rec.fail("name", f"config name '{name}' does not match its folder '{m.name}'", file=rel,
-                   fix=f"set name: \"{m.name}\" in config.pbtxt or rename the folder to '{name}'")
+        m.rec.fail(
+            "name",
+            f"config name '{name}' does not match its folder '{m.name}'",
+            file=rel,
+            fix=f"set name: \"{m.name}\" in config.pbtxt or rename the folder to '{name}'",
+        )
     else:
         m.rec.ok("name", f"name matches folder '{m.name}'", rel)
     _resolve_backend(m, rel)
@@ -99,8 +111,12 @@ def _resolve_backend(m: _ModelFolder, rel: str) -> None:
     backend = cfg.backend or PLATFORM_BACKENDS.get(cfg.platform)
     if not backend:
         what = f"platform '{cfg.platform}' is not known" if cfg.platform else "names no backend or platform"
-        m.rec.fail("backend", f"the config {what}", file=rel,
-                   fix='set backend: "python" or platform: "onnxruntime_onnx" / "tensorrt_plan"')
+        m.rec.fail(
+            "backend",
+            f"the config {what}",
+            file=rel,
+            fix='set backend: "python" or platform: "onnxruntime_onnx" / "tensorrt_plan"',
+        )
         return
     m.backend = backend
     default = _DEFAULT_FILES.get(cfg.platform) or _DEFAULT_FILES.get(backend)
@@ -108,16 +124,25 @@ def _resolve_backend(m: _ModelFolder, rel: str) -> None:
 
 
 def _check_versions(m: _ModelFolder) -> None:
-    dirs = sorted(p for p in m.path.iterdir()
-                  if p.is_dir() and not p.name.startswith((".", "__")) and p.name != WARMUP_DIR)
+    dirs = sorted(
+        p for p in m.path.iterdir() if p.is_dir() and not p.name.startswith((".", "__")) and p.name != WARMUP_DIR
+    )
     bad = [p for p in dirs if not _VERSION_RE.fullmatch(p.name)]
     for p in bad:
-        m.rec.fail("versions", f"folder '{p.name}' is not a version number; Triton ignores it", file=m.rel(p),
-                   fix="name version folders 1, 2, ... (no leading zero) or move the folder out of the model")
+        m.rec.fail(
+            "versions",
+            f"folder '{p.name}' is not a version number; Triton ignores it",
+            file=m.rel(p),
+            fix="name version folders 1, 2, ... (no leading zero) or move the folder out of the model",
+        )
     m.versions = sorted((p for p in dirs if p not in bad), key=lambda p: int(p.name))
     if not m.versions:
-        m.rec.fail("versions", "no version folder", file=m.rel(m.path),
-                   fix="put the model files in a numbered folder (e.g. 1/) or re-render the model")
+        m.rec.fail(
+            "versions",
+            "no version folder",
+            file=m.rel(m.path),
+            fix="put the model files in a numbered folder (e.g. 1/) or re-render the model",
+        )
     elif not bad:
         m.rec.ok("versions", f"version(s) {', '.join(p.name for p in m.versions)}", m.rel(m.path))
 
@@ -131,15 +156,25 @@ def _check_model_files(m: _ModelFolder) -> None:
     for version in m.versions:
         path = version / m.model_file
         if not path.exists():
-            fix = ("copy the TensorRT engine there (built for this GPU and TensorRT version)"
-                   if m.backend == "tensorrt" else "re-render the model (snoozectl render / publish)")
-            m.rec.fail("model_file", f"backend '{m.backend}' needs {m.model_file} in version {version.name}",
-                       file=m.rel(path), fix=fix)
+            fix = (
+                "copy the TensorRT engine there (built for this GPU and TensorRT version)"
+                if m.backend == "tensorrt"
+                else "re-render the model (snoozectl render / publish)"
+            )
+            m.rec.fail(
+                "model_file",
+                f"backend '{m.backend}' needs {m.model_file} in version {version.name}",
+                file=m.rel(path),
+                fix=fix,
+            )
         else:
             m.rec.ok("model_file", f"{m.model_file} present", m.rel(path))
     if m.backend == "tensorrt":
-        m.rec.ok("gpu_only", "TensorRT plan: GPU-only, tied to the GPU's compute capability and TensorRT version "
-                 "it was built with", m.rel(m.path / "config.pbtxt"))
+        m.rec.ok(
+            "gpu_only",
+            "TensorRT plan: GPU-only, tied to the GPU's compute capability and TensorRT version it was built with",
+            m.rel(m.path / "config.pbtxt"),
+        )
 
 
 def _check_target(m: _ModelFolder, target: TritonTarget) -> None:
@@ -149,9 +184,12 @@ def _check_target(m: _ModelFolder, target: TritonTarget) -> None:
         m.rec.ok("target", f"backend '{m.backend}' is available on target '{target.name}'")
         return
     extra = " and a GPU" if m.backend == "tensorrt" else ""
-    m.rec.skip("target", f"backend '{m.backend}' is not on target '{target.name}' "
-               f"({sorted(target.backends)}): it needs a Triton with the {m.backend} backend{extra}; "
-               "not loaded here")
+    m.rec.skip(
+        "target",
+        f"backend '{m.backend}' is not on target '{target.name}' "
+        f"({sorted(target.backends)}): it needs a Triton with the {m.backend} backend{extra}; "
+        "not loaded here",
+    )
 
 
 # --- ONNX ------------------------------------------------------------------------------------
@@ -184,9 +222,13 @@ def _check_onnx(m: _ModelFolder, onnx_path: Path) -> None:
     except ConversionError as exc:
         text = str(exc)
         if "external-data" in text:
-            m.rec.fail("onnx_external_data", text, file=rel,
-                       fix="copy the external-data file next to the .onnx file, or re-save the model with "
-                           "its weights inlined, then re-render")
+            m.rec.fail(
+                "onnx_external_data",
+                text,
+                file=rel,
+                fix="copy the external-data file next to the .onnx file, or re-save the model with "
+                "its weights inlined, then re-render",
+            )
         else:
             m.rec.fail("onnx_graph", text, file=rel, fix="re-export the ONNX model and re-render")
         return
@@ -194,16 +236,23 @@ def _check_onnx(m: _ModelFolder, onnx_path: Path) -> None:
         m.rec.ok("onnx_external_data", f"external data present: {', '.join(sig.external_data)}", rel)
     if m.batching and not sig.batch_dynamic:
         fixed = [t.name for t in (*sig.inputs, *sig.outputs) if not t.batch_dynamic]
-        m.rec.fail("onnx_batch_axis", f"max_batch_size is {m.config.max_batch_size} but tensor(s) {fixed} have "
-                   "no dynamic first (batch) axis", file=rel,
-                   fix="re-export with a dynamic batch axis on every input and output (torch.onnx.export "
-                       "dynamic_axes / dynamic_shapes), or render the model with max_batch_size 0")
+        m.rec.fail(
+            "onnx_batch_axis",
+            f"max_batch_size is {m.config.max_batch_size} but tensor(s) {fixed} have no dynamic first (batch) axis",
+            file=rel,
+            fix="re-export with a dynamic batch axis on every input and output (torch.onnx.export "
+            "dynamic_axes / dynamic_shapes), or render the model with max_batch_size 0",
+        )
         return
     problems = _onnx_signature_problems(m, sig)
     if problems:
-        m.rec.fail("onnx_signature", "config.pbtxt does not agree with the ONNX graph: " + "; ".join(problems),
-                   file=rel, fix="re-render the model from its package (the signature is read from the ONNX "
-                   "file), or correct the inputs/outputs in config.pbtxt")
+        m.rec.fail(
+            "onnx_signature",
+            "config.pbtxt does not agree with the ONNX graph: " + "; ".join(problems),
+            file=rel,
+            fix="re-render the model from its package (the signature is read from the ONNX "
+            "file), or correct the inputs/outputs in config.pbtxt",
+        )
     else:
         m.rec.ok("onnx_signature", "config inputs/outputs, dtypes and dims agree with the ONNX graph", rel)
 
@@ -223,8 +272,10 @@ def _onnx_signature_problems(m: _ModelFolder, sig: Any) -> list[str]:
                 problems.append(f"{kind} '{name}' is {t.dtype} in the graph, {triton_type} in the config")
             model_dims = t.dims[1:] if m.batching else t.dims
             if not _dims_agree(model_dims, dims):
-                problems.append(f"{kind} '{name}' has dims {model_dims} in the graph"
-                                f"{' (batch axis dropped)' if m.batching else ''}, {dims} in the config")
+                problems.append(
+                    f"{kind} '{name}' has dims {model_dims} in the graph"
+                    f"{' (batch axis dropped)' if m.batching else ''}, {dims} in the config"
+                )
         if kind == "input":
             missing = sorted(set(graph) - {name for name, _, _ in configured})
             if missing:
@@ -242,14 +293,21 @@ def _check_python(m: _ModelFolder) -> None:
         generated = any(p.exists() for p in (runtime_file, version / "python_backend", m.path / DEPLOYMENT_FILE))
         spec = _check_runtime_spec(m, runtime_file) if generated else None
         if not generated:
-            m.rec.skip("runtime_spec", "hand-written python model (no snooze_runtime.json): snoozeml checks the "
-                       "config and the import only", m.rel(version))
+            m.rec.skip(
+                "runtime_spec",
+                "hand-written python model (no snooze_runtime.json): snoozeml checks the config and the import only",
+                m.rel(version),
+            )
         package_dir = version / PACKAGE_SUBDIR
         if spec is not None and spec.kind == "onnx":
             onnx_path = package_dir / (spec.onnx_file or "")
             if not onnx_path.is_file():
-                m.rec.fail("onnx_graph", f"snooze_runtime.json names onnx_file '{spec.onnx_file}', which is not "
-                           "in package/", file=m.rel(onnx_path), fix="re-render the model from its package")
+                m.rec.fail(
+                    "onnx_graph",
+                    f"snooze_runtime.json names onnx_file '{spec.onnx_file}', which is not in package/",
+                    file=m.rel(onnx_path),
+                    fix="re-render the model from its package",
+                )
             else:
                 _check_onnx(m, onnx_path)
         if spec is not None:
@@ -276,8 +334,9 @@ def _check_runtime_spec(m: _ModelFolder, path: Path) -> Any:
     for kind, declared in (("input", spec.inputs), ("output", spec.outputs)):
         configured = {n: (ty, d) for n, ty, d in config_tensors(m.config, kind)}
         if set(configured) != {t.name for t in declared}:
-            problems.append(f"{kind}s {sorted(t.name for t in declared)} differ from config.pbtxt's "
-                            f"{sorted(configured)}")
+            problems.append(
+                f"{kind}s {sorted(t.name for t in declared)} differ from config.pbtxt's {sorted(configured)}"
+            )
             continue
         for t in declared:
             ty, dims = configured[t.name]
@@ -303,11 +362,15 @@ def _check_manifest_and_params(m: _ModelFolder, spec: Any, package_dir: Path) ->
         m.rec.fail("manifest", exc.message, file=rel, fix=exc.hint or "correct the manifest and re-render")
         return
     if spec.kind == "custom":
-        drift = [f"{key} is {ours!r} in {SPEC_FILE} but {theirs!r} in the manifest"
-                 for key, ours, theirs in (("entrypoint", spec.entrypoint, manifest.entrypoint),
-                                           ("class", spec.class_name, manifest.class_name),
-                                           ("tensor_format", spec.tensor_format, manifest.tensor_format))
-                 if ours != theirs]
+        drift = [
+            f"{key} is {ours!r} in {SPEC_FILE} but {theirs!r} in the manifest"
+            for key, ours, theirs in (
+                ("entrypoint", spec.entrypoint, manifest.entrypoint),
+                ("class", spec.class_name, manifest.class_name),
+                ("tensor_format", spec.tensor_format, manifest.tensor_format),
+            )
+            if ours != theirs
+        ]
         if drift:
             m.rec.fail("manifest", "; ".join(drift), file=rel, fix="re-render the model from its package")
             return
@@ -321,14 +384,22 @@ def _check_manifest_and_params(m: _ModelFolder, spec: Any, package_dir: Path) ->
         try:
             validated = validate_params(package, dict(spec.params), model_id=m.name)
         except InvalidPackageError as exc:
-            m.rec.fail("params", exc.message, file=m.rel(package_dir.parent / SPEC_FILE),
-                       fix=exc.hint or "declare the params in the manifest's params_schema")
+            m.rec.fail(
+                "params",
+                exc.message,
+                file=m.rel(package_dir.parent / SPEC_FILE),
+                fix=exc.hint or "declare the params in the manifest's params_schema",
+            )
             return
     if spec.kind == "onnx" and validated:
         bad = _unknown_session_options(validated)
         if bad:
-            m.rec.fail("params", f"params {bad} are not onnxruntime SessionOptions fields", file=rel,
-                       fix="ONNX models take SessionOptions fields as params (e.g. intra_op_num_threads)")
+            m.rec.fail(
+                "params",
+                f"params {bad} are not onnxruntime SessionOptions fields",
+                file=rel,
+                fix="ONNX models take SessionOptions fields as params (e.g. intra_op_num_threads)",
+            )
             return
     m.rec.ok("params", f"manifest and params validate ({len(validated)} param(s))", rel)
 
@@ -357,12 +428,20 @@ def _check_imports(m: _ModelFolder, entry: Path, spec: Any, package_dir: Path) -
     rel_entry = m.rel(entry)
     probe = m.probes.run(job)
     if "timeout" in probe:
-        m.rec.fail("entry_import", f"importing the model took longer than {IMPORT_TIMEOUT_SECS:.0f}s",
-                   file=rel_entry, fix="move heavy work (framework imports, weight loading) into load()")
+        m.rec.fail(
+            "entry_import",
+            f"importing the model took longer than {IMPORT_TIMEOUT_SECS:.0f}s",
+            file=rel_entry,
+            fix="move heavy work (framework imports, weight loading) into load()",
+        )
         return
     if "crashed" in probe:
-        m.rec.fail("entry_import", f"the import process exited with code {probe['crashed']}: {probe['output']}",
-                   file=rel_entry, fix="make the module importable with this interpreter's packages")
+        m.rec.fail(
+            "entry_import",
+            f"the import process exited with code {probe['crashed']}: {probe['output']}",
+            file=rel_entry,
+            fix="make the module importable with this interpreter's packages",
+        )
         return
     baseline = set(probe["baseline"])
     entry_ok = _judge_entry(m, probe["entry"], baseline, rel_entry)
@@ -372,18 +451,30 @@ def _check_imports(m: _ModelFolder, entry: Path, spec: Any, package_dir: Path) -
 
 def _judge_entry(m: _ModelFolder, entry: dict[str, Any], baseline: set[str], rel: str) -> bool:
     if not entry["ok"]:
-        m.rec.fail("entry_import", f"the entry file does not import:\n{entry['error']}", file=rel,
-                   fix="re-render the model; a hand-written model.py must import with numpy and the "
-                       "standard library (triton_python_backend_utils is provided by the stub)")
+        m.rec.fail(
+            "entry_import",
+            f"the entry file does not import:\n{entry['error']}",
+            file=rel,
+            fix="re-render the model; a hand-written model.py must import with numpy and the "
+            "standard library (triton_python_backend_utils is provided by the stub)",
+        )
         return False
     if not entry["has_class"]:
-        m.rec.fail("entry_import", "the entry file defines no TritonPythonModel class", file=rel,
-                   fix="re-render the model, or define class TritonPythonModel in model.py")
+        m.rec.fail(
+            "entry_import",
+            "the entry file defines no TritonPythonModel class",
+            file=rel,
+            fix="re-render the model, or define class TritonPythonModel in model.py",
+        )
         return False
     pulled = sorted(set(entry["frameworks"]) - baseline)
     if pulled:
-        m.rec.fail("entry_import", f"importing the entry file imports {pulled}", file=rel,
-                   fix="import ML frameworks inside initialize()/load(), not at module level")
+        m.rec.fail(
+            "entry_import",
+            f"importing the entry file imports {pulled}",
+            file=rel,
+            fix="import ML frameworks inside initialize()/load(), not at module level",
+        )
         return False
     m.rec.ok("entry_import", "entry file imports without an ML framework; TritonPythonModel found", rel)
     return True
@@ -391,23 +482,38 @@ def _judge_entry(m: _ModelFolder, entry: dict[str, Any], baseline: set[str], rel
 
 def _judge_package(m: _ModelFolder, pkg: dict[str, Any], spec: Any, rel: str) -> None:
     if not pkg["ok"]:
-        m.rec.fail("package_import", f"the package entrypoint does not import:\n{pkg['error']}", file=rel,
-                   fix="fix the error above; the package must import with only its own files and the "
-                       "environment's packages")
+        m.rec.fail(
+            "package_import",
+            f"the package entrypoint does not import:\n{pkg['error']}",
+            file=rel,
+            fix="fix the error above; the package must import with only its own files and the environment's packages",
+        )
         return
     pulled = sorted(set(pkg["frameworks"]) - set(pkg["before"]))
     if pulled:
-        m.rec.fail("package_import", f"importing {spec.entrypoint} imports {pulled} at module level", file=rel,
-                   fix=f"move `import {pulled[0]}` into {spec.class_name}.load() (the package must import "
-                       "cheaply: the framework is imported when an instance loads)")
+        m.rec.fail(
+            "package_import",
+            f"importing {spec.entrypoint} imports {pulled} at module level",
+            file=rel,
+            fix=f"move `import {pulled[0]}` into {spec.class_name}.load() (the package must import "
+            "cheaply: the framework is imported when an instance loads)",
+        )
     else:
         m.rec.ok("package_import", f"{spec.entrypoint} imports without an ML framework", rel)
     if not pkg["is_class"]:
-        m.rec.fail("model_class", f"{spec.entrypoint} defines no class '{spec.class_name}'", file=rel,
-                   fix="define the class, or set 'class' in snooze_model.json to the class's name")
+        m.rec.fail(
+            "model_class",
+            f"{spec.entrypoint} defines no class '{spec.class_name}'",
+            file=rel,
+            fix="define the class, or set 'class' in snooze_model.json to the class's name",
+        )
     elif pkg["missing"]:
-        m.rec.fail("model_class", f"class {spec.class_name} has no callable {pkg['missing']}", file=rel,
-                   fix="a model needs load(self, model_dir, device) and predict(self, inputs) -> dict")
+        m.rec.fail(
+            "model_class",
+            f"class {spec.class_name} has no callable {pkg['missing']}",
+            file=rel,
+            fix="a model needs load(self, model_dir, device) and predict(self, inputs) -> dict",
+        )
     else:
         m.rec.ok("model_class", f"class {spec.class_name} has load() and predict()", rel)
 
@@ -422,18 +528,27 @@ def _check_deployment_record(m: _ModelFolder) -> None:
     try:
         record = PublishedModel.read(m.path)
     except Exception as exc:  # JSON, KeyError, pydantic: any of them means the record is unreadable
-        m.rec.fail("deployment_record", f"unreadable ({type(exc).__name__}: {exc})", file=rel,
-                   fix="re-render the model; the control plane recovers published models from this file")
+        m.rec.fail(
+            "deployment_record",
+            f"unreadable ({type(exc).__name__}: {exc})",
+            file=rel,
+            fix="re-render the model; the control plane recovers published models from this file",
+        )
         return
     if m.backend and record.backend != m.backend:
-        m.rec.fail("deployment_record", f"records backend '{record.backend}', config.pbtxt is '{m.backend}'",
-                   file=rel, fix="re-render the model")
+        m.rec.fail(
+            "deployment_record",
+            f"records backend '{record.backend}', config.pbtxt is '{m.backend}'",
+            file=rel,
+            fix="re-render the model",
+        )
         return
     m.rec.ok("deployment_record", f"{DEPLOYMENT_FILE} readable", rel)
 
 
-def check_model_static(repo: Path, folder: Path, target: TritonTarget, probes: ProbePool | None = None
-                       ) -> list[CheckResult]:
+def check_model_static(
+    repo: Path, folder: Path, target: TritonTarget, probes: ProbePool | None = None
+) -> list[CheckResult]:
     """All static checks of one model folder; imports go to ``probes`` (default: a probe of its own)."""
     if probes is None:
         with ProbePool(1) as own:

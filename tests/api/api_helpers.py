@@ -82,9 +82,12 @@ class RecordingLifecycle:
             "preloaded_parents": [],
             "overhead_bytes": 0,
             "eviction_policy": {"name": "gdsf"},
-            "wake_queue": {"length": 1, "oldest_wait_secs": 0.5, "wait_bound_secs": 10.0, "waiting": [
-                {"model": "m", "waiting_for": "a load slot", "wait_secs": 0.5}
-            ]},
+            "wake_queue": {
+                "length": 1,
+                "oldest_wait_secs": 0.5,
+                "wait_bound_secs": 10.0,
+                "waiting": [{"model": "m", "waiting_for": "a load slot", "wait_secs": 0.5}],
+            },
         }
 
     async def forget(self, model_id: str) -> None:
@@ -97,18 +100,29 @@ def tar_gz(folder: Path, *, top: str | None = None) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for path in sorted(folder.rglob("*")):
-            tar.add(path, arcname=f"{top}/{path.relative_to(folder)}" if top else str(path.relative_to(folder)),
-                    recursive=False)
+            tar.add(
+                path,
+                arcname=f"{top}/{path.relative_to(folder)}" if top else str(path.relative_to(folder)),
+                recursive=False,
+            )
     return buf.getvalue()
 
 
 async def upload(
-    client: httpx.AsyncClient, archive: bytes, *, model_id: str | None = "m1", deployment: dict[str, Any] | None = None,
-    filename: str = "pkg.tar.gz", headers: dict[str, str] | None = None,
+    client: httpx.AsyncClient,
+    archive: bytes,
+    *,
+    model_id: str | None = "m1",
+    deployment: dict[str, Any] | None = None,
+    filename: str = "pkg.tar.gz",
+    headers: dict[str, str] | None = None,
 ) -> httpx.Response:
     data = {"deployment": json.dumps(deployment)} if deployment is not None else {}
     params = {"id": model_id} if model_id else {}
     return await client.post(
-        "/v1/models", params=params, data=data, files={"package": (filename, archive, "application/gzip")},
+        "/v1/models",
+        params=params,
+        data=data,
+        files={"package": (filename, archive, "application/gzip")},
         headers=ADMIN if headers is None else headers,
     )

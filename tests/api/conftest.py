@@ -26,7 +26,10 @@ from controlplane.triton.launcher import free_port
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
     return Settings(
-        work_dir=tmp_path / "work", admin_keys=[ADMIN_KEY], api_keys=[INFERENCE_KEY], max_upload_mb=1,
+        work_dir=tmp_path / "work",
+        admin_keys=[ADMIN_KEY],
+        api_keys=[INFERENCE_KEY],
+        max_upload_mb=1,
         allow_local_paths=True,
     )
 

@@ -49,8 +49,12 @@ async def test_get_describes_one_model(client: httpx.AsyncClient) -> None:
 
 
 async def test_unknown_model_is_404_naming_it(client: httpx.AsyncClient) -> None:
-    for method, path in (("GET", "/v1/models/ghost"), ("DELETE", "/v1/models/ghost"),
-                         ("POST", "/v1/models/ghost/load"), ("POST", "/v1/models/ghost/unload")):
+    for method, path in (
+        ("GET", "/v1/models/ghost"),
+        ("DELETE", "/v1/models/ghost"),
+        ("POST", "/v1/models/ghost/load"),
+        ("POST", "/v1/models/ghost/unload"),
+    ):
         r = await client.request(method, path, headers=ADMIN)
         assert r.status_code == 404, (method, path)
         assert r.json()["code"] == "not_found" and "'ghost'" in r.json()["error"]

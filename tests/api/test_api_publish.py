@@ -213,8 +213,12 @@ def _bad_archives(make_package: Callable[..., Path], tmp_path: Path) -> dict[str
         "import-error": (tar_gz(import_error), 422, "No module named 'not_a_real_module_xyz'"),
         "syntax-error": (tar_gz(syntax_error), 422, "SyntaxError"),
         # found at publish, not by the first request: an import inside load() that is not installed
-        "missing-in-load": (tar_gz(missing_in_load), 422, "model 'm1': snooze_model.py:3 imports 'sklearnx', "
-                            "which is not installed where Triton's python backend runs the model"),
+        "missing-in-load": (
+            tar_gz(missing_in_load),
+            422,
+            "model 'm1': snooze_model.py:3 imports 'sklearnx', "
+            "which is not installed where Triton's python backend runs the model",
+        ),
         "no-class": (tar_gz(no_class), 422, "defines no class 'Model'"),
         "onnx-mismatch": (tar_gz(onnx_mismatch), 422, "'x' is FP32 in the ONNX file, INT64 in the manifest"),
         "no-package": (tar_gz(tmp_path / "packages"), 422, "not a model package"),
@@ -281,7 +285,7 @@ async def test_declared_content_length_over_limit_is_refused_before_reading(clie
 
 async def test_streamed_body_over_limit_is_cut_off(client: httpx.AsyncClient) -> None:
     async def body():  # chunked: no Content-Length to trust
-        yield b"--x\r\nContent-Disposition: form-data; name=\"package\"; filename=\"p.tgz\"\r\n\r\n"
+        yield b'--x\r\nContent-Disposition: form-data; name="package"; filename="p.tgz"\r\n\r\n'
         for _ in range(5):
             yield np.zeros(2**20, dtype=np.uint8).tobytes()
 

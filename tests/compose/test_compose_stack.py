@@ -66,7 +66,8 @@ TRIGGERS = "/run/snooze/triggers"  # in the Triton container: the shared tmpfs (
 def _models(folder: Path) -> Path:
     write_package(folder / "packages" / "scale")
     write_package(folder / "packages" / "hang", load_timeout_secs=LOAD_TIMEOUT)
-    (folder / "models.toml").write_text(textwrap.dedent(f"""
+    (folder / "models.toml").write_text(
+        textwrap.dedent(f"""
         [[models]]
         id = "scale"
         path = "packages/scale"
@@ -114,7 +115,8 @@ def _models(folder: Path) -> Path:
         path = "packages/scale"
         worker = "preforked"
         params = {{ scale = 7.0 }}
-    """))
+    """)
+    )
     folder.chmod(0o755)
     for p in folder.rglob("*"):
         p.chmod(0o755 if p.is_dir() else 0o644)
@@ -124,8 +126,9 @@ def _models(folder: Path) -> Path:
 class Stack:
     def __init__(self, compose: ComposeStack, env: dict[str, str]) -> None:
         self.compose, self.env = compose, env
-        self.http_port, self.grpc_port, self.api_port = (int(env[k]) for k in
-                                                         ("GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT", "API_PORT"))
+        self.http_port, self.grpc_port, self.api_port = (
+            int(env[k]) for k in ("GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT", "API_PORT")
+        )
 
     @property
     def api_url(self) -> str:
@@ -149,8 +152,9 @@ class Stack:
             return None
 
     def infer_http(self, model: str, x: np.ndarray) -> np.ndarray:
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{self.http_port}", network_timeout=120,
-                                                  connection_timeout=120)
+        client = httpclient.InferenceServerClient(
+            f"127.0.0.1:{self.http_port}", network_timeout=120, connection_timeout=120
+        )
         inp = httpclient.InferInput("x", list(x.shape), "FP32")
         inp.set_data_from_numpy(x)
         return client.infer(model, [inp], headers={"x-api-key": API_KEY}).as_numpy("y")
@@ -198,13 +202,25 @@ def stack(
     images: dict[str, str], tmp_path_factory: pytest.TempPathFactory, figure: Callable[[str], None]
 ) -> Iterator[Stack]:
     models = _models(tmp_path_factory.mktemp("compose_models"))
-    ports = {k: str(free_port()) for k in ("GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT", "API_PORT",
-                                           "TRITON_HTTP_PORT", "TRITON_GRPC_PORT", "TRITON_METRICS_PORT")}
+    ports = {
+        k: str(free_port())
+        for k in (
+            "GATEWAY_HTTP_PORT",
+            "GATEWAY_GRPC_PORT",
+            "API_PORT",
+            "TRITON_HTTP_PORT",
+            "TRITON_GRPC_PORT",
+            "TRITON_METRICS_PORT",
+        )
+    }
     env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
-        **images, **ports,
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        **images,
+        **ports,
         "SNOOZE_TRITON_ADMIN_KEY": secrets.token_hex(16),
-        "SNOOZE_API_KEYS": json.dumps([API_KEY]), "SNOOZE_ADMIN_KEYS": json.dumps([ADMIN_KEY]),
+        "SNOOZE_API_KEYS": json.dumps([API_KEY]),
+        "SNOOZE_ADMIN_KEYS": json.dumps([ADMIN_KEY]),
         "SNOOZE_MODELS_DIR": str(models),
         "SNOOZE_MEMORY_BUDGET_MB": str(BUDGET_MB),
     }
@@ -238,9 +254,12 @@ def test_both_healthchecks_turn_healthy(stack: Stack, figure: Callable[[str], No
 
 def test_the_triton_image_has_the_official_layout(stack: Stack) -> None:
     # What the shipped file and the control plane expect of nvcr.io's image (docs/deploy.md lists what differs).
-    for path in ("/opt/tritonserver/bin/tritonserver", "/opt/tritonserver/backends/python/libtriton_python.so",
-                 "/opt/tritonserver/backends/python/triton_python_backend_stub",
-                 "/opt/tritonserver/caches/local/libtritoncache_local.so"):
+    for path in (
+        "/opt/tritonserver/bin/tritonserver",
+        "/opt/tritonserver/backends/python/libtriton_python.so",
+        "/opt/tritonserver/backends/python/triton_python_backend_stub",
+        "/opt/tritonserver/caches/local/libtritoncache_local.so",
+    ):
         stack.in_triton("test", "-f", path)
 
 
@@ -275,8 +294,10 @@ def test_status_shows_measured_memory(stack: Stack, figure: Callable[[str], None
     assert status["memory_bytes"] and status["memory_bytes"] > 10 * 2**20, status
     # The figure is the stub's RSS as the host sees it (within a factor: the two reads are moments apart).
     rss = sum(p.memory_info().rss for p in stack.stubs("resident"))
-    figure(f"resident: status {status['memory_bytes'] / 2**20:.1f} MiB (measured), stub RSS from the host "
-          f"{rss / 2**20:.1f} MiB")
+    figure(
+        f"resident: status {status['memory_bytes'] / 2**20:.1f} MiB (measured), stub RSS from the host "
+        f"{rss / 2**20:.1f} MiB"
+    )
     assert 0.5 * rss <= status["memory_bytes"] <= 2 * rss
     table = stack.snoozectl("status")
     assert table.returncode == 0, table.stderr
@@ -351,8 +372,10 @@ def test_a_preforked_model_runs_in_the_triton_container(stack: Stack, figure: Ca
     # Its pid is in the shared namespace: a process of the Triton container, run by the stub's interpreter.
     cmdline = stack.in_triton("cat", f"/proc/{parent['pid']}/cmdline").replace("\0", " ")
     assert "python" in cmdline, cmdline
-    figure(f"preforked parent pid {parent['pid']} ({parent['python']}), "
-          f"{parent['memory_bytes'] / 2**20:.0f} MiB, {parent['workers']} worker(s)")
+    figure(
+        f"preforked parent pid {parent['pid']} ({parent['python']}), "
+        f"{parent['memory_bytes'] / 2**20:.0f} MiB, {parent['workers']} worker(s)"
+    )
     journal = stack.run_volume() / "journal"
     workers = [json.loads(n.read_text()) for n in journal.glob("*.worker")]
     mine = [w for w in workers if w.get("model") == "pre"]
@@ -367,6 +390,7 @@ def _kill_main(stack: Stack, service: str) -> None:
     # With init: true the container's PID 1 is docker-init; kill tritonserver (orphans of the shared
     # namespace, such as a preforked parent, are docker-init's children too).
     name = {"triton": "tritonserver", "controlplane": "snoozectl"}[service]
+
     def runs(p: psutil.Process) -> bool:
         try:
             return name in " ".join(p.cmdline()[:2])
@@ -421,8 +445,10 @@ def test_killed_triton_container_comes_back(stack: Stack, figure: Callable[[str]
     _restarted(stack, "triton", before, pid_before, RECOVER_WITHIN)
     restarted = time.monotonic() - t0
     _serves_again(stack, "resident", RECOVER_WITHIN)
-    figure(f"Triton killed: its container runs again after {restarted:.1f} s, resident answers through the "
-          f"gateway again {time.monotonic() - t0:.1f} s after the kill")
+    figure(
+        f"Triton killed: its container runs again after {restarted:.1f} s, resident answers through the "
+        f"gateway again {time.monotonic() - t0:.1f} s after the kill"
+    )
     # The control plane lived on (the namespace is pidns's): it saw Triton go and come back, and
     # measures the new Triton's processes.
     assert stack.compose.inspect("controlplane")["RestartCount"] == cp_before
@@ -453,8 +479,10 @@ def test_killed_controlplane_container_comes_back_and_readopts(stack: Stack, fig
             return False
 
     until(api_ready, "the restarted control plane's API ready", timeout=RECOVER_WITHIN, interval=0.5)
-    figure(f"control plane killed: its container runs again after {restarted:.1f} s, resident answers through "
-          f"the restarted gateway {answers:.1f} s and its API is ready {time.monotonic() - t0:.1f} s after the kill")
+    figure(
+        f"control plane killed: its container runs again after {restarted:.1f} s, resident answers through "
+        f"the restarted gateway {answers:.1f} s and its API is ready {time.monotonic() - t0:.1f} s after the kill"
+    )
     assert stack.compose.inspect("triton")["RestartCount"] == triton_before  # Triton lived on
     # Re-adopted: the same stub serves (no reload), and the restarted control plane knows it is ready.
     assert {p.pid for p in stack.stubs("resident")} == stubs_before
@@ -470,10 +498,16 @@ def test_the_memory_budget_evicts(stack: Stack, figure: Callable[[str], None]) -
     statuses = {m: v["status"] for m, v in models.items()}
     evicted = sorted(m for m, s in statuses.items() if s["state"] == "unloaded" and s.get("reason") == "memory")
     loaded = {m: s.get("memory_bytes") or 0 for m, s in statuses.items() if s["state"] == "ready"}
-    figure("budget: " + ", ".join(f"{m} {s['state']} {(s.get('memory_bytes') or 0) / 2**20:.0f} MiB"
-                                    for m, s in statuses.items() if m.startswith("big"))
-          + f"; evicted for memory: {', '.join(evicted)}; loaded {sum(loaded.values()) / 2**20:.0f} MiB "
-          f"of {BUDGET_MB} MiB")
+    figure(
+        "budget: "
+        + ", ".join(
+            f"{m} {s['state']} {(s.get('memory_bytes') or 0) / 2**20:.0f} MiB"
+            for m, s in statuses.items()
+            if m.startswith("big")
+        )
+        + f"; evicted for memory: {', '.join(evicted)}; loaded {sum(loaded.values()) / 2**20:.0f} MiB "
+        f"of {BUDGET_MB} MiB"
+    )
     # Which idle models make room is the eviction policy's choice (SNOOZE_EVICTION_POLICY, gdsf by default:
     # tested in the fake tier); here: room was made by unloading, the last load is in, measured, and what
     # the loaded models hold fits the budget.

@@ -37,7 +37,7 @@ SIGNATURE = {
     "env": {"OMP_NUM_THREADS": "1"},
 }
 
-MLP = '''
+MLP = """
 import numpy as np
 
 
@@ -63,11 +63,11 @@ class Model:
 
     def export_module(self):
         return self.module, {"features": np.zeros((2, 6), np.float32)}
-'''
+"""
 
 # torch.linalg.eigvals has no ONNX translation in either exporter: the export must fail, the custom
 # package is served. Inputs are 6 numbers read as the diagonal of a 3x3 matrix plus 3 off-diagonal zeros.
-EIGVALS = '''
+EIGVALS = """
 import numpy as np
 
 
@@ -90,7 +90,7 @@ class Model:
 
     def export_module(self):
         return self.module, {"features": np.ones((2, 6), np.float32)}
-'''
+"""
 
 
 def _package(root: Path, name: str, code: str) -> Path:

@@ -96,8 +96,9 @@ def test_mixed_dtypes_with_strings(client) -> None:
     values = np.array([[1, 2, 3, 4], [0.5, 0.5, 0.5, 0.5]], dtype=np.float32)
     factor = np.array([[3], [2]], dtype=np.int64)
     text = np.array([[b"world"], ["snöoze".encode()]], dtype=object)
-    got = infer(lib, c, "text-features", {"values": values, "factor": factor, "text": text},
-                ["scaled", "greeting", "length"])
+    got = infer(
+        lib, c, "text-features", {"values": values, "factor": factor, "text": text}, ["scaled", "greeting", "length"]
+    )
     np.testing.assert_array_equal(got["scaled"], values * factor)
     assert got["greeting"].ravel().tolist() == [b"hello, world", "hello, snöoze".encode()]
     assert got["length"].ravel().tolist() == [5, len("snöoze".encode())]

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.integration
 DEADLINE = 30.0
 MIB = 1024 * 1024  # generous: a 2-core machine under load
 
-MODEL_PY = '''
+MODEL_PY = """
 import time
 
 
@@ -66,7 +66,7 @@ class Model:
 
     def unload(self):
         time.sleep(self.unload_sleep)
-'''
+"""
 
 MANIFEST = {
     "inputs": [{"name": "x", "datatype": "FP32", "dims": [2]}],

@@ -163,7 +163,9 @@ def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
     assert shell_lines(make) == ["make serve", "make test"]
     commands = shell_lines(after)
     assert [c.split()[:2] for c in commands] == [
-        [".venv/bin/snoozectl", "status"], [".venv/bin/snoozectl", "publish"], ["curl", "-s"]
+        [".venv/bin/snoozectl", "status"],
+        [".venv/bin/snoozectl", "publish"],
+        ["curl", "-s"],
     ]
     # The ports are this stack's; the commands are the README's.
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # piped, no terminal width: as in a CI log

@@ -30,7 +30,7 @@ def scalar_onnx(path: Path) -> Path:
     return build(path, sr=SR, x=X, y=Y, n=N)
 
 
-SCALAR_PY = '''
+SCALAR_PY = """
 import numpy as np
 
 
@@ -45,21 +45,32 @@ class Model:
             return {"out/y:0": x * sr[:, None].astype(np.float32), "meta.n": sr.astype(np.int64)}
         assert sr.shape == (), f"the model got sr of shape {sr.shape}"
         return {"out/y:0": x * np.float32(sr), "meta.n": np.array(sr, np.int64)}
-'''
+"""
 
 
 def scalar_custom(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "snooze_model.py").write_text(textwrap.dedent(SCALAR_PY))
-    (path / "snooze_model.json").write_text(json.dumps({
-        "inputs": [{"name": SR, "datatype": "INT64", "dims": []}, {"name": X, "datatype": "FP32", "dims": [-1]}],
-        "outputs": [{"name": Y, "datatype": "FP32", "dims": [-1]}, {"name": N, "datatype": "INT64", "dims": []}],
-    }))
+    (path / "snooze_model.json").write_text(
+        json.dumps(
+            {
+                "inputs": [
+                    {"name": SR, "datatype": "INT64", "dims": []},
+                    {"name": X, "datatype": "FP32", "dims": [-1]},
+                ],
+                "outputs": [
+                    {"name": Y, "datatype": "FP32", "dims": [-1]},
+                    {"name": N, "datatype": "INT64", "dims": []},
+                ],
+            }
+        )
+    )
     return path
 
 
-def infer(triton, model_id: str, protocol: str, sr: int, x: np.ndarray, batched: bool = False
-          ) -> tuple[np.ndarray, np.ndarray]:
+def infer(
+    triton, model_id: str, protocol: str, sr: int, x: np.ndarray, batched: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     lib = httpclient if protocol == "http" else grpcclient
     url = triton.http_url.removeprefix("http://") if protocol == "http" else triton.grpc_url
     client = lib.InferenceServerClient(url)
@@ -75,8 +86,9 @@ def infer(triton, model_id: str, protocol: str, sr: int, x: np.ndarray, batched:
 
 
 @pytest.mark.parametrize(("kind", "batch"), [("onnx", 0), ("custom", 0), ("custom", 8)])
-def test_a_scalar_input_is_sent_as_one_element_and_the_model_receives_a_scalar(embedded_triton, model_repo,
-                                                                               tmp_path, kind, batch):
+def test_a_scalar_input_is_sent_as_one_element_and_the_model_receives_a_scalar(
+    embedded_triton, model_repo, tmp_path, kind, batch
+):
     """Fails without the fix: the runner refused [1] ("has shape [1] but the model expects []")."""
     pkg = scalar_onnx(tmp_path / kind) if kind == "onnx" else scalar_custom(tmp_path / kind)
     model_id = f"scalar-{kind}-{batch}"

@@ -66,8 +66,7 @@ def _examples(tmp_path: Path) -> Path:
         shutil.rmtree(models / "torch-mlp")
     onnx_file = models / "onnx-mlp" / "model.onnx"
     if not onnx_file.exists():
-        subprocess.run([sys.executable, str(ROOT / "examples" / "make_onnx_example.py"), str(onnx_file)],
-                       check=True)
+        subprocess.run([sys.executable, str(ROOT / "examples" / "make_onnx_example.py"), str(onnx_file)], check=True)
     return models
 
 
@@ -126,9 +125,23 @@ def test_cli_load_json(example_report, tmp_path: Path) -> None:
     )
     junit = tmp_path / "junit.xml"
     proc = subprocess.run(
-        [sys.executable, "-c", code, "validate", str(repo), "--load", "--model", "numpy-linear", "--json",
-         "--junit-xml", str(junit)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        [
+            sys.executable,
+            "-c",
+            code,
+            "validate",
+            str(repo),
+            "--load",
+            "--model",
+            "numpy-linear",
+            "--json",
+            "--junit-xml",
+            str(junit),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(proc.stdout)
@@ -147,8 +160,7 @@ def test_broken_models_fail_with_reasons_against_running_triton(
     }
     specs = resolve_all(DeploymentSpec(id=name, path=path) for name, path in packages.items())
     render_repository(specs, model_repo, embedded_target())
-    report = validate_repository(model_repo, load=True, triton_url=embedded_triton.http_url,
-                                 models=list(packages))
+    report = validate_repository(model_repo, load=True, triton_url=embedded_triton.http_url, models=list(packages))
     assert not report.ok
     by = {(r.model, r.check): r for r in report.results}
     load_fail = by[("validate-fails-load", "load")]
@@ -202,8 +214,7 @@ def test_models_the_target_cannot_run_are_skipped(embedded_triton: EmbeddedTrito
         'input [{ name: "x", data_type: TYPE_FP32, dims: [2] }]\n'
         'output [{ name: "y", data_type: TYPE_FP32, dims: [2] }]\n'
     )
-    report = validate_repository(model_repo, load=True, triton_url=embedded_triton.http_url,
-                                 models=["validate-engine"])
+    report = validate_repository(model_repo, load=True, triton_url=embedded_triton.http_url, models=["validate-engine"])
     assert report.ok
     load = next(r for r in report.results if r.check == "load")
     assert load.status == SKIP and "tensorrt" in load.message

@@ -24,7 +24,7 @@ from controlplane.store.transactions import write_model
 
 pytestmark = pytest.mark.integration
 
-MODEL_PY = '''
+MODEL_PY = """
 import json
 
 import numpy as np
@@ -44,11 +44,19 @@ class Model:
         if self.fail and not x.any():  # refuses zeros (what a generated warm-up sends), answers real inputs
             raise RuntimeError(self.fail)
         return {"y": (x * 2).astype(np.float32)}
-'''
+"""
 
 
-def publish(repo: Path, tmp: Path, name: str, *, warmup: bool | dict = True, worker: str = "in-stub",
-            instances: int = 1, fail: str = "") -> Path:
+def publish(
+    repo: Path,
+    tmp: Path,
+    name: str,
+    *,
+    warmup: bool | dict = True,
+    worker: str = "in-stub",
+    instances: int = 1,
+    fail: str = "",
+) -> Path:
     pkg = tmp / name
     pkg.mkdir()
     (pkg / "snooze_model.py").write_text(textwrap.dedent(MODEL_PY))
@@ -131,15 +139,18 @@ def test_a_generated_warmup_that_fails_is_skipped_and_the_model_loads(embedded_t
         np.testing.assert_array_equal(infer_ones(client, name), [[[2.0, 2.0]]])
         # The first real request's shapes (never its data), for the control plane to learn.
         assert notes(embedded_triton.journal_dir, name)[0]["learned"] == {
-            "x": {"shape": [1, 2], "datatype": "FP32"}, "text": {"shape": [1], "datatype": "BYTES"}}
+            "x": {"shape": [1, 2], "datatype": "FP32"},
+            "text": {"shape": [1], "datatype": "BYTES"},
+        }
     finally:
         client.unload_model(name)
         client.close()
 
 
 def test_a_shipped_sample_that_fails_fails_the_load_with_the_models_error(embedded_triton, model_repo, tmp_path):
-    calls = publish(model_repo, tmp_path, "warm-fails", fail="the feature store is down",
-                    warmup={"x": "x.npy", "text": "text.npy"})
+    calls = publish(
+        model_repo, tmp_path, "warm-fails", fail="the feature store is down", warmup={"x": "x.npy", "text": "text.npy"}
+    )
     client = httpclient.InferenceServerClient(embedded_triton.http_url.removeprefix("http://"))
     try:
         with pytest.raises(InferenceServerException, match="the feature store is down") as failed:

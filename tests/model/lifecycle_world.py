@@ -371,9 +371,7 @@ class LifecycleWorld:
             )
         )
 
-    async def publish(
-        self, model: str, size_mb: float | None = 60, instances: int = 1, **deployment: Any
-    ) -> None:
+    async def publish(self, model: str, size_mb: float | None = 60, instances: int = 1, **deployment: Any) -> None:
         """Publish or republish through the API (``operations._publish``): the store, then ``published``."""
         spec = self._spec(model, size_mb, instances, **deployment)
 
@@ -615,8 +613,9 @@ class LifecycleWorld:
                 settled = self.paused_since is None and self.now - since > wait
                 lingering = rec is not None and rec.triton_may_hold and model in holding  # counted until Triton lets go
                 if (rec is not None or (model in holding and not leaving)) and settled and not lingering:
-                    problems.append(f"deleted model '{model}' survives (record: {rec is not None}, in Triton: "
-                                    f"{model in holding})")
+                    problems.append(
+                        f"deleted model '{model}' survives (record: {rec is not None}, in Triton: {model in holding})"
+                    )
         # memory in flux while Triton unloads something is not judged (left undone: a model whose unload hangs
         # across a restart of this control plane is counted only once a sweep sees it again)
         quiet = (

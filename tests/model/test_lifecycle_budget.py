@@ -157,7 +157,9 @@ def test_a_wake_waits_for_memory_held_by_requests_in_flight_within_its_bound(mak
     call = world.calls[-1]
     world.step(world.tick(0.5), 0)
     assert world.manager.runtime()["wake_queue"]["waiting"][0] == {
-        "model": "other", "waiting_for": "memory", "wait_secs": pytest.approx(0.5, abs=0.06)
+        "model": "other",
+        "waiting_for": "memory",
+        "wait_secs": pytest.approx(0.5, abs=0.06),
     }
     world.step(world.tick(6.0), 0)
     if bound > 3:

@@ -103,6 +103,8 @@ def test_memory_a_model_deleted_elsewhere_still_holds_is_counted_after_a_restart
     world.step(world.burst("m3", 10), 0.0)
     world.step(world.unload_hang("m2"), 0.05)
     world.step(world.request("m0", None), 0.0)
+
+
 def test_a_model_deleted_by_another_node_across_a_restart_leaves_no_orphan_memory(world):
     """Found by the machine (seeds 811866864, 2693435465, 3856289336): a model another node deleted while this
     control plane restarted stayed loaded in Triton with nothing here counting its memory or ever unloading it;

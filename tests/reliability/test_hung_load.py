@@ -61,8 +61,10 @@ async def test_an_unload_delete_or_republish_during_a_hung_load_cancels_it(publi
         elif action == "delete":
             r = await client.delete(f"{serve.api_url}/v1/models/hung")
         else:  # a new version that loads: scale 5
-            r = await client.post(f"{serve.api_url}/v1/models:from-path",
-                                  json={"id": "hung", "path": str(serve.hanging), "params": {"scale": 5.0}})
+            r = await client.post(
+                f"{serve.api_url}/v1/models:from-path",
+                json={"id": "hung", "path": str(serve.hanging), "params": {"scale": 5.0}},
+            )
     answered = time.monotonic() - started
     gone = await until_async(lambda: serve.stub_pids("hung") == [], "the hung model's stub to be gone", timeout=10)
     answer = await asyncio.wait_for(waiting, 30)
@@ -95,8 +97,9 @@ async def test_an_unload_delete_or_republish_during_a_hung_load_cancels_it(publi
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("signals", [("SIGINT",), ("SIGTERM",), ("SIGINT", "SIGINT")], ids="+".join)
-async def test_a_stop_during_a_hung_load_is_bounded_and_leaves_nothing(serve_factory, package, tmp_path, topology,
-                                                                       signals):
+async def test_a_stop_during_a_hung_load_is_bounded_and_leaves_nothing(
+    serve_factory, package, tmp_path, topology, signals
+):
     serve = serve_factory("hungstop", topology=topology)
     serve.start()
     serve.publish("hung", write_package(tmp_path / "pkg"), params={"load_sleep": 600.0})
@@ -127,4 +130,3 @@ async def test_a_stop_during_a_hung_load_is_bounded_and_leaves_nothing(serve_fac
     if len(signals) > 1:
         assert took - (forced - started) < 2.0, took
     assert left == [], left
-

@@ -121,8 +121,12 @@ async def test_a_warm_up_hanging_past_the_load_timeout_is_abandoned_and_named(se
         "the stub hung in its warm-up (and its worker) to be killed",
         timeout=10,
     )
-    report(f"warm-up hangs past load_timeout_secs ({serve.topology}, {serve.worker})", client_error=error[:160],
-           answer_secs=round(secs, 2), processes_gone_within_secs=round(gone, 2))
+    report(
+        f"warm-up hangs past load_timeout_secs ({serve.topology}, {serve.worker})",
+        client_error=error[:160],
+        answer_secs=round(secs, 2),
+        processes_gone_within_secs=round(gone, 2),
+    )
     assert error.startswith("StatusCode.UNAVAILABLE"), error
     assert f"load exceeded load_timeout_secs={LOAD_TIMEOUT:g}: it hung in its warm-up (for " in error, error
     assert status["state"] == "failed" and "warm-up" in status["reason"], status

@@ -31,9 +31,7 @@ BUDGET_MB = {"in-stub": 480, "preforked": 540}
 def serve(serve_factory, package, topology, worker):
     # LRU: the victim is the least recently used (GDSF, the default, would weigh the three models' near-equal
     # load times and sizes; its choices are tested in tests/model/test_lifecycle_budget.py)
-    serve = serve_factory(
-        "budget", topology=topology, memory_budget_mb=str(BUDGET_MB[worker]), eviction_policy="lru"
-    )
+    serve = serve_factory("budget", topology=topology, memory_budget_mb=str(BUDGET_MB[worker]), eviction_policy="lru")
     serve.start()
     for name in "abc":
         serve.publish(f"big-{name}", package, params={"ballast_mb": BALLAST_MB}, worker=worker)

@@ -36,7 +36,8 @@ def serve(serve_factory, package, tmp_path_factory):
 def _streaming_package(folder):
     """A decoupled package: predict yields x * i for i = 1..3, one response each."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "snooze_model.py").write_text(textwrap.dedent("""
+    (folder / "snooze_model.py").write_text(
+        textwrap.dedent("""
         class Model:
             def load(self, model_dir, device):
                 pass
@@ -44,7 +45,8 @@ def _streaming_package(folder):
             def predict(self, inputs):
                 for i in (1, 2, 3):
                     yield {"y": inputs["x"] * i}
-    """))
+    """)
+    )
     tensor = {"datatype": "FP32", "dims": [2]}
     (folder / "snooze_model.json").write_text(json.dumps({"inputs": [{"name": "x", **tensor}],
                                                           "outputs": [{"name": "y", **tensor}]}))  # fmt: skip
@@ -76,9 +78,7 @@ async def test_a_poison_request_runs_once_even_unseen(serve, protocol):
     await asyncio.sleep(1.0)
     assert serve.calls.read_text().split().count("-1") == before + 1  # ran once, never again
     # The failed request made the control plane reload the model: it serves again.
-    await until_async(
-        lambda: (s := serve.status("poison"))["state"] == "ready" and s["load_count"] >= 2, "the reload"
-    )
+    await until_async(lambda: (s := serve.status("poison"))["state"] == "ready" and s["load_count"] >= 2, "the reload")
     answer = await infer_once(serve, "poison", protocol, x_ok)
     assert not isinstance(answer, str), answer
     report(f"poison request, Triton unseen ({protocol})", client_error=error[:100])

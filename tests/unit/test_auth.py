@@ -83,9 +83,7 @@ def test_refusals_are_named_and_counted(
         check_scope(settings, headers, scope, metrics=metrics, surface="activator")
     assert message in info.value.message
     assert info.value.status_code == (403 if error is ForbiddenError else 401)
-    count = metrics.registry.get_sample_value(
-        "snooze_auth_failures_total", {"surface": "activator", "reason": reason}
-    )
+    count = metrics.registry.get_sample_value("snooze_auth_failures_total", {"surface": "activator", "reason": reason})
     assert count == 1.0
 
 

@@ -58,8 +58,12 @@ def test_serve_help_shows_its_defaults_and_examples() -> None:
 def test_publish_names_idle_timeout_like_the_setting_and_shows_choices() -> None:
     text = " ".join(_help("publish").split())
     assert "--idle-timeout-secs, --idle-timeout" in text
-    for choice in ("--device cpu|gpu|auto", "--keep-alive fixed|adaptive", "--worker in-stub|preforked",
-                   "--param KEY=VALUE"):
+    for choice in (
+        "--device cpu|gpu|auto",
+        "--keep-alive fixed|adaptive",
+        "--worker in-stub|preforked",
+        "--param KEY=VALUE",
+    ):
         assert choice in text
     assert "Examples: snoozectl publish ./my-net --id my-net" in text
 

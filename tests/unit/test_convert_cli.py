@@ -19,7 +19,7 @@ from controlplane.tensorrt_package import tensorrt_unavailable_reason
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 runner = CliRunner()
 
-MLP_PACKAGE = '''
+MLP_PACKAGE = """
 import numpy as np
 
 
@@ -37,7 +37,7 @@ class Model:
 
     def export_module(self):
         return self.module, {"x": np.zeros((2, 4), np.float32)}
-'''
+"""
 
 
 def _package(root: Path, code: str = MLP_PACKAGE) -> Path:
@@ -78,8 +78,19 @@ def test_convert_torch_writes_model_and_parity_report(tmp_path: Path) -> None:
     out = tmp_path / "onnx"
     result = runner.invoke(
         app,
-        ["convert", "torch", str(pkg), "--out", str(out), "--max-batch-size", "4", "--atol", "1e-5",
-         "--input", f"x={user}"],
+        [
+            "convert",
+            "torch",
+            str(pkg),
+            "--out",
+            str(out),
+            "--max-batch-size",
+            "4",
+            "--atol",
+            "1e-5",
+            "--input",
+            f"x={user}",
+        ],
     )
     assert result.exit_code == 0, result.output
     assert "parity passed on 4 comparisons" in result.output and "user input 0" in result.output

@@ -24,6 +24,7 @@ COMPOSE = ROOT / "docker-compose.yml"
 POD = ROOT / "deploy" / "k8s" / "base" / "deployment.yaml"
 KEY = "<SNOOZE_TRITON_ADMIN_KEY>"
 
+
 def _described() -> dict:
     """deploy/stack.toml in the shape below, with the values the containers get (the defaults, the key as KEY)."""
     spec = importlib.util.spec_from_file_location("snooze_deploy_render", ROOT / "deploy" / "render.py")
@@ -31,16 +32,23 @@ def _described() -> dict:
     spec.loader.exec_module(render)
     d = render.load()
     ports = {f"triton_{n}": str(p) for n, p in d["triton"]["ports"].items()}
-    values = {"admin_key": KEY, "triton_host": "TRITON", **ports,
-              **{f"volume.{k}": v["path"] for k, v in d["volumes"].items()}}
+    values = {
+        "admin_key": KEY,
+        "triton_host": "TRITON",
+        **ports,
+        **{f"volume.{k}": v["path"] for k, v in d["volumes"].items()},
+    }
 
     def fill(text: str) -> str:
         return re.sub(r"\{([\w.]+)\}", lambda m: values[m[1]], text)
 
     def mounts(part: str) -> dict[str, str]:
         # the work dir is the control plane's own (compose: the image's folder; the pod: an emptyDir)
-        return {d["volumes"][m["volume"]]["path"]: "ro" if m.get("read_only") else "rw"
-                for m in d[part]["mounts"] if m["volume"] != "work"}
+        return {
+            d["volumes"][m["volume"]]["path"]: "ro" if m.get("read_only") else "rw"
+            for m in d[part]["mounts"]
+            if m["volume"] != "work"
+        }
 
     args = []
     for group in d["triton"]["args"]:
@@ -124,8 +132,9 @@ def compose() -> dict:
         return found
 
     def env(svc: dict) -> dict[str, str]:
-        return {k: _host(_compose_value(v), "compose") for k, v in svc["environment"].items()
-                if k not in COMPOSE_ONLY_ENV}
+        return {
+            k: _host(_compose_value(v), "compose") for k, v in svc["environment"].items() if k not in COMPOSE_ONLY_ENV
+        }
 
     cp_env = env(c)
     return {
@@ -158,8 +167,11 @@ def pod() -> dict:
     t, c = containers["triton"], containers["controlplane"]
 
     def mounts(container: dict) -> dict[str, str]:
-        return {m["mountPath"]: "ro" if m.get("readOnly") else "rw" for m in container["volumeMounts"]
-                if m["mountPath"] != "/dev/shm" and m["mountPath"] != "/var/lib/snooze"}
+        return {
+            m["mountPath"]: "ro" if m.get("readOnly") else "rw"
+            for m in container["volumeMounts"]
+            if m["mountPath"] != "/dev/shm" and m["mountPath"] != "/var/lib/snooze"
+        }
 
     def env(container: dict) -> dict[str, str]:
         return {e["name"]: _host(_pod_value(e["value"]), "pod") for e in container["env"] if "value" in e}

@@ -51,8 +51,9 @@ def _compose_command(compose_file: Path) -> tuple[list[str], Path] | None:
 
 
 # Compose's interpolation syntax: `$$` is a literal `$`, `$NAME` / `${...}` a variable, any other `$` an error.
-_COMPOSE_VARIABLE = re.compile(r"\$(?:(?P<escaped>\$)|(?P<named>[_a-z][_a-z0-9]*)|\{(?P<braced>[^}]*)\}|(?P<invalid>))",
-                               re.IGNORECASE)
+_COMPOSE_VARIABLE = re.compile(
+    r"\$(?:(?P<escaped>\$)|(?P<named>[_a-z][_a-z0-9]*)|\{(?P<braced>[^}]*)\}|(?P<invalid>))", re.IGNORECASE
+)
 
 
 def _interpolate(value: str, env: dict[str, str]) -> str:
@@ -77,7 +78,6 @@ def _command(service: dict, env: dict[str, str] | None = None) -> list[str]:
     return [_interpolate(arg, env) for arg in service["command"]]
 
 
-
 def _flag(cmd: list[str], name: str) -> str:
     [value] = [a.split("=", 1)[1] for a in cmd if a.startswith(f"{name}=")]
     return value
@@ -99,21 +99,25 @@ def _env_example() -> dict[str, str]:
 def test_docker_compose_config_accepts_the_files(tmp_path: Path) -> None:
     found = _compose_command(COMPOSE)
     if found is None:
-        pytest.skip("no compose binary (`docker compose` plugin or docker-compose) on this machine; "
-                    "the structural tests below check the file instead")
+        pytest.skip(
+            "no compose binary (`docker compose` plugin or docker-compose) on this machine; "
+            "the structural tests below check the file instead"
+        )
     cmd, compose_file = found
     try:
         env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **{k: "test-key" for k in REQUIRED_KEYS}}
         env.update({"SNOOZE_API_KEYS": '["k"]', "SNOOZE_ADMIN_KEYS": '["a"]'})
         base = [*cmd, "--project-directory", str(ROOT), "-p", project_name(COMPOSE)]
         for files in (["-f", str(compose_file)], ["-f", str(compose_file), "-f", str(COMPOSE_GPU)]):
-            proc = subprocess.run([*base, *files, "config", "--quiet"], capture_output=True, text=True, env=env,
-                                  cwd=ROOT)
+            proc = subprocess.run(
+                [*base, *files, "config", "--quiet"], capture_output=True, text=True, env=env, cwd=ROOT
+            )
             assert proc.returncode == 0, proc.stderr
         # Without the keys compose must refuse: there is no default API key.
         env.pop("SNOOZE_TRITON_ADMIN_KEY")
-        proc = subprocess.run([*base, "-f", str(compose_file), "config", "--quiet"], capture_output=True,
-                              text=True, env=env, cwd=ROOT)
+        proc = subprocess.run(
+            [*base, "-f", str(compose_file), "config", "--quiet"], capture_output=True, text=True, env=env, cwd=ROOT
+        )
         assert proc.returncode != 0 and "SNOOZE_TRITON_ADMIN_KEY" in proc.stderr
     finally:
         if compose_file != COMPOSE:
@@ -123,8 +127,9 @@ def test_docker_compose_config_accepts_the_files(tmp_path: Path) -> None:
 def test_services_and_shared_volume(compose: dict, services: dict) -> None:
     assert {"triton", "controlplane"} <= set(services)
     assert list(compose["volumes"]) == ["model-repository", "snooze-run"]
-    mounts = {name: [v for v in svc.get("volumes", []) if v.startswith("model-repository:")]
-              for name, svc in services.items()}
+    mounts = {
+        name: [v for v in svc.get("volumes", []) if v.startswith("model-repository:")] for name, svc in services.items()
+    }
     assert mounts["triton"] == ["model-repository:/models:ro"]  # Triton only reads the repository
     assert mounts["controlplane"] == ["model-repository:/models"]
     env = services["controlplane"]["environment"]

@@ -23,9 +23,11 @@ _spec.loader.exec_module(render)
 def test_shipped_file_is_its_rendering(shipped: str) -> None:
     want = render.rendered()[shipped]
     got = (ROOT / shipped).read_text()
-    assert got == want, (f"{shipped} differs from its rendering of deploy/stack.toml and "
-                         f"deploy/templates/{render.OUTPUTS[shipped][0]}: edit those and run `make render` "
-                         f"(python3 deploy/render.py), never the rendered file")
+    assert got == want, (
+        f"{shipped} differs from its rendering of deploy/stack.toml and "
+        f"deploy/templates/{render.OUTPUTS[shipped][0]}: edit those and run `make render` "
+        f"(python3 deploy/render.py), never the rendered file"
+    )
 
 
 def _parsed(stack: dict) -> tuple[dict, dict]:
@@ -58,7 +60,7 @@ def test_one_change_to_the_description_reaches_compose_and_the_pod() -> None:
     assert {"name": "run", "mountPath": "/run/elsewhere"} in containers["triton"]["volumeMounts"]
     assert compose["triton"]["environment"]["SNOOZE_JOURNAL_DIR"] == "/run/elsewhere/journal"
 
-    assert '${API_PORT:-8090}:8090' in compose["controlplane"]["ports"]
+    assert "${API_PORT:-8090}:8090" in compose["controlplane"]["ports"]
     assert {"name": "api", "containerPort": 8090} in containers["controlplane"]["ports"]
 
 
@@ -69,15 +71,46 @@ def test_compose_escapes_a_literal_dollar_and_the_pod_keeps_it() -> None:
     assert "--http-header-forward-pattern=^x-request-id$$" in compose["triton"]["command"]
     assert "--http-header-forward-pattern=^x-request-id$" in triton["args"]
     key = "--http-restricted-api=model-repository:snooze-admin="
-    assert key + "${SNOOZE_TRITON_ADMIN_KEY:?set SNOOZE_TRITON_ADMIN_KEY in .env (see .env.example)}" \
+    assert (
+        key + "${SNOOZE_TRITON_ADMIN_KEY:?set SNOOZE_TRITON_ADMIN_KEY in .env (see .env.example)}"
         in compose["triton"]["command"]
+    )
     assert key + "$(SNOOZE_TRITON_ADMIN_KEY)" in triton["args"]
 
 
-@pytest.mark.parametrize("text", ["0.0.0.0", "10001:10001", "8080", "1.5", "true", "off", "null", "~", "",
-                                  "a: b", "x #y", "#c", "{x}", "[x]", "- x", "* x", "'q'", '"q"', "@x", "%x",
-                                  "--flag=a:b", "${V:?set V in .env (see .env.example)}", "http://h:${P:-1}",
-                                  "^x-request-id$", "0x1F", ".inf", "12:30:00", "1e3"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0.0.0.0",
+        "10001:10001",
+        "8080",
+        "1.5",
+        "true",
+        "off",
+        "null",
+        "~",
+        "",
+        "a: b",
+        "x #y",
+        "#c",
+        "{x}",
+        "[x]",
+        "- x",
+        "* x",
+        "'q'",
+        '"q"',
+        "@x",
+        "%x",
+        "--flag=a:b",
+        "${V:?set V in .env (see .env.example)}",
+        "http://h:${P:-1}",
+        "^x-request-id$",
+        "0x1F",
+        ".inf",
+        "12:30:00",
+        "1e3",
+    ],
+)
 def test_scalars_read_back_as_the_same_string(text: str) -> None:
     assert yaml.safe_load(f"k: {render.scalar(text)}")["k"] == text
 
@@ -91,8 +124,14 @@ def test_unknown_placeholder_names_the_template_line_and_the_known_names() -> No
 
 def test_check_mode_names_a_drifted_file(tmp_path: Path) -> None:
     # A copy of the repository's deploy inputs and their renderings, then one rendered file edited by hand.
-    files = {rel: (ROOT / rel).read_text() for rel in
-             ["deploy/render.py", "deploy/stack.toml", *(f"deploy/templates/{t}" for t, _ in render.OUTPUTS.values())]}
+    files = {
+        rel: (ROOT / rel).read_text()
+        for rel in [
+            "deploy/render.py",
+            "deploy/stack.toml",
+            *(f"deploy/templates/{t}" for t, _ in render.OUTPUTS.values()),
+        ]
+    }
     for rel, text in {**files, **render.rendered()}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)

@@ -23,7 +23,7 @@ REAL = ("setsid", "seq", "sleep", "tail", "cat", "touch", "cp")
 
 def _stub(bin_dir: Path, name: str, body: str) -> None:
     path = bin_dir / name
-    path.write_text(f"#!/bin/sh\necho \"{name.lstrip('.')} $*\" >> \"$STUB_LOG\"\n{body}\n")
+    path.write_text(f'#!/bin/sh\necho "{name.lstrip(".")} $*" >> "$STUB_LOG"\n{body}\n')
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
@@ -58,8 +58,13 @@ class World:
         _stub(self.bin, f".{name}", body)
 
     def run(self, wait: int = 5) -> subprocess.CompletedProcess[str]:
-        env = {"PATH": str(self.bin), "STUB_LOG": str(self.log), "DOCKERD_LOG": str(self.dockerd_log),
-               "ENGINE_WAIT_SECS": str(wait), "ENGINE_SBIN_DIRS": ""}
+        env = {
+            "PATH": str(self.bin),
+            "STUB_LOG": str(self.log),
+            "DOCKERD_LOG": str(self.dockerd_log),
+            "ENGINE_WAIT_SECS": str(wait),
+            "ENGINE_SBIN_DIRS": "",
+        }
         proc = subprocess.run(["/bin/bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=60)
         return proc
 
@@ -122,13 +127,16 @@ def test_an_answering_engine_is_left_alone(world: World) -> None:
     assert [c for c in world.calls() if not c.startswith("docker ")] == []  # no apt-get, no dockerd
 
 
-@pytest.mark.parametrize(("setup", "code", "words"), [
-    ("no_client_not_root", 13, "no docker client on PATH"),
-    ("not_root", 10, "this is not root"),
-    ("no_apt", 11, "no apt-get to install them"),
-    ("apt_fails", 11, "apt-get install docker.io debootstrap failed"),
-    ("never_answers", 12, "did not answer within 1s"),
-])
+@pytest.mark.parametrize(
+    ("setup", "code", "words"),
+    [
+        ("no_client_not_root", 13, "no docker client on PATH"),
+        ("not_root", 10, "this is not root"),
+        ("no_apt", 11, "no apt-get to install them"),
+        ("apt_fails", 11, "apt-get install docker.io debootstrap failed"),
+        ("never_answers", 12, "did not answer within 1s"),
+    ],
+)
 def test_each_failure_has_its_exit_code_and_says_why(tmp_path: Path, setup: str, code: int, words: str) -> None:
     world = World(tmp_path, root=setup not in ("no_client_not_root", "not_root"))
     if setup != "no_client_not_root":
@@ -154,8 +162,13 @@ def test_dockerd_in_sbin_is_found_when_path_lacks_it(tmp_path: Path) -> None:
     sbin.mkdir()
     _stub(sbin, "dockerd", world.dockerd_body())
     _stub(world.bin, "debootstrap", "true")
-    env = {"PATH": str(world.bin), "STUB_LOG": str(world.log), "DOCKERD_LOG": str(world.dockerd_log),
-           "ENGINE_WAIT_SECS": "5", "ENGINE_SBIN_DIRS": str(sbin)}
+    env = {
+        "PATH": str(world.bin),
+        "STUB_LOG": str(world.log),
+        "DOCKERD_LOG": str(world.dockerd_log),
+        "ENGINE_WAIT_SECS": "5",
+        "ENGINE_SBIN_DIRS": str(sbin),
+    }
     try:
         proc = subprocess.run(["/bin/bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=60)
     finally:

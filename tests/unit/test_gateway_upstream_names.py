@@ -24,9 +24,15 @@ def test_a_named_triton_is_resolved_by_envoy(tmp_path: Path) -> None:
         activator_http=Upstream("127.0.0.1", 5), activator_grpc=Upstream("127.0.0.1", 6),
     )  # fmt: skip
     clusters = _clusters(bootstrap)
-    named = [c for c in clusters.values()
-             if any(ep["endpoint"]["address"]["socket_address"]["address"] == "triton"
-                    for p in c["load_assignment"]["endpoints"] for ep in p["lb_endpoints"])]
+    named = [
+        c
+        for c in clusters.values()
+        if any(
+            ep["endpoint"]["address"]["socket_address"]["address"] == "triton"
+            for p in c["load_assignment"]["endpoints"]
+            for ep in p["lb_endpoints"]
+        )
+    ]
     assert named, "no cluster reaches triton"
     for c in named:
         assert c["type"] == "STRICT_DNS" and c["dns_lookup_family"] == "V4_ONLY", c["name"]

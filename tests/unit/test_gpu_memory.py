@@ -81,11 +81,15 @@ class FakeNvml:
 def two_gpus() -> list[dict]:
     return [
         {
-            "uuid": "GPU-aaaa", "total": 80 * GIB, "used": 4 * GIB,
+            "uuid": "GPU-aaaa",
+            "total": 80 * GIB,
+            "used": 4 * GIB,
             "compute": [(200, 1 * GIB), (300, 2 * GIB), (400, 512 * MIB)],  # 400: tritonserver itself
         },
         {
-            "uuid": b"GPU-bbbb", "total": 80 * GIB, "used": 2 * GIB,
+            "uuid": b"GPU-bbbb",
+            "total": 80 * GIB,
+            "used": 2 * GIB,
             "compute": [(201, 1 * GIB), (200, 256 * MIB)],
             "graphics": [(200, 256 * MIB)],  # a C+G process is listed twice for one allocation
         },
@@ -105,8 +109,11 @@ def test_reader_lists_devices_and_processes_of_every_gpu():
     uses = reader.processes()
     assert uses is not None and reader.unavailable is None
     assert [(u.device_index, u.device_uuid, u.pid, u.used_bytes) for u in uses] == [
-        (0, "GPU-aaaa", 200, 1 * GIB), (0, "GPU-aaaa", 300, 2 * GIB), (0, "GPU-aaaa", 400, 512 * MIB),
-        (1, "GPU-bbbb", 200, 256 * MIB), (1, "GPU-bbbb", 201, 1 * GIB),
+        (0, "GPU-aaaa", 200, 1 * GIB),
+        (0, "GPU-aaaa", 300, 2 * GIB),
+        (0, "GPU-aaaa", 400, 512 * MIB),
+        (1, "GPU-bbbb", 200, 256 * MIB),
+        (1, "GPU-bbbb", 201, 1 * GIB),
     ]
 
 
@@ -339,7 +346,7 @@ def test_parse_triton_gpu_memory_numbers_gpus_by_uuid_or_by_nvml_index():
     ]
     by_nvml = parse_triton_gpu_memory(text, {"GPU-aaaa": 1, "GPU-bbbb": 0})
     assert [(d.index, d.uuid) for d in by_nvml] == [(1, "GPU-aaaa"), (0, "GPU-bbbb")]
-    assert parse_triton_gpu_memory("nv_inference_count{model=\"m\"} 1\n") == []
+    assert parse_triton_gpu_memory('nv_inference_count{model="m"} 1\n') == []
 
 
 def test_load_delta_from_tritons_metric():

@@ -43,9 +43,16 @@ def test_fixed_unloads_idle_timeout_after_the_last_request_or_load() -> None:
     policy.on_request(450)
     assert policy.decide(700, loaded=True) is Action.KEEP and policy.decide(750, loaded=True) is Action.UNLOAD
     assert policy.windows() == {
-        "policy": "fixed", "pattern": False, "reason": "fixed idle timeout", "samples": 0,
-        "keep_alive_secs": 300, "prewarm_after_secs": None, "prewarm_loads": 0, "prewarm_used": 0,
-        "prewarm_wasted": 0, "prewarmed_unused": False,
+        "policy": "fixed",
+        "pattern": False,
+        "reason": "fixed idle timeout",
+        "samples": 0,
+        "keep_alive_secs": 300,
+        "prewarm_after_secs": None,
+        "prewarm_loads": 0,
+        "prewarm_used": 0,
+        "prewarm_wasted": 0,
+        "prewarmed_unused": False,
     }
 
 

@@ -68,8 +68,15 @@ def test_replace_changes_a_parameter_every_time():
 
 def step(window: LoadWindow, pending: float, instances: int, now: float) -> int:
     return autoscale_step(
-        window, pending=pending, instances=instances, base=1, max_instances=4,
-        threshold=4, window_secs=5, idle_timeout_secs=60, now=now,
+        window,
+        pending=pending,
+        instances=instances,
+        base=1,
+        max_instances=4,
+        threshold=4,
+        window_secs=5,
+        idle_timeout_secs=60,
+        now=now,
     )
 
 
@@ -102,10 +109,22 @@ def test_a_queue_between_the_thresholds_keeps_the_count():
 def test_status_to_dict():
     status = ModelStatus("m", ModelState.READY, None, 2, 1.5, 300, 1024, "measured", 0.4, 1, 2, None)
     assert status.to_dict() == {
-        "id": "m", "state": "ready", "reason": None, "instances": 2, "last_access": 1.5,
-        "idle_timeout_secs": 300, "memory_bytes": 1024, "memory_source": "measured", "last_cold_start_secs": 0.4,
-        "load_count": 1, "processes": 2, "last_crash": None, "gpu_memory_bytes": None, "keep_alive": None,
-        "worker": None, "warmup": None,
+        "id": "m",
+        "state": "ready",
+        "reason": None,
+        "instances": 2,
+        "last_access": 1.5,
+        "idle_timeout_secs": 300,
+        "memory_bytes": 1024,
+        "memory_source": "measured",
+        "last_cold_start_secs": 0.4,
+        "load_count": 1,
+        "processes": 2,
+        "last_crash": None,
+        "gpu_memory_bytes": None,
+        "keep_alive": None,
+        "worker": None,
+        "warmup": None,
     }
 
 
@@ -279,7 +298,7 @@ def test_forgetting_a_deleted_model_drops_all_its_series_and_only_its():
     for name in ("snooze_cold_starts_total", "snooze_prewarm_loads_total", "snooze_prewarm_outcomes_total",
                  "snooze_cold_start_seconds_count", "snooze_model_memory_bytes", "snooze_model_gpu_memory_bytes",
                  "snooze_model_state"):  # fmt: skip
-        assert f'{name}{{' in text and any(
+        assert f"{name}{{" in text and any(
             line.startswith(name) and 'model="kept"' in line for line in text.splitlines()
         ), name
     assert 'snooze_auth_failures_total{reason="missing",surface="api"} 1.0' in text
@@ -325,7 +344,6 @@ def test_settle_yields_while_an_ended_transition_is_still_recorded():
         assert rec.op is None
 
     asyncio.run(go())
-
 
 
 def test_waiting_for_transitions_is_bounded_and_cancels_what_is_left():

@@ -35,7 +35,7 @@ SIGNATURE = {
     "outputs": [{"name": "y", "datatype": "FP32", "dims": [3]}],
 }
 
-MLP_PACKAGE = '''
+MLP_PACKAGE = """
 import numpy as np
 
 
@@ -58,9 +58,9 @@ class Model:
 
     def export_module(self):
         return self.module, {"x": np.zeros((2, 3), np.float32)}
-'''
+"""
 
-BRANCH_PACKAGE = '''
+BRANCH_PACKAGE = """
 import numpy as np
 
 
@@ -87,7 +87,7 @@ class Model:
 
     def export_module(self):
         return self.module, {"x": np.ones((2, 3), np.float32)}
-'''
+"""
 
 NO_HOOK = """
 class Model:
@@ -204,10 +204,26 @@ def test_no_convert_and_publish_params(tmp_path: Path) -> None:
 def test_worst_parity_names_output_error_and_tolerance() -> None:
     report = {
         "comparisons": [
-            {"case": "random, batch 1", "output": "y", "passed": True, "max_abs": 0.0, "max_rel": 0.0,
-             "atol": 1e-4, "rtol": 1e-3, "detail": None},
-            {"case": "user input 0", "output": "y", "passed": False, "max_abs": 2.0, "max_rel": 0.5,
-             "atol": 1e-4, "rtol": 1e-3, "detail": "6 of 6 element(s) outside tolerance"},
+            {
+                "case": "random, batch 1",
+                "output": "y",
+                "passed": True,
+                "max_abs": 0.0,
+                "max_rel": 0.0,
+                "atol": 1e-4,
+                "rtol": 1e-3,
+                "detail": None,
+            },
+            {
+                "case": "user input 0",
+                "output": "y",
+                "passed": False,
+                "max_abs": 2.0,
+                "max_rel": 0.5,
+                "atol": 1e-4,
+                "rtol": 1e-3,
+                "detail": "6 of 6 element(s) outside tolerance",
+            },
         ]
     }
     text = _worst_parity(report)
@@ -219,7 +235,9 @@ def test_worker_rejects_a_bad_request(tmp_path: Path) -> None:
     (tmp_path / "req.json").write_text(json.dumps({"op": "nope"}))
     proc = subprocess.run(
         [sys.executable, "-m", "converters.worker", str(tmp_path / "req.json"), str(tmp_path / "res.json")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2 and "bad request" in proc.stderr and not (tmp_path / "res.json").exists()
 

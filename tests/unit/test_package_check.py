@@ -41,8 +41,10 @@ def test_a_good_package_passes_and_leaves_no_bytecode(tmp_path: Path) -> None:
 
 def test_sibling_modules_and_subfolder_entrypoints_import(tmp_path: Path) -> None:
     folder = package(
-        tmp_path, "from helpers import scale\n\nclass Net:\n    load = predict = staticmethod(scale)\n",
-        name="src/net.py", **{"helpers.py": "def scale(*a):\n    return a\n"},
+        tmp_path,
+        "from helpers import scale\n\nclass Net:\n    load = predict = staticmethod(scale)\n",
+        name="src/net.py",
+        **{"helpers.py": "def scale(*a):\n    return a\n"},
     )
     assert check_import(folder, "src/net.py", "Net") is None
 
@@ -114,8 +116,13 @@ def test_one_probe_checks_many_packages_each_in_a_fresh_process(tmp_path: Path) 
         folder = tmp_path / name
         folder.mkdir()
         (folder / "snooze_model.py").write_text(textwrap.dedent(source))
-        return {"package_dir": str(folder), "entrypoint": "snooze_model.py", "class_name": "Model",
-                "cwd": str(folder), **extra}
+        return {
+            "package_dir": str(folder),
+            "entrypoint": "snooze_model.py",
+            "class_name": "Model",
+            "cwd": str(folder),
+            **extra,
+        }
 
     jobs = [
         job("good", GOOD, env={"SNOOZE_TEST_FLAG": "on"}),

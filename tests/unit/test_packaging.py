@@ -21,8 +21,18 @@ def test_wheel_contains_runtime_data(tmp_path: Path) -> None:
             (source / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, source / rel)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(tmp_path),
-         str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-v",
+            "-w",
+            str(tmp_path),
+            str(source),
+        ],
         check=True,
         capture_output=True,
         text=True,

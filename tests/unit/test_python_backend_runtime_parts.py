@@ -228,8 +228,11 @@ def test_runtime_files_are_self_contained_and_portable():
                 needed = f"{node.module}.py" if node.module else "__init__.py"
                 assert needed in names, f"{path} needs {needed}, which is not copied"
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                roots = {a.name.split(".")[0] for a in node.names} if isinstance(node, ast.Import) else {
-                    node.module.split(".")[0]}
+                roots = (
+                    {a.name.split(".")[0] for a in node.names}
+                    if isinstance(node, ast.Import)
+                    else {node.module.split(".")[0]}
+                )
                 assert roots <= allowed, f"{path} imports {roots - allowed} at module level"
 
 
@@ -269,7 +272,8 @@ def test_a_refusal_is_declared_by_the_exception_class_never_read_from_its_messag
             return describe_failure(e, "m1", stage, 2)
 
     assert kind_of(_NegativeCounts("counts must be >= 0")) == (
-        "invalid_input", "[snooze:invalid_input] model 'm1': predict refused the input: counts must be >= 0"
+        "invalid_input",
+        "[snooze:invalid_input] model 'm1': predict refused the input: counts must be >= 0",
     )
     assert kind_of(_Refusal())[1].endswith("predict refused the input: _Refusal")
     for exc in (ValueError("invalid input: counts must be >= 0"), _Other("x")):  # words or another value: no

@@ -22,7 +22,9 @@ def test_relative_paths_from_flags_env_and_the_default_are_resolved_once(
     assert default.repository == tmp_path / ".snooze" / "model_repository"
     flags = Settings(work_dir=Path(".snooze"), model_repository=Path("repo"), journal_dir=Path("j/../journal"))
     assert (flags.work_dir, flags.model_repository, flags.journal_dir) == (
-        tmp_path / ".snooze", tmp_path / "repo", tmp_path / "journal"
+        tmp_path / ".snooze",
+        tmp_path / "repo",
+        tmp_path / "journal",
     )
     monkeypatch.setenv("SNOOZE_WORK_DIR", "work")
     from_env = Settings()

@@ -175,8 +175,9 @@ def test_models_toml_resolves_paths_and_rejects_unknown_keys(tmp_path: Path) -> 
 def test_keep_alive_policy_is_fixed_by_default_and_adaptive_on_request(tmp_path: Path) -> None:
     write_custom(tmp_path / "pkgs" / "net")
     toml = tmp_path / "models.toml"
-    toml.write_text('[[models]]\nid = "net"\npath = "pkgs/net"\n[[models]]\nid = "ad"\npath = "pkgs/net"\n'
-                    'keep_alive = "adaptive"\n')
+    toml.write_text(
+        '[[models]]\nid = "net"\npath = "pkgs/net"\n[[models]]\nid = "ad"\npath = "pkgs/net"\nkeep_alive = "adaptive"\n'
+    )
     fixed, adaptive = load_models_toml(toml)
     assert (fixed.keep_alive, adaptive.keep_alive) == ("fixed", "adaptive")
     toml.write_text('[[models]]\nid = "net"\npath = "pkgs/net"\nkeep_alive = "smart"\n')
@@ -189,8 +190,9 @@ def test_worker_is_in_stub_by_default_and_preforked_on_request(tmp_path: Path) -
 
     write_custom(tmp_path / "pkgs" / "net", {"preload": ["torch", "PIL.Image", "torch"]})
     toml = tmp_path / "models.toml"
-    toml.write_text('[[models]]\nid = "a"\npath = "pkgs/net"\n[[models]]\nid = "b"\npath = "pkgs/net"\n'
-                    'worker = "preforked"\n')
+    toml.write_text(
+        '[[models]]\nid = "a"\npath = "pkgs/net"\n[[models]]\nid = "b"\npath = "pkgs/net"\nworker = "preforked"\n'
+    )
     stub, forked = load_models_toml(toml)
     assert (stub.worker, forked.worker) == ("in-stub", "preforked")
     config = runtime_config(resolve(forked))

@@ -57,7 +57,8 @@ def test_a_shared_repository_keeps_other_hosts_writers(tmp_path):
 
     assert recover_staging(repo) == [f"mine@{host}.{gone}.abc123"]
     assert sorted(p.name for p in staging.iterdir()) == [
-        f"live@{host}.{os.getpid()}.def456", f"theirs@other-node.{gone}.ghi789",
+        f"live@{host}.{os.getpid()}.def456",
+        f"theirs@other-node.{gone}.ghi789",
     ]
 
 

@@ -14,8 +14,15 @@ MIB = 1024 * 1024
 
 def model(model_id: str, **status: object) -> dict:
     base = {
-        "id": model_id, "state": "ready", "reason": None, "instances": 1, "last_access": None,
-        "idle_timeout_secs": 300, "memory_bytes": 64 * MIB, "last_cold_start_secs": 0.5, "load_count": 1,
+        "id": model_id,
+        "state": "ready",
+        "reason": None,
+        "instances": 1,
+        "last_access": None,
+        "idle_timeout_secs": 300,
+        "memory_bytes": 64 * MIB,
+        "last_cold_start_secs": 0.5,
+        "load_count": 1,
     }
     return {"id": model_id, "status": {**base, **status}}
 
@@ -64,16 +71,23 @@ def test_memory_says_whether_it_is_measured_declared_or_unknown():
     ]
     _, text = render(models)
     assert [row(text, m)[5] for m in ("measured", "declared", "unknown", "asleep")] == [
-        "64.0 MiB", "~140.0 MiB (declared)", "unknown", "-",
+        "64.0 MiB",
+        "~140.0 MiB (declared)",
+        "unknown",
+        "-",
     ]
 
 
 def test_a_fleet_status_names_the_nodes_holding_each_model():
     models = [
-        model("hot", instances=2, nodes={
-            "node-2": {"state": "ready", "instances": 1, "memory_bytes": 40 * MIB},
-            "node-1": {"state": "loading", "instances": 1, "memory_bytes": None},
-        }),
+        model(
+            "hot",
+            instances=2,
+            nodes={
+                "node-2": {"state": "ready", "instances": 1, "memory_bytes": 40 * MIB},
+                "node-1": {"state": "loading", "instances": 1, "memory_bytes": None},
+            },
+        ),
         model("asleep", state="unloaded", instances=0, memory_bytes=None, nodes={}),
     ]
     headers, text = render(models)
@@ -86,8 +100,15 @@ def _windows(policy: str, *, pattern: bool = False, samples: int = 0, keep: floa
              prewarm: float | None = None) -> dict:  # fmt: skip
     """What the server's keep-alive policy reports (``FixedKeepAlive.windows()``)."""
     w = {
-        "policy": policy, "pattern": pattern, "reason": "", "samples": samples, "keep_alive_secs": keep,
-        "prewarm_after_secs": prewarm, "prewarm_loads": 0, "prewarm_used": 0, "prewarm_wasted": 0,
+        "policy": policy,
+        "pattern": pattern,
+        "reason": "",
+        "samples": samples,
+        "keep_alive_secs": keep,
+        "prewarm_after_secs": prewarm,
+        "prewarm_loads": 0,
+        "prewarm_used": 0,
+        "prewarm_wasted": 0,
         "prewarmed_unused": False,
     }
     return w | ({"min_samples": 10} if policy == "adaptive" else {})
@@ -105,8 +126,13 @@ def test_keep_alive_column_shows_the_policy_and_its_current_windows():
     ]
     _, text = render(models)
     assert [row(text, m)[4] for m in ("fixed", "learning", "periodic", "seconds", "daily", "bursty", "sparse")] == [
-        "fixed 5m", "learning 3/10 (5m)", "adaptive: pre-warm +9m, keep +11.5m", "adaptive: pre-warm +6.2s, keep +30s",
-        "adaptive: pre-warm +21.6h, keep +26.4h", "adaptive: keep +45s", "adaptive: keep +30s",
+        "fixed 5m",
+        "learning 3/10 (5m)",
+        "adaptive: pre-warm +9m, keep +11.5m",
+        "adaptive: pre-warm +6.2s, keep +30s",
+        "adaptive: pre-warm +21.6h, keep +26.4h",
+        "adaptive: keep +45s",
+        "adaptive: keep +30s",
     ]
 
 
@@ -141,10 +167,15 @@ def test_an_80_column_terminal_cuts_no_header_and_a_long_failure_goes_below_the_
 def test_the_wake_queue_line_shows_each_waiting_load_and_is_absent_when_none_waits():
     from controlplane.cli.status_command import _wake_queue_line
 
-    queue = {"length": 2, "oldest_wait_secs": 3.2, "wait_bound_secs": 10.0, "waiting": [
-        {"model": "m1", "waiting_for": "a load slot", "wait_secs": 3.2},
-        {"model": "m2", "waiting_for": "memory", "wait_secs": 0.4},
-    ]}
+    queue = {
+        "length": 2,
+        "oldest_wait_secs": 3.2,
+        "wait_bound_secs": 10.0,
+        "waiting": [
+            {"model": "m1", "waiting_for": "a load slot", "wait_secs": 3.2},
+            {"model": "m2", "waiting_for": "memory", "wait_secs": 0.4},
+        ],
+    }
     assert _wake_queue_line(queue) == (
         "wake queue: 2 load(s) waiting to start (a request waits at most 10s for its load to start): "
         "m1 (a load slot, 3.2s), m2 (memory, 0.4s)"

@@ -61,8 +61,14 @@ def write_onnx(path: Path, *, batch: str | int = "batch", external: bool = False
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     if external:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=f"{path.name}.data", size_threshold=0)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=f"{path.name}.data",
+            size_threshold=0,
+        )
     else:
         onnx.save_model(model, str(path))
     return path
@@ -97,8 +103,11 @@ def linear_repo(tmp_path: Path) -> Path:
 def test_rendered_examples_pass_on_both_targets(tmp_path: Path) -> None:
     onnx_pkg = tmp_path / "packages" / "onnx-mlp"
     write_onnx(onnx_pkg / "model.onnx")
-    packages = {"numpy-linear": EXAMPLES / "numpy-linear", "text-features": EXAMPLES / "text-features",
-                "onnx-mlp": onnx_pkg}
+    packages = {
+        "numpy-linear": EXAMPLES / "numpy-linear",
+        "text-features": EXAMPLES / "text-features",
+        "onnx-mlp": onnx_pkg,
+    }
     for name, target in (("embedded", embedded_target()), ("full", FULL_TARGET)):
         repo = render(tmp_path / name, packages, target)
         report = validate_repository(repo, target=target)
@@ -110,8 +119,10 @@ def test_rendered_examples_pass_on_both_targets(tmp_path: Path) -> None:
 
 
 def test_the_warmup_folder_is_not_a_version_folder(tmp_path: Path) -> None:
-    manifest = {"inputs": [{"name": "s", "datatype": "BYTES", "dims": [1]}],
-                "outputs": [{"name": "y", "datatype": "BYTES", "dims": [1]}]}
+    manifest = {
+        "inputs": [{"name": "s", "datatype": "BYTES", "dims": [1]}],
+        "outputs": [{"name": "y", "datatype": "BYTES", "dims": [1]}],
+    }
     code = "class Model:\n    def load(self, d, dev): ...\n    def predict(self, x):\n        return {'y': x['s']}\n"
     repo = render(tmp_path, {"words": write_package(tmp_path, "words", code, manifest)})
     assert (repo / "words" / "warmup").is_dir()
@@ -218,10 +229,13 @@ def test_class_without_predict(tmp_path: Path) -> None:
 
 
 def test_missing_class_and_broken_import(tmp_path: Path) -> None:
-    repo = render(tmp_path, {
-        "noclass": write_package(tmp_path, "noclass", "class Other:\n    pass\n"),
-        "broken": write_package(tmp_path, "broken", "import not_a_real_module_xyz\n"),
-    })
+    repo = render(
+        tmp_path,
+        {
+            "noclass": write_package(tmp_path, "noclass", "class Other:\n    pass\n"),
+            "broken": write_package(tmp_path, "broken", "import not_a_real_module_xyz\n"),
+        },
+    )
     report = validate_repository(repo)
     [noclass] = failures(report, "model_class")
     assert noclass.model == "noclass" and "no class 'Model'" in noclass.message
@@ -329,8 +343,9 @@ def test_report_json_and_junit(linear_repo: Path, tmp_path: Path) -> None:
     root = ET.parse(path).getroot()
     assert root.tag == "testsuites" and int(root.get("failures")) == len(report.failures)
     failed = [c for c in root.iter("testcase") if c.find("failure") is not None]
-    assert any(c.get("name") == "model_file" and "linear/1/model.py" in c.find("failure").get("message")
-               for c in failed)
+    assert any(
+        c.get("name") == "model_file" and "linear/1/model.py" in c.find("failure").get("message") for c in failed
+    )
 
 
 def test_cli_exit_status_and_outputs(linear_repo: Path, tmp_path: Path) -> None:
@@ -396,8 +411,9 @@ def test_check_validate_and_parity_draw_the_same_samples_bf16_included(tmp_path:
         where="test",
     )
     validated = warmup_inputs(config, seed=0)
-    parity = random_inputs([TensorSpec("x", "float32", [-1, 3]), TensorSpec("h", "bfloat16", [-1, 2])], 1,
-                           np.random.default_rng(0))
+    parity = random_inputs(
+        [TensorSpec("x", "float32", [-1, 3]), TensorSpec("h", "bfloat16", [-1, 2])], 1, np.random.default_rng(0)
+    )
     assert parity["h"].dtype == ml_dtypes.bfloat16 and validated["h"].dtype == np.float32
     np.testing.assert_array_equal(validated["x"], parity["x"])
     np.testing.assert_array_equal(validated["h"], parity["h"].astype(np.float32))

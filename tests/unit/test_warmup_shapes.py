@@ -26,9 +26,12 @@ def _onnx(folder: Path, inputs: list, outputs: list, nodes: list) -> Path:
 
 
 def _image_model(folder: Path) -> Path:
-    return _onnx(folder, [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["b", 3, "h", "w"])],
-                 [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", 3, "h", "w"])],
-                 [helper.make_node("Relu", ["images"], ["out"])])
+    return _onnx(
+        folder,
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["b", 3, "h", "w"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", 3, "h", "w"])],
+        [helper.make_node("Relu", ["images"], ["out"])],
+    )
 
 
 def test_the_sample_name_says_its_source_and_native_backends_skip_a_variable_generated_one(tmp_path: Path) -> None:
@@ -46,15 +49,19 @@ def test_dims_written_as_zero_question_mark_or_an_expression_are_variable(tmp_pa
     value.type.tensor_type.shape.dim.add().dim_param = "?"
     value.type.tensor_type.shape.dim.add().dim_param = "2*seq"
     out = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4, 0, "?", "2*seq"])
-    spec = resolve(DeploymentSpec(id="m", path=_onnx(tmp_path / "m", [value], [out], [helper.make_node(
-        "Relu", ["x"], ["y"])])))
+    spec = resolve(
+        DeploymentSpec(id="m", path=_onnx(tmp_path / "m", [value], [out], [helper.make_node("Relu", ["x"], ["y"])]))
+    )
     assert spec.package.inputs[0].dims == [4, -1, -1, -1]  # fails without the fix: the 0 stayed a 0
 
 
 def test_a_batch_axis_that_is_not_first_publishes_without_batching_and_says_why(tmp_path: Path) -> None:
-    pkg = _onnx(tmp_path / "s", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, "batch", 128])],
-                [helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [2, "batch", 128])],
-                [helper.make_node("Tanh", ["h"], ["h_out"])])
+    pkg = _onnx(
+        tmp_path / "s",
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, "batch", 128])],
+        [helper.make_tensor_value_info("h_out", TensorProto.FLOAT, [2, "batch", 128])],
+        [helper.make_node("Tanh", ["h"], ["h_out"])],
+    )
     spec = resolve(DeploymentSpec(id="s", path=pkg))
     assert spec.deployment.max_batch_size == 0 and spec.package.inputs[0].dims == [2, -1, 128]
     [note] = spec.notes
@@ -74,21 +81,31 @@ def test_learned_shapes_are_kept_once_and_read_back(tmp_path: Path) -> None:
 
 
 def _runtime(**kw: object) -> RuntimeSpec:
-    base = dict(model_id="m", kind="custom", tensor_format="numpy", max_batch_size=8,
-                inputs=(TensorSpec("images", "FP32", (3, -1, -1)), TensorSpec("text", "BYTES", (1,))),
-                outputs=(TensorSpec("boxes", "FP32", (-1, 7)), TensorSpec("label", "INT64", ())))
+    base = dict(
+        model_id="m",
+        kind="custom",
+        tensor_format="numpy",
+        max_batch_size=8,
+        inputs=(TensorSpec("images", "FP32", (3, -1, -1)), TensorSpec("text", "BYTES", (1,))),
+        outputs=(TensorSpec("boxes", "FP32", (-1, 7)), TensorSpec("label", "INT64", ())),
+    )
     base.update(kw)
     return RuntimeSpec(**base)  # type: ignore[arg-type]
 
 
 def test_learned_arrays_are_zeros_of_the_learned_shapes_and_stale_ones_are_ignored() -> None:
     spec = _runtime()
-    arrays = learned_arrays(spec, {"images": {"shape": [3, 96, 64], "datatype": "FP32"},
-                                   "text": {"shape": [1], "datatype": "BYTES"}})
+    arrays = learned_arrays(
+        spec, {"images": {"shape": [3, 96, 64], "datatype": "FP32"}, "text": {"shape": [1], "datatype": "BYTES"}}
+    )
     assert arrays["images"].shape == (1, 3, 96, 64) and not arrays["images"].any()
     assert arrays["text"].tolist() == [[b""]]
-    assert learned_arrays(spec, {"images": {"shape": [4, 96, 64], "datatype": "FP32"},
-                                 "text": {"shape": [1], "datatype": "BYTES"}}) is None  # no longer fits
+    assert (
+        learned_arrays(
+            spec, {"images": {"shape": [4, 96, 64], "datatype": "FP32"}, "text": {"shape": [1], "datatype": "BYTES"}}
+        )
+        is None
+    )  # no longer fits
 
 
 def test_triton_s_warmup_request_is_answered_with_outputs_of_the_declared_shapes() -> None:
