@@ -145,22 +145,48 @@ async def _cancel(
     leftovers = (cancelled and not queued) or loaded  # Triton may still be loading what the task left, or hold it
     if leftovers and rec.op is None and not rec.dropped:
         # A transition of its own: out of service (UNLOADING) while it leaves Triton, so no request takes it for
-        # READY and no load starts meanwhile (Triton would meet the leftovers). A request that waited on the load
-        # gets its answer (request_path); a later one waits for this, then loads the model anew.
-        leave = _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=loaded)
-        killed += await asyncio.shield(states.spawn(rec, ModelState.UNLOADING, f"load cancelled: {why}", leave))
-    elif cancelled and not queued:  # another transition owns the record now: only Triton's side is left
+        # READY and no load starts meanwhile (Triton would meet the leftovers); it ends UNLOADED. A request that
+        # waited on the load gets its answer (request_path); a later one waits for this, then loads anew.
+        leave = _leave_and_mark(states, processes, journal_dir, triton, rec, why, started=started, wait=loaded)
+        return killed + await asyncio.shield(states.spawn(rec, ModelState.UNLOADING, f"load cancelled: {why}", leave))
+    if cancelled and not queued:  # another transition owns the record now: only Triton's side is left
         killed += await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=False)
-    # Counted for an earlier unload Triton may not have finished (a crash's recovery unloads the dead instances
-    # without waiting, then loads): a python model none of whose processes live holds nothing (as triton_sync
-    # judges one it finds unloading), so its budget goes now rather than at the next sweep.
-    left_nothing = rec.triton_may_hold and rec.is_python and await asyncio.to_thread(none_alive, processes, rec.id)
+    left_nothing = await _left_nothing(processes, rec)
     if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
-        rec.stubs, rec.workers, rec.reserved, rec.gpu_reserved, rec.instances = (), (), 0, {}, 0
-        if left_nothing:
-            rec.triton_may_hold = False
-        states.set_state(rec, ModelState.UNLOADED, f"load cancelled: {why}")
+        _mark_unloaded(states, rec, why, left_nothing=left_nothing)
     return killed
+
+
+async def _leave_and_mark(
+    states: ModelStates,
+    processes: TritonProcesses,
+    journal_dir: Path | None,
+    triton: Any,
+    rec: ModelRecord,
+    why: str,
+    *,
+    started: float,
+    wait: bool,
+) -> list[int]:
+    """The cancel's own transition: leave Triton, then mark the record UNLOADED before the transition ends."""
+    killed = await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=wait)
+    _mark_unloaded(states, rec, why, left_nothing=await _left_nothing(processes, rec))
+    return killed
+
+
+async def _left_nothing(processes: TritonProcesses, rec: ModelRecord) -> bool:
+    """Counted for an earlier unload Triton may not have finished (a crash's recovery unloads the dead instances
+    without waiting, then loads), yet a python model none of whose processes live holds nothing (as triton_sync
+    judges one it finds unloading): its budget goes now rather than at the next sweep."""
+    return rec.triton_may_hold and rec.is_python and await asyncio.to_thread(none_alive, processes, rec.id)
+
+
+def _mark_unloaded(states: ModelStates, rec: ModelRecord, why: str, *, left_nothing: bool) -> None:
+    """The record holds nothing: UNLOADED, with reason ``load cancelled: <why>``."""
+    rec.stubs, rec.workers, rec.reserved, rec.gpu_reserved, rec.instances = (), (), 0, {}, 0
+    if left_nothing:
+        rec.triton_may_hold = False
+    states.set_state(rec, ModelState.UNLOADED, f"load cancelled: {why}")
 
 
 async def _leave_triton(

@@ -261,3 +261,14 @@ def test_requests_waiting_on_a_load_that_a_republish_cancels_get_the_new_version
         world.step(world.tick(1.0), 0.0)
     answers = [c.answer for c in world.answered if c.what == "request" and c.model == "m0"]
     assert answers == ["200"] * 7
+
+
+def test_a_cancels_own_transition_marks_the_record_unloaded_before_it_ends(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=4145292415): an unload cancelled a load that ended well meanwhile;
+    the cancel's own transition left Triton, and the record was marked UNLOADED only after that transition had
+    ended, by the caller: in between it said UNLOADING with no transition and nothing held in Triton."""
+    world.step(world.remote_delete("m1"), 1.0)
+    world.step(world.publish("m3", 60, 1), 1.0)
+    world.step(world.request("m0", None), 1.0)
+    world.step(world.remote_publish("m3", 60), 0.05)
+    world.step(world.stop_during_hung_load("m3", "unload"), 0.05)
