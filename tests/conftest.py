@@ -12,6 +12,16 @@ from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
 
 
+@pytest.hookimpl(trylast=True)  # after the shuffle (pytest-random-order): it only moves these to their module's end
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked ``stops_stack`` ends the module's shared stack (a graceful stop, Ctrl-C): it runs after every
+    other test of its module, whatever order the shuffle chose; the others keep theirs."""
+    first: dict[Path, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (first[item.path], item.get_closest_marker("stops_stack") is not None))
+
+
 @pytest.fixture(scope="session")
 def embedded_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
     """One tritonserver (explicit model control, free ports) for the whole session; always stopped."""

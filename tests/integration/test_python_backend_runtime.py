@@ -89,6 +89,8 @@ def build_model(
 ) -> dict:
     """Write one model folder; `config_max_batch_size` lets config.pbtxt differ from the runtime spec."""
     spec = {"format": 1, "model_id": name, "tensor_format": "numpy", "env": {}, "params": {}, **runtime}
+    # written again when a module-scoped fixture is built anew (shuffled tests of both workers interleave)
+    shutil.rmtree(repo / name, ignore_errors=True)
     version = repo / name / "1"
     (version / "package").mkdir(parents=True)
     (repo / name / "config.pbtxt").write_text(
@@ -821,11 +823,15 @@ def test_load_failure_names_kind_and_model(triton, worker, name, source, expecte
 def test_unload_calls_model_unload(triton, mixed_model):
     model, marker = mixed_model
     triton["http"].unload_model(model)
-    deadline = time.monotonic() + 30
-    # the file exists a moment before unload() has written it
-    while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert marker.read_text() == "unloaded"
+    try:
+        deadline = time.monotonic() + 30
+        # the file exists a moment before unload() has written it
+        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.read_text() == "unloaded"
+    finally:
+        marker.unlink(missing_ok=True)
+        triton["http"].load_model(model)  # the module's other tests share the model
 
 
 @pytest.mark.slow

@@ -144,19 +144,26 @@ def _expected_numpy_linear(x: np.ndarray) -> np.ndarray:
     return model.predict({"x": x})["y"]
 
 
-def test_the_client_snippet_runs_with_the_documented_interpreter(stack: Serve, user_dir: Path) -> None:
+def _run_the_client_snippet(stack: Serve, user_dir: Path) -> subprocess.CompletedProcess[str]:
+    """The README's client, saved as client.py in the user's folder and run as it says, against this stack."""
     section = quick_start()
     assert "`.venv/bin/python client.py`" in section  # the documented way to run it
     (snippet,) = [body for lang, body in code_blocks(section) if lang == "python"]
     assert '"localhost:8000"' in snippet
     (user_dir / "client.py").write_text(snippet.replace('"localhost:8000"', f'"localhost:{stack.http_port}"'))
-    proc = subprocess.run([".venv/bin/python", "client.py"], cwd=user_dir, capture_output=True, text=True,
+    return subprocess.run([".venv/bin/python", "client.py"], cwd=user_dir, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
+
+
+def test_the_client_snippet_runs_with_the_documented_interpreter(stack: Serve, user_dir: Path) -> None:
+    proc = _run_the_client_snippet(stack, user_dir)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(_expected_numpy_linear(np.ones((2, 4), dtype=np.float32)))
 
 
 def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
+    # in the README's order: the client first (it wakes numpy-linear), then the lines that show it
+    assert _run_the_client_snippet(stack, user_dir).returncode == 0
     section = quick_start()
     blocks = [body for lang, body in code_blocks(section) if lang == ""]
     make, after = blocks[0], blocks[1]
@@ -178,7 +185,7 @@ def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
         assert proc.returncode == 0, (command, proc.stdout, proc.stderr)
         outputs.append(proc.stdout)
     status, published, metrics = outputs
-    assert re.search(r"numpy-linear\s.*ready", status), status  # woken by the snippet above
+    assert re.search(r"numpy-linear\s.*ready", status), status  # woken by the client
     assert re.search(r"┃ model .* ┃ last cold start ┃$", status, re.M), status  # whole rows, not cut at 80 columns
     assert published.strip() == "published my-net (custom, python backend)"  # and nothing else
     assert 'snooze_cold_starts_total{model="numpy-linear",trigger="request"} 1.0' in metrics, metrics
@@ -283,6 +290,7 @@ def test_make_tests_first_steps_run_in_the_fresh_clone(user_dir: Path, steps: sl
         assert re.search(r"\d+ passed", proc.stdout) or "SKIPPED (no python3.10" in proc.stdout, proc.stdout
 
 
+@pytest.mark.stops_stack
 def test_ctrl_c_stops_everything_and_says_so_last(stack: Serve) -> None:
     """Ctrl-C in make's terminal: SIGINT to its whole process group (make and snoozectl)."""
     assert stack.proc is not None

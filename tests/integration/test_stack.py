@@ -164,6 +164,7 @@ def test_lru_eviction_under_a_small_budget(budget_stack: Serve):
     assert states == {"lru_a": "ready", "lru_b": "unloaded", "lru_c": "ready"}, sizes
 
 
+@pytest.mark.stops_stack
 def test_graceful_shutdown_finishes_in_flight_requests_and_leaves_no_process(budget_stack: Serve):
     s = budget_stack
     marker = s.work_dir.parent / "slow.started"
@@ -204,8 +205,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, package: Path) -> Iterator[S
     models = root / "models"
     models.mkdir()
     entries = [
+        # each storm model is woken by its storm test only (it checks the storm was the one cold start)
         {"id": "storm_grpc", "path": str(package), "params": {"scale": 3.0}},
         {"id": "storm_http", "path": str(package), "params": {"scale": 3.0}},
+        {"id": "shared", "path": str(package), "params": {"scale": 3.0}},  # any test may use it
+        {"id": "listed", "path": str(package)},  # woken by the status test
+        {"id": "dormant", "path": str(package)},  # no test loads it
         {"id": "napper", "path": str(package), "idle_timeout_secs": 2},
         {"id": "crashy", "path": str(package), "params": {"crash": "poison"}},
         {"id": "phoenix", "path": str(package), "params": {"marker": str(root / "phoenix.started")}},
@@ -301,9 +306,9 @@ def test_stub_crash_fails_one_request_then_recovers(stack: Serve):
 @pytest.mark.parametrize("headers", [{}, {"X-API-Key": "wrong"}, {"Authorization": "Bearer wrong"}])
 def test_http_refusals_are_kserve_json_401(stack: Serve, headers: dict[str, str]):
     with pytest.raises(InferenceServerException) as info:
-        http_infer(stack.http_url, "storm_http", x_rows([1.0]), headers=headers)
+        http_infer(stack.http_url, "shared", x_rows([1.0]), headers=headers)
     assert info.value.status() == "401" and "missing or invalid API key" in info.value.message()
-    raw = httpx.post(f"http://{stack.http_url}/v2/models/storm_http/infer", json=kserve_body(x_rows([1.0])),
+    raw = httpx.post(f"http://{stack.http_url}/v2/models/shared/infer", json=kserve_body(x_rows([1.0])),
                      headers=headers)  # fmt: skip
     assert raw.status_code == 401 and "missing or invalid API key" in raw.json()["error"]
 
@@ -311,22 +316,22 @@ def test_http_refusals_are_kserve_json_401(stack: Serve, headers: dict[str, str]
 @pytest.mark.parametrize("headers", [{}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong"}])
 def test_grpc_refusals_are_unauthenticated(stack: Serve, headers: dict[str, str]):
     with pytest.raises(InferenceServerException) as info:
-        grpc_infer(stack.grpc_url, "storm_grpc", x_rows([1.0]), headers=headers)
+        grpc_infer(stack.grpc_url, "shared", x_rows([1.0]), headers=headers)
     assert info.value.status() == "StatusCode.UNAUTHENTICATED"
     assert "missing or invalid API key" in info.value.message()
 
 
 def test_inference_key_infers_but_cannot_administer(stack: Serve, package: Path, tmp_path: Path):
     x = x_rows([3.0])
-    np.testing.assert_allclose(http_infer(stack.http_url, "storm_http", x), x * 3)
+    np.testing.assert_allclose(http_infer(stack.http_url, "shared", x), x * 3)
     np.testing.assert_allclose(
-        grpc_infer(stack.grpc_url, "storm_grpc", x, headers={"authorization": f"Bearer {API_KEY}"}), x * 3
+        grpc_infer(stack.grpc_url, "shared", x, headers={"authorization": f"Bearer {API_KEY}"}), x * 3
     )
     with stack.api(API_KEY) as api:
         for call in (
             lambda: api.publish_archive(package, "sneaky"),
-            lambda: api.load("phoenix"),
-            lambda: api.delete("phoenix"),
+            lambda: api.load("dormant"),
+            lambda: api.delete("dormant"),
         ):
             with pytest.raises(ControlPlaneError) as info:
                 call()
@@ -334,9 +339,9 @@ def test_inference_key_infers_but_cannot_administer(stack: Serve, package: Path,
     with stack.api(None) as api, pytest.raises(ControlPlaneError) as info:
         api.list()
     assert info.value.status_code == 401
-    cli = stack.snoozectl("load", "phoenix", "--json", key=API_KEY)
+    cli = stack.snoozectl("load", "dormant", "--json", key=API_KEY)
     assert cli.returncode == 1 and json.loads(cli.stdout)["code"] in ("forbidden", "auth_forbidden"), cli.stdout
-    assert stack.status("phoenix")["state"] == "unloaded"
+    assert stack.status("dormant")["state"] == "unloaded"
 
     # The admin key may: publish (CLI), load, unload, delete.
     cli = stack.snoozectl("publish", str(package), "--id", "admin_made", "--no-convert", "--json")
@@ -395,7 +400,7 @@ def test_bad_uploads_are_refused_and_the_repository_is_unchanged(stack: Serve, p
     # The CLI, as users run it (all four at once: they must not disturb each other either).
     runs = {
         case: subprocess.Popen(
-            [SNOOZECTL, "publish", str(path), "--id", "storm_grpc", "--no-convert", "--json"],
+            [SNOOZECTL, "publish", str(path), "--id", "shared", "--no-convert", "--json"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -414,28 +419,30 @@ def test_bad_uploads_are_refused_and_the_repository_is_unchanged(stack: Serve, p
     with stack.api() as api:
         for case, (path, fragment) in cases.items():
             with pytest.raises(ControlPlaneError) as info:
-                api.publish_archive(path, "storm_grpc")
+                api.publish_archive(path, "shared")
             assert 400 <= info.value.status_code < 500 and fragment in info.value.message, case
     assert tree_digest(stack.repository) == before
     # The model those uploads tried to replace still serves.
     x = x_rows([4.0])
-    np.testing.assert_allclose(grpc_infer(stack.grpc_url, "storm_grpc", x), x * 3)
+    np.testing.assert_allclose(grpc_infer(stack.grpc_url, "shared", x), x * 3)
 
 
 def test_status_json_lists_every_model(stack: Serve):
+    x = x_rows([1.0])
+    np.testing.assert_allclose(grpc_infer(stack.grpc_url, "listed", x), x * 2)
     cli = stack.snoozectl("status", "--json")
     assert cli.returncode == 0, cli.stderr
     models = {m["id"]: m["status"] for m in json.loads(cli.stdout)}
-    assert set(models) == {"storm_grpc", "storm_http", "napper", "crashy", "phoenix"}
+    assert set(models) == {"storm_grpc", "storm_http", "shared", "listed", "dormant", "napper", "crashy", "phoenix"}
     keys = {"state", "instances", "last_access", "idle_timeout_secs", "memory_bytes", "last_cold_start_secs"}
     for model, status in models.items():
         assert keys <= set(status), (model, status)
-    storm = models["storm_grpc"]
-    assert storm["state"] == "ready" and storm["instances"] >= 1
-    assert storm["last_access"] and storm["last_access"] <= time.time() + 1
-    assert storm["idle_timeout_secs"] == 300 and models["napper"]["idle_timeout_secs"] == 2
-    assert storm["memory_bytes"] > 0 and storm["last_cold_start_secs"] > 0
-    never = models["phoenix"]
+    listed = models["listed"]
+    assert listed["state"] == "ready" and listed["instances"] >= 1
+    assert listed["last_access"] and listed["last_access"] <= time.time() + 1
+    assert listed["idle_timeout_secs"] == 300 and models["napper"]["idle_timeout_secs"] == 2
+    assert listed["memory_bytes"] > 0 and listed["last_cold_start_secs"] > 0
+    never = models["dormant"]
     assert never["state"] == "unloaded" and never["instances"] == 0 and never["last_cold_start_secs"] is None
     table = stack.snoozectl("status")  # the human table names the same models
     assert table.returncode == 0 and all(m in table.stdout for m in models)
@@ -474,6 +481,6 @@ def test_triton_killed_fails_fast_then_serves_after_the_restart(stack: Serve):
     assert hangs == [], outcomes
     assert stack.tritonserver().pid != old.pid
     assert stack.metric("snooze_triton_restarts_total") == 1
-    for m in ("storm_grpc", "crashy"):  # everything published survived; the others wake again
+    for m in ("shared", "crashy"):  # everything published survived; the others wake again
         y = grpc_infer(stack.grpc_url, m, x)
         assert y.shape == x.shape
