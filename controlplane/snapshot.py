@@ -59,8 +59,8 @@ import httpx
 from rich.console import Console
 
 from controlplane.errors import SnoozeError
-from controlplane.lifecycle import ModelState
 from controlplane.lifecycle.sequences import describe_live
+from controlplane.lifecycle.state import ModelState
 from controlplane.modes import AuthMode
 from controlplane.render import parse_config
 from controlplane.settings import Settings

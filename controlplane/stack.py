@@ -63,7 +63,7 @@ class ServingStack:
         from controlplane.api.app import create_app
         from controlplane.api.services import ControlPlaneServices
         from controlplane.gateway.activator import Activator
-        from controlplane.lifecycle import LifecycleManager
+        from controlplane.lifecycle.manager import LifecycleManager
 
         s = self.settings
         s.work_dir.mkdir(parents=True, exist_ok=True)

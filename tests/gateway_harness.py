@@ -26,7 +26,7 @@ import tritonclient.http as httpclient
 
 from controlplane.gateway.activator import Activator
 from controlplane.gateway.envoy import EnvoyGateway
-from controlplane.lifecycle import LifecycleManager
+from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient

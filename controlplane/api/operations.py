@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from controlplane.api.services import ControlPlaneServices
 from controlplane.errors import ForbiddenError, InvalidPackageError, SnoozeError
+from controlplane.lifecycle.state import UnloadReason
 from controlplane.package_check import check_import, missing_modules
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, resolve
@@ -251,4 +252,4 @@ class ModelOperations:
 
     async def unload(self, model_id: str) -> dict[str, Any]:
         await run_in_threadpool(self.services.store.get, model_id)
-        return (await self.services.lifecycle.unload(model_id, reason="api")).to_dict()
+        return (await self.services.lifecycle.unload(model_id, reason=UnloadReason.API)).to_dict()

@@ -5,7 +5,7 @@ Envoy sends it (see ``envoy.yaml.j2``):
 - inference requests that Triton answered "not found" (a sleeping model), "unavailable" or "Stub
   process '<instance>' is not healthy." (a dead model process, ``controlplane.triton.dead_stub``):
   the activator wakes the model
-  (``waker.serving``: the lifecycle's single-flight ``ensure_ready``, then the model is held loaded
+  (``lifecycle.serving``: the lifecycle's single-flight ``ensure_ready``, then the model is held loaded
   until the forward is done), forwards the request to Triton unchanged and returns Triton's answer
   unchanged. A request never runs twice: one that was running in a model process when it died
   (the lifecycle reads that from the request journal, by the gateway's ``x-snooze-request-id``) is
@@ -32,18 +32,17 @@ import uvicorn
 from controlplane.errors import SnoozeError
 from controlplane.gateway.envoy import held_log_path, ready_dir_path
 from controlplane.gateway.grpc_adapter import GRPC_OPTIONS, GrpcActivator
-from controlplane.gateway.handlers import HoldRegistry, ModelAnswers, ReadyFlags, Waker, input_names_hint
+from controlplane.gateway.handlers import HoldRegistry, ModelAnswers, ReadyFlags, input_names_hint
 from controlplane.gateway.http_adapter import HttpForwarder, create_http_app
-from controlplane.lifecycle.gateway_port import GatewayPort
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
 
 if TYPE_CHECKING:
-    from controlplane.lifecycle.manager import LifecycleManager
+    from controlplane.lifecycle.port import LifecyclePort
 
 # Imported from here by the stack and the tests: the servers, and the handlers they are built on.
-__all__ = ["Activator", "HoldRegistry", "ModelAnswers", "ReadyFlags", "Waker"]
+__all__ = ["Activator", "HoldRegistry", "ModelAnswers", "ReadyFlags"]
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -64,7 +63,7 @@ class Activator:
 
     def __init__(
         self,
-        lifecycle: LifecycleManager,
+        lifecycle: LifecyclePort,
         store: ModelStore,
         settings: Settings,
         *,
@@ -74,7 +73,7 @@ class Activator:
     ) -> None:
         self.settings = settings
         self.host = host
-        self.answers = ModelAnswers(GatewayPort(lifecycle), store, settings)
+        self.answers = ModelAnswers(lifecycle, store, settings)
         self.triton_http_url = triton_http_url
         self.triton_grpc_url = triton_grpc_url
         self.http_port: int | None = None
@@ -98,8 +97,8 @@ class Activator:
 
     async def start(self) -> None:
         self.ready_flags.open()
-        self.answers.waker.add_state_listener(self.ready_flags.update)
-        self.answers.waker.add_state_listener(self.answers.on_state)
+        self.answers.lifecycle.add_state_listener(self.ready_flags.update)
+        self.answers.lifecycle.add_state_listener(self.answers.on_state)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client), self.holds)
         self._tail_task = asyncio.create_task(self.holds.tail())
@@ -122,8 +121,8 @@ class Activator:
         await self._grpc_server.start()
 
     async def stop(self, grace: float = 5.0) -> None:
-        self.answers.waker.remove_state_listener(self.ready_flags.update)
-        self.answers.waker.remove_state_listener(self.answers.on_state)
+        self.answers.lifecycle.remove_state_listener(self.ready_flags.update)
+        self.answers.lifecycle.remove_state_listener(self.answers.on_state)
         self.ready_flags.close()
         if self._tail_task is not None:
             self._tail_task.cancel()

@@ -16,7 +16,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
@@ -26,7 +26,10 @@ from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.errors import NotFoundError, SnoozeError, TritonModelLoadError, UnavailableError
 from controlplane.gateway import triton_words as words
 from controlplane.gateway.triton_words import UnknownModelError
-from controlplane.lifecycle.gateway_port import ForbiddenOverrideError, MalformedOverrideError
+from controlplane.lifecycle.configs import config_for
+from controlplane.lifecycle.overrides import ForbiddenOverrideError, MalformedOverrideError, parse_override
+from controlplane.lifecycle.port import LifecyclePort
+from controlplane.lifecycle.state import UnloadReason
 from controlplane.render import VERSION, parse_config
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
@@ -43,27 +46,11 @@ INDEX_STATES = {
 }
 
 
-class Waker(Protocol):
-    """What the activator needs from the lifecycle (``controlplane.lifecycle.gateway_port.GatewayPort``)."""
-
-    def serving(self, model_id: str, *, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
-        """``ensure_ready`` (wake, single flight), then hold the model loaded while the block runs."""
-
-    async def admit(self, model_id: str, request_id: str) -> None: ...  # raises if it ran in a dead process
-    async def after_dead_answer(self, model_id: str, request_id: str) -> None: ...  # raises unless safe to resend
-    async def load(self, model_id: str, override_text: str | None = None) -> Any: ...  # a repository load
-    def overridden_config(self, model: PublishedModel) -> dict[str, Any] | None: ...  # None: no client override
-    async def unload(self, model_id: str, *, reason: str = "api") -> Any: ...
-    def status(self, model_id: str) -> Any: ...  # ModelStatus: .state, .reason
-    def add_state_listener(self, listener: Callable[[str, Any], None]) -> None: ...  # now, then on every change
-    def remove_state_listener(self, listener: Callable[[str, Any], None]) -> None: ...
-
-
 class ModelAnswers:
     """What the activator answers, shared by HTTP and gRPC: wake, readiness, metadata, config, index, admin."""
 
-    def __init__(self, waker: Waker, store: ModelStore, settings: Settings) -> None:
-        self.waker = waker
+    def __init__(self, lifecycle: LifecyclePort, store: ModelStore, settings: Settings) -> None:
+        self.lifecycle = lifecycle
         self.store = store
         self.settings = settings
         # Unloaded by a client through Triton's repository API: not ready (Triton's answer after an unload)
@@ -79,7 +66,7 @@ class ModelAnswers:
 
     async def unload(self, name: str) -> None:
         """Repository unload (admin): the model sleeps now and reports not ready until it is loaded again."""
-        await self.waker.unload(name, reason="api")
+        await self.lifecycle.unload(name, reason=UnloadReason.API)
         if self.state(name) != "ready":
             self.unloaded_by_client.add(name)
 
@@ -111,7 +98,7 @@ class ModelAnswers:
         """
         entered = False
         try:
-            async with self.waker.serving(name, timeout=timeout):
+            async with self.lifecycle.serving(name, timeout=timeout):
                 entered = True
                 yield
         except UnavailableError as e:
@@ -136,15 +123,15 @@ class ModelAnswers:
         after recovery only when the journal shows it never reached a live process (``recovery``).
         """
         self.published(name, version)
-        await self.waker.admit(name, request_id)
+        await self.lifecycle.admit(name, request_id)
         async with self.serving(name, timeout):
             answer = await send()
             if not dead(answer):
                 return answer
-            await self.waker.after_dead_answer(name, request_id)
+            await self.lifecycle.after_dead_answer(name, request_id)
             answer = await send()
             if dead(answer):
-                await self.waker.after_dead_answer(name, request_id)
+                await self.lifecycle.after_dead_answer(name, request_id)
             return answer
 
     async def load(self, name: str, parameters: Mapping[str, Any]) -> None:
@@ -163,17 +150,17 @@ class ModelAnswers:
             )
         text = parameters.get("config")
         try:
-            await self.waker.load(name, text)
+            await self.lifecycle.load(name, override=None if text is None else parse_override(text, name))
         except MalformedOverrideError as e:
             raise words.BadConfigOverrideError(name, e) from e
         except (TritonModelLoadError, ForbiddenOverrideError) as e:
             raise words.LoadFailedError(name, e) from e
         if self.state(name) == "failed":
-            raise words.LoadFailedError(name, SnoozeError(self.waker.status(name).reason or "unknown reason"))
+            raise words.LoadFailedError(name, SnoozeError(self.lifecycle.status(name).reason or "unknown reason"))
 
     def state(self, name: str) -> str:
         """The lifecycle state's name (``ModelStatus.state`` is a str enum)."""
-        state = self.waker.status(name).state
+        state = self.lifecycle.status(name).state
         return str(getattr(state, "value", state))
 
     def ready(self, name: str) -> bool:
@@ -186,7 +173,8 @@ class ModelAnswers:
 
     def config(self, model: PublishedModel) -> model_config_pb2.ModelConfig:
         """The config the model loads with: its published config.pbtxt, and a client's override if one holds."""
-        overridden = self.waker.overridden_config(model)
+        override = self.lifecycle.config_override(model.id)
+        overridden = config_for(model, override) if override else None
         if overridden is None:
             return parse_config(model.config_text, where=str(model.path / "config.pbtxt"))
         return json_format.ParseDict(overridden, model_config_pb2.ModelConfig())
@@ -210,7 +198,7 @@ class ModelAnswers:
             state = INDEX_STATES.get(lifecycle_state, "UNKNOWN")
             if ready_only and state != "READY":
                 continue
-            reason = self.waker.status(model.id).reason or lifecycle_state
+            reason = self.lifecycle.status(model.id).reason or lifecycle_state
             entries.append({"name": model.id, "version": VERSION, "state": state, "reason": reason})
         return entries
 

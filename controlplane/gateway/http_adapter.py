@@ -94,7 +94,7 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder, holds: Hold
         except UnknownModelError as e:  # Triton: 400 "Model version not ready" for any unknown model
             return JSONResponse({"error": words.explained(words.NOT_READY, e.message)}, 400)
         if not answers.ready(name):
-            reason = f"model '{name}' failed to load: {answers.waker.status(name).reason}"
+            reason = f"model '{name}' failed to load: {answers.lifecycle.status(name).reason}"
             return JSONResponse({"error": words.explained(words.NOT_READY, reason)}, 400)
         return Response(status_code=200)
 

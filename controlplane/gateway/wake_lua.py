@@ -29,7 +29,7 @@ body larger than ``wake_buffer_bytes``. For those the filter decides before the 
   (Envoy does not wait for its answer) and lets the request on at once: a warm stream's first message
   never waits for Python. The call still reaches the activator (within a millisecond here), so the model
   counts as in use while the stream is open; an idle unload or eviction that started in between re-checks
-  the model's users after two round trips to Triton and keeps it (``LifecycleManager._unload_op``);
+  the model's users after two round trips to Triton and keeps it (``transitions.Unloads.unload_op``);
 - the hold: the activator keeps the model in use (no idle unload, no eviction, no scale-down) from that
   call until the request ends. Its end, normal or a reset (also one during the wake), is one line of an
   Envoy access log filtered on the dynamic metadata the filter sets before the call (``snoozeml.hold``:

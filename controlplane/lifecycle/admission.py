@@ -1,8 +1,5 @@
 """Where a load waits before it starts: the wake queue (a load slot, then memory, in the order loads asked), and
-the room the memory accountant's plans make for it (idle models evicted first, host and GPU).
-
-Part of ``loading.Loader``: ``Admission`` is its base class and reads the attributes ``Loader.__init__`` sets
-(``clock`` among them: the wake queue's times are its ``monotonic()``).
+the room the memory accountant's plans make for it (idle models evicted first, host and GPU). The loader has one.
 """
 
 from __future__ import annotations
@@ -13,13 +10,16 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from controlplane.clock import Clock
 from controlplane.errors import UnavailableError
 from controlplane.lifecycle.configs import config_for, config_with_instances
-from controlplane.lifecycle.memory import (
-    BudgetInUse,
-)
-from controlplane.lifecycle.memory.plan import carry_out
-from controlplane.lifecycle.state import ModelRecord
+from controlplane.lifecycle.memory.gpu import GpuMemory
+from controlplane.lifecycle.memory.host import BudgetInUse, MemoryBudget
+from controlplane.lifecycle.memory.plan import EvictFn, carry_out
+from controlplane.lifecycle.state import ModelRecord, ModelStates
+from controlplane.metrics import SnoozeMetrics
+from controlplane.settings import Settings
+from controlplane.triton.processes import TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
 # A wait bound closer than this has passed (a shorter timer would not move a clock at its resolution).
@@ -54,7 +54,39 @@ class NoRoomToPrewarm(UnavailableError):
 
 
 class Admission:
-    """The wake queue and the room a load needs (``Loader``'s waiting half)."""
+    """The wake queue and the room a load needs (``Loader``'s waiting half). ``evict`` carries out the budgets'
+    plans (the unload transitions' ``Unloads.evict``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        states: ModelStates,
+        budget: MemoryBudget,
+        gpu: GpuMemory,
+        processes: TritonProcesses,
+        metrics: SnoozeMetrics,
+        *,
+        evict: EvictFn,
+        clock: Clock,
+    ) -> None:
+        self.settings = settings
+        self.states = states
+        self.budget = budget
+        self.gpu = gpu
+        self.processes = processes
+        self.clock = clock
+        self._evict_one = evict
+        # Host-memory loads run side by side (each reserves its memory first); on a machine with a GPU they run
+        # one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
+        self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
+        self._one_at_a_time = asyncio.Lock()
+        # the wake queue: model -> (monotonic seconds it began waiting, what for: "a load slot" or "memory")
+        self.queue: dict[str, tuple[float, str]] = {}
+        # every load waiting for memory (wake-ups, and reloads, API loads and recoveries too): model -> since when;
+        # they take turns in this order
+        self._line: dict[str, float] = {}
+        metrics.wake_queue_length.set_function(lambda: len(self.queue))
+        metrics.wake_queue_oldest_seconds.set_function(self._oldest_wait)
 
     @property
     def slot_free(self) -> bool:
@@ -94,7 +126,7 @@ class Admission:
         return WakeQueueTimeout(rec.id, what, waited, self.wake_queue(), self.queue_retry_after())
 
     @contextlib.asynccontextmanager
-    async def _slot(self, rec: ModelRecord, *, bounded: bool) -> AsyncIterator[None]:
+    async def slot(self, rec: ModelRecord, *, bounded: bool) -> AsyncIterator[None]:
         """A load slot; ``bounded``: given up (``WakeQueueTimeout``) when ``rec.wake_deadline`` passes first."""
         self.queue[rec.id] = (self.clock.monotonic(), "a load slot")
         try:
@@ -121,7 +153,7 @@ class Admission:
         finally:
             self._slots.release()
 
-    async def _make_room(
+    async def make_room(
         self, rec: ModelRecord, instances: int, need: int, gpu_need: dict[int, int], *, bounded: bool, beside: int = 0
     ) -> int:
         """Evict for the load (``beside``: what the loaded version holds while a reload builds the new one). While

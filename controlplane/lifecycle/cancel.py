@@ -25,14 +25,19 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from controlplane.errors import SnoozeError
+from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
+from controlplane.lifecycle.admission import Admission
 from controlplane.lifecycle.state import CancelledLoad, ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.workers import end_model_processes, none_alive
 from controlplane.tasks import read_task
+from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.journal import initialize_started
 from controlplane.triton.processes import TritonProcesses
+
+if TYPE_CHECKING:
+    from controlplane.lifecycle.transitions import Transitions
 
 log = logging.getLogger("snoozeml.lifecycle")
 
@@ -70,108 +75,123 @@ async def end_processes(
     return killed, len(starting)
 
 
-async def cancel_load(
-    states: ModelStates,
-    processes: TritonProcesses,
-    journal_dir: Path | None,
-    triton: Any,
-    rec: ModelRecord,
-    why: str,
-    *,
-    queued: bool,
-) -> bool:
-    """End ``rec``'s load in flight (False: none was); the model is UNLOADED afterwards, holding nothing,
-    unless another caller started a new transition on it meanwhile. ``queued``: the load has not started.
-    Until it returns, ``rec.load_cancelled.over`` is pending: a wake-up waits for it rather than start a load that
-    what is left of the cancelled one would meet in Triton."""
-    if not load_in_flight(rec):
-        return False
-    op = rec.op
-    assert op is not None
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    under_way = rec.load_cancelled
-    if under_way is not None and under_way.task is op and not under_way.over.done():
-        await asyncio.shield(under_way.over)  # another caller is cancelling it already (a stop during an unload)
+class LoadCancels:
+    """Cancels loads in flight (an unload, a delete, a republish, a stop)."""
+
+    def __init__(
+        self,
+        states: ModelStates,
+        processes: TritonProcesses,
+        triton: TritonAdminClient,
+        transitions: Transitions,
+        admission: Admission,
+        *,
+        journal_dir: Path | None,
+    ) -> None:
+        self.states = states
+        self.processes = processes
+        self.triton = triton
+        self.transitions = transitions
+        self.admission = admission
+        self.journal_dir = journal_dir
+
+    async def cancel_all(self, why: str) -> list[str]:
+        """Cancel every load in flight (a stop); the models whose load was cancelled."""
+        records = list(self.states.values())
+        done = await asyncio.gather(*(self.cancel(rec, why) for rec in records))
+        return [rec.id for rec, cancelled in zip(records, done, strict=True) if cancelled]
+
+    async def cancel(self, rec: ModelRecord, why: str) -> bool:
+        """End ``rec``'s load in flight (False: none was); the model is UNLOADED afterwards, holding nothing,
+        unless another caller started a new transition on it meanwhile. Until it returns,
+        ``rec.load_cancelled.over`` is pending: a wake-up waits for it rather than start a load that what is left of
+        the cancelled one would meet in Triton."""
+        if not load_in_flight(rec):
+            return False
+        op = rec.op
+        assert op is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        under_way = rec.load_cancelled
+        if under_way is not None and under_way.task is op and not under_way.over.done():
+            await asyncio.shield(under_way.over)  # another caller is cancelling it already (a stop during an unload)
+            return True
+        cancelling = rec.load_cancelled = CancelledLoad(op, why, loop.create_future())
+        try:
+            killed = await self._cancel(rec, op, why, queued=self.admission.queued(rec))
+        finally:
+            cancelling.over.set_result(None)
+        log.warning(
+            "model '%s': load cancelled (%s) in %.2fs; ended its model processes %s",
+            rec.id,
+            why,
+            loop.time() - started,
+            killed,
+        )
         return True
-    cancelling = rec.load_cancelled = CancelledLoad(op, why, loop.create_future())
-    try:
-        killed = await _cancel(states, processes, journal_dir, triton, rec, op, why, queued=queued)
-    finally:
-        cancelling.over.set_result(None)
-    log.warning(
-        "model '%s': load cancelled (%s) in %.2fs; ended its model processes %s",
-        rec.id,
-        why,
-        loop.time() - started,
-        killed,
+
+    async def _cancel(self, rec: ModelRecord, op: asyncio.Task[Any], why: str, *, queued: bool) -> list[int]:
+        """``queued``: the load has not started (it waits for a slot or for memory: nothing in Triton yet)."""
+        processes, journal_dir, triton = self.processes, self.journal_dir, self.triton
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        killed: list[int] = []
+        if queued or not processes.can_observe:
+            op.cancel()
+        deadline = started + CANCEL_WAIT_SECS
+        while not op.done():
+            ended, starting = await end_processes(processes, journal_dir, rec.id, waited=loop.time() - started)
+            killed += ended
+            if loop.time() >= (started + STUB_START_SECS if starting else deadline):
+                break
+            await asyncio.wait({op}, timeout=CANCEL_POLL_SECS)
+        cancelled = not op.done() or op.cancelled()
+        # The load ended as it was cancelled, and well (its stub was still starting, so it was waited for, not
+        # ended): the model is READY in Triton, where the gateway's warm path would serve it (after a republish,
+        # the old version), so it is unloaded as a cancelled load's leftovers are.
+        loaded = op.done() and not op.cancelled() and op.exception() is None
+        if not op.done():  # it did not fail in time: no longer the model's transition
+            op.cancel()
+            await asyncio.wait({op}, timeout=CANCEL_WAIT_SECS)
+        if rec.op is op:
+            rec.op = None
+        leftovers = (cancelled and not queued) or loaded  # Triton may still be loading what it left, or hold it
+        if leftovers and rec.op is None and not rec.dropped:
+            # A transition of its own: out of service (UNLOADING) while it leaves Triton, so no request takes it
+            # for READY and no load starts meanwhile (Triton would meet the leftovers); it ends UNLOADED. A request
+            # that waited on the load gets its answer (request_path); a later one waits for this, then loads anew.
+            leave = self._leave_and_mark(rec, why, started=started, wait=loaded)
+            return killed + await asyncio.shield(self.transitions.leave_after_cancel(rec, why, leave))
+        if cancelled and not queued:  # another transition owns the record now: only Triton's side is left
+            killed += await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=False)
+        left_nothing = await _left_nothing(processes, rec)
+        if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
+            _mark_unloaded(self.states, rec, why, left_nothing=left_nothing)
+        return killed
+
+    async def _leave_and_mark(self, rec: ModelRecord, why: str, *, started: float, wait: bool) -> list[int]:
+        """The cancel's own transition: leave Triton, then mark the record UNLOADED before the transition ends."""
+        killed = await _leave_triton(self.processes, self.journal_dir, self.triton, rec.id, started=started, wait=wait)
+        _mark_unloaded(self.states, rec, why, left_nothing=await _left_nothing(self.processes, rec))
+        return killed
+
+
+def cancelled_why(rec: ModelRecord, load: asyncio.Future[Any]) -> str | None:
+    """Why ``load`` was cancelled, if it was the record's last cancelled load."""
+    cancelled = rec.load_cancelled
+    return cancelled.why if cancelled is not None and cancelled.task is load else None
+
+
+def cancelled_error(rec: ModelRecord, load: asyncio.Future[Any]) -> SnoozeError:
+    """What a request (or an API load) that waited on a cancelled load is answered."""
+    why = cancelled_why(rec, load)
+    if why == "deleted":  # as for any model that is not published
+        return NotFoundError(f"model '{rec.id}' was deleted during its load", hint="publish it again to serve it")
+    return UnavailableError(
+        f"model '{rec.id}' is not loaded: its load was cancelled ({why})",
+        hint="retry: the next request loads the model again if it is still published",
+        retry_after=rec.retry_after,
     )
-    return True
-
-
-async def _cancel(
-    states: ModelStates,
-    processes: TritonProcesses,
-    journal_dir: Path | None,
-    triton: Any,
-    rec: ModelRecord,
-    op: asyncio.Task[Any],
-    why: str,
-    *,
-    queued: bool,
-) -> list[int]:
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    killed: list[int] = []
-    if queued or not processes.can_observe:
-        op.cancel()
-    deadline = started + CANCEL_WAIT_SECS
-    while not op.done():
-        ended, starting = await end_processes(processes, journal_dir, rec.id, waited=loop.time() - started)
-        killed += ended
-        if loop.time() >= (started + STUB_START_SECS if starting else deadline):
-            break
-        await asyncio.wait({op}, timeout=CANCEL_POLL_SECS)
-    cancelled = not op.done() or op.cancelled()
-    # The load ended as it was cancelled, and well (its stub was still starting, so it was waited for, not
-    # ended): the model is READY in Triton, where the gateway's warm path would serve it (after a republish,
-    # the old version), so it is unloaded as a cancelled load's leftovers are.
-    loaded = op.done() and not op.cancelled() and op.exception() is None
-    if not op.done():  # it did not fail in time: no longer the model's transition
-        op.cancel()
-        await asyncio.wait({op}, timeout=CANCEL_WAIT_SECS)
-    if rec.op is op:
-        rec.op = None
-    leftovers = (cancelled and not queued) or loaded  # Triton may still be loading what the task left, or hold it
-    if leftovers and rec.op is None and not rec.dropped:
-        # A transition of its own: out of service (UNLOADING) while it leaves Triton, so no request takes it for
-        # READY and no load starts meanwhile (Triton would meet the leftovers); it ends UNLOADED. A request that
-        # waited on the load gets its answer (request_path); a later one waits for this, then loads anew.
-        leave = _leave_and_mark(states, processes, journal_dir, triton, rec, why, started=started, wait=loaded)
-        return killed + await asyncio.shield(states.spawn(rec, ModelState.UNLOADING, f"load cancelled: {why}", leave))
-    if cancelled and not queued:  # another transition owns the record now: only Triton's side is left
-        killed += await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=False)
-    left_nothing = await _left_nothing(processes, rec)
-    if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
-        _mark_unloaded(states, rec, why, left_nothing=left_nothing)
-    return killed
-
-
-async def _leave_and_mark(
-    states: ModelStates,
-    processes: TritonProcesses,
-    journal_dir: Path | None,
-    triton: Any,
-    rec: ModelRecord,
-    why: str,
-    *,
-    started: float,
-    wait: bool,
-) -> list[int]:
-    """The cancel's own transition: leave Triton, then mark the record UNLOADED before the transition ends."""
-    killed = await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=wait)
-    _mark_unloaded(states, rec, why, left_nothing=await _left_nothing(processes, rec))
-    return killed
 
 
 async def _left_nothing(processes: TritonProcesses, rec: ModelRecord) -> bool:
@@ -190,7 +210,13 @@ def _mark_unloaded(states: ModelStates, rec: ModelRecord, why: str, *, left_noth
 
 
 async def _leave_triton(
-    processes: TritonProcesses, journal_dir: Path | None, triton: Any, model_id: str, *, started: float, wait: bool
+    processes: TritonProcesses,
+    journal_dir: Path | None,
+    triton: TritonAdminClient,
+    model_id: str,
+    *,
+    started: float,
+    wait: bool,
 ) -> list[int]:
     """Drop the model from Triton (bounded) and end what is left of its processes; the pids ended."""
     with contextlib.suppress(SnoozeError, TimeoutError):
@@ -199,7 +225,7 @@ async def _leave_triton(
     return (await end_processes(processes, journal_dir, model_id, waited=waited))[0]
 
 
-async def _drop(triton: Any, model_id: str, *, wait: bool = False) -> None:
+async def _drop(triton: TritonAdminClient, model_id: str, *, wait: bool = False) -> None:
     """Wait until Triton no longer loads the model, then unload whatever it kept (with ``wait``: until it is
     gone from Triton's index as READY, so no request meets it after the cancel)."""
     while any(e.name == model_id and e.state == "LOADING" for e in await triton.repository_index()):

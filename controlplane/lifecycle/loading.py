@@ -17,21 +17,16 @@ from typing import Any
 
 from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.errors import SnoozeError, TritonModelLoadError
-from controlplane.lifecycle.admission import Admission, NoRoomToPrewarm, WakeQueueTimeout
+from controlplane.lifecycle.admission import Admission, NoRoomToPrewarm
 from controlplane.lifecycle.autoscale import LoadWindow
-from controlplane.lifecycle.configs import GENERATION_PARAMETER, config_for, config_with_instances, rendered_config
-from controlplane.lifecycle.memory import (
-    GPU_OOM_HINT,
-    OOM_HINT,
-    MemoryBudget,
-    classify_oom,
-    declared_bytes,
-)
+from controlplane.lifecycle.configs import config_for, config_with_instances
 from controlplane.lifecycle.memory.gpu import GpuMemory
 from controlplane.lifecycle.memory.gpu_memory import GpuLoadDelta
+from controlplane.lifecycle.memory.host import MemoryBudget, declared_bytes
+from controlplane.lifecycle.memory.oom import GPU_OOM_HINT, OOM_HINT, classify_oom
 from controlplane.lifecycle.memory.plan import EvictFn, carry_out
-from controlplane.lifecycle.recovery import crashes_among, note_deaths
-from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.residency import Residency
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, UnloadReason
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import end_model_processes, parents_bytes, worker_bytes, workers_of
 from controlplane.metrics import SnoozeMetrics
@@ -43,18 +38,6 @@ from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, TritonProcesse
 
 log = logging.getLogger("snoozeml.lifecycle")
 
-# Imported from here by the manager, the gateway port and the tests.
-__all__ = [
-    "GENERATION_PARAMETER",
-    "LOAD_ABANDON_SECS",
-    "Loader",
-    "NoRoomToPrewarm",
-    "WakeQueueTimeout",
-    "config_for",
-    "config_with_instances",
-    "rendered_config",
-]
-
 # After load_timeout_secs, how long Triton gets to fail a load whose stubs were killed; a wake-up
 # waits this much longer than load_timeout_secs, so that it reports the load's failure.
 LOAD_ABANDON_SECS = 5.0
@@ -63,7 +46,10 @@ LOAD_ABANDON_SECS = 5.0
 STUBS_SETTLE_SECS = 3.0
 
 
-class Loader(Admission):
+class Loader:
+    """Loads into Triton: the wake queue and the room a load needs first (``admission``), then Triton's load
+    (abandoned past the model's load timeout, retried once after an out-of-memory), then its measurements."""
+
     def __init__(
         self,
         settings: Settings,
@@ -74,16 +60,19 @@ class Loader(Admission):
         gpu: GpuMemory,
         metrics: SnoozeMetrics,
         warmth: Warmth,
+        residency: Residency,
         *,
         wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
         evict: EvictFn,
         journal_dir: Path | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        """``evict``: the unload of an idle model that carries out the memory budgets' plans."""
         self.settings = settings
         self.clock = clock
         self.journal_dir = journal_dir  # where preforked models' stubs name their workers (workers.py)
         self.warmth = warmth
+        self.residency = residency
         self.states = states
         self.triton = triton
         self.processes = processes
@@ -91,19 +80,9 @@ class Loader(Admission):
         self.gpu = gpu
         self.metrics = metrics
         self._wait_for_triton = wait_for_triton
-        self._evict_one = evict  # the manager's unload of an idle model: what carries out the budgets' plans
+        self._evict_one = evict
+        self.admission = Admission(settings, states, budget, gpu, processes, metrics, evict=evict, clock=clock)
         self._swept: frozenset[tuple[int, int]] = frozenset()  # the stubs the last sweep measured
-        # Host-memory loads run side by side (each reserves its memory first); on a machine with a GPU they run
-        # one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
-        self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
-        self._one_at_a_time = asyncio.Lock()
-        # the wake queue: model -> (monotonic seconds it began waiting, what for: "a load slot" or "memory")
-        self.queue: dict[str, tuple[float, str]] = {}
-        # every load waiting for memory (wake-ups, and reloads, API loads and recoveries too): model -> since when;
-        # they take turns in this order
-        self._line: dict[str, float] = {}
-        metrics.wake_queue_length.set_function(lambda: len(self.queue))
-        metrics.wake_queue_oldest_seconds.set_function(self._oldest_wait)
 
     async def load(
         self, rec: ModelRecord, instances: int, *, trigger: str | None = None, how: str = "files", evict: bool = True
@@ -118,7 +97,7 @@ class Loader(Admission):
         rec.model = self.states.store.get(rec.id)  # Triton reads what is published now
         await self._wait_for_triton(rec)
         bounded = trigger == "request"  # a wake-up gives up the queue when its requests' wait bounds pass
-        async with self._slot(rec, bounded=bounded):
+        async with self.admission.slot(rec, bounded=bounded):
             # tritonserver's own memory counts in the budget (memory.py), and it grows with each load
             server_before = await self.budget.measure_server()
             need = self.budget.estimate(rec, instances)
@@ -134,7 +113,9 @@ class Loader(Admission):
             rec.reserved, rec.gpu_reserved = need + beside, gpu_need
             try:
                 if evict:
-                    need = await self._make_room(rec, instances, need, gpu_need, bounded=bounded, beside=beside)
+                    need = await self.admission.make_room(
+                        rec, instances, need, gpu_need, bounded=bounded, beside=beside
+                    )
                 elif not (self.budget.fits(rec, need + beside) and await self.gpu.fits(rec, gpu_need)):
                     raise NoRoomToPrewarm(f"model '{rec.id}': not pre-warmed, the free memory budget is too small")
                 delta = await self.gpu.before_load()
@@ -151,7 +132,7 @@ class Loader(Admission):
                 rec.reserved, rec.gpu_reserved = 0, {}
             self.budget.loaded(rec)
         if evict:
-            await self.enforce(rec, estimate=need)
+            await self.admission.enforce(rec, estimate=need)
             if (plan := await self.gpu.plan_enforce(rec)) is not None:
                 await carry_out(plan, self._evict_one)
         self.warmth.loaded(rec, trigger, elapsed if trigger is not None else None)
@@ -185,7 +166,7 @@ class Loader(Admission):
             plan = await self.gpu.plan_oom(rec, gpu_need)
             evicted = await carry_out(plan, self._evict_one) if plan is not None else []
         else:
-            evicted = await self.evict(rec, max(need, 1), "oom")
+            evicted = await self.admission.evict(rec, max(need, 1), UnloadReason.OOM)
         if not evicted:
             raise TritonModelLoadError(
                 rec.id,
@@ -270,7 +251,7 @@ class Loader(Admission):
             await asyncio.sleep(0.05)
             stubs = await self._stubs(rec)
         rec.instances, rec.triton_may_hold = instances, False
-        await self.note_crashes(rec, [s for s in rec.stubs if s not in stubs])
+        await self.residency.note_crashes(rec, [s for s in rec.stubs if s not in stubs])
         rec.stubs = tuple(stubs)
         rec.workers = tuple(workers_of(self.journal_dir, stubs))
         if stubs:
@@ -357,25 +338,6 @@ class Loader(Admission):
             used, private = used + pss, private + own
         rec.shared = max(used - private, 0)
         return used
-
-    async def note_crashes(self, rec: ModelRecord, leaving: list[Any]) -> None:
-        """Before the record lets go of ``leaving`` (its processes, at an unload, a reload or a cancel): those that
-        crashed under the transition are noted with the requests they took (``recovery.crashes_among``)."""
-        if leaving and self.processes.can_observe:
-            crashed = await asyncio.to_thread(crashes_among, self.processes, self.journal_dir, leaving)
-            if crashed:
-                note_deaths(rec, crashed, self.journal_dir, self.clock)
-
-    def forget_loaded(self, rec: ModelRecord) -> None:
-        """The model left memory (unloaded, evicted, or Triton gone)."""
-        self.warmth.unloaded(rec)
-        rec.instances, rec.triton_may_hold, rec.served_seen = 0, False, 0
-        rec.override_loaded = False  # Triton loads an unloaded model from its files again (measured)
-        rec.stubs = ()
-        rec.workers = ()
-        self.gpu.forget(rec)
-        self.metrics.instances.labels(model=rec.id).set(0)
-        self.metrics.memory_bytes.labels(model=rec.id).set(0)
 
     def load_failed(self, rec: ModelRecord, error: SnoozeError) -> None:
         kind = "oom" if classify_oom(str(error)) is not None else "error"

@@ -1,42 +1,34 @@
-"""The lifecycle manager: wake on request, idle unload, memory budget and eviction, autoscaling, recovery.
+"""The lifecycle manager: builds the lifecycle's parts, hands each what it needs, and answers for them.
 
-The policies live in modules of their own (``state`` the state machine and single flight, ``memory``
-the budget and eviction, ``autoscale`` the scaling rule, ``recovery`` what a dead model process means
-for its requests, ``processes`` how Triton's processes are seen, ``loading`` Triton loads); this class
-runs them: the public operations the API and the activator call, the transitions, the sweeper (idle
-unloads, autoscaling, Triton's health) and the process watch (dead model processes).
-
-What Triton 2.51 answers while a model is being unloaded (measured on the embedded tritonserver):
-a request that is already queued or executing when the unload starts completes normally; a request
-that arrives while the model is UNLOADING, or after it is unloaded, gets HTTP 404
-``{"error":"Request for unknown model: '<m>' has no available versions"}`` / gRPC NOT_FOUND with the
-same message (a model Triton never loaded: "... '<m>' is not found"). The gateway retries exactly
-these to the activator, whose ``ensure_ready`` waits for the unload to finish and loads the model
-again, so no request is lost: before unloading, the model is taken out of service here (state
-UNLOADING, so wake-ups wait for the unload instead of racing it) and Triton must report zero
-pending requests for it.
+Its methods are the lifecycle's public operations (``controlplane.lifecycle.port.LifecyclePort``, what the API and
+the gateway call; the stack and the snapshot entrypoint start, stop and pause it); each is one call into the part
+that owns it. docs/internals.md ("The lifecycle's parts") says which part owns which job, and why.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from controlplane.clock import SYSTEM_CLOCK, Clock
+from controlplane.lifecycle.admin import AdminOperations
+from controlplane.lifecycle.cancel import LoadCancels
 from controlplane.lifecycle.loading import Loader
-from controlplane.lifecycle.memory import MemoryBudget
 from controlplane.lifecycle.memory.cgroup import CgroupMemory, TritonCgroup
 from controlplane.lifecycle.memory.gpu import GpuMemory
 from controlplane.lifecycle.memory.gpu_memory import GpuProcessReader, NvmlPidMap
-from controlplane.lifecycle.operations import Operations
+from controlplane.lifecycle.memory.host import MemoryBudget
+from controlplane.lifecycle.overrides import KEEP_OVERRIDE
 from controlplane.lifecycle.request_path import RequestPath
+from controlplane.lifecycle.residency import Residency
+from controlplane.lifecycle.run_once import RunOnce
 from controlplane.lifecycle.sequences import LiveSequences
-from controlplane.lifecycle.state import ModelStates
+from controlplane.lifecycle.state import ModelState, ModelStates, ModelStatus, UnloadReason
 from controlplane.lifecycle.supervisor import Supervisor
-from controlplane.lifecycle.triton_sync import TritonSync
+from controlplane.lifecycle.transitions import Transitions, Unloads
+from controlplane.lifecycle.triton_sync import TritonReadings, TritonSync, TritonUp
 from controlplane.lifecycle.unloading import Unloader
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.metrics import SnoozeMetrics
@@ -48,12 +40,9 @@ from controlplane.triton.processes import TritonProcesses
 if TYPE_CHECKING:
     from controlplane.triton.launcher import EmbeddedTriton
 
-log = logging.getLogger("snoozeml.lifecycle")
 
-
-class LifecycleManager(Supervisor, RequestPath, Operations):
-    """Wires the lifecycle's parts; its jobs live in ``supervisor`` (periodic), ``request_path`` (wake, hold, run
-    once) and ``operations`` (the API's operations and the transitions)."""
+class LifecycleManager:
+    """Wake on request, idle unload, memory budget and eviction, autoscaling, recovery: the parts, wired."""
 
     def __init__(
         self,
@@ -73,68 +62,171 @@ class LifecycleManager(Supervisor, RequestPath, Operations):
         """``gpu_reader`` / ``gpu_pid_map``: NVML and its pid mapping (tests inject them: no GPU here); ``cgroup``:
         reads Triton's memory cgroup (default: found through tritonserver's pid under /proc and /sys); ``clock``:
         what every part reads time from (the fast tier's is virtual)."""
-        self.settings = settings
-        self.clock = clock
-        self.store = store
-        self.triton = triton
-        self.triton_process = triton_process  # the embedded child, which this manager may restart
         if processes is None:
             processes = triton_process.processes() if triton_process is not None else TritonProcesses.unseen()
-        self.processes = processes
         if journal_dir is None and triton_process is not None:
             journal_dir = triton_process.journal_dir
+        self.settings = settings
+        self.store = store
+        self.processes = processes
         self.journal_dir = journal_dir
-        self.metrics = metrics or SnoozeMetrics()
-        self.states = ModelStates(store, self.metrics)
-        self.warmth = Warmth(settings, self.metrics, clock=clock.time)
+        self.metrics = metrics = metrics or SnoozeMetrics()
+        self.states = states = ModelStates(store, metrics)
+        self.warmth = warmth = Warmth(settings, metrics, clock=clock.time)
         self.sequences = LiveSequences(journal_dir)  # live sequences hold their model as a user
-        self.sync = TritonSync(
-            settings, store, self.states, triton, processes, self.metrics, triton_process=triton_process
-        )
-        self.budget = MemoryBudget(
+        self.triton_up = up = TritonUp(settings, restarts=triton_process is not None)
+        readings = TritonReadings(triton)
+        self.budget = budget = MemoryBudget(
             settings,
-            self.states,
-            pending=self.sync.pending_counts,
+            states,
+            pending=readings.pending_counts,
             server_memory=processes.server_memory,
             cgroup=cgroup if cgroup is not None else TritonCgroup.of(processes).read,
         )
-        self.states.on_drop.append(self.budget.forget)
-        self.budget.unrecorded = self.sync.unrecorded
-        self.gpu = GpuMemory(
+        states.on_drop.append(budget.forget)
+        gpu = GpuMemory(
             settings,
-            self.states,
+            states,
             processes,
-            pending=self.sync.pending_counts,
+            pending=readings.pending_counts,
             reader=gpu_reader,
             pid_map=gpu_pid_map,
-            order=self.budget.eviction_order,
+            order=budget.eviction_order,
         )
-        self.loader = Loader(
-            settings,
-            self.states,
-            triton,
-            processes,
-            self.budget,
-            self.gpu,
-            self.metrics,
-            self.warmth,
-            wait_for_triton=self.sync.wait_until_up,
-            evict=self._evict_one,  # the budgets plan evictions; the loader carries them out with this
-            journal_dir=journal_dir,
-            clock=clock,
-        )
-        self.sync.loader, self.sync.warmth, self.sync.accessed = self.loader, self.warmth, self.budget.accessed
+        residency = Residency(warmth, gpu, metrics, processes, journal_dir=journal_dir, clock=clock)
         self.unloader = Unloader(
+            settings, triton, processes, metrics, pending=readings.pending_counts, journal_dir=journal_dir, clock=clock
+        )
+        unloads = Unloads(states, self.unloader, budget, residency, processes, metrics, readings=readings)
+        self.loader = loader = Loader(
             settings,
+            states,
             triton,
             processes,
-            self.metrics,
-            pending=self.sync.pending_counts,
+            budget,
+            gpu,
+            metrics,
+            warmth,
+            residency,
+            wait_for_triton=up.wait_until_up,
+            evict=unloads.evict,  # the budgets plan evictions; the loader carries them out with this
             journal_dir=journal_dir,
             clock=clock,
         )
-        self._tasks: list[asyncio.Task[None]] = []
-        # one lock per periodic job (sweep, process watch, store), held through one pass so that pause() can
-        # wait for it; one job's long pass (the store's reloads) does not hold up the others
-        self._passes: dict[str, asyncio.Lock] = {}
-        self._unpublished: set[str] = set()  # models the last sweep found loaded or recorded but not published
+        self.transitions = transitions = Transitions(states, store, triton, loader, unloads, warmth, metrics)
+        self.sync = sync = TritonSync(
+            settings,
+            store,
+            states,
+            triton,
+            processes,
+            metrics,
+            up=up,
+            budget=budget,
+            residency=residency,
+            transitions=transitions,
+            triton_process=triton_process,
+        )
+        cancels = LoadCancels(states, processes, triton, transitions, loader.admission, journal_dir=journal_dir)
+        self.run_once = RunOnce(states, processes, transitions, residency, journal_dir=journal_dir, clock=clock)
+        self.requests = RequestPath(settings, states, warmth, up, loader.admission, transitions, metrics, clock=clock)
+        self.admin = AdminOperations(
+            store, states, transitions, cancels, loader, warmth, processes, journal_dir=journal_dir
+        )
+        self.supervisor = Supervisor(
+            settings,
+            store,
+            states,
+            sync,
+            readings,
+            loader,
+            transitions,
+            self.admin,
+            cancels,
+            self.run_once,
+            self.sequences,
+            triton,
+            journal_dir=journal_dir,
+            clock=clock,
+        )
+
+    # ------------------------------------------------------------------ the request path and run-once
+
+    async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None:
+        await self.requests.ensure_ready(model_id, timeout=timeout)
+
+    def serving(self, model_id: str, *, timeout: float | None = None) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.requests.serving(model_id, timeout=timeout)
+
+    async def admit(self, model_id: str, request_id: str) -> None:
+        await self.run_once.admit(model_id, request_id)
+
+    async def after_dead_answer(self, model_id: str, request_id: str) -> None:
+        await self.run_once.after_dead_answer(model_id, request_id)
+
+    async def recover(self, model_id: str, cause: str) -> None:
+        await self.run_once.recover(model_id, cause)
+
+    def add_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
+        self.requests.add_state_listener(listener)
+
+    def remove_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
+        self.requests.remove_state_listener(listener)
+
+    # ------------------------------------------------------------------ the admin operations
+
+    async def load(
+        self, model_id: str, *, instances: int | None = None, override: dict[str, Any] | None | object = KEEP_OVERRIDE
+    ) -> ModelStatus:
+        return await self.admin.load(model_id, instances=instances, override=override)
+
+    async def unload(self, model_id: str, *, reason: UnloadReason = UnloadReason.API) -> ModelStatus:
+        return await self.admin.unload(model_id, reason=reason)
+
+    async def published(self, model_id: str) -> None:
+        await self.admin.published(model_id)
+
+    async def forget(self, model_id: str) -> None:
+        await self.admin.forget(model_id)
+
+    def config_override(self, model_id: str) -> dict[str, Any] | None:
+        return self.admin.config_override(model_id)
+
+    def status(self, model_id: str) -> ModelStatus:
+        return self.admin.status(model_id)
+
+    def statuses(self) -> list[ModelStatus]:
+        return self.admin.statuses()
+
+    def runtime(self) -> dict[str, Any]:
+        return self.admin.runtime()
+
+    # ------------------------------------------------------------------ the periodic jobs
+
+    async def start(self) -> None:
+        await self.supervisor.start()
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()
+
+    async def pause(self) -> None:
+        await self.supervisor.pause()
+
+    def resume(self) -> None:
+        self.supervisor.resume()
+
+    @property
+    def paused(self) -> bool:
+        return self.supervisor.paused
+
+    async def wait_for_sequences(self, timeout: float) -> dict[str, int]:
+        return await self.supervisor.wait_for_sequences(timeout)
+
+    async def sweep(self) -> None:
+        await self.supervisor.sweep()
+
+    async def watch(self) -> None:
+        await self.supervisor.watch()
+
+    async def follow_store(self) -> None:
+        await self.supervisor.follow_store()

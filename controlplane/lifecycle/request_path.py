@@ -1,6 +1,5 @@
-"""The lifecycle's request path: wake a model for a request (``ensure_ready``, single flight), hold it while the
-request runs (``serving``), and run a request at most once (``admit``, ``after_dead_answer``, ``recover``:
-what a dead model process means for the requests it had)."""
+"""The lifecycle's request path: wake a model for a request (``ensure_ready``, single flight, through the wake queue)
+and hold it while the request runs (``serving``). Whether a request may run at all is ``run_once``'s."""
 
 from __future__ import annotations
 
@@ -10,19 +9,42 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from controlplane.clock import Clock
 from controlplane.errors import SnoozeError, UnavailableError
-from controlplane.lifecycle.cancel import REPUBLISHED
-from controlplane.lifecycle.loading import LOAD_ABANDON_SECS, WakeQueueTimeout
-from controlplane.lifecycle.manager_parts import RECOVERY_DEDUP_SECS, ManagerParts
-from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, recent_deaths
-from controlplane.lifecycle.state import ModelRecord, ModelState
-from controlplane.triton.processes import StubDeath
+from controlplane.lifecycle.admission import Admission, WakeQueueTimeout
+from controlplane.lifecycle.cancel import REPUBLISHED, cancelled_error, cancelled_why
+from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.transitions import Transitions
+from controlplane.lifecycle.triton_sync import TritonUp
+from controlplane.lifecycle.warmth import Warmth
+from controlplane.metrics import SnoozeMetrics
+from controlplane.settings import Settings
 
 log = logging.getLogger("snoozeml.lifecycle")
 
 
-class RequestPath(ManagerParts):
-    """The request side of ``LifecycleManager``."""
+class RequestPath:
+    def __init__(
+        self,
+        settings: Settings,
+        states: ModelStates,
+        warmth: Warmth,
+        up: TritonUp,
+        admission: Admission,
+        transitions: Transitions,
+        metrics: SnoozeMetrics,
+        *,
+        clock: Clock,
+    ) -> None:
+        self.settings = settings
+        self.states = states
+        self.warmth = warmth
+        self.up = up
+        self.admission = admission
+        self.transitions = transitions
+        self.metrics = metrics
+        self.clock = clock
 
     async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None:
         """Return once the model is READY, loading it (single flight) if needed.
@@ -39,7 +61,7 @@ class RequestPath(ManagerParts):
             return
         rec = self.states.record(model_id, refresh=True)
         self.warmth.request(rec)
-        self.sync.refuse_while_down(rec)
+        self.up.refuse_while_down(rec)
         wait = (
             timeout
             if timeout is not None
@@ -62,7 +84,7 @@ class RequestPath(ManagerParts):
                     rec.op
                     or self.states.pause_ends
                     or self._cancel_under_way(rec)
-                    or self.states.spawn(rec, ModelState.LOADING, "wake-up", self._cold_load_op(rec, "request"))
+                    or self.transitions.cold_load(rec, trigger="request", reason="wake-up")
                 )
                 try:
                     until = deadline if queue_checked else queue_bound
@@ -70,20 +92,20 @@ class RequestPath(ManagerParts):
                 except TimeoutError:
                     queue_checked = self._wait_bound_passed(rec, wait, queue_checked)
                 except asyncio.CancelledError:
-                    if not op.cancelled() or self._cancelled_why(rec, op) is None:
+                    if not op.cancelled() or cancelled_why(rec, op) is None:
                         raise  # this request itself was cancelled
                     self._answer_cancelled(rec, op)
                 except WakeQueueTimeout as e:  # the load gave up the queue: the last of its wake-ups' bounds passed
                     self.metrics.wake_queue_timeouts.labels(model=model_id, waiting_for=e.kind).inc()
                     raise UnavailableError(e.message, hint=e.hint, retry_after=e.retry_after) from e
                 except SnoozeError as e:
-                    if self._cancelled_why(rec, op) is not None:  # it failed because it was cancelled
+                    if cancelled_why(rec, op) is not None:  # it failed because it was cancelled
                         self._answer_cancelled(rec, op, e)
                     elif rec.state is ModelState.FAILED:
                         raise UnavailableError(
                             f"model '{model_id}' is unavailable: {rec.reason}",
                             hint=e.hint or "fix the model and publish it again; the next request retries the load",
-                            retry_after=self._retry_after(rec),
+                            retry_after=rec.retry_after,
                         ) from e
                 else:
                     if rec.state is not ModelState.READY:
@@ -99,8 +121,8 @@ class RequestPath(ManagerParts):
         """A wake-up's wait bound passed: the wake queue's (its load must have started by then; True: wait on up to
         the deadline), else its whole wait (``UnavailableError``)."""
         if not queue_checked:
-            if self.loader.queued(rec):
-                gave_up = self.loader.gave_up(rec, self.loader.queue[rec.id][1])
+            if self.admission.queued(rec):
+                gave_up = self.admission.gave_up(rec, self.admission.queue[rec.id][1])
                 self.metrics.wake_queue_timeouts.labels(model=rec.id, waiting_for=gave_up.kind).inc()
                 raise gave_up from None
             return True  # it started in time (or is not a load yet)
@@ -109,15 +131,15 @@ class RequestPath(ManagerParts):
             f"model '{rec.id}' is not ready after {wait:g}s (it is {rec.state.value})",
             hint="retry later; if its load takes longer, raise the model's load_timeout_secs "
             "(or SNOOZE_WAKE_TIMEOUT_SECS)",
-            retry_after=self._retry_after(rec),
+            retry_after=rec.retry_after,
         ) from None
 
     def _answer_cancelled(self, rec: ModelRecord, load: asyncio.Task[Any], cause: BaseException | None = None) -> None:
         """A wake-up's load was cancelled (cancel.py): raise what it is told, unless a republish cancelled it (the
         model is still published: the wake-up waits on for the new version, within its own bound)."""
-        why = self._cancelled_why(rec, load)
+        why = cancelled_why(rec, load)
         if why is not None and why != REPUBLISHED:
-            raise self._cancelled_error(rec, load) from cause
+            raise cancelled_error(rec, load) from cause
 
     @staticmethod
     def _cancel_under_way(rec: ModelRecord) -> asyncio.Future[None] | None:
@@ -149,79 +171,3 @@ class RequestPath(ManagerParts):
             rec.in_use -= 1
             rec.touched = self.clock.time()
             self.warmth.served(rec, rec.touched)
-
-    async def admit(self, model_id: str, request_id: str) -> None:
-        """Before the activator sends a request on: refuse one that already reached a model process
-        that died (``ModelProcessDiedError``), so that no request runs twice.
-
-        Where Triton's processes cannot be seen, a request for a model Triton has loaded can only have
-        come here because Triton failed it, and it may have run: it is refused too.
-        """
-        rec = self.states.record(model_id)
-        fate, death = await self._fate(rec, request_id)
-        if fate is RequestFate.RAN or (fate is RequestFate.UNKNOWN and recent_deaths(rec, self.clock.monotonic())):
-            raise ModelProcessDiedError(model_id, death)  # unknown: a process died without a journal
-        if (
-            not self.processes.can_observe
-            and rec.state is ModelState.READY
-            and rec.op is None
-            and self.clock.time() - rec.ready_at >= RECOVERY_DEDUP_SECS
-        ):
-            self.states.spawn(rec, ModelState.LOADING, "recovering: a request failed", self._recover_op(rec))
-            raise ModelProcessDiedError(model_id, None)
-
-    async def after_dead_answer(self, model_id: str, request_id: str) -> None:
-        """Triton answered the activator's send with "stub not healthy". Returns once the model is
-        recovered when the request never reached a live model process (send it again); raises
-        ``ModelProcessDiedError`` (recovery goes on) when it did, or when that cannot be told."""
-        rec = self.states.record(model_id)
-        fate, death = await self._fate(rec, request_id)
-        if fate is RequestFate.NOT_RUN:
-            await self.recover(model_id, "dead_stub")
-            return
-        if rec.op is None and rec.state is ModelState.READY and not rec.stubs:
-            self.states.spawn(rec, ModelState.LOADING, "recovering: a request failed", self._recover_op(rec))
-        raise ModelProcessDiedError(model_id, death)
-
-    async def _fate(self, rec: ModelRecord, request_id: str) -> tuple[RequestFate, StubDeath | None]:
-        # The watch may not have passed since the death: look at the model's processes first.
-        if rec.stubs and rec.state is ModelState.READY:
-            deaths = await self._observe(rec)
-            if deaths:
-                self._start_recovery(rec, deaths)
-        elif rec.stubs:  # in a transition (an unload, a reload): the watch skips it, yet a process may have crashed
-            await self.loader.note_crashes(rec, list(rec.stubs))
-        return fate_of(rec, request_id, self.clock.monotonic())
-
-    async def recover(self, model_id: str, cause: str) -> None:
-        """Reload a model whose python stub died (Triton 2.51 does not restart stubs).
-
-        Where the processes can be seen, a model whose processes are all alive is left alone (someone
-        recovered it already); where they cannot, a model (re)loaded in the last seconds is.
-        """
-        rec = self.states.record(model_id)
-        await self.states.settle(rec)
-        if rec.state is ModelState.READY:
-            if rec.stubs:
-                deaths = await self._observe(rec)
-                if not deaths:
-                    return
-                op = self._start_recovery(rec, deaths)
-            elif self.clock.time() - rec.ready_at < RECOVERY_DEDUP_SECS:
-                return
-            else:
-                op = self.states.spawn(rec, ModelState.LOADING, f"recovering: {cause}", self._recover_op(rec))
-        elif rec.state is ModelState.FAILED:
-            op = self.states.spawn(rec, ModelState.LOADING, f"recovering: {cause}", self._recover_op(rec))
-        else:
-            return  # not loaded: the next wake-up loads it fresh
-        if op is None:
-            return
-        try:
-            await asyncio.shield(op)
-        except SnoozeError as e:
-            raise UnavailableError(
-                f"model '{model_id}' could not be recovered ({cause}): {rec.reason}",
-                hint=e.hint,
-                retry_after=self._retry_after(rec),
-            ) from e

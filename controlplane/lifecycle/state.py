@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, fields
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from controlplane.errors import NotFoundError, SnoozeError
@@ -27,12 +27,29 @@ from controlplane.triton.processes import StubDeath, StubProcess
 log = logging.getLogger("snoozeml.lifecycle")
 
 
-class ModelState(str, Enum):
+class ModelState(StrEnum):
     UNLOADED = "unloaded"
     LOADING = "loading"
     READY = "ready"
     UNLOADING = "unloading"
     FAILED = "failed"
+
+
+class UnloadReason(StrEnum):
+    """Why a model left memory: its status reason and the label of the metric that counts it."""
+
+    IDLE = "idle"  # its keep-alive ran out (snooze_idle_unloads_total)
+    MEMORY = "memory"  # evicted for another load, or to bring the host budget back (snooze_evictions_total)
+    OOM = "oom"  # evicted after a load ran out of host memory
+    GPU_MEMORY = "gpu_memory"  # evicted for another load's GPU memory
+    GPU_OOM = "gpu_oom"  # evicted after a load ran out of GPU memory
+    API = "api"  # unloaded through the control API or Triton's repository API
+    DELETED = "deleted"  # its package was deleted
+    REPUBLISHED = "republished"  # a new version had no room beside it: it leaves, the new one loads on request
+
+    @property
+    def eviction(self) -> bool:
+        return self in (UnloadReason.MEMORY, UnloadReason.OOM, UnloadReason.GPU_MEMORY, UnloadReason.GPU_OOM)
 
 
 def _doc(description: str, **default: Any) -> Any:
@@ -166,6 +183,11 @@ class ModelRecord:
     def prewarmed_unused(self) -> bool:
         """Loaded by a pre-warm and no request since: the first to go under memory pressure."""
         return self.keep_alive is not None and self.keep_alive.prewarmed_unused
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds a client told to retry waits: about one of its loads."""
+        return max(1.0, round(self.last_cold_start or 1.0, 1))
 
     @property
     def is_python(self) -> bool:

@@ -8,34 +8,75 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
 
+from controlplane.clock import Clock
 from controlplane.errors import SnoozeError
+from controlplane.lifecycle.admin import AdminOperations
 from controlplane.lifecycle.autoscale import autoscale_step
-from controlplane.lifecycle.manager_parts import ManagerParts
-from controlplane.lifecycle.recovery import note_deaths
-from controlplane.lifecycle.sequences import describe_live
-from controlplane.lifecycle.state import ModelRecord, ModelState
+from controlplane.lifecycle.cancel import LoadCancels
+from controlplane.lifecycle.loading import Loader
+from controlplane.lifecycle.run_once import RunOnce
+from controlplane.lifecycle.sequences import LiveSequences, describe_live
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, UnloadReason
+from controlplane.lifecycle.transitions import Transitions
+from controlplane.lifecycle.triton_sync import TritonReadings, TritonSync
 from controlplane.lifecycle.warmups import harvest
 from controlplane.lifecycle.workers import parents_bytes
-from controlplane.triton.client import RepositoryEntry
-from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, StubDeath, StubProcess
-
-if TYPE_CHECKING:
-    pass
-
-
-from controlplane.lifecycle.manager_parts import SEQUENCE_POLL_SECS
+from controlplane.settings import Settings
+from controlplane.store import ModelStore
+from controlplane.triton.client import RepositoryEntry, TritonAdminClient
+from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS
 
 log = logging.getLogger("snoozeml.lifecycle")
 
+SEQUENCE_POLL_SECS = 0.2  # how often a stop or a quiesce re-reads the live sequences it waits for
 # How long a stop waits for the transitions still running (an unload: Triton's unload, at most
 # SNOOZE_UNLOAD_FINALIZE_SECS of a model's clean-up) before it cancels them.
 STOP_TRANSITIONS_SECS = 15.0
 
 
-class Supervisor(ManagerParts):
-    """The periodic side of ``LifecycleManager``."""
+class Supervisor:
+    def __init__(
+        self,
+        settings: Settings,
+        store: ModelStore,
+        states: ModelStates,
+        sync: TritonSync,
+        readings: TritonReadings,
+        loader: Loader,
+        transitions: Transitions,
+        admin: AdminOperations,
+        cancels: LoadCancels,
+        run_once: RunOnce,
+        sequences: LiveSequences,
+        triton: TritonAdminClient,
+        *,
+        journal_dir: Path | None,
+        clock: Clock,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.states = states
+        self.sync = sync
+        self.readings = readings
+        self.loader = loader
+        self.budget = loader.budget
+        self.admission = loader.admission
+        self.warmth = loader.warmth
+        self.transitions = transitions
+        self.admin = admin
+        self.cancels = cancels
+        self.run_once = run_once
+        self.sequences = sequences
+        self.triton = triton
+        self.journal_dir = journal_dir
+        self.clock = clock
+        self._tasks: list[asyncio.Task[None]] = []
+        # one lock per periodic job (sweep, process watch, store), held through one pass so that pause() can
+        # wait for it; one job's long pass (the store's reloads) does not hold up the others
+        self._passes: dict[str, asyncio.Lock] = {}
+        self._unpublished: set[str] = set()  # models the last sweep found loaded or recorded but not published
 
     async def start(self) -> None:
         """Adopt what Triton has loaded (a restarted control plane keeps its models), start sweeping
@@ -43,7 +84,7 @@ class Supervisor(ManagerParts):
         await self.sync.start()
         await self.budget.measure_server()
         self.budget.check_server()
-        await self.loader.enforce()  # what was adopted may hold more than the budget
+        await self.admission.enforce()  # what was adopted may hold more than the budget
         if not self._tasks:
             self._tasks = [
                 asyncio.create_task(self._every(self._sweep_delay, self.sweep, "sweep"), name="snooze-sweeper"),
@@ -64,7 +105,7 @@ class Supervisor(ManagerParts):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        await self.cancel_loads("stopping")
+        await self.cancels.cancel_all("stopping")
         # Bounded: a Triton whose model control hangs (its repository lock held by a load that never ends)
         # must not keep the stop waiting for an unload's answer.
         left = await self.states.wait_all(timeout=STOP_TRANSITIONS_SECS)
@@ -72,7 +113,7 @@ class Supervisor(ManagerParts):
             log.warning("stopping: %s still in transition after %gs; no longer waited for", ", ".join(left),
                         STOP_TRANSITIONS_SECS)  # fmt: skip
         self.sequences.release_all()
-        self.gpu.close()
+        self.loader.gpu.close()
 
     async def pause(self) -> None:
         """Hold every change until ``resume()`` (a checkpoint is being taken): no sweep, process watch or
@@ -141,14 +182,18 @@ class Supervisor(ManagerParts):
         await self._leave_unpublished(entries)
         await self.budget.measure_server()
         await self.loader.remeasure()
-        await self.loader.enforce()
+        await self.admission.enforce()
         if self.budget.overhead:  # preloaded parents were seen: their memory changes, or they are gone
             self.budget.overhead = await asyncio.to_thread(
-                parents_bytes, self.journal_dir, self.processes.proc_root, max_age=SWEEP_PSS_MAX_AGE_SECS
+                parents_bytes, self.journal_dir, self.loader.processes.proc_root, max_age=SWEEP_PSS_MAX_AGE_SECS
             )
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
-        await asyncio.gather(*(self.sync.refresh_access(r) for r in ready))
-        pending = await self.sync.pending_counts()
+        for rec, served in zip(
+            ready, await asyncio.gather(*(self.readings.refresh_access(r) for r in ready)), strict=True
+        ):
+            if served:
+                self.budget.accessed(rec, served)
+        pending = await self.readings.pending_counts()
         now = self.clock.time()
         self.sequences.refresh(self.states.values(), now)
         for rec in ready:
@@ -160,9 +205,7 @@ class Supervisor(ManagerParts):
                 self.warmth.triton_access(rec)
             queued = pending.get(rec.id, 0.0)
             if rec.in_use == 0 and queued == 0 and self.warmth.unload_due(rec, now):
-                self.states.spawn(
-                    rec, ModelState.UNLOADING, "idle", self._unload_op(rec, "idle", seen_access=rec.idle_since)
-                )
+                self.transitions.unload(rec, UnloadReason.IDLE, seen_access=rec.idle_since)
             elif self.settings.autoscale and rec.id in pending and rec.instances > 0:
                 self._autoscale(rec, queued)
         await self._prewarm(now)
@@ -182,26 +225,22 @@ class Supervisor(ManagerParts):
                 with contextlib.suppress(SnoozeError):
                     await self.triton.unload(model_id, wait=False)
             elif rec.op is None and rec.in_use == 0 and rec.state is ModelState.READY:
-                self.states.spawn(rec, ModelState.UNLOADING, "deleted", self._forget_op(rec))
+                self.transitions.unloads.forget_unpublished(rec)
             elif rec.op is None and rec.in_use == 0 and not rec.triton_may_hold:
                 self.states.drop(model_id)
-
-    async def _forget_op(self, rec: ModelRecord) -> None:
-        if await self._unload_op(rec, "deleted"):
-            self.states.drop(rec.id)
 
     async def _prewarm(self, now: float) -> None:
         """Start a pre-warm a policy asks for: one per pass, while a load slot is free, from free budget only."""
         for rec in self.states.values():
-            if not self.loader.slot_free:
+            if not self.admission.slot_free:
                 return
             if rec.op is not None or rec.state is not ModelState.UNLOADED or not self.warmth.prewarm_due(rec, now):
                 continue
-            if not await self.loader.fits_free(rec, rec.model.deployment.instances):
+            if not await self.admission.fits_free(rec, rec.model.deployment.instances):
                 continue  # asked again at the next pass: memory may be free by then
             if rec.op is None and rec.state is ModelState.UNLOADED:
                 self.warmth.prewarm_started(rec)
-                self.states.spawn(rec, ModelState.LOADING, "pre-warm", self._prewarm_op(rec))
+                self.transitions.prewarm(rec)
                 return
 
     def _autoscale(self, rec: ModelRecord, queued: float) -> None:
@@ -222,9 +261,7 @@ class Supervisor(ManagerParts):
         if target != rec.instances:
             direction = "up" if target > rec.instances else "down"
             log.info("model '%s': scaling %s to %d instances (%g pending)", rec.id, direction, target, queued)
-            self.states.spawn(
-                rec, ModelState.READY, f"scaling to {target} instances", self._rescale_op(rec, target, direction)
-            )
+            self.transitions.rescale(rec, target, direction)
 
     async def follow_store(self) -> None:
         """Apply what another writer of the repository did (another node of a fleet sharing it): a
@@ -232,57 +269,15 @@ class Supervisor(ManagerParts):
         changed, deleted = await asyncio.to_thread(self.store.changes)
         for model_id in deleted:
             log.info("model '%s': deleted from the shared store; unloading it here", model_id)
-            await self.forget(model_id)
+            await self.admin.forget(model_id)
         for model_id in changed:
             log.info("model '%s': republished in the shared store; reloading it here if loaded", model_id)
-            await self.published(model_id)
+            await self.admin.published(model_id)
 
     async def watch(self) -> None:
-        """One pass over the processes of every loaded python model: a crashed one starts its recovery. An
-        embedded tritonserver that exited is taken down and restarted from here, at once."""
+        """One pass of the process watch (``RunOnce.watch``). An embedded tritonserver that exited is taken down and
+        restarted from here, at once."""
         if self.sync.server_exited():
             await self.sync.check()
             return
-        watched = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None and r.stubs]
-        if not watched:
-            return
-        seen = [(r, r.generation) for r in watched]
-        found = await asyncio.to_thread(lambda: [self._crashes(r) for r, _ in seen])
-        for (rec, generation), crashes in zip(seen, found, strict=True):
-            deaths = self._noted(rec, generation, crashes)
-            if deaths and rec.op is None and rec.state is ModelState.READY:
-                self._start_recovery(rec, deaths)
-
-    def _crashes(self, rec: ModelRecord) -> tuple[list[StubDeath], tuple[StubProcess, ...] | None]:
-        """Dead processes of a loaded model, and its live ones when they replace ``rec.stubs``. A stub Triton
-        reaped itself was ended on purpose (an instance fewer), unless the model now has fewer processes than
-        instances. Runs in a worker thread: it only reads (``_noted`` writes, on the event loop)."""
-        deaths = self.processes.deaths(rec.stubs)
-        crashed = [d for d in deaths if not d.reaped]
-        if len(crashed) < len(deaths):
-            live = self.processes.stubs(rec.id)
-            if len(live) >= rec.instances:
-                return crashed, tuple(live)
-        return deaths, None
-
-    @staticmethod
-    def _noted(
-        rec: ModelRecord, generation: int, crashes: tuple[list[StubDeath], tuple[StubProcess, ...] | None]
-    ) -> list[StubDeath]:
-        """On the event loop: note the live processes ``_crashes`` found, unless the model changed meanwhile."""
-        deaths, live = crashes
-        if live is not None and rec.generation == generation and rec.op is None:
-            rec.stubs = live
-        return deaths
-
-    async def _observe(self, rec: ModelRecord) -> list[StubDeath]:
-        generation = rec.generation
-        return self._noted(rec, generation, await asyncio.to_thread(self._crashes, rec))
-
-    def _start_recovery(self, rec: ModelRecord, deaths: list[StubDeath]) -> asyncio.Task[None] | None:
-        """Note the deaths (and the requests they took) and reload the model, unless a transition runs."""
-        note_deaths(rec, deaths, self.journal_dir, self.clock)
-        if rec.op is not None or rec.state is not ModelState.READY or self.paused:
-            return rec.op
-        what = ", ".join(f"{d.stub.instance or d.stub.pid} {d.describe()}" for d in deaths)
-        return self.states.spawn(rec, ModelState.LOADING, f"recovering: process died ({what})", self._recover_op(rec))
+        await self.run_once.watch()

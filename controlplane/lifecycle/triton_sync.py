@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SnoozeError, UnavailableError
-from controlplane.lifecycle.memory import declared_bytes
+from controlplane.lifecycle.memory.host import declared_bytes
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.workers import none_alive
 from controlplane.metrics import SnoozeMetrics
@@ -25,8 +24,9 @@ from controlplane.triton.client import BUSY_STATES, RepositoryEntry, TritonAdmin
 from controlplane.triton.processes import TritonProcesses
 
 if TYPE_CHECKING:
-    from controlplane.lifecycle.loading import Loader
-    from controlplane.lifecycle.warmth import Warmth
+    from controlplane.lifecycle.memory.host import MemoryBudget
+    from controlplane.lifecycle.residency import Residency
+    from controlplane.lifecycle.transitions import Transitions
     from controlplane.triton.launcher import EmbeddedTriton
 
 log = logging.getLogger("snoozeml.lifecycle")
@@ -35,55 +35,86 @@ log = logging.getLogger("snoozeml.lifecycle")
 DOWN_RETRY_AFTER_SECS = 2.0
 
 
-class TritonSync:
-    def __init__(
-        self,
-        settings: Settings,
-        store: ModelStore,
-        states: ModelStates,
-        triton: TritonAdminClient,
-        processes: TritonProcesses,
-        metrics: SnoozeMetrics,
-        *,
-        triton_process: EmbeddedTriton | None,
-    ) -> None:
+class TritonUp:
+    """Whether tritonserver is up, as the lifecycle last saw it; what a wake-up or a load does while it is not."""
+
+    def __init__(self, settings: Settings, *, restarts: bool) -> None:
+        """``restarts``: this control plane restarts tritonserver (its embedded child) when it dies."""
         self.settings = settings
-        self.store = store
-        self.states = states
+        self.restarts = restarts
+        self._up = asyncio.Event()
+        self._up.set()
+        self.down_why = ""  # what took tritonserver away, while it is down
+
+    def is_set(self) -> bool:
+        return self._up.is_set()
+
+    def went_down(self, what: str) -> bool:
+        """Note that tritonserver went away; False when that was known already."""
+        if not self._up.is_set():
+            return False
+        self._up.clear()
+        self.down_why = what
+        return True
+
+    def came_back(self) -> None:
+        self._up.set()
+
+    def _refuse_if_not_restarting(self, rec: ModelRecord, what: str) -> None:
+        """The embedded tritonserver is down for good (restarts are off)."""
+        if self.restarts and not self.settings.restart_triton:
+            raise UnavailableError(
+                f"model '{rec.id}' cannot {what}: tritonserver is not running",
+                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
+            )
+
+    def refuse_while_down(self, rec: ModelRecord) -> None:
+        """A wake-up while tritonserver is down is answered at once (503 with Retry-After) rather than held: it
+        would wait for the restart, the resync and its model's load, past the deadline of most clients (which
+        Triton's HTTP clients do not send). Loads asked for through the API still wait (``wait_until_up``)."""
+        if self._up.is_set():
+            return
+        self._refuse_if_not_restarting(rec, "wake")
+        raise UnavailableError(
+            f"model '{rec.id}' cannot wake now: tritonserver is restarting ({self.down_why})",
+            hint="retry after the Retry-After seconds; every model loads again on its next request",
+            retry_after=DOWN_RETRY_AFTER_SECS,
+        )
+
+    async def wait_until_up(self, rec: ModelRecord) -> None:
+        if self._up.is_set():
+            return
+        self._refuse_if_not_restarting(rec, "load")
+        try:
+            await asyncio.wait_for(self._up.wait(), rec.model.load_timeout_secs)
+        except TimeoutError:
+            raise UnavailableError(
+                f"model '{rec.id}' cannot load: tritonserver has not come back", retry_after=5
+            ) from None
+
+
+class TritonReadings:
+    """What Triton says of its models' use: last access, requests served, requests pending."""
+
+    def __init__(self, triton: TritonAdminClient) -> None:
         self.triton = triton
-        self.processes = processes
-        self.metrics = metrics
-        self.triton_process = triton_process  # the embedded child, which may be restarted
-        self.up = asyncio.Event()
-        self.up.set()
-        self.down_why = ""  # what took tritonserver away, while ``up`` is clear
-        self._checking = asyncio.Lock()
-        self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
-        self.loader: Loader | None = None  # set by the manager (the loader waits on this sync)
-        self.warmth: Warmth | None = None
-        self.unrecorded: dict[str, int] = {}  # bytes Triton holds for models without a record (_note_unrecorded)
-        self.accessed: Callable[[ModelRecord, int], None] | None = None  # requests served (the eviction policy)
 
-    async def start(self) -> None:
-        await self.resync(full=True)
-        server = await asyncio.to_thread(self.processes.server)
-        self.server_seen = server.pid if server is not None else None
-
-    async def refresh_access(self, rec: ModelRecord) -> None:
-        """Triton's last access and the requests it served since the last read (the eviction policy's
-        frequency: it counts every request, the ones straight from the gateway too)."""
-        with contextlib.suppress(SnoozeError):
+    async def refresh_access(self, rec: ModelRecord) -> int:
+        """Triton's last access and the requests it served since the last read, which it returns (the eviction
+        policy's frequency: it counts every request, the ones straight from the gateway too)."""
+        try:
             stats = await self.triton.model_stats(rec.id)
-            stamp = stats.last_inference_ms / 1000
-            # The load's own warm-up (config model_warmup) is stamped as an inference: only later ones are use.
-            if stamp > rec.ready_at:
-                rec.triton_last = max(rec.triton_last, stamp)
-            served = stats.success_count
-            # Triton's count starts again with each load (the record's is zeroed when the model leaves memory)
-            new = served - rec.served_seen if served >= rec.served_seen else served
-            rec.served_seen = served
-            if new > 0 and self.accessed is not None:
-                self.accessed(rec, new)
+        except SnoozeError:
+            return 0
+        stamp = stats.last_inference_ms / 1000
+        # The load's own warm-up (config model_warmup) is stamped as an inference: only later ones are use.
+        if stamp > rec.ready_at:
+            rec.triton_last = max(rec.triton_last, stamp)
+        served = stats.success_count
+        # Triton's count starts again with each load (the record's is zeroed when the model leaves memory)
+        new = served - rec.served_seen if served >= rec.served_seen else served
+        rec.served_seen = served
+        return max(new, 0)
 
     async def pending_counts(self) -> dict[str, float]:
         """Pending requests per model from Triton's metrics; empty when they cannot be read."""
@@ -94,6 +125,44 @@ class TritonSync:
         except SnoozeError as e:
             log.warning("cannot read Triton's pending request counts: %s", e)
             return {}
+
+
+class TritonSync:
+    """Triton's health (the embedded one restarted when it dies) and its repository index, followed."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: ModelStore,
+        states: ModelStates,
+        triton: TritonAdminClient,
+        processes: TritonProcesses,
+        metrics: SnoozeMetrics,
+        *,
+        up: TritonUp,
+        budget: MemoryBudget,
+        residency: Residency,
+        transitions: Transitions,
+        triton_process: EmbeddedTriton | None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.states = states
+        self.triton = triton
+        self.processes = processes
+        self.metrics = metrics
+        self.up = up
+        self.budget = budget
+        self.residency = residency
+        self.transitions = transitions
+        self.triton_process = triton_process  # the embedded child, which may be restarted
+        self._checking = asyncio.Lock()
+        self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
+
+    async def start(self) -> None:
+        await self.resync(full=True)
+        server = await asyncio.to_thread(self.processes.server)
+        self.server_seen = server.pid if server is not None else None
 
     def server_exited(self) -> bool:
         """The embedded tritonserver exited and ``check()`` has not seen it yet. A local check that calls no
@@ -137,51 +206,17 @@ class TritonSync:
                 log.warning("tritonserver is back (pid %s)", server.pid)
         if not self.up.is_set():
             await self.resync(full=True)  # raises on failure: the next sweep tries again
-            self.up.set()
+            self.up.came_back()
         return True
 
     def down(self, what: str) -> None:
-        if not self.up.is_set():
+        if not self.up.went_down(what):
             return
-        self.up.clear()
-        self.down_why = what
         log.error("%s; every model is unloaded", what)
         for rec in self.states.values():
             if rec.op is None:
-                self._loader.forget_loaded(rec)
+                self.residency.forget_loaded(rec)
                 self.states.set_state(rec, ModelState.UNLOADED, "tritonserver died")
-
-    def _refuse_if_not_restarting(self, rec: ModelRecord, what: str) -> None:
-        """The embedded tritonserver is down for good (restarts are off)."""
-        if self.triton_process is not None and not self.settings.restart_triton:
-            raise UnavailableError(
-                f"model '{rec.id}' cannot {what}: tritonserver is not running",
-                hint="restart snoozectl serve, or set SNOOZE_RESTART_TRITON=true",
-            )
-
-    def refuse_while_down(self, rec: ModelRecord) -> None:
-        """A wake-up while tritonserver is down is answered at once (503 with Retry-After) rather than held: it
-        would wait for the restart, the resync and its model's load, past the deadline of most clients (which
-        Triton's HTTP clients do not send). Loads asked for through the API still wait (``wait_until_up``)."""
-        if self.up.is_set():
-            return
-        self._refuse_if_not_restarting(rec, "wake")
-        raise UnavailableError(
-            f"model '{rec.id}' cannot wake now: tritonserver is restarting ({self.down_why})",
-            hint="retry after the Retry-After seconds; every model loads again on its next request",
-            retry_after=DOWN_RETRY_AFTER_SECS,
-        )
-
-    async def wait_until_up(self, rec: ModelRecord) -> None:
-        if self.up.is_set():
-            return
-        self._refuse_if_not_restarting(rec, "load")
-        try:
-            await asyncio.wait_for(self.up.wait(), rec.model.load_timeout_secs)
-        except TimeoutError:
-            raise UnavailableError(
-                f"model '{rec.id}' cannot load: tritonserver has not come back", retry_after=5
-            ) from None
 
     async def resync(self, *, full: bool) -> dict[str, RepositoryEntry]:
         """Align states with Triton's repository index.
@@ -208,7 +243,7 @@ class TritonSync:
                 or entry.state not in BUSY_STATES
                 or (rec.is_python and await asyncio.to_thread(none_alive, self.processes, model_id))
             ):
-                self._loader.forget_loaded(rec)  # Triton finished the unload that had failed here, or holds nothing
+                self.residency.forget_loaded(rec)  # Triton finished the unload that had failed here, or holds nothing
             elif entry is not None and entry.state == "UNLOADING" and not rec.holds_memory:
                 # an unload this control plane did not see through (before a restart): what its processes hold
                 stubs = await asyncio.to_thread(self.processes.stubs, model_id)
@@ -220,10 +255,9 @@ class TritonSync:
                 continue
             triton_ready = entry is not None and entry.state == "READY"
             if triton_ready and rec.state is not ModelState.READY:
-                adopting = self.states.spawn(rec, rec.state, "found loaded in Triton", self.adopt(rec))
-                await asyncio.shield(adopting)
+                await asyncio.shield(self.transitions.adopt(rec))
             elif not triton_ready and rec.state is ModelState.READY:
-                self._loader.forget_loaded(rec)
+                self.residency.forget_loaded(rec)
                 self.states.set_state(rec, ModelState.UNLOADED, "not loaded in Triton")
             elif full and not triton_ready and rec.state is ModelState.FAILED:
                 self.states.set_state(rec, ModelState.UNLOADED, rec.reason)
@@ -238,8 +272,7 @@ class TritonSync:
             if entry.state in BUSY_STATES and name not in self.states.records:
                 stubs = await asyncio.to_thread(self.processes.stubs, name)
                 held[name] = await asyncio.to_thread(self.processes.memory, stubs)
-        self.unrecorded.clear()
-        self.unrecorded.update(held)
+        self.budget.unrecorded = held
 
     async def _unload_orphans(self, entries: dict[str, RepositoryEntry]) -> None:
         """Unload what Triton holds of models deleted while no control plane followed the store (another node
@@ -251,20 +284,3 @@ class TritonSync:
             log.warning("model '%s': loaded in Triton but deleted from the store; unloading it", model_id)
             with contextlib.suppress(SnoozeError):
                 await self.triton.unload(model_id, wait=False)
-
-    async def adopt(self, rec: ModelRecord) -> None:
-        """A model Triton already has loaded becomes READY here, with its instances and footprint."""
-        rec.model = self.store.get(rec.id)
-        try:
-            config = await self.triton.model_config(rec.id)
-        except SnoozeError:
-            return
-        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
-        await self._loader.loaded(rec, instances, count=False)
-        if self.warmth is not None:
-            self.warmth.loaded(rec, "adopt")
-
-    @property
-    def _loader(self) -> Loader:
-        assert self.loader is not None, "TritonSync.loader is set by the LifecycleManager"
-        return self.loader

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from controlplane.api.app import create_app
 from controlplane.api.services import ControlPlaneServices
 from controlplane.cli.client_commands import register
-from controlplane.lifecycle import LifecycleManager
+from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.metrics import SnoozeMetrics
 from controlplane.render import embedded_target
 from controlplane.settings import Settings

@@ -24,8 +24,9 @@ import psutil
 import pytest
 
 from controlplane.errors import ConflictError, NotFoundError, UnavailableError
-from controlplane.lifecycle import LifecycleManager, ModelState
+from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.lifecycle.memory.gpu_memory import GpuDevice, GpuProcessUse
+from controlplane.lifecycle.state import ModelState
 from controlplane.lifecycle.workers import alive, workers_of
 from controlplane.render import embedded_target
 from controlplane.settings import Settings

@@ -58,7 +58,7 @@ from typing import Any
 from virtual_time import EPOCH, Hang, VirtualTime, VirtualTimeLoop  # noqa: F401 (the fakes' clock, imported from here too)
 
 from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError
-from controlplane.lifecycle.loading import rendered_config
+from controlplane.lifecycle.configs import rendered_config
 from controlplane.render import DEPLOYMENT_FILE
 from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry
 from controlplane.triton.journal import PHASE_SUFFIX, journal_path

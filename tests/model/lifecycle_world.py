@@ -22,7 +22,6 @@ from fake_triton import MIB, Answer, FakeProcesses, FakeTriton, Hang, NoGpu, Vir
 
 from controlplane.errors import SnoozeError
 from controlplane.gateway.activator import HoldRegistry, ModelAnswers
-from controlplane.lifecycle.gateway_port import GatewayPort
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.lifecycle.memory.cgroup import CgroupMemory
@@ -149,7 +148,7 @@ class LifecycleWorld:
         ).model_copy(update=settings)
         self.probe = Probe()
         self.manager: LifecycleManager = self._manager()
-        self.answers = ModelAnswers(GatewayPort(self.manager), self.store, self.settings)
+        self.answers = ModelAnswers(self.manager, self.store, self.settings)
         self.holds = HoldRegistry(self.answers, root / "held.log", clock=self.clock)
         # open holds (a stream through the gateway): token -> (model, the model's idle unloads and evictions when
         # the hold was taken; None until it is)
@@ -488,7 +487,7 @@ class LifecycleWorld:
         await self._release_all()  # the streams end with the control plane
         await self.manager.stop()
         self.manager = self._manager()
-        self.answers = ModelAnswers(GatewayPort(self.manager), self.store, self.settings)
+        self.answers = ModelAnswers(self.manager, self.store, self.settings)
         self.holds = HoldRegistry(self.answers, self.root / "held.log", clock=self.clock)
         await self.manager.start()
         self.resumed_at = self.now  # no sweep ran while the old manager stopped (it waits for its transitions)
@@ -514,7 +513,7 @@ class LifecycleWorld:
         await self._settle_calls()
         await self._release_all()
         self.manager = self._manager()
-        self.answers = ModelAnswers(GatewayPort(self.manager), self.store, self.settings)
+        self.answers = ModelAnswers(self.manager, self.store, self.settings)
         self.holds = HoldRegistry(self.answers, self.root / "held.log", clock=self.clock)
         await self.manager.start()
         self.resumed_at = self.now

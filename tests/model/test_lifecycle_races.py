@@ -55,8 +55,8 @@ def test_the_crash_watch_writes_records_on_the_event_loop_only(world):
     model.stubs = model.stubs[1:] + [world.triton._stub(model, model.stubs[0].memory, model.files)]
     loop_thread = threading.current_thread().name
     with ThreadPoolExecutor(1, thread_name_prefix="watch") as pool:  # the watch's worker thread
-        found = pool.submit(world.manager._crashes, watched).result()
-    assert world.manager._noted(watched, watched.generation, found) == []
+        found = pool.submit(world.manager.run_once.crashes, watched).result()
+    assert world.manager.run_once.noted(watched, watched.generation, found) == []
     assert watched.writers == {loop_thread} and watched.stubs == tuple(s.process for s in model.stubs)
 
 
@@ -98,15 +98,15 @@ def test_a_wake_during_the_adoption_of_a_model_loaded_elsewhere_waits_for_it(wor
     manager, triton = world.manager, world.triton
     world.run(triton.load("m0"))  # behind the control plane's back
     loads_before = triton.calls["load"]
-    sync = manager.sync
-    adopt, entered, gate = sync.adopt, asyncio.Event(), asyncio.Event()
+    sync, transitions = manager.sync, manager.transitions
+    adopt, entered, gate = transitions._adopt_op, asyncio.Event(), asyncio.Event()
 
     async def slow_adopt(rec: ModelRecord) -> None:  # the adoption measures the model's processes meanwhile
         entered.set()
         await gate.wait()
         await adopt(rec)
 
-    sync.adopt = slow_adopt
+    transitions._adopt_op = slow_adopt  # type: ignore[method-assign]
 
     async def race() -> None:
         resync = asyncio.create_task(sync.resync(full=False))
@@ -117,7 +117,7 @@ def test_a_wake_during_the_adoption_of_a_model_loaded_elsewhere_waits_for_it(wor
         await asyncio.gather(resync, wake)
 
     world.run(race())
-    sync.adopt = adopt
+    transitions._adopt_op = adopt  # type: ignore[method-assign]
     assert triton.calls["load"] == loads_before  # the wake loaded nothing: it waited for the adoption
     assert manager.states.records["m0"].state.value == "ready"
 

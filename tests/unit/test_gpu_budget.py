@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 
 from controlplane.errors import UnavailableError
-from controlplane.lifecycle import is_oom_error, rendered_config
-from controlplane.lifecycle.memory import MIB, is_cuda_oom
+from controlplane.lifecycle.configs import rendered_config
 from controlplane.lifecycle.memory.gpu_budget import (
     GpuResident,
     estimate_gpu_need,
@@ -15,6 +14,8 @@ from controlplane.lifecycle.memory.gpu_budget import (
     plan_gpu_eviction,
     plan_gpu_oom_eviction,
 )
+from controlplane.lifecycle.memory.oom import is_cuda_oom, is_oom_error
+from controlplane.lifecycle.memory.units import MIB
 
 
 def resident(model: str, last_access: float, evictable: bool = True, **mib_by_gpu: int) -> GpuResident:
@@ -221,8 +222,8 @@ def test_the_gpu_budget_evicts_in_the_host_budgets_order(policy):
     import asyncio
     from pathlib import Path
 
-    from controlplane.lifecycle.memory import MemoryBudget
     from controlplane.lifecycle.memory.gpu import GpuMemory
+    from controlplane.lifecycle.memory.host import MemoryBudget
     from controlplane.lifecycle.state import ModelRecord, ModelState
     from controlplane.settings import Settings
     from controlplane.spec import DeploymentSpec
@@ -274,7 +275,7 @@ def test_the_gpu_budget_evicts_in_the_host_budgets_order(policy):
 
 def test_one_oom_classifier_for_the_stub_and_the_control_plane():
     """The stub classifies its own failures with the function the control plane reads Triton's errors with."""
-    from controlplane.lifecycle.memory import classify_oom
+    from controlplane.lifecycle.memory.oom import classify_oom
     from python_backend import errors as runtime_errors
 
     assert classify_oom is runtime_errors.classify_oom

@@ -10,18 +10,11 @@ import pytest
 
 from controlplane import keepalive
 from controlplane.keepalive import AdaptiveKeepAlive, FixedKeepAlive
-from controlplane.lifecycle import (
-    GENERATION_PARAMETER,
-    LoadWindow,
-    ModelState,
-    ModelStatus,
-    autoscale_step,
-    config_with_instances,
-    is_oom_error,
-    rendered_config,
-)
-from controlplane.lifecycle.memory import MemoryBudget
-from controlplane.lifecycle.state import ModelRecord, ModelStates
+from controlplane.lifecycle.autoscale import LoadWindow, autoscale_step
+from controlplane.lifecycle.configs import GENERATION_PARAMETER, config_with_instances, rendered_config
+from controlplane.lifecycle.memory.host import MemoryBudget
+from controlplane.lifecycle.memory.oom import is_oom_error
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus
 from controlplane.lifecycle.warmth import FORWARD_STAMP_SLACK_SECS, MIN_SWEEP_GAP_SECS, Warmth
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings

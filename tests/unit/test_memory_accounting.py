@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.lifecycle.memory import MIB, MemoryBudget
 from controlplane.lifecycle.memory.cgroup import TritonCgroup, cgroup_dir, headroom_bytes, read_cgroup
+from controlplane.lifecycle.memory.host import MemoryBudget
+from controlplane.lifecycle.memory.units import MIB
 from controlplane.lifecycle.state import ModelRecord, ModelState
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec

@@ -4,24 +4,9 @@
 - ``gpu`` / ``gpu_budget`` / ``gpu_memory``: the per-GPU budget and its NVML measurements;
 - ``cgroup``: the container's own count (its limit and working set);
 - ``eviction``: the one eviction order (gdsf or lru; a pre-warm nobody used yet first);
+- ``plan``: what the budgets decide (a plan of idle models to evict) and how it is carried out;
 - ``oom``: the one out-of-memory classifier;
 - ``units``: MIB.
 
 What a process holds is read in ``controlplane.triton.processes.held_bytes`` (Pss).
 """
-
-from controlplane.lifecycle.memory.host import BudgetInUse, MemoryBudget, declared_bytes
-from controlplane.lifecycle.memory.oom import GPU_OOM_HINT, OOM_HINT, classify_oom, is_cuda_oom, is_oom_error
-from controlplane.lifecycle.memory.units import MIB
-
-__all__ = [
-    "GPU_OOM_HINT",
-    "MIB",
-    "OOM_HINT",
-    "BudgetInUse",
-    "MemoryBudget",
-    "classify_oom",
-    "declared_bytes",
-    "is_cuda_oom",
-    "is_oom_error",
-]

@@ -9,7 +9,7 @@ import pytest
 
 from controlplane.gateway.activator import Activator
 from controlplane.gateway.envoy import EnvoyGateway
-from controlplane.lifecycle import LifecycleManager
+from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
 from controlplane.store import ModelStore

@@ -1,0 +1,196 @@
+"""The lifecycle's operations for the API and the store's follower: load, unload, republish, forget, status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, cast
+
+from controlplane.errors import ConflictError, SnoozeError
+from controlplane.lifecycle.cancel import REPUBLISHED, LoadCancels, cancelled_error, cancelled_why
+from controlplane.lifecycle.configs import rendered_config
+from controlplane.lifecycle.loading import Loader
+from controlplane.lifecycle.overrides import KEEP_OVERRIDE, apply_override
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus, UnloadReason
+from controlplane.lifecycle.transitions import Transitions
+from controlplane.lifecycle.warmth import Warmth
+from controlplane.lifecycle.warmups import harvest, status_line
+from controlplane.lifecycle.workers import parent_status, parents
+from controlplane.store import ModelStore
+from controlplane.triton.processes import TritonProcesses
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+
+class AdminOperations:
+    def __init__(
+        self,
+        store: ModelStore,
+        states: ModelStates,
+        transitions: Transitions,
+        cancels: LoadCancels,
+        loader: Loader,
+        warmth: Warmth,
+        processes: TritonProcesses,
+        *,
+        journal_dir: Path | None,
+    ) -> None:
+        self.store = store
+        self.states = states
+        self.transitions = transitions
+        self.cancels = cancels
+        self.loader = loader
+        self.warmth = warmth
+        self.processes = processes
+        self.journal_dir = journal_dir
+
+    async def load(
+        self, model_id: str, *, instances: int | None = None, override: dict[str, Any] | None | object = KEEP_OVERRIDE
+    ) -> ModelStatus:
+        """Load (API): cold load, or change the instance count of a loaded model in place.
+
+        ``override`` (a repository load: the client's config override, or None for a load without one) is
+        checked against the published config before anything (``overrides.apply_override``); then it holds
+        for every load until the next repository load without one, a republish or a delete. A loaded model
+        whose override changes is reloaded with the new config; a load that fails keeps the previous one.
+        """
+        rec = self.states.record(model_id, refresh=True)
+        dep = rec.model.deployment
+        limit = max(dep.max_instances, dep.instances)
+        if instances is not None and not 1 <= instances <= limit:
+            raise ConflictError(
+                f"model '{model_id}': {instances} instances requested, allowed 1..{limit}",
+                hint="raise the model's max_instances and publish it again",
+            )
+        await self.states.settle(rec)
+        if override is not KEEP_OVERRIDE:
+            given = cast("dict[str, Any] | None", override)
+            apply_override(rendered_config(rec.model.config_text, where=f"model '{model_id}'"), given, model_id)
+            previous, rec.config_override = rec.config_override, given or None
+            try:
+                if rec.state is ModelState.READY and (rec.config_override is not None or rec.override_loaded):
+                    await asyncio.shield(self.transitions.reconfigure(rec))
+                    return self.status(model_id)
+                if rec.state is not ModelState.READY:
+                    loading = self.transitions.cold_load(rec, trigger="api", reason="loading", instances=instances)
+                    await self._loading(rec, loading)
+                return self.status(model_id)
+            except BaseException:
+                rec.config_override = previous  # Triton keeps the model (and its config) as it was
+                raise
+        if rec.state is ModelState.READY:
+            if instances is not None and instances != rec.instances:
+                await asyncio.shield(self.transitions.rescale(rec, instances, None))
+        else:
+            await self._loading(
+                rec, self.transitions.cold_load(rec, trigger="api", reason="loading", instances=instances)
+            )
+        return self.status(model_id)
+
+    async def _loading(self, rec: ModelRecord, load: asyncio.Task[Any]) -> None:
+        """Await an API load: a cancelled one (an unload, a delete, a republish or a stop came) is a 503."""
+        try:
+            await asyncio.shield(load)
+        except (asyncio.CancelledError, SnoozeError) as e:
+            itself = isinstance(e, asyncio.CancelledError) and not load.cancelled()  # this caller was cancelled
+            if itself or cancelled_why(rec, load) is None:
+                raise
+            raise cancelled_error(rec, load) from None
+
+    async def unload(self, model_id: str, *, reason: UnloadReason = UnloadReason.API) -> ModelStatus:
+        rec = self.states.record(model_id)
+        await self.cancels.cancel(rec, "unloaded")  # an unload does not wait for a load (it may hang)
+        await self.states.settle(rec)
+        if rec.state is ModelState.READY:
+            await asyncio.shield(self.transitions.unload(rec, reason))
+        elif rec.state is ModelState.FAILED:
+            self.states.set_state(rec, ModelState.UNLOADED)
+        return self.status(model_id)
+
+    async def published(self, model_id: str) -> None:
+        """After a (re)publish: reload a loaded model so it runs the new files and config.
+
+        A reload that fails leaves Triton serving the previous version: the model stays READY and its
+        status reason says what failed. One with no room beside the previous version (the memory budgets
+        full of models in use) unloads it instead: the new version loads on the next request.
+        """
+        rec = self.states.get(model_id)
+        if rec is None:
+            return
+        # the new version loads on the next request, or for the requests that waited on the cancelled load
+        cancelled = await self.cancels.cancel(rec, REPUBLISHED)
+        await self.states.settle(rec)
+        rec.model = self.store.get(model_id)
+        rec.config_override = None  # a republish ends a client's override: the new config is what loads
+        rec.warmup = None  # and its learned warm-up (the folder was replaced): the new config's source
+        if rec.state is ModelState.FAILED:
+            self.states.set_state(rec, ModelState.UNLOADED, "republished; loads on the next request")
+        elif cancelled and rec.state is ModelState.UNLOADED:
+            self.states.set_state(rec, ModelState.UNLOADED, "republished during its load; loads on the next request")
+        elif rec.state is ModelState.READY:  # loaded before, or since the cancel (a waiting request's wake-up)
+            await asyncio.shield(self.transitions.reload(rec))
+
+    async def forget(self, model_id: str) -> None:
+        """Before a delete: unload the model if loaded and drop its state and metrics."""
+        rec = self.states.get(model_id)
+        if rec is None:
+            return
+        await self.cancels.cancel(rec, "deleted")
+        await self.states.settle(rec)
+        if rec.state is ModelState.READY:
+            try:
+                await asyncio.shield(self.transitions.unload(rec, UnloadReason.DELETED))
+            except SnoozeError as e:  # the delete goes on: what Triton may still hold stays counted (below)
+                log.warning("model '%s': deleted, but its unload failed: %s", model_id, e)
+        if not rec.triton_may_hold:  # else kept while Triton still holds its memory; a later sweep lets it go
+            self.states.drop(model_id)
+
+    def config_override(self, model_id: str) -> dict[str, Any] | None:
+        """The client's config override the model loads with (a repository load's), or None."""
+        rec = self.states.get(model_id)
+        return rec.config_override if rec is not None else None
+
+    def status(self, model_id: str) -> ModelStatus:
+        rec = self.states.record(model_id)
+        loaded = rec.loaded
+        measured = loaded and rec.footprint_source is not None
+        harvest(rec, self.journal_dir)  # a few small files: the warm-up line is current right after a load
+        return ModelStatus(
+            id=rec.id,
+            state=rec.state,
+            reason=rec.reason,
+            instances=rec.instances,
+            last_access=rec.last_access,
+            idle_timeout_secs=rec.model.deployment.idle_timeout_secs,
+            memory_bytes=rec.footprint if measured else None,
+            memory_source=rec.footprint_source if measured else None,
+            last_cold_start_secs=rec.last_cold_start,
+            load_count=rec.load_count,
+            processes=len(rec.stubs) if loaded and rec.stubs else None,
+            last_crash=rec.last_crash,
+            gpu_memory_bytes=self.loader.gpu.status_bytes(rec),
+            keep_alive=self.warmth.windows(rec),
+            worker=rec.model.deployment.worker if rec.is_python and rec.model.kind == "custom" else None,
+            warmup=status_line(rec),
+        )
+
+    def statuses(self) -> list[ModelStatus]:
+        ids = set(self.store.ids()) | set(self.states.records)
+        return [self.status(i) for i in sorted(ids)]
+
+    def runtime(self) -> dict[str, Any]:
+        """What serves models besides their own processes: the preloaded parents of preforked models, each
+        with its own memory (the pages its workers share with it, counted once; blocking: psutil reads)."""
+        found = parents(self.journal_dir, self.processes.proc_root)
+        lines = [parent_status(p) for p in found]
+        budget = self.loader.budget
+        budget.overhead = sum(line["memory_bytes"] or 0 for line in lines)
+        return {
+            "preloaded_parents": lines,
+            "overhead_bytes": budget.overhead,
+            "triton_server_bytes": budget.server,
+            **budget.totals(),
+            "eviction_policy": budget.policy.describe(),
+            "wake_queue": self.loader.admission.wake_queue(),
+        }

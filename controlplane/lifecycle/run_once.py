@@ -1,0 +1,172 @@
+"""Recovery and run-once: a model whose process died is loaded anew, and a request never runs twice.
+
+The process watch (``watch``, a periodic pass the supervisor schedules) looks at the processes of every loaded
+python model; a death starts the model's recovery. The activator asks, before it sends a request on
+(``admit``) and after Triton answered "stub not healthy" (``after_dead_answer``), what the request's fate was
+(``recovery.fate_of``: it ran in a dead process, it never reached one, or that cannot be told).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from controlplane.clock import Clock
+from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
+from controlplane.lifecycle.residency import Residency
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.transitions import Transitions
+from controlplane.triton.processes import StubDeath, StubProcess, TritonProcesses
+
+# Where Triton's processes cannot be seen, a dead stub shows only as failing requests: they reach
+# recover() just after the first of them reloaded the model, and a model (re)loaded this recently
+# is not reloaded again.
+RECOVERY_DEDUP_SECS = 2.0
+
+Crashes = tuple[list[StubDeath], tuple[StubProcess, ...] | None]
+
+
+class RunOnce:
+    def __init__(
+        self,
+        states: ModelStates,
+        processes: TritonProcesses,
+        transitions: Transitions,
+        residency: Residency,
+        *,
+        journal_dir: Path | None,
+        clock: Clock,
+    ) -> None:
+        self.states = states
+        self.processes = processes
+        self.transitions = transitions
+        self.residency = residency
+        self.journal_dir = journal_dir
+        self.clock = clock
+
+    # ------------------------------------------------------------------ the activator's questions
+
+    async def admit(self, model_id: str, request_id: str) -> None:
+        """Before the activator sends a request on: refuse one that already reached a model process
+        that died (``ModelProcessDiedError``), so that no request runs twice.
+
+        Where Triton's processes cannot be seen, a request for a model Triton has loaded can only have
+        come here because Triton failed it, and it may have run: it is refused too.
+        """
+        rec = self.states.record(model_id)
+        fate, death = await self._fate(rec, request_id)
+        if fate is RequestFate.RAN or (fate is RequestFate.UNKNOWN and recent_deaths(rec, self.clock.monotonic())):
+            raise ModelProcessDiedError(model_id, death)  # unknown: a process died without a journal
+        if (
+            not self.processes.can_observe
+            and rec.state is ModelState.READY
+            and rec.op is None
+            and self.clock.time() - rec.ready_at >= RECOVERY_DEDUP_SECS
+        ):
+            self.transitions.recover(rec, "recovering: a request failed")
+            raise ModelProcessDiedError(model_id, None)
+
+    async def after_dead_answer(self, model_id: str, request_id: str) -> None:
+        """Triton answered the activator's send with "stub not healthy". Returns once the model is
+        recovered when the request never reached a live model process (send it again); raises
+        ``ModelProcessDiedError`` (recovery goes on) when it did, or when that cannot be told."""
+        rec = self.states.record(model_id)
+        fate, death = await self._fate(rec, request_id)
+        if fate is RequestFate.NOT_RUN:
+            await self.recover(model_id, "dead_stub")
+            return
+        if rec.op is None and rec.state is ModelState.READY and not rec.stubs:
+            self.transitions.recover(rec, "recovering: a request failed")
+        raise ModelProcessDiedError(model_id, death)
+
+    async def _fate(self, rec: ModelRecord, request_id: str) -> tuple[RequestFate, StubDeath | None]:
+        # The watch may not have passed since the death: look at the model's processes first.
+        if rec.stubs and rec.state is ModelState.READY:
+            deaths = await self.observe(rec)
+            if deaths:
+                self.start_recovery(rec, deaths)
+        elif rec.stubs:  # in a transition (an unload, a reload): the watch skips it, yet a process may have crashed
+            await self.residency.note_crashes(rec, list(rec.stubs))
+        return fate_of(rec, request_id, self.clock.monotonic())
+
+    async def recover(self, model_id: str, cause: str) -> None:
+        """Reload a model whose python stub died (Triton 2.51 does not restart stubs).
+
+        Where the processes can be seen, a model whose processes are all alive is left alone (someone
+        recovered it already); where they cannot, a model (re)loaded in the last seconds is.
+        """
+        rec = self.states.record(model_id)
+        await self.states.settle(rec)
+        op: asyncio.Task[None] | None
+        if rec.state is ModelState.READY:
+            if rec.stubs:
+                deaths = await self.observe(rec)
+                if not deaths:
+                    return
+                op = self.start_recovery(rec, deaths)
+            elif self.clock.time() - rec.ready_at < RECOVERY_DEDUP_SECS:
+                return
+            else:
+                op = self.transitions.recover(rec, f"recovering: {cause}")
+        elif rec.state is ModelState.FAILED:
+            op = self.transitions.recover(rec, f"recovering: {cause}")
+        else:
+            return  # not loaded: the next wake-up loads it fresh
+        if op is None:
+            return
+        try:
+            await asyncio.shield(op)
+        except SnoozeError as e:
+            raise UnavailableError(
+                f"model '{model_id}' could not be recovered ({cause}): {rec.reason}",
+                hint=e.hint,
+                retry_after=rec.retry_after,
+            ) from e
+
+    # ------------------------------------------------------------------ the process watch
+
+    async def watch(self) -> None:
+        """One pass over the processes of every loaded python model: a crashed one starts its recovery."""
+        watched = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None and r.stubs]
+        if not watched:
+            return
+        seen = [(r, r.generation) for r in watched]
+        found = await asyncio.to_thread(lambda: [self.crashes(r) for r, _ in seen])
+        for (rec, generation), crashes in zip(seen, found, strict=True):
+            deaths = self.noted(rec, generation, crashes)
+            if deaths and rec.op is None and rec.state is ModelState.READY:
+                self.start_recovery(rec, deaths)
+
+    def crashes(self, rec: ModelRecord) -> Crashes:
+        """Dead processes of a loaded model, and its live ones when they replace ``rec.stubs``. A stub Triton
+        reaped itself was ended on purpose (an instance fewer), unless the model now has fewer processes than
+        instances. Runs in a worker thread: it only reads (``noted`` writes, on the event loop)."""
+        deaths = self.processes.deaths(rec.stubs)
+        crashed = [d for d in deaths if not d.reaped]
+        if len(crashed) < len(deaths):
+            live = self.processes.stubs(rec.id)
+            if len(live) >= rec.instances:
+                return crashed, tuple(live)
+        return deaths, None
+
+    @staticmethod
+    def noted(rec: ModelRecord, generation: int, crashes: Crashes) -> list[StubDeath]:
+        """On the event loop: note the live processes ``crashes`` found, unless the model changed meanwhile."""
+        deaths, live = crashes
+        if live is not None and rec.generation == generation and rec.op is None:
+            rec.stubs = live
+        return deaths
+
+    async def observe(self, rec: ModelRecord) -> list[StubDeath]:
+        generation = rec.generation
+        return self.noted(rec, generation, await asyncio.to_thread(self.crashes, rec))
+
+    def start_recovery(self, rec: ModelRecord, deaths: list[StubDeath]) -> asyncio.Task[None] | None:
+        """Note the deaths (and the requests they took) and reload the model, unless a transition runs (or the
+        lifecycle is paused: it recovers on the next pass after resume)."""
+        note_deaths(rec, deaths, self.journal_dir, self.clock)
+        if rec.op is not None or rec.state is not ModelState.READY or self.states.pause_ends is not None:
+            return rec.op
+        what = ", ".join(f"{d.stub.instance or d.stub.pid} {d.describe()}" for d in deaths)
+        return self.transitions.recover(rec, f"recovering: process died ({what})")

@@ -1,0 +1,290 @@
+"""Every transition of a model starts here: each runs as the model's one op task (``ModelStates.spawn``), and the
+rest of the lifecycle asks for one by name (``Transitions.cold_load``, ``Unloads.evict``, ...) and awaits the task.
+
+``Unloads`` holds the unload transitions (idle unload, eviction, a deleted model's unload), which the loader needs
+to make room: it is built before the loader and handed to it. ``Transitions`` holds the loads (a wake-up's, the
+API's, a pre-warm, a recovery, a rescale, a reconfigure, a republish's reload), the adoption of a model Triton
+already holds, and a cancelled load's own departure from Triton.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.admission import NoRoomToPrewarm, WakeQueueTimeout
+from controlplane.lifecycle.autoscale import LoadWindow
+from controlplane.lifecycle.loading import Loader
+from controlplane.lifecycle.memory.host import MemoryBudget
+from controlplane.lifecycle.residency import Residency
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, UnloadReason
+from controlplane.lifecycle.unloading import Unloader
+from controlplane.lifecycle.warmth import Warmth
+from controlplane.lifecycle.workers import none_alive
+from controlplane.metrics import SnoozeMetrics
+from controlplane.store import ModelStore
+from controlplane.triton.client import TritonAdminClient
+from controlplane.triton.processes import TritonProcesses
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+
+class Unloads:
+    """The transitions that take a model out of memory."""
+
+    def __init__(
+        self,
+        states: ModelStates,
+        unloader: Unloader,
+        budget: MemoryBudget,
+        residency: Residency,
+        processes: TritonProcesses,
+        metrics: SnoozeMetrics,
+        *,
+        readings: Any,  # TritonReadings: refresh_access, pending_counts
+    ) -> None:
+        self.states = states
+        self.unloader = unloader
+        self.budget = budget
+        self.residency = residency
+        self.processes = processes
+        self.metrics = metrics
+        self.readings = readings
+
+    def unload(self, rec: ModelRecord, reason: UnloadReason, *, seen_access: float | None = None) -> asyncio.Task[bool]:
+        """Out of service (UNLOADING), then out of Triton; see ``unload_op``."""
+        return self.states.spawn(
+            rec, ModelState.UNLOADING, reason, self.unload_op(rec, reason, seen_access=seen_access)
+        )
+
+    async def evict(self, victim: ModelRecord, reason: str, for_model: str) -> bool:
+        """Unload an idle model to make room for ``for_model`` (an ``EvictFn``: the loader carries out the memory
+        budgets' plans with it); False when it turned out to be in use and stays."""
+        why = UnloadReason(reason)
+        task = self.states.spawn(
+            victim,
+            ModelState.UNLOADING,
+            f"evicted ({why}) for '{for_model}'",
+            self.unload_op(victim, why, seen_access=victim.idle_since),
+        )
+        return bool(await asyncio.shield(task))
+
+    def forget_unpublished(self, rec: ModelRecord) -> asyncio.Task[None]:
+        """A model no longer published (deleted by another writer of the store): unloaded, then its record goes."""
+        return self.states.spawn(rec, ModelState.UNLOADING, UnloadReason.DELETED, self._forget_op(rec))
+
+    async def _forget_op(self, rec: ModelRecord) -> None:
+        if await self.unload_op(rec, UnloadReason.DELETED):
+            self.states.drop(rec.id)
+
+    async def unload_op(
+        self, rec: ModelRecord, reason: UnloadReason, *, seen_access: float | None = None, note: str | None = None
+    ) -> bool:
+        """Unload; for idle unloads and evictions (``seen_access`` given) first make sure nothing uses it. ``note``:
+        the status reason, when it says more than ``reason``.
+
+        Returns False when the model turned out to be in use and stays READY.
+        """
+        if seen_access is not None:
+            # The model is already out of service (UNLOADING: wake-ups wait for this op). Anything
+            # still queued in Triton, a wake-up waiting, or a request since the decision keeps it.
+            if served := await self.readings.refresh_access(rec):
+                self.budget.accessed(rec, served)
+            pending = (await self.readings.pending_counts()).get(rec.id, 0.0)
+            if pending > 0 or rec.in_use > 0 or rec.idle_since > seen_access:
+                self.states.set_state(rec, ModelState.READY)
+                return False
+        try:
+            await self.unloader.unload(rec)  # returns once its memory is free (unloading.py)
+        except SnoozeError as e:
+            # Triton may still hold it: the budget counts it until Triton's index lets go, unless none of a python
+            # model's processes lives (a dead stub's unload may never end in Triton 2.51, and holds nothing)
+            gone = rec.is_python and await asyncio.to_thread(none_alive, self.processes, rec.id)
+            rec.triton_may_hold = not gone
+            self.states.set_state(rec, ModelState.FAILED, f"unload ({note or reason}) failed: {e}")
+            raise
+        await self.residency.note_crashes(rec, list(rec.stubs))
+        self.residency.forget_loaded(rec)
+        self.states.set_state(rec, ModelState.UNLOADED, note or reason)
+        if reason is UnloadReason.IDLE:
+            self.metrics.idle_unloads.labels(model=rec.id).inc()
+        elif reason.eviction:
+            self.metrics.evictions.labels(model=rec.id, reason=reason).inc()
+        log.info("model '%s': unloaded (%s)", rec.id, note or reason)
+        return True
+
+
+class Transitions:
+    """The loads, and what else changes a model's residency: the unloads are ``unloads``'."""
+
+    def __init__(
+        self,
+        states: ModelStates,
+        store: ModelStore,
+        triton: TritonAdminClient,
+        loader: Loader,
+        unloads: Unloads,
+        warmth: Warmth,
+        metrics: SnoozeMetrics,
+    ) -> None:
+        self.states = states
+        self.store = store
+        self.triton = triton
+        self.loader = loader
+        self.unloads = unloads
+        self.warmth = warmth
+        self.metrics = metrics
+
+    # ------------------------------------------------------------------ starting them
+
+    def cold_load(
+        self, rec: ModelRecord, *, trigger: str, reason: str, instances: int | None = None
+    ) -> asyncio.Task[None]:
+        """A model that is not loaded: ``trigger`` "request" (a wake-up) or "api"."""
+        return self.states.spawn(rec, ModelState.LOADING, reason, self._cold_load_op(rec, trigger, instances))
+
+    def prewarm(self, rec: ModelRecord) -> asyncio.Task[None]:
+        return self.states.spawn(rec, ModelState.LOADING, "pre-warm", self._prewarm_op(rec))
+
+    def recover(self, rec: ModelRecord, reason: str) -> asyncio.Task[None]:
+        """A model whose process died (or that failed): out of service, then loaded anew."""
+        return self.states.spawn(rec, ModelState.LOADING, reason, self._recover_op(rec))
+
+    def rescale(self, rec: ModelRecord, instances: int, direction: str | None) -> asyncio.Task[None]:
+        """A loaded model's instance count changed in place (``direction``: the autoscaler's "up" or "down")."""
+        reason = f"scaling to {instances} instances"
+        return self.states.spawn(rec, ModelState.READY, reason, self._rescale_op(rec, instances, direction))
+
+    def reconfigure(self, rec: ModelRecord) -> asyncio.Task[None]:
+        """A loaded model reloaded with the client's config override now set (or none)."""
+        return self.states.spawn(rec, ModelState.READY, "new config", self._reconfigure_op(rec))
+
+    def reload(self, rec: ModelRecord) -> asyncio.Task[None]:
+        """A loaded model reloaded after a republish."""
+        return self.states.spawn(rec, ModelState.READY, "reloading after publish", self._reload_op(rec))
+
+    def unload(self, rec: ModelRecord, reason: UnloadReason, *, seen_access: float | None = None) -> asyncio.Task[bool]:
+        return self.unloads.unload(rec, reason, seen_access=seen_access)
+
+    def adopt(self, rec: ModelRecord) -> asyncio.Task[None]:
+        """A model Triton already holds loaded becomes READY here (a restarted control plane keeps its models)."""
+        return self.states.spawn(rec, rec.state, "found loaded in Triton", self._adopt_op(rec))
+
+    def leave_after_cancel(
+        self, rec: ModelRecord, why: str, leave: Coroutine[Any, Any, list[int]]
+    ) -> asyncio.Task[list[int]]:
+        """A cancelled load's leftovers leave Triton (``cancel.py``): out of service meanwhile."""
+        return self.states.spawn(rec, ModelState.UNLOADING, f"load cancelled: {why}", leave)
+
+    # ------------------------------------------------------------------ what they run
+
+    async def _cold_load_op(self, rec: ModelRecord, trigger: str, instances: int | None) -> None:
+        try:
+            await self.loader.load(rec, instances or rec.model.deployment.instances, trigger=trigger)
+        except WakeQueueTimeout as e:  # never started: nothing failed, the next request queues again
+            self.states.set_state(rec, ModelState.UNLOADED, f"not loaded: waited {e.waiting_for} too long")
+            raise
+        except SnoozeError as e:
+            self.loader.load_failed(rec, e)
+            self.states.set_state(rec, ModelState.FAILED, str(e.message))
+            raise
+
+    async def _prewarm_op(self, rec: ModelRecord) -> None:
+        """A load ahead of a predicted request (the sweeper told the policy it started). A failure is left in
+        the model's state; a request waiting for it loads the model itself."""
+        try:
+            await self.loader.load(rec, rec.model.deployment.instances, trigger="prewarm", evict=False)
+        except NoRoomToPrewarm as e:
+            self.warmth.unloaded(rec)
+            self.states.set_state(rec, ModelState.UNLOADED, str(e.message))
+            return
+        except SnoozeError as e:
+            self.warmth.unloaded(rec)
+            self.loader.load_failed(rec, e)
+            self.states.set_state(rec, ModelState.FAILED, f"pre-warm failed: {e.message}")
+            return
+        if not await self.loader.fits_free(rec, rec.instances, measured=True):
+            # it measured above its estimate: a pre-warm leaves the room to others rather than evicting them
+            self.states.set_state(rec, ModelState.UNLOADING, "pre-warm over the memory budget")
+            await self.unloads.unload_op(
+                rec, UnloadReason.MEMORY, seen_access=rec.idle_since, note="pre-warm over the memory budget"
+            )
+
+    async def _recover_op(self, rec: ModelRecord) -> None:
+        """Out of service first, then a fresh load.
+
+        The unload returns at once and from then on Triton answers 404, which the gateway sends to the
+        activator, which waits for this op: no request meets the dead stub any more. Triton 2.51 may
+        never finish unloading a model whose dead stub failed a request (measured: over 90 s), but a
+        load right after the unload request builds new instances in ~0.15 s (measured).
+        """
+        instances = rec.instances or rec.model.deployment.instances
+        cause = "dead_stub" if rec.deaths else "failed_request"
+        try:
+            with contextlib.suppress(SnoozeError):
+                await self.triton.unload(rec.id, wait=False)
+            await self.loader.load(rec, instances)
+        except SnoozeError as e:
+            self.loader.load_failed(rec, e)
+            rec.triton_may_hold = rec.instances > 0  # Triton may still be unloading the old instances: still counted
+            self.states.set_state(rec, ModelState.FAILED, str(e.message))
+            raise
+        self.metrics.recoveries.labels(model=rec.id, cause=cause).inc()
+        log.info("model '%s': recovered with %d new instance(s)", rec.id, instances)
+
+    async def _rescale_op(self, rec: ModelRecord, instances: int, direction: str | None) -> None:
+        before = rec.instances
+        try:
+            await self.loader.load(rec, instances, how="in_place")
+        except SnoozeError as e:
+            # Triton keeps the model as it was when a reload fails.
+            self.states.set_state(rec, ModelState.READY, f"scaling to {instances} instances failed: {e.message}")
+            rec.scale = LoadWindow()
+            if direction is None:
+                raise
+            log.warning("model '%s': %s", rec.id, rec.reason)
+            return
+        if direction is not None:
+            self.metrics.scale_events.labels(model=rec.id, direction=direction).inc()
+        log.info("model '%s': %d -> %d instances", rec.id, before, instances)
+
+    async def _reconfigure_op(self, rec: ModelRecord) -> None:
+        try:
+            await self.loader.load(rec, rec.instances or rec.model.deployment.instances)
+        except SnoozeError as e:
+            self.loader.load_failed(rec, e)
+            self.states.set_state(rec, ModelState.READY, f"the client's config failed to load: {e.message}")
+            raise
+
+    async def _reload_op(self, rec: ModelRecord) -> None:
+        try:
+            await self.loader.load(rec, rec.model.deployment.instances)
+        except UnavailableError as e:
+            # No room for the new version beside the old one now (the memory budgets: their models in use).
+            # The old version must not go on answering for the new one, so it leaves; the new one loads on the
+            # next request, through the wake queue, once there is room.
+            self.loader.load_failed(rec, e)
+            why = f"republished; the new version loads on the next request (no room beside the old one: {e.message})"
+            self.states.set_state(rec, ModelState.UNLOADING, why)
+            await self.unloads.unload_op(rec, UnloadReason.REPUBLISHED, note=why)
+        except SnoozeError as e:
+            self.loader.load_failed(rec, e)
+            self.states.set_state(
+                rec,
+                ModelState.READY,
+                f"the republished model failed to load; Triton keeps serving the previous version: {e.message}",
+            )
+
+    async def _adopt_op(self, rec: ModelRecord) -> None:
+        rec.model = self.store.get(rec.id)
+        try:
+            config = await self.triton.model_config(rec.id)
+        except SnoozeError:
+            return
+        instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
+        await self.loader.loaded(rec, instances, count=False)
+        self.warmth.loaded(rec, "adopt")
