@@ -347,11 +347,14 @@ class Operations(ManagerParts):
         return True
 
     async def _evict_one(self, victim: ModelRecord, reason: str, for_model: str) -> bool:
+        # A request since the decision keeps the victim. The decision is now: the plan may have read its last
+        # access before the sweep saw its latest request, and a request before the decision is history.
+        decided = max(victim.idle_since, self.clock.time())
         op = self.states.spawn(
             victim,
             ModelState.UNLOADING,
             f"evicted ({reason}) for '{for_model}'",
-            self._unload_op(victim, reason, seen_access=victim.idle_since),
+            self._unload_op(victim, reason, seen_access=decided),
         )
         return bool(await asyncio.shield(op))
 
