@@ -97,7 +97,7 @@ class LifecycleManager:
         self.unloader = Unloader(
             settings, triton, processes, metrics, pending=readings.pending_counts, journal_dir=journal_dir, clock=clock
         )
-        unloads = Unloads(states, self.unloader, budget, residency, processes, metrics, readings=readings)
+        unloads = Unloads(states, self.unloader, budget, residency, processes, metrics, readings=readings, clock=clock)
         self.loader = loader = Loader(
             settings,
             states,

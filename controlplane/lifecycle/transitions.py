@@ -15,6 +15,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
+from controlplane.clock import Clock
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.admission import NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.autoscale import LoadWindow
@@ -22,6 +23,7 @@ from controlplane.lifecycle.loading import Loader
 from controlplane.lifecycle.memory.host import MemoryBudget
 from controlplane.lifecycle.residency import Residency
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, UnloadReason
+from controlplane.lifecycle.triton_sync import TritonReadings
 from controlplane.lifecycle.unloading import Unloader
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import none_alive
@@ -45,8 +47,10 @@ class Unloads:
         processes: TritonProcesses,
         metrics: SnoozeMetrics,
         *,
-        readings: Any,  # TritonReadings: refresh_access, pending_counts
+        readings: TritonReadings,
+        clock: Clock,
     ) -> None:
+        self.clock = clock
         self.states = states
         self.unloader = unloader
         self.budget = budget
@@ -65,11 +69,14 @@ class Unloads:
         """Unload an idle model to make room for ``for_model`` (an ``EvictFn``: the loader carries out the memory
         budgets' plans with it); False when it turned out to be in use and stays."""
         why = UnloadReason(reason)
+        # A request since the decision keeps the victim. The decision is now: the plan may have read its last
+        # access before the sweep saw its latest request, and a request before the decision is history.
+        decided = max(victim.idle_since, self.clock.time())
         task = self.states.spawn(
             victim,
             ModelState.UNLOADING,
             f"evicted ({why}) for '{for_model}'",
-            self.unload_op(victim, why, seen_access=victim.idle_since),
+            self.unload_op(victim, why, seen_access=decided),
         )
         return bool(await asyncio.shield(task))
 

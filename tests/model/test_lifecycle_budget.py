@@ -348,3 +348,21 @@ def test_a_republish_with_no_room_beside_the_old_version_unloads_it_rather_than_
     assert state(world, "a") is ModelState.READY
     folder = world.triton.repository / "a"
     assert world.triton.models["a"].files == (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)
+
+
+def test_an_idle_model_is_evicted_though_the_sweep_has_not_read_its_last_request_yet(world):
+    """Found under load (tests/reliability/test_load_faults.py): a request that reached Triton straight from the
+    gateway is heard at the next sweep. An eviction planned before that read its victim as idle since its
+    earlier request; the eviction then read Triton's newer stamp and kept the victim as "used since the
+    decision", though that request ended before the decision. A load that ran out of memory then found no idle
+    model to unload and failed (the out-of-memory path evicts once, it does not wait). A request since the
+    decision is one stamped after it."""
+    world.step(world.publish("m0", 150), 0.1)
+    world.step(world.publish("m1", 60), 0.1)
+    world.step(world.request("m0"), 2.5)  # woken, then swept: its access is read
+    world.run(world.triton.infer("m0", "direct"))  # straight to Triton: heard at the next sweep only
+    world.step(world.script_load("m1", "oom"), 0)  # its load runs out of memory: it evicts, then retries
+    world.step(world.request("m1"), 3.0)
+    answers = {c.model: c.answer for c in world.answered if c.what == "request"}
+    assert answers == {"m0": "200", "m1": "200"}, answers
+    assert world.manager.states.records["m0"].state is ModelState.UNLOADED

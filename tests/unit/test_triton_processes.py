@@ -7,6 +7,7 @@ with the stub's argv[0] and a model file's path play its python-backend stubs.
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -39,6 +40,20 @@ def wait_state(pid: int, state: str, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while (stat := read_stat(pid)) is None or stat.state != state:
         assert time.monotonic() < deadline, f"pid {pid} never reached state {state}"
+        time.sleep(0.02)
+
+
+def wait_sleeping(pid: int, timeout: float = 30) -> None:
+    """Until the process's main thread waits in time.sleep (clock_nanosleep or nanosleep, x86_64 numbers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            call = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+        except (OSError, IndexError):
+            call = ""
+        if call in ("230", "35") or (platform.machine() != "x86_64" and call.isdigit()):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} never went to sleep (syscall {call!r})"
         time.sleep(0.02)
 
 
@@ -164,7 +179,10 @@ def test_a_stopped_stub_is_at_rest_only_when_every_thread_waits(observer: Triton
         while len(observer.stubs()) < 2:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        time.sleep(0.3)  # both interpreters started: one sleeps, the other spins on a thread
+        # both interpreters started (however long that takes on a loaded machine): one sleeps, the other's main
+        # thread sleeps while a thread of its own spins
+        wait_sleeping(idle.pid)
+        wait_sleeping(busy.pid)
         [quiet], [spinning] = observer.stubs("idle"), observer.stubs("busy")
         observer.signal([quiet, spinning], signal.SIGSTOP)
         wait_state(idle.pid, "T")

@@ -182,7 +182,9 @@ def test_memory_pressure_evicts_another_model_than_one_with_an_open_stream(stack
     evicted: list[str] = []
 
     def evict() -> bool:  # Triton's pending count (a metric) may still show the idle model's request
-        evicted.extend(stack.loop.run(stack.lifecycle.loader.admission.evict(newcomer, 1 << 62, "test: memory pressure")))
+        evicted.extend(
+            stack.loop.run(stack.lifecycle.loader.admission.evict(newcomer, 1 << 62, "test: memory pressure"))
+        )
         return idle in evicted
 
     with stack.grpc() as g:
