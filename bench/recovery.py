@@ -108,12 +108,12 @@ async def _ready_after(stack: Any, loads: int, timeout: float = 30) -> None:
 async def _idle_kill(stack: Any, client: grpcaio.InferenceServerClient) -> dict[str, float]:
     await _infer(client, 1.0)
     rec = stack.lifecycle.states.get(MODEL)
-    loads = rec.load_count
+    loads = rec.load.load_count
     killed = time.perf_counter()
-    os.kill(rec.stubs[0].pid, signal.SIGKILL)
+    os.kill(rec.procs.stubs[0].pid, signal.SIGKILL)
     answered = await _infer(client, 1.0)
     await _ready_after(stack, loads)
-    return {"answered": answered, "recovered": rec.ready_at - (time.time() - (time.perf_counter() - killed))}
+    return {"answered": answered, "recovered": rec.load.ready_at - (time.time() - (time.perf_counter() - killed))}
 
 
 async def _poison(stack: Any, client: grpcaio.InferenceServerClient) -> dict[str, float]:

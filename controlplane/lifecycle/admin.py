@@ -67,9 +67,9 @@ class AdminOperations:
         if override is not KEEP_OVERRIDE:
             given = cast("dict[str, Any] | None", override)
             apply_override(rendered_config(rec.model.config_text, where=f"model '{model_id}'"), given, model_id)
-            previous, rec.config_override = rec.config_override, given or None
+            previous, rec.load.config_override = rec.load.config_override, given or None
             try:
-                if rec.state is ModelState.READY and (rec.config_override is not None or rec.override_loaded):
+                if rec.state is ModelState.READY and (rec.load.config_override is not None or rec.load.override_loaded):
                     await asyncio.shield(self.transitions.reconfigure(rec))
                     return self.status(model_id)
                 if rec.state is not ModelState.READY:
@@ -77,7 +77,7 @@ class AdminOperations:
                     await self._loading(rec, loading)
                 return self.status(model_id)
             except BaseException:
-                rec.config_override = previous  # Triton keeps the model (and its config) as it was
+                rec.load.config_override = previous  # Triton keeps the model (and its config) as it was
                 raise
         if rec.state is ModelState.READY:
             if instances is not None and instances != rec.instances:
@@ -122,8 +122,8 @@ class AdminOperations:
         cancelled = await self.cancels.cancel(rec, REPUBLISHED)
         await self.states.settle(rec)
         rec.model = self.store.get(model_id)
-        rec.config_override = None  # a republish ends a client's override: the new config is what loads
-        rec.warmup = None  # and its learned warm-up (the folder was replaced): the new config's source
+        rec.load.config_override = None  # a republish ends a client's override: the new config is what loads
+        rec.load.warmup = None  # and its learned warm-up (the folder was replaced): the new config's source
         if rec.state is ModelState.FAILED:
             self.states.set_state(rec, ModelState.UNLOADED, "republished; loads on the next request")
         elif cancelled and rec.state is ModelState.UNLOADED:
@@ -143,18 +143,18 @@ class AdminOperations:
                 await asyncio.shield(self.transitions.unload(rec, UnloadReason.DELETED))
             except SnoozeError as e:  # the delete goes on: what Triton may still hold stays counted (below)
                 log.warning("model '%s': deleted, but its unload failed: %s", model_id, e)
-        if not rec.triton_may_hold:  # else kept while Triton still holds its memory; a later sweep lets it go
+        if not rec.memory.triton_may_hold:  # else kept while Triton still holds its memory; a later sweep lets it go
             self.states.drop(model_id)
 
     def config_override(self, model_id: str) -> dict[str, Any] | None:
         """The client's config override the model loads with (a repository load's), or None."""
         rec = self.states.get(model_id)
-        return rec.config_override if rec is not None else None
+        return rec.load.config_override if rec is not None else None
 
     def status(self, model_id: str) -> ModelStatus:
         rec = self.states.record(model_id)
         loaded = rec.loaded
-        measured = loaded and rec.footprint_source is not None
+        measured = loaded and rec.memory.footprint_source is not None
         harvest(rec, self.journal_dir)  # a few small files: the warm-up line is current right after a load
         return ModelStatus(
             id=rec.id,
@@ -163,12 +163,12 @@ class AdminOperations:
             instances=rec.instances,
             last_access=rec.last_access,
             idle_timeout_secs=rec.model.deployment.idle_timeout_secs,
-            memory_bytes=rec.footprint if measured else None,
-            memory_source=rec.footprint_source if measured else None,
-            last_cold_start_secs=rec.last_cold_start,
-            load_count=rec.load_count,
-            processes=len(rec.stubs) if loaded and rec.stubs else None,
-            last_crash=rec.last_crash,
+            memory_bytes=rec.memory.footprint if measured else None,
+            memory_source=rec.memory.footprint_source if measured else None,
+            last_cold_start_secs=rec.load.last_cold_start,
+            load_count=rec.load.load_count,
+            processes=len(rec.procs.stubs) if loaded and rec.procs.stubs else None,
+            last_crash=rec.procs.last_crash,
             gpu_memory_bytes=self.loader.gpu.status_bytes(rec),
             keep_alive=self.warmth.windows(rec),
             worker=rec.model.deployment.worker if rec.is_python and rec.model.kind == "custom" else None,

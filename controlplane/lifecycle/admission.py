@@ -116,7 +116,7 @@ class Admission:
 
     def queue_retry_after(self) -> float:
         """Seconds until the queue ahead has probably drained: its loads at their last measured times."""
-        times = sorted(r.last_cold_start for r in self.states.values() if r.last_cold_start)
+        times = sorted(r.load.last_cold_start for r in self.states.values() if r.load.last_cold_start)
         typical = times[len(times) // 2] if times else 1.0
         return max(1.0, round(len(self.queue) * typical / self.settings.max_concurrent_loads, 1))
 
@@ -127,11 +127,15 @@ class Admission:
 
     @contextlib.asynccontextmanager
     async def slot(self, rec: ModelRecord, *, bounded: bool) -> AsyncIterator[None]:
-        """A load slot; ``bounded``: given up (``WakeQueueTimeout``) when ``rec.wake_deadline`` passes first."""
+        """A load slot; ``bounded``: given up (``WakeQueueTimeout``) when ``rec.load.wake_deadline`` passes first."""
         self.queue[rec.id] = (self.clock.monotonic(), "a load slot")
         try:
             while True:
-                left = rec.wake_deadline - self.clock.monotonic() if bounded and rec.wake_deadline is not None else None
+                left = (
+                    rec.load.wake_deadline - self.clock.monotonic()
+                    if bounded and rec.load.wake_deadline is not None
+                    else None
+                )
                 if left is None or not self._slots.locked():
                     await self._slots.acquire()
                     break
@@ -170,14 +174,14 @@ class Admission:
                     need = self.budget.estimate(rec, instances)  # another load may have been measured since
                     unknown = self._size_unknown(rec, need)
                 reserve = 0 if unknown else need + beside
-                rec.reserved, rec.gpu_reserved = reserve, gpu_need
+                rec.memory.reserved, rec.memory.gpu_reserved = reserve, gpu_need
                 # Loads run side by side where memory allows: one that must evict waits for the loads in
                 # flight (theirs are about to be measured, and their reservations would push out models the
                 # policy keeps for a reason). Measured: churn, 40 models, 8 clients, hot set p50 1.4 s with
                 # four evicting loads at once, 17 ms with one.
                 alone = not self._loading_beside(rec) and self._first_in_line(rec)
                 if unknown and alone:
-                    rec.reserved = max(self.budget.free(rec), 0)
+                    rec.memory.reserved = max(self.budget.free(rec), 0)
                     await self._gpu_room(rec, gpu_need)
                     return need
                 if not unknown and (self.budget.fits(rec, reserve) or alone):
@@ -186,14 +190,14 @@ class Admission:
                         await self._host_room(rec, need, beside=beside)
                         return need
                     except BudgetInUse:
-                        if not bounded or rec.wake_deadline is None:
+                        if not bounded or rec.load.wake_deadline is None:
                             raise
                 self._line.setdefault(rec.id, self.clock.monotonic())
-                if bounded and rec.wake_deadline is not None:
+                if bounded and rec.load.wake_deadline is not None:
                     self.queue.setdefault(rec.id, (self.clock.monotonic(), "memory"))
-                    if self.clock.monotonic() >= rec.wake_deadline:
+                    if self.clock.monotonic() >= rec.load.wake_deadline:
                         raise self.gave_up(rec, "memory") from None
-                rec.reserved, rec.gpu_reserved = 0, {}  # waiting: the others may use what it would take
+                rec.memory.reserved, rec.memory.gpu_reserved = 0, {}  # waiting: the others may use what it would take
                 await asyncio.sleep(MEMORY_WAIT_POLL_SECS)
         finally:
             self.queue.pop(rec.id, None)
@@ -240,15 +244,15 @@ class Admission:
     def _loading_beside(self, rec: ModelRecord) -> bool:
         """Another load holds a reservation now: it is making room or loading in Triton (a cold load, or a reload
         or rescale of a loaded model)."""
-        return any(r is not rec and r.reserved for r in self.states.values())
+        return any(r is not rec and r.memory.reserved for r in self.states.values())
 
     async def fits_free(self, rec: ModelRecord, instances: int, *, measured: bool = False) -> bool:
         """Whether the model with ``instances`` fits the free host and GPU budgets without evicting anything: its
         estimate, or (``measured``) what it holds now that it is loaded."""
         if measured:
-            need, gpu_need = rec.footprint or 0, dict(rec.gpu_footprint or {})
+            need, gpu_need = rec.memory.footprint or 0, dict(rec.memory.gpu_footprint or {})
         else:
             need = self.budget.estimate(rec, instances)
-            placed = config_for(rec.model, rec.config_override)
+            placed = config_for(rec.model, rec.load.config_override)
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
         return self.budget.fits(rec, need) and await self.gpu.fits(rec, gpu_need)

@@ -104,7 +104,7 @@ class LoadCancels:
     async def cancel(self, rec: ModelRecord, why: str) -> bool:
         """End ``rec``'s load in flight (False: none was); the model is UNLOADED afterwards, holding nothing,
         unless another caller started a new transition on it meanwhile. Until it returns,
-        ``rec.load_cancelled.over`` is pending: a wake-up waits for it rather than start a load that what is left of
+        ``rec.load.cancelled.over`` is pending: a wake-up waits for it rather than start a load that what is left of
         the cancelled one would meet in Triton."""
         if not load_in_flight(rec):
             return False
@@ -112,11 +112,11 @@ class LoadCancels:
         assert op is not None
         loop = asyncio.get_running_loop()
         started = loop.time()
-        under_way = rec.load_cancelled
+        under_way = rec.load.cancelled
         if under_way is not None and under_way.task is op and not under_way.over.done():
             await asyncio.shield(under_way.over)  # another caller is cancelling it already (a stop during an unload)
             return True
-        cancelling = rec.load_cancelled = CancelledLoad(op, why, loop.create_future())
+        cancelling = rec.load.cancelled = CancelledLoad(op, why, loop.create_future())
         try:
             killed = await self._cancel(rec, op, why, queued=self.admission.queued(rec))
         finally:
@@ -178,7 +178,7 @@ class LoadCancels:
 
 def cancelled_why(rec: ModelRecord, load: asyncio.Future[Any]) -> str | None:
     """Why ``load`` was cancelled, if it was the record's last cancelled load."""
-    cancelled = rec.load_cancelled
+    cancelled = rec.load.cancelled
     return cancelled.why if cancelled is not None and cancelled.task is load else None
 
 
@@ -198,14 +198,14 @@ async def _left_nothing(processes: TritonProcesses, rec: ModelRecord) -> bool:
     """Counted for an earlier unload Triton may not have finished (a crash's recovery unloads the dead instances
     without waiting, then loads), yet a python model none of whose processes live holds nothing (as triton_sync
     judges one it finds unloading): its budget goes now rather than at the next sweep."""
-    return rec.triton_may_hold and rec.is_python and await asyncio.to_thread(none_alive, processes, rec.id)
+    return rec.memory.triton_may_hold and rec.is_python and await asyncio.to_thread(none_alive, processes, rec.id)
 
 
 def _mark_unloaded(states: ModelStates, rec: ModelRecord, why: str, *, left_nothing: bool) -> None:
     """The record holds nothing: UNLOADED, with reason ``load cancelled: <why>``."""
-    rec.stubs, rec.workers, rec.reserved, rec.gpu_reserved, rec.instances = (), (), 0, {}, 0
+    rec.procs.stubs, rec.procs.workers, rec.memory.reserved, rec.memory.gpu_reserved, rec.instances = (), (), 0, {}, 0
     if left_nothing:
-        rec.triton_may_hold = False
+        rec.memory.triton_may_hold = False
     states.set_state(rec, ModelState.UNLOADED, f"load cancelled: {why}")
 
 

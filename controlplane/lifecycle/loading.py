@@ -105,12 +105,12 @@ class Loader:
             # the new ones are ready: both count until then (an instance count changed in place keeps the old).
             # Beside the model: what tritonserver itself is expected to grow by (about 2 MiB a python model: without
             # it, a load admitted within the budget left the tree over it once measured).
-            beside = (rec.footprint or 0) if rec.state is ModelState.READY and how != "in_place" else 0
+            beside = (rec.memory.footprint or 0) if rec.state is ModelState.READY and how != "in_place" else 0
             beside += self.budget.server_growth
-            placed = config_for(rec.model, rec.config_override)
+            placed = config_for(rec.model, rec.load.config_override)
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
             # reserved before making room: a load beside it (parallel loads) counts these bytes as taken
-            rec.reserved, rec.gpu_reserved = need + beside, gpu_need
+            rec.memory.reserved, rec.memory.gpu_reserved = need + beside, gpu_need
             try:
                 if evict:
                     need = await self.admission.make_room(
@@ -122,14 +122,14 @@ class Loader:
                 started = self.clock.monotonic()
                 await self._load_retrying_oom(rec, instances, need, gpu_need, how, evict=evict)
                 if how == "files":  # an in-place change keeps the config Triton has
-                    rec.override_loaded = rec.config_override is not None
+                    rec.load.override_loaded = rec.load.config_override is not None
                 elapsed = self.clock.monotonic() - started
                 await self.loaded(rec, instances, gpu_delta=delta)  # measured: the reservation can go
                 self.budget.hold_floor(rec, need)  # ... but not below the estimate until it has answered
                 await self.budget.measure_server()
                 self.budget.note_server_growth(server_before)
             finally:
-                rec.reserved, rec.gpu_reserved = 0, {}
+                rec.memory.reserved, rec.memory.gpu_reserved = 0, {}
             self.budget.loaded(rec)
         if evict:
             await self.admission.enforce(rec, estimate=need)
@@ -140,7 +140,7 @@ class Loader:
             self.metrics.prewarm_loads.labels(model=rec.id).inc()
             log.info("model '%s': pre-warmed in %.3fs", rec.id, elapsed)
         elif trigger is not None:
-            rec.last_cold_start = elapsed
+            rec.load.last_cold_start = elapsed
             self.metrics.cold_starts.labels(model=rec.id, trigger=trigger).inc()
             self.metrics.cold_start_seconds.labels(model=rec.id).observe(elapsed)
             log.info("model '%s': cold start (%s) in %.3fs", rec.id, trigger, elapsed)
@@ -231,9 +231,13 @@ class Loader:
                 return config_with_instances(current, instances, replace=how == "replace")
         # A loaded model keeps an earlier override through a load without one (measured): dropping a client's
         # override from a loaded model takes the published config sent as one.
-        if instances == rec.model.deployment.instances and rec.config_override is None and not rec.override_loaded:
+        if (
+            instances == rec.model.deployment.instances
+            and rec.load.config_override is None
+            and not rec.load.override_loaded
+        ):
             return None
-        return config_with_instances(config_for(rec.model, rec.config_override), instances)
+        return config_with_instances(config_for(rec.model, rec.load.config_override), instances)
 
     async def _stubs(self, rec: ModelRecord) -> list[Any]:
         if not rec.is_python:
@@ -250,36 +254,40 @@ class Loader:
             # An instance fewer in place: Triton ends the leaving stub just after the load returns.
             await asyncio.sleep(0.05)
             stubs = await self._stubs(rec)
-        rec.instances, rec.triton_may_hold = instances, False
-        await self.residency.note_crashes(rec, [s for s in rec.stubs if s not in stubs])
-        rec.stubs = tuple(stubs)
-        rec.workers = tuple(workers_of(self.journal_dir, stubs))
+        rec.instances, rec.memory.triton_may_hold = instances, False
+        await self.residency.note_crashes(rec, [s for s in rec.procs.stubs if s not in stubs])
+        rec.procs.stubs = tuple(stubs)
+        rec.procs.workers = tuple(workers_of(self.journal_dir, stubs))
         if stubs:
             measured = await asyncio.to_thread(self._footprint, rec)
             # A stub grows once it has answered (remeasure notes by how much). Loaded again as it was (the same
             # deployment and instances), a model counts that growth from the start: no other load is admitted into
             # room its first request takes back (then over the budget, a sweep evicted a whole model for 1-3 MiB).
             if not (
-                rec.footprint_source == "measured"
-                and rec.footprint_instances == instances
-                and rec.footprint_deployment == rec.model.deployment
+                rec.memory.footprint_source == "measured"
+                and rec.memory.footprint_instances == instances
+                and rec.memory.footprint_deployment == rec.model.deployment
             ):
-                rec.growth = 0
-            rec.load_footprint, rec.load_private = measured, measured - rec.shared
-            rec.footprint = measured + rec.growth
-            rec.footprint_instances, rec.footprint_source = instances, "measured"
-            rec.footprint_deployment = rec.model.deployment
+                rec.memory.growth = 0
+            rec.memory.load_footprint, rec.memory.load_private = measured, measured - rec.memory.shared
+            rec.memory.footprint = measured + rec.memory.growth
+            rec.memory.footprint_instances, rec.memory.footprint_source = instances, "measured"
+            rec.memory.footprint_deployment = rec.model.deployment
         elif (declared := declared_bytes(rec)) is not None:
-            rec.footprint, rec.footprint_instances, rec.footprint_source = declared, instances, "declared"
+            rec.memory.footprint, rec.memory.footprint_instances, rec.memory.footprint_source = (
+                declared,
+                instances,
+                "declared",
+            )
         else:
-            rec.footprint_source = None
+            rec.memory.footprint_source = None
         await self.gpu.measure(rec, instances, gpu_delta)
-        rec.ready_at = self.clock.time()
-        rec.load_count += count
+        rec.load.ready_at = self.clock.time()
+        rec.load.load_count += count
         rec.scale = LoadWindow()
         self.states.set_state(rec, ModelState.READY)
         self.metrics.instances.labels(model=rec.id).set(instances)
-        self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint if rec.footprint_source else 0)
+        self.metrics.memory_bytes.labels(model=rec.id).set(rec.memory.footprint if rec.memory.footprint_source else 0)
 
     async def remeasure(self) -> None:
         """Read again what loaded python models hold (each sweep), stubs and workers: a stub grows after its load
@@ -289,7 +297,10 @@ class Loader:
         seen = [
             (r, r.generation)
             for r in self.states.values()
-            if r.state is ModelState.READY and r.op is None and r.stubs and r.footprint_source == "measured"
+            if r.state is ModelState.READY
+            and r.op is None
+            and r.procs.stubs
+            and r.memory.footprint_source == "measured"
         ]
         if not seen or self.budget.budget_mb is None:
             return
@@ -314,17 +325,17 @@ class Loader:
         for (rec, generation), size in zip(seen, sizes, strict=True):
             if size and rec.generation == generation and rec.op is None:
                 # growth is private memory: a share of shared pages moves as other models come and go
-                grown = max(size - rec.shared - rec.load_private, 0)
+                grown = max(size - rec.memory.shared - rec.memory.load_private, 0)
                 # what it holds now; until its first request, plus the growth that request brings (counted ahead)
-                rec.footprint = size if rec.served_seen else size + max(rec.growth - grown, 0)
-                rec.growth = max(rec.growth, grown)
+                rec.memory.footprint = size if rec.access.served_seen else size + max(rec.memory.growth - grown, 0)
+                rec.memory.growth = max(rec.memory.growth, grown)
                 self.budget.measured(rec)
-                self.metrics.memory_bytes.labels(model=rec.id).set(rec.footprint)
+                self.metrics.memory_bytes.labels(model=rec.id).set(rec.memory.footprint)
 
     def _footprint(self, rec: ModelRecord) -> int:
         """What the model's processes hold (``_held``); a preforked model's parents are read again beside it."""
-        used = self._held(rec, rec.stubs)
-        if rec.workers:
+        used = self._held(rec, rec.procs.stubs)
+        if rec.procs.workers:
             self.budget.overhead = parents_bytes(self.journal_dir, self.processes.proc_root)
         return used
 
@@ -333,10 +344,10 @@ class Loader:
         mapping it (the parents' share is the budget's overhead), so the sums over models count what is held
         (``max_age``: a sweep's, ``held_bytes``)."""
         used, private = self.processes.memory_split(stubs, max_age=max_age)
-        if rec.workers:
-            pss, own = worker_bytes(rec.workers, self.processes.proc_root, max_age=max_age)
+        if rec.procs.workers:
+            pss, own = worker_bytes(rec.procs.workers, self.processes.proc_root, max_age=max_age)
             used, private = used + pss, private + own
-        rec.shared = max(used - private, 0)
+        rec.memory.shared = max(used - private, 0)
         return used
 
     def load_failed(self, rec: ModelRecord, error: SnoozeError) -> None:

@@ -76,7 +76,7 @@ class ModelProcessDiedError(SnoozeError):
 
 def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | None, clock: Clock) -> list[StubDeath]:
     """Record newly seen deaths of the model's processes and the requests each was running; the new ones."""
-    known = {seen.death.stub for seen in rec.deaths}
+    known = {seen.death.stub for seen in rec.procs.deaths}
     new = [d for d in deaths if d.stub not in known]
     for i, death in enumerate(new):
         worker = worker_of(journal_dir, death.stub)
@@ -87,11 +87,11 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
         if ids is not None and worker is not None and worker.ran is False:
             # its worker died before taking the batch: whatever the stub journaled meanwhile never ran
             ids = set()
-        rec.deaths.append(SeenDeath(death, clock.monotonic(), journaled=ids is not None))
+        rec.procs.deaths.append(SeenDeath(death, clock.monotonic(), journaled=ids is not None))
         seen_at = time.strftime("%H:%M:%S", time.localtime(clock.time()))
-        rec.last_crash = f"{death.stub.instance or death.stub.pid}: {death.describe()} at {seen_at}"
+        rec.procs.last_crash = f"{death.stub.instance or death.stub.pid}: {death.describe()} at {seen_at}"
         for request_id in ids or ():
-            rec.crashed_requests[request_id] = death
+            rec.procs.crashed_requests[request_id] = death
         if journal_dir is not None:
             remove_journal(journal_dir, death.stub)
         log.warning(
@@ -102,9 +102,9 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
             death.describe(),
             f" while running {len(ids)} request(s)" if ids else "",
         )
-    del rec.deaths[:-DEATHS_KEPT]
-    while len(rec.crashed_requests) > CRASHED_REQUESTS_KEPT:
-        rec.crashed_requests.pop(next(iter(rec.crashed_requests)))
+    del rec.procs.deaths[:-DEATHS_KEPT]
+    while len(rec.procs.crashed_requests) > CRASHED_REQUESTS_KEPT:
+        rec.procs.crashed_requests.pop(next(iter(rec.procs.crashed_requests)))
     return new
 
 
@@ -132,8 +132,8 @@ def fate_of(rec: ModelRecord, request_id: str, now: float) -> tuple[RequestFate,
     ``now``, monotonic seconds) and every one of those deaths left a journal that does not hold it. UNKNOWN
     otherwise.
     """
-    if request_id and request_id in rec.crashed_requests:
-        return RequestFate.RAN, rec.crashed_requests[request_id]
+    if request_id and request_id in rec.procs.crashed_requests:
+        return RequestFate.RAN, rec.procs.crashed_requests[request_id]
     recent = recent_deaths(rec, now)
     if request_id and recent and all(seen.journaled for seen in recent):
         return RequestFate.NOT_RUN, None
@@ -142,4 +142,4 @@ def fate_of(rec: ModelRecord, request_id: str, now: float) -> tuple[RequestFate,
 
 def recent_deaths(rec: ModelRecord, now: float) -> list[SeenDeath]:
     """The deaths seen within ``RECENT_DEATH_SECS`` before ``now`` (monotonic seconds, the deaths' clock)."""
-    return [seen for seen in rec.deaths if now - seen.at < RECENT_DEATH_SECS]
+    return [seen for seen in rec.procs.deaths if now - seen.at < RECENT_DEATH_SECS]

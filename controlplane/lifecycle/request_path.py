@@ -57,7 +57,7 @@ class RequestPath:
         rec = self.states.get(model_id)
         if rec is not None and rec.state is ModelState.READY:
             self.warmth.request(rec)
-            rec.touched = self.clock.time()
+            rec.access.touched = self.clock.time()
             return
         rec = self.states.record(model_id, refresh=True)
         self.warmth.request(rec)
@@ -72,7 +72,7 @@ class RequestPath:
         # the wake queue: its load must start by then, else this request is answered 503 at once
         queue_bound = min(loop.time() + self.settings.wake_queue_timeout_secs, deadline)
         # the wake queue's deadlines are the clock's monotonic seconds: the bound moves over from the loop's
-        rec.wake_deadline = max(rec.wake_deadline or 0.0, self.clock.monotonic() + queue_bound - loop.time())
+        rec.load.wake_deadline = max(rec.load.wake_deadline or 0.0, self.clock.monotonic() + queue_bound - loop.time())
         queue_checked = False
         started = self.clock.monotonic()
         self.metrics.wake_waits.labels(model=model_id).inc()
@@ -115,7 +115,7 @@ class RequestPath:
         finally:
             rec.in_use -= 1
             self.metrics.wake_wait_seconds.labels(model=model_id).observe(self.clock.monotonic() - started)
-        rec.touched = self.clock.time()
+        rec.access.touched = self.clock.time()
 
     def _wait_bound_passed(self, rec: ModelRecord, wait: float, queue_checked: bool) -> bool:
         """A wake-up's wait bound passed: the wake queue's (its load must have started by then; True: wait on up to
@@ -144,7 +144,7 @@ class RequestPath:
     @staticmethod
     def _cancel_under_way(rec: ModelRecord) -> asyncio.Future[None] | None:
         """While a cancel of the model's load leaves Triton (cancel.py), what a wake-up waits for before it loads."""
-        cancelled = rec.load_cancelled
+        cancelled = rec.load.cancelled
         return cancelled.over if cancelled is not None and not cancelled.over.done() else None
 
     def add_state_listener(self, listener: Callable[[str, ModelState | None], None]) -> None:
@@ -169,5 +169,5 @@ class RequestPath:
             yield
         finally:
             rec.in_use -= 1
-            rec.touched = self.clock.time()
-            self.warmth.served(rec, rec.touched)
+            rec.access.touched = self.clock.time()
+            self.warmth.served(rec, rec.access.touched)

@@ -47,10 +47,10 @@ class Residency:
     def forget_loaded(self, rec: ModelRecord) -> None:
         """The model left memory (unloaded, evicted, or Triton gone)."""
         self.warmth.unloaded(rec)
-        rec.instances, rec.triton_may_hold, rec.served_seen = 0, False, 0
-        rec.override_loaded = False  # Triton loads an unloaded model from its files again (measured)
-        rec.stubs = ()
-        rec.workers = ()
+        rec.instances, rec.memory.triton_may_hold, rec.access.served_seen = 0, False, 0
+        rec.load.override_loaded = False  # Triton loads an unloaded model from its files again (measured)
+        rec.procs.stubs = ()
+        rec.procs.workers = ()
         self.gpu.forget(rec)
         self.metrics.instances.labels(model=rec.id).set(0)
         self.metrics.memory_bytes.labels(model=rec.id).set(0)

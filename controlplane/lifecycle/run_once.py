@@ -62,7 +62,7 @@ class RunOnce:
             not self.processes.can_observe
             and rec.state is ModelState.READY
             and rec.op is None
-            and self.clock.time() - rec.ready_at >= RECOVERY_DEDUP_SECS
+            and self.clock.time() - rec.load.ready_at >= RECOVERY_DEDUP_SECS
         ):
             self.transitions.recover(rec, "recovering: a request failed")
             raise ModelProcessDiedError(model_id, None)
@@ -76,18 +76,20 @@ class RunOnce:
         if fate is RequestFate.NOT_RUN:
             await self.recover(model_id, "dead_stub")
             return
-        if rec.op is None and rec.state is ModelState.READY and not rec.stubs:
+        if rec.op is None and rec.state is ModelState.READY and not rec.procs.stubs:
             self.transitions.recover(rec, "recovering: a request failed")
         raise ModelProcessDiedError(model_id, death)
 
     async def _fate(self, rec: ModelRecord, request_id: str) -> tuple[RequestFate, StubDeath | None]:
         # The watch may not have passed since the death: look at the model's processes first.
-        if rec.stubs and rec.state is ModelState.READY:
+        if rec.procs.stubs and rec.state is ModelState.READY:
             deaths = await self.observe(rec)
             if deaths:
                 self.start_recovery(rec, deaths)
-        elif rec.stubs:  # in a transition (an unload, a reload): the watch skips it, yet a process may have crashed
-            await self.residency.note_crashes(rec, list(rec.stubs))
+        elif (
+            rec.procs.stubs
+        ):  # in a transition (an unload, a reload): the watch skips it, yet a process may have crashed
+            await self.residency.note_crashes(rec, list(rec.procs.stubs))
         return fate_of(rec, request_id, self.clock.monotonic())
 
     async def recover(self, model_id: str, cause: str) -> None:
@@ -100,12 +102,12 @@ class RunOnce:
         await self.states.settle(rec)
         op: asyncio.Task[None] | None
         if rec.state is ModelState.READY:
-            if rec.stubs:
+            if rec.procs.stubs:
                 deaths = await self.observe(rec)
                 if not deaths:
                     return
                 op = self.start_recovery(rec, deaths)
-            elif self.clock.time() - rec.ready_at < RECOVERY_DEDUP_SECS:
+            elif self.clock.time() - rec.load.ready_at < RECOVERY_DEDUP_SECS:
                 return
             else:
                 op = self.transitions.recover(rec, f"recovering: {cause}")
@@ -128,7 +130,7 @@ class RunOnce:
 
     async def watch(self) -> None:
         """One pass over the processes of every loaded python model: a crashed one starts its recovery."""
-        watched = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None and r.stubs]
+        watched = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None and r.procs.stubs]
         if not watched:
             return
         seen = [(r, r.generation) for r in watched]
@@ -139,10 +141,10 @@ class RunOnce:
                 self.start_recovery(rec, deaths)
 
     def crashes(self, rec: ModelRecord) -> Crashes:
-        """Dead processes of a loaded model, and its live ones when they replace ``rec.stubs``. A stub Triton
+        """Dead processes of a loaded model, and its live ones when they replace ``rec.procs.stubs``. A stub Triton
         reaped itself was ended on purpose (an instance fewer), unless the model now has fewer processes than
         instances. Runs in a worker thread: it only reads (``noted`` writes, on the event loop)."""
-        deaths = self.processes.deaths(rec.stubs)
+        deaths = self.processes.deaths(rec.procs.stubs)
         crashed = [d for d in deaths if not d.reaped]
         if len(crashed) < len(deaths):
             live = self.processes.stubs(rec.id)
@@ -155,7 +157,7 @@ class RunOnce:
         """On the event loop: note the live processes ``crashes`` found, unless the model changed meanwhile."""
         deaths, live = crashes
         if live is not None and rec.generation == generation and rec.op is None:
-            rec.stubs = live
+            rec.procs.stubs = live
         return deaths
 
     async def observe(self, rec: ModelRecord) -> list[StubDeath]:

@@ -32,7 +32,7 @@ class LiveSequences:
         """Until when (epoch seconds) one of the model's sequences may be live; 0.0: none, or not visible."""
         if self.journal_dir is None or rec.model.deployment.sequence is None:
             return 0.0
-        return max((sequences_until(self.journal_dir, stub) for stub in rec.stubs), default=0.0)
+        return max((sequences_until(self.journal_dir, stub) for stub in rec.procs.stubs), default=0.0)
 
     def live_counts(self, records: Iterable[ModelRecord], now: float) -> dict[str, int]:
         """{model: sequences live} of the READY models whose notes say one may still be live at ``now`` (a count
@@ -43,7 +43,7 @@ class LiveSequences:
         for rec in records:
             if rec.state is not ModelState.READY or rec.model.deployment.sequence is None:
                 continue
-            notes = [sequences_note(self.journal_dir, stub) for stub in rec.stubs]
+            notes = [sequences_note(self.journal_dir, stub) for stub in rec.procs.stubs]
             live = sum(n for n, until in notes if until > now)
             if any(until > now for _, until in notes):
                 counts[rec.id] = max(live, 1)

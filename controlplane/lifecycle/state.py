@@ -122,15 +122,9 @@ class CancelledLoad:
 
 
 @dataclass
-class ModelRecord:
-    id: str
-    model: PublishedModel
-    state: ModelState = ModelState.UNLOADED
-    reason: str | None = None
-    instances: int = 0
-    touched: float = 0.0  # epoch seconds of the last activator wake-up / touch()
-    triton_last: float = 0.0  # epoch seconds of Triton's last_inference
-    ready_at: float = 0.0  # epoch seconds of the last completed load
+class MemoryHeld:
+    """What the model holds, as measured and estimated: written by the loader's measurements and the budgets."""
+
     footprint: int | None = None  # last measured bytes; kept after unload to estimate the next load
     footprint_instances: int = 0
     footprint_source: str | None = None  # "measured" or "declared"
@@ -143,51 +137,89 @@ class ModelRecord:
     gpu_footprint: dict[int, int] | None = None  # last measured bytes per GPU index
     gpu_instances: int = 0
     gpu_reserved: dict[int, int] = field(default_factory=dict)  # per GPU, while loading
+    # an unload failed (Triton may still be unloading it): its memory stays counted until Triton's index lets go
+    triton_may_hold: bool = False
+
+
+@dataclass
+class ProcessRecord:
+    """The model's processes as its last load left them, and their deaths: written by the loader, the residency
+    and run-once."""
+
     stubs: tuple[StubProcess, ...] = ()  # the model processes its last load started (when visible)
     workers: tuple[WorkerProcess, ...] = ()  # their preforked workers (worker = "preforked")
     deaths: list[SeenDeath] = field(default_factory=list)  # recent deaths of its processes, oldest first
     crashed_requests: dict[str, StubDeath] = field(default_factory=dict)  # request id -> the death it was in
     last_crash: str | None = None
-    last_cold_start: float | None = None
-    load_count: int = 0
-    wake_deadline: float | None = None  # clock.monotonic(): the latest wait bound of its wake-ups (the wake queue)
-    in_use: int = 0  # wake-ups waiting for this model, and serving() blocks using it
-    op: asyncio.Task[Any] | None = None
-    generation: int = 0  # bumped on every state change; guards decisions made across an await
-    scale: LoadWindow = field(default_factory=LoadWindow)
+
+
+@dataclass
+class AccessRecord:
+    """When the model was used and what its keep-alive policy heard: written by the request path, Triton's
+    readings and the keep-alive part (``warmth``)."""
+
+    touched: float = 0.0  # epoch seconds of the last activator wake-up or forward
+    triton_last: float = 0.0  # epoch seconds of Triton's last_inference
     keep_alive: FixedKeepAlive | None = None  # its keep-alive policy, built on first use (``warmth``)
     served_seen: int = 0  # Triton's count of requests served by the current load, as last read
     access_reported: float = 0.0  # the last triton_last the sweeper handed to the policy
     prewarms_counted: tuple[int, int] = (0, 0)  # the policy's used / wasted pre-warms already in the metrics
-    # an unload failed (Triton may still be unloading it): its memory stays counted until Triton's index lets go
-    triton_may_hold: bool = False
+
+
+@dataclass
+class LoadRecord:
+    """The model's loads: written by the loader, the transitions, the wake queue and the admin operations."""
+
+    ready_at: float = 0.0  # epoch seconds of the last completed load
+    last_cold_start: float | None = None
+    load_count: int = 0
+    wake_deadline: float | None = None  # clock.monotonic(): the latest wait bound of its wake-ups (the wake queue)
     # a client's config override (repository load; ``overrides``): every load uses it until a load without one,
     # a republish or a delete; in memory only
     config_override: dict[str, Any] | None = None
     override_loaded: bool = False  # Triton holds the model loaded with a client's override
-    dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
     warmup: str | None = None  # its last load's warm-up: source, or why it was skipped (lifecycle/warmups.py)
     warmup_said: str | None = None  # the skipped warm-up already logged (said once)
     # the load task cancel.py ended last, why, and when the cancel is over: the requests that waited on it are told
-    load_cancelled: CancelledLoad | None = None
+    cancelled: CancelledLoad | None = None
+
+
+@dataclass
+class ModelRecord:
+    """One model's state and its transition, with a sub-record per part that writes it."""
+
+    id: str
+    model: PublishedModel
+    state: ModelState = ModelState.UNLOADED
+    reason: str | None = None
+    instances: int = 0
+    in_use: int = 0  # wake-ups waiting for this model, and serving() blocks using it
+    op: asyncio.Task[Any] | None = None
+    generation: int = 0  # bumped on every state change; guards decisions made across an await
+    scale: LoadWindow = field(default_factory=LoadWindow)
+    dropped: bool = False  # forgotten (its model deleted): no transition starts on it any more
+    memory: MemoryHeld = field(default_factory=MemoryHeld)
+    procs: ProcessRecord = field(default_factory=ProcessRecord)
+    access: AccessRecord = field(default_factory=AccessRecord)
+    load: LoadRecord = field(default_factory=LoadRecord)
 
     @property
     def last_access(self) -> float | None:
-        return max(self.touched, self.triton_last) or None
+        return max(self.access.touched, self.access.triton_last) or None
 
     @property
     def idle_since(self) -> float:
-        return max(self.touched, self.triton_last, self.ready_at)
+        return max(self.access.touched, self.access.triton_last, self.load.ready_at)
 
     @property
     def prewarmed_unused(self) -> bool:
         """Loaded by a pre-warm and no request since: the first to go under memory pressure."""
-        return self.keep_alive is not None and self.keep_alive.prewarmed_unused
+        return self.access.keep_alive is not None and self.access.keep_alive.prewarmed_unused
 
     @property
     def retry_after(self) -> float:
         """Seconds a client told to retry waits: about one of its loads."""
-        return max(1.0, round(self.last_cold_start or 1.0, 1))
+        return max(1.0, round(self.load.last_cold_start or 1.0, 1))
 
     @property
     def is_python(self) -> bool:
@@ -200,7 +232,7 @@ class ModelRecord:
     @property
     def holds_memory(self) -> bool:
         """Loaded, or left in Triton by an unload that failed: the memory budget counts it."""
-        return self.loaded or self.triton_may_hold
+        return self.loaded or self.memory.triton_may_hold
 
 
 class ModelStates:

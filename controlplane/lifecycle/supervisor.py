@@ -226,7 +226,7 @@ class Supervisor:
                     await self.triton.unload(model_id, wait=False)
             elif rec.op is None and rec.in_use == 0 and rec.state is ModelState.READY:
                 self.transitions.unloads.forget_unpublished(rec)
-            elif rec.op is None and rec.in_use == 0 and not rec.triton_may_hold:
+            elif rec.op is None and rec.in_use == 0 and not rec.memory.triton_may_hold:
                 self.states.drop(model_id)
 
     async def _prewarm(self, now: float) -> None:

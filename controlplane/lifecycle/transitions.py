@@ -111,10 +111,10 @@ class Unloads:
             # Triton may still hold it: the budget counts it until Triton's index lets go, unless none of a python
             # model's processes lives (a dead stub's unload may never end in Triton 2.51, and holds nothing)
             gone = rec.is_python and await asyncio.to_thread(none_alive, self.processes, rec.id)
-            rec.triton_may_hold = not gone
+            rec.memory.triton_may_hold = not gone
             self.states.set_state(rec, ModelState.FAILED, f"unload ({note or reason}) failed: {e}")
             raise
-        await self.residency.note_crashes(rec, list(rec.stubs))
+        await self.residency.note_crashes(rec, list(rec.procs.stubs))
         self.residency.forget_loaded(rec)
         self.states.set_state(rec, ModelState.UNLOADED, note or reason)
         if reason is UnloadReason.IDLE:
@@ -230,14 +230,16 @@ class Transitions:
         load right after the unload request builds new instances in ~0.15 s (measured).
         """
         instances = rec.instances or rec.model.deployment.instances
-        cause = "dead_stub" if rec.deaths else "failed_request"
+        cause = "dead_stub" if rec.procs.deaths else "failed_request"
         try:
             with contextlib.suppress(SnoozeError):
                 await self.triton.unload(rec.id, wait=False)
             await self.loader.load(rec, instances)
         except SnoozeError as e:
             self.loader.load_failed(rec, e)
-            rec.triton_may_hold = rec.instances > 0  # Triton may still be unloading the old instances: still counted
+            rec.memory.triton_may_hold = (
+                rec.instances > 0
+            )  # Triton may still be unloading the old instances: still counted
             self.states.set_state(rec, ModelState.FAILED, str(e.message))
             raise
         self.metrics.recoveries.labels(model=rec.id, cause=cause).inc()

@@ -108,12 +108,12 @@ class TritonReadings:
             return 0
         stamp = stats.last_inference_ms / 1000
         # The load's own warm-up (config model_warmup) is stamped as an inference: only later ones are use.
-        if stamp > rec.ready_at:
-            rec.triton_last = max(rec.triton_last, stamp)
+        if stamp > rec.load.ready_at:
+            rec.access.triton_last = max(rec.access.triton_last, stamp)
         served = stats.success_count
         # Triton's count starts again with each load (the record's is zeroed when the model leaves memory)
-        new = served - rec.served_seen if served >= rec.served_seen else served
-        rec.served_seen = served
+        new = served - rec.access.served_seen if served >= rec.access.served_seen else served
+        rec.access.served_seen = served
         return max(new, 0)
 
     async def pending_counts(self) -> dict[str, float]:
@@ -238,7 +238,7 @@ class TritonSync:
             if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
                 continue
             entry = entries.get(model_id)
-            if rec.triton_may_hold and (
+            if rec.memory.triton_may_hold and (
                 entry is None
                 or entry.state not in BUSY_STATES
                 or (rec.is_python and await asyncio.to_thread(none_alive, self.processes, model_id))
@@ -250,7 +250,10 @@ class TritonSync:
                 held = await asyncio.to_thread(self.processes.memory, stubs)
                 # a python model whose processes are all gone holds nothing (they were ended: unloading.py)
                 if held or not (rec.is_python and self.processes.visible):
-                    rec.triton_may_hold, rec.footprint = True, held or rec.footprint or declared_bytes(rec)
+                    rec.memory.triton_may_hold, rec.memory.footprint = (
+                        True,
+                        held or rec.memory.footprint or declared_bytes(rec),
+                    )
             if not self.store.exists(model_id):
                 continue
             triton_ready = entry is not None and entry.state == "READY"

@@ -53,7 +53,7 @@ class Warmth:
     def policy(self, rec: ModelRecord) -> FixedKeepAlive:
         """The model's policy; a new one when its deployment's ``keep_alive`` or ``idle_timeout_secs`` changed."""
         dep = rec.model.deployment
-        policy = rec.keep_alive
+        policy = rec.access.keep_alive
         if policy is None or policy.kind != dep.keep_alive or policy.idle_timeout_secs != dep.idle_timeout_secs:
             policy = keep_alive_policy(
                 dep.keep_alive,
@@ -61,9 +61,9 @@ class Warmth:
                 min_samples=self.settings.keep_alive_min_samples,
                 min_unloaded_secs=self.settings.keep_alive_min_unloaded_secs,
             )
-            rec.keep_alive, rec.prewarms_counted = policy, (0, 0)
+            rec.access.keep_alive, rec.access.prewarms_counted = policy, (0, 0)
             if rec.loaded:  # a loaded model's window starts at its load, as under the policy it replaces
-                policy.on_loaded(rec.ready_at or self.clock())
+                policy.on_loaded(rec.load.ready_at or self.clock())
         return policy
 
     # ------------------------------------------------------------------ what happened
@@ -76,14 +76,14 @@ class Warmth:
         self.policy(rec).on_served(at)
 
     def triton_access(self, rec: ModelRecord) -> None:
-        """After the sweeper read Triton's ``last_inference`` into ``rec.triton_last``."""
-        if rec.triton_last <= rec.access_reported:
+        """After the sweeper read Triton's ``last_inference`` into ``rec.access.triton_last``."""
+        if rec.access.triton_last <= rec.access.access_reported:
             return
-        rec.access_reported = rec.triton_last
-        if rec.triton_last > rec.touched + FORWARD_STAMP_SLACK_SECS:
-            self.request(rec, rec.triton_last)
+        rec.access.access_reported = rec.access.triton_last
+        if rec.access.triton_last > rec.access.touched + FORWARD_STAMP_SLACK_SECS:
+            self.request(rec, rec.access.triton_last)
         else:  # the activator's own forward, heard at its arrival: only the end of use moves
-            self.served(rec, rec.triton_last)
+            self.served(rec, rec.access.triton_last)
 
     def prewarm_started(self, rec: ModelRecord) -> None:
         self.policy(rec).on_loaded(self.clock(), prewarm=True)
@@ -92,8 +92,8 @@ class Warmth:
         self.policy(rec).on_loaded(self.clock(), explicit=trigger in EXPLICIT_TRIGGERS, load_secs=load_secs)
 
     def unloaded(self, rec: ModelRecord) -> None:
-        if rec.keep_alive is not None:
-            rec.keep_alive.on_unloaded(self.clock())
+        if rec.access.keep_alive is not None:
+            rec.access.keep_alive.on_unloaded(self.clock())
             self._count(rec)
 
     # ------------------------------------------------------------------ decisions
@@ -104,7 +104,7 @@ class Warmth:
 
     def prewarm_due(self, rec: ModelRecord, now: float) -> bool:
         """The policy wants the unloaded model back now (only a model it heard a request for)."""
-        return rec.keep_alive is not None and rec.keep_alive.decide(now, loaded=False) is Action.PREWARM
+        return rec.access.keep_alive is not None and rec.access.keep_alive.decide(now, loaded=False) is Action.PREWARM
 
     def windows(self, rec: ModelRecord) -> dict[str, Any]:
         return self.policy(rec).windows()
@@ -114,19 +114,23 @@ class Warmth:
         or a pre-warm) falls sooner, so that a pre-warm starts when its policy says and not up to a whole
         interval later. Never below ``MIN_SWEEP_GAP_SECS``."""
         now = self.clock()
-        due = [t for rec in records if rec.keep_alive is not None and (t := rec.keep_alive.next_decision_at(now))]
+        due = [
+            t
+            for rec in records
+            if rec.access.keep_alive is not None and (t := rec.access.keep_alive.next_decision_at(now))
+        ]
         if not due:
             return interval
         return min(interval, max(min(due) - now, MIN_SWEEP_GAP_SECS))
 
     def _count(self, rec: ModelRecord) -> None:
         """Pre-warms the policy has since judged used (a request came) or wasted (unloaded unused)."""
-        policy = rec.keep_alive
+        policy = rec.access.keep_alive
         if policy is None:
             return
-        used, wasted = rec.prewarms_counted
+        used, wasted = rec.access.prewarms_counted
         if policy.prewarm_used > used:
             self.metrics.prewarm_outcomes.labels(model=rec.id, outcome="used").inc(policy.prewarm_used - used)
         if policy.prewarm_wasted > wasted:
             self.metrics.prewarm_outcomes.labels(model=rec.id, outcome="wasted").inc(policy.prewarm_wasted - wasted)
-        rec.prewarms_counted = (policy.prewarm_used, policy.prewarm_wasted)
+        rec.access.prewarms_counted = (policy.prewarm_used, policy.prewarm_wasted)

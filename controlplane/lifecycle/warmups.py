@@ -32,18 +32,18 @@ def configured_source(rec: ModelRecord) -> str | None:
 
 def harvest(rec: ModelRecord, journal_dir: Path | None) -> None:
     """Read the notes of a loaded model's processes: its warm-up line, and learned shapes to keep."""
-    if journal_dir is None or rec.state is not ModelState.READY or not rec.stubs:
+    if journal_dir is None or rec.state is not ModelState.READY or not rec.procs.stubs:
         return
-    notes = [n for s in rec.stubs if (n := read_note(journal_dir, s.pid, s.start_ticks)) is not None]
+    notes = [n for s in rec.procs.stubs if (n := read_note(journal_dir, s.pid, s.start_ticks)) is not None]
     if not notes:
         return
     skipped = next((n["skipped"] for n in notes if n.get("skipped")), None)
     source = next((n["source"] for n in notes if n.get("source")), None)
     line = skipped or source
-    if line and line != rec.warmup:
-        rec.warmup = line
-        if skipped and skipped != rec.warmup_said:
-            rec.warmup_said = skipped
+    if line and line != rec.load.warmup:
+        rec.load.warmup = line
+        if skipped and skipped != rec.load.warmup_said:
+            rec.load.warmup_said = skipped
             log.warning("model '%s': warmup: %s", rec.id, skipped)
     learned = next((n["learned"] for n in notes if isinstance(n.get("learned"), dict) and n["learned"]), None)
     if learned and rec.model.backend == "python" and keep_learned(rec.model.path, learned):
@@ -54,4 +54,4 @@ def harvest(rec: ModelRecord, journal_dir: Path | None) -> None:
 def status_line(rec: ModelRecord) -> str | None:
     """The warm-up as ``snoozectl status`` and ``GET /v1/models/{id}`` say it: the last load's outcome, or
     what the published config will do."""
-    return rec.warmup or configured_source(rec)
+    return rec.load.warmup or configured_source(rec)

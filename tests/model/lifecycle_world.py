@@ -550,9 +550,9 @@ class LifecycleWorld:
 
     def _override_problems(self, rec: ModelRecord | None, held: bool) -> list[str]:
         """A client's override holds through every load of the model until a load without one."""
-        if rec is None or not rec.loaded or not rec.config_override or not held:
+        if rec is None or not rec.loaded or not rec.load.config_override or not held:
             return []
-        want = rec.config_override["max_batch_size"]
+        want = rec.load.config_override["max_batch_size"]
         got = int(self.triton.models[rec.id].config.get("max_batch_size") or 0)
         if got == want:
             return []
@@ -565,7 +565,7 @@ class LifecycleWorld:
         problems = []
         if self.processes.stubs(rec.id):
             problems.append(f"'{rec.id}' had its load cancelled but its model processes live on")
-        if rec.reserved or rec.gpu_reserved or rec.holds_memory:
+        if rec.memory.reserved or rec.memory.gpu_reserved or rec.holds_memory:
             problems.append(f"'{rec.id}' had its load cancelled but still holds memory budget")
         return problems
 
@@ -601,8 +601,10 @@ class LifecycleWorld:
                 stubs = self.triton.models[model].stubs
                 growth = self.triton.growth.get(model, 0)
                 base = holding[model] - growth * sum(s.grown for s in stubs)
-                if not base <= (rec.footprint or 0) <= base + growth * len(stubs):
-                    problems.append(f"'{model}' accounted {rec.footprint} bytes, its stubs hold {holding[model]}")
+                if not base <= (rec.memory.footprint or 0) <= base + growth * len(stubs):
+                    problems.append(
+                        f"'{model}' accounted {rec.memory.footprint} bytes, its stubs hold {holding[model]}"
+                    )
             problems += self._override_problems(rec, model in holding and not leaving)
             gone = self.deleted.get(model)
             if gone is not None and model not in busy and not self.store.exists(model):
@@ -610,7 +612,9 @@ class LifecycleWorld:
                 since = max(gone, self.resumed_at)
                 wait = follow + 2 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS)
                 settled = self.paused_since is None and self.now - since > wait
-                lingering = rec is not None and rec.triton_may_hold and model in holding  # counted until Triton lets go
+                lingering = (
+                    rec is not None and rec.memory.triton_may_hold and model in holding
+                )  # counted until Triton lets go
                 if (rec is not None or (model in holding and not leaving)) and settled and not lingering:
                     problems.append(
                         f"deleted model '{model}' survives (record: {rec is not None}, in Triton: {model in holding})"

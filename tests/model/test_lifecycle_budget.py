@@ -211,7 +211,7 @@ def test_a_republish_reserves_the_new_version_beside_the_old_one_until_the_old_o
     world.triton.peak = 0
     world.step(world.publish("a", 100, **LONG_IDLE), 2.0)
     assert world.triton.peak <= 300 * MIB, world.triton.peak / MIB
-    assert state(world, "a") is ModelState.READY and world.manager.states.records["a"].load_count == 2
+    assert state(world, "a") is ModelState.READY and world.manager.states.records["a"].load.load_count == 2
     assert sorted(state(world, m).value for m in "bc") == ["ready", "unloaded"]
 
 

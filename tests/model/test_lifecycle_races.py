@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from controlplane.errors import NotFoundError, SnoozeError
-from controlplane.lifecycle.state import ModelRecord, ModelState
+from controlplane.lifecycle.state import ModelRecord, ModelState, ProcessRecord
 from controlplane.settings import Settings
 from controlplane.stack import ServingStack
 
@@ -27,11 +27,11 @@ def test_a_crash_is_noticed_while_the_store_follower_reloads_another_model(world
     assert reload is not None and not reload.done()
     world.step(world.crash("m1"), 0.5)  # several watch intervals (0.2 s), well within the reload
     assert world.manager.states.records["m0"].op is reload and not reload.done()  # still reloading
-    assert world.manager.states.records["m1"].last_crash is not None  # and the crash was noticed meanwhile
+    assert world.manager.states.records["m1"].procs.last_crash is not None  # and the crash was noticed meanwhile
 
 
-class WatchedRecord(ModelRecord):
-    """Notes which threads write its process list."""
+class WatchedProcs(ProcessRecord):
+    """Notes which threads write a record's process list."""
 
     writers: set[str]
 
@@ -47,9 +47,9 @@ def test_the_crash_watch_writes_records_on_the_event_loop_only(world):
     watch notes the new process list, from the event loop."""
     world.step(world.publish("m0", 60, 2), 0.1)
     world.step(world.api_load("m0", 2), 1.0)
-    rec = world.manager.states.records["m0"]
-    watched = WatchedRecord(**{f: getattr(rec, f) for f in rec.__dataclass_fields__})
-    world.manager.states.records["m0"] = watched
+    watched = world.manager.states.records["m0"]
+    procs = watched.procs
+    watched.procs = WatchedProcs(**{f: getattr(procs, f) for f in procs.__dataclass_fields__})
     model = world.triton.models["m0"]
     world.triton._exit([model.stubs[0]])  # reaped: ended by Triton itself
     model.stubs = model.stubs[1:] + [world.triton._stub(model, model.stubs[0].memory, model.files)]
@@ -57,7 +57,7 @@ def test_the_crash_watch_writes_records_on_the_event_loop_only(world):
     with ThreadPoolExecutor(1, thread_name_prefix="watch") as pool:  # the watch's worker thread
         found = pool.submit(world.manager.run_once.crashes, watched).result()
     assert world.manager.run_once.noted(watched, watched.generation, found) == []
-    assert watched.writers == {loop_thread} and watched.stubs == tuple(s.process for s in model.stubs)
+    assert watched.procs.writers == {loop_thread} and watched.procs.stubs == tuple(s.process for s in model.stubs)
 
 
 async def test_the_stack_stops_every_piece_when_one_fails(tmp_path):

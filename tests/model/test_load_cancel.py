@@ -71,7 +71,12 @@ def test_an_action_during_a_hung_load_cancels_it_and_leaves_the_neighbour_alone(
     assert world.processes.stubs("m0") == [] and "m0" not in world.triton.holding()  # no process left
     rec = manager.states.get("m0")
     if rec is not None:
-        assert rec.state is ModelState.UNLOADED and rec.op is None and rec.reserved == 0 and not rec.gpu_reserved
+        assert (
+            rec.state is ModelState.UNLOADED
+            and rec.op is None
+            and rec.memory.reserved == 0
+            and not rec.memory.gpu_reserved
+        )
     if action != "stop":
         neighbour = manager.states.get("m1")
         assert neighbour is not None and neighbour.state is ModelState.READY
@@ -121,7 +126,7 @@ def test_a_load_that_ends_while_the_cancel_waits_for_its_starting_stub_is_not_le
         assert_serves_the_published_files(world, "m0")
         return
     rec = manager.states.get("m0")
-    assert rec is not None and rec.state is ModelState.UNLOADED and rec.reserved == 0
+    assert rec is not None and rec.state is ModelState.UNLOADED and rec.memory.reserved == 0
     assert "m0" not in world.triton.ready(), "the cancelled load's model is still serving in Triton"
     world.run(asyncio.sleep(1.0))  # Triton's unload ends its processes
     assert world.processes.stubs("m0") == [] and "m0" not in world.triton.holding()

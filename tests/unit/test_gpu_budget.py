@@ -234,13 +234,13 @@ def test_the_gpu_budget_evicts_in_the_host_budgets_order(policy):
         rec = ModelRecord(
             model_id, PublishedModel(model_id, Path("."), dep, "custom", "python", [], [], {}, {}, 60, 60)
         )
-        rec.state, rec.touched = ModelState.READY, touched
-        rec.footprint, rec.footprint_instances, rec.last_cold_start = 100 * MIB, 1, 0.5
-        rec.gpu_footprint, rec.gpu_instances = {0: 300 * MIB}, 1
+        rec.state, rec.access.touched = ModelState.READY, touched
+        rec.memory.footprint, rec.memory.footprint_instances, rec.load.last_cold_start = 100 * MIB, 1, 0.5
+        rec.memory.gpu_footprint, rec.memory.gpu_instances = {0: 300 * MIB}, 1
         return rec
 
     hot, cold, new = record("hot", 10.0), record("cold", 20.0), record("new", 0.0)  # hot: used less recently
-    new.state, new.gpu_footprint = ModelState.UNLOADED, None
+    new.state, new.memory.gpu_footprint = ModelState.UNLOADED, None
     records = {r.id: r for r in (hot, cold, new)}
 
     class States:

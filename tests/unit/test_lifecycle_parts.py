@@ -148,14 +148,18 @@ def test_a_request_the_activator_forwarded_is_heard_once_at_its_arrival():
     w, _ = warmth(clock)
     rec = record(keep_alive="adaptive", idle_timeout_secs=60)
     w.request(rec, 1000.0)  # the activator woke the model for it
-    rec.touched = 1001.5  # the forward ended; Triton stamped the request just after that
-    rec.triton_last = 1001.5 + FORWARD_STAMP_SLACK_SECS / 2
+    rec.access.touched = 1001.5  # the forward ended; Triton stamped the request just after that
+    rec.access.triton_last = 1001.5 + FORWARD_STAMP_SLACK_SECS / 2
     w.triton_access(rec)
-    assert rec.keep_alive is not None and rec.keep_alive.last_request == 1000.0 and rec.keep_alive.samples == 0
-    rec.triton_last = 1009.0  # a request straight from the gateway to Triton
+    assert (
+        rec.access.keep_alive is not None
+        and rec.access.keep_alive.last_request == 1000.0
+        and rec.access.keep_alive.samples == 0
+    )
+    rec.access.triton_last = 1009.0  # a request straight from the gateway to Triton
     w.triton_access(rec)
     w.triton_access(rec)  # the sweeper reads the same stamp again
-    assert rec.keep_alive.idle_times() == [9.0]
+    assert rec.access.keep_alive.idle_times() == [9.0]
 
 
 def test_fixed_timeout_counts_from_the_last_use_as_before():
@@ -167,17 +171,17 @@ def test_fixed_timeout_counts_from_the_last_use_as_before():
     w.loaded(rec, "request", load_secs=1.0)
     w.served(rec, 1001.5)  # the activator's forward ended
     assert not w.unload_due(rec, 1011.4) and w.unload_due(rec, 1011.5)
-    rec.touched, rec.triton_last = 1001.5, 1001.6  # that forward's own stamp: use, not a new request
+    rec.access.touched, rec.access.triton_last = 1001.5, 1001.6  # that forward's own stamp: use, not a new request
     w.triton_access(rec)
     assert not w.unload_due(rec, 1011.5) and w.unload_due(rec, 1011.6)
-    assert isinstance(rec.keep_alive, FixedKeepAlive) and rec.keep_alive.samples == 0
+    assert isinstance(rec.access.keep_alive, FixedKeepAlive) and rec.access.keep_alive.samples == 0
 
 
 def test_a_changed_deployment_gets_a_new_policy_that_still_unloads_the_loaded_model():
     clock = Clock(500.0)
     w, _ = warmth(clock)
     rec = record(idle_timeout_secs=300)
-    rec.state, rec.ready_at = rec.state.READY, 100.0
+    rec.state, rec.load.ready_at = rec.state.READY, 100.0
     assert type(w.policy(rec)) is FixedKeepAlive
     rec.model = record(keep_alive="adaptive", idle_timeout_secs=120).model  # republished
     policy = w.policy(rec)
@@ -232,9 +236,9 @@ def test_eviction_takes_unused_prewarms_first_then_the_policys_order(policy):
     clock = Clock()
     w, _ = warmth(clock, keep_alive_min_samples=1, keep_alive_min_unloaded_secs=0)
     old, recent, bet = record("old"), record("recent"), record("bet", keep_alive="adaptive", idle_timeout_secs=2)
-    old.touched, recent.touched, bet.touched = 10.0, 20.0, 30.0
+    old.access.touched, recent.access.touched, bet.access.touched = 10.0, 20.0, 30.0
     for r in (old, recent, bet):
-        r.footprint, r.footprint_instances, r.last_cold_start = 100 * 2**20, 1, 0.5
+        r.memory.footprint, r.memory.footprint_instances, r.load.last_cold_start = 100 * 2**20, 1, 0.5
     b = budget(policy, [old, recent, bet])
     w.request(bet, 0.0)
     w.request(bet, 8.0)
@@ -247,8 +251,8 @@ def test_eviction_takes_unused_prewarms_first_then_the_policys_order(policy):
 def test_gdsf_keeps_a_frequently_used_model_that_lru_would_evict():
     hot, cold = record("hot"), record("cold")
     for r in (hot, cold):
-        r.footprint, r.footprint_instances, r.last_cold_start = 100 * 2**20, 1, 0.5
-    hot.touched, cold.touched = 10.0, 20.0  # the hot model was used less recently
+        r.memory.footprint, r.memory.footprint_instances, r.load.last_cold_start = 100 * 2**20, 1, 0.5
+    hot.access.touched, cold.access.touched = 10.0, 20.0  # the hot model was used less recently
     lru, gdsf = budget("lru", [hot, cold]), budget("gdsf", [hot, cold])
     for b in (lru, gdsf):
         b.accessed(hot, 50)
@@ -259,8 +263,8 @@ def test_gdsf_keeps_a_frequently_used_model_that_lru_would_evict():
 
 def test_a_model_never_measured_is_estimated_at_the_largest_measured_model_not_the_average():
     small, large, new = record("small"), record("large"), record("new")
-    small.footprint, small.footprint_instances = 50 * 2**20, 1
-    large.footprint, large.footprint_instances = 150 * 2**20, 1
+    small.memory.footprint, small.memory.footprint_instances = 50 * 2**20, 1
+    large.memory.footprint, large.memory.footprint_instances = 150 * 2**20, 1
     b = budget("gdsf", [small, large, new])
     assert b.estimate(new, 1) == 150 * 2**20
     assert b.estimate(new, 2) == 300 * 2**20

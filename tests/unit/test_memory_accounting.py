@@ -182,7 +182,10 @@ def test_a_fresh_load_counts_its_estimate_until_measured_after_its_first_request
     """A stub measured at its load holds less than after its first request; counting only that measurement
     admitted another load into room the request took back, and the tree overran the budget until a sweep."""
     old, fresh, next_load = _record("old"), _record("fresh"), _record("next")
-    old.footprint, old.footprint_instances = 40 * MIB, 1  # measured after requests: the estimate of a new one
+    old.memory.footprint, old.memory.footprint_instances = (
+        40 * MIB,
+        1,
+    )  # measured after requests: the estimate of a new one
     records = [old, fresh, next_load]
 
     class States:
@@ -195,7 +198,7 @@ def test_a_fresh_load_counts_its_estimate_until_measured_after_its_first_request
     budget = MemoryBudget(Settings(memory_budget_mb=116), States(), pending=pending)  # type: ignore[arg-type]
     need = budget.estimate(fresh, 1)
     assert need == 40 * MIB
-    fresh.footprint, fresh.footprint_instances = 34 * MIB, 1  # what its load measured, before any request
+    fresh.memory.footprint, fresh.memory.footprint_instances = 34 * MIB, 1  # what its load measured, before any request
     budget.hold_floor(fresh, need)
     next_load.state = ModelState.UNLOADED
     assert budget.used(next_load) == 80 * MIB  # not 74: the fresh model will grow once it has answered
@@ -203,10 +206,10 @@ def test_a_fresh_load_counts_its_estimate_until_measured_after_its_first_request
     assert plan is not None and plan.amount is not None and plan.amount == 4 * MIB  # 80 + 40 over 116 (74 + 40 fitted)
     budget.measured(fresh)  # a sweep before any request: still the floor
     assert budget.used(next_load) == 80 * MIB
-    fresh.served_seen, fresh.footprint = 1, 36 * MIB  # answered, then measured again: what it holds now
+    fresh.access.served_seen, fresh.memory.footprint = 1, 36 * MIB  # answered, then measured again: what it holds now
     budget.measured(fresh)
     assert budget.used(next_load) == 76 * MIB
     assert asyncio.run(budget.plan_room(next_load, budget.estimate(next_load, 1))) is None
-    fresh.footprint = 45 * MIB
+    fresh.memory.footprint = 45 * MIB
     budget.hold_floor(fresh, 40 * MIB)  # a load measured above its estimate: its measurement counts
     assert "fresh" not in budget.floors

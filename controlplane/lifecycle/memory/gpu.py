@@ -75,16 +75,16 @@ class GpuMemory:
         if not devices:
             return {}
         placed = gpu_instances_per_device(config, devices)
-        if rec.gpu_footprint and rec.gpu_instances:
-            scale = instances / rec.gpu_instances
+        if rec.memory.gpu_footprint and rec.memory.gpu_instances:
+            scale = instances / rec.memory.gpu_instances
             if not placed:  # a KIND_CPU/KIND_MODEL instance that uses a GPU itself: where it was seen
-                return {d: int(b * scale) for d, b in rec.gpu_footprint.items()}
-            per_device = {d: rec.gpu_instances for d in rec.gpu_footprint}
-            return estimate_gpu_need(placed, rec.gpu_footprint, per_device)
+                return {d: int(b * scale) for d, b in rec.memory.gpu_footprint.items()}
+            per_device = {d: rec.memory.gpu_instances for d in rec.memory.gpu_footprint}
+            return estimate_gpu_need(placed, rec.memory.gpu_footprint, per_device)
         known = [
-            sum(r.gpu_footprint.values()) / r.gpu_instances
+            sum(r.memory.gpu_footprint.values()) / r.memory.gpu_instances
             for r in self.states.values()
-            if r.gpu_footprint and r.gpu_instances
+            if r.memory.gpu_footprint and r.memory.gpu_instances
         ]
         return estimate_gpu_need(placed, per_instance_fallback=int(sum(known) / len(known)) if known else 0)
 
@@ -95,7 +95,11 @@ class GpuMemory:
         for r in self.states.values():
             if r is exclude:
                 continue
-            held = r.gpu_reserved if r.state is ModelState.LOADING else (r.gpu_footprint if r.holds_memory else None)
+            held = (
+                r.memory.gpu_reserved
+                if r.state is ModelState.LOADING
+                else (r.memory.gpu_footprint if r.holds_memory else None)
+            )
             if held:
                 holding.append((r, held))
         rank = {r.id: i for i, r in enumerate(self._order([r for r, _ in holding]))} if self._order else {}
@@ -127,10 +131,10 @@ class GpuMemory:
     async def plan_enforce(self, rec: ModelRecord) -> Plan | None:
         """After a load measured more than its estimate: others to evict until every GPU is within budget."""
         budget = self.settings.gpu_memory_budget_mb
-        if budget is None or not rec.gpu_footprint:
+        if budget is None or not rec.memory.gpu_footprint:
             return None
         others = await self.residents(rec)
-        return self._plan(plan_gpu_eviction(rec.id, rec.gpu_footprint, others, budget), rec, "gpu_memory")
+        return self._plan(plan_gpu_eviction(rec.id, rec.memory.gpu_footprint, others, budget), rec, "gpu_memory")
 
     async def plan_oom(self, rec: ModelRecord, need: dict[int, int]) -> Plan | None:
         """A load failed with a CUDA out-of-memory: the idle models on its GPUs (best effort)."""
@@ -151,23 +155,23 @@ class GpuMemory:
         if not await self.devices():
             return
         found = None
-        if rec.stubs:
+        if rec.procs.stubs:
             # a preforked model's CUDA context is its worker's, not its stub's
-            pids = {rec.id: [s.pid for s in rec.stubs] + [w.pid for w in rec.workers]}
+            pids = {rec.id: [s.pid for s in rec.procs.stubs] + [w.pid for w in rec.procs.workers]}
             found = await asyncio.to_thread(per_model_gpu_bytes, pids, self.reader, self.pid_map)
         if found is not None:
             per_device = found.get(rec.id, {})
         elif delta is not None:
             added = delta.added(await asyncio.to_thread(self.reader.devices))
-            per_device = dict(rec.gpu_footprint or {}) if rec.loaded else {}
+            per_device = dict(rec.memory.gpu_footprint or {}) if rec.loaded else {}
             for device, amount in added.items():
                 per_device[device] = per_device.get(device, 0) + amount
         else:
             return
-        rec.gpu_footprint, rec.gpu_instances = {d: b for d, b in per_device.items() if b > 0}, instances
+        rec.memory.gpu_footprint, rec.memory.gpu_instances = {d: b for d, b in per_device.items() if b > 0}, instances
         for device in await self.devices():
             self.states.metrics.gpu_memory_bytes.labels(model=rec.id, gpu=str(device)).set(
-                rec.gpu_footprint.get(device, 0)
+                rec.memory.gpu_footprint.get(device, 0)
             )
 
     def forget(self, rec: ModelRecord) -> None:
@@ -176,9 +180,9 @@ class GpuMemory:
 
     @staticmethod
     def status_bytes(rec: ModelRecord) -> dict[str, int] | None:
-        if not rec.loaded or rec.gpu_footprint is None:
+        if not rec.loaded or rec.memory.gpu_footprint is None:
             return None
-        return {str(d): b for d, b in sorted(rec.gpu_footprint.items())}
+        return {str(d): b for d, b in sorted(rec.memory.gpu_footprint.items())}
 
     def close(self) -> None:
         close = getattr(self.reader, "close", None)

@@ -144,16 +144,16 @@ class MemoryBudget:
         per instance, scaled), else 0."""
         dep = rec.model.deployment
         declared = dep.memory_mb * MIB / dep.instances if dep.memory_mb else 0
-        if rec.footprint and rec.footprint_instances:
-            per = max(rec.footprint / rec.footprint_instances, declared)
+        if rec.memory.footprint and rec.memory.footprint_instances:
+            per = max(rec.memory.footprint / rec.memory.footprint_instances, declared)
         elif declared:
             per = declared
         else:
             per = max(
                 (
-                    r.footprint / r.footprint_instances
+                    r.memory.footprint / r.memory.footprint_instances
                     for r in self.states.values()
-                    if r is not rec and r.footprint and r.footprint_instances
+                    if r is not rec and r.memory.footprint and r.memory.footprint_instances
                 ),
                 default=0,
             )
@@ -165,7 +165,7 @@ class MemoryBudget:
         counting only that measurement freed room until the next sweep saw the growth, and loads admitted into
         that room left the tree over the budget (churn: 452 MiB against 400). So the estimate stays counted
         until ``measured`` sees the model measured after a request."""
-        if estimate > (rec.footprint or 0):
+        if estimate > (rec.memory.footprint or 0):
             self.floors[rec.id] = estimate
         else:
             self.floors.pop(rec.id, None)
@@ -173,13 +173,13 @@ class MemoryBudget:
     def measured(self, rec: ModelRecord) -> None:
         """A sweep measured the model again: once a request was served before that reading, what it holds is
         what was read, and the floor goes."""
-        if rec.served_seen:
+        if rec.access.served_seen:
             self.floors.pop(rec.id, None)
 
     def held(self, rec: ModelRecord) -> int:
         """Bytes a loaded model counts for: its footprint, at least what its load in flight reserved and what its
         last load was admitted on until measured after a request (``hold_floor``)."""
-        return max(rec.footprint or 0, rec.reserved, self.floors.get(rec.id, 0))
+        return max(rec.memory.footprint or 0, rec.memory.reserved, self.floors.get(rec.id, 0))
 
     def used(self, exclude: ModelRecord | None, *, reserved: bool = True) -> int:
         """Bytes held beside ``exclude``: by tritonserver itself, by loaded models, and (``reserved``) set aside by
@@ -189,7 +189,7 @@ class MemoryBudget:
             if r is exclude:
                 continue
             if r.state is ModelState.LOADING:
-                used += r.reserved if reserved else 0
+                used += r.memory.reserved if reserved else 0
             elif r.holds_memory:  # a loaded model being reloaded or rescaled: its reservation covers the swap
                 used += self.held(r)
         return used
@@ -243,7 +243,7 @@ class MemoryBudget:
             r.id
             for r in self.states.values()
             if r is not rec
-            and (r.footprint or r.reserved)
+            and (r.memory.footprint or r.memory.reserved)
             and r.state in (ModelState.READY, ModelState.LOADING, ModelState.UNLOADING)
         )
         parents = f", {self.overhead / MIB:.0f} MiB of it by preloaded parents" if self.overhead else ""
@@ -308,7 +308,7 @@ class MemoryBudget:
             (plan.amount or 0) / MIB,
             self.budget_mb,
             self.server / MIB,
-            f" after '{rec.id}' measured {(rec.footprint or 0) / MIB:.0f} MiB"
+            f" after '{rec.id}' measured {(rec.memory.footprint or 0) / MIB:.0f} MiB"
             f"{f' (estimated {estimate / MIB:.0f} MiB)' if estimate is not None else ''}"
             if rec is not None
             else "",
@@ -332,8 +332,8 @@ class MemoryBudget:
     def candidate(self, rec: ModelRecord) -> Candidate:
         return Candidate(
             rec.id,
-            size_bytes=rec.footprint or self.estimate(rec, rec.instances or rec.model.deployment.instances),
-            cost_secs=rec.last_cold_start or DEFAULT_LOAD_SECS,
+            size_bytes=rec.memory.footprint or self.estimate(rec, rec.instances or rec.model.deployment.instances),
+            cost_secs=rec.load.last_cold_start or DEFAULT_LOAD_SECS,
             last_access=rec.idle_since,
         )
 
