@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench._load import Job, LoadWorker, ReplayJob, percentile
 from bench.common import ADMIN_KEY, API_KEY, echo_package, models_toml
+from bench.zipf import Zipf
 from controlplane.fleet.gateway import FleetGateway, NodeAddress
 from controlplane.fleet.up import NodeProcess
 from controlplane.gateway.envoy import ApiKey
@@ -74,8 +75,7 @@ def zipf_trace(
     rng = np.random.default_rng(seed)
     times = np.cumsum(rng.exponential(1 / rate, int(rate * seconds * 2) + 20))
     times = times[times < seconds]
-    weights = 1.0 / np.arange(1, models + 1) ** s
-    picks = rng.choice(models, size=len(times), p=weights / weights.sum())
+    picks = Zipf(models, s).draw(rng, len(times))
     return [(round(float(t), 4), int(m)) for t, m in zip(times, picks, strict=True)]
 
 
