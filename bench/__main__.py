@@ -63,7 +63,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 GATEWAY_TARGETS = {"variants": ("no_auth",), "twin": True, "large_requests": False, "bare_auth": True}
 # Every Envoy restarted after this many cycles (a process's own luck is one block's, not a target's): 4 blocks.
 RESTART_EVERY = 10
-# bench.gateway_filters.ROUTE_EDITS and VARIANTS, checked there
+# bench.gateway_variants.VARIANTS and ROUTE_EDITS, checked there
 GATEWAY_ROUTES = {
     "variants": ("no_request_id", "no_retry", "no_gate", "no_access_log", "no_auth", "no_hints", "no_filters"),
     "large_requests": False,
