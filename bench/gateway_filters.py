@@ -35,9 +35,9 @@ from controlplane.gateway.envoy import (
     EnvoyProcess,
     Upstream,
     gateway_keys,
-    ready_dir_path,
     render_bootstrap,
 )
+from controlplane.gateway.wake_lua import ready_dir_path
 from controlplane.triton.journal import REQUEST_ID_HEADER
 from controlplane.triton.launcher import free_port
 

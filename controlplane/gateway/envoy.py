@@ -55,7 +55,7 @@ from controlplane.child_processes import log_tail, spawn, stop_group
 from controlplane.errors import SnoozeError
 from controlplane.gateway import grpc_names
 from controlplane.gateway.lua import lua_string, program
-from controlplane.gateway.wake_lua import (  # the paths: re-exported, the activator and the bench import them here
+from controlplane.gateway.wake_lua import (  # the paths: re-exported, the activator imports them here
     METADATA_KEY,
     METADATA_NAMESPACE,
     grpc_wake_chain,
