@@ -23,10 +23,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench._load import Job, LoadWorker, bare_envoy_bootstrap, ceiling_bootstrap
+from bench._load import Job, LoadWorker
 from bench.common import API_KEY
 from bench.gateway_filters import KEYLESS, MODEL, PROTOCOLS, cpu_seconds
 from bench.gateway_variants import ROUTE_EDITS, VARIANTS, Bootstrap, variant_bootstraps
+from bench.reference_envoys import bare_envoy_bootstrap, ceiling_bootstrap
 from controlplane.gateway.envoy import ApiKey, EnvoyProcess, Upstream, find_envoy, render_bootstrap
 from controlplane.triton.launcher import free_port
 

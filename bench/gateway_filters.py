@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from bench._load import AlternatingJob, Job, LoadWorker, bare_envoy_bootstrap
+from bench._load import AlternatingJob, Job, LoadWorker
 from bench.common import API_KEY, direct_urls, echo_package, fp32, gateway_urls, serving_stack, write_package
 from bench.gateway_variants import (
     KEYLESS_VARIANTS,
@@ -30,6 +30,7 @@ from bench.gateway_variants import (
     variant_bootstraps,
     with_grpc_retry_buffer,
 )
+from bench.reference_envoys import bare_envoy_bootstrap
 from controlplane.gateway.envoy import (
     GRPC_RETRY_BUFFER_BYTES,
     EnvoyProcess,
@@ -102,22 +103,7 @@ async def run(
         urls: dict[str, dict[str, str]] = {
             "direct": direct_urls(stack), "direct_with_id": direct_urls(stack), "gateway": gateway_urls(stack)
         }  # fmt: skip
-
-        def bootstrap_of(ports: tuple[int, int], *, keys: bool = True) -> str:
-            return render_bootstrap(
-                host="127.0.0.1",
-                http_port=ports[0],
-                grpc_port=ports[1],
-                admin_port=0,
-                triton_http=triton["http"],
-                triton_grpc=triton["grpc"],
-                activator_http=Upstream.parse(stack.activator.http_address),
-                activator_grpc=Upstream.parse(stack.activator.grpc_address),
-                wake_buffer_bytes=stack.settings.wake_buffer_bytes,
-                api_keys=gateway_keys(stack.settings) if keys else [],
-                ready_dir=ready_dir_path(stack.settings),
-            )
-
+        bootstrap_of = _served(stack, triton)
         envoys = {**_bare_bootstraps(triton, bare_auth), **variant_bootstraps(bootstrap_of, variants, twin=twin)}
         if large_requests:
             envoys.update(_large_bootstraps(bootstrap_of, stack.settings.wake_buffer_bytes))
@@ -136,43 +122,15 @@ async def run(
             *(["gateway_twin"] if twin else []),
             *(f"gateway_{v}" for v in variants),
         ]
-        large: list[dict[str, Any]] = []
-        runs: list[dict[str, Any]] = []
-        lua_before, lua_during, restarts = _lua_executions(stack.gateway.stats()), 0, 0
         try:
             for process in processes.values():
                 process.start()
             async with LoadWorker() as worker:
-                block = restart_every or rounds
-                for protocol in PROTOCOLS:
-                    for concurrency in CONCURRENCY:
-                        for first in range(0, rounds, block):
-                            if first:  # every Envoy of the run, the served gateway too, as a new process
-                                lua_during += _lua_executions(stack.gateway.stats()) - lua_before
-                                for process in (stack.gateway, *processes.values()):
-                                    process.stop()
-                                    process.start()
-                                lua_before = _lua_executions(stack.gateway.stats())
-                                restarts += 1
-                            runs += await _alternating(
-                                worker, stack, processes, urls, targets, protocol, concurrency,
-                                range(first, min(rounds, first + block)), seconds, warmup,
-                            )  # fmt: skip
-                lua_during += _lua_executions(stack.gateway.stats()) - lua_before
-                for r in range(rounds if large_requests else 0):
-                    for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
-                        job = Job(
-                            "grpc",
-                            urls[name]["grpc"],
-                            SINK,
-                            1,
-                            seconds * 2,
-                            shape=[1, LARGE_FLOATS],
-                            headers={} if name == "direct" else {"x-api-key": API_KEY},
-                            warmup_secs=warmup,
-                        )
-                        result = await worker.run(job)
-                        large.append({"round": r, "target": name, "p50_ms": result.p50_ms, "errors": result.errors})
+                runs, lua_during, restarts = await _rounds(
+                    worker, stack, processes, urls, targets, rounds=rounds, block=restart_every or rounds,
+                    seconds=seconds, warmup=warmup,
+                )  # fmt: skip
+                large = await _large(worker, urls, rounds if large_requests else 0, seconds, warmup)
         finally:
             for process in processes.values():
                 process.stop()
@@ -196,6 +154,83 @@ async def run(
         "table": _table(runs, targets, rounds),
         "large": _large_summary(large) if large_requests else None,
     }
+
+
+def _served(stack: Any, triton: dict[str, Upstream]) -> Callable[..., str]:
+    """The served gateway's bootstrap for other ports (``keys``: with the stack's API keys), as production renders."""
+
+    def bootstrap_of(ports: tuple[int, int], *, keys: bool = True) -> str:
+        return render_bootstrap(
+            host="127.0.0.1",
+            http_port=ports[0],
+            grpc_port=ports[1],
+            admin_port=0,
+            triton_http=triton["http"],
+            triton_grpc=triton["grpc"],
+            activator_http=Upstream.parse(stack.activator.http_address),
+            activator_grpc=Upstream.parse(stack.activator.grpc_address),
+            wake_buffer_bytes=stack.settings.wake_buffer_bytes,
+            api_keys=gateway_keys(stack.settings) if keys else [],
+            ready_dir=ready_dir_path(stack.settings),
+        )
+
+    return bootstrap_of
+
+
+async def _rounds(
+    worker: LoadWorker,
+    stack: Any,
+    processes: dict[str, EnvoyProcess],
+    urls: dict[str, dict[str, str]],
+    targets: list[str],
+    *,
+    rounds: int,
+    block: int,
+    seconds: float,
+    warmup: float,
+) -> tuple[list[dict[str, Any]], int, int]:
+    """Every (protocol, concurrency) over ``rounds`` cycles, every Envoy restarted after each ``block`` of them:
+    the per-round records, the served gateway's Lua runs over them, and the restarts."""
+    runs: list[dict[str, Any]] = []
+    lua_before, lua_during, restarts = _lua_executions(stack.gateway.stats()), 0, 0
+    for protocol in PROTOCOLS:
+        for concurrency in CONCURRENCY:
+            for first in range(0, rounds, block):
+                if first:  # every Envoy of the run, the served gateway too, as a new process
+                    lua_during += _lua_executions(stack.gateway.stats()) - lua_before
+                    for process in (stack.gateway, *processes.values()):
+                        process.stop()
+                        process.start()
+                    lua_before = _lua_executions(stack.gateway.stats())
+                    restarts += 1
+                runs += await _alternating(
+                    worker, stack, processes, urls, targets, protocol, concurrency,
+                    range(first, min(rounds, first + block)), seconds, warmup,
+                )  # fmt: skip
+    lua_during += _lua_executions(stack.gateway.stats()) - lua_before
+    return runs, lua_during, restarts
+
+
+async def _large(
+    worker: LoadWorker, urls: dict[str, dict[str, str]], rounds: int, seconds: float, warmup: float
+) -> list[dict[str, Any]]:
+    """A warm 32 MiB gRPC request per round to each large target, the order rotating."""
+    large = []
+    for r in range(rounds):
+        for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
+            job = Job(
+                "grpc",
+                urls[name]["grpc"],
+                SINK,
+                1,
+                seconds * 2,
+                shape=[1, LARGE_FLOATS],
+                headers={} if name == "direct" else {"x-api-key": API_KEY},
+                warmup_secs=warmup,
+            )
+            result = await worker.run(job)
+            large.append({"round": r, "target": name, "p50_ms": result.p50_ms, "errors": result.errors})
+    return large
 
 
 async def _alternating(
