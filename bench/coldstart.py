@@ -99,19 +99,19 @@ async def _memory(stack: Any, models: list[str], copies: int) -> dict[str, Any]:
         row: dict[str, Any] = {}
         for n in (1, copies):
             for other in everything:
-                await stack.lifecycle.unload(other, reason="bench")
+                await stack.lifecycle.unload(other)
             for m in group[:n]:
                 await stack.lifecycle.ensure_ready(m)
             await asyncio.sleep(0.5)  # let the loads' page faults settle
             row[f"{n}_loaded"] = model_memory(stack, group[:n])
         out[model] = row
     for other in everything:
-        await stack.lifecycle.unload(other, reason="bench")
+        await stack.lifecycle.unload(other)
     return out
 
 
 async def _unloaded(stack: Any, model: str) -> None:
-    await stack.lifecycle.unload(model, reason="bench")
+    await stack.lifecycle.unload(model)
     await wait_state(stack, model, "unloaded", 60)
 
 
@@ -202,7 +202,7 @@ async def run(
     load_start = [round(v, 2) for v in os.getloadavg()]
     entries = _entries(root, models, memory_copies)
     async with serving_stack(root / "stack", entries) as stack:
-        admin = stack.lifecycle.triton
+        admin = stack.admin
         loads: list[tuple[str, float]] = []
         real_load = admin.load
 
