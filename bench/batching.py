@@ -74,7 +74,7 @@ async def run(
         "models": {},
     }
     async with serving_stack(root / "stack", entries) as stack:
-        admin = stack.lifecycle.triton
+        admin = stack.admin
         async with LoadWorker() as worker:
             for model, info in models.items():
                 await stack.lifecycle.ensure_ready(model)
@@ -117,7 +117,7 @@ async def run(
                     row["inprocess_batch"] = b
                     row["inprocess_rows_per_s"] = round(ceiling[b]["rows_per_s"], 1)
                     row["triton_vs_inprocess"] = round(row["rows_per_s"] / ceiling[b]["rows_per_s"], 4)
-                await stack.lifecycle.unload(model, reason="bench")
+                await stack.lifecycle.unload(model)
                 out["models"][model] = {
                     "description": info["description"],
                     "predict_ms_batch_1": round(ceiling[1]["ms_per_call"], 4),
@@ -137,7 +137,7 @@ TORCH_CONCURRENCY = (1, 32)
 
 
 async def _torch_workers(stack: Any, worker: LoadWorker, seconds: float, warmup: float, rounds: int) -> dict[str, Any]:
-    admin = stack.lifecycle.triton
+    admin = stack.admin
     variants = list(TORCH_VARIANTS)
     for model in variants:
         await stack.lifecycle.ensure_ready(model)
@@ -189,7 +189,7 @@ async def _torch_workers(stack: Any, worker: LoadWorker, seconds: float, warmup:
             "rounds": {str(c): cells[model][c] for c in TORCH_CONCURRENCY},
         }
     for model in variants:
-        await stack.lifecycle.unload(model, reason="bench")
+        await stack.lifecycle.unload(model)
     return out
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import ADMIN_KEY, API_KEY, fp32, gateway_urls, serving_stack, write_package
+from bench.zipf import Zipf
 
 MIB = 1024 * 1024
 HOT = 3  # the most requested models, reported apart
@@ -58,11 +59,6 @@ def _package(root: Path, index: int, version: int, ballast_mb: int) -> Path:
     folder = root / "packages" / f"m{index:02d}-v{version}"
     source = MODEL_PY.format(scale=_scale(index, version), ballast_mb=ballast_mb)
     return write_package(folder, source, [fp32("x", 2)], [fp32("y", 2)], warmup=False)
-
-
-def _zipf_weights(n: int, s: float) -> np.ndarray:
-    w = 1.0 / np.arange(1, n + 1) ** s
-    return w / w.sum()
 
 
 def _available_policies(policies: list[str]) -> tuple[list[str], list[str]]:
@@ -118,7 +114,7 @@ class _Traffic:
     def __init__(self, root: Path, *, models: int, ballast_mb: int, zipf_s: float, seed: int, seconds: float) -> None:
         self.root, self.models, self.ballast_mb, self.seed = root, models, ballast_mb, seed
         self.names = [f"churn-{i:02d}" for i in range(models)]
-        self.weights = _zipf_weights(models, zipf_s)
+        self.popularity = Zipf(models, zipf_s)
         self.version = dict.fromkeys(self.names, 0)
         self.publishing: dict[str, int] = {}  # model -> the version its republish under way (or last) publishes
         self.rows: list[dict[str, Any]] = []
@@ -136,7 +132,7 @@ class _Traffic:
         conn = _Clients(urls)
         try:
             while time.perf_counter() < self.end:
-                i = int(rng.choice(self.models, p=self.weights))
+                i = self.popularity.draw(rng)
                 model = self.names[i]
                 protocol = "grpc" if rng.random() < 0.5 else "http"
                 x = np.array([[float(k + 1), float(len(self.rows) % 997)]], np.float32)
@@ -379,7 +375,6 @@ async def run(
                 settings=settings or {},
             )
         )
-    weights = _zipf_weights(models, zipf_s)
     return {
         "settings": {
             "models": models,
@@ -389,7 +384,7 @@ async def run(
             "clients": clients,
             "zipf_s": zipf_s,
             "hot_models": HOT,
-            "hot_traffic_share": round(float(weights[:HOT].sum()), 3),
+            "hot_traffic_share": round(Zipf(models, zipf_s).share(HOT), 3),
             "republish_secs": republish_secs,
             "seed": seed,
             "policies_skipped": skipped,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,10 @@ WARM_REQUESTS = 5  # warm requests timed after each pre-warmed first request
 # after an idle gap pays the wake-ups of the threads on its path (client, Envoy, Triton, the stub), warm or not.
 PREWARM_LEAD_SECS = 0.5
 MAX_BATCH = 8  # the deployment default
+Request = tuple[bytes, dict[str, str]]  # an HTTP inference body and its headers
 
 
-def _request(model: Any) -> tuple[bytes, dict[str, str]]:
+def _request(model: Any) -> Request:
     import tritonclient.http as httpclient
 
     tensors = []
@@ -97,15 +99,99 @@ async def _memory(stack: Any, models: list[str], copies: int) -> dict[str, Any]:
         row: dict[str, Any] = {}
         for n in (1, copies):
             for other in everything:
-                await stack.lifecycle.unload(other, reason="bench")
+                await stack.lifecycle.unload(other)
             for m in group[:n]:
                 await stack.lifecycle.ensure_ready(m)
             await asyncio.sleep(0.5)  # let the loads' page faults settle
             row[f"{n}_loaded"] = model_memory(stack, group[:n])
         out[model] = row
     for other in everything:
-        await stack.lifecycle.unload(other, reason="bench")
+        await stack.lifecycle.unload(other)
     return out
+
+
+async def _unloaded(stack: Any, model: str) -> None:
+    await stack.lifecycle.unload(model)
+    await wait_state(stack, model, "unloaded", 60)
+
+
+async def _cold(
+    stack: Any, http: aiohttp.ClientSession, base: str, model: str, request: Request, loads: list[tuple[str, float]]
+) -> tuple[float, float]:
+    """One cold request through the gateway: its first response, and the one Triton load it caused."""
+    await _unloaded(stack, model)
+    async with http.get(f"{base}/v2/health/live") as r:  # the connection is open before timing
+        await r.read()
+    await asyncio.sleep(0.2)
+    loads.clear()
+    body, headers = request
+    start = time.perf_counter()
+    async with http.post(f"{base}/v2/models/{model}/infer", data=body, headers=headers) as r:
+        await r.read()
+        status = r.status
+    first = time.perf_counter() - start
+    if status != 200:
+        raise RuntimeError(f"cold request to {model} answered HTTP {status}")
+    mine = [secs for name, secs in loads if name == model]
+    if len(mine) != 1:
+        raise RuntimeError(f"expected one Triton load of {model} per cold request, saw {loads}")
+    return first, mine[0]
+
+
+async def _direct(
+    stack: Any, http: aiohttp.ClientSession, triton: str, model: str, request: Request, load: Callable[..., Any]
+) -> tuple[float, float]:
+    """The fair baseline for a first response, straight to Triton: its own load plus the first inference of a fresh
+    python stub (tens of ms in Triton itself). (load and first inference, first inference) in seconds."""
+    await _unloaded(stack, model)
+    async with http.get(f"{triton}/v2/health/live") as r:  # open, as the gateway's is
+        await r.read()
+    body, headers = request
+    direct_start = time.perf_counter()
+    await load(model)
+    loaded = time.perf_counter()
+    async with http.post(f"{triton}/v2/models/{model}/infer", data=body, headers=headers) as r:
+        await r.read()
+    direct = time.perf_counter() - direct_start
+    first_infer = time.perf_counter() - loaded
+    await stack.lifecycle.sweep()  # adopt the model loaded behind its back
+    return direct, first_infer
+
+
+async def _prewarmed(stack: Any, http: aiohttp.ClientSession, base: str, model: str, request: Request) -> list[float]:
+    """A pre-warm: the lifecycle loads the model with no request waiting (the load runs the config's warm-up
+    inference), then the first request, a few warm ones and one more after a gap, through the gateway."""
+    await _unloaded(stack, model)
+    await stack.lifecycle.load(model)
+    async with http.get(f"{base}/v2/health/live") as r:  # the same open connection as the warm ones
+        await r.read()
+    await asyncio.sleep(PREWARM_LEAD_SECS)
+    body, headers = request
+    timed = []
+    for i in range(2 + WARM_REQUESTS):
+        if i == 1 + WARM_REQUESTS:
+            await asyncio.sleep(PREWARM_LEAD_SECS)  # the control: warm, after the same gap
+        start = time.perf_counter()
+        async with http.post(f"{base}/v2/models/{model}/infer", data=body, headers=headers) as r:
+            await r.read()
+        timed.append(time.perf_counter() - start)
+    return timed
+
+
+def _sample(cold: tuple[float, float], direct: tuple[float, float], timed: list[float]) -> dict[str, float]:
+    (first, load), (direct_total, first_infer) = cold, direct
+    return {
+        "prewarmed_first_s": timed[0],
+        "warm_s": sorted(timed[1:-1])[len(timed[1:-1]) // 2],
+        "warm_after_gap_s": timed[-1],
+        "first_response_s": first,
+        "triton_load_s": load,
+        "overhead_s": first - load,
+        "direct_load_and_first_infer_s": direct_total,
+        "direct_load_s": direct_total - first_infer,
+        "direct_first_infer_s": first_infer,
+        "overhead_vs_direct_s": first - direct_total,
+    }
 
 
 async def run(
@@ -116,7 +202,7 @@ async def run(
     load_start = [round(v, 2) for v in os.getloadavg()]
     entries = _entries(root, models, memory_copies)
     async with serving_stack(root / "stack", entries) as stack:
-        admin = stack.lifecycle.triton
+        admin = stack.admin
         loads: list[tuple[str, float]] = []
         real_load = admin.load
 
@@ -142,105 +228,49 @@ async def run(
             first_counted = 1 if warmup_cycle else 0  # a warm-up cycle 0 warms the page cache and imports: not counted
             for cycle in range(first_counted + cycles):
                 for model in models:
-                    await stack.lifecycle.unload(model, reason="bench")
-                    await wait_state(stack, model, "unloaded", 60)
-                    async with http.get(f"{base}/v2/health/live") as r:  # the connection is open before timing
-                        await r.read()
-                    await asyncio.sleep(0.2)
-                    loads.clear()
-                    body, headers = requests[model]
-                    start = time.perf_counter()
-                    async with http.post(f"{base}/v2/models/{model}/infer", data=body, headers=headers) as r:
-                        await r.read()
-                        status = r.status
-                    first = time.perf_counter() - start
-                    if status != 200:
-                        raise RuntimeError(f"cold request to {model} answered HTTP {status}")
-                    mine = [secs for name, secs in loads if name == model]
-                    if len(mine) != 1:
-                        raise RuntimeError(f"expected one Triton load of {model} per cold request, saw {loads}")
-                    # The fair baseline for a first response: Triton's own load plus the first inference
-                    # of a fresh python stub (tens of ms in Triton itself), both straight to Triton.
-                    await stack.lifecycle.unload(model, reason="bench")
-                    await wait_state(stack, model, "unloaded", 60)
-                    async with direct_http.get(f"{triton}/v2/health/live") as r:  # open, as the gateway's is
-                        await r.read()
-                    direct_start = time.perf_counter()
-                    await real_load(model)
-                    loaded = time.perf_counter()
-                    async with direct_http.post(f"{triton}/v2/models/{model}/infer", data=body, headers=headers) as r:
-                        await r.read()
-                    direct = time.perf_counter() - direct_start
-                    first_infer = time.perf_counter() - loaded
-                    await stack.lifecycle.sweep()  # adopt the model loaded behind its back
-                    # A pre-warm: the lifecycle loads the model with no request waiting (the load runs the
-                    # config's warm-up inference), then the first request and a few warm ones, through the gateway.
-                    await stack.lifecycle.unload(model, reason="bench")
-                    await wait_state(stack, model, "unloaded", 60)
-                    await stack.lifecycle.load(model)
-                    async with http.get(f"{base}/v2/health/live") as r:  # the same open connection as the warm ones
-                        await r.read()
-                    await asyncio.sleep(PREWARM_LEAD_SECS)
-                    timed = []
-                    for i in range(2 + WARM_REQUESTS):
-                        if i == 1 + WARM_REQUESTS:
-                            await asyncio.sleep(PREWARM_LEAD_SECS)  # the control: warm, after the same gap
-                        start = time.perf_counter()
-                        async with http.post(f"{base}/v2/models/{model}/infer", data=body, headers=headers) as r:
-                            await r.read()
-                        timed.append(time.perf_counter() - start)
+                    cold = await _cold(stack, http, base, model, requests[model], loads)
+                    direct = await _direct(stack, direct_http, triton, model, requests[model], real_load)
+                    timed = await _prewarmed(stack, http, base, model, requests[model])
                     if cycle >= first_counted:
-                        samples[model].append(
-                            {
-                                "prewarmed_first_s": timed[0],
-                                "warm_s": sorted(timed[1:-1])[len(timed[1:-1]) // 2],
-                                "warm_after_gap_s": timed[-1],
-                                "first_response_s": first,
-                                "triton_load_s": mine[0],
-                                "overhead_s": first - mine[0],
-                                "direct_load_and_first_infer_s": direct,
-                                "direct_load_s": direct - first_infer,
-                                "direct_first_infer_s": first_infer,
-                                "overhead_vs_direct_s": first - direct,
-                            }
-                        )
+                        samples[model].append(_sample(cold, direct, timed))
         admin.load = real_load
         memory = await _memory(stack, models, memory_copies)
-    out: dict[str, Any] = {
+    return {
         "cycles": cycles,
         "warmup_cycle": warmup_cycle,
         "protocol": "HTTP through the gateway (Envoy 404 retry -> activator)",
         "load_average": {"start": load_start, "end": [round(v, 2) for v in os.getloadavg()]},
-        "models": {},
+        "models": {model: _model_summary(model, rows) for model, rows in samples.items()},
         "memory": memory,
         "memory_copies": memory_copies,
     }
-    for model, rows in samples.items():
-        first = summary([r["first_response_s"] for r in rows])
-        load = summary([r["triton_load_s"] for r in rows])
-        overhead = summary([r["overhead_s"] for r in rows])
-        direct = summary([r["direct_load_and_first_infer_s"] for r in rows])
-        decomposition = {
-            key: summary([r[key] for r in rows if key in r])
-            for key in ("direct_load_s", "direct_first_infer_s", "overhead_vs_direct_s")
-        }
-        overhead_direct = summary([r["overhead_vs_direct_s"] for r in rows])
-        prewarmed, warm = summary([r["prewarmed_first_s"] for r in rows]), summary([r["warm_s"] for r in rows])
-        warm_gap = summary([r["warm_after_gap_s"] for r in rows])
-        out["models"][model] = {
-            "description": MODELS.get(model, model),
-            "first_response_s": first,
-            "triton_load_s": load,
-            "overhead_s": overhead,
-            "direct_load_and_first_infer_s": direct,
-            "overhead_vs_direct_s": overhead_direct,
-            "decomposition_s": decomposition,
-            "prewarmed_first_s": prewarmed,
-            "warm_s": warm,
-            "prewarmed_first_vs_warm": round(prewarmed["median"] / warm["median"], 2) if warm else None,
-            "warm_after_gap_s": warm_gap,
-            "prewarm_lead_s": PREWARM_LEAD_SECS,
-            "first_response_vs_triton_load": round(first["median"] / load["median"], 3) if load else None,
-            "samples": [{k: round(v, 4) for k, v in r.items()} for r in rows],
-        }
-    return out
+
+
+def _model_summary(model: str, rows: list[dict[str, float]]) -> dict[str, Any]:
+    first = summary([r["first_response_s"] for r in rows])
+    load = summary([r["triton_load_s"] for r in rows])
+    overhead = summary([r["overhead_s"] for r in rows])
+    direct = summary([r["direct_load_and_first_infer_s"] for r in rows])
+    decomposition = {
+        key: summary([r[key] for r in rows if key in r])
+        for key in ("direct_load_s", "direct_first_infer_s", "overhead_vs_direct_s")
+    }
+    overhead_direct = summary([r["overhead_vs_direct_s"] for r in rows])
+    prewarmed, warm = summary([r["prewarmed_first_s"] for r in rows]), summary([r["warm_s"] for r in rows])
+    warm_gap = summary([r["warm_after_gap_s"] for r in rows])
+    return {
+        "description": MODELS.get(model, model),
+        "first_response_s": first,
+        "triton_load_s": load,
+        "overhead_s": overhead,
+        "direct_load_and_first_infer_s": direct,
+        "overhead_vs_direct_s": overhead_direct,
+        "decomposition_s": decomposition,
+        "prewarmed_first_s": prewarmed,
+        "warm_s": warm,
+        "prewarmed_first_vs_warm": round(prewarmed["median"] / warm["median"], 2) if warm else None,
+        "warm_after_gap_s": warm_gap,
+        "prewarm_lead_s": PREWARM_LEAD_SECS,
+        "first_response_vs_triton_load": round(first["median"] / load["median"], 3) if load else None,
+        "samples": [{k: round(v, 4) for k, v in r.items()} for r in rows],
+    }

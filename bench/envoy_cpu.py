@@ -1,7 +1,7 @@
 """What each Envoy configuration costs a warm unary request in Envoy's own CPU, with Triton taken out.
 
-The bare hop, the gateway as served, and the gateway less each filter (``gateway_filters.VARIANTS``) or each
-part of its routes (``gateway_filters.ROUTE_EDITS``), all in front of one more Envoy that answers every request
+The bare hop, the gateway as served, and the gateway less each filter (``gateway_variants.VARIANTS``) or each
+part of its routes (``gateway_variants.ROUTE_EDITS``), all in front of one more Envoy that answers every request
 itself (``ceiling_bootstrap``: no Triton, no model, an HTTP 200 or a trailers-only gRPC OK). Only the Envoy under
 test differs between targets. The number is its CPU time (user + system, /proc) over its own count of downstream
 requests, per round, median over interleaved rounds at one concurrency. No throughput: the CPU a request takes moves
@@ -23,18 +23,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bench._load import Job, LoadWorker, bare_envoy_bootstrap, ceiling_bootstrap
+from bench._load import Job, LoadWorker
 from bench.common import API_KEY
-from bench.gateway_filters import (
-    KEYLESS,
-    MODEL,
-    PROTOCOLS,
-    ROUTE_EDITS,
-    VARIANTS,
-    Bootstrap,
-    cpu_seconds,
-    variant_bootstraps,
-)
+from bench.gateway_filters import KEYLESS, MODEL, PROTOCOLS, cpu_seconds
+from bench.gateway_variants import ROUTE_EDITS, VARIANTS, Bootstrap, variant_bootstraps
+from bench.reference_envoys import bare_envoy_bootstrap, ceiling_bootstrap
 from controlplane.gateway.envoy import ApiKey, EnvoyProcess, Upstream, find_envoy, render_bootstrap
 from controlplane.triton.launcher import free_port
 
@@ -53,11 +46,11 @@ def configurations(root: Path, variants: tuple[str, ...], *, twin: bool) -> tupl
     )
     http, grpc = Upstream("127.0.0.1", ports[0]), Upstream("127.0.0.1", ports[1])
 
-    def bootstrap_of(ports: tuple[int, int], *, keys: bool = True, omit: Any = ()) -> str:
+    def bootstrap_of(ports: tuple[int, int], *, keys: bool = True) -> str:
         return render_bootstrap(
             host="127.0.0.1", http_port=ports[0], grpc_port=ports[1], admin_port=0,
             triton_http=http, triton_grpc=grpc, activator_http=http, activator_grpc=grpc,
-            wake_buffer_bytes=WAKE_BUFFER, api_keys=[ApiKey(API_KEY, "bench")] if keys else [], omit=omit,
+            wake_buffer_bytes=WAKE_BUFFER, api_keys=[ApiKey(API_KEY, "bench")] if keys else [],
         )  # fmt: skip
 
     def bare(ports: tuple[int, int], key: str | None = None) -> str:
@@ -80,7 +73,7 @@ def configurations(root: Path, variants: tuple[str, ...], *, twin: bool) -> tupl
 async def run(
     root: Path, *, seconds: float, rounds: int, concurrency: int, variants: tuple[str, ...] = (*VARIANTS, *ROUTE_EDITS)
 ) -> dict[str, Any]:
-    """``variants``: the filters or route parts left out in turn (``gateway_filters.VARIANTS``, ``ROUTE_EDITS``)."""
+    """``variants``: the filters or route parts left out in turn (``gateway_variants.VARIANTS``, ``ROUTE_EDITS``)."""
     upstream, bootstraps = configurations(root, variants, twin=True)
     processes: dict[str, EnvoyProcess] = {}
     urls: dict[str, dict[str, str]] = {}

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.zipf import Zipf
 from controlplane.lifecycle.memory.eviction import MIB, POLICIES, Candidate, EvictionPolicy, eviction_policy
 
 MODELS = 40
@@ -129,10 +130,7 @@ def make_models(rng: np.random.Generator, n: int = MODELS, prefix: str = "m") ->
 
 def zipf_ids(rng: np.random.Generator, ids: list[str], s: float, count: int) -> list[str]:
     """``count`` requests over ``ids``, Zipf(``s``) over a random ranking of them."""
-    ranking = list(rng.permutation(ids))
-    weights = 1.0 / np.arange(1, len(ids) + 1) ** s
-    picks = rng.choice(len(ids), size=count, p=weights / weights.sum())
-    return [ranking[k] for k in picks]
+    return Zipf(len(ids), s).requests(rng, ids, count)
 
 
 def zipf_trace(s: float) -> Callable[[np.random.Generator, dict[str, ReplayModel], int], list[str]]:

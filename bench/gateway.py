@@ -11,8 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench._load import Job, LoadWorker, bare_envoy_bootstrap, ceiling_bootstrap
+from bench._load import Job, LoadWorker
 from bench.common import API_KEY, direct_urls, echo_package, gateway_urls, serving_stack
+from bench.reference_envoys import bare_envoy_bootstrap, ceiling_bootstrap
 from controlplane.gateway.envoy import EnvoyProcess, Upstream
 from controlplane.triton.launcher import free_port
 

@@ -5,15 +5,14 @@ For each (protocol, concurrency), every round measures every target for a short 
 from round to round, so a burst of load from the machine's other users lands on different targets and the bare hop
 is measured within seconds of each variant; the table takes medians over rounds of per-round numbers (throughput
 over the bare hop of the same round, p50 over direct of the same round).
-The variants are extra Envoy processes rendered by ``render_bootstrap(omit=...)`` in front of the same Triton and
-activator, with the served gateway's keys (``no_auth``, ``no_filters``: rendered without keys).
+The variants are extra Envoy processes in front of the same Triton and activator, each the served gateway's
+bootstrap less one part (``bench/gateway_variants.py``), with its keys (``no_auth``, ``no_filters``: without keys).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -21,39 +20,31 @@ from typing import Any
 
 import psutil
 
-from bench._load import AlternatingJob, Job, LoadWorker, bare_envoy_bootstrap
+from bench._load import AlternatingJob, Job, LoadWorker
 from bench.common import API_KEY, direct_urls, echo_package, fp32, gateway_urls, serving_stack, write_package
+from bench.gateway_variants import (
+    KEYLESS_VARIANTS,
+    VARIANTS,
+    Bootstrap,
+    check_variants,
+    variant_bootstraps,
+    with_grpc_retry_buffer,
+)
+from bench.reference_envoys import bare_envoy_bootstrap
 from controlplane.gateway.envoy import (
     GRPC_RETRY_BUFFER_BYTES,
-    OPTIONAL_FILTERS,
     EnvoyProcess,
     Upstream,
     gateway_keys,
-    ready_dir_path,
     render_bootstrap,
 )
+from controlplane.gateway.wake_lua import ready_dir_path
 from controlplane.triton.journal import REQUEST_ID_HEADER
 from controlplane.triton.launcher import free_port
 
 MODEL = "bench-echo"
 CONCURRENCY = (1, 32)
 PROTOCOLS = ("grpc", "http")
-# Each filter left out in turn; "no_filters": none of them (what the routes alone cost: retry, gate, request id).
-VARIANTS = ("no_auth", *(f"no_{name}" for name in OPTIONAL_FILTERS), "no_filters")
-# What the routes do besides filters, each left out of the served bootstrap in turn (section gateway_routes; the
-# regexes must match, so a change to the template fails the bench rather than measuring the gateway twice).
-ROUTE_EDITS = {
-    # Envoy's x-request-id (Triton forwards it to the stub, which journals it): not generated (what Envoy saves;
-    # the bare hop's requests still carry one, which Triton forwards too)
-    "no_request_id": (r"generate_request_id: true", "generate_request_id: false"),
-    # the retry to the activator (and the request copy it keeps)
-    "no_retry": r"\n *retry_policy:\n(?:.*\n)*? *retry_back_off:[^\n]*",
-    # the snapshot gate (a runtime_fraction route ahead of every other)
-    "no_gate": r"\n *- match:\n *prefix: /\n *runtime_fraction:\n(?:[^\n]*\n){4}[^\n]*",
-    # the access log of held requests (a metadata filter per request)
-    "no_access_log": r"\n *access_log:\n(?:.*\n)*? *inline_string: \"%DYNAMIC_METADATA[^\n]*",
-}
-ROUTE_VARIANTS = tuple(ROUTE_EDITS)
 # A warm large gRPC request: what the copy Envoy keeps for the retry costs it, against the same gateway whose gRPC
 # retry buffer is HTTP's (a request over it is not kept, so not copied: no wake for it either) and direct Triton.
 SINK = "bench-sink"
@@ -96,9 +87,7 @@ async def run(
     Each round is one cycle of ``seconds`` per target, in turn (``AlternatingJob``), ``warmup`` once per target
     first. ``python -m bench --only gateway_targets`` runs the issue's check alone (direct, the bare hops, the
     gateway with and without keys and its twin, over many rounds), ``--only gateway_routes`` the route variants."""
-    if unknown := set(variants) - set(VARIANTS) - set(ROUTE_EDITS):
-        known = ", ".join((*VARIANTS, *ROUTE_EDITS))
-        raise ValueError(f"unknown gateway variants {sorted(unknown)}: one of {known}")
+    check_variants(variants)
     pkg = echo_package(root / "pkg" / MODEL)
     sink = write_package(root / "pkg" / SINK, SINK_PY, [fp32("x", -1)], [fp32("y", 4)])
     entries = [
@@ -114,23 +103,7 @@ async def run(
         urls: dict[str, dict[str, str]] = {
             "direct": direct_urls(stack), "direct_with_id": direct_urls(stack), "gateway": gateway_urls(stack)
         }  # fmt: skip
-
-        def bootstrap_of(ports: tuple[int, int], *, keys: bool = True, omit: list[str] | tuple[str, ...] = ()) -> str:
-            return render_bootstrap(
-                host="127.0.0.1",
-                http_port=ports[0],
-                grpc_port=ports[1],
-                admin_port=0,
-                triton_http=triton["http"],
-                triton_grpc=triton["grpc"],
-                activator_http=Upstream.parse(stack.activator.http_address),
-                activator_grpc=Upstream.parse(stack.activator.grpc_address),
-                wake_buffer_bytes=stack.settings.wake_buffer_bytes,
-                api_keys=gateway_keys(stack.settings) if keys else [],
-                ready_dir=ready_dir_path(stack.settings),
-                omit=omit,
-            )
-
+        bootstrap_of = _served(stack, triton)
         envoys = {**_bare_bootstraps(triton, bare_auth), **variant_bootstraps(bootstrap_of, variants, twin=twin)}
         if large_requests:
             envoys.update(_large_bootstraps(bootstrap_of, stack.settings.wake_buffer_bytes))
@@ -149,43 +122,15 @@ async def run(
             *(["gateway_twin"] if twin else []),
             *(f"gateway_{v}" for v in variants),
         ]
-        large: list[dict[str, Any]] = []
-        runs: list[dict[str, Any]] = []
-        lua_before, lua_during, restarts = _lua_executions(stack.gateway.stats()), 0, 0
         try:
             for process in processes.values():
                 process.start()
             async with LoadWorker() as worker:
-                block = restart_every or rounds
-                for protocol in PROTOCOLS:
-                    for concurrency in CONCURRENCY:
-                        for first in range(0, rounds, block):
-                            if first:  # every Envoy of the run, the served gateway too, as a new process
-                                lua_during += _lua_executions(stack.gateway.stats()) - lua_before
-                                for process in (stack.gateway, *processes.values()):
-                                    process.stop()
-                                    process.start()
-                                lua_before = _lua_executions(stack.gateway.stats())
-                                restarts += 1
-                            runs += await _alternating(
-                                worker, stack, processes, urls, targets, protocol, concurrency,
-                                range(first, min(rounds, first + block)), seconds, warmup,
-                            )  # fmt: skip
-                lua_during += _lua_executions(stack.gateway.stats()) - lua_before
-                for r in range(rounds if large_requests else 0):
-                    for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
-                        job = Job(
-                            "grpc",
-                            urls[name]["grpc"],
-                            SINK,
-                            1,
-                            seconds * 2,
-                            shape=[1, LARGE_FLOATS],
-                            headers={} if name == "direct" else {"x-api-key": API_KEY},
-                            warmup_secs=warmup,
-                        )
-                        result = await worker.run(job)
-                        large.append({"round": r, "target": name, "p50_ms": result.p50_ms, "errors": result.errors})
+                runs, lua_during, restarts = await _rounds(
+                    worker, stack, processes, urls, targets, rounds=rounds, block=restart_every or rounds,
+                    seconds=seconds, warmup=warmup,
+                )  # fmt: skip
+                large = await _large(worker, urls, rounds if large_requests else 0, seconds, warmup)
         finally:
             for process in processes.values():
                 process.stop()
@@ -209,6 +154,83 @@ async def run(
         "table": _table(runs, targets, rounds),
         "large": _large_summary(large) if large_requests else None,
     }
+
+
+def _served(stack: Any, triton: dict[str, Upstream]) -> Callable[..., str]:
+    """The served gateway's bootstrap for other ports (``keys``: with the stack's API keys), as production renders."""
+
+    def bootstrap_of(ports: tuple[int, int], *, keys: bool = True) -> str:
+        return render_bootstrap(
+            host="127.0.0.1",
+            http_port=ports[0],
+            grpc_port=ports[1],
+            admin_port=0,
+            triton_http=triton["http"],
+            triton_grpc=triton["grpc"],
+            activator_http=Upstream.parse(stack.activator.http_address),
+            activator_grpc=Upstream.parse(stack.activator.grpc_address),
+            wake_buffer_bytes=stack.settings.wake_buffer_bytes,
+            api_keys=gateway_keys(stack.settings) if keys else [],
+            ready_dir=ready_dir_path(stack.settings),
+        )
+
+    return bootstrap_of
+
+
+async def _rounds(
+    worker: LoadWorker,
+    stack: Any,
+    processes: dict[str, EnvoyProcess],
+    urls: dict[str, dict[str, str]],
+    targets: list[str],
+    *,
+    rounds: int,
+    block: int,
+    seconds: float,
+    warmup: float,
+) -> tuple[list[dict[str, Any]], int, int]:
+    """Every (protocol, concurrency) over ``rounds`` cycles, every Envoy restarted after each ``block`` of them:
+    the per-round records, the served gateway's Lua runs over them, and the restarts."""
+    runs: list[dict[str, Any]] = []
+    lua_before, lua_during, restarts = _lua_executions(stack.gateway.stats()), 0, 0
+    for protocol in PROTOCOLS:
+        for concurrency in CONCURRENCY:
+            for first in range(0, rounds, block):
+                if first:  # every Envoy of the run, the served gateway too, as a new process
+                    lua_during += _lua_executions(stack.gateway.stats()) - lua_before
+                    for process in (stack.gateway, *processes.values()):
+                        process.stop()
+                        process.start()
+                    lua_before = _lua_executions(stack.gateway.stats())
+                    restarts += 1
+                runs += await _alternating(
+                    worker, stack, processes, urls, targets, protocol, concurrency,
+                    range(first, min(rounds, first + block)), seconds, warmup,
+                )  # fmt: skip
+    lua_during += _lua_executions(stack.gateway.stats()) - lua_before
+    return runs, lua_during, restarts
+
+
+async def _large(
+    worker: LoadWorker, urls: dict[str, dict[str, str]], rounds: int, seconds: float, warmup: float
+) -> list[dict[str, Any]]:
+    """A warm 32 MiB gRPC request per round to each large target, the order rotating."""
+    large = []
+    for r in range(rounds):
+        for name in LARGE_TARGETS[r % 3 :] + LARGE_TARGETS[: r % 3]:
+            job = Job(
+                "grpc",
+                urls[name]["grpc"],
+                SINK,
+                1,
+                seconds * 2,
+                shape=[1, LARGE_FLOATS],
+                headers={} if name == "direct" else {"x-api-key": API_KEY},
+                warmup_secs=warmup,
+            )
+            result = await worker.run(job)
+            large.append({"round": r, "target": name, "p50_ms": result.p50_ms, "errors": result.errors})
+    return large
 
 
 async def _alternating(
@@ -266,26 +288,6 @@ def cpu_seconds(pid: int, *, tree: bool) -> float:
     return total
 
 
-Bootstrap = Callable[[tuple[int, int]], str]  # an Envoy's bootstrap for its (HTTP, gRPC) ports
-
-
-def variant_bootstraps(
-    bootstrap_of: Callable[..., str], variants: tuple[str, ...], *, twin: bool
-) -> dict[str, Bootstrap]:
-    """The twin (the served bootstrap again) and each variant: a filter left out (``VARIANTS``) or a part of the
-    routes (``ROUTE_EDITS``)."""
-    out: dict[str, Bootstrap] = {"gateway_twin": bootstrap_of} if twin else {}
-    for variant in variants:
-        if variant in ROUTE_EDITS:
-            out[f"gateway_{variant}"] = lambda ports, v=variant: _without(bootstrap_of(ports), v)
-            continue
-        omitted = {"no_filters": "all"}.get(variant, variant.removeprefix("no_"))
-        out[f"gateway_{variant}"] = lambda ports, o=omitted: bootstrap_of(
-            ports, keys=o not in ("auth", "all"), omit={"auth": [], "all": OPTIONAL_FILTERS}.get(o, [o])
-        )
-    return out
-
-
 def _bare_bootstraps(triton: dict[str, Upstream], with_key: bool) -> dict[str, Bootstrap]:
     """The bare hop, and with ``with_key`` the bare hop that checks the gateway's API key too."""
 
@@ -306,38 +308,21 @@ def _bare_bootstraps(triton: dict[str, Upstream], with_key: bool) -> dict[str, B
 
 def _large_bootstraps(bootstrap_of: Callable[..., str], http_buffer: int) -> dict[str, Bootstrap]:
     """The served gateway (its gRPC retry keeps any message) and the same with HTTP's retry buffer for gRPC."""
-    limit = f"request_body_buffer_limit: {GRPC_RETRY_BUFFER_BYTES}"
 
-    def with_buffer(buffer: int) -> Bootstrap:
-        def bootstrap(ports: tuple[int, int]) -> str:
-            text = bootstrap_of(ports)
-            assert text.count(limit) == 1, "the gRPC listener's retry buffer moved"
-            return text.replace(limit, f"request_body_buffer_limit: {buffer}")
+    def no_copy(ports: tuple[int, int]) -> str:
+        return with_grpc_retry_buffer(bootstrap_of(ports), http_buffer, served=GRPC_RETRY_BUFFER_BYTES)
 
-        return bootstrap
-
-    return {"gateway_large": with_buffer(GRPC_RETRY_BUFFER_BYTES), "gateway_large_no_copy": with_buffer(http_buffer)}
+    return {"gateway_large": bootstrap_of, "gateway_large_no_copy": no_copy}
 
 
 # Rendered without keys (as ``make serve`` runs the gateway, --no-auth): their clients send none either.
-KEYLESS = ("direct", "bare_envoy", "gateway_no_auth", "gateway_no_filters")  # bare_envoy_auth: sent the key
+KEYLESS = ("direct", "bare_envoy", *(f"gateway_{v}" for v in KEYLESS_VARIANTS))  # bare_envoy_auth: sent the key
 
 
 def _headers(target: str) -> dict[str, str]:
     if target == "direct_with_id":
         return {REQUEST_ID_HEADER: "bench-request-id"}
     return {} if target in KEYLESS else {"x-api-key": API_KEY}
-
-
-def _without(bootstrap: str, variant: str) -> str:
-    """The served bootstrap less one thing its routes do (``ROUTE_EDITS``: a pattern taken out, or a pattern and
-    what replaces it)."""
-    edit = ROUTE_EDITS[variant]
-    pattern, replacement = edit if isinstance(edit, tuple) else (edit, "")
-    edited, n = re.subn(pattern, replacement, bootstrap)
-    if not n:
-        raise ValueError(f"{variant}: its pattern no longer matches the gateway's bootstrap (bench/gateway_filters.py)")
-    return edited
 
 
 def _large_summary(large: list[dict[str, Any]]) -> dict[str, Any]:

@@ -198,7 +198,7 @@ async def run(root: Path, *, cycles: int, tokens: int, warm_cycles: int | None =
     async with serving_stack(root / "stack", entries, sweep_interval_secs=0.2) as stack:
         gw, direct = gateway_urls(stack), direct_urls(stack)
         key = {"x-api-key": API_KEY}
-        triton = stack.lifecycle.triton
+        triton = stack.admin
         cold: dict[str, list[float]] = {"gateway_first_token": [], "triton_load": [], "direct_first_token": []}
         for _ in range(cycles):
             await stack.lifecycle.unload(MODEL)

@@ -42,7 +42,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -55,7 +55,7 @@ from controlplane.child_processes import log_tail, spawn, stop_group
 from controlplane.errors import SnoozeError
 from controlplane.gateway import grpc_names
 from controlplane.gateway.lua import lua_string, program
-from controlplane.gateway.wake_lua import (  # the paths: re-exported, the activator and the bench import them here
+from controlplane.gateway.wake_lua import (  # the paths: re-exported, the activator imports them here
     METADATA_KEY,
     METADATA_NAMESPACE,
     grpc_wake_chain,
@@ -89,8 +89,6 @@ UNAUTHORIZED_MESSAGE = (
 )
 MAX_UPSTREAM = 100_000
 WAKE_FILTER_NAME = "snoozeml.wake"  # the first wake filter (HTTP's only one; gRPC's first stage)
-# Filters the bench can leave out one at a time (render_bootstrap(omit=...)) to measure what each costs.
-OPTIONAL_FILTERS = ("hints", "wake", "dead_stub")
 GATE_RUNTIME_KEY = "snooze.gateway.closed"
 GATE_CLOSED_MESSAGE = (
     "snoozeml is not admitting requests: a snapshot of this workload is being taken; retry once it is restored"
@@ -185,18 +183,14 @@ def render_bootstrap(
     api_keys: Sequence[ApiKey] = (),
     held_log: Path | str = os.devnull,
     ready_dir: Path | str | None = None,
-    omit: Collection[str] = (),
 ) -> str:
     """The Envoy bootstrap YAML. No ``api_keys`` = no auth filter (auth off). ``held_log``: the access log
     of held requests' ends, which the activator tails (``held_log_path``). ``ready_dir``: the ready flags
-    (``ready_dir_path``); None: every stream waits for the activator's answer before it moves on.
-    ``omit``: filters left out (``OPTIONAL_FILTERS``), for the bench's per-filter cost only."""
+    (``ready_dir_path``); None: every stream waits for the activator's answer before it moves on."""
     if wake_buffer_bytes <= 0:
         raise GatewayError(f"wake_buffer_bytes must be positive, got {wake_buffer_bytes}")
-    if unknown := set(omit) - set(OPTIONAL_FILTERS):
-        raise GatewayError(f"unknown gateway filters {sorted(unknown)}", hint=f"one of {', '.join(OPTIONAL_FILTERS)}")
     flags = None if ready_dir is None else str(ready_dir)
-    grpc_wake = [] if "wake" in omit else grpc_wake_chain(flags)
+    grpc_wake = grpc_wake_chain(flags)
     hints_dir = lua_string("" if flags is None else flags.rstrip("/") + "/")
     dead_stub_lua = program(
         "dead_stub",
@@ -225,26 +219,24 @@ def render_bootstrap(
         max_upstream=MAX_UPSTREAM,
         gate_runtime_key=GATE_RUNTIME_KEY,
         gate_closed_message=GATE_CLOSED_MESSAGE,
-        http_wake_lua=[] if "wake" in omit else [http_wake_lua(wake_buffer_bytes, flags)],
+        http_wake_lua=[http_wake_lua(wake_buffer_bytes, flags)],
         grpc_wake_lua=grpc_wake,
         wake_filter_names=[WAKE_FILTER_NAME] + [f"snoozeml.stream_wake.{i}" for i in range(2, len(grpc_wake) + 1)],
-        omit=set(omit),
         hold_namespace=METADATA_NAMESPACE,
         hold_key=METADATA_KEY,
         held_log=str(held_log),
-        **_on_error_filters(omit, program("error_hints", ready_dir=hints_dir), dead_stub_lua),
+        **_on_error_filters(program("error_hints", ready_dir=hints_dir), dead_stub_lua),
     )
 
 
-def _on_error_filters(omit: Collection[str], hints_lua: str, dead_stub_lua: str) -> dict[str, list[tuple[str, ...]]]:
+def _on_error_filters(hints_lua: str, dead_stub_lua: str) -> dict[str, list[tuple[str, ...]]]:
     """The Lua filters made only for an error answer (header, value, filter name, source): the shape hint
     (gRPC: on its listener, for a trailers-only INVALID_ARGUMENT; HTTP: on the Triton clusters' upstream side,
     for a 400) and the dead-stub marker (infer_http's upstream side, for a 500)."""
-    hint = "hints" not in omit
     return {
-        "grpc_hints": [("grpc-status", "3", "snoozeml.hints_lua", hints_lua)] if hint else [],
-        "http_hints": [(":status", "400", "snoozeml.hints_lua", hints_lua)] if hint else [],
-        "dead_stub": [] if "dead_stub" in omit else [(":status", "500", "snoozeml.dead_stub_lua", dead_stub_lua)],
+        "grpc_hints": [("grpc-status", "3", "snoozeml.hints_lua", hints_lua)],
+        "http_hints": [(":status", "400", "snoozeml.hints_lua", hints_lua)],
+        "dead_stub": [(":status", "500", "snoozeml.dead_stub_lua", dead_stub_lua)],
     }
 
 
