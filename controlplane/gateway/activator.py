@@ -30,10 +30,10 @@ import httpx
 import uvicorn
 
 from controlplane.errors import SnoozeError
-from controlplane.gateway.envoy import held_log_path, ready_dir_path
 from controlplane.gateway.grpc_adapter import GRPC_OPTIONS, GrpcActivator
 from controlplane.gateway.handlers import HoldRegistry, ModelAnswers, ReadyFlags, Waker, input_names_hint
 from controlplane.gateway.http_adapter import HttpForwarder, create_http_app
+from controlplane.gateway.wake_lua import held_log_path, ready_dir_path
 from controlplane.lifecycle.gateway_port import GatewayPort
 from controlplane.servers import EmbeddedUvicorn
 from controlplane.settings import Settings

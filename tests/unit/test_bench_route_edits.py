@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from bench.gateway_filters import ROUTE_EDITS, _without
-from controlplane.gateway.envoy import EnvoyProcess, Upstream, render_bootstrap
+from controlplane.gateway.envoy import Upstream, render_bootstrap
+from controlplane.gateway.envoy_process import EnvoyProcess
 
 
 def _served() -> str:
