@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SnoozeError
+from .errors import DescribedError
 
 SPEC_FILE = "snooze_runtime.json"
 SUPPORTED_FORMAT = 1
@@ -44,7 +44,7 @@ WORKERS = ("in-stub", "preforked")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
-class SpecError(SnoozeError, ValueError):
+class SpecError(DescribedError, ValueError):
     """The model folder does not fit the runtime contract (spec file, entrypoint, class, params)."""
 
 
