@@ -25,7 +25,7 @@ from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
 from controlplane.modes import TargetName
 from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
-from controlplane.warmup import warmup_plan, warmup_view
+from controlplane.warmup_samples import warmup_plan, warmup_view
 from converters.files import PYTHON_MODEL_FILE
 from python_backend.spec import SPEC_FILE
 

@@ -70,7 +70,7 @@ def sample_inputs(folder: Path, config: Any) -> dict[str, Any]:
     from tritonclient.grpc import model_config_pb2
     from tritonclient.utils import deserialize_bytes_tensor
 
-    from controlplane.warmup import SHORT_STRING, WARMUP_DIR
+    from controlplane.warmup_samples import SHORT_STRING, WARMUP_DIR
 
     arrays: dict[str, Any] = {}
     for warmup in config.model_warmup[:1]:
@@ -101,7 +101,7 @@ def learned_inputs(folder: Path, config: Any) -> dict[str, Any]:
     one item each: what its next load warms up with."""
     import numpy as np
 
-    from controlplane.warmup import learned_shapes
+    from controlplane.warmup_samples import learned_shapes
 
     declared = {name: from_triton(t) for name, t, _ in config_tensors(config, "input")}
     arrays: dict[str, Any] = {}

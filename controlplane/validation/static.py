@@ -20,7 +20,7 @@ from controlplane.render import (
     parse_config,
 )
 from controlplane.validation.report import CheckResult, Recorder
-from controlplane.warmup import WARMUP_DIR
+from controlplane.warmup_samples import WARMUP_DIR
 from converters.files import ONNX_FILE, PLAN_FILE, PYTHON_MODEL_FILE
 from python_backend.spec import SPEC_FILE
 
