@@ -397,7 +397,7 @@ def _converted_manifest(
     body["metadata"] = {
         **manifest.metadata,
         "converted_from": {
-            "kind": "custom",
+            "kind": PackageKind.CUSTOM,
             "provenance": f"{PROVENANCE_DIR}/",
             "entrypoint": manifest.entrypoint,
             "class": manifest.class_name,

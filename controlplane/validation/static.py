@@ -22,7 +22,7 @@ from controlplane.render import (
 from controlplane.validation.report import CheckResult, Recorder
 from controlplane.warmup_samples import WARMUP_DIR
 from converters.files import ONNX_FILE, PLAN_FILE, PYTHON_MODEL_FILE
-from python_backend.spec import SPEC_FILE
+from python_backend.spec import SPEC_FILE, RuntimeKind
 
 # platform -> backend, and the file Triton looks for when the config names none.
 PLATFORM_BACKENDS = {
@@ -299,7 +299,7 @@ def _check_python(m: _ModelFolder) -> None:
                 m.rel(version),
             )
         package_dir = version / PACKAGE_SUBDIR
-        if spec is not None and spec.kind == "onnx":
+        if spec is not None and spec.kind is RuntimeKind.ONNX:
             onnx_path = package_dir / (spec.onnx_file or "")
             if not onnx_path.is_file():
                 m.rec.fail(
@@ -361,7 +361,7 @@ def _check_manifest_and_params(m: _ModelFolder, spec: Any, package_dir: Path) ->
     except InvalidPackageError as exc:
         m.rec.fail("manifest", exc.message, file=rel, fix=exc.hint or "correct the manifest and re-render")
         return
-    if spec.kind == "custom":
+    if spec.kind is RuntimeKind.CUSTOM:
         drift = [
             f"{key} is {ours!r} in {SPEC_FILE} but {theirs!r} in the manifest"
             for key, ours, theirs in (
@@ -374,7 +374,7 @@ def _check_manifest_and_params(m: _ModelFolder, spec: Any, package_dir: Path) ->
         if drift:
             m.rec.fail("manifest", "; ".join(drift), file=rel, fix="re-render the model from its package")
             return
-    kind = PackageKind.ONNX if spec.kind == "onnx" else PackageKind.CUSTOM
+    kind = PackageKind(spec.kind)
     package = ModelPackage(package_dir, kind, manifest, [], [], [])
     if kind is PackageKind.ONNX and not manifest_path.exists():
         # An ONNX package is served without its manifest (render checked the params against its schema):
@@ -391,7 +391,7 @@ def _check_manifest_and_params(m: _ModelFolder, spec: Any, package_dir: Path) ->
                 fix=exc.hint or "declare the params in the manifest's params_schema",
             )
             return
-    if spec.kind == "onnx" and validated:
+    if spec.kind is RuntimeKind.ONNX and validated:
         bad = _unknown_session_options(validated)
         if bad:
             m.rec.fail(
@@ -415,7 +415,7 @@ def _unknown_session_options(params: dict[str, Any]) -> list[str]:
 
 def _check_imports(m: _ModelFolder, entry: Path, spec: Any, package_dir: Path) -> None:
     """The entry file, and a custom package's entrypoint, imported by the runtime's probe (a child process)."""
-    custom = spec is not None and spec.kind == "custom"
+    custom = spec is not None and spec.kind is RuntimeKind.CUSTOM
     job = {
         "entry_file": str(entry.resolve()),
         "package_dir": str(package_dir.resolve()),
