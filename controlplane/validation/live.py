@@ -252,12 +252,12 @@ async def _load_one(
 async def _load_all(
     http_url: str, models: list[tuple[Path, Any]], headers: dict[str, str], default_timeout: float, strict: bool = False
 ) -> list[CheckResult]:
-    from controlplane.triton.client import TritonAdminClient
+    from controlplane.triton.client import IndexState, TritonAdminClient
 
     # The restricted model-repository API of a compose/Kubernetes Triton wants its key in a header.
     async with TritonAdminClient(http_url, headers=headers or None) as admin:
         try:
-            ready = {e.name for e in await admin.repository_index() if e.state == "READY"}
+            ready = {e.name for e in await admin.repository_index() if e.state == IndexState.READY}
         except SnoozeError as exc:
             rec = Recorder(REPOSITORY)
             rec.fail(
