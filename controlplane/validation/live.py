@@ -19,7 +19,8 @@ from controlplane.dtypes import from_triton
 from controlplane.errors import SnoozeError
 from controlplane.render import DEPLOYMENT_FILE, TritonTarget
 from controlplane.validation.report import REPOSITORY, SKIP, CheckResult, Recorder
-from controlplane.validation.static import PLATFORM_BACKENDS, config_tensors
+from controlplane.validation.static import PLATFORM_BACKENDS
+from controlplane.validation.static_onnx import config_tensors
 
 DEFAULT_LOAD_TIMEOUT_SECS = 300.0
 
