@@ -28,7 +28,8 @@ from bench.common import API_KEY
 from bench.gateway_filters import KEYLESS, MODEL, PROTOCOLS, cpu_seconds
 from bench.gateway_variants import ROUTE_EDITS, VARIANTS, Bootstrap, variant_bootstraps
 from bench.reference_envoys import bare_envoy_bootstrap, ceiling_bootstrap
-from controlplane.gateway.envoy import ApiKey, EnvoyProcess, Upstream, find_envoy, render_bootstrap
+from controlplane.gateway.envoy import ApiKey, Upstream, render_bootstrap
+from controlplane.gateway.envoy_process import EnvoyProcess, find_envoy
 from controlplane.triton.launcher import free_port
 
 WAKE_BUFFER = 8 * 1024 * 1024  # the served default (SNOOZE_WAKE_BUFFER_BYTES)

@@ -14,7 +14,8 @@ from typing import Any
 from bench._load import Job, LoadWorker
 from bench.common import API_KEY, direct_urls, echo_package, gateway_urls, serving_stack
 from bench.reference_envoys import bare_envoy_bootstrap, ceiling_bootstrap
-from controlplane.gateway.envoy import EnvoyProcess, Upstream
+from controlplane.gateway.envoy import Upstream
+from controlplane.gateway.envoy_process import EnvoyProcess
 from controlplane.triton.launcher import free_port
 
 MODEL = "bench-echo"

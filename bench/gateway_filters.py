@@ -31,13 +31,8 @@ from bench.gateway_variants import (
     with_grpc_retry_buffer,
 )
 from bench.reference_envoys import bare_envoy_bootstrap
-from controlplane.gateway.envoy import (
-    GRPC_RETRY_BUFFER_BYTES,
-    EnvoyProcess,
-    Upstream,
-    gateway_keys,
-    render_bootstrap,
-)
+from controlplane.gateway.envoy import GRPC_RETRY_BUFFER_BYTES, Upstream, gateway_keys, render_bootstrap
+from controlplane.gateway.envoy_process import EnvoyProcess
 from controlplane.gateway.wake_lua import ready_dir_path
 from controlplane.triton.journal import REQUEST_ID_HEADER
 from controlplane.triton.launcher import free_port

@@ -38,7 +38,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from bench.common import API_KEY, direct_urls, fp32, gateway_urls, serving_stack, write_package
-from controlplane.gateway.envoy import EnvoyProcess
+from controlplane.gateway.envoy_process import EnvoyProcess
 from controlplane.triton.launcher import free_port
 
 MODEL = "bench-tokens"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable, Mapping
-from enum import Enum
+from enum import StrEnum
 
 from controlplane.errors import AuthError, ForbiddenError, SnoozeError
 from controlplane.metrics import SnoozeMetrics
@@ -19,7 +19,7 @@ from controlplane.settings import Settings
 _KEY_HINT = "send the key as 'X-API-Key: <key>' or 'Authorization: Bearer <key>'"
 
 
-class Scope(str, Enum):
+class Scope(StrEnum):
     INFERENCE = "inference"
     ADMIN = "admin"
 

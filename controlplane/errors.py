@@ -68,6 +68,13 @@ class TritonLaunchError(SnoozeError):
     code = "triton_launch_failed"
 
 
+class GatewayError(SnoozeError):
+    """Envoy could not be found, configured or started."""
+
+    status_code = 500
+    code = "gateway_failed"
+
+
 class TritonError(SnoozeError):
     """Triton answered an admin request with an error, or did not answer at all."""
 

@@ -75,7 +75,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -95,7 +95,7 @@ DEFAULT_LOAD_SECS = 1.0  # lead time of a pre-warm until a load has been measure
 KeepAliveKind = KeepAliveMode
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     KEEP = "keep"  # leave the model as it is
     UNLOAD = "unload"  # idle unload (the lifecycle still checks in-flight requests)
     PREWARM = "prewarm"  # load it ahead of the predicted request, from free budget only

@@ -29,6 +29,7 @@ with native_package(path, max_batch_size=8, params=overrides, progress=print) as
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -166,49 +167,10 @@ def prefer_native(
         return NativeDecision(
             package_dir, True, f"already a native package ({package.kind.value}); nothing to convert", None, None
         )
-
-    def fallback(stage: str, why: str, hint: str | None = None, **extra: Any) -> NativeDecision:
-        return NativeDecision(
-            package_dir,
-            False,
-            f"serving the custom package (python backend): {why}",
-            extra.pop("report", None),
-            extra.pop("export_secs", None),
-            stage=stage,
-            hint=hint,
-            **extra,
-        )
-
-    manifest = package.manifest
-    entry = package_dir / manifest.entrypoint
-    if manifest.tensor_format == TensorFormat.RAW:
-        return fallback(
-            "package",
-            f"{package_dir / MANIFEST_FILE}: tensor_format 'raw' (per-request tensors) cannot be checked "
-            "against a collated batch",
-            "use tensor_format 'numpy' if requests can be concatenated along the batch axis",
-        )
-    if max_batch_size <= 0:
-        return fallback(
-            "package",
-            "max_batch_size 0: the exporter always makes a dynamic batch axis",
-            "publish with max_batch_size > 0 to serve the exported model",
-        )
-    try:
-        hook = find_export_hook(package_dir, manifest.entrypoint, manifest.class_name)
-    except (SyntaxError, UnicodeDecodeError) as exc:
-        return fallback("hook", f"{entry}: cannot be parsed to look for an export hook ({exc})")
-    if hook is None:
-        return fallback(
-            "hook",
-            f"{entry} has no export hook",
-            f"define {manifest.class_name}.export_module(self) returning (torch.nn.Module, "
-            "{input_name: example_batch}) to have it served as ONNX",
-        )
-    if not torch_available():
-        return fallback(
-            "torch", "torch is not installed here, so the export cannot run", "pip install 'snoozeml[torch]'"
-        )
+    fallback = functools.partial(_fallback, package_dir)
+    hook = _export_hook(package, max_batch_size, fallback)
+    if isinstance(hook, NativeDecision):
+        return hook
 
     effective = validate_params(package, dict(params or {}), model_id=package_dir.name)
     created = _prepare_out_dir(out_dir, package_dir)
@@ -224,12 +186,12 @@ def prefer_native(
             "opset": opset,
             "tolerances": {k: list(v) for k, v in (tolerances or {}).items()},
             "user_inputs": [{k: str(Path(v).resolve()) for k, v in batch.items()} for batch in user_inputs],
-            "entrypoint": manifest.entrypoint,
-            "class_name": manifest.class_name,
+            "entrypoint": package.manifest.entrypoint,
+            "class_name": package.manifest.class_name,
             "params": effective,
         }
         notify(f"starting the export worker ({hook})")
-        result = run_worker(request, progress=notify, timeout=timeout, env=manifest.env)
+        result = run_worker(request, progress=notify, timeout=timeout, env=package.manifest.env)
         _artifact_beside_report(result, work)
         if not result.get("ok"):
             decision = _failed(result, work, out_dir, package_dir, fallback)
@@ -241,6 +203,58 @@ def prefer_native(
         if created and (decision is None or not decision.native) and not any(out_dir.iterdir()):
             out_dir.rmdir()  # nothing to show: leave no empty folder behind
     return decision
+
+
+def _fallback(package_dir: Path, stage: str, why: str, hint: str | None = None, **extra: Any) -> NativeDecision:
+    """The decision to serve the custom package itself, saying at which ``stage`` the export stopped and why."""
+    return NativeDecision(
+        package_dir,
+        False,
+        f"serving the custom package (python backend): {why}",
+        extra.pop("report", None),
+        extra.pop("export_secs", None),
+        stage=stage,
+        hint=hint,
+        **extra,
+    )
+
+
+def _export_hook(
+    package: ModelPackage, max_batch_size: int, fallback: Callable[..., NativeDecision]
+) -> str | NativeDecision:
+    """Where the package's export hook is, or the fallback saying why no export can run: raw tensors, no batch
+    axis, no hook (or an entry file that does not parse), no torch here. Nothing is imported."""
+    manifest = package.manifest
+    entry = package.path / manifest.entrypoint
+    if manifest.tensor_format == TensorFormat.RAW:
+        return fallback(
+            "package",
+            f"{package.path / MANIFEST_FILE}: tensor_format 'raw' (per-request tensors) cannot be checked "
+            "against a collated batch",
+            "use tensor_format 'numpy' if requests can be concatenated along the batch axis",
+        )
+    if max_batch_size <= 0:
+        return fallback(
+            "package",
+            "max_batch_size 0: the exporter always makes a dynamic batch axis",
+            "publish with max_batch_size > 0 to serve the exported model",
+        )
+    try:
+        hook = find_export_hook(package.path, manifest.entrypoint, manifest.class_name)
+    except (SyntaxError, UnicodeDecodeError) as exc:
+        return fallback("hook", f"{entry}: cannot be parsed to look for an export hook ({exc})")
+    if hook is None:
+        return fallback(
+            "hook",
+            f"{entry} has no export hook",
+            f"define {manifest.class_name}.export_module(self) returning (torch.nn.Module, "
+            "{input_name: example_batch}) to have it served as ONNX",
+        )
+    if not torch_available():
+        return fallback(
+            "torch", "torch is not installed here, so the export cannot run", "pip install 'snoozeml[torch]'"
+        )
+    return hook
 
 
 def _artifact_beside_report(result: Mapping[str, Any], work: Path) -> None:
@@ -383,7 +397,7 @@ def _converted_manifest(
     body["metadata"] = {
         **manifest.metadata,
         "converted_from": {
-            "kind": "custom",
+            "kind": PackageKind.CUSTOM,
             "provenance": f"{PROVENANCE_DIR}/",
             "entrypoint": manifest.entrypoint,
             "class": manifest.class_name,

@@ -25,7 +25,7 @@ from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
 from controlplane.modes import TargetName
 from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
-from controlplane.warmup import warmup_plan, warmup_view
+from controlplane.warmup_samples import warmup_plan, warmup_view
 from converters.files import PYTHON_MODEL_FILE
 from python_backend.spec import SPEC_FILE
 
@@ -141,7 +141,7 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
     return {
         "format": 1,
         "model_id": spec.id,
-        "kind": "onnx" if spec.package.kind is PackageKind.ONNX else "custom",
+        "kind": PackageKind.ONNX if spec.package.kind is PackageKind.ONNX else PackageKind.CUSTOM,
         "entrypoint": manifest.entrypoint,
         "class_name": manifest.class_name,
         "onnx_file": spec.package.model_file,
@@ -228,7 +228,7 @@ def deployment_record(spec: ModelSpec, backend: str) -> dict[str, Any]:
     return {
         "format": 1,
         "deployment": spec.deployment.model_dump(mode="json"),
-        "kind": spec.package.kind.value,
+        "kind": spec.package.kind,
         "backend": backend,
         "inputs": [t.model_dump() for t in spec.package.inputs],
         "outputs": [t.model_dump() for t in spec.package.outputs],

@@ -28,7 +28,7 @@ from controlplane.errors import SnoozeError
 from controlplane.metrics import SnoozeMetrics
 from controlplane.modes import AuthMode
 from controlplane.render import TritonTarget, embedded_target, target_by_name
-from controlplane.servers import EmbeddedUvicorn
+from controlplane.servers import EmbeddedUvicorn, wait_started
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, discover, entry_point_deployments, resolve
 from controlplane.store import ModelStore
@@ -95,14 +95,12 @@ class ServingStack:
             uvicorn.Config(app, host=s.host, port=s.api_port, log_level="warning", access_log=False, lifespan="off")
         )
         self._api_task = asyncio.create_task(self._api.serve())
-        while not self._api.started:
-            if self._api_task.done():
-                await self._api_task
-                raise SnoozeError(
-                    f"the control API could not listen on {s.host}:{s.api_port}",
-                    hint="free the port or pass --api-port",
-                )
-            await asyncio.sleep(0.02)
+        await wait_started(
+            self._api,
+            self._api_task,
+            f"the control API could not listen on {s.host}:{s.api_port}",
+            hint="free the port or pass --api-port",
+        )
 
     async def _start_triton(self) -> tuple[str, str, str | None, TritonTarget]:
         s = self.settings

@@ -12,7 +12,7 @@ from typing import Any
 
 from controlplane.conversion_worker import DEFAULT_TIMEOUT_SECS, ConversionFailed, Progress, run_worker
 from controlplane.dtypes import parse_dtype
-from controlplane.spec import MANIFEST_FILE
+from controlplane.spec import MANIFEST_FILE, PackageKind
 from converters.files import PLAN_FILE
 
 
@@ -100,7 +100,7 @@ def build_tensorrt_package(
             "outputs": specs(sig.outputs),
             "metadata": {
                 "converted_from": {
-                    "kind": "onnx",
+                    "kind": PackageKind.ONNX,
                     "file": str(onnx_path),
                     "fp16": fp16,
                     "max_batch_size": max_batch_size,

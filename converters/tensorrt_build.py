@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from converters.errors import TensorRTBuildError, TensorRTUnavailableError
@@ -28,7 +28,7 @@ ALTERNATIVE = (
 )
 
 
-class TensorRTMode(str, Enum):
+class TensorRTMode(StrEnum):
     """How a model reaches TensorRT."""
 
     PLAN = "plan"

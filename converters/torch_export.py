@@ -26,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ Progress = Callable[[str], None]
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-class Exporter(str, Enum):
+class Exporter(StrEnum):
     DYNAMO = "dynamo"
     TORCHSCRIPT = "torchscript"
 

@@ -64,27 +64,29 @@ _FIXES = {
 }
 
 
-class SnoozeError(Exception):
-    """An error whose kind and wording the runtime already decided."""
+class DescribedError(Exception):
+    """The root of the runtime's own errors: its kind and wording are decided where it is raised, so
+    ``describe_failure`` passes it on as it is. (Not ``controlplane.errors.SnoozeError``: this runtime runs in
+    Triton's stub and cannot import the control plane.)"""
 
     kind = INTERNAL
 
 
-class InvalidInput(SnoozeError):
+class InvalidInput(DescribedError):
     kind = INVALID_INPUT
 
 
-class BadModelOutput(SnoozeError):
+class BadModelOutput(DescribedError):
     """predict returned something that does not match the declared outputs: a bug in the model."""
 
     kind = MODEL_ERROR
 
 
-class PredictTimeout(SnoozeError):
+class PredictTimeout(DescribedError):
     kind = TIMEOUT
 
 
-class RemoteFailure(SnoozeError):
+class RemoteFailure(DescribedError):
     """A failure a preforked worker process already described: its kind and message (without the
     prefix), so that the stub's answer reads exactly as if the model ran in the stub."""
 
@@ -162,7 +164,7 @@ def describe_failure(exc: BaseException, model_id: str, stage: str, batch_size: 
     `stage` names the user call that failed ("predict"); `batch_size` is the collated batch's size
     when known, because it is the first thing to change on an out-of-memory error.
     """
-    if isinstance(exc, SnoozeError):
+    if isinstance(exc, DescribedError):
         return exc.kind, f"{prefix(exc.kind, model_id)} {exc}"
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     if stage == "predict" and refuses_input(exc):

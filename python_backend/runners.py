@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import PredictTimeout
 from .import_probe import import_model_class
-from .spec import RuntimeSpec, SpecError
+from .spec import RuntimeKind, RuntimeSpec, SpecError
 from .strings import decode_text, encode_text
 
 ONNX_STRING = "tensor(string)"  # an onnxruntime NodeArg's type for a string tensor
@@ -132,7 +132,7 @@ def build_model(spec: RuntimeSpec, package_dir: str) -> Any:
 
     Whatever the spec's `worker`: the stub chooses between this and a preforked worker
     (triton_model.py); a preforked worker, and a stub that cannot get one, run it with this."""
-    if spec.kind == "onnx":
+    if spec.kind == RuntimeKind.ONNX:
         return OnnxRunner(spec.onnx_file, [t.name for t in spec.outputs], **spec.params)
     return import_user_class(spec, package_dir)(**spec.params)
 

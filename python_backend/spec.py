@@ -9,11 +9,12 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import numpy as np
 
-from .errors import SnoozeError
+from .errors import DescribedError
 
 SPEC_FILE = "snooze_runtime.json"
 SUPPORTED_FORMAT = 1
@@ -37,14 +38,26 @@ WIRE_TO_NUMPY: dict[str, np.dtype] = {
     "BYTES": np.dtype(np.object_),
 }
 
-KINDS = ("custom", "onnx")
 TENSOR_FORMATS = ("numpy", "raw")
 # Where the user's code runs: in the stub itself, or in a worker forked from a preloaded parent.
 WORKERS = ("in-stub", "preforked")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
-class SpecError(SnoozeError, ValueError):
+class RuntimeKind(str, Enum):
+    """What the runtime serves: the package's own ``Model`` (custom) or an ONNX file run by onnxruntime."""
+
+    CUSTOM = "custom"
+    ONNX = "onnx"
+
+    def __str__(self) -> str:  # the value, as StrEnum's str() (Python 3.11) gives; this runtime runs on 3.10 too
+        return self.value
+
+
+KINDS = tuple(kind.value for kind in RuntimeKind)
+
+
+class SpecError(DescribedError, ValueError):
     """The model folder does not fit the runtime contract (spec file, entrypoint, class, params)."""
 
 
@@ -62,7 +75,7 @@ class TensorSpec:
 @dataclass(frozen=True)
 class RuntimeSpec:
     model_id: str
-    kind: str
+    kind: RuntimeKind
     tensor_format: str
     max_batch_size: int
     inputs: tuple[TensorSpec, ...]
@@ -121,9 +134,9 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
 
     entrypoint = raw.get("entrypoint")
     onnx_file = raw.get("onnx_file")
-    if kind == "custom" and not (isinstance(entrypoint, str) and entrypoint.endswith(".py")):
+    if kind == RuntimeKind.CUSTOM and not (isinstance(entrypoint, str) and entrypoint.endswith(".py")):
         raise fail(f"kind 'custom' needs 'entrypoint' naming a .py file inside package/, got {entrypoint!r}")
-    if kind == "onnx" and not (isinstance(onnx_file, str) and onnx_file):
+    if kind == RuntimeKind.ONNX and not (isinstance(onnx_file, str) and onnx_file):
         raise fail("kind 'onnx' needs 'onnx_file' naming the .onnx file inside package/")
 
     env = raw.get("env") or {}
@@ -149,7 +162,7 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
 
     return RuntimeSpec(
         model_id=model_id,
-        kind=kind,
+        kind=RuntimeKind(kind),
         tensor_format=tensor_format,
         max_batch_size=max_batch_size,
         inputs=inputs,

@@ -24,7 +24,7 @@ from .exits import OVERRUN_EXIT_CODE
 from .journal import RequestJournal, note_phase
 from .runners import PredictWatchdog, build_model, call_with_limit, device_for
 from .sequences import SEQUENCE_END, SEQUENCE_START, SequenceNote
-from .spec import RuntimeSpec, load_spec, spec_path
+from .spec import RuntimeKind, RuntimeSpec, load_spec, spec_path
 from .warmup import (
     LEARNED,
     SAMPLES,
@@ -140,7 +140,8 @@ class TritonPythonModel:
         self._sequences = SequenceNote.from_environment(spec.model_id, json.loads(args.get("model_config") or "{}"))
         # Decided once here, not per request: the compiled signature and the bound calls of the request path.
         # An ONNX model's per-request conversion (its text inputs decoded) runs in the plan, before collation.
-        self._plan = BatchPlan(spec, getattr(self._model, "prepare_inputs", None) if spec.kind == "onnx" else None)
+        prepare = getattr(self._model, "prepare_inputs", None) if spec.kind == RuntimeKind.ONNX else None
+        self._plan = BatchPlan(spec, prepare)
         # Rank-0 tensors: [1] on the wire (config dims [1], reshape []), [] for the model (see _scalar_inputs).
         self._scalars = tuple(t.name for t in spec.inputs if t.dims == ())
         self._scalar_outputs = tuple(t.name for t in spec.outputs if t.dims == ())

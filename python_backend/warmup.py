@@ -12,7 +12,7 @@ said once and the model loads). Inputs learned from the model's traffic (``learn
 model folder, written by the control plane) replace generated ones; the runtime notes the first real
 request's shapes (``ShapeNote``) so that the control plane can learn them.
 
-Reads what ``controlplane/warmup.py`` renders (and what Triton reads): per input ``zero_data``, or
+Reads what ``controlplane/warmup_samples.py`` renders (and what Triton reads): per input ``zero_data``, or
 ``input_data_file`` under ``<model>/warmup/`` holding raw little-endian values, or for strings 4-byte
 length-prefixed elements. Standard library + numpy, Python 3.10 syntax.
 """
@@ -136,7 +136,7 @@ def shapes_of(spec: RuntimeSpec, arrays: dict[str, np.ndarray]) -> dict[str, dic
 class WarmupNote:
     """``<journal dir>/<pid>-<start ticks>.warmup``, JSON ``{"model", "source", "skipped", "learned"}``: the
     warm-up this process ran (its source; why a generated one was skipped) and the shapes of its first real
-    request, for the control plane (``controlplane/warmup.py`` reads it). Written twice at most."""
+    request, for the control plane (``controlplane/warmup_samples.py`` reads it). Written twice at most."""
 
     def __init__(self, path: str, model_id: str) -> None:
         self.path = path

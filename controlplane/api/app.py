@@ -137,6 +137,8 @@ def _limited_receive(receive: Receive, limit: int, what: str) -> Receive:
 
 
 def _admin_router(settings: Settings, services: ControlPlaneServices, ops: ModelOperations) -> APIRouter:
+    """Every /v1 route, each behind the admin scope."""
+
     async def require_admin(
         request: Request,
         _key: Annotated[str | None, Security(_api_key_header)] = None,
@@ -145,6 +147,13 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
         check_scope(settings, request.headers, Scope.ADMIN, metrics=services.metrics, surface="api")
 
     router = APIRouter(prefix=f"/{API_VERSION}", dependencies=[Depends(require_admin)], responses=_ERRORS)
+    _publish_routes(router, settings, ops)
+    _model_routes(router, services, ops)
+    return router
+
+
+def _publish_routes(router: APIRouter, settings: Settings, ops: ModelOperations) -> None:
+    """Publish: an uploaded archive, or a folder on the server's filesystem."""
 
     @router.post(
         "/models",
@@ -197,6 +206,10 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
     )
     async def publish_path(deployment: Annotated[DeploymentSpec, Body()]) -> dict[str, Any]:
         return await ops.publish_path(deployment)
+
+
+def _model_routes(router: APIRouter, services: ControlPlaneServices, ops: ModelOperations) -> None:
+    """List, describe, delete, load and unload published models; the shared runtime."""
 
     @router.get("/models", response_model=list[ModelSummary], tags=["models"], summary="List published models")
     async def list_models() -> list[dict[str, Any]]:
@@ -256,8 +269,6 @@ def _admin_router(settings: Settings, services: ControlPlaneServices, ops: Model
     )
     async def unload_model(model_id: ModelId) -> dict[str, Any]:
         return await ops.unload(model_id)
-
-    return router
 
 
 def create_app(settings: Settings, services: ControlPlaneServices) -> FastAPI:

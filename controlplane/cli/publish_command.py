@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,6 +15,8 @@ from controlplane.cli.control_client import DEFAULT_URL, ApiKey, Url, open_clien
 from controlplane.cli.output import AsJson, err_console, fail, out_console
 from controlplane.cli.status_command import status_table
 from controlplane.errors import SnoozeError
+
+_PATH_HINT = "pass the package folder (it is packed for you) or an archive of it"
 
 
 def _parse_params(items: list[str]) -> dict[str, Any]:
@@ -110,8 +113,6 @@ def publish(
       snoozectl publish ./my-net --id my-net --load --max-batch-size 16 --idle-timeout-secs 600
       snoozectl publish my-net.tar.gz --id my-net --json
     """
-    from contextlib import ExitStack
-
     options = {
         "device": device,
         "max_batch_size": max_batch_size,
@@ -125,13 +126,7 @@ def publish(
     }
     deployment = {k: v for k, v in options.items() if v is not None}
     if not server_path and not path.exists():
-        raise fail(
-            SnoozeError(
-                f"{path}: no such file or folder",
-                hint="pass the package folder (it is packed for you) or an archive of it",
-            ),
-            as_json,
-        )
+        raise fail(SnoozeError(f"{path}: no such file or folder", hint=_PATH_HINT), as_json)
     with open_client(url, api_key, as_json) as client, ExitStack() as native:
         from controlplane.api.client import default_model_id
 
@@ -142,35 +137,50 @@ def publish(
             deployment["params"] = _parse_params(param)
         decision = None
         if prefer_native and path.is_dir() and not server_path:  # archives and server paths go as they are
-            from controlplane.native import native_package
-
-            def convert(progress: Callable[[str], None]) -> Any:
-                batch = deployment.get("max_batch_size", 8)
-                return native.enter_context(
-                    native_package(path, max_batch_size=batch, params=deployment.get("params"), progress=progress)
-                )
-
-            if as_json:
-                decision = convert(lambda _stage: None)
-            else:
-                with err_console.status("looking for a native export") as spinner:
-                    decision = convert(lambda stage: spinner.update(f"converting to ONNX: {stage}"))
+            decision = _native_decision(path, deployment, native, as_json)
             path = decision.publish_path
             if decision.converted:  # the params are baked into the exported graph
                 deployment.pop("params", None)
-        if server_path:
-            detail = waiting(f"publishing {name}", as_json, lambda: client.publish_path(path, name, **deployment))
-        else:
-            bar, update = _upload_progress(as_json)
-            if bar is None:
-                detail = client.publish_archive(path, name, **deployment)
-            else:
-                with bar:
-                    detail = client.publish_archive(path, name, progress=update, **deployment)
+        detail = _send(client, path, name, deployment, server_path=server_path, as_json=as_json)
         if load:
             detail["status"] = _load_or_withdraw(client, name, existed, as_json)
     if decision is not None:
         detail["conversion"] = {"native": decision.native, "converted": decision.converted, "reason": decision.reason}
+    _say_published(detail, decision, name, load=load, as_json=as_json)
+
+
+def _native_decision(path: Path, deployment: dict[str, Any], native: ExitStack, as_json: bool) -> Any:
+    """``native_package`` for a package folder, its stages on a spinner; the converted package lives as long as
+    ``native``."""
+    from controlplane.native import native_package
+
+    def convert(progress: Callable[[str], None]) -> Any:
+        batch = deployment.get("max_batch_size", 8)
+        return native.enter_context(
+            native_package(path, max_batch_size=batch, params=deployment.get("params"), progress=progress)
+        )
+
+    if as_json:
+        return convert(lambda _stage: None)
+    with err_console.status("looking for a native export") as spinner:
+        return convert(lambda stage: spinner.update(f"converting to ONNX: {stage}"))
+
+
+def _send(
+    client: Any, path: Path, name: str, deployment: dict[str, Any], *, server_path: bool, as_json: bool
+) -> dict[str, Any]:
+    """Publish ``path``: by its path on the server, or uploaded as an archive with a progress bar."""
+    if server_path:
+        return waiting(f"publishing {name}", as_json, lambda: client.publish_path(path, name, **deployment))
+    bar, update = _upload_progress(as_json)
+    if bar is None:
+        return client.publish_archive(path, name, **deployment)
+    with bar:
+        return client.publish_archive(path, name, progress=update, **deployment)
+
+
+def _say_published(detail: dict[str, Any], decision: Any, name: str, *, load: bool, as_json: bool) -> None:
+    """The answer: one JSON object, or `published ...`, its notes and (with --load) the status table."""
     if as_json:
         print(json.dumps(detail))
         return

@@ -19,11 +19,10 @@ from typing import Protocol
 import uvicorn
 from rich.console import Console
 
-from controlplane.errors import SnoozeError
 from controlplane.fleet.api import create_fleet_app
 from controlplane.fleet.gateway import FleetGateway, NodeAddress
 from controlplane.gateway.envoy import gateway_keys
-from controlplane.servers import EmbeddedUvicorn
+from controlplane.servers import EmbeddedUvicorn, wait_started
 from controlplane.settings import Settings
 
 HEALTH_CHECK_SECS = 1.0
@@ -61,11 +60,12 @@ class FleetFrontend:
             uvicorn.Config(app, host=s.host, port=s.api_port, log_level="warning", access_log=False, lifespan="on")
         )
         self._api_task = asyncio.create_task(self._api.serve())
-        while not self._api.started:
-            if self._api_task.done():
-                await self._api_task
-                raise SnoozeError(f"the fleet API could not listen on {s.host}:{s.api_port}", hint="pass --api-port")
-            await asyncio.sleep(0.02)
+        await wait_started(
+            self._api,
+            self._api_task,
+            f"the fleet API could not listen on {s.host}:{s.api_port}",
+            hint="pass --api-port",
+        )
 
     def failure(self) -> str | None:
         """Why this front stopped serving on its own, or None."""

@@ -17,15 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from controlplane.errors import GatewayError
 from controlplane.gateway import grpc_names
-from controlplane.gateway.envoy import (
-    MAX_UPSTREAM,
-    UNAUTHORIZED_MESSAGE,
-    ApiKey,
-    EnvoyProcess,
-    GatewayError,
-    render_template,
-)
+from controlplane.gateway.envoy import MAX_UPSTREAM, UNAUTHORIZED_MESSAGE, ApiKey, render_template
+from controlplane.gateway.envoy_process import EnvoyProcess
 
 MODEL_HEADER = "x-snooze-model"
 # A node may take this % of the average load (requests in flight) before the ring's next node helps.

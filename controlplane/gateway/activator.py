@@ -29,12 +29,11 @@ import grpc
 import httpx
 import uvicorn
 
-from controlplane.errors import SnoozeError
-from controlplane.gateway.envoy import held_log_path, ready_dir_path
 from controlplane.gateway.grpc_adapter import GRPC_OPTIONS, GrpcActivator
 from controlplane.gateway.handlers import HoldRegistry, ModelAnswers, ReadyFlags, input_names_hint
 from controlplane.gateway.http_adapter import HttpForwarder, create_http_app
-from controlplane.servers import EmbeddedUvicorn
+from controlplane.gateway.wake_lua import held_log_path, ready_dir_path
+from controlplane.servers import EmbeddedUvicorn, wait_started
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
 
@@ -108,11 +107,11 @@ class Activator:
             uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=300)
         )
         self._uvicorn_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
-        while not self._uvicorn.started:
-            if self._uvicorn_task.done():
-                await self._uvicorn_task  # raises uvicorn's start-up error
-                raise SnoozeError(f"the activator's HTTP server on {self.http_address} stopped during start-up")
-            await asyncio.sleep(0.01)
+        await wait_started(
+            self._uvicorn,
+            self._uvicorn_task,
+            f"the activator's HTTP server on {self.http_address} stopped during start-up",
+        )
 
         self._grpc = GrpcActivator(self.answers, self.triton_grpc_url)
         self._grpc_server = grpc.aio.server(options=GRPC_OPTIONS)

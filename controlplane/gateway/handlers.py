@@ -29,20 +29,21 @@ from controlplane.gateway.triton_words import UnknownModelError
 from controlplane.lifecycle.configs import config_for
 from controlplane.lifecycle.overrides import ForbiddenOverrideError, MalformedOverrideError, parse_override
 from controlplane.lifecycle.port import LifecyclePort
-from controlplane.lifecycle.state import UnloadReason
+from controlplane.lifecycle.state import ModelState, UnloadReason
 from controlplane.render import VERSION, parse_config
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
+from controlplane.triton.client import IndexState
 
 log = logging.getLogger("snoozeml.activator")
 T = TypeVar("T")
 # Lifecycle state -> Triton repository-index state, the vocabulary tritonclient users know.
 INDEX_STATES = {
-    "ready": "READY",
-    "loading": "LOADING",
-    "unloading": "UNLOADING",
-    "unloaded": "UNAVAILABLE",
-    "failed": "UNAVAILABLE",
+    ModelState.READY: IndexState.READY,
+    ModelState.LOADING: IndexState.LOADING,
+    ModelState.UNLOADING: IndexState.UNLOADING,
+    ModelState.UNLOADED: IndexState.UNAVAILABLE,
+    ModelState.FAILED: IndexState.UNAVAILABLE,
 }
 
 
@@ -67,12 +68,12 @@ class ModelAnswers:
     async def unload(self, name: str) -> None:
         """Repository unload (admin): the model sleeps now and reports not ready until it is loaded again."""
         await self.lifecycle.unload(name, reason=UnloadReason.API)
-        if self.state(name) != "ready":
+        if self.state(name) is not ModelState.READY:
             self.unloaded_by_client.add(name)
 
     def on_state(self, name: str, state: Any) -> None:
         """Lifecycle state listener: a model READY again (or gone) is no longer one a client unloaded."""
-        if state is None or str(getattr(state, "value", state)) == "ready":
+        if state is None or state == ModelState.READY:
             self.unloaded_by_client.discard(name)
 
     def published(self, name: str, version: str = "") -> PublishedModel:
@@ -155,21 +156,21 @@ class ModelAnswers:
             raise words.BadConfigOverrideError(name, e) from e
         except (TritonModelLoadError, ForbiddenOverrideError) as e:
             raise words.LoadFailedError(name, e) from e
-        if self.state(name) == "failed":
+        if self.state(name) is ModelState.FAILED:
             raise words.LoadFailedError(name, SnoozeError(self.lifecycle.status(name).reason or "unknown reason"))
 
-    def state(self, name: str) -> str:
-        """The lifecycle state's name (``ModelStatus.state`` is a str enum)."""
-        state = self.lifecycle.status(name).state
-        return str(getattr(state, "value", state))
+    def state(self, name: str) -> ModelState:
+        """The model's lifecycle state (``ModelStatus.state``)."""
+        return ModelState(self.lifecycle.status(name).state)
 
     def ready(self, name: str) -> bool:
         """Published and not failed: a request would be served (after a wake if it sleeps). Not ready after a
         client's repository unload, as Triton answers (Triton's client examples check it), until loaded again."""
-        return self.store.exists(name) and self.state(name) != "failed" and name not in self.unloaded_by_client
+        published = self.store.exists(name)
+        return published and self.state(name) is not ModelState.FAILED and name not in self.unloaded_by_client
 
     def loaded(self, name: str) -> bool:
-        return self.state(name) == "ready"
+        return self.state(name) is ModelState.READY
 
     def config(self, model: PublishedModel) -> model_config_pb2.ModelConfig:
         """The config the model loads with: its published config.pbtxt, and a client's override if one holds."""
@@ -195,11 +196,11 @@ class ModelAnswers:
         entries = []
         for model in self.store.list():
             lifecycle_state = self.state(model.id)
-            state = INDEX_STATES.get(lifecycle_state, "UNKNOWN")
-            if ready_only and state != "READY":
+            state = INDEX_STATES.get(lifecycle_state, IndexState.UNKNOWN)
+            if ready_only and state is not IndexState.READY:
                 continue
-            reason = self.lifecycle.status(model.id).reason or lifecycle_state
-            entries.append({"name": model.id, "version": VERSION, "state": state, "reason": reason})
+            reason = self.lifecycle.status(model.id).reason or lifecycle_state.value
+            entries.append({"name": model.id, "version": VERSION, "state": state.value, "reason": reason})
         return entries
 
     def check_admin(self, headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:
@@ -244,7 +245,7 @@ class ReadyFlags:
             return
         path = self.folder / model
         try:
-            if str(getattr(state, "value", state)) == "ready":
+            if state == ModelState.READY:
                 text = self._describe(model)
                 # Renamed into place: the gateway never reads half a line (a dot name is never a flag).
                 partial = self.folder / f".{model}.partial"

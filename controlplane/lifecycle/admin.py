@@ -17,6 +17,7 @@ from controlplane.lifecycle.transitions import Transitions
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.warmups import harvest, status_line
 from controlplane.lifecycle.workers import parent_status, parents
+from controlplane.spec import PackageKind
 from controlplane.store import ModelStore
 from controlplane.triton.processes import TritonProcesses
 
@@ -171,7 +172,7 @@ class AdminOperations:
             last_crash=rec.procs.last_crash,
             gpu_memory_bytes=self.loader.gpu.status_bytes(rec),
             keep_alive=self.warmth.windows(rec),
-            worker=rec.model.deployment.worker if rec.is_python and rec.model.kind == "custom" else None,
+            worker=rec.model.deployment.worker if rec.is_python and rec.model.kind is PackageKind.CUSTOM else None,
             warmup=status_line(rec),
         )
 

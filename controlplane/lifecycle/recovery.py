@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from controlplane.clock import Clock
@@ -40,7 +40,7 @@ DEATHS_KEPT = 32
 RECENT_DEATH_SECS = 120.0
 
 
-class RequestFate(str, Enum):
+class RequestFate(StrEnum):
     RAN = "ran"  # it was in the batch of a model process that died: never run it again
     NOT_RUN = "not_run"  # it never reached a live model process: safe to send after recovery
     UNKNOWN = "unknown"  # cannot be told (processes or journals not visible): do not send again

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from controlplane.lifecycle.state import ModelRecord, ModelState
-from controlplane.warmup import keep_learned, learned_shapes, plan_source, read_note
+from controlplane.warmup_samples import keep_learned, learned_shapes, plan_source, read_note
 
 log = logging.getLogger("snoozeml.lifecycle")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,13 +33,13 @@ MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"
 MODULE_NAME_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
 
 
-class PackageKind(str, Enum):
+class PackageKind(StrEnum):
     CUSTOM = "custom"
     ONNX = "onnx"
     TENSORRT = "tensorrt"
 
 
-class Device(str, Enum):
+class Device(StrEnum):
     CPU = "cpu"
     GPU = "gpu"
     AUTO = "auto"

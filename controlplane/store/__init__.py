@@ -15,7 +15,7 @@ from typing import Any
 
 from controlplane.errors import NotFoundError
 from controlplane.render import DEPLOYMENT_FILE, TritonTarget, render_model
-from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec
+from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, TensorSpec
 from controlplane.store.transactions import recover_staging, remove_model, repository_lock, write_model
 
 # A read that meets a republish between its two renames tries again (the window is two syscalls wide).
@@ -27,7 +27,7 @@ class PublishedModel:
     id: str
     path: Path  # the model folder in the repository
     deployment: DeploymentSpec
-    kind: str
+    kind: PackageKind
     backend: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
@@ -54,7 +54,7 @@ class PublishedModel:
             id=folder.name,
             path=folder,
             deployment=DeploymentSpec.model_validate(record["deployment"]),
-            kind=record["kind"],
+            kind=PackageKind(record["kind"]),
             backend=record["backend"],
             inputs=[TensorSpec.model_validate(t) for t in record["inputs"]],
             outputs=[TensorSpec.model_validate(t) for t in record["outputs"]],

@@ -7,13 +7,25 @@ import json
 import re
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import httpx
 
 from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError, UnavailableError
 
-BUSY_STATES = {"READY", "LOADING", "UNLOADING"}  # any other state (or no entry) means unloaded
+
+class IndexState(StrEnum):
+    """A model's state in Triton's repository index (core ``ModelReadyState``), as its clients read it."""
+
+    UNKNOWN = "UNKNOWN"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"  # not loaded: never, unloaded, or its load failed
+    LOADING = "LOADING"
+    UNLOADING = "UNLOADING"
+
+
+BUSY_STATES = {IndexState.READY, IndexState.LOADING, IndexState.UNLOADING}  # any other state (or none): unloaded
 
 _PENDING_RE = re.compile(r"^nv_inference_pending_request_count\{([^}]*)\}\s+(\S+)", re.MULTILINE)
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

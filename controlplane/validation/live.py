@@ -19,7 +19,8 @@ from controlplane.dtypes import from_triton
 from controlplane.errors import SnoozeError
 from controlplane.render import DEPLOYMENT_FILE, TritonTarget
 from controlplane.validation.report import REPOSITORY, SKIP, CheckResult, Recorder
-from controlplane.validation.static import PLATFORM_BACKENDS, config_tensors
+from controlplane.validation.static import PLATFORM_BACKENDS
+from controlplane.validation.static_onnx import config_tensors
 
 DEFAULT_LOAD_TIMEOUT_SECS = 300.0
 
@@ -70,7 +71,7 @@ def sample_inputs(folder: Path, config: Any) -> dict[str, Any]:
     from tritonclient.grpc import model_config_pb2
     from tritonclient.utils import deserialize_bytes_tensor
 
-    from controlplane.warmup import SHORT_STRING, WARMUP_DIR
+    from controlplane.warmup_samples import SHORT_STRING, WARMUP_DIR
 
     arrays: dict[str, Any] = {}
     for warmup in config.model_warmup[:1]:
@@ -101,7 +102,7 @@ def learned_inputs(folder: Path, config: Any) -> dict[str, Any]:
     one item each: what its next load warms up with."""
     import numpy as np
 
-    from controlplane.warmup import learned_shapes
+    from controlplane.warmup_samples import learned_shapes
 
     declared = {name: from_triton(t) for name, t, _ in config_tensors(config, "input")}
     arrays: dict[str, Any] = {}
@@ -252,12 +253,12 @@ async def _load_one(
 async def _load_all(
     http_url: str, models: list[tuple[Path, Any]], headers: dict[str, str], default_timeout: float, strict: bool = False
 ) -> list[CheckResult]:
-    from controlplane.triton.client import TritonAdminClient
+    from controlplane.triton.client import IndexState, TritonAdminClient
 
     # The restricted model-repository API of a compose/Kubernetes Triton wants its key in a header.
     async with TritonAdminClient(http_url, headers=headers or None) as admin:
         try:
-            ready = {e.name for e in await admin.repository_index() if e.state == "READY"}
+            ready = {e.name for e in await admin.repository_index() if e.state == IndexState.READY}
         except SnoozeError as exc:
             rec = Recorder(REPOSITORY)
             rec.fail(

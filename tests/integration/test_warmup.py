@@ -165,7 +165,7 @@ def test_a_shipped_sample_that_fails_fails_the_load_with_the_models_error(embedd
 
 
 def test_learned_shapes_replace_the_generated_inputs(embedded_triton, model_repo, tmp_path):
-    from controlplane.warmup import keep_learned, learned_shapes
+    from controlplane.warmup_samples import keep_learned, learned_shapes
 
     calls = publish(model_repo, tmp_path, "warm-learns")
     client = httpclient.InferenceServerClient(embedded_triton.http_url.removeprefix("http://"))

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from bench.gateway_variants import FILTER_VARIANTS, ROUTE_EDITS, EditError, with_grpc_retry_buffer, without
-from controlplane.gateway.envoy import GRPC_RETRY_BUFFER_BYTES, ApiKey, EnvoyProcess, Upstream, render_bootstrap
+from controlplane.gateway.envoy import GRPC_RETRY_BUFFER_BYTES, ApiKey, Upstream, render_bootstrap
+from controlplane.gateway.envoy_process import EnvoyProcess
 
 
 def _served(tmp_path: Path | None = None) -> str:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controlplane.gateway.envoy import EnvoyProcess, Upstream, lua_string, render_bootstrap
+from controlplane.gateway.envoy import Upstream, render_bootstrap
+from controlplane.gateway.envoy_process import EnvoyProcess
+from controlplane.gateway.lua import lua_string
 from controlplane.triton.dead_stub import (
     GRPC_MESSAGE_REGEX,
     LUA_HTTP_BODY_PATTERN,

@@ -11,7 +11,7 @@ from controlplane.cli import app
 from controlplane.errors import SnoozeError
 from controlplane.fleet.gateway import NodeAddress, render_fleet_bootstrap
 from controlplane.fleet.nodes import fleet_nodes, needs_dns, parse_node, statefulset_nodes
-from controlplane.gateway.envoy import EnvoyProcess
+from controlplane.gateway.envoy_process import EnvoyProcess
 
 
 def test_a_statefulset_expands_to_its_pods_dns_names():

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.errors import GatewayError
 from controlplane.fleet.api import merge_status
 from controlplane.fleet.gateway import MODEL_HEADER, NodeAddress, render_fleet_bootstrap
-from controlplane.gateway.envoy import ApiKey, EnvoyProcess, GatewayError
+from controlplane.gateway.envoy import ApiKey
+from controlplane.gateway.envoy_process import EnvoyProcess
 
 NODES = [NodeAddress(f"node-{i}", "127.0.0.1", 9000 + i, 9100 + i, 9200 + i) for i in (1, 2, 3)]
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from controlplane.gateway.envoy import EnvoyProcess, Upstream, render_bootstrap
+from controlplane.gateway.envoy import Upstream, render_bootstrap
+from controlplane.gateway.envoy_process import EnvoyProcess
 
 
 def _clusters(bootstrap: str) -> dict[str, dict]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.gateway.envoy import held_log_path, ready_dir_path
+from controlplane.gateway.wake_lua import held_log_path, ready_dir_path
 from controlplane.settings import Settings
 
 

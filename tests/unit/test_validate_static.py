@@ -469,7 +469,7 @@ def test_validate_load_takes_the_packages_samples_bytes_included_and_generates_t
 def test_validate_load_takes_learned_shapes_after_samples_before_generated(tmp_path: Path) -> None:
     from controlplane.render import parse_config
     from controlplane.validation.live import GENERATED, choose_inputs
-    from controlplane.warmup import keep_learned
+    from controlplane.warmup_samples import keep_learned
 
     manifest = {"inputs": [{"name": "image", "datatype": "FP32", "dims": [3, -1, -1]},
                            {"name": "tag", "datatype": "BYTES", "dims": [1]},

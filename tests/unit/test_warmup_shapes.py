@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from controlplane.errors import InvalidPackageError
 from controlplane.render import FULL_TARGET, embedded_target, render_model
 from controlplane.spec import DeploymentSpec, resolve
-from controlplane.warmup import keep_learned, learned_shapes, plan_source
+from controlplane.warmup_samples import keep_learned, learned_shapes, plan_source
 from python_backend.spec import RuntimeSpec, TensorSpec
 from python_backend.warmup import declared_outputs, learned_arrays, sample_source
 

@@ -16,7 +16,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from controlplane.gateway.envoy import ApiKey, EnvoyGateway, GatewayError, Upstream, render_bootstrap
+from controlplane.errors import GatewayError
+from controlplane.gateway.envoy import ApiKey, EnvoyGateway, Upstream, render_bootstrap
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
 from tests.gateway_harness import (
