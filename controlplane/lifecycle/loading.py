@@ -287,7 +287,8 @@ class Loader:
         rec.scale = LoadWindow()
         self.states.set_state(rec, ModelState.READY)
         self.metrics.instances.labels(model=rec.id).set(instances)
-        self.metrics.memory_bytes.labels(model=rec.id).set(rec.memory.footprint if rec.memory.footprint_source else 0)
+        held = rec.memory.footprint if rec.memory.footprint_source else None
+        self.metrics.memory_bytes.labels(model=rec.id).set(held or 0)
 
     async def remeasure(self) -> None:
         """Read again what loaded python models hold (each sweep), stubs and workers: a stub grows after its load

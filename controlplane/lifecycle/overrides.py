@@ -95,14 +95,14 @@ def _same(name: str, a: Any, b: Any) -> bool:
     """Two values of one ModelConfig field are equal as Triton reads them."""
     left = json_format.ParseDict({name: a} if a is not None else {}, model_config_pb2.ModelConfig())
     right = json_format.ParseDict({name: b} if b is not None else {}, model_config_pb2.ModelConfig())
-    return left == right
+    return bool(left == right)
 
 
 def apply_override(rendered: dict[str, Any], override: dict[str, Any] | None, model_id: str) -> dict[str, Any]:
     """The package's rendered config (override JSON) with the client's ``override`` merged in, validated."""
     if not override:
         return rendered
-    merged = json.loads(json.dumps(rendered))
+    merged: dict[str, Any] = json.loads(json.dumps(rendered))
     for name, value in override.items():
         if name in OWNED_FIELDS and not _same(name, value, rendered.get(name)):
             raise ForbiddenOverrideError(

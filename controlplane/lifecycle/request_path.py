@@ -78,7 +78,7 @@ class RequestPath:
         self.metrics.wake_waits.labels(model=model_id).inc()
         rec.in_use += 1
         try:
-            while rec.state is not ModelState.READY:
+            while not rec.ready:
                 # While paused, a wake-up waits for resume() (within its deadline) instead of loading.
                 op = (
                     rec.op
@@ -108,7 +108,7 @@ class RequestPath:
                             retry_after=rec.retry_after,
                         ) from e
                 else:
-                    if rec.state is not ModelState.READY:
+                    if not rec.ready:
                         # it loaded, but its cancel came first and takes it out of Triton (cancel.py): as a
                         # cancelled load, not a new load behind it
                         self._answer_cancelled(rec, op)
@@ -134,7 +134,9 @@ class RequestPath:
             retry_after=rec.retry_after,
         ) from None
 
-    def _answer_cancelled(self, rec: ModelRecord, load: asyncio.Task[Any], cause: BaseException | None = None) -> None:
+    def _answer_cancelled(
+        self, rec: ModelRecord, load: asyncio.Future[Any], cause: BaseException | None = None
+    ) -> None:
         """A wake-up's load was cancelled (cancel.py): raise what it is told, unless a republish cancelled it (the
         model is still published: the wake-up waits on for the new version, within its own bound)."""
         why = cancelled_why(rec, load)

@@ -226,6 +226,11 @@ class ModelRecord:
         return self.model.backend == "python"
 
     @property
+    def ready(self) -> bool:
+        """READY now (a property: the state changes across every await of whoever reads it)."""
+        return self.state is ModelState.READY
+
+    @property
     def loaded(self) -> bool:
         return self.state in (ModelState.READY, ModelState.UNLOADING)
 

@@ -214,7 +214,7 @@ class Transitions:
             self.loader.load_failed(rec, e)
             self.states.set_state(rec, ModelState.FAILED, f"pre-warm failed: {e.message}")
             return
-        if not await self.loader.fits_free(rec, rec.instances, measured=True):
+        if not await self.loader.admission.fits_free(rec, rec.instances, measured=True):
             # it measured above its estimate: a pre-warm leaves the room to others rather than evicting them
             self.states.set_state(rec, ModelState.UNLOADING, "pre-warm over the memory budget")
             await self.unloads.unload_op(

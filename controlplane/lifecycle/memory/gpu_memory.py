@@ -56,6 +56,7 @@ no devices and ``unavailable`` set to why.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -119,7 +120,7 @@ class NvmlReader:
         nvml = self._nvml
         if nvml is None:
             try:
-                import pynvml as nvml
+                nvml = importlib.import_module("pynvml")  # the gpu extra: not there on a CPU machine
             except ImportError:
                 self.unavailable = f"no GPU visible: nvidia-ml-py is not installed ({GPU_EXTRA_HINT})"
                 return None

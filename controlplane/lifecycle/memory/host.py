@@ -98,7 +98,8 @@ class MemoryBudget:
         """Read tritonserver's own memory (Pss; not its model processes') and Triton's cgroup again; the server's
         bytes (0: unseen)."""
         if self._server_memory is not None:
-            self.server = await asyncio.to_thread(self._server_memory) or 0
+            measured: int | None = await asyncio.to_thread(self._server_memory)
+            self.server = measured or 0
         if self._cgroup is not None:
             self.cgroup = await asyncio.to_thread(self._cgroup)
         return self.server
