@@ -58,7 +58,7 @@ class Operations(ManagerParts):
             try:
                 if rec.state is ModelState.READY and (rec.config_override is not None or rec.override_loaded):
                     reloading = self._reconfigure_op(rec)
-                    await asyncio.shield(self.states.spawn(rec, ModelState.READY, "new config", reloading))
+                    await _in_place(self.states.spawn(rec, ModelState.READY, "new config", reloading))
                     return self.status(model_id)
                 if rec.state is not ModelState.READY:
                     loading = self._cold_load_op(rec, "api", instances)
@@ -70,9 +70,7 @@ class Operations(ManagerParts):
         if rec.state is ModelState.READY:
             if instances is not None and instances != rec.instances:
                 scaling = self._rescale_op(rec, instances, None)
-                await asyncio.shield(
-                    self.states.spawn(rec, ModelState.READY, f"scaling to {instances} instances", scaling)
-                )
+                await _in_place(self.states.spawn(rec, ModelState.READY, f"scaling to {instances} instances", scaling))
         else:
             await self._loading(
                 rec, self.states.spawn(rec, ModelState.LOADING, "loading", self._cold_load_op(rec, "api", instances))
@@ -147,9 +145,7 @@ class Operations(ManagerParts):
         elif cancelled and rec.state is ModelState.UNLOADED:
             self.states.set_state(rec, ModelState.UNLOADED, "republished during its load; loads on the next request")
         elif rec.state is ModelState.READY:  # loaded before, or since the cancel (a waiting request's wake-up)
-            await asyncio.shield(
-                self.states.spawn(rec, ModelState.READY, "reloading after publish", self._reload_op(rec))
-            )
+            await _in_place(self.states.spawn(rec, ModelState.READY, "reloading after publish", self._reload_op(rec)))
 
     async def forget(self, model_id: str) -> None:
         """Before a delete: unload the model if loaded and drop its state and metrics."""
@@ -360,3 +356,13 @@ class Operations(ManagerParts):
 
     def _retry_after(self, rec: ModelRecord) -> float:
         return max(1.0, round(rec.last_cold_start or 1.0, 1))
+
+
+async def _in_place(reload: asyncio.Task[Any]) -> None:
+    """Await a loaded model's reload; one a stop abandoned (``Supervisor.stop``) leaves the model as it was, which
+    is this caller's answer too (a republish's new version is in the store: the next start loads it)."""
+    try:
+        await asyncio.shield(reload)
+    except asyncio.CancelledError:
+        if not reload.cancelled():
+            raise  # this caller itself was cancelled

@@ -68,6 +68,14 @@ class Supervisor(ManagerParts):
                 await task
         self._tasks = []
         await self.cancel_loads("stopping")
+        # A loaded model's reload (a republish, a rescale, a client's new config) is a load too: not waited for.
+        # Its task goes; the model keeps its old instances, and Triton finishes or fails the reload on its own (the
+        # next control plane adopts what it finds).
+        reloads = [r.op for r in self.states.values() if r.state is ModelState.READY and r.op is not None]
+        for op in reloads:
+            op.cancel()
+        if reloads:
+            await asyncio.wait(reloads, timeout=STOP_TRANSITIONS_SECS)
         # Bounded: a Triton whose model control hangs (its repository lock held by a load that never ends)
         # must not keep the stop waiting for an unload's answer.
         left = await self.states.wait_all(timeout=STOP_TRANSITIONS_SECS)
