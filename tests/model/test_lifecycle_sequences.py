@@ -308,3 +308,18 @@ def test_a_publish_whose_reload_a_stop_abandons_is_answered(world):
 def _load_timeout(world, secs: float) -> None:
     manifest = world.package / "snooze_model.json"
     manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "load_timeout_secs": secs}))
+
+
+def test_an_instance_that_ended_cleanly_is_not_taken_for_a_crash_before_triton_reaps_it(world):
+    """Found under load (tests/reliability/test_soak.py, 480 refused requests): a scale-down ends an instance, which
+    removes its journal and is a zombie until Triton reaps it. The reload's note of the processes it let go took
+    that zombie for a crash with no journal, and for two minutes every request retried to the activator was
+    refused as one that may have run in it. A stub whose journal is gone ended cleanly."""
+    world.triton.reap_delay = 0.5
+    world.step(world.publish("m0", 60, 1, max_instances=2), 0.1)
+    world.step(world.api_load("m0", 2), 1.0)
+    world.step(world.api_load("m0", 1), 0.1)  # in place: Triton ends one instance
+    assert not world.manager.states.records["m0"].deaths
+    world.step(world.api_unload("m0"), 0.5)
+    world.step(world.request("m0"), 2.0)  # asleep: retried to the activator, which must send it
+    assert [c.answer for c in world.answered if c.what == "request"] == ["200"]
