@@ -71,7 +71,7 @@ class AdminOperations:
             previous, rec.load.config_override = rec.load.config_override, given or None
             try:
                 if rec.state is ModelState.READY and (rec.load.config_override is not None or rec.load.override_loaded):
-                    await asyncio.shield(self.transitions.reconfigure(rec))
+                    await _in_place(self.transitions.reconfigure(rec))
                     return self.status(model_id)
                 if rec.state is not ModelState.READY:
                     loading = self.transitions.cold_load(rec, trigger="api", reason="loading", instances=instances)
@@ -82,7 +82,7 @@ class AdminOperations:
                 raise
         if rec.state is ModelState.READY:
             if instances is not None and instances != rec.instances:
-                await asyncio.shield(self.transitions.rescale(rec, instances, None))
+                await _in_place(self.transitions.rescale(rec, instances, None))
         else:
             await self._loading(
                 rec, self.transitions.cold_load(rec, trigger="api", reason="loading", instances=instances)
@@ -130,7 +130,7 @@ class AdminOperations:
         elif cancelled and rec.state is ModelState.UNLOADED:
             self.states.set_state(rec, ModelState.UNLOADED, "republished during its load; loads on the next request")
         elif rec.state is ModelState.READY:  # loaded before, or since the cancel (a waiting request's wake-up)
-            await asyncio.shield(self.transitions.reload(rec))
+            await _in_place(self.transitions.reload(rec))
 
     async def forget(self, model_id: str) -> None:
         """Before a delete: unload the model if loaded and drop its state and metrics."""
@@ -195,3 +195,13 @@ class AdminOperations:
             "eviction_policy": budget.policy.describe(),
             "wake_queue": self.loader.admission.wake_queue(),
         }
+
+
+async def _in_place(reload: asyncio.Task[None]) -> None:
+    """Await a loaded model's reload; one a stop abandoned (``Transitions.abandon_reloads``) leaves the model as it
+    was, which is this caller's answer too (a republish's new version is in the store: the next start loads it)."""
+    try:
+        await asyncio.shield(reload)
+    except asyncio.CancelledError:
+        if not reload.cancelled():
+            raise  # this caller itself was cancelled

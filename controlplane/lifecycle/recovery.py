@@ -111,15 +111,19 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
 def crashes_among(
     processes: TritonProcesses, journal_dir: Path | None, stubs: Iterable[StubProcess]
 ) -> list[StubDeath]:
-    """The deaths among ``stubs`` that were crashes: not ended by this control plane (``StubDeath.ended``), and
-    either left a zombie (Triton reaps only what it ends) or, reaped since, left their journal (the runtime
-    removes it at a clean end). For the processes a record lets go of (an unload, a reload, a cancel): a crash
-    under a transition is noted before they are forgotten, so a request it took is never sent again. Blocking."""
+    """The deaths among ``stubs`` that were crashes, not ends: for the processes a record lets go of (an unload, a
+    reload, a cancel), so that a crash under a transition is noted before they are forgotten and a request it took
+    is never sent again. Blocking.
+
+    A death this control plane caused (``StubDeath.ended``) is no crash. With a journal folder, a stub keeps its
+    journal from its start until a clean end (the runtime removes it then): a dead stub whose journal is still there
+    crashed, one whose journal is gone ended (an instance fewer, a reload's old instance: Triton may not have reaped
+    it yet). Without one, a zombie is the crash (Triton reaps only what it ends)."""
     crashed = []
     for death in processes.deaths(stubs):
         if death.ended:
             continue
-        if not death.reaped or (journal_dir is not None and has_journal(journal_dir, death.stub)):
+        if has_journal(journal_dir, death.stub) if journal_dir is not None else not death.reaped:
             crashed.append(death)
     return crashed
 

@@ -106,6 +106,11 @@ class Supervisor:
                 await task
         self._tasks = []
         await self.cancels.cancel_all("stopping")
+        # A loaded model's reload (a republish, a rescale, a client's new config) is a load too: not waited for.
+        # The model keeps its old instances; Triton finishes or fails the reload on its own (the next control plane
+        # adopts what it finds).
+        if reloads := self.transitions.abandon_reloads():
+            await asyncio.wait(reloads, timeout=STOP_TRANSITIONS_SECS)
         # Bounded: a Triton whose model control hangs (its repository lock held by a load that never ends)
         # must not keep the stop waiting for an unload's answer.
         left = await self.states.wait_all(timeout=STOP_TRANSITIONS_SECS)

@@ -145,6 +145,7 @@ class Transitions:
         self.unloads = unloads
         self.warmth = warmth
         self.metrics = metrics
+        self._in_place: set[asyncio.Task[None]] = set()  # the running reloads of loaded models
 
     # ------------------------------------------------------------------ starting them
 
@@ -164,15 +165,28 @@ class Transitions:
     def rescale(self, rec: ModelRecord, instances: int, direction: str | None) -> asyncio.Task[None]:
         """A loaded model's instance count changed in place (``direction``: the autoscaler's "up" or "down")."""
         reason = f"scaling to {instances} instances"
-        return self.states.spawn(rec, ModelState.READY, reason, self._rescale_op(rec, instances, direction))
+        return self._in_place_op(rec, reason, self._rescale_op(rec, instances, direction))
 
     def reconfigure(self, rec: ModelRecord) -> asyncio.Task[None]:
         """A loaded model reloaded with the client's config override now set (or none)."""
-        return self.states.spawn(rec, ModelState.READY, "new config", self._reconfigure_op(rec))
+        return self._in_place_op(rec, "new config", self._reconfigure_op(rec))
 
     def reload(self, rec: ModelRecord) -> asyncio.Task[None]:
         """A loaded model reloaded after a republish."""
-        return self.states.spawn(rec, ModelState.READY, "reloading after publish", self._reload_op(rec))
+        return self._in_place_op(rec, "reloading after publish", self._reload_op(rec))
+
+    def _in_place_op(self, rec: ModelRecord, reason: str, op: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = self.states.spawn(rec, ModelState.READY, reason, op)
+        self._in_place.add(task)
+        task.add_done_callback(self._in_place.discard)
+        return task
+
+    def abandon_reloads(self) -> list[asyncio.Task[None]]:
+        """Cancel the reloads of loaded models (a stop: a reload is a load, never waited for); the tasks."""
+        reloads = list(self._in_place)
+        for task in reloads:
+            task.cancel()
+        return reloads
 
     def unload(self, rec: ModelRecord, reason: UnloadReason, *, seen_access: float | None = None) -> asyncio.Task[bool]:
         return self.unloads.unload(rec, reason, seen_access=seen_access)

@@ -165,6 +165,7 @@ class FakeTriton:
         self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
         self.retired: list[Stub] = []  # the old instances of reloads: alive until their requests are done
         self.kept_old: set[str] = set()  # models whose last reload failed: Triton serves the version it had
+        self.reap_delay = 0.0  # seconds a stub Triton ended stays a zombie before Triton reaps it (0: at once)
         self.calls: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
         self._round_robin: Counter[str] = Counter()
@@ -353,7 +354,10 @@ class FakeTriton:
                 s.alive, s.exit_status = False, 0
                 s.died.set()
                 journal_path(self.journal_dir, s.pid, s.start_ticks).unlink(missing_ok=True)
-            s.reaped = True
+            if self.reap_delay:  # a zombie for a moment, as a real stub is until Triton's waitpid
+                asyncio.get_running_loop().call_later(self.reap_delay, setattr, s, "reaped", True)
+            else:
+                s.reaped = True
 
     def _kill(self, stub: Stub, status: int) -> None:
         if stub.alive:

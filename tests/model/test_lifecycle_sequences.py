@@ -3,7 +3,10 @@ found failing, kept as regression tests; each failed before its fix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from lifecycle_world import CANCEL_BOUND
 
 from controlplane.errors import NotFoundError
 from controlplane.lifecycle.state import ModelState
@@ -272,3 +275,53 @@ def test_a_cancels_own_transition_marks_the_record_unloaded_before_it_ends(world
     world.step(world.request("m0", None), 1.0)
     world.step(world.remote_publish("m3", 60), 0.05)
     world.step(world.stop_during_hung_load("m3", "unload"), 0.05)
+
+
+def test_a_stop_does_not_wait_for_a_hung_reload_of_a_loaded_model(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=1724042094): a republish's reload of a loaded model hung (a new
+    version whose load() never returns); a stop cancelled the cold loads in flight but waited for the reload, as
+    for any transition, until its load timeout. A reload is a load: a stop abandons it, the old version stays."""
+    _load_timeout(world, 300)  # the default: a hung load is abandoned only after it
+    world.step(world.publish("m3", 60), 0.1)
+    world.step(world.request("m3"), 1.0)  # loaded
+    world.step(world.script_load("m3", "hang", 0.05), 0)
+    world.step(world.remote_publish("m3", 60), 2.5)  # the store's follower reloads it; the reload hangs
+    assert world.manager.states.records["m3"].op is not None
+    world.step(world.stop_during_hung_load("m3", "stop"), 0.01)  # fails if the stop takes over CANCEL_BOUND
+
+
+def test_a_publish_whose_reload_a_stop_abandons_is_answered(world):
+    """The API publish waiting on that reload gets its answer (the package is published; the next start loads it),
+    and the stop does not wait for the reload."""
+    _load_timeout(world, 300)
+    world.step(world.publish("m0", 60), 0.1)
+    world.step(world.request("m0"), 1.0)
+    world.step(world.script_load("m0", "hang", 0.05), 0)
+    world.step(world.publish("m0", 60), 1.0)  # its reload hangs
+    assert world.manager.states.records["m0"].op is not None
+    started = world.now
+    world.run(world.manager.stop())
+    assert world.now - started < CANCEL_BOUND
+    world.run(world._settle_calls())
+    world.run(world.manager.start())  # the world's end stops it again
+    assert [c.task.result() for c in world.calls + world.answered if c.what == "publish"] == ["published"] * 2
+
+
+def _load_timeout(world, secs: float) -> None:
+    manifest = world.package / "snooze_model.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "load_timeout_secs": secs}))
+
+
+def test_an_instance_that_ended_cleanly_is_not_taken_for_a_crash_before_triton_reaps_it(world):
+    """Found under load (tests/reliability/test_soak.py, 480 refused requests): a scale-down ends an instance, which
+    removes its journal and is a zombie until Triton reaps it. The reload's note of the processes it let go took
+    that zombie for a crash with no journal, and for two minutes every request retried to the activator was
+    refused as one that may have run in it. A stub whose journal is gone ended cleanly."""
+    world.triton.reap_delay = 0.5
+    world.step(world.publish("m0", 60, 1, max_instances=2), 0.1)
+    world.step(world.api_load("m0", 2), 1.0)
+    world.step(world.api_load("m0", 1), 0.1)  # in place: Triton ends one instance
+    assert not world.manager.states.records["m0"].procs.deaths
+    world.step(world.api_unload("m0"), 0.5)
+    world.step(world.request("m0"), 2.0)  # asleep: retried to the activator, which must send it
+    assert [c.answer for c in world.answered if c.what == "request"] == ["200"]

@@ -61,7 +61,8 @@ async def test_out_of_memory_at_load_evicts_retries_once_then_fails_clearly(serv
         victim=f"{victim['state']} ({victim['reason']})",
         neighbour_failed=f"{steady['failed']}/{steady['total']}",
     )
-    assert grpc_error.startswith("StatusCode.UNAVAILABLE") and "out of memory even after unloading victim" in grpc_error
+    assert grpc_error.startswith("StatusCode.UNAVAILABLE"), grpc_error
+    assert "out of memory even after unloading victim" in grpc_error, grpc_error
     assert http_error.startswith("503") and "out of memory" in http_error
     assert victim["state"] == "unloaded" and victim["reason"] == "oom"
     assert hog["state"] == "failed" and "out of memory" in hog["reason"]

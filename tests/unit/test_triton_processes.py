@@ -95,8 +95,8 @@ def test_a_stub_this_observer_killed_is_ended_not_crashed_and_only_a_crash_left_
     observer: TritonProcesses, tmp_path: Path
 ):
     """``kill`` marks its deaths ``ended``; ``crashes_among`` (what a transition reads before it lets the processes
-    go) counts a zombie that was not ended, and a reaped one only if its journal is still there (the runtime removes
-    it at a clean end)."""
+    go) counts a death it did not cause whose journal is still there (the runtime removes it at a clean end), zombie
+    or reaped; without a journal folder, a zombie (Triton reaps only what it ends)."""
     journals = tmp_path / "journals"
     journals.mkdir()
     ended = fake_stub(tmp_path, "m", "m_0_0")
@@ -116,7 +116,9 @@ def test_a_stub_this_observer_killed_is_ended_not_crashed_and_only_a_crash_left_
             wait_state(p.pid, "Z")
         deaths = {d.stub.instance: d for d in observer.deaths(stubs.values())}
         assert deaths["m_0_0"].ended and not deaths["m_0_1"].ended and not deaths["m_0_2"].ended
-        assert [d.stub.instance for d in crashes_among(observer, journals, stubs.values())] == ["m_0_1", "m_0_2"]
+        assert [d.stub.instance for d in crashes_among(observer, journals, stubs.values())] == ["m_0_1"]
+        # no journal folder: a zombie Triton has not reaped is taken for a crash, an ended one is not
+        assert [d.stub.instance for d in crashes_among(observer, None, stubs.values())] == ["m_0_1", "m_0_2"]
         for p in (ended, crashed, clean):
             p.wait()  # reaped, as Triton reaps what it ends and, at an unload, what crashed
         found = crashes_among(observer, journals, stubs.values())
