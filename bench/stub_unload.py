@@ -10,7 +10,8 @@ A hand-written python model holding 40 MiB (no snoozeml runtime) on the wheel's 
 control. Per cycle (one JSON line): the load, the unload call, when the stub's memory was free (gone or a
 zombie), whether and when Triton reaped it (within 2.5 s), the index after, tritonserver's thread count before
 and after; at the end a reload and an inference, the zombies left, and Triton's log lines beyond start-up.
-The findings are in docs/internals.md ("Unloads that free memory in milliseconds").
+The findings are in docs/measurements.md ("Triton's unload of a python model"); what the unloader does with them,
+in docs/internals.md ("Why").
 """
 
 from __future__ import annotations
