@@ -1,5 +1,5 @@
 """Eviction policies replayed in virtual time: the policy code the lifecycle runs (``controlplane/lifecycle/
-eviction.py``, through the same ``accessed`` / ``loaded`` / ``evicted`` / ``order`` calls ``MemoryBudget``
+memory/eviction.py``, through the same ``accessed`` / ``loaded`` / ``evicted`` / ``order`` calls ``MemoryBudget``
 makes) over request traces, on a memory budget of fixed size, each model with its own memory and load time.
 
     python -m bench --only eviction            # the synthetic traces below (seconds, no server)

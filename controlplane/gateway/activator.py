@@ -8,7 +8,7 @@ Envoy sends it (see ``envoy.yaml.j2``):
   (``lifecycle.serving``: the lifecycle's single-flight ``ensure_ready``, then the model is held loaded
   until the forward is done), forwards the request to Triton unchanged and returns Triton's answer
   unchanged. A request never runs twice: one that was running in a model process when it died
-  (the lifecycle reads that from the request journal, by the gateway's ``x-snooze-request-id``) is
+  (the lifecycle reads that from the request journal, by Envoy's ``x-request-id``) is
   refused with an error that says so, and one that only met the dead process is sent after the
   model is recovered (``lifecycle.recovery``);
 - model readiness, metadata and config, answered for a published model as if it were loaded (a

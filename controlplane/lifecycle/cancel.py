@@ -10,7 +10,7 @@ later load and unload of that Triton, waiting for ever; a starting stub is waite
 A load still queued (waiting for a slot or for memory: nothing in Triton yet), or one
 whose processes cannot be seen (a remote Triton), has its task cancelled instead, and Triton is asked to
 unload what it may have. Requests that waited on that load get a 503 with Retry-After, or a 404 for a
-delete (``Operations._cancelled_error``); after a republish they wait for the new version instead (the model is
+delete (``cancelled_error``); after a republish they wait for the new version instead (the model is
 still published), and so does any wake-up that comes while the cancel is under way: none starts a load before
 the cancelled one has left Triton.
 A load may also end well while the cancel waits for a starting stub: the model is then READY in Triton, where

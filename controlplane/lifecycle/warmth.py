@@ -13,7 +13,7 @@ What a policy hears, and from where:
   recoveries) and every departure from memory (unload, eviction, Triton gone).
 
 A pre-warm is heard when it starts, as the replay (``bench/keepalive_replay.py``) has it: a request that comes
-while it loads uses it. The rules around it are the lifecycle's (``LifecycleManager.sweep``): only a model that
+while it loads uses it. The rules around it are the supervisor's (``Supervisor.sweep``): only a model that
 is unloaded with no transition running, only while a load slot is free, only from free memory budget (host
 and GPU: nothing is evicted for it), and a pre-warmed model nobody used yet is the first to be evicted.
 """

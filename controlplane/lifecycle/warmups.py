@@ -1,4 +1,4 @@
-"""What a model's load warm-up did, and the warm-ups its traffic teaches (see controlplane/warmup.py).
+"""What a model's load warm-up did, and the warm-ups its traffic teaches (see controlplane/warmup_samples.py).
 
 The runtime notes per model process the warm-up's source and, when generated inputs failed, why it was
 skipped; after the first real request, that request's input shapes (``python_backend/warmup.py``). This

@@ -11,9 +11,9 @@ they are found through files in the request journal folder (``python_backend/pre
 - ``prefork-<key>.parent``: one parent: ``{"pid", "start_ticks", "preload", "import_secs", "warm_secs", "failed",
   "python", "triton_pid", ...}``.
 
-Memory: a worker shares its parent's pages copy-on-write, so a model is charged what its worker adds
-(its USS: pages no other process maps), and the parent's own memory is a line of its own in status
-and in the memory budget: pages shared with the parent are counted once.
+Memory: a worker shares its parent's pages copy-on-write, so a model is charged its worker's Pss (each shared
+page split among the processes that map it), and the parent's own memory is a line of its own in status and in
+the memory budget: pages shared with the parent are counted once.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Measured per process through NVML where NVML's pids map to the ones seen here
 (``gpu_memory``), else as what a load added to each GPU's used memory (loads are
-serialised on a machine with a GPU, ``Loader._slot``, for that to hold). ``SNOOZE_GPU_MEMORY_BUDGET_MB`` applies to
+serialised on a machine with a GPU, ``Admission.slot``, for that to hold). ``SNOOZE_GPU_MEMORY_BUDGET_MB`` applies to
 each GPU on its own: before a load, idle models holding memory on the GPUs it needs are unloaded until
 its estimate fits; after it, a measurement above the estimate evicts again; a load that fails with a
 CUDA out-of-memory evicts idle models on its GPUs and is retried once. A pre-warm evicts nothing

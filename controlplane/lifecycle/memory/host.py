@@ -1,15 +1,15 @@
 """The memory budget: what each model holds, what a load will need, and which idle model to evict.
 
 The budget (``SNOOZE_MEMORY_BUDGET_MB``) is for the whole Triton tree where it can be seen: tritonserver's own
-resident memory (``server``, read before each admission and at each sweep) counts beside the models; where
-tritonserver cannot be seen (a remote Triton), the budget is for the models alone.
+proportional memory (``server``, its Pss, read before each admission and at each sweep) counts beside the models;
+where tritonserver cannot be seen (a remote Triton), the budget is for the models alone.
 
-A model's footprint is measured (the RSS of its model processes, plus the USS of their preforked workers,
-where they can be seen; read again each sweep, ``Loader.remeasure``) or declared (its ``memory_mb``); a load
+A model's footprint is measured (the Pss of its model processes and of their preforked workers, where they can be
+seen; read again each sweep, ``Loader.remeasure``) or declared (its ``memory_mb``); a load
 reserves its estimate from before it makes room until it is measured, so that loads running at once never count
 the same free bytes. A model never measured nor declared is estimated at the largest model measured so far (not
 the average: five such loads at once overran a 400 MiB budget by 30%); before anything was measured, such a load
-runs alone (``Loader._make_room``). A reload that builds new instances beside the old ones (a republish) reserves
+runs alone (``Admission.make_room``). A reload that builds new instances beside the old ones (a republish) reserves
 the new version's estimate beside what the old one holds: Triton holds both until the old one exits. The
 preloaded parents of preforked models hold memory of their own, counted once as ``overhead``. When a load would
 exceed the budget, idle models are unloaded until it fits: pre-warmed models no request has used yet first, then

@@ -1,9 +1,9 @@
 """What the accountant decides and how it is carried out: a plan of idle models to evict, in order.
 
 The budgets (host and GPU) only decide: given what is loaded, what is measured and what a load needs, they return
-a ``Plan`` (or None: it fits; or raise: it cannot fit, or everything is in use, "wait"). Whoever owns the models'
-transitions (the manager, through the loader and its sweep) carries it out with ``carry_out`` and its own
-unload; the budgets never call back into it.
+a ``Plan`` (or None: it fits; or raise: it cannot fit, or everything is in use, "wait"). The unload
+transitions carry it out (``Unloads.evict``, through the loader's admission and the supervisor's sweep) with
+``carry_out``; the budgets never call back into them.
 """
 
 from __future__ import annotations
