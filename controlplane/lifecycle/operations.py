@@ -57,7 +57,7 @@ class Operations(ManagerParts):
             previous, rec.config_override = rec.config_override, given or None
             try:
                 if rec.state is ModelState.READY and (rec.config_override is not None or rec.override_loaded):
-                    reloading = self._reconfigure_op(rec)
+                    reloading = self._reconfigure_op(rec, previous)
                     await _in_place(self.states.spawn(rec, ModelState.READY, "new config", reloading))
                     return self.status(model_id)
                 if rec.state is not ModelState.READY:
@@ -282,13 +282,18 @@ class Operations(ManagerParts):
             self.metrics.scale_events.labels(model=rec.id, direction=direction).inc()
         log.info("model '%s': %d -> %d instances", rec.id, before, instances)
 
-    async def _reconfigure_op(self, rec: ModelRecord) -> None:
-        """Reload a loaded model with its instances and the config override now set (or none)."""
+    async def _reconfigure_op(self, rec: ModelRecord, previous: dict[str, Any] | None) -> None:
+        """Reload a loaded model with its instances and the config override now set (or none); one that fails or
+        is abandoned leaves the model, and its record, with the ``previous`` override, before the op ends."""
         try:
             await self.loader.load(rec, rec.instances or rec.model.deployment.instances)
         except SnoozeError as e:
+            rec.config_override = previous
             self.loader.load_failed(rec, e)
             self.states.set_state(rec, ModelState.READY, f"the client's config failed to load: {e.message}")
+            raise
+        except BaseException:
+            rec.config_override = previous
             raise
 
     async def _reload_op(self, rec: ModelRecord) -> None:
