@@ -71,7 +71,7 @@ class AdminOperations:
             previous, rec.load.config_override = rec.load.config_override, given or None
             try:
                 if rec.state is ModelState.READY and (rec.load.config_override is not None or rec.load.override_loaded):
-                    await _in_place(self.transitions.reconfigure(rec))
+                    await _in_place(self.transitions.reconfigure(rec, previous))
                     return self.status(model_id)
                 if rec.state is not ModelState.READY:
                     loading = self.transitions.cold_load(rec, trigger="api", reason="loading", instances=instances)

@@ -167,9 +167,10 @@ class Transitions:
         reason = f"scaling to {instances} instances"
         return self._in_place_op(rec, reason, self._rescale_op(rec, instances, direction))
 
-    def reconfigure(self, rec: ModelRecord) -> asyncio.Task[None]:
-        """A loaded model reloaded with the client's config override now set (or none)."""
-        return self._in_place_op(rec, "new config", self._reconfigure_op(rec))
+    def reconfigure(self, rec: ModelRecord, previous: dict[str, Any] | None) -> asyncio.Task[None]:
+        """A loaded model reloaded with the client's config override now set (or none); one that fails or is
+        abandoned leaves the model, and its record, with the ``previous`` override, before the op ends."""
+        return self._in_place_op(rec, "new config", self._reconfigure_op(rec, previous))
 
     def reload(self, rec: ModelRecord) -> asyncio.Task[None]:
         """A loaded model reloaded after a republish."""
@@ -275,12 +276,16 @@ class Transitions:
             self.metrics.scale_events.labels(model=rec.id, direction=direction).inc()
         log.info("model '%s': %d -> %d instances", rec.id, before, instances)
 
-    async def _reconfigure_op(self, rec: ModelRecord) -> None:
+    async def _reconfigure_op(self, rec: ModelRecord, previous: dict[str, Any] | None) -> None:
         try:
             await self.loader.load(rec, rec.instances or rec.model.deployment.instances)
         except SnoozeError as e:
+            rec.load.config_override = previous
             self.loader.load_failed(rec, e)
             self.states.set_state(rec, ModelState.READY, f"the client's config failed to load: {e.message}")
+            raise
+        except BaseException:
+            rec.load.config_override = previous
             raise
 
     async def _reload_op(self, rec: ModelRecord) -> None:

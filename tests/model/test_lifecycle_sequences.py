@@ -325,3 +325,24 @@ def test_an_instance_that_ended_cleanly_is_not_taken_for_a_crash_before_triton_r
     world.step(world.api_unload("m0"), 0.5)
     world.step(world.request("m0"), 2.0)  # asleep: retried to the activator, which must send it
     assert [c.answer for c in world.answered if c.what == "request"] == ["200"]
+
+
+def test_a_client_override_that_fails_to_load_is_never_held_by_the_record_alone(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=2350625793): a client's override of a loaded model failed to load
+    (no room beside the old instances); the op ended, and only then did its caller put the previous override
+    back: in between the record said the model ran the client's config while Triton held the published one. The
+    op puts it back before it ends."""
+    world.step(world.script_load("m1", "oom", 0.05), 0.05)
+    world.step(world.pause(), 0.05)
+    world.step(world.publish("m1", 60, 1), 1.0)
+    world.step(world.hold("m1"), 1.0)
+    world.step(world.restart(), 1.0)
+    world.step(world.pause(), 0.01)
+    world.step(world.publish("m3", 100, 1), 1.0)
+    world.step(world.request("m3", 2.0), 0.01)
+    world.step(world.resume(), 0.0)
+    world.step(world.api_load("m1", 2), 0.3)
+    world.step(world.pause(), 0.01)
+    world.step(world.api_override("m3", 4), 0.0)
+    world.step(world.publish("m1", 150, 2), 1.0)
+    world.step(world.resume(), 0.0)
