@@ -61,8 +61,12 @@ def get_input_tensor_by_name(request: Request, name: str) -> Tensor | None:
 
 def install_stand_in() -> None:
     pb = types.ModuleType("triton_python_backend_utils")
-    pb.Tensor, pb.InferenceResponse, pb.TritonError = Tensor, InferenceResponse, TritonError
-    pb.get_input_tensor_by_name = get_input_tensor_by_name
+    vars(pb).update(
+        Tensor=Tensor,
+        InferenceResponse=InferenceResponse,
+        TritonError=TritonError,
+        get_input_tensor_by_name=get_input_tensor_by_name,
+    )
     sys.modules["triton_python_backend_utils"] = pb
 
 

@@ -85,13 +85,8 @@ async def drive(send: Callable[[], Awaitable[None]], concurrency: int, seconds: 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
     latencies.sort()
-    return LoadResult(
-        len(latencies),
-        errors,
-        elapsed,
-        *(round(percentile(latencies, q), 3) for q in (50, 90, 99, 100)),
-        first_error=first_error,
-    )
+    p50, p90, p99, top = (round(percentile(latencies, q), 3) for q in (50, 90, 99, 100))
+    return LoadResult(len(latencies), errors, elapsed, p50, p90, p99, top, first_error=first_error)
 
 
 def infer_request_bytes(model: str, x: np.ndarray, input_name: str = "x") -> bytes:
@@ -244,7 +239,7 @@ async def _open_sender(
         payload = infer_request_bytes(model, x, input_name)
         metadata = tuple((k.lower(), v) for k, v in headers.items())
         channel = await stack.enter_async_context(grpc.aio.insecure_channel(target))
-        call = channel.unary_unary(INFER_METHOD)
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(INFER_METHOD)
 
         async def send_grpc() -> None:
             await call(payload, metadata=metadata)
@@ -296,7 +291,7 @@ async def run_replay(job: ReplayJob) -> dict[str, Any]:
     records: list[list[Any]] = []
     late = 0.0
     async with grpc.aio.insecure_channel(job.target) as channel:
-        call = channel.unary_unary(INFER_METHOD)
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(INFER_METHOD)
 
         async def one(sent: float, index: int) -> None:
             try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from bench import runtime_cost
 from bench._load import Job, LoadWorker
@@ -36,11 +36,20 @@ CONCURRENCY = (1, 8, 32)
 MAX_BATCH = 32
 
 
+class _Model(TypedDict):
+    """One numpy model of the section."""
+
+    path: Path
+    width: int  # features per row
+    params: dict[str, Any]
+    description: str
+
+
 async def run(
     root: Path, *, seconds: float, warmup: float, pairs: int, pair_seconds: float, torch_rounds: int = 3
 ) -> dict[str, Any]:
     layers, est_ms = calibrate_matmul_layers(1.0, 8)
-    models = {
+    models: dict[str, _Model] = {
         "numpy-linear": {
             "path": EXAMPLES / "numpy-linear",
             "width": 4,

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from bench.zipf import Zipf
-from controlplane.lifecycle.memory.eviction import MIB, POLICIES, Candidate, EvictionPolicy, eviction_policy
+from controlplane.lifecycle.memory.eviction import POLICIES, Candidate, EvictionPolicy, eviction_policy
+from controlplane.lifecycle.memory.units import MIB
 
 MODELS = 40
 BUDGET_MIB = 400.0  # the churn scenario: 40 models of about 100 MiB each, a 400 MiB budget

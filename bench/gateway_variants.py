@@ -8,6 +8,7 @@ measuring the gateway twice under two names. The edited bootstrap is written as 
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -190,8 +191,12 @@ def variant_bootstraps(
     out: dict[str, Bootstrap] = {"gateway_twin": bootstrap_of} if twin else {}
     for variant in variants:
         keys = variant not in KEYLESS_VARIANTS
-        out[f"gateway_{variant}"] = lambda ports, v=variant, k=keys: _variant(bootstrap_of(ports, keys=k), v)
+        out[f"gateway_{variant}"] = functools.partial(_variant_of, bootstrap_of, variant, keys)
     return out
+
+
+def _variant_of(bootstrap_of: Callable[..., str], variant: str, keys: bool, ports: tuple[int, int]) -> str:
+    return _variant(bootstrap_of(ports, keys=keys), variant)
 
 
 def _variant(bootstrap: str, variant: str) -> str:

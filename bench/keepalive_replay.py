@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 
@@ -321,8 +321,12 @@ def _costs(measured: dict[str, Any] | None) -> tuple[dict[str, float], str]:
     return dict(COLD_START_SECS), "reference first-response medians (COLD_START_SECS in bench/keepalive_replay.py)"
 
 
+# name, model, description, arrival times, start, end, periodic
+Trace: TypeAlias = tuple[str, str, str, np.ndarray | list[float], float, float, bool]
+
+
 def _replay_set(
-    traces: list[tuple[str, str, str, np.ndarray | list[float], float, float, bool]],
+    traces: list[Trace],
     costs: dict[str, float],
     default_cost: float,
 ) -> dict[str, Any]:
@@ -355,6 +359,7 @@ def run(
     started = time.perf_counter()
     costs, source = _costs(measured)
     default_cost = DEFAULT_COLD_START_SECS
+    traces: list[Trace]
     if trace_file is not None:
         per_model = read_trace(trace_file)
         traces = [(m, m, trace_file.name, sorted(ts), min(ts), max(ts), False) for m, ts in per_model.items()]

@@ -101,15 +101,16 @@ async def run(root: Path, *, seconds: float, repeats: int) -> dict[str, Any]:
     (pkg / "snooze_model.json").write_text(json.dumps(MANIFEST))
     start = time.perf_counter()
     decision = prefer_native(pkg, max_batch_size=32, out_dir=root / "onnx-mlp")
-    if not decision.native:
+    report, export_secs = decision.report, decision.export_secs
+    if not decision.native or report is None or export_secs is None:
         raise RuntimeError(f"export failed: {decision.reason}")
-    worst = max(c["max_abs"] for c in decision.report["comparisons"])
+    worst = max(c["max_abs"] for c in report["comparisons"])
     results["conversion"] = {
         "exporter": decision.exporter,
-        "export_secs": round(decision.export_secs, 3),
+        "export_secs": round(export_secs, 3),
         "worker_total_secs": round(time.perf_counter() - start, 3),
         "parity_max_abs": worst,
-        "parity_comparisons": len(decision.report["comparisons"]),
+        "parity_comparisons": len(report["comparisons"]),
     }
     models = {"custom-torch": pkg, "onnx-export": decision.publish_path}
     specs = [resolve(DeploymentSpec(id=m, path=p, max_batch_size=32)) for m, p in models.items()]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ class Section:
     about: str  # one line for ``python -m bench --help``
     params: Mapping[str, Any]  # keyword arguments of a full run
     quick: Mapping[str, Any]  # of a ``--quick`` run
-    run: Callable[[Path, dict[str, Any], RunContext], Awaitable[Data]]
+    run: Callable[[Path, dict[str, Any], RunContext], Coroutine[Any, Any, Data]]
     markdown: Callable[[Data, Rendering], list[str]]  # its part of report.md
     summary: Callable[[Data], list[str]] = _no_summary  # its bullets in the report's summary
     plot: Callable[[Data, Path], str] | None = None  # writes its plot to the path, returns the file name

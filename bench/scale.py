@@ -145,6 +145,7 @@ async def _probe_main(repo: Path, idle_secs: float) -> dict[str, Any]:
         published = len(stack.store.ids())
         await asyncio.sleep(2.0)  # settle: first sweeps, allocator warm-up
         me = psutil.Process()
+        assert stack.triton_process is not None  # start() launched it (no external Triton here)
         triton = psutil.Process(stack.triton_process.pid)
         cpu0, tcpu0, t0 = me.cpu_times(), triton.cpu_times(), time.perf_counter()
         await asyncio.sleep(idle_secs)

@@ -5,6 +5,7 @@ from Envoy's stats and inference metrics from Triton's; these cover what only sn
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 STATES = ("unloaded", "loading", "ready", "unloading", "failed")
 _COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -110,7 +111,7 @@ class SnoozeMetrics:
         """Drop every series of a deleted model: gauges, and counters and histograms too (a model published
         again under the same id starts from zero, which Prometheus reads as a counter reset)."""
         for metric in self.registry._collector_to_names:  # no public way to list collectors or series
-            if getattr(metric, "_labelnames", ())[:1] != ("model",):
+            if not isinstance(metric, MetricWrapperBase) or metric._labelnames[:1] != ("model",):
                 continue
             for labels in [k for k in list(metric._metrics) if k[0] == model]:
                 metric.remove(*labels)

@@ -294,7 +294,8 @@ def _prepare_out_dir(out_dir: Path, package_dir: Path) -> bool:
 
 def _worst_parity(report: Mapping[str, Any] | None) -> str:
     """'output y on random, batch 3: max abs 0.31 > atol 0.0001 + rtol 0.001 (5 of 12 elements)'."""
-    failures = [c for c in (report or {}).get("comparisons", []) if not c.get("passed")]
+    comparisons = (report or {}).get("comparisons", [])
+    failures = [c for c in comparisons if not c.get("passed")]
     if not failures:
         return "no comparison failed"
     numeric = [c for c in failures if c.get("max_abs") is not None]
@@ -307,7 +308,7 @@ def _worst_parity(report: Mapping[str, Any] | None) -> str:
         f"tolerance atol {worst['atol']:g} + rtol {worst['rtol']:g} x |reference|"
     )
     detail = f" ({worst['detail']})" if worst.get("detail") else ""
-    return f"{where}: {numbers}{detail}; {len(failures)} of {len(report['comparisons'])} comparisons failed"
+    return f"{where}: {numbers}{detail}; {len(failures)} of {len(comparisons)} comparisons failed"
 
 
 def _failed(
@@ -367,7 +368,7 @@ def _assemble(
     if converted.kind is not PackageKind.ONNX:
         raise ConversionFailed(f"{out_dir}: the converted package is {converted.kind.value}, not onnx")
     report = result.get("parity") or {}
-    worst = {}
+    worst: dict[str, float] = {}
     for c in report.get("comparisons", []):
         if c.get("max_abs") is not None and c["max_abs"] >= worst.get(c["output"], -1.0):
             worst[c["output"]] = c["max_abs"]

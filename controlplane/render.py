@@ -24,7 +24,7 @@ from tritonclient.grpc import model_config_pb2
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
 from controlplane.modes import TargetName
-from controlplane.spec import Device, ModelSpec, PackageKind, TensorSpec, python_specifier
+from controlplane.spec import Device, ModelPackage, ModelSpec, PackageKind, TensorSpec, python_specifier
 from controlplane.warmup_samples import warmup_plan, warmup_view
 from converters.files import PYTHON_MODEL_FILE
 from python_backend.spec import SPEC_FILE
@@ -165,6 +165,12 @@ def _runtime_sources() -> list[Path]:
     return [Path(p) for p in runtime_files()]
 
 
+def _model_files(package: ModelPackage) -> list[str]:
+    """An ONNX or TensorRT package's model file and its external-data files."""
+    assert package.model_file is not None, f"{package.path}: a {package.kind} package is loaded with its model file"
+    return [package.model_file, *package.external_data]
+
+
 def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     """Build one model folder in memory and validate its config against Triton's schema."""
     _check_python(spec, target)
@@ -203,7 +209,7 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     package = spec.package
     if backend == "python":
         # An ONNX package needs only its model and weights (not its provenance or reports).
-        served = package.files if package.kind is PackageKind.CUSTOM else [package.model_file, *package.external_data]
+        served = package.files if package.kind is PackageKind.CUSTOM else _model_files(package)
         for rel in served:
             rendered.copies.append((package.path / rel, f"{VERSION}/{PACKAGE_SUBDIR}/{rel}"))
         for src in _runtime_sources():
@@ -213,7 +219,7 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
         rendered.writes[f"{VERSION}/{SPEC_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
     else:
         # Native backends: the model file and its external-data files sit in the version folder.
-        for rel in (package.model_file, *package.external_data):
+        for rel in _model_files(package):
             rendered.copies.append((package.path / rel, f"{VERSION}/{rel}"))
     if warmup is not None:
         rendered.writes.update(warmup.files)

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from rich.console import Console
@@ -38,6 +39,11 @@ from controlplane.triton.journal import JOURNAL_ENV
 from controlplane.triton.launcher import EmbeddedTriton
 from controlplane.triton.processes import TritonProcesses
 
+if TYPE_CHECKING:  # start() imports them where it builds them; here only for the annotations
+    from controlplane.gateway.activator import Activator
+    from controlplane.gateway.envoy import EnvoyGateway
+    from controlplane.lifecycle.manager import LifecycleManager
+
 log = logging.getLogger("snoozeml.stack")
 
 
@@ -50,9 +56,9 @@ class ServingStack:
         self.triton_process: EmbeddedTriton | None = None
         self.store: ModelStore | None = None
         self.admin: TritonAdminClient | None = None
-        self.lifecycle = None
-        self.activator = None
-        self.gateway = None
+        self.lifecycle: LifecycleManager | None = None
+        self.activator: Activator | None = None
+        self.gateway: EnvoyGateway | None = None
         self._api: EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._force = asyncio.Event()

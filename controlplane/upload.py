@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from controlplane.errors import InvalidPackageError
 
@@ -125,7 +125,7 @@ class _Budget:
             raise too_large(f"{self.archive_name} (uncompressed)", self.max_bytes)
 
 
-def _copy_counted(src: BinaryIO, dest: Path, budget: _Budget) -> None:
+def _copy_counted(src: IO[bytes], dest: Path, budget: _Budget) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with open(dest, "wb") as out:
         while chunk := src.read(_CHUNK):
@@ -179,7 +179,7 @@ class _Extraction:
     def path_of(self, member: _Member) -> Path:
         return self.root / member.name if member.name else self.root
 
-    def write(self, member: _Member, stream: BinaryIO) -> None:
+    def write(self, member: _Member, stream: IO[bytes]) -> None:
         _copy_counted(stream, self.path_of(member), self.budget)
         self.files.add(member.name)
 

@@ -91,6 +91,7 @@ def load_export_hook(
         except Exception as exc:
             raise ExportError(f"{entry}: {class_name}(**params).load(model_dir, 'cpu') failed: {exc!r}") from exc
 
+    hook_args: tuple[str, ...]
     if model is not None and callable(getattr(model, "export_module", None)):
         hook, hook_args, where = model.export_module, (), f"{class_name}.export_module()"
     elif callable(getattr(user_module, "export_module", None)):

@@ -8,7 +8,7 @@ results back into responses.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import numpy as np
@@ -76,7 +76,7 @@ def check_request(spec: RuntimeSpec, arrays: Arrays) -> int | None:
                     "every input of a request needs the same batch size (axis 0)"
                 )
             batch_size = rows
-    if spec.batched and not 1 <= batch_size <= spec.max_batch_size:
+    if spec.batched and batch_size is not None and not 1 <= batch_size <= spec.max_batch_size:
         raise InvalidInput(
             f"batch size {batch_size} is outside 1..{spec.max_batch_size} (the model's max_batch_size); "
             "split the request"
@@ -321,13 +321,13 @@ class BatchPlan:
         valid: list[int] = []
         batch_sizes: dict[int, int | None] = {}
         prepare = self.prepare
-        if prepare is not None:
-            requests = list(requests)
+        if prepare is not None:  # a copy: the caller's list keeps the requests as they came
+            requests = prepared = list(requests)
         for i, arrays in enumerate(requests):
             try:
                 batch_sizes[i] = self.batch_size(arrays)
                 if prepare is not None:
-                    requests[i] = prepare(arrays)
+                    prepared[i] = prepare(arrays)
                 valid.append(i)
             except InvalidInput as e:
                 results[i] = self._failure(e, None)
@@ -339,14 +339,16 @@ class BatchPlan:
 
         for group in groups:
             sizes = [batch_sizes[i] for i in group]
-            rows = sum(sizes) if self.batched else None
+            counts = [n for n in sizes if n is not None]  # all of sizes when the model is batched
+            rows = sum(counts) if self.batched else None
+            answers: Sequence[Arrays | Failure]
             try:
                 if self.raw:
                     raw_inputs = {name: [requests[i][name] for i in group] for name, *_ in self.inputs}
                     answers = check_raw_outputs(self.spec, predict(raw_inputs), sizes)
                 else:
                     outputs = self.checked_outputs(predict(collate(self.spec, [requests[i] for i in group])), rows)
-                    answers = split(outputs, sizes) if self.batched else [outputs]
+                    answers = split(outputs, counts) if self.batched else [outputs]
             except Exception as e:  # user code can raise anything; each becomes a per-request error
                 answers = [self._failure(e, rows)] * len(group)
             for i, answer in zip(group, answers, strict=True):
@@ -368,7 +370,7 @@ class BatchPlan:
         except Exception as e:  # user code can raise anything; it becomes this request's error
             return self._failure(e, rows)
 
-    def stream(self, arrays: Arrays, predict: Callable[[Any], Any]) -> Iterator[Any]:
+    def stream(self, arrays: Arrays, predict: Callable[[Any], Any]) -> Generator[Any, None, None]:
         """A decoupled model's request: each result ``predict`` yields, checked like a unary result; a
         ``Failure`` (last) when the request is invalid, predict raises or a result does not conform.
         Closing this generator (a cancelled request) closes predict's."""

@@ -152,7 +152,7 @@ def traceback_summary(exc: BaseException, frames: int = TRACEBACK_FRAMES) -> str
     The runtime's own frames (the thread that calls predict) and the import machinery's say nothing
     to the model's author and are left out, unless the error arose in the runtime itself.
     """
-    entries = traceback.extract_tb(exc.__traceback__)
+    entries: list[traceback.FrameSummary] = traceback.extract_tb(exc.__traceback__)
     entries = [e for e in entries if not _is_plumbing(e.filename)] or entries
     entries = entries[-frames:]
     return " <- ".join(f"{os.path.basename(e.filename)}:{e.lineno} in {e.name}" for e in reversed(entries))

@@ -70,7 +70,7 @@ def _frameworks() -> list[str]:
 def _error(package_dir: str | None = None) -> str:
     """The traceback of the exception being handled: the package's frames when there are, else the last few."""
     exc = sys.exc_info()[1]
-    frames = traceback.extract_tb(exc.__traceback__ if exc else None)
+    frames: list[traceback.FrameSummary] = traceback.extract_tb(exc.__traceback__ if exc else None)
     if package_dir:
         own = [f for f in frames if f.filename.startswith(package_dir + os.sep)]
         frames = own or frames[-4:]

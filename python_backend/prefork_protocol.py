@@ -254,7 +254,7 @@ def _read_arrays(body: bytes, count: int, view: memoryview, copy: bool) -> dict[
         at += name_len
         if offset + nbytes > len(view):
             raise ProtocolError("tensor frame points past the end of the shared region")
-        array = np.ndarray(shape, dtype=dtype, buffer=view, offset=offset)
+        array: np.ndarray = np.ndarray(shape, dtype=dtype, buffer=view, offset=offset)
         out[name] = array.copy() if copy else array
     return out
 

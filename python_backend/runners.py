@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import PredictTimeout
 from .import_probe import import_model_class
@@ -33,24 +33,33 @@ def import_user_class(spec: RuntimeSpec, package_dir: str) -> type:
     package/ first on sys.path, so the package's sibling modules import the way they do on the
     author's machine.
     """
-    entry_file = os.path.join(package_dir, spec.entrypoint)
+    entrypoint = spec.entrypoint
+    if entrypoint is None:  # load_spec refuses a custom spec without one; a spec built in code may lack it
+        raise SpecError(f"model '{spec.model_id}': no entrypoint; name the .py file in the package manifest")
+    entry_file = os.path.join(package_dir, entrypoint)
     if not os.path.isfile(entry_file):
         raise SpecError(
-            f"model '{spec.model_id}': entrypoint {spec.entrypoint!r} is not in {package_dir}; "
+            f"model '{spec.model_id}': entrypoint {entrypoint!r} is not in {package_dir}; "
             "fix 'entrypoint' in the package manifest or add the file"
         )
-    cls, missing = import_model_class(package_dir, spec.entrypoint, spec.class_name)
+    cls, missing = import_model_class(package_dir, entrypoint, spec.class_name)
     if cls is None:
         raise SpecError(
-            f"model '{spec.model_id}': {spec.entrypoint} defines no class {spec.class_name!r}; "
+            f"model '{spec.model_id}': {entrypoint} defines no class {spec.class_name!r}; "
             "fix 'class' in the package manifest or rename the class"
         )
     if missing:
         raise SpecError(
-            f"model '{spec.model_id}': class {spec.class_name} in {spec.entrypoint} has no {missing}; "
+            f"model '{spec.model_id}': class {spec.class_name} in {entrypoint} has no {missing}; "
             "a model needs load(model_dir, device) and predict(inputs)"
         )
     return cls
+
+
+class _Session(Protocol):
+    """What OnnxRunner uses of an onnxruntime InferenceSession (onnxruntime publishes no types)."""
+
+    def run(self, output_names: list[str], input_feed: dict[str, Any]) -> list[Any]: ...
 
 
 class OnnxRunner:
@@ -69,7 +78,7 @@ class OnnxRunner:
         self.onnx_file = onnx_file
         self.output_names = output_names
         self.session_options = session_options
-        self.session = None
+        self.session: _Session | None = None
         self.text_inputs: tuple[str, ...] = ()
         self._text_outputs: tuple[int, ...] = ()  # positions in output_names
         # Per request, before the batch is collated (batching.BatchPlan): a request whose text is not UTF-8
@@ -106,8 +115,13 @@ class OnnxRunner:
         self.prepare_inputs = self._decode_inputs if self.text_inputs else None
         self.predict = self._run_text if self.text_inputs or self._text_outputs else self._run
 
+    def _loaded(self) -> _Session:
+        if self.session is None:
+            raise RuntimeError(f"{self.onnx_file}: predict called while not loaded")
+        return self.session
+
     def _run(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        return dict(zip(self.output_names, self.session.run(self.output_names, inputs), strict=True))
+        return dict(zip(self.output_names, self._loaded().run(self.output_names, inputs), strict=True))
 
     def _decode_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         decoded = dict(inputs)
@@ -118,7 +132,7 @@ class OnnxRunner:
 
     def _run_text(self, inputs: dict[str, Any]) -> dict[str, Any]:
         # Inputs the plan decoded already pass through decode_text unchanged.
-        results = self.session.run(self.output_names, self._decode_inputs(inputs))
+        results = self._loaded().run(self.output_names, self._decode_inputs(inputs))
         for i in self._text_outputs:
             results[i] = encode_text(results[i], f"output '{self.output_names[i]}'")
         return dict(zip(self.output_names, results, strict=True))
@@ -133,6 +147,8 @@ def build_model(spec: RuntimeSpec, package_dir: str) -> Any:
     Whatever the spec's `worker`: the stub chooses between this and a preforked worker
     (triton_model.py); a preforked worker, and a stub that cannot get one, run it with this."""
     if spec.kind == RuntimeKind.ONNX:
+        if spec.onnx_file is None:  # load_spec refuses an onnx spec without one; a spec built in code may lack it
+            raise SpecError(f"model '{spec.model_id}': no onnx_file; name the .onnx file in the runtime spec")
         return OnnxRunner(spec.onnx_file, [t.name for t in spec.outputs], **spec.params)
     return import_user_class(spec, package_dir)(**spec.params)
 

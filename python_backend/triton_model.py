@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -162,10 +163,10 @@ class TritonPythonModel:
             note_phase("warm-up")
             self._warm_up(args, spec)
         note_phase("ready")
-        self._watch = None
+        self._watch: PredictWatchdog | None = None
         if self._timeout:
             self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")
-            self._predict = self._predict_watched
+            self._predict = self._watched(self._watch, self._user_predict)
 
     def execute(self, requests: list) -> list | None:
         journal = self._journal
@@ -186,8 +187,9 @@ class TritonPythonModel:
             for request in requests:
                 self._stream(request)
             return None
-        if self._warm_answer is not None:  # the instance's first batch: Triton's warm-up, already run in _warm_up
-            answer = self._warmed(requests)
+        warm = self._warm_answer
+        if warm is not None:  # the instance's first batch: Triton's warm-up, already run in _warm_up
+            answer = self._warmed(requests, warm)
             if answer is not None:
                 return answer
         watch = self._watch
@@ -202,9 +204,9 @@ class TritonPythonModel:
             return [None] * len(requests)  # the watchdog answered them: predict overran its limit
         return [self._response(result) for result in results]
 
-    def _warmed(self, requests: list) -> list | None:
+    def _warmed(self, requests: list, warm: tuple[dict[str, Any], Any]) -> list | None:
         """Triton's run of the warm-up sample this instance ran already: its answer, without a second predict."""
-        sample, result = self._warm_answer  # type: ignore[misc]
+        sample, result = warm
         self._warm_answer = None
         if len(requests) != 1:
             return None
@@ -259,6 +261,7 @@ class TritonPythonModel:
                 self._note.write(source=source)
             # Triton's run of the config's sample comes next: answered from here (a copy: a preforked worker's
             # answer is a view of a region its next answer reuses).
+            kept: dict[str, Any] | Failure
             if type(result) is Failure:
                 kept = result
             elif run is arrays:
@@ -361,9 +364,15 @@ class TritonPythonModel:
         if self._note is not None:
             self._note.close()
 
-    def _predict_watched(self, inputs: Any, *sequence: Any) -> Any:
-        self._watch.started = time.monotonic()
-        return self._user_predict(inputs, *sequence)
+    @staticmethod
+    def _watched(watch: PredictWatchdog, predict: Callable[..., Any]) -> Callable[..., Any]:
+        """``predict``, each call's start told to ``watch`` (the one thing the request path adds for it)."""
+
+        def predict_watched(inputs: Any, *sequence: Any) -> Any:
+            watch.started = time.monotonic()
+            return predict(inputs, *sequence)
+
+        return predict_watched
 
     def _overran(self, requests: list, started: float) -> None:
         """On the watchdog's thread: answer the overrunning batch with the timeout, then end the process.

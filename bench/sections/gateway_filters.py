@@ -175,8 +175,8 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
             )
     # Rows that run the gateway's own config (noise): its twin, and on gRPC the variant without the dead-stub
     # marker (which only HTTP's upstream has)
-    twin = "the twin runs the gateway's own bootstrap in a second Envoy"
-    same = [(p, "gateway_twin", twin) for p in ("grpc", "http")]
+    twin_note = "the twin runs the gateway's own bootstrap in a second Envoy"
+    same = [(p, "gateway_twin", twin_note) for p in ("grpc", "http")]
     same.append(("grpc", "gateway_no_dead_stub", "the row without the dead-stub marker runs the gateway's own config"))
     for protocol, target, what in same:
         twin, served = by.get((protocol, target)), by.get((protocol, "gateway"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -33,7 +33,11 @@ def _status_body() -> type[BaseModel]:
     return model
 
 
-ModelStatusBody = _status_body()
+if TYPE_CHECKING:
+    # Built at run time from ModelStatus's fields: to a type checker it is a pydantic model.
+    ModelStatusBody: TypeAlias = BaseModel
+else:
+    ModelStatusBody = _status_body()
 
 
 class PreloadedParentBody(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -107,7 +107,8 @@ def _settings(*, no_auth: bool, **given: object) -> Settings:
     """The fleet front's Settings: the flags that were given over the SNOOZE_* environment."""
     from controlplane.settings import Settings
 
-    overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
+    # Flag values of several types, each checked and converted by Settings.
+    overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if no_auth:
         overrides["auth"] = "off"
     return Settings(**overrides)

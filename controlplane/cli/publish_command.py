@@ -124,7 +124,7 @@ def publish(
         "max_instances": max_instances,
         "memory_mb": memory_mb,
     }
-    deployment = {k: v for k, v in options.items() if v is not None}
+    deployment: dict[str, Any] = {k: v for k, v in options.items() if v is not None}
     if not server_path and not path.exists():
         raise fail(SnoozeError(f"{path}: no such file or folder", hint=_PATH_HINT), as_json)
     with open_client(url, api_key, as_json) as client, ExitStack() as native:

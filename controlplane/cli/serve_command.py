@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -63,7 +63,8 @@ def serve(
         "model_repository": model_repository,
         "journal_dir": journal_dir,
     }
-    overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
+    # Flag values of several types, each checked and converted by Settings.
+    overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if no_gateway:
         overrides["gateway"] = False
     if no_auth:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -57,7 +57,8 @@ def snapshot_entrypoint(
     from controlplane.stack import prepare_process
 
     given = {"work_dir": work_dir, "host": host, "http_port": http_port, "grpc_port": grpc_port, "api_port": api_port}
-    overrides: dict[str, object] = {k: v for k, v in given.items() if v is not None}
+    # Flag values of several types, each checked and converted by Settings.
+    overrides: dict[str, Any] = {k: v for k, v in given.items() if v is not None}
     if no_auth:
         overrides["auth"] = "off"
     try:

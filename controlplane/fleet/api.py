@@ -41,9 +41,9 @@ def merge_status(per_node: dict[str, dict[str, Any]]) -> dict[str, Any]:
     state = next((s for s in ("ready", "loading", "unloading", "failed") if s in states), states[0])
     holding = {n: s for n, s in per_node.items() if s["state"] in _LOADED or s["state"] == "failed"}
     first = next(iter(per_node.values()))
-    accesses = [s.get("last_access") for s in per_node.values() if s.get("last_access")]
-    colds = [s.get("last_cold_start_secs") for s in per_node.values() if s.get("last_cold_start_secs")]
-    memory = [s.get("memory_bytes") for s in holding.values() if s.get("memory_bytes")]
+    accesses = [a for s in per_node.values() if (a := s.get("last_access"))]
+    colds = [c for s in per_node.values() if (c := s.get("last_cold_start_secs"))]
+    memory = [m for s in holding.values() if (m := s.get("memory_bytes"))]
     return {
         **first,
         "state": state,
@@ -224,7 +224,11 @@ def create_fleet_app(settings: Settings, nodes: NodesFn, *, gateway_http_url: st
 
     @app.exception_handler(SnoozeError)
     async def snooze_error(_: Request, exc: SnoozeError) -> JSONResponse:
-        headers = {"Retry-After": str(round(exc.retry_after))} if getattr(exc, "retry_after", None) else None
+        headers = (
+            {"Retry-After": str(round(exc.retry_after))}
+            if isinstance(exc, UnavailableError) and exc.retry_after
+            else None
+        )
         return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=headers)
 
     app.add_api_route("/health/live", api.live, methods=["GET"])

@@ -4,9 +4,10 @@ inference messages pass as raw bytes (identity serializers)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf.message import Message
 from tritonclient.grpc import service_pb2
 
 from controlplane.errors import SnoozeError, UnavailableError
@@ -28,13 +29,16 @@ _GRPC_CODES = {
     422: grpc.StatusCode.INVALID_ARGUMENT,
     503: grpc.StatusCode.UNAVAILABLE,
 }
+# Requests and answers pass as raw bytes both ways (no serializers on either side).
+_Context: TypeAlias = "grpc.aio.ServicerContext[bytes, bytes]"
+_Handler: TypeAlias = Callable[[bytes, _Context], Awaitable[bytes]]
 
 
-def _metadata(context: grpc.aio.ServicerContext) -> list[tuple[str, Any]]:
+def _metadata(context: _Context) -> list[tuple[str, str | bytes]]:
     return [
-        (m.key, m.value)
-        for m in context.invocation_metadata() or ()
-        if not m.key.startswith((":", "x-envoy-")) and m.key not in _GRPC_RESERVED
+        (key, value)
+        for key, value in context.invocation_metadata() or ()
+        if not key.startswith((":", "x-envoy-")) and key not in _GRPC_RESERVED
     ]
 
 
@@ -44,6 +48,11 @@ def _is_dead_stub(answer: bytes | grpc.aio.AioRpcError) -> bool:
         and answer.code() == grpc.StatusCode.INTERNAL
         and is_dead_stub_message(answer.details() or "")
     )
+
+
+def _serialized(message: Message) -> bytes:
+    """A KServe message's wire bytes (tritonclient's generated messages carry no type information)."""
+    return message.SerializeToString()
 
 
 def _parameter(value: service_pb2.ModelRepositoryParameter) -> Any:
@@ -75,8 +84,8 @@ class GrpcActivator:
         )
 
     @staticmethod
-    def _handled(fn: Callable[[bytes, grpc.aio.ServicerContext], Awaitable[bytes]]) -> Any:
-        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    def _handled(fn: _Handler) -> _Handler:
+        async def handle(request: bytes, context: _Context) -> bytes:
             try:
                 return await fn(request, context)
             except SnoozeError as e:
@@ -86,13 +95,13 @@ class GrpcActivator:
 
         return handle
 
-    async def _forward(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        call = self.channel.unary_unary(grpc_names.path(method))
+    async def _forward(self, method: str, request: bytes, context: _Context) -> bytes:
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self.channel.unary_unary(grpc_names.path(method))
         return await call(request, metadata=_metadata(context), timeout=context.time_remaining())
 
-    async def model_infer(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def model_infer(self, request: bytes, context: _Context) -> bytes:
         name = service_pb2.ModelInferRequest.FromString(request).model_name
-        request_id = next((str(m.value) for m in context.invocation_metadata() or () if m.key == REQUEST_ID_HEADER), "")
+        request_id = next((str(v) for k, v in context.invocation_metadata() or () if k == REQUEST_ID_HEADER), "")
         answer = await self.answers.forward(
             name,
             request_id,
@@ -104,32 +113,32 @@ class GrpcActivator:
             await context.abort(answer.code(), answer.details() or "")
         return answer
 
-    async def _try_forward(
-        self, method: str, request: bytes, context: grpc.aio.ServicerContext
-    ) -> bytes | grpc.aio.AioRpcError:
+    async def _try_forward(self, method: str, request: bytes, context: _Context) -> bytes | grpc.aio.AioRpcError:
         try:
             return await self._forward(method, request, context)
         except grpc.aio.AioRpcError as e:
             return e
 
-    async def model_ready(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def model_ready(self, request: bytes, context: _Context) -> bytes:
         msg = service_pb2.ModelReadyRequest.FromString(request)
         ready = msg.version in ("", VERSION) and self.answers.ready(msg.name)
-        return service_pb2.ModelReadyResponse(ready=ready).SerializeToString()
+        return _serialized(service_pb2.ModelReadyResponse(ready=ready))
 
-    async def model_metadata(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def model_metadata(self, request: bytes, context: _Context) -> bytes:
         msg = service_pb2.ModelMetadataRequest.FromString(request)
         meta = self.answers.metadata(self.answers.published(msg.name, msg.version))
         tensor = service_pb2.ModelMetadataResponse.TensorMetadata
-        return service_pb2.ModelMetadataResponse(
-            name=meta["name"],
-            versions=meta["versions"],
-            platform=meta["platform"],
-            inputs=[tensor(**t) for t in meta["inputs"]],
-            outputs=[tensor(**t) for t in meta["outputs"]],
-        ).SerializeToString()
+        return _serialized(
+            service_pb2.ModelMetadataResponse(
+                name=meta["name"],
+                versions=meta["versions"],
+                platform=meta["platform"],
+                inputs=[tensor(**t) for t in meta["inputs"]],
+                outputs=[tensor(**t) for t in meta["outputs"]],
+            )
+        )
 
-    async def model_config(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def model_config(self, request: bytes, context: _Context) -> bytes:
         msg = service_pb2.ModelConfigRequest.FromString(request)
         model = self.answers.published(msg.name, msg.version)
         if self.answers.loaded(msg.name):
@@ -137,30 +146,30 @@ class GrpcActivator:
                 return await self._forward("ModelConfig", request, context)
             except grpc.aio.AioRpcError as e:
                 await context.abort(e.code(), e.details() or "")
-        return service_pb2.ModelConfigResponse(config=self.answers.config(model)).SerializeToString()
+        return _serialized(service_pb2.ModelConfigResponse(config=self.answers.config(model)))
 
-    async def repository_index(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def repository_index(self, request: bytes, context: _Context) -> bytes:
         msg = service_pb2.RepositoryIndexRequest.FromString(request)
         entries = [service_pb2.RepositoryIndexResponse.ModelIndex(**e) for e in self.answers.index(msg.ready)]
-        return service_pb2.RepositoryIndexResponse(models=entries).SerializeToString()
+        return _serialized(service_pb2.RepositoryIndexResponse(models=entries))
 
-    def _check_admin(self, context: grpc.aio.ServicerContext) -> None:
-        self.answers.check_admin([(m.key, str(m.value)) for m in context.invocation_metadata() or ()])
+    def _check_admin(self, context: _Context) -> None:
+        self.answers.check_admin([(key, str(value)) for key, value in context.invocation_metadata() or ()])
 
-    async def repository_load(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def repository_load(self, request: bytes, context: _Context) -> bytes:
         self._check_admin(context)
         msg = service_pb2.RepositoryModelLoadRequest.FromString(request)
         self.answers.published_for_load(msg.model_name)
         parameters = {key: _parameter(value) for key, value in msg.parameters.items()}
         await self.answers.load(msg.model_name, parameters)
-        return service_pb2.RepositoryModelLoadResponse().SerializeToString()
+        return _serialized(service_pb2.RepositoryModelLoadResponse())
 
-    async def repository_unload(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def repository_unload(self, request: bytes, context: _Context) -> bytes:
         self._check_admin(context)
         msg = service_pb2.RepositoryModelUnloadRequest.FromString(request)
         self.answers.published(msg.model_name)
         await self.answers.unload(msg.model_name)
-        return service_pb2.RepositoryModelUnloadResponse().SerializeToString()
+        return _serialized(service_pb2.RepositoryModelUnloadResponse())
 
     async def aclose(self) -> None:
         await self.channel.close()

@@ -244,9 +244,7 @@ def validate_params(package: ModelPackage, overrides: dict[str, Any], *, model_i
         typ = PARAM_TYPES[spec.type]
         default = ... if spec.required and spec.default is None else spec.default
         fields[name] = (typ if default is ... else typ | None, default)
-    params_model = create_model(  # type: ignore[call-overload]
-        "Params", __config__=ConfigDict(extra="forbid", strict=False), **fields
-    )
+    params_model = create_model("Params", __config__=ConfigDict(extra="forbid", strict=False), **fields)
     try:
         return params_model.model_validate(values).model_dump()
     except ValidationError as exc:

@@ -4,6 +4,7 @@ Its writes go through ``controlplane.store.transactions`` (one rename per model 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import threading
@@ -110,7 +111,8 @@ class ModelStore:
                 models.append(PublishedModel.read(folder))
         return models
 
-    def ids(self) -> list[str]:
+    # `list` is a method of this class from here on: the type is spelt builtins.list.
+    def ids(self) -> builtins.list[str]:
         return [m.id for m in self.list()]
 
     def get(self, model_id: str) -> PublishedModel:
@@ -127,7 +129,7 @@ class ModelStore:
     def exists(self, model_id: str) -> bool:
         return (self.repository / model_id / DEPLOYMENT_FILE).is_file()
 
-    def gone(self, model_ids: list[str]) -> list[str]:
+    def gone(self, model_ids: builtins.list[str]) -> builtins.list[str]:
         """Those of ``model_ids`` whose folder is not in the repository at all (deleted; a folder that is not
         snoozeml's stays someone's), looked at while no writer is between a republish's two renames."""
         with self._lock, repository_lock(self.repository):

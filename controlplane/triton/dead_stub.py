@@ -56,6 +56,7 @@ def is_dead_stub_message(message: str) -> bool:
     return _MESSAGE.fullmatch(message) is not None
 
 
-def is_dead_stub_http_body(body: bytes) -> bool:
+def is_dead_stub_http_body(body: bytes | memoryview) -> bool:
     """True for Triton's HTTP error body carrying the dead-stub message, nothing else."""
-    return _HTTP_BODY.fullmatch(body.decode("utf-8", "replace")) is not None
+    # str() decodes any buffer: Starlette types a Response's body as bytes or memoryview.
+    return _HTTP_BODY.fullmatch(str(body, "utf-8", "replace")) is not None

@@ -208,7 +208,7 @@ def check_model_static(
     _check_target(m, target)
     if m.backend == "onnxruntime":
         for version in m.versions:
-            if (version / (m.model_file or "")).is_file():
+            if m.model_file is not None and (version / m.model_file).is_file():
                 check_onnx(m, version / m.model_file)
     elif m.backend == "python":
         check_python(m)
