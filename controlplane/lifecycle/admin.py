@@ -99,7 +99,9 @@ class AdminOperations:
                 raise
             raise cancelled_error(rec, load) from None
 
-    async def unload(self, model_id: str, *, reason: UnloadReason = UnloadReason.API) -> ModelStatus:
+    async def unload(self, model_id: str, *, reason: UnloadReason | str = UnloadReason.API) -> ModelStatus:
+        """Unload (API, a repository unload; ``reason``: one of ``UnloadReason``'s values)."""
+        reason = UnloadReason(reason)
         rec = self.states.record(model_id)
         await self.cancels.cancel(rec, "unloaded")  # an unload does not wait for a load (it may hang)
         await self.states.settle(rec)

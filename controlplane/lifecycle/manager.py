@@ -180,7 +180,7 @@ class LifecycleManager:
     ) -> ModelStatus:
         return await self.admin.load(model_id, instances=instances, override=override)
 
-    async def unload(self, model_id: str, *, reason: UnloadReason = UnloadReason.API) -> ModelStatus:
+    async def unload(self, model_id: str, *, reason: UnloadReason | str = UnloadReason.API) -> ModelStatus:
         return await self.admin.unload(model_id, reason=reason)
 
     async def published(self, model_id: str) -> None:

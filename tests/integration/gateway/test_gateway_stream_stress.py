@@ -22,6 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
+from controlplane.lifecycle.state import UnloadReason
 from controlplane.spec import DeploymentSpec, resolve
 from tests.gateway_harness import (
     GRPC_KEY,
@@ -182,9 +183,7 @@ def test_memory_pressure_evicts_another_model_than_one_with_an_open_stream(stack
     evicted: list[str] = []
 
     def evict() -> bool:  # Triton's pending count (a metric) may still show the idle model's request
-        evicted.extend(
-            stack.loop.run(stack.lifecycle.loader.admission.evict(newcomer, 1 << 62, "test: memory pressure"))
-        )
+        evicted.extend(stack.loop.run(stack.lifecycle.loader.admission.evict(newcomer, 1 << 62, UnloadReason.MEMORY)))
         return idle in evicted
 
     with stack.grpc() as g:
