@@ -72,9 +72,9 @@ class LifecycleManager:
         self.journal_dir = journal_dir
         self.metrics = metrics = metrics or SnoozeMetrics()
         self.states = states = ModelStates(store, metrics)
-        self.warmth = warmth = Warmth(settings, metrics, clock=clock.time)
+        self.warmth = Warmth(settings, metrics, clock=clock.time)
         self.sequences = LiveSequences(journal_dir)  # live sequences hold their model as a user
-        self.triton_up = up = TritonUp(settings, restarts=triton_process is not None)
+        self.triton_up = TritonUp(settings, restarts=triton_process is not None)
         readings = TritonReadings(triton)
         self.budget = budget = MemoryBudget(
             settings,
@@ -93,6 +93,21 @@ class LifecycleManager:
             pid_map=gpu_pid_map,
             order=budget.eviction_order,
         )
+        self._build_parts(settings, store, triton, readings, gpu, triton_process, clock)
+
+    def _build_parts(
+        self,
+        settings: Settings,
+        store: ModelStore,
+        triton: TritonAdminClient,
+        readings: TritonReadings,
+        gpu: GpuMemory,
+        triton_process: EmbeddedTriton | None,
+        clock: Clock,
+    ) -> None:
+        """The parts over the records, the budgets and Triton's readings, each handed what it uses."""
+        states, warmth, metrics, budget, up = self.states, self.warmth, self.metrics, self.budget, self.triton_up
+        processes, journal_dir = self.processes, self.journal_dir
         residency = Residency(warmth, gpu, metrics, processes, journal_dir=journal_dir, clock=clock)
         self.unloader = Unloader(
             settings, triton, processes, metrics, pending=readings.pending_counts, journal_dir=journal_dir, clock=clock
