@@ -502,8 +502,12 @@ class LifecycleWorld:
         await asyncio.sleep(1.0)
         if action != "stop":
             others = [c for c in self.calls if c.model == model and c.what != "request" and not c.task.done()]
+            # the request may have found the model loaded: then no load hangs (the script waits for a later one,
+            # which may be the action's own: a republish's reload waits for the new version's load)
+            rec = self.manager.states.get(model)
+            hung = rec is not None and rec.state is ModelState.LOADING and rec.op is not None
             await {"unload": self.api_unload, "delete": self.delete, "publish": self.publish}[action](model)
-            if not others and self.calls[-1].model == model:  # nothing ahead of it on the model's lock
+            if hung and not others and self.calls[-1].model == model:  # nothing ahead of it on the model's lock
                 self.calls[-1].bound = CANCEL_BOUND
             return
         started = self.now
