@@ -32,6 +32,9 @@ from python_backend.spec import SPEC_FILE
 VERSION = "1"
 PACKAGE_SUBDIR = "package"
 RUNTIME_SUBDIR = "python_backend"
+# The config parameter that holds a publish's token (store/transactions.py writes it): what Triton reports of the
+# config it loaded tells the publish it came from.
+PUBLISH_PARAMETER = "snooze_publish"
 DEPLOYMENT_FILE = "snooze_deployment.json"  # what was published; lets a restarted control plane recover
 
 

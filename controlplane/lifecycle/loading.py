@@ -33,7 +33,7 @@ from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.tasks import read_task
 from controlplane.triton.client import TritonAdminClient
-from controlplane.triton.journal import hung_phase
+from controlplane.triton.journal import hung_phase, initialize_started
 from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
@@ -190,10 +190,14 @@ class Loader:
         before = {s.pid for s in await self._stubs(rec)}
         try:
             load = read_task(self.triton.load(rec.id, config=config, timeout=timeout + LOAD_ABANDON_SECS))
-            await asyncio.wait_for(load, timeout)
+            # shielded: a load this task gives up on is still Triton's, and its end is waited for (bounded)
+            await asyncio.wait_for(asyncio.shield(load), timeout)
             return
         except TimeoutError:
             pass
+        except asyncio.CancelledError:
+            await self._abandoned(rec, before, load)
+            raise
         started = [s for s in await self._stubs(rec) if s.pid not in before]
         # read before the kill: the notes go with the stubs
         phase = hung_phase(self.journal_dir, started, self.clock.time())
@@ -218,6 +222,20 @@ class Loader:
             f"load exceeded load_timeout_secs={timeout:g}" + (f": it hung in {phase}" if phase else ""),
             hint="make the model's load() faster, or raise load_timeout_secs in its snooze_model.json",
         )
+
+    async def _abandoned(self, rec: ModelRecord, before: set[int], load: asyncio.Future[None]) -> None:
+        """The load's task was cancelled (a stop abandons a reload; cancel.py ends a cold load's processes itself):
+        the stubs it started leave, so that Triton fails the load instead of running it on, every later model
+        control operation waiting behind it, and Triton's answer is waited for (bounded). Only stubs past their
+        start are ended (cancel.py: one killed before would wedge Triton)."""
+        started = [s for s in await self._stubs(rec) if s.pid not in before]
+        if self.journal_dir is not None:
+            journal_dir = self.journal_dir
+            started = [s for s in started if initialize_started(journal_dir, s)]
+        if started:
+            killed = await asyncio.to_thread(end_model_processes, self.processes, self.journal_dir, started)
+            log.warning("model '%s': load abandoned; ended the model processes it started %s", rec.id, killed)
+        await asyncio.wait({load}, timeout=LOAD_ABANDON_SECS)
 
     async def _config(self, rec: ModelRecord, instances: int, how: str) -> dict[str, Any] | None:
         """The config override for a load, or None to load config.pbtxt as published."""

@@ -15,7 +15,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 from controlplane.errors import InvalidPackageError, SnoozeError
-from controlplane.render import parse_config
+from controlplane.render import PUBLISH_PARAMETER, parse_config
 
 # Fields the package and its runtime decide: the model's identity and files, its tensors (the runtime's
 # signature), its instances (the deployment and the autoscaler), its versions and its stream/state handling.
@@ -27,8 +27,9 @@ OWNED_FIELDS = (
 # Set on a config that carries a client's override: the python runtime then takes its batch limit from Triton's
 # config (``python_backend/triton_model.py``) instead of the package's rendering.
 OVERRIDE_PARAMETER = "snooze_config_override"
-# Parameters snoozeml sets: on loads that rebuild every instance (``loading.GENERATION_PARAMETER``), and the above.
-RESERVED_PARAMETERS = ("snooze_generation", OVERRIDE_PARAMETER)
+# Parameters snoozeml sets: on loads that rebuild every instance (``configs.GENERATION_PARAMETER``), the above, and
+# each publish's token (``render.PUBLISH_PARAMETER``).
+RESERVED_PARAMETERS = ("snooze_generation", OVERRIDE_PARAMETER, PUBLISH_PARAMETER)
 # ``LifecycleManager.load``'s default: a load that leaves the override as it is (not a repository load).
 KEEP_OVERRIDE = object()
 OVERRIDE_HINT = "send only the fields to change, e.g. '{\"max_batch_size\": 16}'"

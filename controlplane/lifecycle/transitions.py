@@ -28,6 +28,7 @@ from controlplane.lifecycle.unloading import Unloader
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import none_alive
 from controlplane.metrics import SnoozeMetrics
+from controlplane.render import PUBLISH_PARAMETER
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.processes import TritonProcesses
@@ -316,3 +317,9 @@ class Transitions:
         instances = sum(int(g.get("count", 1)) for g in config.get("instance_group", [])) or 1
         await self.loader.loaded(rec, instances, count=False)
         self.warmth.loaded(rec, "adopt")
+        held = ((config.get("parameters") or {}).get(PUBLISH_PARAMETER) or {}).get("string_value", "")
+        if rec.model.publish and held != rec.model.publish:
+            # Triton holds an older publish: a republish's reload never ended (a stop abandoned it, or the control
+            # plane went away during it). The version published must answer, not that one.
+            log.info("model '%s': found loaded with an older publish; reloading the one published", rec.id)
+            await self._reload_op(rec)

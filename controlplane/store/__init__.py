@@ -37,6 +37,7 @@ class PublishedModel:
     load_timeout_secs: float
     request_timeout_secs: float
     notes: tuple[str, ...] = ()  # what publishing decided for the user (ModelSpec.notes)
+    publish: str = ""  # this publish's token (render.PUBLISH_PARAMETER), also in its config
 
     @property
     def config_text(self) -> str:
@@ -64,6 +65,7 @@ class PublishedModel:
             load_timeout_secs=record["load_timeout_secs"],
             request_timeout_secs=record["request_timeout_secs"],
             notes=tuple(record.get("notes", ())),
+            publish=str(record.get("publish", "")),
         )
 
 

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from controlplane.render import RenderedModel
+from controlplane.render import DEPLOYMENT_FILE, PUBLISH_PARAMETER, RenderedModel
 
 INNER_STAGING = ".snooze-staging"
 
@@ -51,10 +52,21 @@ def _materialise(rendered: RenderedModel, folder: Path) -> None:
         dest = folder / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dest)
+    token = uuid.uuid4().hex
     for rel, content in rendered.writes.items():
         dest = folder / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
+        if rel == "config.pbtxt":
+            content = content + _publish_parameter(token).encode()
+        elif rel == DEPLOYMENT_FILE:
+            content = (json.dumps({**json.loads(content), "publish": token}, indent=2) + "\n").encode()
         dest.write_bytes(content)
+
+
+def _publish_parameter(token: str) -> str:
+    """This publish's token in the model's config: Triton reports it with the config it holds, so a control plane
+    that finds the model loaded can tell an older publish from the one in the store (``PUBLISH_PARAMETER``)."""
+    return f'parameters {{ key: "{PUBLISH_PARAMETER}" value {{ string_value: "{token}" }} }}\n'
 
 
 _AT_FDCWD = -100

@@ -346,3 +346,23 @@ def test_a_client_override_that_fails_to_load_is_never_held_by_the_record_alone(
     world.step(world.api_override("m3", 4), 0.0)
     world.step(world.publish("m1", 150, 2), 1.0)
     world.step(world.resume(), 0.0)
+
+
+def test_after_a_stop_abandons_a_republish_the_next_control_plane_serves_the_new_version(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=1717404240): a stop abandoned a republish's reload (it hung), and
+    the next control plane adopted the old version Triton still held: requests sent after the publish had returned
+    were answered by the version before it. Each publish's token is in its config; a model found loaded with an
+    older one is reloaded when it is adopted (and the abandoned load's processes are ended, so Triton fails it)."""
+    _load_timeout(world, 300)
+    world.step(world.publish("m3", 60), 0.1)
+    world.step(world.request("m3"), 1.0)  # loaded: version 1
+    world.step(world.script_load("m3", "hang", 0.05), 0)
+    world.step(world.publish("m3", 60), 1.0)  # version 2: its reload hangs; the publish waits on it
+    world.step(world.stop_during_hung_load("m1", "stop"), 0.01)  # m1 is not published: only the stop
+    world.run(world.manager.stop())
+    world.run(world._settle_calls())  # the publish is answered: the stop abandoned its reload
+    world.step(world.restart(), 1.0)
+    world.step(world.request("m3"), 1.0)
+    assert [c.answer for c in world.answered if c.what == "request"][-1] == "200"
+    folder = world.triton.repository / "m3"  # Triton holds the version published, not the one before
+    assert world.triton.models["m3"].files == (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)
