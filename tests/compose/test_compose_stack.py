@@ -27,10 +27,10 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from compose_stack import ComposeStack, build_images, compose_binary, docker, ensure_engine
-from serve_harness import SNOOZECTL, until, write_package
 
 from controlplane.triton.launcher import free_port
+from harness.compose_stack import ComposeStack, build_images, compose_binary, docker, ensure_engine
+from harness.serve import SNOOZECTL, until, write_package
 
 pytestmark = pytest.mark.compose
 

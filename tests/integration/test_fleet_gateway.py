@@ -27,10 +27,10 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from serve_harness import SNOOZECTL, Serve, until, write_package
 from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.launcher import free_port
+from harness.serve import SNOOZECTL, Serve, until, write_package
 
 pytestmark = pytest.mark.integration
 

@@ -26,6 +26,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 import python_backend
+from harness.parallel_torch import PARALLEL_TORCH_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -840,8 +841,6 @@ def test_a_preforked_torch_model_with_parallel_ops_answers_like_torch_across_wak
     torch = pytest.importorskip("torch")
     if torch.get_num_threads() < 2:
         pytest.skip("one CPU thread: no op goes parallel here")
-    from parallel_torch import PARALLEL_TORCH_MODEL
-
     name = "pbrt-parallel-torch-pf"
     runtime = {
         "kind": "custom", "entrypoint": "snooze_model.py", "class_name": "Model", "max_batch_size": 4,

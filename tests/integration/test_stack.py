@@ -31,10 +31,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from onnx import TensorProto, helper
-from serve_harness import SNOOZECTL, Serve, cmdline, is_alive, tree_digest, until, write_package
 from tritonclient.utils import InferenceServerException
 
 from controlplane.api.client import ControlPlaneError
+from harness.serve import SNOOZECTL, Serve, cmdline, is_alive, tree_digest, until, write_package
 
 pytestmark = pytest.mark.integration
 

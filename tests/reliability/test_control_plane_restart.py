@@ -17,9 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 from google.protobuf import text_format
-from reliability_helpers import Traffic, report, summary
-from serve_harness import Serve, alive, until_async, write_package
 from tritonclient.grpc import model_config_pb2
+
+from harness.reliability import Traffic, report, summary
+from harness.serve import Serve, alive, until_async, write_package
 
 pytestmark = pytest.mark.integration
 

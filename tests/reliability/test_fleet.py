@@ -27,11 +27,11 @@ import psutil
 import pytest
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
-from reliability_helpers import report
-from serve_harness import SNOOZECTL, until, until_async, write_package
 from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.launcher import free_port
+from harness.reliability import report
+from harness.serve import SNOOZECTL, until, until_async, write_package
 
 pytestmark = pytest.mark.integration
 

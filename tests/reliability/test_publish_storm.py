@@ -13,9 +13,10 @@ import json
 import httpx
 import pytest
 from google.protobuf import text_format
-from reliability_helpers import Traffic, report, summary
-from serve_harness import until_async
 from tritonclient.grpc import model_config_pb2
+
+from harness.reliability import Traffic, report, summary
+from harness.serve import until_async
 
 pytestmark = pytest.mark.integration
 

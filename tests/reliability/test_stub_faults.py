@@ -21,8 +21,9 @@ import time
 
 import numpy as np
 import pytest
-from reliability_helpers import Traffic, in_flight_at, infer_once, report, summary
-from serve_harness import until_async, write_package
+
+from harness.reliability import Traffic, in_flight_at, infer_once, report, summary
+from harness.serve import until_async, write_package
 
 pytestmark = pytest.mark.integration
 

@@ -24,6 +24,7 @@ import numpy as np
 import psutil
 import pytest
 
+from harness.parallel_torch import PARALLEL_TORCH_MODEL
 from python_backend import prefork_connect, preforked
 from python_backend.errors import RemoteFailure
 from python_backend.journal import start_ticks
@@ -513,8 +514,6 @@ def test_a_preforked_torch_model_running_parallel_ops_answers_like_torch_across_
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one CPU: no op goes parallel here")
     raw, package = write_model(tmp_path, "t", preload=["torch"], max_batch_size=4)
-    from parallel_torch import PARALLEL_TORCH_MODEL  # tests/ (not on the py3.10 run's path: skipped there)
-
     (package / "snooze_model.py").write_text(PARALLEL_TORCH_MODEL)
     raw["outputs"].append({"name": "threads", "datatype": "INT64", "dims": [1]})
     (package.parent / "snooze_runtime.json").write_text(json.dumps(raw))

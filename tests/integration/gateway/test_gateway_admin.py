@@ -1,6 +1,6 @@
 """The repository API, config overrides, dead-stub recovery and the closed gate through the gateway.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.gateway_harness import (
+from harness.gateway import (
     ADMIN_KEY,
     GRPC_KEY,
     KEY,
@@ -29,7 +29,7 @@ from tests.gateway_harness import (
     grpc_infer,
     http_infer,
 )
-from tests.serve_harness import until
+from harness.serve import until
 
 pytestmark = pytest.mark.integration
 

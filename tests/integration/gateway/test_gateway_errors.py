@@ -1,7 +1,7 @@
 """Errors through the gateway in Triton's words: unknown models, failed loads, auth refusals, a model's own
 errors and refusals (run once, reaching the client).
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -20,7 +20,7 @@ from controlplane.errors import GatewayError
 from controlplane.gateway.envoy import ApiKey, EnvoyGateway, Upstream, render_bootstrap
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
-from tests.gateway_harness import (
+from harness.gateway import (
     ADMIN_KEY,
     GRPC_KEY,
     KEY,

@@ -1,6 +1,6 @@
 """Streams under stress: a stalled Triton HTTP thread, another model waking, the aio client, memory pressure.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
 from controlplane.spec import DeploymentSpec, resolve
-from tests.gateway_harness import (
+from harness.gateway import (
     GRPC_KEY,
     KEY,
     Stack,
@@ -33,7 +33,7 @@ from tests.gateway_harness import (
     _x,
     http_infer,
 )
-from tests.serve_harness import until
+from harness.serve import until
 
 pytestmark = pytest.mark.integration
 

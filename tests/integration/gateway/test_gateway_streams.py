@@ -1,7 +1,7 @@
 """Streams through the gateway: generate and generate_stream, gRPC streams holding what they name, decoupled
 models over gRPC and SSE, cancellation and crashes mid-stream.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from controlplane.spec import DeploymentSpec, resolve
-from tests.gateway_harness import (
+from harness.gateway import (
     GRPC_KEY,
     KEY,
     WORKERS,
@@ -37,7 +37,7 @@ from tests.gateway_harness import (
     grpc_infer,
     http_infer,
 )
-from tests.serve_harness import until
+from harness.serve import until
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """Unary infers through the gateway: warm ones stay on Envoy, a sleeping model wakes over HTTP, gRPC and
 shared memory, its metadata answers while it sleeps.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 
-from tests.gateway_harness import (
+from harness.gateway import (
     API_KEY,
     GRPC_KEY,
     KEY,
@@ -25,7 +25,7 @@ from tests.gateway_harness import (
     grpc_infer,
     http_infer,
 )
-from tests.serve_harness import until
+from harness.serve import until
 
 pytestmark = pytest.mark.integration
 

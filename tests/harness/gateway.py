@@ -31,7 +31,7 @@ from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
-from tests.serve_harness import until
+from harness.serve import until
 
 API_KEY = "infer-key-123"
 ADMIN_KEY = "admin-key-456"

@@ -1,5 +1,5 @@
 """Fault-injection helpers: continuous traffic and its accounting (the `snoozectl serve` subprocess and
-the test model package are serve_harness's).
+the test model package are ``harness.serve``'s).
 
 Everything is black-box: the stack runs as users run it (`snoozectl serve` on free ports over a tmp
 work dir), traffic goes through the Envoy gateway with the standard tritonclient clients, and the
@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http.aio as httpaio
-from serve_harness import Serve
 from tritonclient.utils import InferenceServerException
+
+from harness.serve import Serve
 
 ERROR_PAUSE = 0.05  # a client that got an error waits this long before its next request (no busy loop)
 

@@ -2,8 +2,7 @@
 polling helpers, process-tree and repository inspection.
 
 Used by the integration stack tests (auth on, ``models.toml``) and the reliability suite (``--no-auth``,
-models published through the API). Importable as ``serve_harness`` from any test module: ``tests/``
-is on sys.path (the rootdir conftest.py, pytest's default prepend import mode).
+models published through the API).
 """
 
 from __future__ import annotations
