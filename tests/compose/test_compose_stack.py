@@ -30,7 +30,8 @@ import tritonclient.http as httpclient
 
 from controlplane.triton.launcher import free_port
 from harness.compose_stack import ComposeStack, build_images, compose_binary, docker, ensure_engine
-from harness.serve import SNOOZECTL, until, write_package
+from harness.probes import until
+from harness.serve import SNOOZECTL, write_package
 
 pytestmark = pytest.mark.compose
 

@@ -22,7 +22,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from harness import corpus_models as C
-from harness.serve import Serve, until
+from harness.probes import until
+from harness.serve import Serve
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_SKL2ONNX = importlib.util.find_spec("skl2onnx") is not None

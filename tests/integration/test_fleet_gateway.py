@@ -30,7 +30,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.launcher import free_port
-from harness.serve import SNOOZECTL, Serve, until, write_package
+from harness.probes import until
+from harness.serve import SNOOZECTL, Serve, write_package
 
 pytestmark = pytest.mark.integration
 

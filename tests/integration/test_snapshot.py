@@ -31,6 +31,7 @@ from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.client import parse_pending_request_counts
 from controlplane.triton.launcher import free_port
+from harness.probes import until
 
 pytestmark = pytest.mark.integration
 
@@ -77,14 +78,16 @@ def _package(models: Path, name: str, factor: int, source: str | None = None) ->
 
 
 def _wait(what: str, check: Callable[[], bool], timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Until ``check()``; fails at once if ``proc`` (the entrypoint) exits meanwhile."""
+
+    def done() -> bool:
         if check():
-            return
+            return True
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the entrypoint exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        return False
+
+    until(done, what, timeout)
 
 
 def _accepts(port: int) -> bool:

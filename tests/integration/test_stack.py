@@ -34,7 +34,8 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from controlplane.api.client import ControlPlaneError
-from harness.serve import SNOOZECTL, Serve, cmdline, is_alive, tree_digest, until, write_package
+from harness.probes import until
+from harness.serve import SNOOZECTL, Serve, cmdline, is_alive, tree_digest, write_package
 
 pytestmark = pytest.mark.integration
 

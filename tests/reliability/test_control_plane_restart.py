@@ -19,8 +19,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from harness.probes import until_async
 from harness.reliability import Traffic, report, summary
-from harness.serve import Serve, alive, until_async, write_package
+from harness.serve import Serve, alive, write_package
 
 pytestmark = pytest.mark.integration
 

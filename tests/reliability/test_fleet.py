@@ -30,8 +30,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.launcher import free_port
+from harness.probes import until, until_async
 from harness.reliability import report
-from harness.serve import SNOOZECTL, until, until_async, write_package
+from harness.serve import SNOOZECTL, write_package
 
 pytestmark = pytest.mark.integration
 

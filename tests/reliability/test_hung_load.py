@@ -18,8 +18,9 @@ import httpx
 import numpy as np
 import pytest
 
+from harness.probes import until_async
 from harness.reliability import infer_once, report
-from harness.serve import alive_pids, until_async, write_package
+from harness.serve import alive_pids, write_package
 
 pytestmark = pytest.mark.integration
 

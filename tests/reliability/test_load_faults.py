@@ -14,8 +14,9 @@ import asyncio
 
 import pytest
 
+from harness.probes import until_async
 from harness.reliability import Traffic, infer_error, report, summary
-from harness.serve import alive_pids, until_async, write_package
+from harness.serve import alive_pids, write_package
 
 pytestmark = pytest.mark.integration
 

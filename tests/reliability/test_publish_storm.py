@@ -15,8 +15,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from harness.probes import until_async
 from harness.reliability import Traffic, report, summary
-from harness.serve import until_async
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from harness.probes import until_async
 from harness.reliability import infer_once, report
-from harness.serve import until_async
 
 pytestmark = pytest.mark.integration
 

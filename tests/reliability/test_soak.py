@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from harness.probes import until_async
 from harness.reliability import Traffic, report, summary
-from harness.serve import until_async
 
 pytestmark = pytest.mark.integration
 

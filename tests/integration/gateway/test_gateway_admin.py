@@ -29,7 +29,7 @@ from harness.gateway import (
     grpc_infer,
     http_infer,
 )
-from harness.serve import until
+from harness.probes import until
 
 pytestmark = pytest.mark.integration
 

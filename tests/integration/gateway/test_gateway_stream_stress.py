@@ -33,7 +33,7 @@ from harness.gateway import (
     _x,
     http_infer,
 )
-from harness.serve import until
+from harness.probes import until
 
 pytestmark = pytest.mark.integration
 
