@@ -159,23 +159,6 @@ def _x(rows: int = 2) -> np.ndarray:
     return np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
 
 
-def http_infer(client: httpclient.InferenceServerClient, name: str, x: np.ndarray, *, binary: bool = True,
-               headers: dict[str, str] | None = None) -> np.ndarray:  # fmt: skip
-    inp = httpclient.InferInput("x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x, binary_data=binary)
-    out = httpclient.InferRequestedOutput("y", binary_data=binary)
-    # A copy: tritonclient.http adds Inference-Header-Content-Length to the dict it is given.
-    headers = dict(headers if headers is not None else KEY)
-    return client.infer(name, [inp], outputs=[out], headers=headers).as_numpy("y")
-
-
-def grpc_infer(client: grpcclient.InferenceServerClient, name: str, x: np.ndarray,
-               headers: dict[str, str] | None = None) -> np.ndarray:  # fmt: skip
-    inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
-    return client.infer(name, [inp], headers=headers if headers is not None else GRPC_KEY).as_numpy("y")
-
-
 def _stream_error(g: grpcclient.InferenceServerClient, model: str) -> str:
     """The error a stream's first request for ``model`` gets, through the stream's callback."""
     errors: list[Any] = []

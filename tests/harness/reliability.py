@@ -19,6 +19,7 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http.aio as httpaio
 from tritonclient.utils import InferenceServerException
 
+from harness.probes import grpc_infer_async, http_infer_async
 from harness.serve import Serve
 
 ERROR_PAUSE = 0.05  # a client that got an error waits this long before its next request (no busy loop)
@@ -94,12 +95,9 @@ class Traffic:
         try:
             while not self._stop.is_set():
                 x = self._next_x()
-                inp = grpcaio.InferInput("x", list(x.shape), "FP32")
-                inp.set_data_from_numpy(x)
                 started = time.monotonic()
                 try:
-                    r = await client.infer(model, [inp], client_timeout=self.timeout)
-                    error = self._check(model, x, r.as_numpy("y"))
+                    error = self._check(model, x, await grpc_infer_async(client, model, x, timeout=self.timeout))
                 except InferenceServerException as e:
                     error = f"{e.status()}: {e.message()}"
                 self.results.append(Result(model, "grpc", started, time.monotonic(), not error, error, n))
@@ -112,12 +110,9 @@ class Traffic:
         try:
             while not self._stop.is_set():
                 x = self._next_x()
-                inp = httpaio.InferInput("x", list(x.shape), "FP32")
-                inp.set_data_from_numpy(x)
                 started = time.monotonic()
                 try:
-                    r = await asyncio.wait_for(client.infer(model, [inp]), self.timeout)
-                    error = self._check(model, x, r.as_numpy("y"))
+                    error = self._check(model, x, await http_infer_async(client, model, x, timeout=self.timeout))
                 except InferenceServerException as e:
                     error = f"{e.status()}: {e.message()}"
                 except (TimeoutError, OSError) as e:  # aiohttp's connection errors are OSErrors
@@ -161,23 +156,12 @@ def report(name: str, **numbers: Any) -> None:
 
 async def infer_once(serve: Serve, model: str, protocol: str, x: np.ndarray, timeout: float = 60) -> np.ndarray | str:
     """One request through the gateway: the output ``y``, or the error as '<status>: <message>'."""
-    if protocol == "grpc":
-        client: Any = grpcaio.InferenceServerClient(serve.grpc_url)
-        inp: Any = grpcaio.InferInput("x", list(x.shape), "FP32")
-    else:
-        client = httpaio.InferenceServerClient(serve.http_url)
-        inp = httpaio.InferInput("x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
     try:
         if protocol == "grpc":
-            result = await client.infer(model, [inp], client_timeout=timeout)
-        else:
-            result = await asyncio.wait_for(client.infer(model, [inp]), timeout)
-        return result.as_numpy("y")
+            return await grpc_infer_async(serve.grpc_url, model, x, timeout=timeout)
+        return await http_infer_async(serve.http_url, model, x, timeout=timeout)
     except InferenceServerException as e:
         return f"{e.status()}: {e.message()}"
-    finally:
-        await client.close()
 
 
 async def infer_error(serve: Serve, model: str, protocol: str, timeout: float = 60) -> tuple[str, float]:

@@ -31,9 +31,8 @@ from harness.gateway import (
     _publish_repeater,
     _write_package,
     _x,
-    http_infer,
 )
-from harness.probes import until
+from harness.probes import http_infer, until
 
 pytestmark = pytest.mark.integration
 
@@ -195,7 +194,8 @@ def test_memory_pressure_evicts_another_model_than_one_with_an_open_stream(stack
             g.async_stream_infer(streaming, [inp])
             until(lambda: answers, "the first token")
             with stack.http() as h:
-                np.testing.assert_allclose(http_infer(h, idle, _x()), _x() * 3)  # used after the stream began
+                # used after the stream began
+                np.testing.assert_allclose(http_infer(h, idle, _x(), headers=KEY), _x() * 3)
             newcomer = stack.lifecycle.states.record(stack.publish("gw_evict_newcomer"))
             # The other tests' models count as in use here: only these two are candidates (and no slow unload
             # of another test's model runs).
