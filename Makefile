@@ -63,7 +63,8 @@ $(VENV310)/.installed:
 	touch $@
 
 # Every runtime module imports on 3.10 (no 3.11-only syntax or library), and its unit tests pass there.
-# Without the repository's pytest config and conftest: those need the control plane's environment.
+# Without the repository's pytest config and conftest: those need the control plane's environment. tests/ is
+# still on the path (the harness package), given absolute: -c /dev/null would resolve a relative one from /dev.
 test-runtime-py310:
 ifeq ($(PYTHON310),)
 	@echo "python_backend on Python 3.10: SKIPPED (no python3.10 on PATH or under ~/.pyenv/versions)"
@@ -72,7 +73,8 @@ else
 	@echo "python_backend on Python 3.10 ($(PYTHON310)):"
 	PYTHONDONTWRITEBYTECODE=1 $(VENV310)/bin/python -c "import importlib, pkgutil, python_backend as p; \
 		[importlib.import_module('python_backend.' + m.name) for m in pkgutil.iter_modules(p.__path__)]"
-	$(VENV310)/bin/python -m pytest -c /dev/null --rootdir . --noconftest -p no:cacheprovider -q $(RUNTIME_TESTS)
+	$(VENV310)/bin/python -m pytest -c /dev/null --rootdir . --noconftest -o pythonpath=$(CURDIR)/tests \
+		-p no:cacheprovider -q $(RUNTIME_TESTS)
 endif
 
 # docker-compose.yml and deploy/k8s/base/{deployment,services}.yaml from one description (deploy/stack.toml)

@@ -1,4 +1,10 @@
-"""Shared fixtures: one real embedded tritonserver per test session, over a session model repository."""
+"""Shared fixtures: one real embedded tritonserver per test session, over a session model repository.
+
+Test helpers live in the package tests/harness and every module imports them as ``harness.<module>``: pyproject's
+``pythonpath = ["tests"]`` puts tests/ on sys.path in every pytest process (xdist workers too) before collection, so
+no import depends on this file, the import mode or the order modules run in (``make test-runtime-py310`` passes the
+same path with ``--noconftest``); the ``harness.`` prefix says where a name lives.
+"""
 
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-from api_helpers import ADMIN_KEY, INFERENCE_KEY, MANIFEST, MODEL_PY, RecordingLifecycle
 
 from controlplane.api.app import create_app
 from controlplane.api.services import ControlPlaneServices
@@ -21,6 +20,7 @@ from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import free_port
+from harness.api import ADMIN_KEY, INFERENCE_KEY, MANIFEST, MODEL_PY, RecordingLifecycle
 
 
 @pytest.fixture

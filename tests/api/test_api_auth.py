@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from api_helpers import ADMIN_KEY, INFERENCE_KEY
 
 from controlplane.api.services import ControlPlaneServices
 from controlplane.settings import Settings
+from harness.api import ADMIN_KEY, INFERENCE_KEY
 
 V1_ROUTES = [
     ("GET", "/v1/models"),

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_helpers import ADMIN, RecordingLifecycle, tar_gz, upload
 
 from controlplane.store import ModelStore
+from harness.api import ADMIN, RecordingLifecycle, tar_gz, upload
 
 
 @pytest.fixture

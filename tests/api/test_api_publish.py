@@ -14,12 +14,12 @@ import httpx
 import numpy as np
 import onnx
 import pytest
-from api_helpers import ADMIN, RecordingLifecycle, tar_gz, upload
 from onnx import TensorProto, helper
-from serve_harness import tree_digest
 
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
+from harness.api import ADMIN, RecordingLifecycle, tar_gz, upload
+from harness.serve import tree_digest
 
 
 def _onnx_package(folder: Path, manifest: dict | None = None) -> Path:

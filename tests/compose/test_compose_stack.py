@@ -25,12 +25,11 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
-from compose_stack import ComposeStack, build_images, compose_binary, docker, ensure_engine
-from serve_harness import SNOOZECTL, until, write_package
 
 from controlplane.triton.launcher import free_port
+from harness.compose_stack import ComposeStack, build_images, compose_binary, docker, ensure_engine
+from harness.probes import grpc_infer, http_infer, until
+from harness.serve import SNOOZECTL, write_package
 
 pytestmark = pytest.mark.compose
 
@@ -152,18 +151,10 @@ class Stack:
             return None
 
     def infer_http(self, model: str, x: np.ndarray) -> np.ndarray:
-        client = httpclient.InferenceServerClient(
-            f"127.0.0.1:{self.http_port}", network_timeout=120, connection_timeout=120
-        )
-        inp = httpclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        return client.infer(model, [inp], headers={"x-api-key": API_KEY}).as_numpy("y")
+        return http_infer(f"127.0.0.1:{self.http_port}", model, x, headers={"x-api-key": API_KEY}, timeout=120)
 
     def infer_grpc(self, model: str, x: np.ndarray) -> np.ndarray:
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
-        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        return client.infer(model, [inp], headers={"x-api-key": API_KEY}, client_timeout=120).as_numpy("y")
+        return grpc_infer(f"127.0.0.1:{self.grpc_port}", model, x, headers={"x-api-key": API_KEY}, timeout=120)
 
     def run_volume(self) -> Path:
         """The shared /run/snooze tmpfs as the host sees it (mounted while a container uses it)."""

@@ -4,10 +4,10 @@ the real LifecycleManager, and an embedded tritonserver of this module's own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import textwrap
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton, free_port
+from harness.probes import until
 
 pytestmark = pytest.mark.integration
 
@@ -75,15 +76,13 @@ class _ApiServer:
 
     def __enter__(self) -> _ApiServer:
         self.thread.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"the control API at {self.url} did not become ready")
+        until(self._ready, f"the control API at {self.url} to become ready", timeout=30)
+        return self
+
+    def _ready(self) -> bool:
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(f"{self.url}/health/ready", timeout=1).status_code == 200
+        return False
 
     def __exit__(self, *exc: object) -> None:
         if self.server is not None:

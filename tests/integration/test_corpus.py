@@ -16,12 +16,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import corpus_models as C
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from serve_harness import Serve, until
+
+from harness import corpus_models as C
+from harness.probes import until
+from harness.serve import Serve
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_SKL2ONNX = importlib.util.find_spec("skl2onnx") is not None

@@ -26,11 +26,11 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
-from serve_harness import SNOOZECTL, Serve, until, write_package
 from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.launcher import free_port
+from harness.probes import grpc_infer, http_infer, until
+from harness.serve import SNOOZECTL, Serve, write_package
 
 pytestmark = pytest.mark.integration
 
@@ -85,11 +85,11 @@ class GatewayProcess:
         return envoy
 
 
+X = np.full((1, 2), 1.5, np.float32)  # every model answers [[3.0, 3.0]]
+
+
 def infer(port: int, model: str, key: str = API_KEY) -> np.ndarray:
-    with httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120) as client:
-        x = httpclient.InferInput("x", [1, 2], "FP32")
-        x.set_data_from_numpy(np.full((1, 2), 1.5, np.float32))
-        return client.infer(model, [x], headers={"X-API-Key": key}).as_numpy("y")
+    return http_infer(f"127.0.0.1:{port}", model, X, headers={"X-API-Key": key}, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +168,10 @@ def test_each_model_is_served_through_the_gateway_and_lands_on_one_node(gateway:
         for _ in range(2):
             np.testing.assert_allclose(infer(gateway.http_port, model), [[3.0, 3.0]])
         with grpcclient.InferenceServerClient(f"127.0.0.1:{gateway.grpc_port}") as client:
-            x = grpcclient.InferInput("x", [1, 2], "FP32")
-            x.set_data_from_numpy(np.full((1, 2), 1.5, np.float32))
-            y = client.infer(model, [x], headers={"x-api-key": API_KEY}, client_timeout=120).as_numpy("y")
+            y = grpc_infer(client, model, X, headers={"x-api-key": API_KEY}, timeout=120)
             np.testing.assert_allclose(y, [[3.0, 3.0]])
+            x = grpcclient.InferInput("x", [1, 2], "FP32")
+            x.set_data_from_numpy(X)
             for _ in range(3):  # a ModelStreamInfer stream goes to the model's owner too (its first message's model)
                 np.testing.assert_allclose(stream_infer(client, model, x).as_numpy("y"), [[3.0, 3.0]])
     placement = {m: loaded_on(nodes, m) for m in MODELS}

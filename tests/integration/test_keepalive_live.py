@@ -20,7 +20,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serve_harness import Serve, write_package
+
+from harness.serve import Serve, write_package
 
 pytestmark = pytest.mark.integration
 

@@ -12,13 +12,12 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 
 from controlplane.errors import TritonLaunchError
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.embedded_dist import detect_backends
 from controlplane.triton.launcher import EmbeddedTriton
+from harness.probes import grpc_infer, http_infer
 
 pytestmark = pytest.mark.integration
 
@@ -60,14 +59,8 @@ async def test_load_infer_unload_stub_lifecycle(embedded_triton, model_repo, wri
     assert {c[8] for c in cmdlines} == {f"{name}_0_0", f"{name}_0_1"}
 
     x = np.array([[1.0, 2.0], [3.0, 4.0]], dtype=np.float32)
-    with httpclient.InferenceServerClient(embedded_triton.http_url.removeprefix("http://")) as http:
-        inp = httpclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        np.testing.assert_array_equal(http.infer(name, [inp]).as_numpy("y"), x * 2)
-    with grpcclient.InferenceServerClient(embedded_triton.grpc_url) as grpc:
-        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        np.testing.assert_array_equal(grpc.infer(name, [inp]).as_numpy("y"), x * 2)
+    np.testing.assert_array_equal(http_infer(embedded_triton.http_url.removeprefix("http://"), name, x), x * 2)
+    np.testing.assert_array_equal(grpc_infer(embedded_triton.grpc_url, name, x), x * 2)
 
     await triton_admin.unload(name)
     assert not await triton_admin.model_ready(name)

@@ -11,6 +11,7 @@ Triton in tests/model/test_lifecycle_logic.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.dead_stub import is_dead_stub_http_body
 from controlplane.triton.launcher import EmbeddedTriton
+from harness.probes import until_async
 
 pytestmark = pytest.mark.integration
 
@@ -167,11 +169,8 @@ async def output(triton: EmbeddedTriton, model: str) -> list[float]:
     return r.json()["outputs"][0]["data"]
 
 
-async def until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
+# The manager's state, read on its own loop (not from a thread) every 50 ms, for DEADLINE seconds unless told.
+loop_until = functools.partial(until_async, timeout=DEADLINE, interval=0.05, in_thread=False)
 
 
 def sample(manager: LifecycleManager, name: str, **labels: str) -> float:
@@ -241,9 +240,9 @@ async def test_idle_unload_and_wake_again(make_manager, publish, triton, worker)
     [process] = model_pids(triton, model)
     before = time.time()
     assert await output(triton, model) == [2.0, 4.0]
-    await until(lambda: (manager.status(model).last_access or 0) >= before - 1, "Triton's last_inference")
+    await loop_until(lambda: (manager.status(model).last_access or 0) >= before - 1, "Triton's last_inference")
 
-    await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the idle unload")
+    await loop_until(lambda: manager.status(model).state is ModelState.UNLOADED, "the idle unload")
     assert manager.status(model).reason == "idle"
     assert triton.stub_pids(model) == [] and not psutil.pid_exists(process)
     assert sample(manager, "snooze_idle_unloads_total", model=model) == 1
@@ -258,7 +257,7 @@ async def test_wake_waits_for_an_unload_in_progress(make_manager, publish, trito
     manager = await make_manager()
     await manager.ensure_ready(model)
     unloading = asyncio.create_task(manager.unload(model))
-    await until(lambda: manager.status(model).state is ModelState.UNLOADING, "the unload to start")
+    await loop_until(lambda: manager.status(model).state is ModelState.UNLOADING, "the unload to start")
     await manager.ensure_ready(model)
     assert (await unloading).state in (ModelState.UNLOADED, ModelState.READY)
     assert manager.status(model).state is ModelState.READY and manager.status(model).load_count == 2
@@ -332,7 +331,7 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
     await manager.ensure_ready(model)
     [process] = model_pids(triton, model)  # preforked: its worker, whose death takes the stub along
     os.kill(process, signal.SIGKILL)
-    await until(lambda: triton.stub_pids(model) == [], "the stub to die")
+    await loop_until(lambda: triton.stub_pids(model) == [], "the stub to die")
 
     r = await infer(triton, model)  # Triton 2.51 keeps the model READY with a dead stub
     # ... and answers with the one signature the gateway retries (controlplane/triton/dead_stub.py).
@@ -343,7 +342,7 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
     # The transition's end, not the READY state: the load sets READY, then measures the server, then the
     # recovery counts itself (a READY seen in between read 0 recoveries once, under load).
     rec = manager.states.records[model]
-    await until(lambda: rec.op is None, "the recovery")
+    await loop_until(lambda: rec.op is None, "the recovery")
     assert manager.status(model).state is ModelState.READY
     assert sample(manager, "snooze_recoveries_total", model=model, cause="dead_stub") == 1
     assert "SIGKILL" in (manager.status(model).last_crash or "")
@@ -351,7 +350,7 @@ async def test_dead_stub_is_detected_and_recovered(make_manager, publish, triton
 
     # The activator's path: a request failed with "not healthy", then it calls recover().
     os.kill(model_pids(triton, model)[0], signal.SIGKILL)
-    await until(lambda: triton.stub_pids(model) == [], "the stub to die")
+    await loop_until(lambda: triton.stub_pids(model) == [], "the stub to die")
     r = await infer(triton, model)
     assert r.status_code == 500 and "is not healthy" in r.json()["error"]
     await manager.recover(model, "stub_unhealthy")
@@ -370,12 +369,12 @@ async def test_api_load_with_instances_and_unload(make_manager, publish, triton,
     processes = model_pids(triton, model)
     assert len(processes) == 2
     assert (await manager.load(model, instances=1)).instances == 1
-    await until(lambda: len(triton.stub_pids(model)) == 1, "one stub")
+    await loop_until(lambda: len(triton.stub_pids(model)) == 1, "one stub")
     with pytest.raises(ConflictError, match="api-model.*1..3"):
         await manager.load(model, instances=4)
     status = await manager.unload(model)
     assert status.state is ModelState.UNLOADED and status.instances == 0 and status.memory_bytes is None
-    await until(lambda: triton.stub_pids(model) == [], "the stubs to exit")
+    await loop_until(lambda: triton.stub_pids(model) == [], "the stubs to exit")
     assert not any(psutil.pid_exists(p) for p in processes)
 
 
@@ -416,9 +415,11 @@ async def test_triton_killed_is_restarted_and_resynced(make_manager, publish, tr
     old_pid = triton.pid
     os.kill(old_pid, signal.SIGKILL)
 
-    await until(lambda: sample(manager, "snooze_triton_restarts_total") == 1, "the restart", timeout=90)
+    await loop_until(lambda: sample(manager, "snooze_triton_restarts_total") == 1, "the restart", timeout=90)
     # Until the resync has read the new Triton's index, a wake-up is refused at once (503, "restarting")
-    await until(lambda: manager.sync.up.is_set() and manager.status(model).state is ModelState.UNLOADED, "the resync")
+    await loop_until(
+        lambda: manager.sync.up.is_set() and manager.status(model).state is ModelState.UNLOADED, "the resync"
+    )
     assert triton.is_running() and triton.pid != old_pid
 
     await manager.ensure_ready(model)
@@ -475,7 +476,7 @@ async def test_gpu_memory_budget_evicts_the_least_recently_used_model_per_gpu(ma
     await output(triton, a)  # b is now the least recently used
     await asyncio.sleep(1.1)  # Triton's last_inference has a resolution of its stats refresh
     await manager.ensure_ready(c)  # its first load: measured afterwards, then the budget is enforced
-    await until(lambda: manager.status(b).state is ModelState.UNLOADED, "b evicted for c")
+    await loop_until(lambda: manager.status(b).state is ModelState.UNLOADED, "b evicted for c")
     assert manager.status(b).reason == "gpu_memory" and manager.status(b).gpu_memory_bytes is None
     assert {manager.status(m).state for m in (a, c)} == {ModelState.READY}
     await manager.ensure_ready(b)  # measured before: a (now least recent) is evicted before b loads
@@ -518,14 +519,14 @@ async def test_prewarm_loads_ahead_of_the_request_counted_apart_then_unloads_bet
     manager = await make_manager(keep_alive_min_samples=3, keep_alive_min_unloaded_secs=0.5)
     learned_periodic_caller(manager, model)
 
-    await until(lambda: manager.status(model).state is ModelState.READY, "the pre-warm")
+    await loop_until(lambda: manager.status(model).state is ModelState.READY, "the pre-warm")
     status = manager.status(model)
     assert status.keep_alive["prewarmed_unused"] and status.keep_alive["prewarm_loads"] == 1
     assert sample(manager, "snooze_prewarm_loads_total", model=model) == 1
     assert sample(manager, "snooze_cold_starts_total", model=model, trigger="request") == 0
 
     assert await output(triton, model) == [2.0, 4.0]  # the predicted request, straight to Triton: warm
-    await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the unload until the next pre-warm")
+    await loop_until(lambda: manager.status(model).state is ModelState.UNLOADED, "the unload until the next pre-warm")
     assert manager.status(model).reason == "idle"
     assert sample(manager, "snooze_prewarm_outcomes_total", model=model, outcome="used") == 1
     assert sample(manager, "snooze_prewarm_outcomes_total", model=model, outcome="wasted") == 0
@@ -549,7 +550,7 @@ async def test_prewarm_uses_free_budget_only_and_an_unused_prewarm_is_evicted_fi
     assert sample(manager, "snooze_evictions_total", model=idle, reason="memory") == 0
 
     manager.settings.memory_budget_mb = (2.5 * size + server) / MIB  # room for one more: the pre-warm goes ahead
-    await until(lambda: manager.status(bet).state is ModelState.READY, "the pre-warm")
+    await loop_until(lambda: manager.status(bet).state is ModelState.READY, "the pre-warm")
     assert manager.status(idle).state is ModelState.READY
 
     await manager.ensure_ready(newcomer)  # a third does not fit: the unused pre-warm goes, not the older idle model
@@ -564,5 +565,5 @@ async def test_a_model_adopted_at_start_is_unloaded_by_its_policy(make_manager, 
         await admin.load(model)
     manager = await make_manager()
     assert manager.status(model).state is ModelState.READY
-    await until(lambda: manager.status(model).state is ModelState.UNLOADED, "the idle unload of the adopted model")
+    await loop_until(lambda: manager.status(model).state is ModelState.UNLOADED, "the idle unload of the adopted model")
     assert manager.status(model).keep_alive["reason"].startswith("learning")

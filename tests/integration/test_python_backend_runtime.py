@@ -26,6 +26,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 import python_backend
+from harness.parallel_torch import PARALLEL_TORCH_MODEL
+from harness.probes import until
 
 pytestmark = pytest.mark.integration
 
@@ -154,6 +156,19 @@ def infer(client_mod, client, model: str, arrays: dict[str, np.ndarray], outputs
         inputs.append(i)
     result = client.infer(model, inputs, outputs=[client_mod.InferRequestedOutput(o) for o in outputs])
     return {o: result.as_numpy(o) for o in outputs}
+
+
+def counted_stats(client: httpclient.InferenceServerClient, model: str, requests: int) -> dict:
+    """The model's statistics once they count ``requests`` inferences: Triton reports an execution's after its
+    responses are sent (5 s at most)."""
+    seen: list[dict] = []
+
+    def counted() -> bool:
+        seen.append(client.get_inference_statistics(model)["model_stats"][0])
+        return seen[-1]["inference_count"] >= requests
+
+    until(counted, lambda: f"{requests} inferences counted for {model} (last: {seen[-1]})", timeout=5, interval=0.02)
+    return seen[-1]
 
 
 MIXED_MODEL = """
@@ -313,11 +328,7 @@ def test_bad_request_fails_alone_in_a_shared_batch(triton, worker):
     np.testing.assert_array_equal(good2["y"], np.full((1, 3), 3, np.float32))
     # Both good requests went through one predict call: the batch was shared, and survived.
     assert good1["rows"].tolist() == [[2]] and good2["rows"].tolist() == [[2]]
-    # Triton reports an execution's statistics after its responses are sent: wait for them.
-    deadline = time.monotonic() + 5
-    while (stats := triton["http"].get_inference_statistics(model)["model_stats"][0])["inference_count"] < 2:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.02)
+    stats = counted_stats(triton["http"], model, 2)
     assert stats["execution_count"] == 1 < stats["inference_count"]
 
 
@@ -604,10 +615,7 @@ def test_an_onnx_request_whose_text_is_not_utf8_fails_alone_in_a_shared_batch(tr
     for words, got in ((requests[0], good1), (requests[2], good2)):
         want = onnxruntime_answer(data, words)
         assert got["ids"].tolist() == want["ids"].tolist() and got["upper"].tolist() == want["upper"].tolist()
-    deadline = time.monotonic() + 5
-    while (stats := triton["http"].get_inference_statistics(model)["model_stats"][0])["inference_count"] < 3:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.02)
+    stats = counted_stats(triton["http"], model, 3)
     assert stats["execution_count"] == 1  # the three requests were one batch: the bad one failed alone in it
 
 
@@ -824,10 +832,8 @@ def test_unload_calls_model_unload(triton, mixed_model):
     model, marker = mixed_model
     triton["http"].unload_model(model)
     try:
-        deadline = time.monotonic() + 30
         # the file exists a moment before unload() has written it
-        while not (marker.exists() and marker.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        until(lambda: marker.exists() and marker.read_text(), "unload() to write its marker", timeout=30)
         assert marker.read_text() == "unloaded"
     finally:
         marker.unlink(missing_ok=True)
@@ -840,8 +846,6 @@ def test_a_preforked_torch_model_with_parallel_ops_answers_like_torch_across_wak
     torch = pytest.importorskip("torch")
     if torch.get_num_threads() < 2:
         pytest.skip("one CPU thread: no op goes parallel here")
-    from parallel_torch import PARALLEL_TORCH_MODEL
-
     name = "pbrt-parallel-torch-pf"
     runtime = {
         "kind": "custom", "entrypoint": "snooze_model.py", "class_name": "Model", "max_batch_size": 4,

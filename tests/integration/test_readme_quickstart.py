@@ -24,8 +24,9 @@ import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from serve_harness import Serve, is_alive
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from harness.serve import Serve, is_alive
 
 pytestmark = pytest.mark.integration
 

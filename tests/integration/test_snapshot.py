@@ -26,11 +26,11 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.client import parse_pending_request_counts
 from controlplane.triton.launcher import free_port
+from harness.probes import http_infer, until
 
 pytestmark = pytest.mark.integration
 
@@ -77,14 +77,16 @@ def _package(models: Path, name: str, factor: int, source: str | None = None) ->
 
 
 def _wait(what: str, check: Callable[[], bool], timeout: float, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """Until ``check()``; fails at once if ``proc`` (the entrypoint) exits meanwhile."""
+
+    def done() -> bool:
         if check():
-            return
+            return True
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the entrypoint exited ({proc.returncode}) while waiting for {what}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        return False
+
+    until(done, what, timeout)
 
 
 def _accepts(port: int) -> bool:
@@ -172,13 +174,7 @@ class Entrypoint:
         return parse_pending_request_counts(text)
 
     def infer_through_gateway(self, model: str) -> np.ndarray:
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{self.ports['http']}", network_timeout=60)
-        try:
-            x = httpclient.InferInput("x", [1, 2], "FP32")
-            x.set_data_from_numpy(np.array([[1.0, 2.0]], dtype=np.float32))
-            return client.infer(model, [x]).as_numpy("y")
-        finally:
-            client.close()
+        return http_infer(f"127.0.0.1:{self.ports['http']}", model, np.array([[1.0, 2.0]], dtype=np.float32))
 
 
 @pytest.fixture

@@ -27,14 +27,13 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
-import tritonclient.http as httpclient
 from onnx import TensorProto, helper
-from serve_harness import SNOOZECTL, Serve, cmdline, is_alive, tree_digest, until, write_package
 from tritonclient.utils import InferenceServerException
 
 from controlplane.api.client import ControlPlaneError
+from harness.probes import grpc_infer, grpc_infer_async, http_infer, until
+from harness.serve import SNOOZECTL, Serve, cmdline, is_alive, tree_digest, write_package
 
 pytestmark = pytest.mark.integration
 
@@ -65,27 +64,6 @@ def models_toml(entries: list[dict[str, Any]]) -> str:
 
 def x_rows(values: list[float]) -> np.ndarray:
     return np.array([[v, v + 1, v + 2, v + 3] for v in values], dtype=np.float32)
-
-
-def http_infer(url: str, model: str, x: np.ndarray, *, headers: dict[str, str] | None = None,
-               timeout: float = 60) -> np.ndarray:  # fmt: skip
-    with httpclient.InferenceServerClient(url, network_timeout=timeout, connection_timeout=timeout) as client:
-        inp = httpclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        out = httpclient.InferRequestedOutput("y")
-        return client.infer(
-            model, [inp], outputs=[out], headers=dict(HTTP_KEY if headers is None else headers)
-        ).as_numpy("y")
-
-
-def grpc_infer(url: str, model: str, x: np.ndarray, *, headers: dict[str, str] | None = None,
-               timeout: float = 60) -> np.ndarray:  # fmt: skip
-    with grpcclient.InferenceServerClient(url) as client:
-        inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        return client.infer(
-            model, [inp], headers=GRPC_KEY if headers is None else headers, client_timeout=timeout
-        ).as_numpy("y")
 
 
 def kserve_body(x: np.ndarray) -> dict[str, Any]:
@@ -145,21 +123,22 @@ def test_lru_eviction_under_a_small_budget(budget_stack: Serve):
     s = budget_stack
     x = x_rows([1.0])
     for model in ("lru_a", "lru_b"):
-        np.testing.assert_allclose(grpc_infer(s.grpc_url, model, x), x * 2)
+        np.testing.assert_allclose(grpc_infer(s.grpc_url, model, x, headers=GRPC_KEY), x * 2)
     a, b = s.status("lru_a"), s.status("lru_b")
     assert a["state"] == b["state"] == "ready"
     # The budget check below depends on the measured footprints, so say what they are when it fails.
     sizes = f"measured: a={a['memory_bytes'] / MIB:.0f} MiB, b={b['memory_bytes'] / MIB:.0f} MiB, budget {BUDGET_MB}"
     assert a["memory_bytes"] + b["memory_bytes"] + 140 * MIB > BUDGET_MB * MIB, sizes
 
-    np.testing.assert_allclose(http_infer(s.http_url, "lru_c", x), x * 2)  # wakes c: evicts a (least recent)
+    # wakes c: evicts a (least recent)
+    np.testing.assert_allclose(http_infer(s.http_url, "lru_c", x, headers=HTTP_KEY), x * 2)
     states = {m: s.status(m)["state"] for m in ("lru_a", "lru_b", "lru_c")}
     assert states == {"lru_a": "unloaded", "lru_b": "ready", "lru_c": "ready"}, sizes
     assert s.metric("snooze_evictions_total", model="lru_a", reason="memory") == 1
     assert s.stub_pids("lru_a") == [] and s.stub_pids("lru_c")
 
     # a again: b is now the least recently used, and every request still succeeds.
-    np.testing.assert_allclose(grpc_infer(s.grpc_url, "lru_a", x), x * 2)
+    np.testing.assert_allclose(grpc_infer(s.grpc_url, "lru_a", x, headers=GRPC_KEY), x * 2)
     states = {m: s.status(m)["state"] for m in ("lru_a", "lru_b", "lru_c")}
     assert states == {"lru_a": "ready", "lru_b": "unloaded", "lru_c": "ready"}, sizes
 
@@ -169,15 +148,15 @@ def test_graceful_shutdown_finishes_in_flight_requests_and_leaves_no_process(bud
     s = budget_stack
     marker = s.work_dir.parent / "slow.started"
     x = x_rows([5.0])
-    np.testing.assert_allclose(http_infer(s.http_url, "slow", x), x * 2)  # awake first
+    np.testing.assert_allclose(http_infer(s.http_url, "slow", x, headers=HTTP_KEY), x * 2)  # awake first
     marker.unlink()
     s.descendants()
     assert s.stub_pids("slow")
     triton_pid = s.tritonserver().pid
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        in_flight_grpc = pool.submit(grpc_infer, s.grpc_url, "slow", x)
-        in_flight_http = pool.submit(http_infer, s.http_url, "slow", x)
+        in_flight_grpc = pool.submit(grpc_infer, s.grpc_url, "slow", x, headers=GRPC_KEY)
+        in_flight_http = pool.submit(http_infer, s.http_url, "slow", x, headers=HTTP_KEY)
         until(lambda: marker.exists(), "the slow request to reach the model")
         s.descendants()
         assert s.proc is not None
@@ -233,13 +212,9 @@ async def test_wake_storm_grpc_aio(stack: Serve):
     xs = [x_rows([float(i)]) for i in range(STORM)]
 
     async with grpcaio.InferenceServerClient(stack.grpc_url) as client:
-
-        async def one(x: np.ndarray) -> np.ndarray:
-            inp = grpcaio.InferInput("x", list(x.shape), "FP32")
-            inp.set_data_from_numpy(x)
-            return (await client.infer(model, [inp], headers=GRPC_KEY, client_timeout=DEADLINE)).as_numpy("y")
-
-        results = await asyncio.gather(*(one(x) for x in xs))
+        results = await asyncio.gather(
+            *(grpc_infer_async(client, model, x, headers=GRPC_KEY, timeout=DEADLINE) for x in xs)
+        )
     for x, y in zip(xs, results, strict=True):
         np.testing.assert_allclose(y, x * 3)
     status = stack.status(model)
@@ -268,7 +243,7 @@ async def test_wake_storm_http_kserve_json(stack: Serve):
 def test_idle_unload_stops_the_stubs_and_the_next_request_wakes(stack: Serve):
     model = "napper"
     x = x_rows([2.0])
-    np.testing.assert_allclose(http_infer(stack.http_url, model, x), x * 2)
+    np.testing.assert_allclose(http_infer(stack.http_url, model, x, headers=HTTP_KEY), x * 2)
     assert stack.status(model)["state"] == "ready"
     stubs = stack.stub_pids(model)
     assert stubs, "a loaded python model has a stub process"
@@ -278,7 +253,7 @@ def test_idle_unload_stops_the_stubs_and_the_next_request_wakes(stack: Serve):
     until(lambda: not any(is_alive(p) for p in procs) and stack.stub_pids(model) == [], "its stubs to exit")
     assert stack.metric("snooze_idle_unloads_total", model=model) >= 1
 
-    np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
+    np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x, headers=GRPC_KEY), x * 2)
     status = stack.status(model)
     assert status["state"] == "ready" and status["load_count"] == 2
     assert stack.stub_pids(model)
@@ -289,17 +264,20 @@ def test_stub_crash_fails_one_request_then_recovers(stack: Serve):
     (tests/reliability/test_stub_faults.py counts executions in both topologies.)"""
     model = "crashy"
     x, poison = x_rows([1.0]), x_rows([-1.0])
-    np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
+    np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x, headers=GRPC_KEY), x * 2)
     for protocol, infer in (("gRPC", grpc_infer), ("HTTP", http_infer)):
         loads = stack.status(model)["load_count"]
         with pytest.raises(InferenceServerException, match="died while running this request"):
-            infer(stack.grpc_url if protocol == "gRPC" else stack.http_url, model, poison)
+            if protocol == "gRPC":
+                infer(stack.grpc_url, model, poison, headers=GRPC_KEY)
+            else:
+                infer(stack.http_url, model, poison, headers=HTTP_KEY)
         until(
             lambda loads=loads: (st := stack.status(model))["state"] == "ready" and st["load_count"] == loads + 1,
             f"the recovery ({protocol})",
         )
-        np.testing.assert_allclose(http_infer(stack.http_url, model, x), x * 2)
-        np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
+        np.testing.assert_allclose(http_infer(stack.http_url, model, x, headers=HTTP_KEY), x * 2)
+        np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x, headers=GRPC_KEY), x * 2)
     assert stack.metric("snooze_recoveries_total", model=model, cause="dead_stub") == 2
 
 
@@ -323,7 +301,7 @@ def test_grpc_refusals_are_unauthenticated(stack: Serve, headers: dict[str, str]
 
 def test_inference_key_infers_but_cannot_administer(stack: Serve, package: Path, tmp_path: Path):
     x = x_rows([3.0])
-    np.testing.assert_allclose(http_infer(stack.http_url, "shared", x), x * 3)
+    np.testing.assert_allclose(http_infer(stack.http_url, "shared", x, headers=HTTP_KEY), x * 3)
     np.testing.assert_allclose(
         grpc_infer(stack.grpc_url, "shared", x, headers={"authorization": f"Bearer {API_KEY}"}), x * 3
     )
@@ -348,7 +326,7 @@ def test_inference_key_infers_but_cannot_administer(stack: Serve, package: Path,
     assert cli.returncode == 0, cli.stdout + cli.stderr
     with stack.api() as api:
         assert api.load("admin_made")["state"] == "ready"
-        np.testing.assert_allclose(grpc_infer(stack.grpc_url, "admin_made", x), x * 2)
+        np.testing.assert_allclose(grpc_infer(stack.grpc_url, "admin_made", x, headers=GRPC_KEY), x * 2)
         assert api.unload("admin_made")["state"] == "unloaded"
         api.delete("admin_made")
         assert "admin_made" not in {m["id"] for m in api.list()}
@@ -424,12 +402,12 @@ def test_bad_uploads_are_refused_and_the_repository_is_unchanged(stack: Serve, p
     assert tree_digest(stack.repository) == before
     # The model those uploads tried to replace still serves.
     x = x_rows([4.0])
-    np.testing.assert_allclose(grpc_infer(stack.grpc_url, "shared", x), x * 3)
+    np.testing.assert_allclose(grpc_infer(stack.grpc_url, "shared", x, headers=GRPC_KEY), x * 3)
 
 
 def test_status_json_lists_every_model(stack: Serve):
     x = x_rows([1.0])
-    np.testing.assert_allclose(grpc_infer(stack.grpc_url, "listed", x), x * 2)
+    np.testing.assert_allclose(grpc_infer(stack.grpc_url, "listed", x, headers=GRPC_KEY), x * 2)
     cli = stack.snoozectl("status", "--json")
     assert cli.returncode == 0, cli.stderr
     models = {m["id"]: m["status"] for m in json.loads(cli.stdout)}
@@ -452,13 +430,13 @@ def test_triton_killed_fails_fast_then_serves_after_the_restart(stack: Serve):
     model = "phoenix"
     marker = stack.work_dir.parent / "phoenix.started"
     x, held = x_rows([7.0]), x_rows([-2.0])  # ``held`` stays 3 s in predict
-    np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x), x * 2)
+    np.testing.assert_allclose(grpc_infer(stack.grpc_url, model, x, headers=GRPC_KEY), x * 2)
     client_timeout = 20.0  # short next to load_timeout_secs (300): a hang would exceed it
     outcomes: list[str] = []
 
-    def attempt(send: Callable[..., np.ndarray], url: str, x: np.ndarray = x) -> bool:
+    def attempt(send: Callable[..., np.ndarray], url: str, headers: dict[str, str], x: np.ndarray = x) -> bool:
         try:
-            np.testing.assert_allclose(send(url, model, x, timeout=client_timeout), x * 2)
+            np.testing.assert_allclose(send(url, model, x, headers=headers, timeout=client_timeout), x * 2)
             outcomes.append("ok")
             return True
         except InferenceServerException as e:
@@ -467,20 +445,20 @@ def test_triton_killed_fails_fast_then_serves_after_the_restart(stack: Serve):
 
     old = stack.tritonserver()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        in_flight = [pool.submit(attempt, grpc_infer, stack.grpc_url, held),
-                     pool.submit(attempt, http_infer, stack.http_url, held)]  # fmt: skip
+        in_flight = [pool.submit(attempt, grpc_infer, stack.grpc_url, GRPC_KEY, held),
+                     pool.submit(attempt, http_infer, stack.http_url, HTTP_KEY, held)]  # fmt: skip
         until(lambda: marker.exists(), "a request in flight in the model")
         old.send_signal(signal.SIGKILL)
         old.wait(30)
         for f in in_flight:  # each ends (an error, or served after the restart): none hangs
             f.result(client_timeout + 30)
 
-    until(lambda: attempt(grpc_infer, stack.grpc_url), "gRPC to succeed after the restart", interval=0.2)
-    until(lambda: attempt(http_infer, stack.http_url), "HTTP to succeed after the restart", interval=0.2)
+    until(lambda: attempt(grpc_infer, stack.grpc_url, GRPC_KEY), "gRPC to succeed after the restart", interval=0.2)
+    until(lambda: attempt(http_infer, stack.http_url, HTTP_KEY), "HTTP to succeed after the restart", interval=0.2)
     hangs = [o for o in outcomes if "DEADLINE" in o or "timed out" in o.lower()]
     assert hangs == [], outcomes
     assert stack.tritonserver().pid != old.pid
     assert stack.metric("snooze_triton_restarts_total") == 1
     for m in ("shared", "crashy"):  # everything published survived; the others wake again
-        y = grpc_infer(stack.grpc_url, m, x)
+        y = grpc_infer(stack.grpc_url, m, x, headers=GRPC_KEY)
         assert y.shape == x.shape

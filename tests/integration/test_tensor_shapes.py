@@ -25,7 +25,7 @@ SR, X, Y, N = "audio/sample_rate:0", "input.x", "out/y:0", "meta.n"
 
 
 def scalar_onnx(path: Path) -> Path:
-    from corpus_models import scalar_onnx as build
+    from harness.corpus_models import scalar_onnx as build
 
     return build(path, sr=SR, x=X, y=Y, n=N)
 

@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
 from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError, UnavailableError
 from controlplane.triton.client import TritonAdminClient, parse_pending_request_counts
 from controlplane.triton.launcher import free_port
+from harness.probes import grpc_infer
 
 METRICS = """\
 # HELP nv_inference_pending_request_count Instantaneous number of pending requests per-model.
@@ -36,13 +36,6 @@ async def test_unreachable_triton_is_unavailable():
     assert info.value.status_code == 503 and info.value.retry_after == 1
 
 
-def _infer(grpc_url: str, name: str, rows: int) -> None:
-    with grpcclient.InferenceServerClient(grpc_url) as client:
-        inp = grpcclient.InferInput("x", [rows, 2], "FP32")
-        inp.set_data_from_numpy(np.ones((rows, 2), dtype=np.float32))
-        client.infer(name, [inp])
-
-
 @pytest.mark.integration
 async def test_health_index_stats_config_metrics(embedded_triton, model_repo, write_tiny_model, triton_admin):
     assert await triton_admin.live() and await triton_admin.ready()
@@ -57,7 +50,7 @@ async def test_health_index_stats_config_metrics(embedded_triton, model_repo, wr
 
     before = time.time() * 1000
     for _ in range(3):
-        _infer(embedded_triton.grpc_url, name, rows=2)
+        grpc_infer(embedded_triton.grpc_url, name, np.ones((2, 2), dtype=np.float32))
     # Triton counts a request in its statistics after sending its response: the last one may lag a little.
     deadline = time.monotonic() + 10
     while (stats := await triton_admin.model_stats(name)).inference_count < 6 and time.monotonic() < deadline:

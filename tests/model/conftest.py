@@ -1,4 +1,4 @@
-"""The fast tier's world: the real ``LifecycleManager`` over the fake Triton (``lifecycle_world``)."""
+"""The fast tier's world: the real ``LifecycleManager`` over the fake Triton (``harness.lifecycle_world``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from lifecycle_world import LifecycleWorld
+
+from harness.lifecycle_world import LifecycleWorld
 
 
 @pytest.fixture

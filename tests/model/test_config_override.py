@@ -5,10 +5,10 @@ refused override changes nothing."""
 from __future__ import annotations
 
 import pytest
-from lifecycle_world import LifecycleWorld
 
 from controlplane.lifecycle.overrides import ForbiddenOverrideError
 from controlplane.lifecycle.state import ModelState
+from harness.lifecycle_world import LifecycleWorld
 
 OVERRIDE = {"max_batch_size": 16}
 

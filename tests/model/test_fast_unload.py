@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_triton import MIB
-from lifecycle_world import BUDGET_MB, LifecycleWorld
 
 from controlplane.lifecycle.memory.gpu_memory import GpuDevice
 from controlplane.lifecycle.state import ModelState
+from harness.fake_triton import MIB
+from harness.lifecycle_world import BUDGET_MB, LifecycleWorld
 
 TRITON_UNLOAD_SECS = 1.2  # the python backend's 1 s health probe, then the stub's finalize and exit
 

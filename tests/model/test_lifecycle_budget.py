@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from fake_triton import MIB
-from lifecycle_world import LifecycleWorld
 
 from controlplane.errors import UnavailableError
 from controlplane.lifecycle.memory.cgroup import CgroupMemory
 from controlplane.lifecycle.state import ModelState
+from harness.fake_triton import MIB
+from harness.lifecycle_world import LifecycleWorld
 
 LONG_IDLE = {"idle_timeout_secs": 600}  # no idle unload in these tests: only memory pressure evicts
 

@@ -4,9 +4,8 @@
 
 from __future__ import annotations
 
-from lifecycle_world import LifecycleWorld
-
 from controlplane.lifecycle.state import ModelState
+from harness.lifecycle_world import LifecycleWorld
 
 
 def sample(world: LifecycleWorld, name: str, **labels: str) -> float:

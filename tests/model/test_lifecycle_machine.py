@@ -1,5 +1,5 @@
 """The lifecycle as a state machine: seeded random sequences of operations against the real
-``LifecycleManager`` over a fake Triton (``fake_triton``), with every invariant checked after every step
+``LifecycleManager`` over a fake Triton (``harness.fake_triton``), with every invariant checked after every step
 (``LifecycleWorld.check``).
 
 The seed is printed; ``SNOOZE_MACHINE_SEED=<seed>`` replays a run and ``SNOOZE_MACHINE_RUNS`` sets how many
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lifecycle_world import MODELS, SIZES_MB, LifecycleWorld, Violation
+
+from harness.lifecycle_world import MODELS, SIZES_MB, LifecycleWorld, Violation
 
 RUNS = int(os.environ.get("SNOOZE_MACHINE_RUNS", "70"))
 STEPS_PER_RUN = 80

@@ -153,7 +153,7 @@ def test_a_wake_while_tritonserver_is_away_is_answered_at_once_then_served_once_
     Triton cannot be reached. While Triton is away a wake-up is refused at once with Retry-After; once it is
     back, the next request loads the model again. (Triton's container restarting, as compose or the kubelet
     does: its pid changes; the embedded child's restart takes the same path, tests/reliability/test_triton_kill.py.)"""
-    from fake_triton import _Server
+    from harness.fake_triton import _Server
 
     w = world
     w.step(w.publish("m0", 60), 0.1)

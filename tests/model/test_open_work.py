@@ -10,8 +10,6 @@ import json
 import logging
 from pathlib import Path
 
-from lifecycle_world import LifecycleWorld
-
 from controlplane.gateway.activator import ReadyFlags
 from controlplane.lifecycle.sequences import describe_live
 from controlplane.lifecycle.state import ModelState
@@ -19,6 +17,7 @@ from controlplane.settings import Settings
 from controlplane.spec import SequenceSpec
 from controlplane.stack import ServingStack
 from controlplane.triton.journal import SEQUENCES_SUFFIX
+from harness.lifecycle_world import LifecycleWorld
 
 SEQUENCE = SequenceSpec(max_sequence_idle_secs=5)
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from serve_harness import TOPOLOGIES, WORKERS, Serve, write_package
+
+from harness.serve import TOPOLOGIES, WORKERS, Serve, write_package
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES)

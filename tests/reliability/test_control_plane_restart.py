@@ -17,9 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 from google.protobuf import text_format
-from reliability_helpers import Traffic, report, summary
-from serve_harness import Serve, alive, until_async, write_package
 from tritonclient.grpc import model_config_pb2
+
+from harness.probes import until_async
+from harness.reliability import Traffic, report, summary
+from harness.serve import Serve, alive, write_package
 
 pytestmark = pytest.mark.integration
 

@@ -26,12 +26,12 @@ import numpy as np
 import psutil
 import pytest
 import tritonclient.grpc.aio as grpcaio
-import tritonclient.http as httpclient
-from reliability_helpers import report
-from serve_harness import SNOOZECTL, until, until_async, write_package
 from tritonclient.utils import InferenceServerException
 
 from controlplane.triton.launcher import free_port
+from harness.probes import grpc_infer_async, http_infer, until, until_async
+from harness.reliability import report
+from harness.serve import SNOOZECTL, write_package
 
 pytestmark = pytest.mark.integration
 
@@ -97,17 +97,12 @@ class Fleet:
         raise AssertionError(f"no serve process for {name}")
 
     def infer_http(self, model: str, value: float = 1.0, key: str = API_KEY) -> np.ndarray:
-        with httpclient.InferenceServerClient(f"127.0.0.1:{self.http_port}", network_timeout=60) as client:
-            x = httpclient.InferInput("x", [1, 2], "FP32")
-            x.set_data_from_numpy(np.full((1, 2), value, np.float32))
-            return client.infer(model, [x], headers={"X-API-Key": key}).as_numpy("y")
+        x = np.full((1, 2), value, np.float32)
+        return http_infer(f"127.0.0.1:{self.http_port}", model, x, headers={"X-API-Key": key})
 
 
-async def grpc_infer(client: grpcaio.InferenceServerClient, model: str, value: float = 1.0) -> np.ndarray:
-    x = grpcaio.InferInput("x", [1, 2], "FP32")
-    x.set_data_from_numpy(np.full((1, 2), value, np.float32))
-    result = await client.infer(model, [x], headers={"x-api-key": API_KEY}, client_timeout=60)
-    return result.as_numpy("y")
+ONES = np.ones((1, 2), np.float32)
+GRPC_KEY = {"x-api-key": API_KEY}
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +135,7 @@ async def test_each_model_lives_on_one_node(fleet: Fleet):
     async with grpcaio.InferenceServerClient(f"127.0.0.1:{fleet.grpc_port}") as client:
         for model in MODELS:
             for _ in range(3):
-                np.testing.assert_allclose(await grpc_infer(client, model), [[2.0, 2.0]])
+                np.testing.assert_allclose(await grpc_infer_async(client, model, ONES, headers=GRPC_KEY), [[2.0, 2.0]])
                 np.testing.assert_allclose(await asyncio.to_thread(fleet.infer_http, model), [[2.0, 2.0]])
     placement = {m: fleet.holders(m) for m in MODELS}
     report("fleet placement", **{m: ",".join(n) for m, n in placement.items()})
@@ -154,13 +149,13 @@ async def test_a_storm_spills_a_hot_model_and_the_spilled_copy_goes_when_it_cool
     async def client_loop(client: grpcaio.InferenceServerClient, until_t: float) -> None:
         while time.monotonic() < until_t:
             try:
-                await grpc_infer(client, "hot")
+                await grpc_infer_async(client, "hot", ONES, headers=GRPC_KEY)
                 counts["ok"] += 1
             except InferenceServerException:
                 counts["failed"] += 1
 
     async with grpcaio.InferenceServerClient(f"127.0.0.1:{fleet.grpc_port}") as client:
-        await grpc_infer(client, "hot")
+        await grpc_infer_async(client, "hot", ONES, headers=GRPC_KEY)
         [owner] = fleet.holders("hot")
         end = time.monotonic() + 5
         await asyncio.gather(*(client_loop(client, end) for _ in range(48)))
@@ -169,7 +164,7 @@ async def test_a_storm_spills_a_hot_model_and_the_spilled_copy_goes_when_it_cool
         settled = time.monotonic()
         while fleet.holders("hot") != [owner]:
             assert time.monotonic() - settled < 4 * HOT_IDLE_SECS, fleet.holders("hot")
-            await grpc_infer(client, "hot")
+            await grpc_infer_async(client, "hot", ONES, headers=GRPC_KEY)
             await asyncio.sleep(0.2)
         cooled = time.monotonic() - settled
     report("hot model storm", requests=counts["ok"], failed=counts["failed"], spread=spread, owner=owner,
@@ -224,7 +219,7 @@ async def test_a_killed_node_is_replaced_by_the_ring_then_rejoins(fleet: Fleet):
     failed, answered_all = 0, None
     async with grpcaio.InferenceServerClient(f"127.0.0.1:{fleet.grpc_port}") as client:
         for model in MODELS:  # warm, through the ring
-            await grpc_infer(client, model)
+            await grpc_infer_async(client, model, ONES, headers=GRPC_KEY)
         # Placement is read after every model is warm: earlier tests on this fleet may have left
         # some asleep or spilled, and the victim must be the node that holds them now.
         placement = {m: fleet.holders(m) for m in MODELS}
@@ -238,7 +233,9 @@ async def test_a_killed_node_is_replaced_by_the_ring_then_rejoins(fleet: Fleet):
             ok = 0
             for model in MODELS:
                 try:
-                    np.testing.assert_allclose(await grpc_infer(client, model), [[2.0, 2.0]])
+                    np.testing.assert_allclose(
+                        await grpc_infer_async(client, model, ONES, headers=GRPC_KEY), [[2.0, 2.0]]
+                    )
                     ok += 1
                 except InferenceServerException:
                     failed += 1
@@ -254,7 +251,7 @@ async def test_a_killed_node_is_replaced_by_the_ring_then_rejoins(fleet: Fleet):
         while not all(victim in fleet.holders(m) for m in owned):
             assert time.monotonic() - back < 30, {m: fleet.holders(m) for m in owned}
             for model in owned:
-                await grpc_infer(client, model)
+                await grpc_infer_async(client, model, ONES, headers=GRPC_KEY)
             await asyncio.sleep(0.5)
     report("node killed", node=victim, models_owned=len(owned), failed_requests=failed,
            every_model_answers_after_secs=round(answered_all, 2), rejoined_after_secs=round(rejoin, 1))  # fmt: skip

@@ -17,8 +17,10 @@ import time
 import httpx
 import numpy as np
 import pytest
-from reliability_helpers import infer_once, report
-from serve_harness import alive_pids, until_async, write_package
+
+from harness.probes import until_async
+from harness.reliability import infer_once, report
+from harness.serve import alive_pids, write_package
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from reliability_helpers import Traffic, infer_error, report, summary
-from serve_harness import alive_pids, until_async, write_package
+
+from harness.probes import until_async
+from harness.reliability import Traffic, infer_error, report, summary
+from harness.serve import alive_pids, write_package
 
 pytestmark = pytest.mark.integration
 

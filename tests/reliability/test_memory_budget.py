@@ -15,8 +15,9 @@ import asyncio
 
 import numpy as np
 import pytest
-from reliability_helpers import infer_once, report
-from serve_harness import alive_pids
+
+from harness.reliability import infer_once, report
+from harness.serve import alive_pids
 
 pytestmark = pytest.mark.integration
 

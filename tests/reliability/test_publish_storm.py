@@ -13,9 +13,10 @@ import json
 import httpx
 import pytest
 from google.protobuf import text_format
-from reliability_helpers import Traffic, report, summary
-from serve_harness import until_async
 from tritonclient.grpc import model_config_pb2
+
+from harness.probes import until_async
+from harness.reliability import Traffic, report, summary
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,9 @@ import textwrap
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from reliability_helpers import infer_once, report
-from serve_harness import until_async
+
+from harness.probes import until_async
+from harness.reliability import infer_once, report
 
 pytestmark = pytest.mark.integration
 

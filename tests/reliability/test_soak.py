@@ -13,8 +13,9 @@ import statistics
 import time
 
 import pytest
-from reliability_helpers import Traffic, report, summary
-from serve_harness import until_async
+
+from harness.probes import until_async
+from harness.reliability import Traffic, report, summary
 
 pytestmark = pytest.mark.integration
 

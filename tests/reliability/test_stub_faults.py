@@ -21,8 +21,10 @@ import time
 
 import numpy as np
 import pytest
-from reliability_helpers import Traffic, in_flight_at, infer_once, report, summary
-from serve_harness import until_async, write_package
+
+from harness.probes import until_async
+from harness.reliability import Traffic, in_flight_at, infer_once, report, summary
+from harness.serve import write_package
 
 pytestmark = pytest.mark.integration
 

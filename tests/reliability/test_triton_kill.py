@@ -18,8 +18,9 @@ import time
 
 import psutil
 import pytest
-from reliability_helpers import Traffic, report, summary
-from serve_harness import until_async
+
+from harness.probes import until_async
+from harness.reliability import Traffic, report, summary
 
 pytestmark = pytest.mark.integration
 

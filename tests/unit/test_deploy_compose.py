@@ -11,7 +11,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from compose_stack import compose_binary, legacy_copy, project_name
+
+from harness.compose_stack import compose_binary, legacy_copy, project_name
 
 yaml = pytest.importorskip("yaml")
 

@@ -11,7 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
-from k8s_manifests import kustomize
+
+from harness.k8s_manifests import kustomize
 
 yaml = pytest.importorskip("yaml")
 

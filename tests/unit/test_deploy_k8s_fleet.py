@@ -1,5 +1,5 @@
 """deploy/k8s/fleet: structural checks of the fleet overlay, on what `kubectl kustomize` renders (the dev
-extra's kubectl; tests/k8s_manifests.py), plus the files themselves.
+extra's kubectl; tests/harness/k8s_manifests.py), plus the files themselves.
 
 The overlay turns the base's pod into StatefulSet/snooze-node (so the node pod is the base's pod, changed
 only where a fleet must differ), adds the headless Service of the nodes and the fleet gateway Deployment
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import typer.main
-from k8s_manifests import kustomize
 
 from controlplane.cli import app
 from controlplane.fleet.nodes import fleet_nodes
 from controlplane.settings import Settings
+from harness.k8s_manifests import kustomize
 
 yaml = pytest.importorskip("yaml")
 

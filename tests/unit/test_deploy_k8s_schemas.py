@@ -14,7 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from k8s_manifests import K8S, KUBERNETES_VERSION, ROOT, kubectl, kustomize, schema_errors
+
+from harness.k8s_manifests import K8S, KUBERNETES_VERSION, ROOT, kubectl, kustomize, schema_errors
 
 OVERLAYS = sorted(str(p.parent.relative_to(ROOT)) for p in K8S.rglob("kustomization.yaml"))
 

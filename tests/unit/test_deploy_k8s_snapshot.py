@@ -1,5 +1,5 @@
 """deploy/k8s/snapshot: structural checks of the snapshot overlay (its patch and seccomp profile),
-plus checks of the rendered manifests (`kubectl kustomize`, the dev extra's kubectl; tests/k8s_manifests.py)."""
+plus checks of the rendered manifests (`kubectl kustomize`, the dev extra's kubectl; tests/harness/k8s_manifests.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import shlex
 from pathlib import Path
 
 import pytest
-from k8s_manifests import kustomize
+
+from harness.k8s_manifests import kustomize
 
 yaml = pytest.importorskip("yaml")
 

@@ -24,6 +24,8 @@ import numpy as np
 import psutil
 import pytest
 
+from harness.parallel_torch import PARALLEL_TORCH_MODEL
+from harness.probes import until
 from python_backend import prefork_connect, preforked
 from python_backend.errors import RemoteFailure
 from python_backend.journal import start_ticks
@@ -225,14 +227,6 @@ def parent_records(journal: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(journal.glob("prefork-*.parent"))]
 
 
-def until(condition, what: str, timeout: float = 15.0):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-    return value
-
-
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)  # X: being reaped
@@ -317,7 +311,7 @@ def test_the_parent_ends_with_its_triton_and_takes_its_workers(tmp_path, triton,
     [record] = parent_records(journal)
     triton.kill()
     triton.wait()
-    until(lambda: gone(record["pid"]) and gone(worker), "the parent and its worker to end")
+    until(lambda: gone(record["pid"]) and gone(worker), "the parent and its worker to end", timeout=15, interval=0.02)
     assert parent_records(journal) == []  # its record left with it
     assert stub.wait(10) != 0  # and the stub with its worker (a real stub ends with Triton anyway)
 
@@ -327,7 +321,7 @@ def test_a_dead_parent_is_started_again_by_the_next_load(tmp_path, journal, load
     first = loaded(raw, package)
     [record] = parent_records(journal)
     os.kill(record["pid"], signal.SIGKILL)
-    until(lambda: gone(record["pid"]), "the parent to die")
+    until(lambda: gone(record["pid"]), "the parent to die", timeout=15, interval=0.02)
     second = loaded(raw, package)
     [again] = [r for r in parent_records(journal) if r["pid"] != record["pid"]]
     assert second.worker_pid in {c.pid for c in psutil.Process(again["pid"]).children()}
@@ -351,7 +345,7 @@ def test_parents_started_in_a_race_leave_one(tmp_path, triton, journal):
     identity = prefork_connect.parent_identity(parse_spec(raw), sys.executable, triton.pid)
     for _ in range(3):
         prefork_connect.start_parent(identity)
-    until(lambda: parent_records(journal), "a parent")
+    until(lambda: parent_records(journal), "a parent", timeout=15, interval=0.02)
     time.sleep(0.5)  # the others would have bound (and lost) by now
     assert len(parents_of(identity.key)) == 1 and len(parent_records(journal)) == 1
 
@@ -376,7 +370,7 @@ def test_a_load_failure_ends_the_worker_and_says_why(tmp_path, triton, journal):
     with pytest.raises(RemoteFailure) as e:
         model.load(str(package), "cpu")
     assert e.value.kind == "model_error" and "import raised ModuleNotFoundError" in str(e.value)
-    until(lambda: gone(model.worker_pid), "the failed worker to end")
+    until(lambda: gone(model.worker_pid), "the failed worker to end", timeout=15, interval=0.02)
 
 
 def test_without_a_parent_the_model_loads_in_the_stub(tmp_path, journal, loaded, monkeypatch, capsys):
@@ -454,7 +448,7 @@ def test_a_killed_stub_takes_its_worker(tmp_path, triton, journal):
     stub, worker = run_stub(tmp_path, triton, "idle")
     stub.kill()
     stub.wait()
-    until(lambda: gone(worker), "the worker to follow its stub", timeout=10)
+    until(lambda: gone(worker), "the worker to follow its stub", timeout=10, interval=0.02)
 
 
 def test_the_stub_polls_briefly_for_an_answer_then_leaves_the_wait_to_recv(pair):
@@ -513,8 +507,6 @@ def test_a_preforked_torch_model_running_parallel_ops_answers_like_torch_across_
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one CPU: no op goes parallel here")
     raw, package = write_model(tmp_path, "t", preload=["torch"], max_batch_size=4)
-    from parallel_torch import PARALLEL_TORCH_MODEL  # tests/ (not on the py3.10 run's path: skipped there)
-
     (package / "snooze_model.py").write_text(PARALLEL_TORCH_MODEL)
     raw["outputs"].append({"name": "threads", "datatype": "INT64", "dims": [1]})
     (package.parent / "snooze_runtime.json").write_text(json.dumps(raw))

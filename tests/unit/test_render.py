@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 import pytest
-from serve_harness import tree_digest
 from tritonclient.grpc import model_config_pb2
 
 from controlplane.errors import InvalidPackageError
@@ -21,6 +20,7 @@ from controlplane.render import (
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import render_repository
 from controlplane.store.transactions import write_model
+from harness.serve import tree_digest
 from python_backend.spec import SPEC_FILE
 
 GOLDEN = Path(__file__).parent / "golden"

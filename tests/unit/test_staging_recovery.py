@@ -65,12 +65,11 @@ def test_a_shared_repository_keeps_other_hosts_writers(tmp_path):
 def test_a_repository_at_a_mount_root_stages_inside_itself(tmp_path, monkeypatch):
     """In the containers the repository is a volume's mount root: its parent is another filesystem, where a
     rename into the repository would not be atomic. Staging then lives in a hidden folder inside it."""
-    from serve_harness import write_package
-
     from controlplane import render
     from controlplane.spec import DeploymentSpec, resolve
     from controlplane.store import ModelStore, transactions
     from controlplane.store.transactions import INNER_STAGING
+    from harness.serve import write_package
 
     monkeypatch.setattr(transactions, "_same_filesystem", lambda a, b: False)
     repo = tmp_path / "models"

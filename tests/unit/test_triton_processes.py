@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from controlplane.triton.processes import (
     listening_ports,
     read_stat,
 )
+from harness.probes import until
 from python_backend.exits import describe_wait_status
 
 
@@ -37,24 +37,21 @@ def fake_stub(repo: Path, model: str, instance: str, code: str = "import time; t
 
 
 def wait_state(pid: int, state: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while (stat := read_stat(pid)) is None or stat.state != state:
-        assert time.monotonic() < deadline, f"pid {pid} never reached state {state}"
-        time.sleep(0.02)
+    until(lambda: getattr(read_stat(pid), "state", None) == state, f"pid {pid} to reach state {state}", timeout, 0.02)
 
 
 def wait_sleeping(pid: int, timeout: float = 30) -> None:
     """Until the process's main thread waits in time.sleep (clock_nanosleep or nanosleep, x86_64 numbers)."""
-    deadline = time.monotonic() + timeout
-    while True:
+    calls: list[str] = []
+
+    def sleeping() -> bool:
         try:
-            call = Path(f"/proc/{pid}/syscall").read_text().split()[0]
+            calls.append(Path(f"/proc/{pid}/syscall").read_text().split()[0])
         except (OSError, IndexError):
-            call = ""
-        if call in ("230", "35") or (platform.machine() != "x86_64" and call.isdigit()):
-            return
-        assert time.monotonic() < deadline, f"pid {pid} never went to sleep (syscall {call!r})"
-        time.sleep(0.02)
+            calls.append("")
+        return calls[-1] in ("230", "35") or (platform.machine() != "x86_64" and calls[-1].isdigit())
+
+    until(sleeping, lambda: f"pid {pid} to go to sleep (syscall {calls[-1]!r})", timeout, 0.02)
 
 
 @pytest.fixture
@@ -66,10 +63,7 @@ def test_stubs_by_model_and_how_each_died(observer: TritonProcesses, tmp_path: P
     a = fake_stub(tmp_path, "alpha", "alpha_0_0")
     b = fake_stub(tmp_path, "beta", "beta_0_0", code="import os, time; time.sleep(0.3); os._exit(3)")
     try:
-        deadline = time.monotonic() + 10
-        while len(observer.stubs()) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until(lambda: len(observer.stubs()) >= 2, "both fake stubs to be seen", timeout=10, interval=0.02)
         [alpha] = observer.stubs("alpha")
         [beta] = observer.stubs("beta")
         assert (alpha.pid, alpha.instance, beta.model) == (a.pid, "alpha_0_0", "beta")
@@ -103,10 +97,7 @@ def test_a_stub_this_observer_killed_is_ended_not_crashed_and_only_a_crash_left_
     crashed = fake_stub(tmp_path, "m", "m_0_1", code="import os, time; time.sleep(0.3); os._exit(139)")
     clean = fake_stub(tmp_path, "m", "m_0_2", code="import os, time; time.sleep(0.3); os._exit(0)")
     try:
-        deadline = time.monotonic() + 10
-        while len(observer.stubs("m")) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until(lambda: len(observer.stubs("m")) >= 3, "the three fake stubs to be seen", timeout=10, interval=0.02)
         stubs = {s.instance: s for s in observer.stubs("m")}
         for stub in stubs.values():
             journal_path(journals, stub.pid, stub.start_ticks).write_bytes(b"\0" * 8)
@@ -132,10 +123,7 @@ def test_a_stub_this_observer_killed_is_ended_not_crashed_and_only_a_crash_left_
 def test_a_reused_pid_is_not_the_same_stub(observer: TritonProcesses, tmp_path: Path):
     p = fake_stub(tmp_path, "m", "m_0_0")
     try:
-        deadline = time.monotonic() + 10
-        while not observer.stubs("m"):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until(lambda: observer.stubs("m"), "the fake stub to be seen", timeout=10, interval=0.02)
         [stub] = observer.stubs("m")
         other = type(stub)(stub.pid, stub.start_ticks + 1, stub.model, stub.instance)
         assert observer.death(stub) is None
@@ -177,10 +165,7 @@ def test_a_stopped_stub_is_at_rest_only_when_every_thread_waits(observer: Triton
     spin = "import threading, time\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\ntime.sleep(60)"
     busy = fake_stub(tmp_path, "busy", "busy_0_0", code=spin)
     try:
-        deadline = time.monotonic() + 10
-        while len(observer.stubs()) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until(lambda: len(observer.stubs()) >= 2, "both fake stubs to be seen", timeout=10, interval=0.02)
         # both interpreters started (however long that takes on a loaded machine): one sleeps, the other's main
         # thread sleeps while a thread of its own spins
         wait_sleeping(idle.pid)

@@ -128,7 +128,7 @@ def test_learned_shapes_survive_until_a_republish(tmp_path: Path) -> None:
 
 
 def test_a_scalar_on_the_native_onnx_backend_is_dims_1_without_an_empty_reshape(tmp_path: Path) -> None:
-    from corpus_models import scalar_onnx
+    from harness.corpus_models import scalar_onnx
 
     spec = resolve(DeploymentSpec(id="vad", path=scalar_onnx(tmp_path / "vad")))
     text = render_model(spec, FULL_TARGET).config_text

@@ -14,7 +14,7 @@ from controlplane.render import embedded_target
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.launcher import EmbeddedTriton, free_port
-from tests.gateway_harness import (
+from harness.gateway import (
     ACCUMULATOR_PY,
     ADMIN_KEY,
     API_KEY,

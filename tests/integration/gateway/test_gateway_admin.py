@@ -1,6 +1,6 @@
 """The repository API, config overrides, dead-stub recovery and the closed gate through the gateway.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -19,17 +19,15 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.gateway_harness import (
+from harness.gateway import (
     ADMIN_KEY,
     GRPC_KEY,
     KEY,
     Stack,
     _successes,
     _x,
-    grpc_infer,
-    http_infer,
 )
-from tests.serve_harness import until
+from harness.probes import grpc_infer, http_infer, until
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +67,7 @@ def test_repository_unload_and_load_answer_as_triton_does(stack: Stack):
         g.load_model(name, headers=grpc_admin)
         g.unload_model(name, headers=grpc_admin)
         assert not g.is_model_ready(name, headers=GRPC_KEY) and not h.is_model_ready(name, headers=KEY)
-        http_infer(h, name, _x())  # a request still wakes it, and then it is ready again
+        http_infer(h, name, _x(), headers=KEY)  # a request still wakes it, and then it is ready again
         assert g.is_model_ready(name, headers=GRPC_KEY) and h.is_model_ready(name, headers=KEY)
         h.unload_model(name, headers=admin)
         assert not h.is_model_ready(name, headers=KEY)
@@ -115,7 +113,7 @@ def test_a_clients_config_override_holds_through_sleep_and_wake(stack: Stack):
         stack.loop.run(stack.lifecycle.unload(name, reason="idle"))  # asleep, as after an idle unload
         assert not stack.triton_ready(name) and batch_sizes() == (16, 16)
         loads = stack.load_count(name)
-        y = grpc_infer(g, name, _x(12))  # wakes it; 12 rows: more than the published max_batch_size
+        y = grpc_infer(g, name, _x(12), headers=GRPC_KEY)  # wakes it; 12 rows: more than the published max_batch_size
         assert y.shape == (12, 4) and stack.load_count(name) == loads + 1 and batch_sizes() == (16, 16)
 
         malformed = '"parameters": {"config": {{"max_batch_size": "16"}}}'  # the examples' wrong format
@@ -148,13 +146,13 @@ def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
         os.kill(pid, signal.SIGKILL)
     # Neither request reached the dead process (the journal says so): both are served after recovery.
     with stack.grpc() as g:  # gRPC: Envoy matches grpc-message and retries to the activator
-        np.testing.assert_allclose(grpc_infer(g, name, x), x * 3)
+        np.testing.assert_allclose(grpc_infer(g, name, x, headers=GRPC_KEY), x * 3)
     assert stack.recoveries(name) == 1
 
     for pid in stack.triton.stub_pids(name):
         os.kill(pid, signal.SIGKILL)
     with stack.http() as h:  # HTTP: a Lua filter marks the dead stub's 500 for the same retry
-        np.testing.assert_allclose(http_infer(h, name, x), x * 3)
+        np.testing.assert_allclose(http_infer(h, name, x, headers=KEY), x * 3)
     assert stack.recoveries(name) == 2
 
 
@@ -166,8 +164,8 @@ def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
     loaded = _successes(stack, warm, at_least=1)  # the load's own warm-up inference
     x = _x()
     with stack.http() as h, stack.grpc() as g, httpx.Client(base_url=stack.gateway.http_url, headers=KEY) as raw:
-        np.testing.assert_allclose(http_infer(h, warm, x), x * 3)
-        np.testing.assert_allclose(grpc_infer(g, warm, x), x * 3)
+        np.testing.assert_allclose(http_infer(h, warm, x, headers=KEY), x * 3)
+        np.testing.assert_allclose(grpc_infer(g, warm, x, headers=GRPC_KEY), x * 3)
         assert raw.get(f"/v2/models/{warm}/ready").status_code == 200  # a keep-alive connection, now idle
         # Triton counts a request just after answering it: wait for both (a count of 2 was once read as
         # warm-up + the first request, with the second counted later).
@@ -177,10 +175,10 @@ def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
             assert stack.gateway.gate_closed()
             for model in (warm, asleep):
                 with pytest.raises(InferenceServerException) as info:
-                    http_infer(h, model, x)
+                    http_infer(h, model, x, headers=KEY)
                 assert info.value.status() == "503" and "snapshot" in info.value.message()
                 with pytest.raises(InferenceServerException) as info:
-                    grpc_infer(g, model, x)
+                    grpc_infer(g, model, x, headers=GRPC_KEY)
                 assert info.value.status() == "StatusCode.UNAVAILABLE" and "snapshot" in info.value.message()
             answer = raw.post(f"/v2/models/{warm}/infer", json={"inputs": []})
             assert answer.status_code == 503 and "snapshot" in answer.json()["error"]
@@ -202,6 +200,6 @@ def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
         finally:
             stack.gateway.open_gate()
         assert not stack.gateway.gate_closed()
-        np.testing.assert_allclose(http_infer(h, warm, x), x * 3)
-        np.testing.assert_allclose(grpc_infer(g, warm, x), x * 3)
+        np.testing.assert_allclose(http_infer(h, warm, x, headers=KEY), x * 3)
+        np.testing.assert_allclose(grpc_infer(g, warm, x, headers=GRPC_KEY), x * 3)
         assert _successes(stack, warm, at_least=served + 2) == served + 2

@@ -1,7 +1,7 @@
 """Errors through the gateway in Triton's words: unknown models, failed loads, auth refusals, a model's own
 errors and refusals (run once, reaching the client).
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -20,7 +20,7 @@ from controlplane.errors import GatewayError
 from controlplane.gateway.envoy import ApiKey, EnvoyGateway, Upstream, render_bootstrap
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
-from tests.gateway_harness import (
+from harness.gateway import (
     ADMIN_KEY,
     GRPC_KEY,
     KEY,
@@ -29,9 +29,8 @@ from tests.gateway_harness import (
     _stream_error,
     _write_package,
     _x,
-    grpc_infer,
-    http_infer,
 )
+from harness.probes import grpc_infer, http_infer
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +54,7 @@ def test_unknown_model_answers_in_tritons_words(stack: Stack):
     known = stack.publish("gw_words")
     with stack.http() as h:
         with pytest.raises(InferenceServerException) as info:
-            http_infer(h, "gw_nope", _x())
+            http_infer(h, "gw_nope", _x(), headers=KEY)
         assert info.value.status() == "404" and info.value.message().startswith(nope)
         assert "'gw_nope' is not published (fix: list models with `snoozectl status`)" in info.value.message()
         _unknown_in_tritons_words((h.get_model_metadata, h.get_model_config), KEY, "404", known)
@@ -67,7 +66,7 @@ def test_unknown_model_answers_in_tritons_words(stack: Stack):
     assert ready.status_code == 400 and ready.json()["error"].startswith("Model version not ready")
     with stack.grpc() as g:
         with pytest.raises(InferenceServerException) as info:
-            grpc_infer(g, "gw_nope", _x())
+            grpc_infer(g, "gw_nope", _x(), headers=GRPC_KEY)
         assert info.value.status() == "StatusCode.NOT_FOUND" and info.value.message().startswith(nope)
         _unknown_in_tritons_words((g.get_model_metadata, g.get_model_config), GRPC_KEY, "StatusCode.NOT_FOUND", known)
         assert not g.is_model_ready("gw_nope", headers=GRPC_KEY)
@@ -110,11 +109,11 @@ def test_failed_load_answers_in_tritons_words(stack: Stack, tmp_path: Path):
     words = "Request for unknown model: 'gw_broken' has no available versions"
     with stack.http() as h, stack.grpc() as g:
         with pytest.raises(InferenceServerException) as info:
-            http_infer(h, "gw_broken", _x())
+            http_infer(h, "gw_broken", _x(), headers=KEY)
         assert info.value.status() == "503" and info.value.message().startswith(words)
         assert "no weights here" in info.value.message()
         with pytest.raises(InferenceServerException) as info:
-            grpc_infer(g, "gw_broken", _x())
+            grpc_infer(g, "gw_broken", _x(), headers=GRPC_KEY)
         assert info.value.status() == "StatusCode.UNAVAILABLE" and info.value.message().startswith(words)
         ready = httpx.get(f"{stack.gateway.http_url}/v2/models/gw_broken/ready", headers=KEY)
         assert ready.status_code == 400 and ready.json()["error"].startswith("Model version not ready")
@@ -175,10 +174,10 @@ def test_a_models_own_error_runs_once_and_reaches_its_client(stack: Stack, tmp_p
     with pytest.raises(InferenceServerException) as info:
         if protocol == "http":
             with stack.http() as h:
-                http_infer(h, name, _x())
+                http_infer(h, name, _x(), headers=KEY)
         else:
             with stack.grpc() as g:
-                grpc_infer(g, name, _x())
+                grpc_infer(g, name, _x(), headers=GRPC_KEY)
     assert info.value.status() == ("500" if protocol == "http" else "StatusCode.INTERNAL"), info.value
     assert f"{exception}: {message}" in info.value.message(), info.value.message()
     assert info.value.message().startswith(f"[snooze:model_error] model '{name}': predict raised"), info.value.message()
@@ -220,10 +219,10 @@ def test_a_model_refusing_its_input_gets_400_invalid_argument_with_its_words(sta
         with pytest.raises(InferenceServerException) as info:
             if protocol == "http":
                 with stack.http() as h:
-                    http_infer(h, name, _x())
+                    http_infer(h, name, _x(), headers=KEY)
             else:
                 with stack.grpc() as g:
-                    grpc_infer(g, name, _x())
+                    grpc_infer(g, name, _x(), headers=GRPC_KEY)
         message = info.value.message()
         assert info.value.status() == status[protocol == "grpc"], (exception, message)
         if exception == "NegativeCounts":

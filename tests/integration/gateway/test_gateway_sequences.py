@@ -1,6 +1,6 @@
 """Sequence models through the gateway: state per correlation id, settings Triton would refuse.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from controlplane.spec import DeploymentSpec, SequenceSpec, resolve
-from tests.gateway_harness import (
+from harness.gateway import (
     GRPC_KEY,
     KEY,
     Stack,

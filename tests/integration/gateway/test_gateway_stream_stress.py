@@ -1,6 +1,6 @@
 """Streams under stress: a stalled Triton HTTP thread, another model waking, the aio client, memory pressure.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -24,7 +24,7 @@ import tritonclient.grpc.aio as grpcaio
 
 from controlplane.lifecycle.state import UnloadReason
 from controlplane.spec import DeploymentSpec, resolve
-from tests.gateway_harness import (
+from harness.gateway import (
     GRPC_KEY,
     KEY,
     Stack,
@@ -32,9 +32,8 @@ from tests.gateway_harness import (
     _publish_repeater,
     _write_package,
     _x,
-    http_infer,
 )
-from tests.serve_harness import until
+from harness.probes import http_infer, until
 
 pytestmark = pytest.mark.integration
 
@@ -194,7 +193,8 @@ def test_memory_pressure_evicts_another_model_than_one_with_an_open_stream(stack
             g.async_stream_infer(streaming, [inp])
             until(lambda: answers, "the first token")
             with stack.http() as h:
-                np.testing.assert_allclose(http_infer(h, idle, _x()), _x() * 3)  # used after the stream began
+                # used after the stream began
+                np.testing.assert_allclose(http_infer(h, idle, _x(), headers=KEY), _x() * 3)
             newcomer = stack.lifecycle.states.record(stack.publish("gw_evict_newcomer"))
             # The other tests' models count as in use here: only these two are candidates (and no slow unload
             # of another test's model runs).

@@ -1,7 +1,7 @@
 """Streams through the gateway: generate and generate_stream, gRPC streams holding what they name, decoupled
 models over gRPC and SSE, cancellation and crashes mid-stream.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from controlplane.spec import DeploymentSpec, resolve
-from tests.gateway_harness import (
+from harness.gateway import (
     GRPC_KEY,
     KEY,
     WORKERS,
@@ -34,10 +34,8 @@ from tests.gateway_harness import (
     _publish_repeater,
     _stream_error,
     _x,
-    grpc_infer,
-    http_infer,
 )
-from tests.serve_harness import until
+from harness.probes import grpc_infer, http_infer, until
 
 pytestmark = pytest.mark.integration
 
@@ -295,8 +293,8 @@ def test_a_unary_request_is_journaled_by_envoys_request_id(stack: Stack, protoco
     infer = grpc_infer if protocol == "grpc" else http_infer
     key = GRPC_KEY if protocol == "grpc" else KEY
     with stack.grpc() if protocol == "grpc" else stack.http() as client:
-        assert infer(client, name, _x(1)).shape == (1, 4)  # woken by the retry, then warm
-        infer(client, name, _x(1))
+        assert infer(client, name, _x(1), headers=key).shape == (1, 4)  # woken by the retry, then warm
+        infer(client, name, _x(1), headers=key)
         [generated] = _journaled_ids(stack, name)
         assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", generated), generated
         infer(client, name, _x(1), headers={**key, "x-request-id": f"client-{protocol}-7"})
@@ -372,7 +370,7 @@ def test_bad_input_to_the_stream_and_generate_entry_points_gets_tritons_error(st
     direct = httpx.post(f"{stack.triton.http_url}/v2/models/{name}/generate_stream", content=b"not json")
     assert (r.status_code, r.json()) == (direct.status_code, direct.json())
     with stack.grpc() as g:
-        np.testing.assert_allclose(grpc_infer(g, name, _x()), _x() * 3)
+        np.testing.assert_allclose(grpc_infer(g, name, _x(), headers=GRPC_KEY), _x() * 3)
 
 
 def test_a_client_leaving_a_generate_stream_releases_its_hold(stack: Stack, repeater: Path):

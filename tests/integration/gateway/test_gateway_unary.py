@@ -1,7 +1,7 @@
 """Unary infers through the gateway: warm ones stay on Envoy, a sleeping model wakes over HTTP, gRPC and
 shared memory, its metadata answers while it sleeps.
 
-The stack (real Envoy + real tritonserver + the activator, see tests/gateway_harness.py) is shared by the
+The stack (real Envoy + real tritonserver + the activator, see tests/harness/gateway.py) is shared by the
 module's tests (tests/integration/gateway/conftest.py).
 """
 
@@ -15,17 +15,15 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 
-from tests.gateway_harness import (
+from harness.gateway import (
     API_KEY,
     GRPC_KEY,
     KEY,
     Stack,
     _successes,
     _x,
-    grpc_infer,
-    http_infer,
 )
-from tests.serve_harness import until
+from harness.probes import grpc_infer, grpc_infer_async, http_infer, until
 
 pytestmark = pytest.mark.integration
 
@@ -39,13 +37,13 @@ def test_warm_inference_stays_on_envoy(stack: Stack):
     grpc_retries_before = before.get("cluster.infer_grpc.upstream_rq_retry", 0)
     x = _x()
     with stack.http() as client:
-        np.testing.assert_allclose(http_infer(client, name, x, binary=True), x * 3)
-        np.testing.assert_allclose(http_infer(client, name, x, binary=False), x * 3)
+        np.testing.assert_allclose(http_infer(client, name, x, binary=True, headers=KEY), x * 3)
+        np.testing.assert_allclose(http_infer(client, name, x, binary=False, headers=KEY), x * 3)
         np.testing.assert_allclose(http_infer(client, name, x, headers={"Authorization": f"Bearer {API_KEY}"}), x * 3)
         assert client.is_server_live() and client.is_server_ready()  # health: Triton, no key needed
     with stack.grpc() as client:
-        np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
-        np.testing.assert_allclose(grpc_infer(client, name, x, {"authorization": f"Bearer {API_KEY}"}), x * 3)
+        np.testing.assert_allclose(grpc_infer(client, name, x, headers=GRPC_KEY), x * 3)
+        np.testing.assert_allclose(grpc_infer(client, name, x, headers={"authorization": f"Bearer {API_KEY}"}), x * 3)
     stats = stack.gateway.stats()
     assert stats.get("cluster.infer_http.upstream_rq_retry", 0) == retries_before
     assert stats.get("cluster.infer_grpc.upstream_rq_retry", 0) == grpc_retries_before
@@ -75,13 +73,13 @@ def test_a_warm_unary_request_meets_no_lua(stack: Stack):
     before = _lua_runs(stack)
     with stack.http() as client:
         for binary in (True, False):
-            np.testing.assert_allclose(http_infer(client, name, x, binary=binary), x * 3)
+            np.testing.assert_allclose(http_infer(client, name, x, binary=binary, headers=KEY), x * 3)
     r = httpx.post(f"{stack.gateway.http_url}/v2/models/{name}/generate", json={"x": [1.0]}, headers=KEY)
     assert r.status_code == 200, r.text
     assert _lua_runs(stack) == before
     with stack.grpc() as client:
         for _ in range(3):
-            np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
+            np.testing.assert_allclose(grpc_infer(client, name, x, headers=GRPC_KEY), x * 3)
     assert _lua_runs(stack) == before
 
 
@@ -90,13 +88,13 @@ def test_sleeping_model_wakes_over_http(stack: Stack):
     assert not stack.triton_ready(name)
     x = _x(3)
     with stack.http() as client:
-        np.testing.assert_allclose(http_infer(client, name, x), x * 3)
+        np.testing.assert_allclose(http_infer(client, name, x, headers=KEY), x * 3)
     assert stack.triton_ready(name) and stack.load_count(name) == 1
     assert stack.gateway.stats()["cluster.infer_http.upstream_rq_retry"] >= 1
     # Put back to sleep: the next request wakes it again (non-binary JSON body this time).
     stack.loop.run(stack.lifecycle.unload(name))
     with stack.http() as client:
-        np.testing.assert_allclose(http_infer(client, name, x, binary=False), x * 3)
+        np.testing.assert_allclose(http_infer(client, name, x, binary=False, headers=KEY), x * 3)
     assert stack.load_count(name) == 2
 
 
@@ -104,7 +102,7 @@ def test_sleeping_model_wakes_over_grpc(stack: Stack):
     name = stack.publish("gw_sleep_grpc")
     x = _x(1)
     with stack.grpc() as client:
-        np.testing.assert_allclose(grpc_infer(client, name, x), x * 3)
+        np.testing.assert_allclose(grpc_infer(client, name, x, headers=GRPC_KEY), x * 3)
     assert stack.triton_ready(name) and stack.load_count(name) == 1
     assert stack.gateway.stats()["cluster.infer_grpc.upstream_rq_retry"] >= 1
 
@@ -112,13 +110,11 @@ def test_sleeping_model_wakes_over_grpc(stack: Stack):
 async def test_grpc_aio_client_wakes_and_single_flight(stack: Stack):
     name = stack.publish("gw_sleep_aio")
     x = _x(2)
-    inp = grpcaio.InferInput("x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
     async with grpcaio.InferenceServerClient(stack.gateway.grpc_url) as client:
         assert await client.is_model_ready(name, headers=GRPC_KEY)
-        results = await asyncio.gather(*(client.infer(name, [inp], headers=GRPC_KEY) for _ in range(20)))
-    for r in results:
-        np.testing.assert_allclose(r.as_numpy("y"), x * 3)
+        results = await asyncio.gather(*(grpc_infer_async(client, name, x, headers=GRPC_KEY) for _ in range(20)))
+    for y in results:
+        np.testing.assert_allclose(y, x * 3)
     assert stack.load_count(name) == 1
 
 
@@ -165,7 +161,7 @@ def test_a_64_mib_request_wakes_a_sleeping_model(stack: Stack, protocol: str):
     big = np.ones((1, 64 * 1024 * 1024 // 4), dtype=np.float32)
     retries = stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0)
     with stack.http() as h, stack.grpc() as g:
-        y = http_infer(h, name, big) if protocol == "http" else grpc_infer(g, name, big)
+        y = http_infer(h, name, big, headers=KEY) if protocol == "http" else grpc_infer(g, name, big, headers=GRPC_KEY)
     assert y.shape == big.shape and float(y[0, 0]) == 3.0 and float(y[0, -1]) == 3.0
     assert stack.triton_ready(name) and stack.load_count(name) == 1
     resent = stack.gateway.stats().get(f"cluster.infer_{protocol}.upstream_rq_retry", 0) - retries

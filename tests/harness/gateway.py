@@ -13,7 +13,6 @@ import asyncio
 import json
 import textwrap
 import threading
-import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
-from tests.serve_harness import until
+from harness.probes import until
 
 API_KEY = "infer-key-123"
 ADMIN_KEY = "admin-key-456"
@@ -160,23 +159,6 @@ def _x(rows: int = 2) -> np.ndarray:
     return np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
 
 
-def http_infer(client: httpclient.InferenceServerClient, name: str, x: np.ndarray, *, binary: bool = True,
-               headers: dict[str, str] | None = None) -> np.ndarray:  # fmt: skip
-    inp = httpclient.InferInput("x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x, binary_data=binary)
-    out = httpclient.InferRequestedOutput("y", binary_data=binary)
-    # A copy: tritonclient.http adds Inference-Header-Content-Length to the dict it is given.
-    headers = dict(headers if headers is not None else KEY)
-    return client.infer(name, [inp], outputs=[out], headers=headers).as_numpy("y")
-
-
-def grpc_infer(client: grpcclient.InferenceServerClient, name: str, x: np.ndarray,
-               headers: dict[str, str] | None = None) -> np.ndarray:  # fmt: skip
-    inp = grpcclient.InferInput("x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
-    return client.infer(name, [inp], headers=headers if headers is not None else GRPC_KEY).as_numpy("y")
-
-
 def _stream_error(g: grpcclient.InferenceServerClient, model: str) -> str:
     """The error a stream's first request for ``model`` gets, through the stream's callback."""
     errors: list[Any] = []
@@ -196,11 +178,14 @@ def _generate(stack: Stack, name: str, op: str, body: Any) -> httpx.Response:
 
 def _successes(stack: Stack, name: str, at_least: int = 0) -> int:
     """Triton's count of successful requests for the model, once it reached ``at_least`` (5 s at most)."""
-    deadline = time.monotonic() + 5
-    while (count := stack.loop.run(stack.admin.model_stats(name)).success_count) < at_least:
-        assert time.monotonic() < deadline, f"Triton counts {count} requests for {name}, expected {at_least}"
-        time.sleep(0.05)
-    return count
+    counts: list[int] = []
+
+    def reached() -> bool:
+        counts.append(stack.loop.run(stack.admin.model_stats(name)).success_count)
+        return counts[-1] >= at_least
+
+    until(reached, lambda: f"{at_least} requests counted for {name} (Triton counts {counts[-1]})", 5, interval=0.05)
+    return counts[-1]
 
 
 REPEATER_PY = """

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 # The Kubernetes release whose schemas the manifests must satisfy (kubernetes-validate ships 1.25 to 1.37).
 KUBERNETES_VERSION = "1.37.0"

@@ -50,7 +50,7 @@ def _write(pkg: Path, code: str | None, manifest: dict[str, Any] | None) -> Path
 
 
 def torch_example(name: str) -> dict[str, np.ndarray]:
-    import corpus_arch
+    from harness import corpus_arch
 
     out = {}
     for input_name, shape, dtype in corpus_arch.EXAMPLES[name]:
@@ -64,8 +64,9 @@ def torch_example(name: str) -> dict[str, np.ndarray]:
 
 def torch_reference(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The module's answer with one thread (what the served custom model runs with): bit-for-bit comparable."""
-    import corpus_arch
     import torch
+
+    from harness import corpus_arch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -78,9 +79,8 @@ def torch_reference(name: str, inputs: dict[str, np.ndarray]) -> dict[str, np.nd
 
 
 def onnx_torch_case(root: Path, name: str) -> Case:
-    import corpus_arch
-
     from converters.torch_export import Exporter, export_module_to_onnx
+    from harness import corpus_arch
 
     pkg = root / f"onnx-{name}"
     inputs = torch_example(name)
@@ -122,7 +122,7 @@ _WIRE = {"float32": "FP32", "int64": "INT64", "float64": "FP64"}
 
 
 def torch_custom_case(root: Path, name: str, worker: str) -> Case:
-    import corpus_arch
+    from harness import corpus_arch
 
     pkg = root / f"torch-{name}-{worker}"
     [(input_name, shape, dtype)] = corpus_arch.EXAMPLES[name]
@@ -310,8 +310,9 @@ def _export(
 
 def stateful_case(root: Path) -> Case:
     """x [1, batch, 16] and the GRU state h [2, batch, 128]: the batch axis is not the first."""
-    import corpus_arch
     import torch
+
+    from harness import corpus_arch
 
     module = corpus_arch.build("stateful-gru")
     pkg = root / "onnx-stateful-gru"
@@ -340,8 +341,9 @@ def stateful_case(root: Path) -> Case:
 
 def detector_case(root: Path) -> Case:
     """Images of any size that is a multiple of 16; the generated warm-up's [1,3,1,1] fails (the head's concat)."""
-    import corpus_arch
     import torch
+
+    from harness import corpus_arch
 
     module = corpus_arch.build("detector")
     pkg = root / "onnx-detector"

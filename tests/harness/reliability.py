@@ -1,5 +1,5 @@
 """Fault-injection helpers: continuous traffic and its accounting (the `snoozectl serve` subprocess and
-the test model package are serve_harness's).
+the test model package are ``harness.serve``'s).
 
 Everything is black-box: the stack runs as users run it (`snoozectl serve` on free ports over a tmp
 work dir), traffic goes through the Envoy gateway with the standard tritonclient clients, and the
@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http.aio as httpaio
-from serve_harness import Serve
 from tritonclient.utils import InferenceServerException
+
+from harness.probes import grpc_infer_async, http_infer_async
+from harness.serve import Serve
 
 ERROR_PAUSE = 0.05  # a client that got an error waits this long before its next request (no busy loop)
 
@@ -93,12 +95,9 @@ class Traffic:
         try:
             while not self._stop.is_set():
                 x = self._next_x()
-                inp = grpcaio.InferInput("x", list(x.shape), "FP32")
-                inp.set_data_from_numpy(x)
                 started = time.monotonic()
                 try:
-                    r = await client.infer(model, [inp], client_timeout=self.timeout)
-                    error = self._check(model, x, r.as_numpy("y"))
+                    error = self._check(model, x, await grpc_infer_async(client, model, x, timeout=self.timeout))
                 except InferenceServerException as e:
                     error = f"{e.status()}: {e.message()}"
                 self.results.append(Result(model, "grpc", started, time.monotonic(), not error, error, n))
@@ -111,12 +110,9 @@ class Traffic:
         try:
             while not self._stop.is_set():
                 x = self._next_x()
-                inp = httpaio.InferInput("x", list(x.shape), "FP32")
-                inp.set_data_from_numpy(x)
                 started = time.monotonic()
                 try:
-                    r = await asyncio.wait_for(client.infer(model, [inp]), self.timeout)
-                    error = self._check(model, x, r.as_numpy("y"))
+                    error = self._check(model, x, await http_infer_async(client, model, x, timeout=self.timeout))
                 except InferenceServerException as e:
                     error = f"{e.status()}: {e.message()}"
                 except (TimeoutError, OSError) as e:  # aiohttp's connection errors are OSErrors
@@ -160,23 +156,12 @@ def report(name: str, **numbers: Any) -> None:
 
 async def infer_once(serve: Serve, model: str, protocol: str, x: np.ndarray, timeout: float = 60) -> np.ndarray | str:
     """One request through the gateway: the output ``y``, or the error as '<status>: <message>'."""
-    if protocol == "grpc":
-        client: Any = grpcaio.InferenceServerClient(serve.grpc_url)
-        inp: Any = grpcaio.InferInput("x", list(x.shape), "FP32")
-    else:
-        client = httpaio.InferenceServerClient(serve.http_url)
-        inp = httpaio.InferInput("x", list(x.shape), "FP32")
-    inp.set_data_from_numpy(x)
     try:
         if protocol == "grpc":
-            result = await client.infer(model, [inp], client_timeout=timeout)
-        else:
-            result = await asyncio.wait_for(client.infer(model, [inp]), timeout)
-        return result.as_numpy("y")
+            return await grpc_infer_async(serve.grpc_url, model, x, timeout=timeout)
+        return await http_infer_async(serve.http_url, model, x, timeout=timeout)
     except InferenceServerException as e:
         return f"{e.status()}: {e.message()}"
-    finally:
-        await client.close()
 
 
 async def infer_error(serve: Serve, model: str, protocol: str, timeout: float = 60) -> tuple[str, float]:

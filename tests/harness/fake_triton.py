@@ -55,8 +55,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from virtual_time import EPOCH, Hang, VirtualTime, VirtualTimeLoop  # noqa: F401 (the fakes' clock, imported from here too)
-
 from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError
 from controlplane.lifecycle.configs import rendered_config
 from controlplane.render import DEPLOYMENT_FILE
@@ -64,6 +62,7 @@ from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry
 from controlplane.triton.journal import PHASE_SUFFIX, journal_path
 from controlplane.triton.journal import SIZE as JOURNAL_SIZE
 from controlplane.triton.processes import StubDeath, StubProcess
+from harness.virtual_time import EPOCH
 
 MIB = 1024 * 1024
 DEAD_STUB_WAIT = 1.0  # Triton's wait before failing a request sent to a dead stub (about a second, measured)

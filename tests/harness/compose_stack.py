@@ -1,8 +1,7 @@
 """The shipped docker-compose.yml, run for real: a Docker engine, the offline images, a compose runner.
 
 Used by tests/compose (``make compose-test``) and by the structural compose tests (which compose binary
-can read the shipped file). Importable as ``compose_stack`` from any test module (``tests/`` is on
-sys.path, as for ``serve_harness``).
+can read the shipped file).
 
 Compose runner: compose v2 (``docker compose`` or a v2 ``docker-compose``) where the machine has it;
 otherwise the Python ``docker-compose`` 1.29 (Debian's package, PyPI), which reads the same file except
@@ -21,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 TEST_OVERRIDE = ROOT / "tests" / "compose" / "docker-compose.test.yml"
 ENGINE_SCRIPT = ROOT / "deploy" / "docker" / "engine.sh"

@@ -1,14 +1,12 @@
 """Shared test harness: `snoozectl serve` as a subprocess on free ports, the scale test model package,
-polling helpers, process-tree and repository inspection.
+process-tree and repository inspection.
 
 Used by the integration stack tests (auth on, ``models.toml``) and the reliability suite (``--no-auth``,
-models published through the API). Importable as ``serve_harness`` from any test module: ``tests/``
-is on sys.path (the rootdir conftest.py, pytest's default prepend import mode).
+models published through the API).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -20,9 +18,9 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import psutil
@@ -30,9 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.api.client import ControlPlaneClient
 from controlplane.triton.launcher import STUB_NAME, free_port
+from harness.probes import until
 
 SNOOZECTL = str(Path(sys.executable).parent / "snoozectl")
-T = TypeVar("T")
 
 # ------------------------------------------------------------------------------------------------
 # The test model package: y = x * scale, x and y FP32 [dims]
@@ -150,27 +148,6 @@ def write_package(
 
 # ------------------------------------------------------------------------------------------------
 # Polling, processes, trees
-
-
-def until(condition: Callable[[], T], what: str, timeout: float = 90.0, interval: float = 0.1) -> T:
-    """Poll ``condition`` until it returns something truthy; that value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
-
-
-async def until_async(predicate: Callable[[], bool], what: str, timeout: float = 60.0, interval: float = 0.1) -> float:
-    """Poll ``predicate`` (blocking calls run in a thread) from async code; seconds it took."""
-    started = time.monotonic()
-    while not await asyncio.to_thread(predicate):
-        assert time.monotonic() - started < timeout, f"timed out after {timeout:g}s waiting for {what}"
-        await asyncio.sleep(interval)
-    return time.monotonic() - started
 
 
 def tree_digest(root: Path) -> str:
@@ -343,19 +320,20 @@ class Serve:
             )  # fmt: skip
         self.starts += 1
         health = f"{self.api_url}/health/{'ready' if ready else 'live'}"
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"snoozectl serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(health, timeout=2).status_code == 200 and all(
-                    _accepts(p) for p in (self.http_port, self.grpc_port)
-                ):
-                    break
-            if time.monotonic() - started > timeout:
-                raise AssertionError(f"snoozectl serve not up within {timeout:g}s:\n{self.log_tail()}")
-            time.sleep(0.1)
+        until(lambda: self._up(health), lambda: f"snoozectl serve to answer {health}:\n{self.log_tail()}", timeout)
         self.descendants()
         return time.monotonic() - started
+
+    def _up(self, health: str) -> bool:
+        """``health`` answers 200 and both gateway ports accept; fails at once if serve exited."""
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(f"snoozectl serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(health, timeout=2).status_code == 200 and all(
+                _accepts(p) for p in (self.http_port, self.grpc_port)
+            )
+        return False
 
     def log_tail(self, lines: int = 60) -> str:
         with contextlib.suppress(OSError):

@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fake_triton import MIB, Answer, FakeProcesses, FakeTriton, Hang, NoGpu, VirtualTime, VirtualTimeLoop
-
 from controlplane.errors import SnoozeError
 from controlplane.gateway.activator import HoldRegistry, ModelAnswers
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
@@ -30,6 +28,8 @@ from controlplane.render import embedded_target
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
+from harness.fake_triton import MIB, Answer, FakeProcesses, FakeTriton, NoGpu
+from harness.virtual_time import Hang, VirtualTime, VirtualTimeLoop
 
 MODEL_PY = """
 class Model:
