@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from lifecycle_world import CANCEL_BOUND
 
 from controlplane.errors import NotFoundError
 from controlplane.lifecycle.state import ModelState
 from controlplane.store import PublishedModel
+from harness.lifecycle_world import CANCEL_BOUND
 
 
 def test_a_delete_during_a_wake_leaves_nothing_loaded(world):
