@@ -148,9 +148,17 @@ class LifecycleManager:
             triton_process=triton_process,
         )
         cancels = LoadCancels(states, processes, triton, transitions, loader.admission, journal_dir=journal_dir)
-        self.run_once = RunOnce(states, processes, transitions, residency, journal_dir=journal_dir, clock=clock)
         self.requests = RequestPath(
             settings, states, warmth, up, loader.admission, transitions, metrics, self.groups, clock=clock
+        )
+        self.run_once = RunOnce(
+            states,
+            processes,
+            transitions,
+            residency,
+            wake=self.requests.ensure_ready,
+            journal_dir=journal_dir,
+            clock=clock,
         )
         self.admin = AdminOperations(
             store,
