@@ -208,6 +208,7 @@ class ModelOperations:
             "device": model.deployment.device.value,
             "max_batch_size": model.deployment.max_batch_size,
             "status": self.services.lifecycle.status(model.id).to_dict(),
+            "notes": list(model.notes),
         }
 
     async def list(self) -> list[dict[str, Any]]:
@@ -231,9 +232,9 @@ class ModelOperations:
             "outputs": [t.model_dump() for t in model.outputs],
             "params": model.params,
             "metadata": model.metadata,
+            "versions": list(model.versions),
             "config": config,
             "stats": stats,
-            "notes": list(model.notes),
         }
 
     # --- change
