@@ -239,8 +239,14 @@ def standin_module(model_dir: str) -> types.ModuleType:
         "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE": 2,
     }
     vars(module).update(names)
-    # Tensor, InferenceResponse, MetricFamily, ...: defined in the stub; usable once the model runs there.
-    vars(module)["__getattr__"] = lambda name: _Unavailable(name)
+
+    def missing(name: str) -> Any:
+        # Tensor, InferenceResponse, MetricFamily, ...: defined in the stub; usable once the model runs there.
+        if name.startswith("__"):  # what importers look up on any module (__file__, __path__)
+            raise AttributeError(name)
+        return _Unavailable(name)
+
+    vars(module)["__getattr__"] = missing
     return module
 
 

@@ -238,7 +238,7 @@ def _check_versions(path: Path, folder_versions: list[int], served: list[int], b
     for v in served:
         if not (path / str(v) / model_file).exists():
             raise InvalidPackageError(
-                f"{path / str(v)}: version {v} is served (version_policy) but holds no {model_file}",
+                f"{path / str(v) / model_file}: missing (version {v} is served, by the config's version_policy)",
                 hint=f"put the {backend} model there as {model_file}, or change version_policy",
             )
 

@@ -19,7 +19,7 @@ from controlplane.dtypes import from_triton
 from controlplane.errors import SnoozeError
 from controlplane.render import DEPLOYMENT_FILE, TritonTarget
 from controlplane.validation.report import REPOSITORY, SKIP, CheckResult, Recorder
-from controlplane.validation.static import PLATFORM_BACKENDS
+from controlplane.validation.static import CORE_BACKENDS, PLATFORM_BACKENDS
 from controlplane.validation.static_onnx import config_tensors
 
 DEFAULT_LOAD_TIMEOUT_SECS = 300.0
@@ -323,7 +323,7 @@ def dynamic_checks(
         runnable = []
         for folder, config in candidates:
             backend = config.backend or PLATFORM_BACKENDS.get(config.platform, "")
-            if backend in backends:
+            if backend in backends or backend in CORE_BACKENDS:
                 runnable.append((folder, config))
             else:
                 results.append(
