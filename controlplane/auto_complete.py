@@ -21,10 +21,12 @@ ERROR_LINES = 25
 
 
 def run_auto_complete(
-    entry: Path, model_dir: Path, config: dict[str, Any], *, model_id: str, timeout: float = AUTO_COMPLETE_TIMEOUT_SECS
+    entry: Path, model_dir: Path, config: dict[str, Any], *, model_id: str, timeout: float | None = None
 ) -> dict[str, Any]:
     """The config ``entry``'s ``TritonPythonModel.auto_complete_config`` returns for ``config`` (Triton's JSON);
-    InvalidPackageError naming the model and file when it fails, returns no config or runs past ``timeout``."""
+    InvalidPackageError naming the model and file when it fails, returns no config or runs past ``timeout``
+    (default ``AUTO_COMPLETE_TIMEOUT_SECS``)."""
+    timeout = AUTO_COMPLETE_TIMEOUT_SECS if timeout is None else timeout
     root = str(Path(__file__).resolve().parents[1])  # where python_backend is, installed or not
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # no __pycache__ left in the user's folder
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)

@@ -56,7 +56,7 @@ def _stream(url: str, model_id: str, inputs: list[Any], timeout: float) -> list[
     try:
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
         client.async_stream_infer(model_id, inputs, enable_empty_final_response=True)
-        results = []
+        results: list[Any] = []
         while len(results) < MAX_STREAM_RESPONSES:
             try:
                 result, error = answers.get(timeout=timeout)

@@ -275,8 +275,17 @@ def main(argv: list[str]) -> int:
         job = json.load(f)
     try:
         completed = complete(job)
-    except BaseException:  # the user's code: any failure is reported, with its traceback
-        traceback.print_exc()
+    except BaseException as exc:  # the user's code: any failure is reported, with its traceback
+        # The model's frames only: this module's and importlib's say nothing to its author.
+        here = os.path.abspath(__file__)
+        frames = [
+            f
+            for f in traceback.extract_tb(exc.__traceback__)
+            if os.path.abspath(f.filename) != here and "importlib" not in f.filename
+        ]
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print("".join(traceback.format_list(frames)), end="", file=sys.stderr)
+        print("".join(traceback.format_exception_only(type(exc), exc)), end="", file=sys.stderr)
         return 1
     with open(job["result"], "w", encoding="utf-8") as f:
         json.dump(completed, f)
