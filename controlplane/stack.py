@@ -193,7 +193,7 @@ class ServingStack:
                 published = self.store.publish(resolve(deployment))
             except SnoozeError as exc:
                 # One broken package must not keep the others from being served: say why it is refused and go on.
-                hint = f" ({exc.hint})" if exc.hint else ""
+                hint = f" (fix: {exc.hint})" if exc.hint else ""
                 self.console.print(
                     f"[red]refused {deployment.id}:[/] {escape(exc.message)}{escape(hint)}", highlight=False
                 )
