@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 from rich.console import Console
+from rich.markup import escape
 
 from controlplane.child_processes import kill_group
 from controlplane.errors import SnoozeError
@@ -191,10 +192,15 @@ class ServingStack:
             try:
                 published = self.store.publish(resolve(deployment))
             except SnoozeError as exc:
-                # One broken package must not keep the others from being served: say so and go on.
-                self.console.print(f"[red]skipped {deployment.id}:[/] {exc}", highlight=False)
+                # One broken package must not keep the others from being served: say why it is refused and go on.
+                hint = f" (fix: {exc.hint})" if exc.hint else ""
+                self.console.print(
+                    f"[red]refused {deployment.id}:[/] {escape(exc.message)}{escape(hint)}", highlight=False
+                )
                 continue
             self.console.print(f"published [bold]{published.id}[/] ({published.kind} -> {published.backend})")
+            for note in published.notes:
+                self.console.print(f"  note: {note}", highlight=False, markup=False, soft_wrap=True)
 
     async def _start_gateway(self, http_url: str, grpc_url: str) -> None:
         from controlplane.gateway.envoy import EnvoyGateway

@@ -33,6 +33,7 @@ RUNTIME_MODULES = (
     "spec.py",
     "strings.py",
     "triton_model.py",
+    "triton_wrapper.py",
     "warmup.py",
 )
 

@@ -166,6 +166,17 @@ def _failure_lines(models: list[dict[str, Any]]) -> list[str]:
     return failed + skipped
 
 
+def _note_lines(models: list[dict[str, Any]]) -> list[str]:
+    """Below the table, what publishing decided for each model: a Triton folder's owned fields, limits of its kind."""
+    lines = []
+    for model in models:
+        notes = model.get("notes") or []
+        if notes:
+            lines.append(f"{model['id']} ({model.get('kind', '?')}):")
+            lines += [f"  - {note}" for note in notes]
+    return lines
+
+
 def _runtime(client: Any) -> dict[str, Any]:
     """The processes models share (preloaded parents); empty where the server has no such route (a fleet API)."""
     from controlplane.api.client import ControlPlaneError
@@ -230,6 +241,8 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
     else:
         out_console.print(status_table(models))
         for line in _failure_lines(models):
+            out_console.print(line, highlight=False, markup=False, soft_wrap=True)
+        for line in _note_lines(models):
             out_console.print(line, highlight=False, markup=False, soft_wrap=True)
         for parent in runtime.get("preloaded_parents", []):
             out_console.print(_parent_line(parent), highlight=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.errors import NotFoundError
-from controlplane.render import DEPLOYMENT_FILE, TritonTarget, render_model
+from controlplane.render import DEPLOYMENT_FILE, VERSION, TritonTarget, render_model
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, TensorSpec
 from controlplane.store.transactions import recover_staging, remove_model, repository_lock, write_model
 
@@ -36,8 +36,11 @@ class PublishedModel:
     metadata: dict[str, Any]
     load_timeout_secs: float
     request_timeout_secs: float
-    notes: tuple[str, ...] = ()  # what publishing decided for the user (ModelSpec.notes)
+    notes: tuple[str, ...] = ()  # what publishing decided (ModelSpec.notes; a Triton folder's owned fields)
     publish: str = ""  # this publish's token (render.PUBLISH_PARAMETER), also in its config
+    # An ensemble's steps as (model name, version or "" for the latest), from its config's ensemble_scheduling.
+    ensemble_steps: tuple[tuple[str, str], ...] = ()
+    versions: tuple[str, ...] = (VERSION,)  # the versions Triton serves (a Triton folder's version_policy)
 
     @property
     def config_text(self) -> str:
@@ -66,6 +69,8 @@ class PublishedModel:
             request_timeout_secs=record["request_timeout_secs"],
             notes=tuple(record.get("notes", ())),
             publish=str(record.get("publish", "")),
+            ensemble_steps=tuple((str(name), str(version)) for name, version in record.get("ensemble_steps", ())),
+            versions=tuple(str(v) for v in record.get("versions", (VERSION,))),
         )
 
 

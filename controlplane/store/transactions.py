@@ -48,10 +48,12 @@ def _same_filesystem(a: Path, b: Path) -> bool:
 
 
 def _materialise(rendered: RenderedModel, folder: Path) -> None:
+    for rel in rendered.dirs:
+        (folder / rel).mkdir(parents=True, exist_ok=True)
     for src, rel in rendered.copies:
         dest = folder / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, dest)
+        shutil.copy(src, dest)  # with its mode: a model folder's own stub or scripts stay executable
     token = uuid.uuid4().hex
     for rel, content in rendered.writes.items():
         dest = folder / rel
