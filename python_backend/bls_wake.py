@@ -40,6 +40,8 @@ TIMEOUT_ENV = "SNOOZE_BLS_WAKE_TIMEOUT_SECS"
 DEFAULT_TIMEOUT_SECS = 60.0
 # Of the bound, what the wake itself may use: the rest carries the answer back and the request again.
 _WAKE_SHARE = 0.9
+# Less of the bound than this left after a wake that did not hold: the call ends (another would only time out).
+MIN_WAKE_SECS = 0.05
 # sockaddr_un holds 108 bytes; a longer path is reached through the folder's descriptor.
 _UNIX_PATH_MAX = 100
 
@@ -106,6 +108,7 @@ class _UnixConnection(http.client.HTTPConnection):
 def wake(callee: str, caller: str, bound_secs: float, path: str | None = None) -> None:
     """Ask the control plane to wake ``callee`` and return once it is READY; ``WakeFailed`` says why not."""
     path = path or socket_path()
+    bound_secs = max(bound_secs, MIN_WAKE_SECS)
     if path is None:
         raise WakeFailed(f"this Triton has no {JOURNAL_ENV}, so snoozeml's control plane cannot be asked to wake it")
     body = json.dumps({"caller": caller, "timeout_secs": bound_secs * _WAKE_SHARE}).encode()
@@ -273,14 +276,14 @@ def _patched_exec(installed: _Installed) -> Any:
         deadline = started + installed.bound(self)
         while True:
             try:
-                wake(callee, installed.caller, max(deadline - time.monotonic(), 0.001))
+                wake(callee, installed.caller, deadline - time.monotonic())
             except WakeFailed as e:
                 return installed.failed(head, callee, str(e), decoupled)
             head, answer = _first(original(self, decoupled=decoupled), decoupled)
             if _not_ready(head) != callee:
                 installed.log(f"woke model '{callee}' for a BLS call from '{installed.caller}' in {_since(started)}")
                 return answer
-            if time.monotonic() >= deadline:  # woken, and gone again (evicted) each time it was asked
+            if deadline - time.monotonic() < MIN_WAKE_SECS:  # woken, and gone again (evicted) each time it was asked
                 return installed.failed(head, callee, f"it was not ready within {_since(started)}", decoupled)
 
     return bls_exec
@@ -298,16 +301,15 @@ def _patched_async_exec(installed: _Installed) -> Any:
         started = time.monotonic()
         deadline = started + installed.bound(request)
         while True:
-            left = max(deadline - time.monotonic(), 0.001)
             try:
-                await loop.run_in_executor(None, wake, callee, installed.caller, left)
+                await loop.run_in_executor(None, wake, callee, installed.caller, deadline - time.monotonic())
             except WakeFailed as e:
                 return installed.failed(head, callee, str(e), decoupled)
             head, answer = _first(await original(request, decoupled=decoupled), decoupled)
             if _not_ready(head) != callee:
                 installed.log(f"woke model '{callee}' for a BLS call from '{installed.caller}' in {_since(started)}")
                 return answer
-            if time.monotonic() >= deadline:
+            if deadline - time.monotonic() < MIN_WAKE_SECS:
                 return installed.failed(head, callee, f"it was not ready within {_since(started)}", decoupled)
 
     def bls_async_exec(self: Any, decoupled: bool = False) -> Any:
