@@ -16,6 +16,7 @@ Callers (``mode``):
 
 from __future__ import annotations
 
+import json
 import shutil
 import textwrap
 from pathlib import Path
@@ -29,10 +30,8 @@ import sys
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from python_backend import bls_wake  # noqa: E402
-
 MODE = {mode!r}
+INSTALL = {install!r}
 
 
 def _call(request, rows):
@@ -68,7 +67,11 @@ def _relay(responses, sender):
 
 class TritonPythonModel:
     def initialize(self, args):
-        bls_wake.install(args["model_name"])
+        if INSTALL:  # what the wrapper of a published Triton model folder does for it
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from python_backend import bls_wake
+
+            bls_wake.install(args["model_name"])
 
     if MODE == "sync":
 
@@ -117,17 +120,20 @@ def caller_config(name: str, mode: str) -> str:
     )
 
 
-def write_caller(repo: Path, name: str, mode: str) -> Path:
-    """A BLS caller folder ``repo/name`` (replacing one left by an earlier run of the module)."""
+def write_caller(repo: Path, name: str, mode: str, *, install: bool = True) -> Path:
+    """A BLS caller folder ``repo/name`` (replacing one left by an earlier run of the module). ``install``: it
+    carries the runtime and installs the wake itself; without, it is the folder as a Triton user has it."""
     assert mode in MODES, mode
     folder = repo / name
     shutil.rmtree(folder, ignore_errors=True)
     version = folder / "1"
-    (version / "python_backend").mkdir(parents=True)
-    for src in python_backend.runtime_files():
-        shutil.copy(src, version / "python_backend")
+    version.mkdir(parents=True)
+    if install:
+        (version / "python_backend").mkdir()
+        for src in python_backend.runtime_files():
+            shutil.copy(src, version / "python_backend")
     (folder / "config.pbtxt").write_text(caller_config(name, mode))
-    (version / "model.py").write_text(CALLER_PY.format(mode=mode))
+    (version / "model.py").write_text(CALLER_PY.format(mode=mode, install=install))
     return folder
 
 
@@ -147,3 +153,71 @@ class Model:
     def predict(self, inputs):
         return {"y": (inputs["x"] + 1).astype(np.float32)}
 """
+
+
+# A stand-in for the triton-folders wrapper, until that lands: a snoozeml package whose code runs in its
+# python-backend stub (worker "in-stub") calls ``bls_wake.install`` from its load (inside the stub's initialize, as
+# the wrapper will) and makes its BLS call from predict (inside execute). serve publishes it, so the serve-level
+# tests run every topology with a published caller today; Triton folders then replace it.
+STANDIN_CALLER_PY = """
+import sys
+
+import numpy as np
+
+
+class Model:
+    def __init__(self, caller_id="", stream=False):
+        self.caller_id, self.stream = caller_id, stream
+
+    def load(self, model_dir, device):
+        from python_backend import bls_wake  # the runtime every rendered python model carries
+
+        bls_wake.install(self.caller_id)
+
+    def _call(self, inputs):
+        pb_utils = sys.modules["triton_python_backend_utils"]  # the stub this runs in imported it before the model
+
+        target = inputs["target"].reshape(-1)[0]
+        target = target.decode() if isinstance(target, bytes) else str(target)
+        x = np.asarray(inputs["x"], dtype=np.float32)
+        return pb_utils, pb_utils.InferenceRequest(
+            model_name=target,
+            inputs=[pb_utils.Tensor("x", x if self.stream else x.reshape(1, -1))],
+            requested_output_names=["y"],
+        )
+
+    def predict(self, inputs):
+        pb_utils, request = self._call(inputs)
+        if not self.stream:
+            response = request.exec()
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+            return {"y": pb_utils.get_output_tensor_by_name(response, "y").as_numpy().reshape(-1)}
+        return self._relay(pb_utils, request)
+
+    def _relay(self, pb_utils, request):
+        for response in request.exec(decoupled=True):
+            if response.has_error():
+                raise RuntimeError(response.error().message())
+            y = pb_utils.get_output_tensor_by_name(response, "y")
+            if y is not None:
+                yield {"y": y.as_numpy()}
+"""
+
+
+def write_standin_caller(folder: Path, *, stream: bool) -> Path:
+    """The stand-in caller package (x FP32 [2], target BYTES [1] -> y FP32 [2]; decoupled with ``stream``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "snooze_model.py").write_text(STANDIN_CALLER_PY)
+    manifest = {
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "dims": [2]},
+            {"name": "target", "datatype": "BYTES", "dims": [1]},
+        ],
+        "outputs": [{"name": "y", "datatype": "FP32", "dims": [2]}],
+        "params_schema": {"caller_id": {"type": "str", "default": ""}, "stream": {"type": "bool", "default": False}},
+        "decoupled": stream,
+        "warmup": False,  # its predict calls another model
+    }
+    (folder / "snooze_model.json").write_text(json.dumps(manifest))
+    return folder
