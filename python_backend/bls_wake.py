@@ -2,7 +2,7 @@
 
 Inside Triton's python backend a model calls another with ``pb_utils.InferenceRequest(model_name=...).exec()``
 (or ``async_exec``, or either with ``decoupled=True``). Triton 2.51 answers a call into a model it has not
-loaded with an error response (measured on the embedded tritonserver, docs/packages.md "BLS"), and the model
+loaded with an error response (measured on the embedded tritonserver; docs/packages.md, "BLS"), and the model
 never ran. ``install(model_id)`` patches ``InferenceRequest`` in this stub so that such an answer is not the
 caller's: the callee is woken through the control plane (``wake``) and the same request is sent again, within
 the call's bound (``InferenceRequest(timeout=...)`` in microseconds when set, else ``$SNOOZE_BLS_WAKE_TIMEOUT_SECS``).
@@ -42,6 +42,9 @@ DEFAULT_TIMEOUT_SECS = 60.0
 _WAKE_SHARE = 0.9
 # Less of the bound than this left after a wake that did not hold: the call ends (another would only time out).
 MIN_WAKE_SECS = 0.05
+# Wakes per call: a callee evicted between its wake and the call is woken again, not without end (a call naming a
+# version the model lacks gets Triton's "not ready" however often the model is woken).
+WAKE_ROUNDS = 3
 # sockaddr_un holds 108 bytes; a longer path is reached through the folder's descriptor.
 _UNIX_PATH_MAX = 100
 
@@ -274,7 +277,7 @@ def _patched_exec(installed: _Installed) -> Any:
             return answer
         started = time.monotonic()
         deadline = started + installed.bound(self)
-        while True:
+        for _ in range(WAKE_ROUNDS):
             try:
                 wake(callee, installed.caller, deadline - time.monotonic())
             except WakeFailed as e:
@@ -283,8 +286,9 @@ def _patched_exec(installed: _Installed) -> Any:
             if _not_ready(head) != callee:
                 installed.log(f"woke model '{callee}' for a BLS call from '{installed.caller}' in {_since(started)}")
                 return answer
-            if deadline - time.monotonic() < MIN_WAKE_SECS:  # woken, and gone again (evicted) each time it was asked
-                return installed.failed(head, callee, f"it was not ready within {_since(started)}", decoupled)
+            if deadline - time.monotonic() < MIN_WAKE_SECS:
+                break
+        return installed.failed(head, callee, _still_not_ready(started), decoupled)
 
     return bls_exec
 
@@ -300,7 +304,7 @@ def _patched_async_exec(installed: _Installed) -> Any:
         loop = asyncio.get_running_loop()
         started = time.monotonic()
         deadline = started + installed.bound(request)
-        while True:
+        for _ in range(WAKE_ROUNDS):
             try:
                 await loop.run_in_executor(None, wake, callee, installed.caller, deadline - time.monotonic())
             except WakeFailed as e:
@@ -310,7 +314,8 @@ def _patched_async_exec(installed: _Installed) -> Any:
                 installed.log(f"woke model '{callee}' for a BLS call from '{installed.caller}' in {_since(started)}")
                 return answer
             if deadline - time.monotonic() < MIN_WAKE_SECS:
-                return installed.failed(head, callee, f"it was not ready within {_since(started)}", decoupled)
+                break
+        return installed.failed(head, callee, _still_not_ready(started), decoupled)
 
     def bls_async_exec(self: Any, decoupled: bool = False) -> Any:
         # A future, as the stub's own: the call is under way before it is awaited.
@@ -321,3 +326,11 @@ def _patched_async_exec(installed: _Installed) -> Any:
 
 def _since(started: float) -> str:
     return f"{time.monotonic() - started:.2f} s"
+
+
+def _still_not_ready(started: float) -> str:
+    """Woken each time, and Triton still would not run the call: evicted again each time, or it lacks the version."""
+    return (
+        f"the control plane had it loaded, yet Triton still answered that it is not ready ({_since(started)}); "
+        "if the call names a model_version, check that the published model has that version"
+    )

@@ -16,6 +16,7 @@ import os
 import socketserver
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -280,11 +281,19 @@ def test_a_triton_without_a_journal_folder_is_an_error_that_says_so(
     assert f"this Triton has no {JOURNAL_ENV}" in message
 
 
-def test_a_callee_gone_again_after_each_wake_ends_at_the_bound(pb: types.ModuleType, route: WakeRoute) -> None:
-    CALLEES.answers["back"] = lambda: Response(error=Error(not_ready_words("back")))  # evicted before each retry
-    message = pb.InferenceRequest(model_name="back", timeout=300_000).exec().error().message()
-    assert "it was not ready within" in message
-    assert len(route.calls) >= 1 and len(CALLEES.sent) == len(route.calls) + 1
+def test_a_callee_triton_will_not_run_once_woken_ends_after_a_few_wakes(pb: types.ModuleType, route: WakeRoute) -> None:
+    # evicted again before each retry, or a model_version the model lacks: Triton says "not ready" however often
+    CALLEES.answers["back"] = lambda: Response(error=Error(not_ready_words("back")))
+    message = pb.InferenceRequest(model_name="back").exec().error().message()
+    assert "yet Triton still answered that it is not ready" in message and "model_version" in message
+    assert len(route.calls) == bls_wake.WAKE_ROUNDS and len(CALLEES.sent) == bls_wake.WAKE_ROUNDS + 1
+
+
+def test_a_wake_that_uses_up_the_bound_ends_the_call(pb: types.ModuleType, route: WakeRoute) -> None:
+    CALLEES.answers["back"] = lambda: Response(error=Error(not_ready_words("back")))
+    route.before_answer = lambda: time.sleep(1.0)  # the wake would take more than the call's 0.2 s
+    message = pb.InferenceRequest(model_name="back", timeout=200_000).exec().error().message()
+    assert "could not wake model 'back'" in message and len(route.calls) == 1
 
 
 # ------------------------------------------------------------------ the bound
