@@ -159,7 +159,7 @@ class _Installed:
         self.timeout_secs = timeout_secs
         cls = pb.InferenceRequest
         self.exec = cls.exec
-        self.async_exec = cls.async_exec
+        self.async_exec = getattr(cls, "async_exec", None)  # absent from stubs older than Triton 23.04
 
     def bound(self, request: Any) -> float:
         """The request's own timeout (microseconds) when it sets one, else the caller's, else the environment's."""
@@ -238,33 +238,42 @@ class _Replayable:
         return next(self._rest)
 
 
-_INSTALLED: _Installed | None = None
+# On the patched class: what install put there (so a second copy of this module, loaded from another model
+# folder into the same stub, finds it and does not wrap the methods twice).
+_MARK = "_snoozeml_bls_wake"
+
+
+def _request_class() -> tuple[Any, Any]:
+    pb = sys.modules.get("triton_python_backend_utils") or importlib.import_module("triton_python_backend_utils")
+    return pb, pb.InferenceRequest
 
 
 def install(model_id: str, *, timeout_secs: float | None = None) -> None:
     """Make this stub's BLS calls wake a sleeping callee (call once, from ``initialize``; again replaces the
     caller's name and bound). ``timeout_secs``: the caller's bound where a request sets no timeout of its own
     (default ``$SNOOZE_BLS_WAKE_TIMEOUT_SECS``, else 60 s)."""
-    global _INSTALLED
-    pb: Any = sys.modules.get("triton_python_backend_utils") or importlib.import_module("triton_python_backend_utils")
-    if _INSTALLED is not None:
-        _INSTALLED.caller, _INSTALLED.timeout_secs = model_id, timeout_secs
+    pb, cls = _request_class()
+    installed = getattr(cls, _MARK, None)
+    if installed is not None:
+        installed.caller, installed.timeout_secs = model_id, timeout_secs
         return
     installed = _Installed(pb, model_id, timeout_secs)
-    cls = pb.InferenceRequest
     cls.exec = _patched_exec(installed)
-    cls.async_exec = _patched_async_exec(installed)
-    _INSTALLED = installed
+    if installed.async_exec is not None:
+        cls.async_exec = _patched_async_exec(installed)
+    setattr(cls, _MARK, installed)
 
 
 def uninstall() -> None:
     """Put the stub's own ``exec`` and ``async_exec`` back (tests)."""
-    global _INSTALLED
-    if _INSTALLED is None:
+    _, cls = _request_class()
+    installed = getattr(cls, _MARK, None)
+    if installed is None:
         return
-    cls = _INSTALLED.pb.InferenceRequest
-    cls.exec, cls.async_exec = _INSTALLED.exec, _INSTALLED.async_exec
-    _INSTALLED = None
+    cls.exec = installed.exec
+    if installed.async_exec is not None:
+        cls.async_exec = installed.async_exec
+    delattr(cls, _MARK)
 
 
 def _patched_exec(installed: _Installed) -> Any:

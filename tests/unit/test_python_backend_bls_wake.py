@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import importlib
 import json
 import os
+import shutil
 import socketserver
 import sys
 import threading
@@ -384,6 +386,26 @@ def test_uninstall_gives_the_stub_its_own_methods_back(pb: types.ModuleType) -> 
     bls_wake.uninstall()
     assert pb.InferenceRequest.exec is not patched and pb.InferenceRequest.exec is Request.exec
     bls_wake.install("front")
+
+
+def test_a_second_copy_of_the_runtime_in_the_same_stub_does_not_wrap_twice(
+    pb: types.ModuleType, route: WakeRoute, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # e.g. a folder wrapper's copy of python_backend and a model's own, both imported into one stub
+    copy = tmp_path / "runtime_copy"
+    shutil.copytree(Path(bls_wake.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        other = importlib.import_module("runtime_copy.bls_wake")
+        patched = pb.InferenceRequest.exec
+        other.install("front-again")
+        assert pb.InferenceRequest.exec is patched
+        CALLEES.answers["back"] = ok("y")
+        pb.InferenceRequest(model_name="back").exec()
+        assert route.calls[0][1]["caller"] == "front-again" and CALLEES.sent == ["back", "back"]
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "runtime_copy"]:
+            del sys.modules[name]
 
 
 def test_a_socket_path_too_long_for_sockaddr_un_is_reached_through_its_folder(tmp_path: Path) -> None:
