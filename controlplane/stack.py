@@ -70,6 +70,7 @@ class ServingStack:
         from controlplane.api.app import create_app
         from controlplane.api.services import ControlPlaneServices
         from controlplane.gateway.activator import Activator
+        from controlplane.gateway.bls_wake import wake_socket_path
         from controlplane.lifecycle.manager import LifecycleManager
 
         s = self.settings
@@ -90,7 +91,14 @@ class ServingStack:
             metrics=self.metrics,
         )
         await self.lifecycle.start()
-        self.activator = Activator(self.lifecycle, self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url)
+        self.activator = Activator(
+            self.lifecycle,
+            self.store,
+            s,
+            triton_http_url=http_url,
+            triton_grpc_url=grpc_url,
+            wake_socket=wake_socket_path(journal_dir) if journal_dir is not None else None,
+        )
         await self.activator.start()
         if s.gateway:
             await self._start_gateway(http_url, grpc_url)
@@ -129,6 +137,7 @@ class ServingStack:
             admin_header=s.triton_admin_header,
             admin_key=admin_key,
             exit_timeout_secs=s.triton_exit_timeout_secs,
+            bls_wake_timeout_secs=s.bls_wake_timeout_secs,
         )
         s.repository.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()

@@ -229,6 +229,25 @@ class DeploymentSpec(BaseModel):
         None, description="python backend EXECUTION_ENV_PATH (conda-pack tarball or folder)"
     )
     sequence: SequenceSpec | None = Field(None, description="A stateful model: Triton's sequence batcher")
+    wakes: list[str] = Field(
+        default_factory=list,
+        description="Models this one calls through BLS, woken with it whenever it wakes (a BLS call into any "
+        "other sleeping model wakes that one on the call: docs/packages.md, BLS)",
+    )
+
+    @field_validator("wakes")
+    @classmethod
+    def _wakes_are_model_ids(cls, wakes: list[str]) -> list[str]:
+        for name in wakes:
+            if not re.match(MODEL_ID_PATTERN, name):
+                raise ValueError(f"'{name}' is not a model id (letters, digits, '_', '.', '-'; up to 128)")
+        return list(dict.fromkeys(wakes))
+
+    @model_validator(mode="after")
+    def _wakes_name_others(self) -> DeploymentSpec:
+        if self.id in self.wakes:
+            raise ValueError(f"wakes lists the model itself ('{self.id}'): list the models it calls")
+        return self
 
     @model_validator(mode="after")
     def _sequence_outlives_no_idle_unload(self) -> DeploymentSpec:
