@@ -20,29 +20,21 @@ import logging
 
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
-from controlplane.render import parse_config
+from controlplane.spec.schema import PackageKind
 from controlplane.store import PublishedModel
 
 log = logging.getLogger("snoozeml.lifecycle")
 
-ENSEMBLE_PLATFORM = "ensemble"
 # The states in which an ensemble holds its steps: from the start of its load until it has left memory.
 _HOLDING = (ModelState.LOADING, ModelState.READY, ModelState.UNLOADING)
 
 
 def ensemble_steps(model: PublishedModel) -> tuple[str, ...]:
-    """The models an ensemble's steps name, in order, each once; () for a model that is no ensemble (or whose
-    config cannot be read now: a republish swapped it, it will be read again)."""
-    try:
-        text = model.config_text
-        if ENSEMBLE_PLATFORM not in text:  # most models: no parse
-            return ()
-        config = parse_config(text, where=str(model.path / "config.pbtxt"))
-    except SnoozeError:
+    """The models an ensemble's steps name, in order, each once (as publishing read them from its config's
+    ``ensemble_scheduling``); () for a model that is no ensemble."""
+    if model.kind != PackageKind.TRITON_ENSEMBLE:
         return ()
-    if config.platform != ENSEMBLE_PLATFORM:
-        return ()
-    return tuple(dict.fromkeys(step.model_name for step in config.ensemble_scheduling.step))
+    return tuple(dict.fromkeys(name for name, _version in model.ensemble_steps))
 
 
 class Groups:

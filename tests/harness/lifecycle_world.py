@@ -389,7 +389,7 @@ class LifecycleWorld:
 
     def publish_ensemble(self, name: str, steps: list[str], *, idle_timeout_secs: float = 5) -> None:
         """An ensemble of published ``steps`` (each runs every request, in order), written into the repository as a
-        Triton ensemble folder (``platform: "ensemble"``) beside a step's deployment record."""
+        Triton ensemble folder (``platform: "ensemble"``) with the record publishing writes for that kind."""
         repo = self.triton.repository
         record = json.loads((repo / steps[0] / DEPLOYMENT_FILE).read_text())
         deployment = {**record["deployment"], "id": name, "memory_mb": None, "idle_timeout_secs": idle_timeout_secs}
@@ -407,7 +407,16 @@ class LifecycleWorld:
             f"ensemble_scheduling {{\n{step_text}}}\n"
         )
         (folder / DEPLOYMENT_FILE).write_text(
-            json.dumps({**record, "deployment": deployment, "backend": "ensemble", "publish": f"ens-{name}"})
+            json.dumps(
+                {
+                    **record,
+                    "deployment": deployment,
+                    "kind": "triton-ensemble",
+                    "backend": "ensemble",
+                    "publish": f"ens-{name}",
+                    "ensemble_steps": [[step, ""] for step in steps],
+                }
+            )
         )
 
     async def delete(self, model: str) -> None:

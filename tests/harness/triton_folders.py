@@ -264,6 +264,33 @@ dynamic_batching { preferred_batch_size: [ 4, 8 ] max_queue_delay_microseconds: 
 MLP_WEIGHTS = np.arange(8, dtype=np.float32).reshape(4, 2)
 
 
+# An ensemble of two models of the repository: a step that names a version ("versioned" 1: x + 1000), then the
+# latest of "counter" (y * 2). Triton runs both inside the ensemble's request.
+PIPE_CONFIG = """
+name: "pipe"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "versioned"
+      model_version: 1
+      input_map { key: "x" value: "x" }
+      output_map { key: "y" value: "plus_1000" }
+    },
+    {
+      model_name: "counter"
+      model_version: -1
+      input_map { key: "x" value: "plus_1000" }
+      output_map { key: "y" value: "y" }
+    }
+  ]
+}
+"""
+
+
 def _write(folder: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         path = folder / rel
@@ -328,6 +355,11 @@ def write_mlp(folder: Path) -> Path:
     return _write(folder, {"config.pbtxt": MLP_CONFIG})
 
 
+def write_pipe(folder: Path) -> Path:
+    (folder / "1").mkdir(parents=True, exist_ok=True)  # an ensemble's version folder is empty
+    return _write(folder, {"config.pbtxt": PIPE_CONFIG})
+
+
 def write_notes(folder: Path) -> Path:
     return _write(folder, {"README.md": "Notes about the models; no model here.\n"})
 
@@ -342,5 +374,6 @@ def write_repository(root: Path, calls: Path) -> Path:
     write_poison(root / "poison", calls)
     write_versioned(root / "versioned")
     write_mlp(root / "mlp")
+    write_pipe(root / "pipe")
     write_notes(root / "notes")
     return root

@@ -4,7 +4,8 @@ through the gateway with tritonclient (HTTP and gRPC where Triton offers both), 
 The repository (tests/harness/triton_folders.py): a hand-written python model with a BYTES input and a sibling
 module, auto-complete models without (or with a partial) config.pbtxt, a decoupled model answering from its own
 thread, a custom-metrics model, an ONNX model with its own config (batch size, instance count, dynamic batching), a
-two-version model (version_policy all), and a folder that is no package, which every command refuses with the reason.
+two-version model (version_policy all), an ensemble of two of them (one step naming a version), and a folder
+that is no package, which every command refuses with the reason.
 A models.toml gives every model a 2 s idle timeout (deployment settings apply to Triton folders as to packages).
 """
 
@@ -14,6 +15,7 @@ import json
 import os
 import queue
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,8 @@ from harness.triton_folders import MLP_CONFIG, MLP_WEIGHTS, write_repository
 pytestmark = pytest.mark.integration
 
 IDLE_SECS = 2
-MODELS = ("calc", "auto_batch", "auto_nobatch", "stream", "counter", "poison", "versioned", "mlp")
+PIPE_IDLE_SECS = 30  # the ensemble's: longer than its steps', so that it is seen holding them
+MODELS = ("calc", "auto_batch", "auto_nobatch", "stream", "counter", "poison", "versioned", "mlp", "pipe")
 NOT_A_PACKAGE = "not a model package: no snooze_model.py, model.onnx or model.plan, and not a Triton model folder"
 
 
@@ -42,7 +45,8 @@ NOT_A_PACKAGE = "not a model package: no snooze_model.py, model.onnx or model.pl
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("triton_repo")
     models = write_repository(root / "models", root / "poison-calls")
-    entries = "".join(f'[[models]]\nid = "{m}"\npath = "{m}"\nidle_timeout_secs = {IDLE_SECS}\n\n' for m in MODELS)
+    idle = {m: PIPE_IDLE_SECS if m == "pipe" else IDLE_SECS for m in MODELS}
+    entries = "".join(f'[[models]]\nid = "{m}"\npath = "{m}"\nidle_timeout_secs = {idle[m]}\n\n' for m in MODELS)
     (models / "models.toml").write_text(entries)
     return models
 
@@ -210,6 +214,29 @@ def test_two_versions_are_served_as_their_version_policy_says(stack: Serve) -> N
         with pytest.raises(InferenceServerException, match="unknown model"):
             client.infer("versioned", [tensor], model_version="3")
     np.testing.assert_allclose(grpc_infer(stack.grpc_url, "versioned", x), x + 2000)
+
+
+def test_an_ensemble_wakes_its_steps_and_holds_them_while_it_is_loaded(stack: Serve) -> None:
+    x = np.array([[1.0, 2.0]], np.float32)
+    assert stack.models()["pipe"]["kind"] == "triton-ensemble"
+    for _ in two_rounds(stack, "pipe"):
+        for step in ("versioned", "counter"):
+            asleep(stack, step)
+        # the step "versioned" runs its version 1 (x + 1000, where the latest adds 2000), then counter doubles
+        np.testing.assert_allclose(http_infer(stack.http_url, "pipe", x), (x + 1000) * 2)
+        np.testing.assert_allclose(grpc_infer(stack.grpc_url, "pipe", x), (x + 1000) * 2)
+        assert stack.status("pipe")["steps"] == ["versioned", "counter"]
+        assert stack.stub_pids("pipe") == []  # an ensemble holds no process of its own
+        # Twice the steps' own idle timeout later, the ensemble (idle timeout PIPE_IDLE_SECS) still holds them.
+        time.sleep(2 * IDLE_SECS + 0.5)
+        for step in ("versioned", "counter"):
+            status = stack.status(step)
+            assert status["state"] == "ready" and status["ensembles"] == ["pipe"], status
+        assert stack.status("pipe")["state"] == "ready"
+        stack.api().unload("pipe")
+        # Let go with it: the steps, idle for long now, leave.
+        for step in ("versioned", "counter"):
+            asleep(stack, step)
 
 
 def test_every_command_refuses_the_folder_that_is_no_package_with_the_reason(stack: Serve, repo: Path) -> None:

@@ -2,12 +2,11 @@
 a callee that BLS keeps calling is in use (never idle-unloaded under that traffic), and after its idle unload the
 next call wakes it again.
 
-Callers must be published models, or serve unloads them (a model Triton holds that is not published leaves). Until
-Triton model folders are a package kind (the triton-folders work), the published callers here are stand-ins: snoozeml
-packages whose code runs in their python-backend stub, call ``bls_wake.install`` from ``load`` (inside the stub's
-``initialize``, where the folder wrapper will call it) and make their BLS call from ``predict`` (tests/harness/bls.py).
+Callers must be published models, or serve unloads them (a model Triton holds that is not published leaves). Most
+callers here are snoozeml packages whose code runs in their python-backend stub, call ``bls_wake.install`` from
+``load`` (inside the stub's ``initialize``) and make their BLS call from ``predict`` (tests/harness/bls.py);
 ``test_a_published_triton_folder_caller_wakes_its_callee`` publishes a hand-written Triton folder instead, with no
-install of its own: it waits for that merge and says so while serve refuses the folder.
+install of its own: the folder's wrapper installs the wake.
 The callees are ordinary snoozeml packages, published through the control API and asleep.
 """
 
@@ -156,8 +155,6 @@ def test_a_published_triton_folder_caller_wakes_its_callee(serve: Serve, package
     r = httpx.post(
         f"{serve.api_url}/v1/models:from-path", json={"id": "bls-folder-caller", "path": str(folder)}, timeout=120
     )
-    if r.status_code == 422 and "not a model package" in r.text:
-        pytest.skip(f"waits for the triton-folders merge (Triton model folders as a package kind): serve says {r.text}")
     assert r.status_code == 201, r.text
     serve.publish("bls-folder-scale", package, idle_timeout_secs=IDLE_SECS)
     for loads in (1, 2):

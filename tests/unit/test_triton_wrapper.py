@@ -85,6 +85,25 @@ class Request:
         return json.dumps({"x-request-id": self.request_id})
 
 
+@pytest.fixture(autouse=True)
+def stub_utils(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
+    """A stand-in for the stub's ``triton_python_backend_utils`` (what the wrapper's BLS wake patches: its
+    ``InferenceRequest``); the stub's own methods are put back after each test."""
+    from python_backend import bls_wake
+
+    pb = types.ModuleType("triton_python_backend_utils")
+
+    class InferenceRequest:
+        def exec(self) -> None: ...
+
+        async def async_exec(self) -> None: ...
+
+    vars(pb)["InferenceRequest"] = InferenceRequest
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
+    yield pb
+    bls_wake.uninstall()
+
+
 @pytest.fixture
 def journal_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     folder = tmp_path / "journal"
@@ -124,11 +143,15 @@ def _trailer(journal_dir: Path) -> tuple[int, int, int]:
     return TRAILER_LAYOUT.unpack(raw[-journal.TRAILER :])
 
 
-def test_the_users_model_runs_as_written_with_the_journal_around_each_batch(journal_dir, model_folder) -> None:
+def test_the_users_model_runs_as_written_with_the_journal_around_each_batch(
+    journal_dir, model_folder, stub_utils
+) -> None:
     folder, version = model_folder
     _write(folder, version, USER_MODEL)
     model = triton_wrapper.wrapped_model(version, "triton_user_model")()
+    stubs_exec = stub_utils.InferenceRequest.exec
     model.initialize(_args(version))
+    assert stub_utils.InferenceRequest.exec is not stubs_exec  # its BLS calls wake a sleeping callee
     user = model._user
     assert user.phase_at_initialize == "initialize"  # noted before the model's own initialize ran
     assert json.loads(Path(os.environ["SNOOZE_TEST_PHASE"]).read_text())["phase"] == "ready"
