@@ -159,7 +159,7 @@ class _Installed:
         self.timeout_secs = timeout_secs
         cls = pb.InferenceRequest
         self.exec = cls.exec
-        self.async_exec = getattr(cls, "async_exec", None)  # absent from stubs older than Triton 23.04
+        self.async_exec: Any = getattr(cls, "async_exec", None)  # absent from stubs older than Triton 23.04
 
     def bound(self, request: Any) -> float:
         """The request's own timeout (microseconds) when it sets one, else the caller's, else the environment's."""

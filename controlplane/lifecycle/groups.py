@@ -16,7 +16,9 @@ An ensemble holds no process of its own: it is charged nothing itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
@@ -80,6 +82,25 @@ class Groups:
             if step_rec is not None and step not in others and step_rec.in_use <= mine.count(step):
                 exclusive.append(step)
         return exclusive
+
+    @contextlib.contextmanager
+    def holding(self, steps: tuple[str, ...]) -> Iterator[None]:
+        """Hold ``steps`` as users while the block runs: an ensemble's wake holds its steps from before it wakes
+        them until its own load pins them (a step woken first would otherwise sit idle, unpinned, while the others
+        load, and be idle-unloaded under the ensemble's load: Triton then loads it itself, behind the lifecycle)."""
+        held = []
+        for step in steps:
+            try:
+                step_rec = self.states.record(step)
+            except SnoozeError:  # a step that is not published fails its own wake, saying so
+                continue
+            step_rec.in_use += 1
+            held.append(step_rec)
+        try:
+            yield
+        finally:
+            for step_rec in held:
+                step_rec.in_use -= 1
 
     def _on_state(self, model_id: str, state: ModelState | None) -> None:
         """Told every state change, synchronously: an ensemble pins its steps while it holds them."""

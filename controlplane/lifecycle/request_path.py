@@ -65,8 +65,17 @@ class RequestPath:
         rec = self.states.record(model_id, refresh=True)
         self.warmth.request(rec)
         self.up.refuse_while_down(rec)
-        if steps := self.groups.steps(rec):  # an ensemble: its steps first, each through its own single flight
-            await asyncio.gather(*(self.ensure_ready(step, timeout=timeout) for step in steps))
+        steps = self.groups.steps(rec)
+        # An ensemble: its steps first, each through its own single flight, held from their wake on (a step woken
+        # first is not idle-unloaded while the others load) until the ensemble's own pin holds them.
+        with self.groups.holding(steps):
+            if steps:
+                await asyncio.gather(*(self.ensure_ready(step, timeout=timeout) for step in steps))
+            await self._wake(rec, timeout)
+
+    async def _wake(self, rec: ModelRecord, timeout: float | None) -> None:
+        """``ensure_ready``'s wait for the model's own load (a wake-up in the wake queue)."""
+        model_id = rec.id
         wait = (
             timeout
             if timeout is not None

@@ -1,9 +1,10 @@
-"""Triton python models run as written keep the lifecycle's promises, with Triton as serve's child and in a process
-of its own (the deployed topology): published through the API asleep, woken by a request (HTTP, gRPC, a gRPC stream),
-unloaded when idle and woken again; a request whose model process dies in the middle of it runs once (the wrapper
-journals each batch before the model's execute runs it) and its client is told, and the model is recovered; a load
-whose initialize hangs is cancelled by an unload within seconds, its process ended (the wrapper notes the phase
-before the model's own initialize runs). The models are Triton folders written here (tests/harness/triton_folders.py).
+"""Triton python models run as written keep the lifecycle's promises, with Triton as serve's child and in a process of
+its own (the deployed topology): published through the API asleep, woken by a request (HTTP, gRPC, a gRPC stream),
+unloaded when idle and woken again (an ensemble with its steps too); a request whose model process dies in the middle
+of it runs once (the wrapper journals each batch before the model's execute runs it) and its client is told, and the
+model is recovered; a load whose initialize hangs is cancelled by an unload within seconds, its process ended (the
+wrapper notes the phase before the model's own initialize runs). The models are Triton folders written here
+(tests/harness/triton_folders.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from harness.probes import until, until_async
+from harness.probes import grpc_infer, until, until_async
 from harness.reliability import infer_once, report
 from harness.serve import alive_pids
-from harness.triton_folders import write_calc, write_poison, write_stream
+from harness.triton_folders import write_calc, write_counter, write_pipe, write_poison, write_stream, write_versioned
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +58,10 @@ def serve(serve_factory, tmp_path_factory, topology):
     for protocol in PROTOCOLS:
         folder = write_poison(root / f"poison-{protocol}", Path(f"{serve.calls}-{protocol}"))
         serve.publish(f"poison-{protocol}", folder)
+    # An ensemble ("pipe": versioned's version 1, then counter) published after its steps, through the API.
+    serve.publish("versioned", write_versioned(root / "versioned"), idle_timeout_secs=IDLE_SECS)
+    serve.publish("counter", write_counter(root / "counter"), idle_timeout_secs=IDLE_SECS)
+    serve.publish("pipe", write_pipe(root / "pipe"), idle_timeout_secs=IDLE_SECS)
     hanging = write_poison(root / "hung", root / "unused")
     (hanging / "1" / "model.py").write_text(HANGING_MODEL)
     serve.publish("hung", hanging)
@@ -118,6 +123,18 @@ def test_asleep_woken_by_http_grpc_and_a_stream_then_again_after_an_idle_unload(
         assert _stream(serve.grpc_url, 3) == [0, 10, 20]
         assert serve.status("calc")["state"] == "ready" and serve.stub_pids("calc")
     assert serve.status("calc")["load_count"] >= 2 and serve.status("stream")["load_count"] >= 2
+
+
+def test_a_sleeping_ensemble_wakes_its_steps_then_again_after_an_idle_unload(serve) -> None:
+    x = np.array([[1.0, 2.0]], np.float32)
+    for round_ in (1, 2):
+        for model in ("pipe", "versioned", "counter"):
+            until(lambda m=model: serve.status(m)["state"] == "unloaded", f"{model} asleep (round {round_})", 60)
+        np.testing.assert_allclose(grpc_infer(serve.grpc_url, "pipe", x), (x + 1000) * 2)
+        for model in ("pipe", "versioned", "counter"):
+            status = serve.status(model)
+            assert status["state"] == "ready" and status["load_count"] == round_, (round_, status)
+        assert serve.status("counter")["ensembles"] == ["pipe"]
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
