@@ -156,6 +156,7 @@ class LifecycleManager:
             processes,
             transitions,
             residency,
+            self.groups,
             wake=self.requests.ensure_ready,
             journal_dir=journal_dir,
             clock=clock,

@@ -46,6 +46,7 @@ class UnloadReason(StrEnum):
     API = "api"  # unloaded through the control API or Triton's repository API
     DELETED = "deleted"  # its package was deleted
     REPUBLISHED = "republished"  # a new version had no room beside it: it leaves, the new one loads on request
+    STEP_LEFT = "step_left"  # an ensemble whose step was unloaded (Triton takes the ensemble down with it)
 
     @property
     def eviction(self) -> bool:

@@ -59,6 +59,7 @@ from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError
 from controlplane.lifecycle.configs import rendered_config
 from controlplane.render import DEPLOYMENT_FILE
 from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry
+from controlplane.triton.dead_stub import is_dead_stub_message
 from controlplane.triton.journal import PHASE_SUFFIX, journal_path
 from controlplane.triton.journal import SIZE as JOURNAL_SIZE
 from controlplane.triton.processes import StubDeath, StubProcess
@@ -126,7 +127,8 @@ class Answer:
 
     @property
     def dead(self) -> bool:
-        return self.status == 500 and "is not healthy" in self.text
+        """Triton's whole dead-stub message, as the gateway reads it (not an ensemble's answer wrapping a step's)."""
+        return self.status == 500 and is_dead_stub_message(self.text)
 
 
 @dataclass
@@ -165,6 +167,10 @@ class FakeTriton:
         # (ensemble, its steps that were not loaded) at each ensemble load that met one: the world judges whether
         # the lifecycle should have loaded them first (a published step: the real Triton would load it behind it)
         self.ensemble_misses: list[tuple[str, list[str]]] = []
+        # Ensembles Triton took down with a step's unload: it brings each back when its steps are loaded again
+        # (measured on 2.51: unloading a step makes its loaded ensemble UNAVAILABLE at once; loading the step again
+        # makes it READY, unless the ensemble was unloaded itself in between).
+        self.down_with_step: set[str] = set()
         self.retired: list[Stub] = []  # the old instances of reloads: alive until their requests are done
         self.kept_old: set[str] = set()  # models whose last reload failed: Triton serves the version it had
         self.reap_delay = 0.0  # seconds a stub Triton ended stays a zombie before Triton reaps it (0: at once)
@@ -292,6 +298,10 @@ class FakeTriton:
         m.stubs, m.config, m.state, m.reason, m.files = keep + new, config, "READY", "", files
         self.kept_old.discard(name)
         self._retire(leaving)
+        for ensemble in sorted(self.down_with_step):
+            if name in self.ensembles[ensemble] and set(self.ensembles[ensemble]) <= self.ready():
+                self.down_with_step.discard(ensemble)
+                self.models[ensemble].state, self.models[ensemble].reason = "READY", ""
 
     def _load_ensemble(self, name: str, config: dict[str, Any], files: tuple[int, int]) -> None:
         """An ensemble: no process of its own; its steps must be loaded (Triton would load them itself: snoozeml loads
@@ -387,8 +397,14 @@ class FakeTriton:
         self.calls["unload"] += 1
         await asyncio.sleep(0)
         m = self.models.get(name)
+        self.down_with_step.discard(name)  # unloaded itself: not brought back with its steps
         if m is not None and m.state in ("READY", "LOADING") and m.unloading is None:
             m.state = "UNLOADING"
+            for ensemble, steps in self.ensembles.items():
+                e = self.models.get(ensemble)
+                if name in steps and e is not None and e.state == "READY":
+                    e.state, e.reason = "UNAVAILABLE", f"its step '{name}' was unloaded"
+                    self.down_with_step.add(ensemble)
             delay = self.unload_hangs.pop(name, self.unload_delay)
             m.unloading = asyncio.ensure_future(self._finish_unload(m, delay))
         if not wait:
