@@ -152,6 +152,7 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
         "env": dict(manifest.env),
         "params": spec.params,
         "request_timeout_secs": manifest.request_timeout_secs,
+        "load_timeout_secs": manifest.load_timeout_secs,  # bounds a wake from doze, which runs inside the stub
         "worker": spec.deployment.worker,
         "preload": list(manifest.preload),
         "decoupled": spec.decoupled,

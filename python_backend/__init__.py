@@ -18,6 +18,7 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 RUNTIME_MODULES = (
     "__init__.py",
     "batching.py",
+    "doze.py",
     "errors.py",
     "exits.py",
     "import_probe.py",
