@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
 from controlplane.errors import ConflictError, SnoozeError
 from controlplane.lifecycle.cancel import REPUBLISHED, LoadCancels, cancelled_error, cancelled_why
 from controlplane.lifecycle.configs import rendered_config
+from controlplane.lifecycle.groups import Groups
 from controlplane.lifecycle.loading import Loader
 from controlplane.lifecycle.overrides import KEEP_OVERRIDE, apply_override
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, ModelStatus, UnloadReason
@@ -34,9 +37,14 @@ class AdminOperations:
         loader: Loader,
         warmth: Warmth,
         processes: TritonProcesses,
+        groups: Groups,
         *,
+        wake: Callable[[str], Awaitable[None]],
         journal_dir: Path | None,
     ) -> None:
+        """``wake``: the request path's wake of a model (an ensemble's steps load through it first)."""
+        self.groups = groups
+        self._wake = wake
         self.store = store
         self.states = states
         self.transitions = transitions
@@ -65,6 +73,8 @@ class AdminOperations:
                 hint="raise the model's max_instances and publish it again",
             )
         await self.states.settle(rec)
+        if steps := self.groups.steps(rec):  # an ensemble: its steps first
+            await asyncio.gather(*(self._wake(step) for step in steps))
         if override is not KEEP_OVERRIDE:
             given = cast("dict[str, Any] | None", override)
             apply_override(rendered_config(rec.model.config_text, where=f"model '{model_id}'"), given, model_id)
@@ -154,7 +164,8 @@ class AdminOperations:
         rec = self.states.get(model_id)
         return rec.load.config_override if rec is not None else None
 
-    def status(self, model_id: str) -> ModelStatus:
+    def status(self, model_id: str, *, users: dict[str, list[str]] | None = None) -> ModelStatus:
+        """``users``: the ensembles using each model (``Groups.users``), when many statuses are read at once."""
         rec = self.states.record(model_id)
         loaded = rec.loaded
         measured = loaded and rec.memory.footprint_source is not None
@@ -176,11 +187,15 @@ class AdminOperations:
             keep_alive=self.warmth.windows(rec),
             worker=rec.model.deployment.worker if rec.is_python and rec.model.kind is PackageKind.CUSTOM else None,
             warmup=status_line(rec),
+            ensembles=(users.get(rec.id) if users is not None else self.groups.users().get(rec.id)) or None,
+            steps=list(self.groups.steps(rec)) or None,
         )
 
     def statuses(self) -> list[ModelStatus]:
         ids = set(self.store.ids()) | set(self.states.records)
-        return [self.status(i) for i in sorted(ids)]
+        statuses = [self.status(i, users={}) for i in sorted(ids)]  # every record now exists: read the groups once
+        users = self.groups.users()
+        return [replace(s, ensembles=users.get(s.id) or None) if s.id in users else s for s in statuses]
 
     def runtime(self) -> dict[str, Any]:
         """What serves models besides their own processes: the preloaded parents of preforked models, each

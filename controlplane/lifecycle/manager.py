@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.lifecycle.admin import AdminOperations
 from controlplane.lifecycle.cancel import LoadCancels
+from controlplane.lifecycle.groups import Groups
 from controlplane.lifecycle.loading import Loader
 from controlplane.lifecycle.memory.cgroup import CgroupMemory, TritonCgroup
 from controlplane.lifecycle.memory.gpu import GpuMemory
@@ -75,6 +76,7 @@ class LifecycleManager:
         self.warmth = Warmth(settings, metrics, clock=clock.time)
         self.sequences = LiveSequences(journal_dir)  # live sequences hold their model as a user
         self.triton_up = TritonUp(settings, restarts=triton_process is not None)
+        self.groups = Groups(self.states)
         readings = TritonReadings(triton)
         self.budget = budget = MemoryBudget(
             settings,
@@ -82,6 +84,7 @@ class LifecycleManager:
             pending=readings.pending_counts,
             server_memory=processes.server_memory,
             cgroup=cgroup if cgroup is not None else TritonCgroup.of(processes).read,
+            groups=self.groups,
         )
         states.on_drop.append(budget.forget)
         gpu = GpuMemory(
@@ -112,7 +115,9 @@ class LifecycleManager:
         self.unloader = Unloader(
             settings, triton, processes, metrics, pending=readings.pending_counts, journal_dir=journal_dir, clock=clock
         )
-        unloads = Unloads(states, self.unloader, budget, residency, processes, metrics, readings=readings, clock=clock)
+        unloads = Unloads(
+            states, self.unloader, budget, residency, processes, metrics, self.groups, readings=readings, clock=clock
+        )
         self.loader = loader = Loader(
             settings,
             states,
@@ -143,10 +148,29 @@ class LifecycleManager:
             triton_process=triton_process,
         )
         cancels = LoadCancels(states, processes, triton, transitions, loader.admission, journal_dir=journal_dir)
-        self.run_once = RunOnce(states, processes, transitions, residency, journal_dir=journal_dir, clock=clock)
-        self.requests = RequestPath(settings, states, warmth, up, loader.admission, transitions, metrics, clock=clock)
+        self.requests = RequestPath(
+            settings, states, warmth, up, loader.admission, transitions, metrics, self.groups, clock=clock
+        )
+        self.run_once = RunOnce(
+            states,
+            processes,
+            transitions,
+            residency,
+            wake=self.requests.ensure_ready,
+            journal_dir=journal_dir,
+            clock=clock,
+        )
         self.admin = AdminOperations(
-            store, states, transitions, cancels, loader, warmth, processes, journal_dir=journal_dir
+            store,
+            states,
+            transitions,
+            cancels,
+            loader,
+            warmth,
+            processes,
+            self.groups,
+            wake=self.requests.ensure_ready,
+            journal_dir=journal_dir,
         )
         self.supervisor = Supervisor(
             settings,

@@ -13,6 +13,7 @@ from controlplane.clock import Clock
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.admission import Admission, WakeQueueTimeout
 from controlplane.lifecycle.cancel import REPUBLISHED, cancelled_error, cancelled_why
+from controlplane.lifecycle.groups import Groups
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.transitions import Transitions
@@ -34,10 +35,12 @@ class RequestPath:
         admission: Admission,
         transitions: Transitions,
         metrics: SnoozeMetrics,
+        groups: Groups,
         *,
         clock: Clock,
     ) -> None:
         self.settings = settings
+        self.groups = groups
         self.states = states
         self.warmth = warmth
         self.up = up
@@ -62,6 +65,8 @@ class RequestPath:
         rec = self.states.record(model_id, refresh=True)
         self.warmth.request(rec)
         self.up.refuse_while_down(rec)
+        if steps := self.groups.steps(rec):  # an ensemble: its steps first, each through its own single flight
+            await asyncio.gather(*(self.ensure_ready(step, timeout=timeout) for step in steps))
         wait = (
             timeout
             if timeout is not None

@@ -9,10 +9,12 @@ python model; a death starts the model's recovery. The activator asks, before it
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from controlplane.clock import Clock
 from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.cancel import REPUBLISHED, cancelled_error, cancelled_why
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.residency import Residency
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
@@ -35,9 +37,13 @@ class RunOnce:
         transitions: Transitions,
         residency: Residency,
         *,
+        wake: Callable[[str], Awaitable[None]],
         journal_dir: Path | None,
         clock: Clock,
     ) -> None:
+        """``wake``: the request path's wake of a model (a request whose recovery a republish cancelled waits for
+        the new version through it)."""
+        self._wake = wake
         self.states = states
         self.processes = processes
         self.transitions = transitions
@@ -119,6 +125,20 @@ class RunOnce:
             return
         try:
             await asyncio.shield(op)
+        except asyncio.CancelledError:
+            why = cancelled_why(rec, op)
+            if not op.cancelled():
+                raise  # this caller itself was cancelled
+            if why == REPUBLISHED:  # still published: the request goes to the new version, once it is loaded
+                await self._wake(model_id)
+                return
+            if why is None:
+                raise UnavailableError(
+                    f"model '{model_id}' could not be recovered ({cause}): its recovery was abandoned",
+                    hint="retry: the next request loads the model again",
+                    retry_after=rec.retry_after,
+                ) from None
+            raise cancelled_error(rec, op) from None
         except SnoozeError as e:
             raise UnavailableError(
                 f"model '{model_id}' could not be recovered ({cause}): {rec.reason}",

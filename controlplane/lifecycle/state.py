@@ -99,6 +99,14 @@ class ModelStatus:
         'inputs failed (the model loaded; ship samples or set "warmup": false); None: no warm-up',
         default=None,
     )
+    ensembles: list[str] | None = _doc(
+        "The ensembles whose steps use this model (it wakes with them and stays loaded while they are); None: none",
+        default=None,
+    )
+    steps: list[str] | None = _doc(
+        "An ensemble's steps, woken before it and held while it is loaded; None: not an ensemble",
+        default=None,
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"state": self.state.value}

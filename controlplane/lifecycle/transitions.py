@@ -19,6 +19,7 @@ from controlplane.clock import Clock
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.admission import NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.autoscale import LoadWindow
+from controlplane.lifecycle.groups import Groups
 from controlplane.lifecycle.loading import Loader
 from controlplane.lifecycle.memory.host import MemoryBudget
 from controlplane.lifecycle.residency import Residency
@@ -47,10 +48,12 @@ class Unloads:
         residency: Residency,
         processes: TritonProcesses,
         metrics: SnoozeMetrics,
+        groups: Groups,
         *,
         readings: TritonReadings,
         clock: Clock,
     ) -> None:
+        self.groups = groups
         self.clock = clock
         self.states = states
         self.unloader = unloader
@@ -73,13 +76,21 @@ class Unloads:
         # A request since the decision keeps the victim. The decision is now: the plan may have read its last
         # access before the sweep saw its latest request, and a request before the decision is history.
         decided = max(victim.idle_since, self.clock.time())
+        group = self.groups.exclusive_steps(victim)  # an ensemble leaves with the steps only it holds
         task = self.states.spawn(
             victim,
             ModelState.UNLOADING,
             f"evicted ({why}) for '{for_model}'",
             self.unload_op(victim, why, seen_access=decided),
         )
-        return bool(await asyncio.shield(task))
+        if not await asyncio.shield(task):
+            return False
+        for step in group:
+            step_rec = self.states.get(step)
+            if step_rec is not None and step_rec.ready and step_rec.op is None and step_rec.in_use == 0:
+                with contextlib.suppress(SnoozeError):
+                    await self.evict(step_rec, reason, for_model)
+        return True
 
     def forget_unpublished(self, rec: ModelRecord) -> asyncio.Task[None]:
         """A model no longer published (deleted by another writer of the store): unloaded, then its record goes."""

@@ -165,6 +165,7 @@ class FakeTriton:
         self.retired: list[Stub] = []  # the old instances of reloads: alive until their requests are done
         self.kept_old: set[str] = set()  # models whose last reload failed: Triton serves the version it had
         self.reap_delay = 0.0  # seconds a stub Triton ended stays a zombie before Triton reaps it (0: at once)
+        self.ensembles: dict[str, list[str]] = {}  # ensemble -> its steps, in order (requests run through each)
         self.calls: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
         self._round_robin: Counter[str] = Counter()
@@ -250,6 +251,9 @@ class FakeTriton:
         except (OSError, ValueError, KeyError) as e:
             raise TritonModelLoadError(name, f"failed to load '{name}': {e}") from None
         old = self.models.get(name)
+        if config.get("platform") == "ensemble":
+            self._load_ensemble(name, config, files)
+            return
         count = int((config.get("instance_group") or [{}])[0].get("count", 1))
         per_stub = self.memory.get(name) or int((deployment.get("memory_mb") or 1) * MIB / deployment["instances"])
         serving = old is not None and old.state == "READY"
@@ -285,6 +289,18 @@ class FakeTriton:
         m.stubs, m.config, m.state, m.reason, m.files = keep + new, config, "READY", "", files
         self.kept_old.discard(name)
         self._retire(leaving)
+
+    def _load_ensemble(self, name: str, config: dict[str, Any], files: tuple[int, int]) -> None:
+        """An ensemble: no process of its own; its steps must be loaded (Triton would load them itself: snoozeml loads
+        them first, so a step found unloaded here is a failure of the lifecycle's, reported as a load error)."""
+        steps = [s["model_name"] for s in config.get("ensemble_scheduling", {}).get("step", [])]
+        missing = [s for s in steps if s not in self.ready()]
+        if missing:
+            raise TritonModelLoadError(name, f"ensemble '{name}': steps not loaded: {missing}")
+        m = self.models.get(name) or Loaded(name, "UNAVAILABLE")
+        m.stubs, m.config, m.state, m.reason, m.files, m.served = [], config, "READY", "", files, 0
+        self.models[name] = m
+        self.ensembles[name] = steps
 
     def _retire(self, stubs: list[Stub]) -> None:
         """The old instances of a reloaded model: new requests go to the new ones; the requests an old one runs or
@@ -412,6 +428,14 @@ class FakeTriton:
         if m is None or m.state != "READY":
             why = "has no available versions" if m is not None else "is not found"
             return Answer(404, f"Request for unknown model: '{name}' {why}")
+        if name in self.ensembles:  # each step runs the request inside Triton (the gateway never sees it)
+            for step in self.ensembles[name]:
+                answer = await self.infer(step, f"{request_id}/{step}")
+                if answer.status != 200:
+                    return Answer(500, f"in ensemble '{name}': {answer.text}")
+            m.served += 1
+            m.last_inference_ms = int(EPOCH * 1000 + asyncio.get_running_loop().time() * 1000)
+            return Answer(200, "ok")
         self._round_robin[name] += 1
         stub = m.stubs[self._round_robin[name] % len(m.stubs)]
         self.pending[name] += 1

@@ -24,7 +24,7 @@ from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.lifecycle.memory.cgroup import CgroupMemory
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
-from controlplane.render import embedded_target
+from controlplane.render import DEPLOYMENT_FILE, embedded_target
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
@@ -386,6 +386,29 @@ class LifecycleWorld:
 
         self._start("publish", model, self._api(go()), self._api_bound())
         await asyncio.sleep(0)
+
+    def publish_ensemble(self, name: str, steps: list[str], *, idle_timeout_secs: float = 5) -> None:
+        """An ensemble of published ``steps`` (each runs every request, in order), written into the repository as a
+        Triton ensemble folder (``platform: "ensemble"``) beside a step's deployment record."""
+        repo = self.triton.repository
+        record = json.loads((repo / steps[0] / DEPLOYMENT_FILE).read_text())
+        deployment = {**record["deployment"], "id": name, "memory_mb": None, "idle_timeout_secs": idle_timeout_secs}
+        folder = repo / name
+        (folder / "1").mkdir(parents=True, exist_ok=True)
+        step_text = "".join(
+            f'  step {{ model_name: "{s}" model_version: -1 input_map {{ key: "x" value: "x" }} '
+            f'output_map {{ key: "y" value: "y_{i}" }} }}\n'
+            for i, s in enumerate(steps)
+        )
+        (folder / "config.pbtxt").write_text(
+            f'name: "{name}"\nplatform: "ensemble"\nmax_batch_size: 8\n'
+            'input [{ name: "x" data_type: TYPE_FP32 dims: [2] }]\n'
+            'output [{ name: "y" data_type: TYPE_FP32 dims: [2] }]\n'
+            f"ensemble_scheduling {{\n{step_text}}}\n"
+        )
+        (folder / DEPLOYMENT_FILE).write_text(
+            json.dumps({**record, "deployment": deployment, "backend": "ensemble", "publish": f"ens-{name}"})
+        )
 
     async def delete(self, model: str) -> None:
         """Delete through the API (``operations.delete``): 404 for an unknown id, forget, then the store."""

@@ -366,3 +366,17 @@ def test_after_a_stop_abandons_a_republish_the_next_control_plane_serves_the_new
     assert [c.answer for c in world.answered if c.what == "request"][-1] == "200"
     folder = world.triton.repository / "m3"  # Triton holds the version published, not the one before
     assert world.triton.models["m3"].files == (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)
+
+
+def test_a_request_whose_recovery_a_republish_cancels_gets_the_new_version(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=2461521028): a request met a dead process, never ran, and waited on
+    the model's recovery; a republish cancelled that recovery (a load), and the request's task was cancelled with it:
+    no answer at all. The model is still published: the request waits for the new version, then runs."""
+    world.step(world.tick(7.0), 0.3)
+    world.step(world.publish("m1", 60, 1), 0.01)
+    world.step(world.api_override("m1", 4), 1.0)
+    world.step(world.stop_during_hung_load("m0", "stop"), 1.0)
+    world.step(world.request("m0", 2.0), 1.0)
+    world.step(world.republish_while_waiting("m1", "hang", 4), 0.0)
+    world.step(world.crash("m1"), 0.01)
+    world.step(world.republish_while_waiting("m1", "ok", 2), 1.0)

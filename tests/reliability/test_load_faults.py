@@ -41,6 +41,14 @@ def serve(serve_factory, package, tmp_path_factory, topology, worker):
 
 
 async def test_out_of_memory_at_load_evicts_retries_once_then_fails_clearly(serve):
+    # victim is to be the one idle model: any other this module's tests left loaded (the fixed 'hang') sleeps first
+    def others_asleep() -> None:
+        with serve.api() as api:
+            for model in ("hang", "warmhang", "hog"):
+                if serve.status(model)["state"] == "ready":
+                    api.unload(model)
+
+    await asyncio.to_thread(others_asleep)
     traffic = Traffic(serve, {"steady": 2.0, "victim": 2.0}, grpc_clients=2)
     traffic.start()
     await until_async(lambda: {r.model for r in traffic.results if r.ok} == {"steady", "victim"}, "both models served")

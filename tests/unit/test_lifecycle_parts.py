@@ -118,6 +118,8 @@ def test_status_to_dict():
         "keep_alive": None,
         "worker": None,
         "warmup": None,
+        "ensembles": None,
+        "steps": None,
     }
 
 

@@ -23,6 +23,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from controlplane.errors import UnavailableError
 from controlplane.lifecycle.memory.cgroup import CgroupMemory, headroom_bytes
@@ -31,6 +32,9 @@ from controlplane.lifecycle.memory.plan import Plan
 from controlplane.lifecycle.memory.units import MIB
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.settings import Settings
+
+if TYPE_CHECKING:
+    from controlplane.lifecycle.groups import Groups
 
 log = logging.getLogger("snoozeml.lifecycle")
 
@@ -60,9 +64,12 @@ class MemoryBudget:
         pending: Callable[[], Awaitable[dict[str, float]]],
         server_memory: Callable[[], int | None] | None = None,
         cgroup: Callable[[], CgroupMemory | None] | None = None,
+        groups: Groups | None = None,
     ) -> None:
+        """``groups``: the ensembles (an ensemble holds no process; evicting one frees its steps)."""
         self.settings = settings
         self.states = states
+        self.groups = groups
         self._pending = pending
         self.policy: EvictionPolicy = eviction_policy(settings.eviction_policy)
         # Bytes Triton holds for models without a record (unpublished, being unloaded), by model: TritonSync's
@@ -143,6 +150,8 @@ class MemoryBudget:
         memory_mb (a republish may declare more than the previous version measured), else the largest model
         measured so far (conservative: a load admitted on the average overruns the budget by the difference;
         per instance, scaled), else 0."""
+        if self.groups is not None and self.groups.is_ensemble(rec):
+            return 0  # no process of its own: its steps are models of their own, each charged
         dep = rec.model.deployment
         declared = dep.memory_mb * MIB / dep.instances if dep.memory_mb else 0
         if rec.memory.footprint and rec.memory.footprint_instances:
@@ -181,6 +190,12 @@ class MemoryBudget:
         """Bytes a loaded model counts for: its footprint, at least what its load in flight reserved and what its
         last load was admitted on until measured after a request (``hold_floor``)."""
         return max(rec.memory.footprint or 0, rec.memory.reserved, self.floors.get(rec.id, 0))
+
+    def group_bytes(self, rec: ModelRecord) -> int:
+        """What evicting ``rec`` frees besides its own: an ensemble's steps that only it holds (``groups``)."""
+        if self.groups is None or not self.groups.is_ensemble(rec):
+            return 0
+        return self.groups.group_bytes(rec, {r.id: self.held(r) for r in self.states.values() if r.holds_memory})
 
     def used(self, exclude: ModelRecord | None, *, reserved: bool = True) -> int:
         """Bytes held beside ``exclude``: by tritonserver itself, by loaded models, and (``reserved``) set aside by
@@ -331,9 +346,10 @@ class MemoryBudget:
         }
 
     def candidate(self, rec: ModelRecord) -> Candidate:
+        own = rec.memory.footprint or self.estimate(rec, rec.instances or rec.model.deployment.instances)
         return Candidate(
             rec.id,
-            size_bytes=rec.memory.footprint or self.estimate(rec, rec.instances or rec.model.deployment.instances),
+            size_bytes=own + self.group_bytes(rec),
             cost_secs=rec.load.last_cold_start or DEFAULT_LOAD_SECS,
             last_access=rec.idle_since,
         )
@@ -368,7 +384,7 @@ class MemoryBudget:
             reason,
             rec.id if rec is not None else "the memory budget",
             amount=amount,
-            sizes={v.id: self.held(v) for v in victims},
+            sizes={v.id: self.held(v) + self.group_bytes(v) for v in victims},
             seen={v.id: self.candidate(v) for v in victims},
             policy=self.policy,
         )

@@ -1,0 +1,115 @@
+"""Ensembles and their steps, as one group in the lifecycle.
+
+An ensemble (``platform: "ensemble"``) is a model of models: Triton runs each request through its steps (other
+models, by name), inside Triton, where the gateway never sees that traffic. Triton's own statistics do, so a step
+that an ensemble uses is "in use" by the usual reading of its ``last_inference``. On top of that:
+
+- a wake of the ensemble wakes its steps first (``RequestPath.ensure_ready``), each once (its own single flight);
+- from the moment the ensemble starts loading until it has left memory, each step is pinned (held as a user,
+  ``ModelRecord.in_use``): neither idle-unloaded nor evicted on its own, whatever its own timer says;
+- a step shared by two ensembles, or also called directly, is one model: loaded once, charged once;
+- the eviction policy weighs the ensemble as the group it is: its size is what its steps hold that no other
+  loaded ensemble pins, and evicting it unloads those steps too (``Unloads.evict``).
+
+An ensemble holds no process of its own: it is charged nothing itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from controlplane.errors import SnoozeError
+from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
+from controlplane.render import parse_config
+from controlplane.store import PublishedModel
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+ENSEMBLE_PLATFORM = "ensemble"
+# The states in which an ensemble holds its steps: from the start of its load until it has left memory.
+_HOLDING = (ModelState.LOADING, ModelState.READY, ModelState.UNLOADING)
+
+
+def ensemble_steps(model: PublishedModel) -> tuple[str, ...]:
+    """The models an ensemble's steps name, in order, each once; () for a model that is no ensemble (or whose
+    config cannot be read now: a republish swapped it, it will be read again)."""
+    try:
+        text = model.config_text
+        if ENSEMBLE_PLATFORM not in text:  # most models: no parse
+            return ()
+        config = parse_config(text, where=str(model.path / "config.pbtxt"))
+    except SnoozeError:
+        return ()
+    if config.platform != ENSEMBLE_PLATFORM:
+        return ()
+    return tuple(dict.fromkeys(step.model_name for step in config.ensemble_scheduling.step))
+
+
+class Groups:
+    """Which steps each ensemble uses, and the pins a loaded ensemble holds on them."""
+
+    def __init__(self, states: ModelStates) -> None:
+        self.states = states
+        self._steps: dict[tuple[str, str], tuple[str, ...]] = {}  # (model, publish token) -> its steps
+        self.pins: dict[str, tuple[str, ...]] = {}  # ensemble -> the steps it holds now
+        states.listeners.append(self._on_state)
+
+    def steps(self, rec: ModelRecord) -> tuple[str, ...]:
+        """The ensemble's steps (() for any other model); read once per publish."""
+        key = (rec.id, rec.model.publish)
+        if key not in self._steps:
+            self._steps[key] = ensemble_steps(rec.model)
+        return self._steps[key]
+
+    def is_ensemble(self, rec: ModelRecord) -> bool:
+        return bool(self.steps(rec))
+
+    def users(self) -> dict[str, list[str]]:
+        """Each model some ensemble's steps name -> those ensembles (for status), loaded or not: every record is
+        read once per publish (cached), so this is one pass over the records."""
+        users: dict[str, list[str]] = {}
+        for rec in self.states.values():
+            for step in self.steps(rec):
+                users.setdefault(step, []).append(rec.id)
+        return {step: sorted(ensembles) for step, ensembles in users.items()}
+
+    def group_bytes(self, rec: ModelRecord, held: dict[str, int]) -> int:
+        """What evicting the ensemble ``rec`` frees besides itself: what its steps hold (``held``: bytes per model)
+        that no other ensemble pins and no one else uses."""
+        return sum(held.get(step, 0) for step in self.exclusive_steps(rec))
+
+    def exclusive_steps(self, rec: ModelRecord) -> list[str]:
+        """The steps ``rec`` pins that nothing else holds: no other ensemble's pin, no other user."""
+        mine = self.pins.get(rec.id, ())
+        others = {s for e, steps in self.pins.items() if e != rec.id for s in steps}
+        exclusive = []
+        for step in mine:
+            step_rec = self.states.get(step)
+            if step_rec is not None and step not in others and step_rec.in_use <= mine.count(step):
+                exclusive.append(step)
+        return exclusive
+
+    def _on_state(self, model_id: str, state: ModelState | None) -> None:
+        """Told every state change, synchronously: an ensemble pins its steps while it holds them."""
+        rec = self.states.get(model_id)
+        holding = rec is not None and state in _HOLDING
+        steps = self.steps(rec) if rec is not None and holding else ()
+        if self.pins.get(model_id, ()) == steps:
+            return
+        self._release(model_id)
+        held = []
+        for step in steps:
+            try:
+                held.append(self.states.record(step))
+            except SnoozeError:  # a step that is not published: Triton fails the ensemble's load, saying so
+                log.warning("model '%s': its ensemble step '%s' is not published", model_id, step)
+        for step_rec in held:
+            step_rec.in_use += 1
+        if held:
+            self.pins[model_id] = tuple(r.id for r in held)
+
+    def _release(self, model_id: str) -> None:
+        for step in self.pins.pop(model_id, ()):
+            step_rec = self.states.get(step)
+            if step_rec is not None:
+                step_rec.in_use -= 1
