@@ -143,6 +143,9 @@ class Loader:
             rec.load.last_cold_start = elapsed
             self.metrics.cold_starts.labels(model=rec.id, trigger=trigger).inc()
             self.metrics.cold_start_seconds.labels(model=rec.id).observe(elapsed)
+            if trigger == "request":
+                self.metrics.wakes.labels(model=rec.id, origin="unloaded").inc()
+                self.metrics.wake_seconds.labels(origin="unloaded").observe(elapsed)
             log.info("model '%s': cold start (%s) in %.3fs", rec.id, trigger, elapsed)
         return elapsed
 

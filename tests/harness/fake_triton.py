@@ -62,6 +62,8 @@ from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry
 from controlplane.triton.journal import PHASE_SUFFIX, journal_path
 from controlplane.triton.journal import SIZE as JOURNAL_SIZE
 from controlplane.triton.processes import StubDeath, StubProcess
+from controlplane.triton.stub_control import DozeAnswer, Wake
+from python_backend.doze import BUSY
 from harness.virtual_time import EPOCH
 
 MIB = 1024 * 1024
@@ -87,6 +89,8 @@ class Stub:
     last_end: float = 0.0  # virtual seconds when its last batch ended
     files: tuple[int, int] = (0, 0)  # the model folder it was started from (``Loaded.files``): the version it serves
     queued: int = 0  # requests sent to this instance that wait for it
+    awake_memory: int | None = None  # while it dozes (its worker ended): what it held awake, back at its wake
+    wakes: int = 0  # batches that found it dozing and forked a worker first
     died: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -166,6 +170,8 @@ class FakeTriton:
         self.kept_old: set[str] = set()  # models whose last reload failed: Triton serves the version it had
         self.reap_delay = 0.0  # seconds a stub Triton ended stays a zombie before Triton reaps it (0: at once)
         self.ensembles: dict[str, list[str]] = {}  # ensemble -> its steps, in order (requests run through each)
+        self.dozing_bytes = 20 * MIB  # what a dozing stub holds (python_backend/doze.py: its worker ended)
+        self.wake_delay = 0.03  # a dozing stub's fork and load() before its batch runs
         self.calls: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
         self._round_robin: Counter[str] = Counter()
@@ -462,6 +468,10 @@ class FakeTriton:
                 stub.running = None
                 await asyncio.sleep(DEAD_STUB_WAIT)
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
+            if stub.awake_memory is not None:  # dozing: the batch forks a worker and loads the model first
+                stub.memory, stub.awake_memory = stub.awake_memory, None
+                stub.wakes += 1
+                await asyncio.sleep(self.wake_delay)
             self._journal(stub, request_id, busy=True)
             self.executions[request_id] += 1
             if not stub.grown:
@@ -616,3 +626,30 @@ class NoGpu:
 
     def processes(self) -> list[Any]:
         return []
+
+
+class FakeStubControl:
+    """``controlplane.triton.stub_control.StubControl`` over the fake's stubs: a doze keeps the stub (and Triton's
+    READY) and drops it to ``FakeTriton.dozing_bytes``; its next batch wakes it (``FakeTriton.infer``)."""
+
+    def __init__(self, processes: FakeProcesses) -> None:
+        self.processes = processes
+        self.asked: list[tuple[str, int]] = []  # (model, stub pid) per doze asked
+
+    def doze(self, stub: StubProcess) -> DozeAnswer:
+        self.asked.append((stub.model, stub.pid))
+        s = self.processes._find(stub)
+        if s is None or not s.alive:
+            return DozeAnswer(False, "its stub cannot doze (in-stub, or a runtime without doze)")
+        if s.running is not None or s.queued:
+            return DozeAnswer(False, BUSY)
+        if s.awake_memory is not None:
+            return DozeAnswer(False, "dozing already")
+        s.awake_memory, s.memory = s.memory, min(s.memory, self.processes.triton.dozing_bytes)
+        return DozeAnswer(True, secs=0.005)
+
+    def woke(self, stub: StubProcess) -> Wake | None:
+        s = self.processes._find(stub)
+        if s is None or not s.alive or s.awake_memory is not None or not s.wakes:
+            return None
+        return Wake(s.pid + 1, self.processes.triton.wake_delay)

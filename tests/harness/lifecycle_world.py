@@ -28,7 +28,7 @@ from controlplane.render import DEPLOYMENT_FILE, embedded_target
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
-from harness.fake_triton import MIB, Answer, FakeProcesses, FakeTriton, NoGpu
+from harness.fake_triton import MIB, Answer, FakeProcesses, FakeStubControl, FakeTriton, NoGpu
 from harness.virtual_time import Hang, VirtualTime, VirtualTimeLoop
 
 MODEL_PY = """
@@ -134,6 +134,7 @@ class LifecycleWorld:
         self.other_node = ModelStore(repo, embedded_target())  # another node's writes to the shared store
         self.triton = FakeTriton(repo, self.journal)
         self.processes = FakeProcesses(self.triton)
+        self.stub_control = FakeStubControl(self.processes)
         # Triton's memory cgroup as the manager reads it (None: unseen), or what reads it
         self.cgroup: CgroupMemory | Callable[[], CgroupMemory] | None = None
         self.settings = Settings(
@@ -181,6 +182,7 @@ class LifecycleWorld:
             gpu_reader=self.gpu_reader,
             gpu_pid_map=None,
             cgroup=lambda: self.cgroup() if callable(self.cgroup) else self.cgroup,
+            stub_control=self.stub_control,
             clock=self.clock,
         )
         self.probe.install(m.states)
@@ -575,6 +577,11 @@ class LifecycleWorld:
         self.answered += [c for c in self.calls if c.task.done()]
         self.calls = [c for c in self.calls if not c.task.done()]
 
+    def _woke_unheard(self, rec: ModelRecord) -> bool:
+        """A stub the record has dozing that a batch woke since (the control plane is not on the warm path)."""
+        stubs = self.triton.models[rec.id].stubs if rec.id in self.triton.models else []
+        return any((s.pid, s.start_ticks) in rec.doze.stubs and s.awake_memory is None for s in stubs)
+
     def _override_problems(self, rec: ModelRecord | None, held: bool) -> list[str]:
         """A client's override holds through every load of the model until a load without one."""
         if rec is None or not rec.loaded or not rec.load.config_override or not held:
@@ -622,6 +629,8 @@ class LifecycleWorld:
                 problems.append(f"Triton holds '{model}' ({where}) but the manager says {state}")
             elif rec is not None and rec.loaded and model not in holding:
                 problems.append(f"the manager says '{model}' is {rec.state.value}; Triton does not hold it")
+            elif rec is not None and self._woke_unheard(rec):
+                continue  # a request woke a dozing stub on Triton's side: the next sweep hears and measures it
             elif rec is not None and rec.loaded and all(s.alive for s in self.triton.models[model].stubs):
                 # a stub grows at its first request (``growth``): counted ahead (a model loaded again as it was) or
                 # from the next sweep on; without growth, exactly what its stubs hold

@@ -1,0 +1,177 @@
+"""Dozing: the level between awake and unloaded (``python_backend/doze.py`` is the stub's side).
+
+A loaded model whose code runs in a preforked worker (``worker = "preforked"``) dozes after ``doze_after_secs``
+without a request: each of its stubs is asked (``StubControl.doze``) to end its worker, whose memory (and VRAM)
+goes back to the OS, while the stub lives on and Triton keeps the model READY. Its next request goes the warm
+path to the stub, which forks a fresh worker from the preloaded parent and runs ``load()`` there first; the
+control plane is not on that path, and hears of the wake at its next sweep (the stub's worker note names a live
+worker again). ``idle_timeout_secs`` keeps its meaning: the keep-alive unloads the model after it, dozing or not.
+
+Other kinds cannot doze: an in-stub model's memory is the stub's own (a Python process does not give a freed heap
+back to the OS, and a framework's imports stay), and Triton's own backends (ONNX Runtime, TensorRT) hold their
+sessions inside tritonserver, out of snoozeml's reach.
+
+Accounting: a dozing model is charged what its stubs hold (their PSS, read when it dozes and at each sweep); what
+it held awake is kept, so that a wake or a later load is estimated at its full size. A wake is not admitted by the
+budget (it happens inside a request, in the stub): the next sweep measures it, and the budget's enforcement evicts
+if it no longer fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from controlplane.clock import SYSTEM_CLOCK, Clock
+from controlplane.lifecycle.memory.host import MemoryBudget
+from controlplane.lifecycle.state import DozeRecord, ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.workers import WorkerProcess, worker_bytes, workers_of
+from controlplane.metrics import SnoozeMetrics
+from controlplane.modes import Worker
+from controlplane.settings import Settings
+from controlplane.triton.processes import StubProcess, TritonProcesses
+from controlplane.triton.stub_control import StubControl
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+
+def _key(stub: StubProcess) -> tuple[int, int]:
+    return stub.pid, stub.start_ticks
+
+
+class Dozing:
+    """Which loaded models doze, telling their stubs, and hearing their wakes."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        states: ModelStates,
+        control: StubControl,
+        budget: MemoryBudget,
+        processes: TritonProcesses,
+        metrics: SnoozeMetrics,
+        *,
+        journal_dir: Path | None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.settings = settings
+        self.states = states
+        self.control = control
+        self.budget = budget
+        self.processes = processes
+        self.metrics = metrics
+        self.journal_dir = journal_dir
+        self.clock = clock
+        states.listeners.append(self._state_changed)
+
+    # ------------------------------------------------------------------ which models
+
+    def can_doze(self, rec: ModelRecord) -> bool:
+        """A preforked custom model, with a doze time below its idle timeout (else it is unloaded first)."""
+        dep = rec.model.deployment
+        after = self.settings.doze_after_secs
+        return rec.is_python and dep.worker == Worker.PREFORKED and 0 < after < dep.idle_timeout_secs
+
+    def due(self, rec: ModelRecord, now: float) -> bool:
+        """Idle for ``doze_after_secs`` with a stub still awake (the caller checks that nothing uses it)."""
+        if not self.can_doze(rec) or not rec.procs.stubs:
+            return False
+        awake = [s for s in rec.procs.stubs if _key(s) not in rec.doze.stubs]
+        return bool(awake) and now - rec.idle_since >= self.settings.doze_after_secs
+
+    # ------------------------------------------------------------------ the sweep's pass
+
+    async def sweep(self, ready: Iterable[ModelRecord], idle: set[str], now: float) -> None:
+        """Hear the wakes of dozing models, then doze those due (``idle``: the ids nobody uses or queues for)."""
+        for rec in ready:
+            if rec.op is not None or rec.state is not ModelState.READY:
+                continue
+            if rec.doze.dozing:
+                await self.hear_wakes(rec)
+            if rec.id in idle and self.due(rec, now):
+                await self.doze(rec)
+
+    async def doze(self, rec: ModelRecord) -> bool:
+        """Ask each of its awake stubs to doze; whether any did. A stub running a batch says busy: asked again at a
+        later sweep."""
+        generation = rec.generation
+        awake = [s for s in rec.procs.stubs if _key(s) not in rec.doze.stubs]
+        answers = [await asyncio.to_thread(self.control.doze, s) for s in awake]
+        if rec.generation != generation or rec.state is not ModelState.READY:
+            return False  # it left meanwhile (an unload, a crash): its stubs go with it
+        dozed = [s for s, a in zip(awake, answers, strict=True) if a.dozed]
+        for stub, answer in zip(awake, answers, strict=True):
+            if not answer.dozed and not answer.busy:
+                log.debug("model '%s': stub %d did not doze: %s", rec.id, stub.pid, answer.why)
+        if not dozed:
+            return False
+        if not rec.doze.dozing:
+            rec.doze.awake_footprint = rec.memory.footprint
+        rec.doze.stubs |= {_key(s) for s in dozed}
+        rec.doze.since = self.clock.time()
+        self.metrics.dozes.labels(model=rec.id).inc(len(dozed))
+        await self._measure(rec)
+        self.metrics.set_level(rec.id, rec.level)
+        log.info("model '%s': dozing (%d of %d stubs; its workers ended)", rec.id, len(dozed), len(rec.procs.stubs))
+        return True
+
+    async def hear_wakes(self, rec: ModelRecord) -> int:
+        """Stubs of a dozing model that a request woke since (their note names a live worker again): counted as
+        wakes from doze with the stub's own wake time; how many."""
+        generation = rec.generation
+        dozing = [s for s in rec.procs.stubs if _key(s) in rec.doze.stubs]
+        woke = [await asyncio.to_thread(self.control.woke, s) for s in dozing]
+        if rec.generation != generation or not rec.doze.dozing:
+            return 0
+        awake = [(s, w) for s, w in zip(dozing, woke, strict=True) if w is not None]
+        for _, wake in awake:
+            self.metrics.wakes.labels(model=rec.id, origin="doze").inc()
+            if wake.secs is not None:
+                self.metrics.wake_seconds.labels(origin="doze").observe(wake.secs)
+        if not awake:
+            return 0
+        rec.doze.stubs -= {_key(s) for s, _ in awake}
+        if not rec.doze.dozing:
+            self._restore(rec)
+        await self._measure(rec)
+        self.metrics.set_level(rec.id, rec.level)
+        log.info("model '%s': woke from doze (%d stubs)", rec.id, len(awake))
+        return len(awake)
+
+    # ------------------------------------------------------------------ accounting
+
+    async def _measure(self, rec: ModelRecord) -> None:
+        """What its stubs and live workers hold now (a dozing stub has no worker note): the footprint charged."""
+        generation = rec.generation
+        stubs = list(rec.procs.stubs)
+
+        def read() -> tuple[tuple[WorkerProcess, ...], int]:
+            workers = tuple(workers_of(self.journal_dir, stubs))
+            pss = worker_bytes(workers, self.processes.proc_root)[0] if workers else 0
+            return workers, self.processes.memory(stubs) + pss
+
+        workers, size = await asyncio.to_thread(read)
+        if rec.generation != generation:
+            return
+        rec.procs.workers = workers
+        if rec.memory.footprint_source == "measured" and size:
+            # dozing: what is held now; awake again: at least what it held before it dozed, until a sweep reads it
+            rec.memory.footprint = size if rec.doze.dozing else max(size, rec.memory.footprint or 0)
+            self.budget.dozed(rec)
+            self.metrics.memory_bytes.labels(model=rec.id).set(rec.memory.footprint)
+
+    def _restore(self, rec: ModelRecord) -> None:
+        """Awake again (or leaving): estimated at what it held awake until measured."""
+        if rec.doze.awake_footprint is not None:
+            rec.memory.footprint = max(rec.memory.footprint or 0, rec.doze.awake_footprint)
+        rec.doze = DozeRecord()
+
+    def _state_changed(self, model_id: str, state: ModelState | None) -> None:
+        """Any state change ends a doze: a load starts new stubs, an unload or a death ends them."""
+        rec = self.states.get(model_id)
+        if rec is not None and rec.doze.dozing:
+            self._restore(rec)
+        if state is not None:
+            self.metrics.set_level(model_id, rec.level if rec is not None else "unloaded")
