@@ -1,0 +1,49 @@
+"""Dozing end to end (``controlplane/lifecycle/dozing.py``, ``python_backend/doze.py``): `snoozectl serve` with a
+real tritonserver, in both topologies. An idle preforked model dozes (its worker ends, its stub stays, Triton keeps
+it ready), a request through the gateway wakes it without a Triton load, and the wake is counted from doze."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from harness.probes import until_async
+from harness.reliability import infer_once
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def serve(serve_factory, package, topology):
+    serve = serve_factory(f"doze-{topology}", topology=topology, doze_after_secs="1")
+    serve.start()
+    serve.publish("dozer", package, worker="preforked", idle_timeout_secs=600)
+    return serve
+
+
+async def test_an_idle_preforked_model_dozes_and_a_request_wakes_it_without_a_load(serve):
+    x = np.array([[1.0, 2.0]], np.float32)
+    first = await infer_once(serve, "dozer", "grpc", x)
+    assert not isinstance(first, str), first
+    [(worker, stub)] = serve.workers("dozer")
+    loads = (await asyncio.to_thread(serve.status, "dozer"))["load_count"]
+
+    def level() -> str:
+        return str(serve.status("dozer")["level"])
+
+    await until_async(lambda: level() == "dozing", "the idle model to doze", timeout=30)
+    assert serve.workers("dozer") == [] and serve.stub_pids("dozer") == [stub]  # the worker ended, the stub stays
+    status = await asyncio.to_thread(serve.status, "dozer")
+    assert status["state"] == "ready" and status["load_count"] == loads
+
+    answers = await asyncio.gather(*(infer_once(serve, "dozer", "grpc", x) for _ in range(4)))
+    assert all(not isinstance(a, str) and a.tolist() == first.tolist() for a in answers), answers
+    [(woken, same_stub)] = serve.workers("dozer")  # one wake served them all: one new worker, in the same stub
+    assert same_stub == stub and woken != worker
+    await until_async(lambda: level() == "awake", "the wake to be heard", timeout=30)
+    assert (await asyncio.to_thread(serve.status, "dozer"))["load_count"] == loads  # no Triton load
+    assert serve.metric("snooze_wakes_total", model="dozer", origin="doze") == 1
+    listing = await asyncio.to_thread(serve.snoozectl, "status")
+    assert "dozer" in listing.stdout
