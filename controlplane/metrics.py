@@ -82,7 +82,10 @@ class SnoozeMetrics:
             registry=r,
         )
         self.dozes = Counter(
-            "snooze_dozes", "Stubs told to doze (their preforked worker ended, the model kept loaded)", ["model"], registry=r
+            "snooze_dozes",
+            "Stubs told to doze (their preforked worker ended, the model kept loaded)",
+            ["model"],
+            registry=r,
         )
         self.wakes = Counter(
             "snooze_wakes",
@@ -98,7 +101,10 @@ class SnoozeMetrics:
             registry=r,
         )
         self.level = Gauge(
-            "snooze_model_level", "1 for the model's level now (awake, dozing, unloaded)", ["model", "level"], registry=r
+            "snooze_model_level",
+            "1 for the model's level now (awake, dozing, unloaded)",
+            ["model", "level"],
+            registry=r,
         )
         self.idle_unloads = Counter("snooze_idle_unloads", "Models unloaded for idleness", ["model"], registry=r)
         self.recoveries = Counter(

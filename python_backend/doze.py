@@ -33,7 +33,8 @@ import threading
 import time
 from typing import Any, Protocol
 
-from .journal import JOURNAL_ENV, RequestJournal, own_file
+from .errors import Failure, describe_failure
+from .journal import JOURNAL_ENV, RequestJournal, note_phase, own_file
 
 DOZE_SUFFIX = ".doze"
 DOZE = b"doze"
@@ -110,6 +111,18 @@ class DozeControl:
             return None
 
     # --- the batch's side
+
+    def wake_for_batch(self) -> Failure | None:
+        """Under ``lock``, at a batch's start: wake a dozing instance; the failure to answer the batch with when its
+        wake failed (it stays dozing), else None."""
+        if not self.dozing:
+            return None
+        try:
+            self.wake()
+        except Exception as e:
+            return Failure(*describe_failure(e, self.model_id, "load", None))
+        note_phase("ready")
+        return None
 
     def wake(self) -> None:
         """Under ``lock``, at a batch's start: fork a worker and load the model in it (raises what the load

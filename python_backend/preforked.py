@@ -26,7 +26,6 @@ is no ``.worker`` note: no worker lives.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
@@ -38,7 +37,7 @@ from typing import Any, NoReturn
 
 from .errors import INTERNAL, TIMEOUT, RemoteFailure, describe_failure, without_prefix
 from .exits import describe_wait_status
-from .journal import JOURNAL_ENV, WORKER_SUFFIX, clear_batch, own_file, start_ticks
+from .journal import WorkerNote, clear_batch, start_ticks
 from .prefork_connect import (
     ParentIdentity,
     PreforkUnavailable,
@@ -125,7 +124,7 @@ class PreforkedModel:
         self._lock = threading.Lock()  # one conversation with the worker at a time, and the death watch
         self._answer_secs = 0.0  # recent time from INFER to the worker's answer (moving average)
         self._closing = False
-        self._note: dict[str, Any] = {}
+        self._note = WorkerNote()
         self.in_stub: Any = None  # the model, when no parent could be had
         self._worker_unload = True  # whether the user's model (in the worker) has an unload(): its READY says
         self._dozing = False  # the worker was ended by a doze: its end is no death
@@ -151,7 +150,7 @@ class PreforkedModel:
             self._conn = None
             conn.close()
             self._end_worker(0.0)
-            self._remove_note()
+            self._note.remove()
             raise RemoteFailure(
                 TIMEOUT,
                 f"waking from doze: load did not finish within load_timeout_secs={timeout:g}; its worker was ended "
@@ -163,7 +162,7 @@ class PreforkedModel:
             if timeout is not None:  # a wake: the batch never reached a worker, the stub goes and recovery resends it
                 self._die(ran=False, when="waking from doze")
             status = ask_exit_status(self._identity, self.worker_pid) if self._identity and self.worker_pid else None
-            self._write_note(exit_status=status, ended="load")
+            self._note.write(exit_status=status, ended="load")
             raise RemoteFailure(
                 INTERNAL,
                 f"its worker process (pid {self.worker_pid}) died during load ({describe_wait_status(status)}); "
@@ -176,7 +175,7 @@ class PreforkedModel:
             self._conn = None
             conn.close()
             self._end_worker(WORKER_EXIT_SECS)
-            self._remove_note()
+            self._note.remove()
             raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
         if kind != READY:
             raise ProtocolError(f"expected READY from the worker, got frame type {kind}")
@@ -230,14 +229,13 @@ class PreforkedModel:
         # a new worker (a wake) has mapped neither side's region yet: both are sent again with the first frames
         self._region, self._peer = Region(f"snooze-in-{self.spec.model_id}"), PeerRegion()
         self._pidfd, self._watched = _pidfd(self.worker_pid), False
-        self._note = {
-            "model": self.spec.model_id,
-            "pid": self.worker_pid,
-            "start_ticks": int(payload.get("start_ticks", 0)),
-            "parent_key": identity.key,
-            "wakes": self.wakes,
-        }
-        self._write_note()
+        self._note.start(
+            model=self.spec.model_id,
+            pid=self.worker_pid,
+            start_ticks=int(payload.get("start_ticks", 0)),
+            parent_key=identity.key,
+            wakes=self.wakes,
+        )
         return conn
 
     def _load_in_stub(self, model_dir: str, device: str) -> None:
@@ -405,7 +403,7 @@ class PreforkedModel:
         finally:
             conn.close()
             self._end_worker(grace)
-            self._remove_note()
+            self._note.remove()
         return payload
 
     def _end_worker(self, grace: float) -> None:
@@ -463,7 +461,7 @@ class PreforkedModel:
             self._await_ready(conn, timeout=self.spec.load_timeout_secs)
             self._dozing = False
             # the control plane reads the wake in the note: a worker lives again, and how long the wake took
-            self._write_note(wake_secs=round(time.perf_counter() - started, 4))
+            self._note.write(wake_secs=round(time.perf_counter() - started, 4))
 
     # --- the worker's death
 
@@ -481,7 +479,7 @@ class PreforkedModel:
         status = ask_exit_status(self._identity, self.worker_pid) if self._identity and self.worker_pid else None
         if not ran:
             clear_batch()  # it never reached a live model process: the control plane may send it again
-        self._write_note(exit_status=status, ended=when, ran=ran)
+        self._note.write(exit_status=status, ended=when, ran=ran)
         _log(
             self.spec.model_id,
             f"preforked worker pid {self.worker_pid} died {when} ({describe_wait_status(status)}); "
@@ -489,26 +487,6 @@ class PreforkedModel:
         )
         sys.stderr.flush()
         os._exit(exit_code_for(status))
-
-    # --- the note the control plane reads
-
-    def _write_note(self, **fields: Any) -> None:
-        directory = os.environ.get(JOURNAL_ENV)
-        if not directory or not self._note:
-            return
-        self._note.update(fields)
-        path = own_file(directory, WORKER_SUFFIX)
-        tmp = f"{path}.tmp"
-        with contextlib.suppress(OSError):
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self._note, f)
-            os.replace(tmp, path)
-
-    def _remove_note(self) -> None:
-        directory = os.environ.get(JOURNAL_ENV)
-        if directory:
-            with contextlib.suppress(OSError):
-                os.unlink(own_file(directory, WORKER_SUFFIX))
 
 
 def _poll_briefly(conn: socket.socket, until: float) -> None:

@@ -175,14 +175,9 @@ class TritonPythonModel:
         doze = self._doze
         if doze is None:
             return self._execute_journaled(requests)
-        with doze.lock:  # a doze never runs beside a batch
-            if doze.dozing:
-                try:
-                    doze.wake()
-                except Exception as e:  # the batch reached no worker: it is answered with the wake's failure
-                    return self._refuse(requests, Failure(*describe_failure(e, self._spec.model_id, "load", None)))
-                note_phase("ready")
-            return self._execute_journaled(requests)
+        with doze.lock:  # a doze never runs beside a batch; a dozing instance wakes first
+            failure = doze.wake_for_batch()  # a failed wake reached no worker: the batch is answered with it
+            return self._execute_journaled(requests) if failure is None else self._refuse(requests, failure)
 
     def _refuse(self, requests: list, failure: Failure) -> list | None:
         """Every request of the batch answered with ``failure`` (a decoupled model's through its sender)."""

@@ -63,8 +63,8 @@ from controlplane.triton.journal import PHASE_SUFFIX, journal_path
 from controlplane.triton.journal import SIZE as JOURNAL_SIZE
 from controlplane.triton.processes import StubDeath, StubProcess
 from controlplane.triton.stub_control import DozeAnswer, Wake
-from python_backend.doze import BUSY
 from harness.virtual_time import EPOCH
+from python_backend.doze import BUSY
 
 MIB = 1024 * 1024
 DEAD_STUB_WAIT = 1.0  # Triton's wait before failing a request sent to a dead stub (about a second, measured)
@@ -428,6 +428,13 @@ class FakeTriton:
 
     # ------------------------------------------------------------------ inference
 
+    async def _wake(self, stub: Stub) -> None:
+        """A dozing stub's batch forks a worker and loads the model first (``FakeStubControl``)."""
+        if stub.awake_memory is not None:
+            stub.memory, stub.awake_memory = stub.awake_memory, None
+            stub.wakes += 1
+            await asyncio.sleep(self.wake_delay)
+
     async def infer(self, name: str, request_id: str) -> Answer:
         """One request, as Triton runs it: on the next instance, journaled before it runs."""
         m = self.models.get(name)
@@ -468,10 +475,7 @@ class FakeTriton:
                 stub.running = None
                 await asyncio.sleep(DEAD_STUB_WAIT)
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
-            if stub.awake_memory is not None:  # dozing: the batch forks a worker and loads the model first
-                stub.memory, stub.awake_memory = stub.awake_memory, None
-                stub.wakes += 1
-                await asyncio.sleep(self.wake_delay)
+            await self._wake(stub)
             self._journal(stub, request_id, busy=True)
             self.executions[request_id] += 1
             if not stub.grown:

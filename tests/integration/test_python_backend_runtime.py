@@ -911,8 +911,11 @@ def test_a_dozing_preforked_model_stays_ready_and_its_concurrent_requests_share_
         until(lambda: not psutil_alive(first), "the worker to leave with the doze", timeout=10, interval=0.02)
         assert client.is_model_ready(name) and control.woke(stub) is None  # Triton keeps it; no worker lives
 
-        with ThreadPoolExecutor(8) as pool:  # first requests after the doze, at once (gRPC's client is thread-safe)
-            answers = list(pool.map(lambda _: infer(grpcclient, triton["grpc"], name, {"x": x}, ["y", "pid"]), range(8)))
+        def first_after(_: int) -> dict:  # over gRPC: its client is thread-safe (the HTTP one is not)
+            return infer(grpcclient, triton["grpc"], name, {"x": x}, ["y", "pid"])
+
+        with ThreadPoolExecutor(8) as pool:  # first requests after the doze, at once
+            answers = list(pool.map(first_after, range(8)))
         assert all(a["y"].tolist() == [[2.0, 4.0]] for a in answers)
         pids = {int(a["pid"][0, 0]) for a in answers}
         assert len(pids) == 1 and first not in pids  # one new worker served them all
