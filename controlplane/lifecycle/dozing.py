@@ -11,7 +11,8 @@ Other kinds cannot doze: an in-stub model's memory is the stub's own (a Python p
 back to the OS, and a framework's imports stay), and Triton's own backends (ONNX Runtime, TensorRT) hold their
 sessions inside tritonserver, out of snoozeml's reach.
 
-Accounting: a dozing model is charged what its stubs hold (their PSS, read when it dozes and at each sweep); what
+Under memory pressure an eviction dozes an awake model that can doze before it unloads any (``doze_first``): a
+victim already dozing is unloaded. Accounting: a dozing model is charged what its stubs hold (their PSS, read when it dozes and at each sweep); what
 it held awake is kept, so that a wake or a later load is estimated at its full size. A wake is not admitted by the
 budget (it happens inside a request, in the stub): the next sweep measures it, and the budget's enforcement evicts
 if it no longer fits.
@@ -26,7 +27,9 @@ from pathlib import Path
 
 from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.lifecycle.memory.host import MemoryBudget
+from controlplane.lifecycle.memory.plan import EvictFn
 from controlplane.lifecycle.state import DozeRecord, ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.triton_sync import TritonReadings
 from controlplane.lifecycle.workers import WorkerProcess, worker_bytes, workers_of
 from controlplane.metrics import SnoozeMetrics
 from controlplane.modes import Worker
@@ -50,6 +53,7 @@ class Dozing:
         states: ModelStates,
         control: StubControl,
         budget: MemoryBudget,
+        readings: TritonReadings,
         processes: TritonProcesses,
         metrics: SnoozeMetrics,
         *,
@@ -60,6 +64,7 @@ class Dozing:
         self.states = states
         self.control = control
         self.budget = budget
+        self.readings = readings
         self.processes = processes
         self.metrics = metrics
         self.journal_dir = journal_dir
@@ -68,11 +73,16 @@ class Dozing:
 
     # ------------------------------------------------------------------ which models
 
+    @staticmethod
+    def _preforked(rec: ModelRecord) -> bool:
+        return rec.is_python and rec.model.deployment.worker == Worker.PREFORKED
+
     def can_doze(self, rec: ModelRecord) -> bool:
-        """A preforked custom model, with a doze time below its idle timeout (else it is unloaded first)."""
+        """A preforked custom model, with a doze time below its idle timeout (else it is unloaded first), and no
+        sequences (a live sequence's state is in its worker)."""
         dep = rec.model.deployment
         after = self.settings.doze_after_secs
-        return rec.is_python and dep.worker == Worker.PREFORKED and 0 < after < dep.idle_timeout_secs
+        return self._preforked(rec) and dep.sequence is None and 0 < after < dep.idle_timeout_secs
 
     def due(self, rec: ModelRecord, now: float) -> bool:
         """Idle for ``doze_after_secs`` with a stub still awake (the caller checks that nothing uses it)."""
@@ -83,14 +93,36 @@ class Dozing:
 
     # ------------------------------------------------------------------ the sweep's pass
 
-    async def sweep(self, ready: Iterable[ModelRecord], idle: set[str], now: float) -> None:
-        """Hear the wakes of dozing models, then doze those due (``idle``: the ids nobody uses or queues for)."""
-        for rec in ready:
+    async def hear(self, records: Iterable[ModelRecord]) -> None:
+        """The sweep's first step: wakes of dozing models, heard and measured before the budget is checked."""
+        for rec in records:
             if rec.op is not None or rec.state is not ModelState.READY:
                 continue
             if rec.doze.dozing:
                 await self.hear_wakes(rec)
-            if rec.id in idle and self.due(rec, now):
+            elif rec.doze.checked != rec.generation and self._preforked(rec):
+                await self._find_dozing(rec)
+
+    async def _find_dozing(self, rec: ModelRecord) -> None:
+        """Stubs that doze though the record says awake: a model adopted while it dozed (a control plane restarted,
+        Triton kept it), asked once per generation of the record."""
+        generation = rec.generation
+        stubs = list(rec.procs.stubs)
+        flags = [await asyncio.to_thread(self.control.dozing, s) for s in stubs]
+        if rec.generation != generation or rec.state is not ModelState.READY:
+            return
+        rec.doze.checked = generation
+        dozing = {_key(s) for s, flag in zip(stubs, flags, strict=True) if flag}
+        if dozing:
+            rec.doze.stubs, rec.doze.since = frozenset(dozing), self.clock.time()
+            await self._measure(rec)
+            self.metrics.set_level(rec.id, rec.level)
+            log.info("model '%s': found dozing (%d of %d stubs)", rec.id, len(dozing), len(stubs))
+
+    async def doze_idle(self, ready: Iterable[ModelRecord], idle: set[str], now: float) -> None:
+        """The sweep's last step: doze the models due (``idle``: the ids nobody uses or queues for)."""
+        for rec in ready:
+            if rec.op is None and rec.state is ModelState.READY and rec.id in idle and self.due(rec, now):
                 await self.doze(rec)
 
     async def doze(self, rec: ModelRecord) -> bool:
@@ -135,10 +167,28 @@ class Dozing:
         rec.doze.stubs -= {_key(s) for s, _ in awake}
         if not rec.doze.dozing:
             self._restore(rec)
+        # a request woke it: its access is read now, before the budget picks what to evict
+        if served := await self.readings.refresh_access(rec):
+            self.budget.accessed(rec, served)
         await self._measure(rec)
         self.metrics.set_level(rec.id, rec.level)
         log.info("model '%s': woke from doze (%d stubs)", rec.id, len(awake))
         return len(awake)
+
+    def doze_first(self, unload: EvictFn) -> EvictFn:
+        """The evictions the budgets plan (``memory.plan.carry_out``), dozing an awake victim that can doze instead
+        of unloading it: its worker's memory goes, its stub stays. A victim already dozing is unloaded. The budget
+        asks again after a plan is carried out, measured: when the doze freed too little, it plans once more."""
+
+        async def evict(victim: ModelRecord, reason: str, for_model: str) -> bool:
+            if self.can_doze(victim) and not victim.doze.dozing and victim.procs.stubs and await self.doze(victim):
+                log.info(
+                    "model '%s': dozed to make room for '%s' (%s) instead of unloaded", victim.id, for_model, reason
+                )
+                return True
+            return await unload(victim, reason, for_model)
+
+        return evict
 
     # ------------------------------------------------------------------ accounting
 

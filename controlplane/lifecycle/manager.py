@@ -105,6 +105,7 @@ class LifecycleManager:
             states,
             stub_control if stub_control is not None else SocketStubControl(journal_dir, processes.proc_root),
             budget,
+            readings,
             processes,
             metrics,
             journal_dir=journal_dir,
@@ -143,7 +144,8 @@ class LifecycleManager:
             warmth,
             residency,
             wait_for_triton=up.wait_until_up,
-            evict=unloads.evict,  # the budgets plan evictions; the loader carries them out with this
+            # the budgets plan evictions; the loader carries them out with this (a victim that can doze dozes first)
+            evict=self.dozing.doze_first(unloads.evict),
             journal_dir=journal_dir,
             clock=clock,
         )

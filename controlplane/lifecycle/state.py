@@ -205,6 +205,7 @@ class DozeRecord:
     stubs: frozenset[tuple[int, int]] = frozenset()  # (pid, start ticks) of its stubs that doze now
     since: float = 0.0  # epoch seconds of its last doze
     awake_footprint: int | None = None  # its footprint before it dozed: what a wake brings back
+    checked: int = -1  # the record's generation when its stubs were last asked whether they doze (an adoption)
 
     @property
     def dozing(self) -> bool:

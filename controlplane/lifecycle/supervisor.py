@@ -188,6 +188,7 @@ class Supervisor:
             return
         entries = await self.sync.resync(full=False)
         await self._leave_unpublished(entries)
+        await self.dozing.hear(self.states.values())  # a request woke a dozing model on Triton's side: it holds more
         await self.budget.measure_server()
         await self.loader.remeasure()
         await self.admission.enforce()
@@ -216,9 +217,9 @@ class Supervisor:
                 self.transitions.unload(rec, UnloadReason.IDLE, seen_access=rec.idle_since)
             elif self.settings.autoscale and rec.id in pending and rec.instances > 0:
                 self._autoscale(rec, queued)
-        # an idle model dozes before its keep-alive unloads it (dozing.py); a dozing one that a request woke is heard
+        # an idle model dozes before its keep-alive unloads it (dozing.py)
         idle = {r.id for r in ready if r.in_use == 0 and pending.get(r.id, 0.0) == 0}
-        await self.dozing.sweep(ready, idle, now)
+        await self.dozing.doze_idle(ready, idle, now)
         await self._prewarm(now)
 
     async def _leave_unpublished(self, entries: dict[str, RepositoryEntry]) -> None:

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from controlplane.triton.processes import StubProcess, read_stat
-from python_backend.doze import BUSY, DOZE, DOZE_SUFFIX, MAX_MESSAGE, socket_address
+from python_backend.doze import BUSY, DOZE, DOZE_SUFFIX, MAX_MESSAGE, STATE, socket_address
 from python_backend.journal import WORKER_SUFFIX
 
 # How long a doze may take: the model's unload() in its worker gets python_backend.preforked.DOZE_UNLOAD_SECS
 # (10 s), and its exit as long again, before the stub answers.
 DOZE_ASK_SECS = 25.0
+STATE_ASK_SECS = 2.0  # a state answer takes no lock: only a stub that hangs as a whole is slower
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class StubControl(Protocol):
 
     def woke(self, stub: StubProcess) -> Wake | None: ...
 
+    def dozing(self, stub: StubProcess) -> bool: ...
+
 
 class SocketStubControl:
     """The stubs' doze sockets and worker notes in ``journal_dir`` (None: no journal, no doze)."""
@@ -74,6 +77,16 @@ class SocketStubControl:
             return DozeAnswer(False, f"its stub did not answer ({type(e).__name__}: {e})")
         secs = raw.get("secs")
         return DozeAnswer(bool(raw.get("dozed")), str(raw.get("why") or ""), float(secs) if secs is not None else None)
+
+    def dozing(self, stub: StubProcess) -> bool:
+        """Whether the stub dozes now (asked on its socket; False where it cannot doze or does not answer)."""
+        if self.journal_dir is None:
+            return False
+        try:
+            raw = _ask(str(self.journal_dir / f"{stub.pid}-{stub.start_ticks}{DOZE_SUFFIX}"), STATE, STATE_ASK_SECS)
+        except (OSError, ValueError):
+            return False
+        return raw.get("dozing") is True
 
     def woke(self, stub: StubProcess) -> Wake | None:
         """The live worker a dozing stub's note names (a request woke it), or None (still dozing, or gone)."""

@@ -91,6 +91,7 @@ class Stub:
     queued: int = 0  # requests sent to this instance that wait for it
     awake_memory: int | None = None  # while it dozes (its worker ended): what it held awake, back at its wake
     wakes: int = 0  # batches that found it dozing and forked a worker first
+    woke_at: float = -1.0  # virtual seconds of its last wake
     died: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -111,6 +112,7 @@ class Loaded:
     files: tuple[int, int] = (0, 0)  # the folder it was last loaded from: its inode, its config.pbtxt's mtime
     last_inference_ms: int = 0
     served: int = 0  # requests answered since the model was last built (Triton's success count)
+    stats_read_at: float = -1.0  # virtual seconds the control plane last read its statistics (each sweep)
     next_instance: int = 0
     unloading: asyncio.Task[None] | None = None
 
@@ -420,6 +422,7 @@ class FakeTriton:
         m = self.models.get(name)
         if m is None or m.state != "READY":
             raise NotFoundError(f"no statistics for model '{name}'")
+        m.stats_read_at = asyncio.get_running_loop().time()  # a sweep reads them (and then measures the model)
         return ModelStats(name, "1", m.last_inference_ms, m.served, m.served, m.served, 0, 0, 0, 0, 0, 0, 0)
 
     async def pending_request_counts(self) -> dict[str, float]:
@@ -430,9 +433,11 @@ class FakeTriton:
 
     async def _wake(self, stub: Stub) -> None:
         """A dozing stub's batch forks a worker and loads the model first (``FakeStubControl``)."""
-        if stub.awake_memory is not None:
+        if stub.awake_memory is not None and stub.alive:
             stub.memory, stub.awake_memory = stub.awake_memory, None
             stub.wakes += 1
+            stub.woke_at = asyncio.get_running_loop().time()
+            self.peak = max(self.peak, self.server_bytes() + sum(self.holding().values()))
             await asyncio.sleep(self.wake_delay)
 
     async def infer(self, name: str, request_id: str) -> Answer:
@@ -471,11 +476,11 @@ class FakeTriton:
             queued = False
             while stub.stopped and stub.alive:  # a frozen stub takes it up when it goes on
                 await asyncio.sleep(self.exec_delay / 10)
+            await self._wake(stub)  # a dozing stub forks its worker first, before it journals the batch
             if not stub.alive:  # it never reached the model's code
                 stub.running = None
                 await asyncio.sleep(DEAD_STUB_WAIT)
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
-            await self._wake(stub)
             self._journal(stub, request_id, busy=True)
             self.executions[request_id] += 1
             if not stub.grown:
@@ -651,6 +656,10 @@ class FakeStubControl:
             return DozeAnswer(False, "dozing already")
         s.awake_memory, s.memory = s.memory, min(s.memory, self.processes.triton.dozing_bytes)
         return DozeAnswer(True, secs=0.005)
+
+    def dozing(self, stub: StubProcess) -> bool:
+        s = self.processes._find(stub)
+        return s is not None and s.alive and s.awake_memory is not None
 
     def woke(self, stub: StubProcess) -> Wake | None:
         s = self.processes._find(stub)

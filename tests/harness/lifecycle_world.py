@@ -355,6 +355,13 @@ class LifecycleWorld:
                 )
         return total
 
+    async def doze(self, model: str) -> None:
+        """Ask a loaded preforked model's stubs to doze now, as an idle sweep or an eviction does (its stubs refuse
+        while a batch runs)."""
+        rec = self.manager.states.get(model)
+        if rec is not None and rec.state is ModelState.READY and rec.op is None and self.manager.dozing.can_doze(rec):
+            await self.manager.dozing.doze(rec)
+
     async def tick(self, secs: float) -> None:
         await asyncio.sleep(secs)
 
@@ -372,8 +379,13 @@ class LifecycleWorld:
             )
         )
 
-    async def publish(self, model: str, size_mb: float | None = 60, instances: int = 1, **deployment: Any) -> None:
-        """Publish or republish through the API (``operations._publish``): the store, then ``published``."""
+    async def publish(
+        self, model: str, size_mb: float | None = 60, instances: int = 1, worker: str | None = None, **deployment: Any
+    ) -> None:
+        """Publish or republish through the API (``operations._publish``): the store, then ``published``.
+        ``worker``: "preforked" for a model that dozes when idle (``doze_after_secs``)."""
+        if worker is not None:
+            deployment["worker"] = worker
         spec = self._spec(model, size_mb, instances, **deployment)
 
         async def go() -> str:
@@ -578,9 +590,10 @@ class LifecycleWorld:
         self.calls = [c for c in self.calls if not c.task.done()]
 
     def _woke_unheard(self, rec: ModelRecord) -> bool:
-        """A stub the record has dozing that a batch woke since (the control plane is not on the warm path)."""
-        stubs = self.triton.models[rec.id].stubs if rec.id in self.triton.models else []
-        return any((s.pid, s.start_ticks) in rec.doze.stubs and s.awake_memory is None for s in stubs)
+        """A dozing stub that a batch woke since the last sweep read the model (the control plane is not on the
+        warm path: it hears and measures a wake at its next sweep)."""
+        m = self.triton.models.get(rec.id)
+        return m is not None and any(s.woke_at >= m.stats_read_at for s in m.stubs)
 
     def _override_problems(self, rec: ModelRecord | None, held: bool) -> list[str]:
         """A client's override holds through every load of the model until a load without one."""
@@ -657,8 +670,10 @@ class LifecycleWorld:
                     )
         # memory in flux while Triton unloads something is not judged (left undone: a model whose unload hangs
         # across a restart of this control plane is counted only once a sweep sees it again)
+        # nor while a wake from doze is unheard (Triton's side: the next sweep measures it and enforces the budget)
         quiet = (
             all(r.op is None for r in records.values())
+            and not any(self._woke_unheard(r) for r in records.values())
             and not any(self.triton.loads_in_flight.values())
             and all(m.state != "UNLOADING" for m in self.triton.models.values())
         )

@@ -114,3 +114,36 @@ def test_a_dozing_model_whose_stub_dies_is_recovered_awake(world):
     assert rec.level == "awake" and not rec.doze.stubs
     world.step(world.request("m0"), 0.5)
     assert answers(world)[-1] == "200"
+
+
+def evictions(world: LifecycleWorld, model: str) -> float:
+    return sum(
+        float(world.manager.metrics.evictions.labels(model=model, reason=r)._value.get())
+        for r in ("memory", "oom", "gpu_memory", "gpu_oom")
+    )
+
+
+def test_under_memory_pressure_an_awake_model_that_can_doze_dozes_before_any_is_unloaded(tmp_path, monkeypatch):
+    # doze_after_secs far off: only the pressure dozes; the budget (300 MiB) holds two awake models, not three
+    world = LifecycleWorld(tmp_path, monkeypatch=monkeypatch, doze_after_secs=500)
+    try:
+        for model in ("m0", "m1", "m2"):
+            world.triton.memory[model] = 120 * MIB
+        world.step(world.publish("m0", None, worker=Worker.PREFORKED, idle_timeout_secs=1000), 0.1)
+        world.step(world.publish("m1", None, idle_timeout_secs=1000), 0.1)
+        world.step(world.publish("m2", None, idle_timeout_secs=1000), 0.1)
+        world.step(world.request("m0"), 1.5)
+        world.step(world.request("m1"), 1.5)
+        world.step(world.request("m2"), 1.5)  # room for m2: m0 dozes (120 -> 20 MiB), nothing is unloaded
+        statuses = {m: world.manager.status(m) for m in ("m0", "m1", "m2")}
+        assert [s.level for s in statuses.values()] == ["dozing", "awake", "awake"], statuses
+        assert evictions(world, "m0") == 0 and evictions(world, "m1") == 0
+        assert statuses["m0"].memory_bytes == world.triton.dozing_bytes
+
+        world.step(world.request("m0"), 1.5)  # the dozing model wakes on its request: over budget, m1 goes (LRU)
+        world.step(world.tick(2.0), 0.1)
+        assert answers(world) == ["200"] * 4
+        assert world.manager.status("m0").level == "awake" and world.manager.status("m1").level == "unloaded"
+        assert evictions(world, "m1") == 1
+    finally:
+        world.close()
