@@ -220,9 +220,13 @@ class Dozing:
         rec.doze = DozeRecord()
 
     def _state_changed(self, model_id: str, state: ModelState | None) -> None:
-        """Any state change ends a doze: a load starts new stubs, an unload or a death ends them."""
+        """Any state change ends the record of a doze: its stubs are asked again at the next sweep (``_find_dozing``;
+        an in-place rescale keeps a dozing stub). Leaving READY, the model is estimated at what it held awake; entering
+        it, a load has just measured what its stubs hold, dozing or not."""
         rec = self.states.get(model_id)
-        if rec is not None and rec.doze.dozing:
+        if rec is not None and rec.doze.dozing and state is not ModelState.READY:
             self._restore(rec)
+        elif rec is not None:
+            rec.doze = DozeRecord()
         if state is not None:
             self.metrics.set_level(model_id, rec.level if rec is not None else "unloaded")
