@@ -23,7 +23,7 @@ from tritonclient.grpc import model_config_pb2
 
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
-from controlplane.modes import TargetName
+from controlplane.modes import TargetName, Worker
 from controlplane.spec import Device, ModelPackage, ModelSpec, PackageKind, TensorSpec, python_specifier
 from controlplane.warmup_samples import warmup_plan, warmup_view
 from converters.files import PYTHON_MODEL_FILE
@@ -154,13 +154,21 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
         "request_timeout_secs": manifest.request_timeout_secs,
         "load_timeout_secs": manifest.load_timeout_secs,  # bounds a wake from doze, which runs inside the stub
         "worker": spec.deployment.worker,
-        "preload": list(manifest.preload),
+        "preload": _preload(spec),
         "decoupled": spec.decoupled,
         "sequence": spec.deployment.sequence is not None,
         "max_batch_size": spec.deployment.max_batch_size,
         "inputs": [t.model_dump() for t in spec.package.inputs],
         "outputs": [t.model_dump() for t in spec.package.outputs],
     }
+
+
+def _preload(spec: ModelSpec) -> list[str]:
+    """What the preloaded parent imports: the manifest's modules, and onnxruntime for a preforked ONNX model (its
+    worker, forked at each load or wake from doze, then only builds its session)."""
+    preload = list(spec.package.manifest.preload)
+    onnx = spec.package.kind is PackageKind.ONNX and spec.deployment.worker == Worker.PREFORKED
+    return [*preload, "onnxruntime"] if onnx and "onnxruntime" not in preload else preload
 
 
 def _runtime_sources() -> list[Path]:
@@ -180,6 +188,12 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     _check_python(spec, target)
     backend = _backend_for(spec, target)
     dep = spec.deployment
+    if backend != "python" and dep.worker == Worker.PREFORKED:
+        raise InvalidPackageError(
+            f"model '{spec.id}': worker = \"preforked\" runs the model in the python backend, but on the "
+            f"'{target.name}' target this {spec.package.kind.value} model runs in Triton's {backend} backend",
+            hint='remove worker = "preforked" for this model, or serve it on the embedded target',
+        )
     batching = dep.max_batch_size > 0
     parameters = {}
     if backend == "python" and dep.execution_env_path:

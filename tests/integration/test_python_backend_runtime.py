@@ -503,8 +503,6 @@ def tiny_onnx() -> tuple[bytes, np.ndarray, np.ndarray]:
 
 
 def test_onnx_kind_runs_onnxruntime(triton, worker):
-    if worker == "preforked":
-        pytest.skip("the control plane serves ONNX packages in the stub only (worker applies to custom models)")
     data, w, b = tiny_onnx()
     runtime = {
         "kind": "onnx",
@@ -513,8 +511,10 @@ def test_onnx_kind_runs_onnxruntime(triton, worker):
         "params": {"intra_op_num_threads": 1},
         "inputs": [t("x", "FP32", [4])],
         "outputs": [t("y", "FP32", [3])],
+        "worker": worker,  # preforked: the session is built in a worker forked from a parent that imported onnxruntime
+        "preload": ["onnxruntime"] if worker == "preforked" else [],
     }
-    model = load(triton, "pbrt-onnx", runtime, {"model.onnx": data})
+    model = load(triton, named("pbrt-onnx", worker), runtime, {"model.onnx": data})
     x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
     got = infer(httpclient, triton["http"], model, {"x": x}, ["y"])
     np.testing.assert_allclose(got["y"], x @ w + b, rtol=1e-5, atol=1e-6)
