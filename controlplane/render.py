@@ -154,21 +154,13 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
         "request_timeout_secs": manifest.request_timeout_secs,
         "load_timeout_secs": manifest.load_timeout_secs,  # bounds a wake from doze, which runs inside the stub
         "worker": spec.deployment.worker,
-        "preload": _preload(spec),
+        "preload": list(manifest.preload),
         "decoupled": spec.decoupled,
         "sequence": spec.deployment.sequence is not None,
         "max_batch_size": spec.deployment.max_batch_size,
         "inputs": [t.model_dump() for t in spec.package.inputs],
         "outputs": [t.model_dump() for t in spec.package.outputs],
     }
-
-
-def _preload(spec: ModelSpec) -> list[str]:
-    """What the preloaded parent imports: the manifest's modules, and onnxruntime for a preforked ONNX model (its
-    worker, forked at each load or wake from doze, then only builds its session)."""
-    preload = list(spec.package.manifest.preload)
-    onnx = spec.package.kind is PackageKind.ONNX and spec.deployment.worker == Worker.PREFORKED
-    return [*preload, "onnxruntime"] if onnx and "onnxruntime" not in preload else preload
 
 
 def _runtime_sources() -> list[Path]:

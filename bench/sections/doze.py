@@ -14,6 +14,7 @@ DESCRIPTIONS = {
     "torch-mlp": "the torch example (torch imported in load())",
     "torch-conv": "a small torch conv net, torch preloaded",
     "weights-100mib": "load() reads 100 MiB of weights (np.load)",
+    "onnx-mlp": "the ONNX example, onnxruntime runner in a worker (load(): onnxruntime's import and session)",
 }
 
 
@@ -80,7 +81,7 @@ register(
         name="doze",
         order=160,
         about="A preforked model's first response from doze vs from unloaded vs warm, and the memory of each level",
-        params={"models": ["numpy-linear", "torch-conv", "torch-mlp", "weights-100mib"], "cycles": 7},
+        params={"models": ["numpy-linear", "torch-conv", "torch-mlp", "weights-100mib", "onnx-mlp"], "cycles": 7},
         quick={"models": ["numpy-linear"], "cycles": 2},
         run=run,
         markdown=markdown,

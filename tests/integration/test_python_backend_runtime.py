@@ -511,8 +511,7 @@ def test_onnx_kind_runs_onnxruntime(triton, worker):
         "params": {"intra_op_num_threads": 1},
         "inputs": [t("x", "FP32", [4])],
         "outputs": [t("y", "FP32", [3])],
-        "worker": worker,  # preforked: the session is built in a worker forked from a parent that imported onnxruntime
-        "preload": ["onnxruntime"] if worker == "preforked" else [],
+        "worker": worker,  # preforked: the worker imports onnxruntime (its import starts threads: no preload)
     }
     model = load(triton, named("pbrt-onnx", worker), runtime, {"model.onnx": data})
     x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)

@@ -5,12 +5,15 @@ it ready), a request through the gateway wakes it without a Triton load, and the
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from harness.probes import until_async
 from harness.reliability import infer_once
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 
 pytestmark = pytest.mark.integration
 
@@ -20,6 +23,7 @@ def serve(serve_factory, package, topology):
     serve = serve_factory(f"doze-{topology}", topology=topology, doze_after_secs="1")
     serve.start()
     serve.publish("dozer", package, worker="preforked", idle_timeout_secs=600)
+    serve.publish("onnx-dozer", EXAMPLES / "onnx-mlp", worker="preforked", idle_timeout_secs=600)
     return serve
 
 
@@ -47,3 +51,25 @@ async def test_an_idle_preforked_model_dozes_and_a_request_wakes_it_without_a_lo
     assert serve.metric("snooze_wakes_total", model="dozer", origin="doze") == 1
     listing = await asyncio.to_thread(serve.snoozectl, "status")
     assert "dozer" in listing.stdout
+
+
+def onnx_infer(serve, x: np.ndarray) -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(serve.grpc_url) as client:
+        tensor = grpcclient.InferInput("input", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        return client.infer("onnx-dozer", [tensor], client_timeout=60).as_numpy("output")
+
+
+async def test_a_preforked_onnx_model_dozes_its_session_away_and_wakes_on_a_request(serve):
+    x = np.ones((1, 4), np.float32)
+    first = await asyncio.to_thread(onnx_infer, serve, x)
+    [(worker, stub)] = serve.workers("onnx-dozer")
+    await until_async(lambda: serve.status("onnx-dozer")["level"] == "dozing", "the ONNX model to doze", timeout=30)
+    assert serve.workers("onnx-dozer") == [] and serve.stub_pids("onnx-dozer") == [stub]
+    again = await asyncio.to_thread(onnx_infer, serve, x)
+    np.testing.assert_allclose(again, first, rtol=1e-6)
+    [(woken, same_stub)] = serve.workers("onnx-dozer")
+    assert same_stub == stub and woken != worker
+    await until_async(lambda: serve.metric("snooze_wakes_total", model="onnx-dozer", origin="doze") == 1, "its wake")
