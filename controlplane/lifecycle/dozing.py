@@ -7,9 +7,10 @@ path to the stub, which forks a fresh worker from the preloaded parent and runs 
 control plane is not on that path, and hears of the wake at its next sweep (the stub's worker note names a live
 worker again). ``idle_timeout_secs`` keeps its meaning: the keep-alive unloads the model after it, dozing or not.
 
-Other kinds cannot doze: an in-stub model's memory is the stub's own (a Python process does not give a freed heap
-back to the OS, and a framework's imports stay), and Triton's own backends (ONNX Runtime, TensorRT) hold their
-sessions inside tritonserver, out of snoozeml's reach.
+A preforked ONNX model (the python backend's onnxruntime runner) dozes alike. Other models cannot doze: an in-stub
+model's memory is the stub's own (a Python process does not give a freed heap back to the OS, and a framework's
+imports stay), and Triton's own backends (ONNX Runtime, TensorRT) hold their sessions inside tritonserver, out of
+snoozeml's reach.
 
 Under memory pressure an eviction dozes an awake model that can doze before it unloads any (``doze_first``): a
 victim already dozing is unloaded. Accounting: a dozing model is charged what its stubs hold (their PSS, read when
@@ -79,8 +80,8 @@ class Dozing:
         return rec.is_python and rec.model.deployment.worker == Worker.PREFORKED
 
     def can_doze(self, rec: ModelRecord) -> bool:
-        """A preforked custom model, with a doze time below its idle timeout (else it is unloaded first), and no
-        sequences (a live sequence's state is in its worker)."""
+        """A preforked model (custom, or ONNX in the python backend), with a doze time below its idle timeout (else
+        it is unloaded first), and no sequences (a live sequence's state is in its worker)."""
         dep = rec.model.deployment
         after = self.settings.doze_after_secs
         return self._preforked(rec) and dep.sequence is None and 0 < after < dep.idle_timeout_secs
