@@ -30,7 +30,7 @@ from pathlib import Path
 from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.lifecycle.memory.host import MemoryBudget
 from controlplane.lifecycle.memory.plan import EvictFn
-from controlplane.lifecycle.state import DozeRecord, ModelRecord, ModelState, ModelStates
+from controlplane.lifecycle.state import DozeRecord, ModelRecord, ModelState, ModelStates, UnloadReason
 from controlplane.lifecycle.triton_sync import TritonReadings
 from controlplane.lifecycle.workers import WorkerProcess, worker_bytes, workers_of
 from controlplane.metrics import SnoozeMetrics
@@ -179,11 +179,15 @@ class Dozing:
 
     def doze_first(self, unload: EvictFn) -> EvictFn:
         """The evictions the budgets plan (``memory.plan.carry_out``), dozing an awake victim that can doze instead
-        of unloading it: its worker's memory goes, its stub stays. A victim already dozing is unloaded. The budget
+        of unloading it: its worker's memory goes, its stub stays. A victim already dozing is unloaded, and so is
+        every victim of an out-of-memory load (OOM, GPU_OOM: what was measured did not hold). The budget
         asks again after a plan is carried out, measured: when the doze freed too little, it plans once more."""
 
         async def evict(victim: ModelRecord, reason: str, for_model: str) -> bool:
-            if self.can_doze(victim) and not victim.doze.dozing and victim.procs.stubs and await self.doze(victim):
+            # a planned eviction (the budget's arithmetic); after a real out-of-memory a victim goes whole
+            planned = reason in (UnloadReason.MEMORY, UnloadReason.GPU_MEMORY)
+            awake = self.can_doze(victim) and not victim.doze.dozing and victim.procs.stubs
+            if planned and awake and await self.doze(victim):
                 log.info(
                     "model '%s': dozed to make room for '%s' (%s) instead of unloaded", victim.id, for_model, reason
                 )
