@@ -73,3 +73,33 @@ async def test_a_preforked_onnx_model_dozes_its_session_away_and_wakes_on_a_requ
     [(woken, same_stub)] = serve.workers("onnx-dozer")
     assert same_stub == stub and woken != worker
     await until_async(lambda: serve.metric("snooze_wakes_total", model="onnx-dozer", origin="doze") == 1, "its wake")
+
+
+@pytest.fixture(scope="module")
+def pressed(serve_factory, package, topology):
+    """Three preforked models of ~175 MiB under a budget that holds two awake (tests/reliability/test_memory_budget.py's
+    figures), dozing only under pressure (doze_after_secs far off)."""
+    serve = serve_factory(f"doze-pressed-{topology}", topology=topology, memory_budget_mb="540", doze_after_secs="500",
+                          eviction_policy="lru")  # fmt: skip
+    serve.start()
+    for name in "abc":
+        serve.publish(f"big-{name}", package, params={"ballast_mb": 150}, worker="preforked", idle_timeout_secs=600)
+    yield serve
+    serve.stop()
+
+
+async def test_under_memory_pressure_the_least_recently_used_model_dozes_instead_of_unloading(pressed):
+    x = np.ones((1, 2), np.float32)
+    workers = {}
+    for name in "abc":
+        answer = await infer_once(pressed, f"big-{name}", "grpc", x)
+        assert not isinstance(answer, str), answer
+        if name == "a":
+            [(workers["a"], stub_a)] = pressed.workers("big-a")
+    statuses = {n: await asyncio.to_thread(pressed.status, f"big-{n}") for n in "abc"}
+    assert [statuses[n]["level"] for n in "abc"] == ["dozing", "awake", "awake"], statuses
+    assert pressed.workers("big-a") == [] and pressed.stub_pids("big-a") == [stub_a]  # its worker went, its stub stays
+    assert statuses["a"]["memory_bytes"] < 60 * 2**20, statuses["a"]  # charged its stub
+    assert pressed.metric("snooze_evictions_total", model="big-a", reason="memory") == 0
+    runtime = await asyncio.to_thread(pressed.api().runtime)
+    assert sum(s["memory_bytes"] for s in statuses.values()) + runtime["overhead_bytes"] <= 540 * 2**20, statuses
