@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def serve(serve_factory, package, topology):
-    serve = serve_factory(f"doze-{topology}", topology=topology, doze_after_secs="1")
+    serve = serve_factory(f"doze-{topology}", topology=topology, doze_after_secs="2")  # margin for a slow machine
     serve.start()
     serve.publish("dozer", package, worker="preforked", idle_timeout_secs=600)
     serve.publish("onnx-dozer", EXAMPLES / "onnx-mlp", worker="preforked", idle_timeout_secs=600)
