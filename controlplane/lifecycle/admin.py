@@ -200,6 +200,7 @@ class AdminOperations:
             warmup=status_line(rec),
             ensembles=(users.get(rec.id) if users is not None else self.groups.users().get(rec.id)) or None,
             steps=list(self.groups.steps(rec)) or None,
+            level=rec.level,
         )
 
     def statuses(self) -> list[ModelStatus]:

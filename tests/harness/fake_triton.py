@@ -63,7 +63,9 @@ from controlplane.triton.dead_stub import is_dead_stub_message
 from controlplane.triton.journal import PHASE_SUFFIX, journal_path
 from controlplane.triton.journal import SIZE as JOURNAL_SIZE
 from controlplane.triton.processes import StubDeath, StubProcess
+from controlplane.triton.stub_control import DozeAnswer, Wake
 from harness.virtual_time import EPOCH
+from python_backend.doze import BUSY
 
 MIB = 1024 * 1024
 DEAD_STUB_WAIT = 1.0  # Triton's wait before failing a request sent to a dead stub (about a second, measured)
@@ -88,6 +90,9 @@ class Stub:
     last_end: float = 0.0  # virtual seconds when its last batch ended
     files: tuple[int, int] = (0, 0)  # the model folder it was started from (``Loaded.files``): the version it serves
     queued: int = 0  # requests sent to this instance that wait for it
+    awake_memory: int | None = None  # while it dozes (its worker ended): what it held awake, back at its wake
+    wakes: int = 0  # batches that found it dozing and forked a worker first
+    woke_at: float = -1.0  # virtual seconds of its last wake
     died: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -108,6 +113,7 @@ class Loaded:
     files: tuple[int, int] = (0, 0)  # the folder it was last loaded from: its inode, its config.pbtxt's mtime
     last_inference_ms: int = 0
     served: int = 0  # requests answered since the model was last built (Triton's success count)
+    stats_read_at: float = -1.0  # virtual seconds the control plane last read its statistics (each sweep)
     next_instance: int = 0
     unloading: asyncio.Task[None] | None = None
 
@@ -175,6 +181,8 @@ class FakeTriton:
         self.kept_old: set[str] = set()  # models whose last reload failed: Triton serves the version it had
         self.reap_delay = 0.0  # seconds a stub Triton ended stays a zombie before Triton reaps it (0: at once)
         self.ensembles: dict[str, list[str]] = {}  # ensemble -> its steps, in order (requests run through each)
+        self.dozing_bytes = 20 * MIB  # what a dozing stub holds (python_backend/doze.py: its worker ended)
+        self.wake_delay = 0.03  # a dozing stub's fork and load() before its batch runs
         self.calls: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
         self._round_robin: Counter[str] = Counter()
@@ -434,6 +442,7 @@ class FakeTriton:
         m = self.models.get(name)
         if m is None or m.state != "READY":
             raise NotFoundError(f"no statistics for model '{name}'")
+        m.stats_read_at = asyncio.get_running_loop().time()  # a sweep reads them (and then measures the model)
         return ModelStats(name, "1", m.last_inference_ms, m.served, m.served, m.served, 0, 0, 0, 0, 0, 0, 0)
 
     async def pending_request_counts(self) -> dict[str, float]:
@@ -441,6 +450,15 @@ class FakeTriton:
         return {name: float(self.pending[name]) for name, m in self.models.items() if m.state == "READY"}
 
     # ------------------------------------------------------------------ inference
+
+    async def _wake(self, stub: Stub) -> None:
+        """A dozing stub's batch forks a worker and loads the model first (``FakeStubControl``)."""
+        if stub.awake_memory is not None and stub.alive:
+            stub.memory, stub.awake_memory = stub.awake_memory, None
+            stub.wakes += 1
+            stub.woke_at = asyncio.get_running_loop().time()
+            self.peak = max(self.peak, self.server_bytes() + sum(self.holding().values()))
+            await asyncio.sleep(self.wake_delay)
 
     async def infer(self, name: str, request_id: str) -> Answer:
         """One request, as Triton runs it: on the next instance, journaled before it runs."""
@@ -478,6 +496,7 @@ class FakeTriton:
             queued = False
             while stub.stopped and stub.alive:  # a frozen stub takes it up when it goes on
                 await asyncio.sleep(self.exec_delay / 10)
+            await self._wake(stub)  # a dozing stub forks its worker first, before it journals the batch
             if not stub.alive:  # it never reached the model's code
                 stub.running = None
                 await asyncio.sleep(DEAD_STUB_WAIT)
@@ -636,3 +655,34 @@ class NoGpu:
 
     def processes(self) -> list[Any]:
         return []
+
+
+class FakeStubControl:
+    """``controlplane.triton.stub_control.StubControl`` over the fake's stubs: a doze keeps the stub (and Triton's
+    READY) and drops it to ``FakeTriton.dozing_bytes``; its next batch wakes it (``FakeTriton.infer``)."""
+
+    def __init__(self, processes: FakeProcesses) -> None:
+        self.processes = processes
+        self.asked: list[tuple[str, int]] = []  # (model, stub pid) per doze asked
+
+    def doze(self, stub: StubProcess) -> DozeAnswer:
+        self.asked.append((stub.model, stub.pid))
+        s = self.processes._find(stub)
+        if s is None or not s.alive:
+            return DozeAnswer(False, "its stub cannot doze (in-stub, or a runtime without doze)")
+        if s.running is not None or s.queued:
+            return DozeAnswer(False, BUSY)
+        if s.awake_memory is not None:
+            return DozeAnswer(False, "dozing already")
+        s.awake_memory, s.memory = s.memory, min(s.memory, self.processes.triton.dozing_bytes)
+        return DozeAnswer(True, secs=0.005)
+
+    def dozing(self, stub: StubProcess) -> bool:
+        s = self.processes._find(stub)
+        return s is not None and s.alive and s.awake_memory is not None
+
+    def woke(self, stub: StubProcess) -> Wake | None:
+        s = self.processes._find(stub)
+        if s is None or not s.alive or s.awake_memory is not None or not s.wakes:
+            return None
+        return Wake(s.pid + 1, self.processes.triton.wake_delay)
