@@ -60,9 +60,11 @@ def test_a_triton_repository_is_discovered_folder_by_folder_and_each_takes_its_k
     found = {d.id: d for d in discover(repo)}
     assert set(found) == {
         "calc", "auto_batch", "auto_nobatch", "stream", "counter", "poison", "versioned", "mlp", "notes", "pipeline",
+        "pipe",
     }  # fmt: skip
     kinds = {name: resolve(d).package.kind for name, d in found.items() if name != "notes"}
-    assert kinds["mlp"] is PackageKind.TRITON_ONNX and kinds["pipeline"] is PackageKind.TRITON_ENSEMBLE
+    assert kinds["mlp"] is PackageKind.TRITON_ONNX
+    assert kinds["pipeline"] is kinds["pipe"] is PackageKind.TRITON_ENSEMBLE
     assert {kinds[n] for n in ("calc", "auto_batch", "auto_nobatch", "stream", "counter", "versioned")} == {
         PackageKind.TRITON_PYTHON
     }
