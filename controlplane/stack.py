@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from rich.console import Console
@@ -28,10 +28,11 @@ from controlplane.child_processes import kill_group
 from controlplane.errors import SnoozeError
 from controlplane.metrics import SnoozeMetrics
 from controlplane.modes import AuthMode
+from controlplane.publishing import Publishing, publish_all
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.servers import EmbeddedUvicorn, wait_started
 from controlplane.settings import Settings
-from controlplane.spec import DeploymentSpec, discover, entry_point_deployments, resolve
+from controlplane.spec import discover, entry_point_deployments
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient, wait_for_triton
 from controlplane.triton.embedded_dist import detect_backends
@@ -62,6 +63,8 @@ class ServingStack:
         self._api: EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._force = asyncio.Event()
+        self.publishing = Publishing()
+        self._publisher: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -75,8 +78,11 @@ class ServingStack:
         s.work_dir.mkdir(parents=True, exist_ok=True)
         http_url, grpc_url, metrics_url, target = await self._start_triton()
         self.store = ModelStore(s.repository, target)
-        # Packages from the models folder and from installed distributions' `snoozeml.models` entry points.
-        self._publish([*(discover(self.models_dir) if self.models_dir is not None else []), *entry_point_deployments()])
+        # Packages from the models folder and from installed distributions' `snoozeml.models` entry points: planned
+        # now, published in the background once the gateway and the API are live (``_publish``).
+        self.publishing.plan(
+            [*(discover(self.models_dir) if self.models_dir is not None else []), *entry_point_deployments()]
+        )
         self.admin = TritonAdminClient(http_url, metrics_url, headers=s.triton_headers())
         processes, journal_dir = await self._observe_triton(http_url)
         self.lifecycle = LifecycleManager(
@@ -89,12 +95,24 @@ class ServingStack:
             metrics=self.metrics,
         )
         await self.lifecycle.start()
-        self.activator = Activator(self.lifecycle, self.store, s, triton_http_url=http_url, triton_grpc_url=grpc_url)
+        self.activator = Activator(
+            self.lifecycle,
+            self.store,
+            s,
+            triton_http_url=http_url,
+            triton_grpc_url=grpc_url,
+            publishing=self.publishing,
+        )
         await self.activator.start()
         if s.gateway:
             await self._start_gateway(http_url, grpc_url)
         services = ControlPlaneServices(
-            store=self.store, lifecycle=self.lifecycle, metrics=self.metrics, settings=s, triton=self.admin
+            store=self.store,
+            lifecycle=self.lifecycle,
+            metrics=self.metrics,
+            settings=s,
+            triton=self.admin,
+            publishing=self.publishing,
         )
         app = create_app(s, services)
         self._api = EmbeddedUvicorn(
@@ -107,6 +125,8 @@ class ServingStack:
             f"the control API could not listen on {s.host}:{s.api_port}",
             hint="free the port or pass --api-port",
         )
+        if self.publishing.total:
+            self._publisher = asyncio.create_task(self._publish(), name="snooze-publish")
 
     async def _start_triton(self) -> tuple[str, str, str | None, TritonTarget]:
         s = self.settings
@@ -185,16 +205,28 @@ class ServingStack:
         )
         return processes, journal_dir
 
-    def _publish(self, deployments: list[DeploymentSpec]) -> None:
+    async def _publish(self) -> None:
+        """Publish the planned packages in a worker thread while everything else serves; say the progress."""
         assert self.store is not None
-        for deployment in deployments:
-            try:
-                published = self.store.publish(resolve(deployment))
-            except SnoozeError as exc:
-                # One broken package must not keep the others from being served: say so and go on.
-                self.console.print(f"[red]skipped {deployment.id}:[/] {exc}", highlight=False)
-                continue
-            self.console.print(f"published [bold]{published.id}[/] ({published.kind} -> {published.backend})")
+        loop = asyncio.get_running_loop()
+        lifecycle = self.lifecycle
+
+        def say(line: str) -> None:
+            loop.call_soon_threadsafe(lambda: self.console.print(line, highlight=False))
+
+        def republished(model_id: str) -> None:
+            if lifecycle is not None:
+                asyncio.run_coroutine_threadsafe(lifecycle.published(model_id), loop)
+
+        work = asyncio.create_task(
+            asyncio.to_thread(publish_all, self.store, self.publishing, say=say, on_published=republished)
+        )
+        while not work.done():
+            await asyncio.wait({work}, timeout=PROGRESS_SECS)
+            if not work.done():
+                self.console.print(_progress_line(self.publishing.describe()), highlight=False)
+        await work
+        self.console.print(_progress_line(self.publishing.describe()), highlight=False)
 
     async def _start_gateway(self, http_url: str, grpc_url: str) -> None:
         from controlplane.gateway.envoy import EnvoyGateway
@@ -232,6 +264,9 @@ class ServingStack:
                 await asyncio.wait_for(self._api_task, timeout=5)
 
         deadline = time.monotonic() + s.shutdown_grace_secs
+        if (publisher := self._publisher) is not None:  # the package being written finishes; the rest: the next start
+            self.publishing.stop()
+            await step("publishing", lambda: asyncio.wait_for(asyncio.shield(publisher), PUBLISH_STOP_SECS))
         cancel_loads = getattr(self.lifecycle, "cancel_loads", None)
         if cancel_loads is not None:  # a stop never waits for a load (it may hang): cancelled, its waiters told
             await step("loads in flight", lambda: cancel_loads("stopping"))
@@ -321,8 +356,28 @@ class ServingStack:
             )
         lines.append(f"control API: http://{s.host}:{s.api_port}  (docs at /docs)")
         if self.store is not None:
-            lines.append(f"models: {', '.join(self.store.ids()) or '(none yet: snoozectl publish PATH)'}")
+            ids = self.store.ids()
+            shown = ", ".join(ids[:BANNER_MODELS]) + (
+                f" and {len(ids) - BANNER_MODELS} more" if len(ids) > BANNER_MODELS else ""
+            )
+            lines.append(f"models: {shown or '(none yet: snoozectl publish PATH)'}")
+            if self.publishing.in_progress:
+                lines.append(_progress_line(self.publishing.describe()) + " (`snoozectl status` shows it too)")
         return "\n".join(lines)
+
+
+BANNER_MODELS = 20  # the banner names this many models; `snoozectl status` lists them all
+PUBLISH_STOP_SECS = 30.0  # a stop waits this long for the package being written
+PROGRESS_SECS = 2.0  # how often the console says how far publishing is
+
+
+def _progress_line(p: dict[str, Any]) -> str:
+    state = "publishing" if p["in_progress"] else "published"
+    failed = f", {len(p['failed'])} failed" if p["failed"] else ""
+    return (
+        f"{state}: {p['done']}/{p['total']} packages ({p['published']} written, {p['unchanged']} unchanged and "
+        f"adopted{failed}) in {p['elapsed_secs']:.1f}s"
+    )
 
 
 # After a forced stop, how long the remaining steps get before the process exits regardless.

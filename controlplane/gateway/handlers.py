@@ -30,6 +30,7 @@ from controlplane.lifecycle.configs import config_for
 from controlplane.lifecycle.overrides import ForbiddenOverrideError, MalformedOverrideError, parse_override
 from controlplane.lifecycle.port import LifecyclePort
 from controlplane.lifecycle.state import ModelState, UnloadReason
+from controlplane.publishing import RETRY_AFTER_SECS, Publishing
 from controlplane.render import VERSION, parse_config
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
@@ -50,10 +51,13 @@ INDEX_STATES = {
 class ModelAnswers:
     """What the activator answers, shared by HTTP and gRPC: wake, readiness, metadata, config, index, admin."""
 
-    def __init__(self, lifecycle: LifecyclePort, store: ModelStore, settings: Settings) -> None:
+    def __init__(
+        self, lifecycle: LifecyclePort, store: ModelStore, settings: Settings, *, publishing: Publishing | None = None
+    ) -> None:
         self.lifecycle = lifecycle
         self.store = store
         self.settings = settings
+        self.publishing = publishing  # `serve --models` publishing in the background: a model may be on its way
         # Unloaded by a client through Triton's repository API: not ready (Triton's answer after an unload)
         # until the model is READY again (a repository load, or a request that woke it).
         self.unloaded_by_client: set[str] = set()
@@ -81,6 +85,8 @@ class ModelAnswers:
         try:
             model = self.store.get(name)
         except NotFoundError as e:
+            if self.publishing is not None and self.publishing.waiting(name):
+                raise words.NotYetPublishedError(name, self.publishing.retry_hint(name), RETRY_AFTER_SECS) from None
             raise UnknownModelError(words.not_found(name), e) from None
         if version and version != VERSION:
             raise UnknownModelError(

@@ -230,10 +230,7 @@ class TritonSync:
         entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
         if full:
             await self._unload_orphans(entries)
-        new = self.store.ids() if full else [n for n, e in entries.items() if e.state in BUSY_STATES]
-        for model_id in new:
-            if self.states.get(model_id) is None and self.store.exists(model_id):
-                self.states.record(model_id)
+        await self._record_new(entries, full=full)
         for model_id, rec in list(self.states.records.items()):
             if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
                 continue
@@ -266,6 +263,18 @@ class TritonSync:
                 self.states.set_state(rec, ModelState.UNLOADED, rec.reason)
         await self._note_unrecorded(entries)
         return entries
+
+    async def _record_new(self, entries: dict[str, RepositoryEntry], *, full: bool) -> None:
+        """Records for models without one: at a full resync every published model (from the store's catalog: one
+        read of each), else those Triton holds."""
+        if full:
+            for model in await asyncio.to_thread(self.store.list):
+                if self.states.get(model.id) is None:
+                    self.states.record(model.id, model=model)
+            return
+        for model_id in [n for n, e in entries.items() if e.state in BUSY_STATES]:
+            if self.states.get(model_id) is None and self.store.exists(model_id):
+                self.states.record(model_id)
 
     async def _note_unrecorded(self, entries: dict[str, RepositoryEntry]) -> None:
         """What Triton holds for models without a record (deleted by another node while loaded here, or before

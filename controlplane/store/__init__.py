@@ -38,6 +38,7 @@ class PublishedModel:
     request_timeout_secs: float
     notes: tuple[str, ...] = ()  # what publishing decided for the user (ModelSpec.notes)
     publish: str = ""  # this publish's token (render.PUBLISH_PARAMETER), also in its config
+    source_hash: str = ""  # the content hash it was rendered from (publishing.source_hash); "" when not known
 
     @property
     def config_text(self) -> str:
@@ -66,6 +67,7 @@ class PublishedModel:
             request_timeout_secs=record["request_timeout_secs"],
             notes=tuple(record.get("notes", ())),
             publish=str(record.get("publish", "")),
+            source_hash=str(record.get("source_hash", "")),
         )
 
 
@@ -85,6 +87,10 @@ class ModelStore:
         self.repository.mkdir(parents=True, exist_ok=True)
         recover_staging(self.repository)  # what a killed control plane left half-written
         self._seen = self._identities()  # what changes() compares with
+        # The catalog: every published model's record as read, by the identity it was read at; a listing reads
+        # again only the folders whose identity changed since (another writer's publish), so it costs a stat each.
+        self._catalog: dict[str, tuple[tuple[int, int], PublishedModel]] = {}
+        self._scanned = float("-inf")  # monotonic time of the catalog's last scan
 
     def _identities(self) -> dict[str, tuple[int, int]]:
         """Every published model's deployment record as (inode, mtime): a new publish writes a new file."""
@@ -106,16 +112,39 @@ class ModelStore:
             self._seen = now
         return changed, deleted
 
-    def list(self) -> list[PublishedModel]:
-        models = []
-        for folder in sorted(self.repository.iterdir()):
-            if (folder / DEPLOYMENT_FILE).is_file():
-                models.append(PublishedModel.read(folder))
-        return models
+    def list(self, *, max_age: float = 0.0) -> list[PublishedModel]:
+        """Every published model, by id. ``max_age``: how old (seconds) the catalog's scan of the repository may
+        be; this store's own writes are in it at once, another writer's after the next scan."""
+        with self._lock:
+            if time.monotonic() - self._scanned > max_age:
+                self._scan()
+            return [model for _, (_, model) in sorted(self._catalog.items())]
+
+    def _scan(self) -> None:
+        """Bring the catalog in line with the repository: a stat per model, a read per changed one."""
+        found = self._identities()
+        catalog = {}
+        for model_id, identity in found.items():
+            known = self._catalog.get(model_id)
+            if known is not None and known[0] == identity:
+                catalog[model_id] = known
+                continue
+            with contextlib.suppress(OSError, ValueError):  # a folder between a republish's renames: next scan
+                catalog[model_id] = (identity, PublishedModel.read(self.repository / model_id))
+        self._catalog, self._scanned = catalog, time.monotonic()
+
+    def _note(self, folder: Path) -> PublishedModel:
+        """This store's own write, into the catalog (called with the lock held)."""
+        st = (folder / DEPLOYMENT_FILE).stat()
+        identity = (st.st_ino, st.st_mtime_ns)
+        self._seen[folder.name] = identity  # only its own write: others' stay news for changes()
+        model = PublishedModel.read(folder)
+        self._catalog[folder.name] = (identity, model)
+        return model
 
     # `list` is a method of this class from here on: the type is spelt builtins.list.
-    def ids(self) -> builtins.list[str]:
-        return [m.id for m in self.list()]
+    def ids(self, *, max_age: float = 0.0) -> builtins.list[str]:
+        return [m.id for m in self.list(max_age=max_age)]
 
     def get(self, model_id: str) -> PublishedModel:
         folder = self.repository / model_id
@@ -137,18 +166,20 @@ class ModelStore:
         with self._lock, repository_lock(self.repository):
             return [m for m in model_ids if not (self.repository / m).exists()]
 
-    def publish(self, spec: ModelSpec) -> PublishedModel:
-        """Render (validating everything) and move the model folder into place in one rename."""
+    def publish(self, spec: ModelSpec, *, source_hash: str = "") -> PublishedModel:
+        """Render (validating everything) and move the model folder into place in one rename. ``source_hash``: the
+        content hash of the package it came from, kept in its record (a restart adopts an unchanged one)."""
         rendered = render_model(spec, self.target)
         with self._lock, repository_lock(self.repository):
-            folder = write_model(rendered, self.repository)
-            st = (folder / DEPLOYMENT_FILE).stat()
-            self._seen[folder.name] = (st.st_ino, st.st_mtime_ns)  # only its own write: others' stay news
-        return PublishedModel.read(folder)
+            folder = write_model(
+                rendered, self.repository, record={"source_hash": source_hash} if source_hash else None
+            )
+            return self._note(folder)
 
     def delete(self, model_id: str) -> None:
         with self._lock, repository_lock(self.repository):
             removed = remove_model(self.repository, model_id)
             self._seen.pop(model_id, None)
+            self._catalog.pop(model_id, None)
         if not removed:
             raise NotFoundError(f"model '{model_id}' is not published")

@@ -47,7 +47,7 @@ def _same_filesystem(a: Path, b: Path) -> bool:
     return a.stat().st_dev == b.stat().st_dev
 
 
-def _materialise(rendered: RenderedModel, folder: Path) -> None:
+def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] | None = None) -> None:
     for src, rel in rendered.copies:
         dest = folder / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +59,9 @@ def _materialise(rendered: RenderedModel, folder: Path) -> None:
         if rel == "config.pbtxt":
             content = content + _publish_parameter(token).encode()
         elif rel == DEPLOYMENT_FILE:
-            content = (json.dumps({**json.loads(content), "publish": token}, indent=2) + "\n").encode()
+            content = (
+                json.dumps({**json.loads(content), **(record or {}), "publish": token}, indent=2) + "\n"
+            ).encode()
         dest.write_bytes(content)
 
 
@@ -104,15 +106,16 @@ def repository_lock(repo: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def write_model(rendered: RenderedModel, repo: Path) -> Path:
-    """Write one model folder into ``repo`` atomically; an existing folder is replaced whole."""
+def write_model(rendered: RenderedModel, repo: Path, record: dict[str, str] | None = None) -> Path:
+    """Write one model folder into ``repo`` atomically; an existing folder is replaced whole. ``record``: more fields
+    of its deployment record."""
     repo = Path(repo)
     repo.mkdir(parents=True, exist_ok=True)
     # <model>@<host>.<pid>.<random>: recover_staging() tells a killed writer's leftovers by host and pid.
     staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}@{_writer()}.", dir=_staging_root(repo)))
     final = repo / rendered.model_id
     try:
-        _materialise(rendered, staging / "model")
+        _materialise(rendered, staging / "model", record)
         if final.exists():
             # One atomic swap where the kernel offers it: readers never see the model missing.
             if not _exchange(staging / "model", final):
