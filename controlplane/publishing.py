@@ -9,6 +9,7 @@ rendered and written (one rename each), and a republished model that is loaded i
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import threading
@@ -25,7 +26,9 @@ from controlplane.store import ModelStore
 
 log = logging.getLogger("snoozeml.publishing")
 
-# How long a client is told to wait before it asks again for a model that is still waiting to be published.
+# A request for a model still waiting to be published waits this long for it (it is published next), then gets a 503
+# with this Retry-After.
+ARRIVAL_WAIT_SECS, ARRIVAL_POLL_SECS = 10.0, 0.01
 RETRY_AFTER_SECS = 1.0
 _RUNTIME_DIRS = ("python_backend", "model_repository_templates")
 
@@ -72,6 +75,7 @@ class Publishing:
     finished: float | None = None
     _pending: dict[str, DeploymentSpec] = field(default_factory=dict)
     _urgent: deque[str] = field(default_factory=deque)
+    _current: str | None = None  # the one being written now
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def plan(self, deployments: Iterable[DeploymentSpec]) -> None:
@@ -92,21 +96,33 @@ class Publishing:
     def waiting(self, model_id: str) -> bool:
         """Whether ``model_id`` is still waiting to be published in this run; if so it goes to the front."""
         with self._lock:
+            if model_id == self._current:
+                return True
             if model_id not in self._pending:
                 return False
             self._urgent.append(model_id)
             return True
 
+    async def arrival(self, model_id: str, timeout: float = ARRIVAL_WAIT_SECS) -> None:
+        """Wait (at most ``timeout`` seconds) while ``model_id`` is still waiting to be published; it goes first."""
+        deadline = time.monotonic() + timeout
+        while self.waiting(model_id) and time.monotonic() < deadline:
+            await asyncio.sleep(ARRIVAL_POLL_SECS)
+
     def next(self) -> DeploymentSpec | None:
         """The next package to publish (one a request asked for first), or None when all are done."""
         with self._lock:
+            self._current = None
             while self._urgent:
                 deployment = self._pending.pop(self._urgent.popleft(), None)
                 if deployment is not None:
+                    self._current = deployment.id
                     return deployment
             if not self._pending:
                 return None
-            return self._pending.pop(next(iter(self._pending)))
+            deployment = self._pending.pop(next(iter(self._pending)))
+            self._current = deployment.id
+            return deployment
 
     def describe(self) -> dict[str, Any]:
         """What ``GET /v1/publishing`` answers."""
@@ -141,7 +157,7 @@ class Publishing:
 
     def finish(self) -> None:
         with self._lock:
-            self.finished = time.time()
+            self.finished, self._current = time.time(), None
 
     def retry_hint(self, model_id: str) -> str:
         return (

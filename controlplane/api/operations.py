@@ -218,6 +218,11 @@ class ModelOperations:
         models = await run_in_threadpool(self.services.store.list, max_age=LIST_SCAN_SECS)
         return page_of(models, query, self.services.lifecycle.statuses, self._summary)
 
+    async def _arrived(self, model_id: str) -> None:
+        """A model `serve --models` has still to publish is published next, and waited for (bounded)."""
+        if self.services.publishing is not None:
+            await self.services.publishing.arrival(model_id)
+
     async def summary(self, top: int = SUMMARY_TOP) -> dict[str, Any]:
         """Counts by state and kind, the memory held, the models using the most memory and the most recently used,
         and the background publishing's progress."""
@@ -229,6 +234,7 @@ class ModelOperations:
         }
 
     async def describe(self, model_id: str) -> dict[str, Any]:
+        await self._arrived(model_id)
         model = await run_in_threadpool(self.services.store.get, model_id)
         config = await run_in_threadpool(lambda: model.config_text)
         summary = self._summary(model)
@@ -253,6 +259,7 @@ class ModelOperations:
     # --- change
 
     async def delete(self, model_id: str) -> None:
+        await self._arrived(model_id)
         store = self.services.store
         async with self._locks.hold(model_id):
             await run_in_threadpool(store.get, model_id)  # 404 for an unknown id
@@ -261,9 +268,11 @@ class ModelOperations:
             self.services.metrics.forget(model_id)
 
     async def load(self, model_id: str, instances: int | None) -> dict[str, Any]:
+        await self._arrived(model_id)
         await run_in_threadpool(self.services.store.get, model_id)
         return (await self.services.lifecycle.load(model_id, instances=instances)).to_dict()
 
     async def unload(self, model_id: str) -> dict[str, Any]:
+        await self._arrived(model_id)
         await run_in_threadpool(self.services.store.get, model_id)
         return (await self.services.lifecycle.unload(model_id, reason=UnloadReason.API)).to_dict()

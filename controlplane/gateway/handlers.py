@@ -129,6 +129,8 @@ class ModelAnswers:
         healthy" answer here) is refused with the crash. One that meets a dead stub here is sent again
         after recovery only when the journal shows it never reached a live process (``recovery``).
         """
+        if self.publishing is not None:  # one still waiting to be published is published next, waited for a while
+            await self.publishing.arrival(name)
         self.published(name, version)
         await self.lifecycle.admit(name, request_id)
         async with self.serving(name, timeout):

@@ -330,10 +330,17 @@ class Serve:
         if self.proc.poll() is not None:
             raise AssertionError(f"snoozectl serve exited with {self.proc.returncode}:\n{self.log_tail()}")
         with contextlib.suppress(httpx.TransportError):
-            return httpx.get(health, timeout=2).status_code == 200 and all(
-                _accepts(p) for p in (self.http_port, self.grpc_port)
+            return (
+                httpx.get(health, timeout=2).status_code == 200
+                and all(_accepts(p) for p in (self.http_port, self.grpc_port))
+                and self._published()
             )
         return False
+
+    def _published(self) -> bool:
+        """``--models`` are published in the background after the API is live: every test starts once they are."""
+        r = httpx.get(f"{self.api_url}/v1/publishing", headers=self._headers(), timeout=2)
+        return r.status_code != 200 or not r.json().get("in_progress")
 
     def log_tail(self, lines: int = 60) -> str:
         with contextlib.suppress(OSError):

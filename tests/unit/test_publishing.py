@@ -3,6 +3,7 @@ for a model still waiting (503 naming it, and it goes first)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -88,3 +89,18 @@ def test_a_request_for_a_model_still_waiting_gets_a_retryable_answer_naming_it(t
     assert error.message.startswith(f"{UNKNOWN_MODEL}: 'm1'") and "waiting to be published" in error.message
     with pytest.raises(UnknownModelError):  # never part of this run: Triton's own 404
         answers.published("nobody")
+
+
+async def test_a_request_waits_for_its_model_which_is_published_first(tmp_path: Path) -> None:
+    deployments = _packages(tmp_path / "packages", 3)
+    store = ModelStore(tmp_path / "repo", embedded_target())
+    progress = Publishing()
+    progress.plan(deployments)
+    order: list[str] = []
+    worker = asyncio.create_task(
+        asyncio.to_thread(publish_all, store, progress, say=lambda line: None, on_published=order.append)
+    )
+    await progress.arrival("m2", timeout=30)
+    assert store.exists("m2")
+    await worker
+    assert store.ids() == ["m0", "m1", "m2"] and not progress.in_progress
