@@ -194,3 +194,4 @@ def publish_all(
             on_published(deployment.id)  # republished: a loaded model reloads
         log.debug("published %s (%s -> %s)", published.id, published.kind, published.backend)
     progress.finish()
+    store.save_catalog()  # the next start reads no unchanged record

@@ -264,9 +264,7 @@ class ServingStack:
                 await asyncio.wait_for(self._api_task, timeout=5)
 
         deadline = time.monotonic() + s.shutdown_grace_secs
-        if (publisher := self._publisher) is not None:  # the package being written finishes; the rest: the next start
-            self.publishing.stop()
-            await step("publishing", lambda: asyncio.wait_for(asyncio.shield(publisher), PUBLISH_STOP_SECS))
+        await step("publishing", self._stop_publishing)
         cancel_loads = getattr(self.lifecycle, "cancel_loads", None)
         if cancel_loads is not None:  # a stop never waits for a load (it may hang): cancelled, its waiters told
             await step("loads in flight", lambda: cancel_loads("stopping"))
@@ -289,6 +287,15 @@ class ServingStack:
             await step("tritonserver", lambda: asyncio.to_thread(triton.stop))
         if failures:
             raise failures[0]
+
+    async def _stop_publishing(self) -> None:
+        """The package being written finishes, the rest wait for the next start; the store's catalog is kept for it
+        (it reads no unchanged record again)."""
+        if self._publisher is not None:
+            self.publishing.stop()
+            await asyncio.wait_for(asyncio.shield(self._publisher), PUBLISH_STOP_SECS)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.save_catalog)
 
     async def _wait_sequences(self, grace: float) -> None:
         """Let live sequences end (their END, or Triton's idle bound), at most ``grace`` seconds or until a second

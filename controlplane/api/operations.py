@@ -204,7 +204,7 @@ class ModelOperations:
     def _summary(self, model: PublishedModel, status: ModelStatus | None = None) -> dict[str, Any]:
         return {
             "id": model.id,
-            "kind": model.kind,
+            "kind": model.kind.value,
             "backend": model.backend,
             "device": model.deployment.device.value,
             "max_batch_size": model.deployment.max_batch_size,

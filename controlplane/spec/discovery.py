@@ -74,11 +74,14 @@ def discover(models_dir: str | Path) -> list[DeploymentSpec]:
     specs = load_models_toml(toml_path) if toml_path.exists() else []
     named_paths = {s.path.resolve() for s in specs}
     named_ids = {s.id for s in specs}
+    resolved_root = root.resolve()
     for child in sorted(root.iterdir()):
-        named = child.resolve() in named_paths or child.name in named_ids
+        # one realpath for the folder, not one per package (10,000 packages: a second): a link is resolved itself
+        path = child.resolve() if child.is_symlink() else resolved_root / child.name
+        named = path in named_paths or child.name in named_ids
         if is_package_dir(child, discoverable_only=True) and not named:
             try:
-                specs.append(DeploymentSpec(id=child.name, path=child.resolve()))
+                specs.append(DeploymentSpec(id=child.name, path=path))
             except ValidationError as exc:
                 raise InvalidPackageError(
                     format_validation_error(exc, f"{child}"),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
+import os
+import pickle
 import threading
 import time
 from collections.abc import Iterable
@@ -17,8 +19,16 @@ from typing import Any
 from controlplane.errors import NotFoundError
 from controlplane.render import DEPLOYMENT_FILE, TritonTarget, render_model
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, TensorSpec
-from controlplane.store.transactions import recover_staging, remove_model, repository_lock, write_model
+from controlplane.store.transactions import (
+    recover_staging,
+    remove_model,
+    repository_lock,
+    staging_root,
+    write_model,
+)
 
+# The catalog kept for the next start (ModelStore.save_catalog); its format changes with PublishedModel's fields.
+CATALOG_FILE, CATALOG_FORMAT = "catalog.pickle", 1
 # A read that meets a republish between its two renames tries again (the window is two syscalls wide).
 GET_TRIES, GET_RETRY_SECS = 3, 0.002
 
@@ -89,7 +99,7 @@ class ModelStore:
         self._seen = self._identities()  # what changes() compares with
         # The catalog: every published model's record as read, by the identity it was read at; a listing reads
         # again only the folders whose identity changed since (another writer's publish), so it costs a stat each.
-        self._catalog: dict[str, tuple[tuple[int, int], PublishedModel]] = {}
+        self._catalog: dict[str, tuple[tuple[int, int], PublishedModel]] = self._saved_catalog()
         self._scanned = float("-inf")  # monotonic time of the catalog's last scan
 
     def _identities(self) -> dict[str, tuple[int, int]]:
@@ -132,6 +142,34 @@ class ModelStore:
             with contextlib.suppress(OSError, ValueError):  # a folder between a republish's renames: next scan
                 catalog[model_id] = (identity, PublishedModel.read(self.repository / model_id))
         self._catalog, self._scanned = catalog, time.monotonic()
+
+    def _catalog_file(self) -> Path:
+        return staging_root(self.repository) / CATALOG_FILE
+
+    def _saved_catalog(self) -> dict[str, tuple[tuple[int, int], PublishedModel]]:
+        """The catalog ``save_catalog`` left (a restart reads no record whose identity is unchanged); empty when
+        there is none or it cannot be read. Each entry is checked against the repository at the first scan."""
+        try:
+            with self._catalog_file().open("rb") as f:
+                saved = pickle.load(f)  # noqa: S301 - this control plane's own file, in its own repository
+            if saved.get("format") != CATALOG_FORMAT or saved.get("repository") != str(self.repository):
+                return {}
+            return dict(saved["models"])
+        except Exception:  # absent, from another version, damaged: the records are read instead
+            return {}
+
+    def save_catalog(self) -> None:
+        """Keep the catalog beside the repository for the next start (``_saved_catalog``)."""
+        with self._lock:
+            saved = {"format": CATALOG_FORMAT, "repository": str(self.repository), "models": dict(self._catalog)}
+        path = self._catalog_file()
+        partial = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            with partial.open("wb") as f:
+                pickle.dump(saved, f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(partial, path)
+        except OSError:  # a read-only or full volume: the next start reads the records
+            partial.unlink(missing_ok=True)
 
     def _note(self, folder: Path) -> PublishedModel:
         """This store's own write, into the catalog (called with the lock held)."""

@@ -43,6 +43,11 @@ def _staging_root(repo: Path) -> Path:
     return inside
 
 
+def staging_root(repo: Path) -> Path:
+    """Where this repository's writers keep their work (``_staging_root``), made if missing."""
+    return _staging_root(Path(repo))
+
+
 def _same_filesystem(a: Path, b: Path) -> bool:
     return a.stat().st_dev == b.stat().st_dev
 

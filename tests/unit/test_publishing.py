@@ -14,7 +14,7 @@ from controlplane.gateway.triton_words import UNKNOWN_MODEL, NotYetPublishedErro
 from controlplane.publishing import Publishing, publish_all
 from controlplane.render import embedded_target
 from controlplane.settings import Settings
-from controlplane.spec import DeploymentSpec
+from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
 
 MODEL_PY = "class Model:\n    def load(self, model_dir, device):\n        pass\n\n    def predict(self, inputs):\n" \
@@ -104,3 +104,18 @@ async def test_a_request_waits_for_its_model_which_is_published_first(tmp_path: 
     assert store.exists("m2")
     await worker
     assert store.ids() == ["m0", "m1", "m2"] and not progress.in_progress
+
+
+def test_a_restarted_store_takes_unchanged_records_from_the_saved_catalog(tmp_path: Path) -> None:
+    deployments = _packages(tmp_path / "packages", 2)
+    store = ModelStore(tmp_path / "repo", embedded_target())
+    _run(store, deployments)  # saves the catalog when done
+    (tmp_path / "packages" / "m1" / "snooze_model.py").write_text(MODEL_PY + "# changed\n")
+    other = ModelStore(tmp_path / "repo", embedded_target())
+    other.publish(resolve(deployments[1]))  # written since the catalog was saved
+
+    restarted = ModelStore(tmp_path / "repo", embedded_target())
+    models = {m.id: m for m in restarted.list()}
+    assert models["m1"].publish == other.get("m1").publish  # read again: its identity changed
+    assert models["m0"].publish == store.get("m0").publish
+    assert [m.id for m in restarted.list()] == ["m0", "m1"]
