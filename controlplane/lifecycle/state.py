@@ -270,7 +270,7 @@ class ModelStates:
         published, just read (a new record need not read it again)."""
         rec = self.records.get(model_id)
         if rec is None:
-            rec = ModelRecord(model_id, model if model is not None else self.store.get(model_id))
+            rec = ModelRecord(model_id, model if model is not None else self.store.known(model_id))
             self.records[model_id] = rec
             self.metrics.set_state(model_id, rec.state.value)
         elif refresh and rec.op is None and rec.state is not ModelState.READY:

@@ -19,7 +19,7 @@ from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.workers import none_alive
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
-from controlplane.store import ModelStore
+from controlplane.store import ModelStore, PublishedModel
 from controlplane.triton.client import BUSY_STATES, RepositoryEntry, TritonAdminClient
 from controlplane.triton.processes import TritonProcesses
 
@@ -33,6 +33,7 @@ log = logging.getLogger("snoozeml.lifecycle")
 
 # Retry-After of a wake-up refused while tritonserver is down: about what a restart and a small model's load take.
 DOWN_RETRY_AFTER_SECS = 2.0
+RECORD_CHUNK = 500  # records made per turn of the event loop after a full resync
 
 
 class TritonUp:
@@ -158,6 +159,7 @@ class TritonSync:
         self.triton_process = triton_process  # the embedded child, which may be restarted
         self._checking = asyncio.Lock()
         self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
+        self.backfill: asyncio.Task[None] | None = None  # a full resync's records of the models Triton does not hold
 
     async def start(self) -> None:
         await self.resync(full=True)
@@ -267,14 +269,24 @@ class TritonSync:
     async def _record_new(self, entries: dict[str, RepositoryEntry], *, full: bool) -> None:
         """Records for models without one: at a full resync every published model (from the store's catalog: one
         read of each), else those Triton holds."""
-        if full:
-            for model in await asyncio.to_thread(self.store.list):
-                if self.states.get(model.id) is None:
-                    self.states.record(model.id, model=model)
-            return
+        if full:  # the rest after this pass, a chunk at a time (10,000 records take seconds): live first
+            models = await asyncio.to_thread(self.store.list)
+            if self.backfill is not None:
+                self.backfill.cancel()
+            self.backfill = asyncio.create_task(self._record_all(models), name="snooze-records")
         for model_id in [n for n, e in entries.items() if e.state in BUSY_STATES]:
             if self.states.get(model_id) is None and self.store.exists(model_id):
                 self.states.record(model_id)
+
+    async def _record_all(self, models: list[PublishedModel]) -> None:
+        """A record for every published model, ``RECORD_CHUNK`` at a time between the event loop's other work (a
+        request or a status makes its model's record at once: ``ModelStates.record``)."""
+        for start in range(0, len(models), RECORD_CHUNK):
+            for model in models[start : start + RECORD_CHUNK]:
+                if self.states.get(model.id) is None and not model.path.name.startswith("."):
+                    with contextlib.suppress(SnoozeError):
+                        self.states.record(model.id, model=model)
+            await asyncio.sleep(0)
 
     async def _note_unrecorded(self, entries: dict[str, RepositoryEntry]) -> None:
         """What Triton holds for models without a record (deleted by another node while loaded here, or before

@@ -195,6 +195,13 @@ class ModelStore:
                 time.sleep(GET_RETRY_SECS)
         raise NotFoundError(f"model '{model_id}' is not published", hint="list models with `snoozectl status`")
 
+    def known(self, model_id: str) -> PublishedModel:
+        """``get``, from the catalog where it holds the model (no file read; another writer's republish since the
+        last scan is seen at the next one, and followed by ``changes``)."""
+        with self._lock:
+            entry = self._catalog.get(model_id)
+        return entry[1] if entry is not None else self.get(model_id)
+
     def exists(self, model_id: str) -> bool:
         return (self.repository / model_id / DEPLOYMENT_FILE).is_file()
 
