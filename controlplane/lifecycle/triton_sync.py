@@ -33,7 +33,8 @@ log = logging.getLogger("snoozeml.lifecycle")
 
 # Retry-After of a wake-up refused while tritonserver is down: about what a restart and a small model's load take.
 DOWN_RETRY_AFTER_SECS = 2.0
-RECORD_CHUNK = 500  # records made per turn of the event loop after a full resync
+# After a full resync: records made per turn of the event loop, and the pause between turns (the start goes on).
+RECORD_CHUNK, RECORD_PAUSE_SECS = 100, 0.01
 
 
 class TritonUp:
@@ -286,7 +287,7 @@ class TritonSync:
                 if self.states.get(model.id) is None and not model.path.name.startswith("."):
                     with contextlib.suppress(SnoozeError):
                         self.states.record(model.id, model=model)
-            await asyncio.sleep(0)
+            await asyncio.sleep(RECORD_PAUSE_SECS)
 
     async def _note_unrecorded(self, entries: dict[str, RepositoryEntry]) -> None:
         """What Triton holds for models without a record (deleted by another node while loaded here, or before
