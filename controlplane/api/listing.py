@@ -13,8 +13,9 @@ from controlplane.lifecycle.state import ModelState, ModelStatus
 from controlplane.store import PublishedModel
 
 # How old the store catalog's scan of the repository may be for a listing: another writer's publish (a fleet's
-# other node) shows within this; this server's own publishes at once.
-LIST_SCAN_SECS = 2.0
+# other node) shows within this, or sooner where the lifecycle follows the store (``ModelStore.changes``); this
+# server's own publishes at once.
+LIST_SCAN_SECS = 30.0
 SUMMARY_TOP = 10  # the summary's lists of models: this many each
 
 

@@ -34,6 +34,7 @@ SEQUENCE_POLL_SECS = 0.2  # how often a stop or a quiesce re-reads the live sequ
 # How long a stop waits for the transitions still running (an unload: Triton's unload, at most
 # SNOOZE_UNLOAD_FINALIZE_SECS of a model's clean-up) before it cancels them.
 STOP_TRANSITIONS_SECS = 15.0
+STORE_SCAN_SPACING = 10.0  # the store's follower waits at least this many times its last scan's duration
 
 
 class Supervisor:
@@ -91,9 +92,7 @@ class Supervisor:
                 asyncio.create_task(
                     self._every(self.settings.watch_interval_secs, self.watch, "process watch"), name="snooze-watch"
                 ),
-                asyncio.create_task(
-                    self._every(self.settings.store_poll_secs, self.follow_store, "store"), name="snooze-store"
-                ),
+                asyncio.create_task(self._every(self._store_delay, self.follow_store, "store"), name="snooze-store"),
             ]
 
     async def stop(self) -> None:
@@ -161,6 +160,11 @@ class Supervisor:
     @property
     def paused(self) -> bool:
         return self.states.pause_ends is not None
+
+    def _store_delay(self) -> float:
+        """``store_poll_secs``, or longer where a scan of the repository takes long (a stat per model): the follower
+        spends at most 1 / ``STORE_SCAN_SPACING`` of its time scanning."""
+        return max(self.settings.store_poll_secs, STORE_SCAN_SPACING * self.store.scan_secs)
 
     def _sweep_delay(self) -> float:
         """The sweep interval, shortened to the next keep-alive decision when one is due sooner."""

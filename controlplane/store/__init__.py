@@ -26,6 +26,7 @@ from controlplane.store.transactions import (
     staging_root,
     write_model,
 )
+from controlplane.warmup_samples import plan_source
 
 # The catalog kept for the next start (ModelStore.save_catalog); its format changes with PublishedModel's fields.
 CATALOG_FILE, CATALOG_FORMAT = "catalog.pickle", 1
@@ -49,6 +50,7 @@ class PublishedModel:
     notes: tuple[str, ...] = ()  # what publishing decided for the user (ModelSpec.notes)
     publish: str = ""  # this publish's token (render.PUBLISH_PARAMETER), also in its config
     source_hash: str = ""  # the content hash it was rendered from (publishing.source_hash); "" when not known
+    warmup_source: str | None = None  # its config's warm-up source ("": none); None: not recorded (read the config)
 
     @property
     def config_text(self) -> str:
@@ -78,6 +80,7 @@ class PublishedModel:
             notes=tuple(record.get("notes", ())),
             publish=str(record.get("publish", "")),
             source_hash=str(record.get("source_hash", "")),
+            warmup_source=record.get("warmup_source"),
         )
 
 
@@ -96,43 +99,44 @@ class ModelStore:
         self._lock = threading.Lock()
         self.repository.mkdir(parents=True, exist_ok=True)
         recover_staging(self.repository)  # what a killed control plane left half-written
-        self._seen = self._identities()  # what changes() compares with
-        # The catalog: every published model's record as read, by the identity it was read at; a listing reads
-        # again only the folders whose identity changed since (another writer's publish), so it costs a stat each.
+        # The catalog: every published model's record as read, by the identity it was read at; a scan reads again
+        # only the folders whose identity changed since (another writer's publish), so it costs a stat each.
         self._catalog: dict[str, tuple[tuple[int, int], PublishedModel]] = self._saved_catalog()
-        self._scanned = float("-inf")  # monotonic time of the catalog's last scan
+        self._sorted: builtins.list[PublishedModel] | None = None  # the catalog by id, until it changes
+        self.scan_secs = 0.0  # how long the last scan took (the store's follower spaces its scans by it)
+        self._seen = self._scan()  # what changes() compares with
 
-    def _identities(self) -> dict[str, tuple[int, int]]:
-        """Every published model's deployment record as (inode, mtime): a new publish writes a new file."""
-        found = {}
-        for folder in self.repository.iterdir():
-            with contextlib.suppress(OSError):
-                st = (folder / DEPLOYMENT_FILE).stat()
-                found[folder.name] = (st.st_ino, st.st_mtime_ns)
-        return found
-
-    def changes(self) -> tuple[list[str], list[str]]:
+    def changes(self) -> tuple[builtins.list[str], builtins.list[str]]:
         """(republished, deleted): models another writer of this repository (another node of a fleet
         sharing it) published again or deleted since the last call. New models need nothing: a
-        request wakes them. This store's own writes are not reported."""
+        request wakes them. This store's own writes are not reported. The catalog is scanned too."""
         with self._lock:
-            now = self._identities()
+            now = self._scan()
             changed = sorted(m for m, identity in now.items() if m in self._seen and self._seen[m] != identity)
             deleted = sorted(m for m in self._seen if m not in now)
             self._seen = now
         return changed, deleted
 
-    def list(self, *, max_age: float = 0.0) -> list[PublishedModel]:
+    def list(self, *, max_age: float = 0.0) -> builtins.list[PublishedModel]:
         """Every published model, by id. ``max_age``: how old (seconds) the catalog's scan of the repository may
-        be; this store's own writes are in it at once, another writer's after the next scan."""
+        be; this store's own writes are in it at once, another writer's after the next scan (``changes`` scans
+        every ``store_poll_secs`` or so while a control plane follows the store)."""
         with self._lock:
             if time.monotonic() - self._scanned > max_age:
                 self._scan()
-            return [model for _, (_, model) in sorted(self._catalog.items())]
+            if self._sorted is None:
+                self._sorted = [model for _, (_, model) in sorted(self._catalog.items())]
+            return builtins.list(self._sorted)
 
-    def _scan(self) -> None:
-        """Bring the catalog in line with the repository: a stat per model, a read per changed one."""
-        found = self._identities()
+    def _scan(self) -> dict[str, tuple[int, int]]:
+        """Bring the catalog in line with the repository: a stat per model, a read per changed one. Returns every
+        published model's deployment record as (inode, mtime): a new publish writes a new file."""
+        started = time.monotonic()
+        found = {}
+        for folder in self.repository.iterdir():
+            with contextlib.suppress(OSError):
+                st = (folder / DEPLOYMENT_FILE).stat()
+                found[folder.name] = (st.st_ino, st.st_mtime_ns)
         catalog = {}
         for model_id, identity in found.items():
             known = self._catalog.get(model_id)
@@ -141,7 +145,11 @@ class ModelStore:
                 continue
             with contextlib.suppress(OSError, ValueError):  # a folder between a republish's renames: next scan
                 catalog[model_id] = (identity, PublishedModel.read(self.repository / model_id))
+        if catalog.keys() != self._catalog.keys() or any(catalog[m] is not self._catalog[m] for m in catalog):
+            self._sorted = None
         self._catalog, self._scanned = catalog, time.monotonic()
+        self.scan_secs = self._scanned - started
+        return found
 
     def _catalog_file(self) -> Path:
         return staging_root(self.repository) / CATALOG_FILE
@@ -178,6 +186,7 @@ class ModelStore:
         self._seen[folder.name] = identity  # only its own write: others' stay news for changes()
         model = PublishedModel.read(folder)
         self._catalog[folder.name] = (identity, model)
+        self._sorted = None
         return model
 
     # `list` is a method of this class from here on: the type is spelt builtins.list.
@@ -215,10 +224,12 @@ class ModelStore:
         """Render (validating everything) and move the model folder into place in one rename. ``source_hash``: the
         content hash of the package it came from, kept in its record (a restart adopts an unchanged one)."""
         rendered = render_model(spec, self.target)
+        # what the config's warm-up is, kept in the record: a listing of thousands of models reads no config
+        record = {"warmup_source": plan_source(rendered.writes["config.pbtxt"].decode("utf-8")) or ""}
+        if source_hash:
+            record["source_hash"] = source_hash
         with self._lock, repository_lock(self.repository):
-            folder = write_model(
-                rendered, self.repository, record={"source_hash": source_hash} if source_hash else None
-            )
+            folder = write_model(rendered, self.repository, record=record)
             return self._note(folder)
 
     def delete(self, model_id: str) -> None:
@@ -226,5 +237,6 @@ class ModelStore:
             removed = remove_model(self.repository, model_id)
             self._seen.pop(model_id, None)
             self._catalog.pop(model_id, None)
+            self._sorted = None
         if not removed:
             raise NotFoundError(f"model '{model_id}' is not published")
