@@ -20,9 +20,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from controlplane.render import DEPLOYMENT_FILE, PUBLISH_PARAMETER, RenderedModel
+from controlplane.render import DEPLOYMENT_FILE, PUBLISH_PARAMETER, RUNTIME_SUBDIR, VERSION, RenderedModel
 
 INNER_STAGING = ".snooze-staging"
+RUNTIME_PREFIX = f"{VERSION}/{RUNTIME_SUBDIR}/"
 
 
 def _staging_roots(repo: Path) -> tuple[Path, Path]:
@@ -56,6 +57,12 @@ def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] |
     for src, rel in rendered.copies:
         dest = folder / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
+        if rel.startswith(RUNTIME_PREFIX):
+            # snoozeml's own runtime files, the same in every model: linked (10,000 models: a copy each costs
+            # seconds); a user's files are always copied (an edit in place must not change what is published)
+            with contextlib.suppress(OSError):
+                os.link(src, dest)
+                continue
         shutil.copyfile(src, dest)
     token = uuid.uuid4().hex
     for rel, content in rendered.writes.items():
