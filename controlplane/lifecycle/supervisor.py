@@ -34,6 +34,8 @@ SEQUENCE_POLL_SECS = 0.2  # how often a stop or a quiesce re-reads the live sequ
 # How long a stop waits for the transitions still running (an unload: Triton's unload, at most
 # SNOOZE_UNLOAD_FINALIZE_SECS of a model's clean-up) before it cancels them.
 STOP_TRANSITIONS_SECS = 15.0
+# How old the store's catalog may be for the sweep (the follower scans it every store_poll_secs or so).
+CATALOG_MAX_AGE_SECS = 30.0
 STORE_SCAN_SPACING = 10.0  # the store's follower waits at least this many times its last scan's duration
 
 
@@ -226,8 +228,9 @@ class Supervisor:
         record (its model unloaded first), and a copy Triton holds that has no record (a delete that met a
         wake-up, a delete while this control plane was down)."""
         records = self.states.records
-        gone = {m for m, r in records.items() if r.op is None and r.in_use == 0 and not self.store.exists(m)}
-        gone |= {m for m, e in entries.items() if e.state == "READY" and m not in records and not self.store.exists(m)}
+        published = await asyncio.to_thread(self.store.catalog_ids, max_age=CATALOG_MAX_AGE_SECS)  # no stat each
+        gone = {m for m, r in records.items() if r.op is None and r.in_use == 0 and m not in published}
+        gone |= {m for m, e in entries.items() if e.state == "READY" and m not in records and m not in published}
         confirmed, self._unpublished = gone & self._unpublished, gone
         for model_id in sorted(confirmed):
             rec = records.get(model_id)

@@ -35,6 +35,7 @@ log = logging.getLogger("snoozeml.lifecycle")
 DOWN_RETRY_AFTER_SECS = 2.0
 # After a full resync: records made per turn of the event loop, and the pause between turns (the start goes on).
 RECORD_CHUNK, RECORD_PAUSE_SECS = 100, 0.01
+CATALOG_MAX_AGE_SECS = 30.0  # how old the store's catalog may be for a sweep's resync (the follower scans it)
 
 
 class TritonUp:
@@ -230,6 +231,8 @@ class TritonSync:
         is a transition of its own (wake-ups wait for it). Returns the index it read.
         """
         generations = {m: r.generation for m, r in self.states.records.items()}
+        # the store's catalog (the follower keeps it current): no stat per model on the event loop
+        published = await asyncio.to_thread(self.store.catalog_ids, max_age=0.0 if full else CATALOG_MAX_AGE_SECS)
         entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
         if full:
             await self._unload_orphans(entries)
@@ -254,7 +257,7 @@ class TritonSync:
                         True,
                         held or rec.memory.footprint or declared_bytes(rec),
                     )
-            if not self.store.exists(model_id):
+            if model_id not in published:
                 continue
             triton_ready = entry is not None and entry.state == "READY"
             if triton_ready and rec.state is not ModelState.READY:

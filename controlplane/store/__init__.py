@@ -97,12 +97,16 @@ class ModelStore:
         self.repository = Path(repository)
         self.target = target
         self._lock = threading.Lock()
+        self._scanning = threading.Lock()  # one scan at a time; a listing meanwhile answers from the catalog
         self.repository.mkdir(parents=True, exist_ok=True)
         recover_staging(self.repository)  # what a killed control plane left half-written
         # The catalog: every published model's record as read, by the identity it was read at; a scan reads again
         # only the folders whose identity changed since (another writer's publish), so it costs a stat each.
         self._catalog: dict[str, tuple[tuple[int, int], PublishedModel]] = self._saved_catalog()
         self._sorted: builtins.list[PublishedModel] | None = None  # the catalog by id, until it changes
+        self._ids: frozenset[str] | None = None  # its ids, until it changes
+        self._written: set[str] = set()  # this store's own writes since the last scan began
+        self._scanned = float("-inf")
         self.scan_secs = 0.0  # how long the last scan took (the store's follower spaces its scans by it)
         self._seen = self._scan()  # what changes() compares with
 
@@ -110,28 +114,50 @@ class ModelStore:
         """(republished, deleted): models another writer of this repository (another node of a fleet
         sharing it) published again or deleted since the last call. New models need nothing: a
         request wakes them. This store's own writes are not reported. The catalog is scanned too."""
-        with self._lock:
+        with self._scanning:
             now = self._scan()
-            changed = sorted(m for m, identity in now.items() if m in self._seen and self._seen[m] != identity)
-            deleted = sorted(m for m in self._seen if m not in now)
-            self._seen = now
+        with self._lock:
+            seen = {**now, **{m: self._seen[m] for m in self._written if m in self._seen}}  # own writes meanwhile
+            for model_id in self._written - self._seen.keys():  # deleted here during the scan
+                seen.pop(model_id, None)
+            changed = sorted(m for m, identity in seen.items() if m in self._seen and self._seen[m] != identity)
+            deleted = sorted(m for m in self._seen if m not in seen and m not in self._written)
+            self._seen = seen
         return changed, deleted
 
     def list(self, *, max_age: float = 0.0) -> builtins.list[PublishedModel]:
         """Every published model, by id. ``max_age``: how old (seconds) the catalog's scan of the repository may
         be; this store's own writes are in it at once, another writer's after the next scan (``changes`` scans
         every ``store_poll_secs`` or so while a control plane follows the store)."""
+        self._fresh(max_age)
         with self._lock:
-            if time.monotonic() - self._scanned > max_age:
-                self._scan()
             if self._sorted is None:
                 self._sorted = [model for _, (_, model) in sorted(self._catalog.items())]
             return builtins.list(self._sorted)
 
+    def catalog_ids(self, *, max_age: float = 0.0) -> frozenset[str]:
+        """The published ids as a set (``list``'s catalog): a membership test per model costs no stat."""
+        self._fresh(max_age)
+        with self._lock:
+            if self._ids is None:
+                self._ids = frozenset(self._catalog)
+            return self._ids
+
+    def _fresh(self, max_age: float) -> None:
+        """Scan unless the last scan is at most ``max_age`` seconds old (one that ran while this waited counts)."""
+        if time.monotonic() - self._scanned <= max_age:
+            return
+        with self._scanning:
+            if time.monotonic() - self._scanned > max_age:
+                self._scan()
+
     def _scan(self) -> dict[str, tuple[int, int]]:
-        """Bring the catalog in line with the repository: a stat per model, a read per changed one. Returns every
-        published model's deployment record as (inode, mtime): a new publish writes a new file."""
+        """Bring the catalog in line with the repository: a stat per model, a read per changed one, neither under
+        the lock (a listing meanwhile answers from the catalog as it was). Returns every published model's
+        deployment record as (inode, mtime): a new publish writes a new file."""
         started = time.monotonic()
+        with self._lock:
+            before, self._written = dict(self._catalog), set()
         found = {}
         for folder in self.repository.iterdir():
             with contextlib.suppress(OSError):
@@ -139,16 +165,22 @@ class ModelStore:
                 found[folder.name] = (st.st_ino, st.st_mtime_ns)
         catalog = {}
         for model_id, identity in found.items():
-            known = self._catalog.get(model_id)
+            known = before.get(model_id)
             if known is not None and known[0] == identity:
                 catalog[model_id] = known
                 continue
             with contextlib.suppress(OSError, ValueError):  # a folder between a republish's renames: next scan
                 catalog[model_id] = (identity, PublishedModel.read(self.repository / model_id))
-        if catalog.keys() != self._catalog.keys() or any(catalog[m] is not self._catalog[m] for m in catalog):
-            self._sorted = None
-        self._catalog, self._scanned = catalog, time.monotonic()
-        self.scan_secs = self._scanned - started
+        with self._lock:
+            for model_id in self._written:  # this store's own writes during the scan stand as they are
+                if model_id in self._catalog:
+                    catalog[model_id] = self._catalog[model_id]
+                else:
+                    catalog.pop(model_id, None)
+            if catalog.keys() != self._catalog.keys() or any(catalog[m] is not self._catalog[m] for m in catalog):
+                self._sorted, self._ids = None, None
+            self._catalog, self._scanned = catalog, time.monotonic()
+            self.scan_secs = self._scanned - started
         return found
 
     def _catalog_file(self) -> Path:
@@ -186,7 +218,8 @@ class ModelStore:
         self._seen[folder.name] = identity  # only its own write: others' stay news for changes()
         model = PublishedModel.read(folder)
         self._catalog[folder.name] = (identity, model)
-        self._sorted = None
+        self._sorted, self._ids = None, None
+        self._written.add(folder.name)
         return model
 
     # `list` is a method of this class from here on: the type is spelt builtins.list.
@@ -237,6 +270,7 @@ class ModelStore:
             removed = remove_model(self.repository, model_id)
             self._seen.pop(model_id, None)
             self._catalog.pop(model_id, None)
-            self._sorted = None
+            self._sorted, self._ids = None, None
+            self._written.add(model_id)
         if not removed:
             raise NotFoundError(f"model '{model_id}' is not published")
