@@ -47,16 +47,21 @@ def page_of(
 ) -> ModelPage:
     """``models`` sorted by id -> the page ``query`` asks for. Statuses are read for the page only, unless the query
     filters by state (then for every model the other filters kept)."""
-    ids = [m.id for m in models]
-    start = bisect.bisect_left(ids, query.prefix) if query.prefix else 0
-    end = bisect.bisect_left(ids, query.prefix + "\U0010ffff") if query.prefix else len(ids)
-    chosen = [m for m in models[start:end] if query.kind is None or m.kind.value == query.kind]
+
+    def by_id(m: PublishedModel) -> str:
+        return m.id
+
+    start = bisect.bisect_left(models, query.prefix, key=by_id) if query.prefix else 0
+    end = bisect.bisect_left(models, query.prefix + "\U0010ffff", key=by_id) if query.prefix else len(models)
+    chosen = models[start:end]
+    if query.kind is not None:
+        chosen = [m for m in chosen if m.kind.value == query.kind]
     known: dict[str, ModelStatus] = {}
     if query.state is not None:
         known = {s.id: s for s in statuses([m.id for m in chosen])}
         chosen = [m for m in chosen if known[m.id].state is query.state]
     total = len(chosen)
-    first = bisect.bisect_right([m.id for m in chosen], query.after) if query.after else 0
+    first = bisect.bisect_right(chosen, query.after, key=by_id) if query.after else 0
     last = len(chosen) if query.limit is None else min(first + query.limit, len(chosen))
     page = chosen[first:last]
     missing = [m.id for m in page if m.id not in known]
