@@ -54,9 +54,16 @@ def _same_filesystem(a: Path, b: Path) -> bool:
 
 
 def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] | None = None) -> None:
+    made: set[Path] = set()
+
+    def parent_of(dest: Path) -> None:  # each folder made once (a model has 20-odd files in a handful of folders)
+        if dest.parent not in made:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            made.add(dest.parent)
+
     for src, rel in rendered.copies:
         dest = folder / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        parent_of(dest)
         if rel.startswith(RUNTIME_PREFIX):
             # snoozeml's own runtime files, the same in every model: linked (10,000 models: a copy each costs
             # seconds); a user's files are always copied (an edit in place must not change what is published)
@@ -67,7 +74,7 @@ def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] |
     token = uuid.uuid4().hex
     for rel, content in rendered.writes.items():
         dest = folder / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        parent_of(dest)
         if rel == "config.pbtxt":
             content = content + _publish_parameter(token).encode()
         elif rel == DEPLOYMENT_FILE:
