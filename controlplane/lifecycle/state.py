@@ -109,7 +109,10 @@ class ModelStatus:
     )
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"state": self.state.value}
+        return {name: getattr(self, name) for name in _STATUS_FIELDS} | {"state": self.state.value}
+
+
+_STATUS_FIELDS = tuple(f.name for f in fields(ModelStatus))  # read once: a listing converts thousands
 
 
 @dataclass(frozen=True)
