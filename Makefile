@@ -23,7 +23,8 @@ PYTEST_SHUFFLE ?= --random-order
 PYTHON310 ?= $(or $(shell python3.10 -c 'import sys; print(sys.executable)' 2>/dev/null),$(lastword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10)))
 VENV310   ?= .venv310
 RUNTIME_TESTS := tests/unit/test_python_backend_batching.py tests/unit/test_python_backend_runtime_parts.py \
-                 tests/unit/test_prefork.py tests/unit/test_python_backend_strings.py
+                 tests/unit/test_prefork.py tests/unit/test_python_backend_strings.py tests/unit/test_triton_wrapper.py \
+                 tests/unit/test_python_backend_bls_wake.py
 
 .PHONY: serve test test-runtime-py310 install install-dev examples bench lint clean engine images compose-test render soak
 

@@ -19,7 +19,7 @@ import numpy as np
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError, SnoozeError
 from controlplane.render import runtime_config
-from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec, resolve
+from controlplane.spec import DeploymentSpec, ModelSpec, TensorSpec, package_kind, resolve
 from converters.samples import sample_array
 from python_backend.batching import narrowing_note
 from python_backend.local_check import RETURNED_KEY
@@ -97,6 +97,16 @@ def build_inputs(spec: ModelSpec, options: list[str], seed: int = 0) -> dict[str
 def check_package(
     path: Path, options: list[str], *, device: str = "cpu", max_batch_size: int = 8, timeout: float | None = None
 ) -> CheckResult:
+    """Load the package and run one request. A Triton model folder runs in the embedded tritonserver (its code is
+    written against Triton's python backend), with its own config: ``device`` and ``max_batch_size`` are its
+    config's there."""
+    if package_kind(Path(path)).triton_folder:
+        from controlplane.check_triton import check_triton_folder
+
+        spec = resolve(DeploymentSpec(id=_safe_id(path), path=path))
+        manifest = spec.package.manifest
+        limit = timeout or manifest.load_timeout_secs + manifest.request_timeout_secs
+        return check_triton_folder(Path(path), build_inputs(spec, options), spec, limit)
     spec = resolve(DeploymentSpec(id=_safe_id(path), path=path, max_batch_size=max_batch_size))
     inputs = build_inputs(spec, options)
     manifest = spec.package.manifest

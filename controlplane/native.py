@@ -51,6 +51,7 @@ from controlplane.spec import (
     PackageKind,
     TensorSpec,
     load_package,
+    package_kind,
     validate_params,
 )
 from converters.files import ONNX_FILE
@@ -162,6 +163,15 @@ def prefer_native(
     notify = progress or (lambda _stage: None)
     package_dir = Path(package_dir).resolve()
     out_dir = Path(out_dir).resolve()
+    kind = package_kind(package_dir)
+    if kind.triton_folder:  # served with its own config: never converted (its checks run at publish, on the server)
+        return NativeDecision(
+            package_dir,
+            kind is not PackageKind.TRITON_PYTHON,
+            f"a Triton model folder ({kind.value}); served with its own config",
+            None,
+            None,
+        )
     package = load_package(package_dir)
     if package.kind is not PackageKind.CUSTOM:
         return NativeDecision(
@@ -432,8 +442,10 @@ def native_package(
 
     With `enabled=False` (`--no-convert`) the package is published as it is."""
     if not enabled:
-        package = load_package(Path(package_dir))
-        native = package.kind is not PackageKind.CUSTOM
+        kind = package_kind(Path(package_dir))
+        if not kind.triton_folder:  # a Triton folder is checked at publish, on the server (auto-complete runs there)
+            load_package(Path(package_dir))
+        native = kind not in (PackageKind.CUSTOM, PackageKind.TRITON_PYTHON)
         yield NativeDecision(
             Path(package_dir).resolve(),
             native,

@@ -167,6 +167,33 @@ def check_import(
     return None
 
 
+def check_triton_import(model_file: Path, model_dir: Path, timeout: float = IMPORT_TIMEOUT_SECS) -> str | None:
+    """None when a Triton python model's file imports as Triton's stub imports it (``<version>.model``, with a
+    stand-in ``triton_python_backend_utils``) and defines TritonPythonModel with execute; else the problem."""
+    job = {
+        "triton_module": {"file": str(model_file.resolve()), "model_dir": str(model_dir.resolve())},
+        "env": {},
+        "cwd": str(model_file.parent.resolve()),
+        "timeout": timeout,
+    }
+    with ImportProbe() as probe:
+        answer = probe.run(job)
+    where = f"{model_file.parent.name}/{model_file.name}"
+    if "timeout" in answer:
+        return f"importing {where} took longer than {timeout:g}s; module-level code must be quick"
+    if "crashed" in answer:
+        output = answer.get("output") or ""
+        return f"importing {where} ended the process (exit code {answer['crashed']})" + (
+            f": {output}" if output else ""
+        )
+    result = answer["triton"]
+    if not result["ok"]:
+        return f"importing {where} failed:\n{result['error'].strip()}"
+    if not result["has_class"] or not result["has_execute"]:
+        return f"{where} defines no class TritonPythonModel with execute(self, requests)"
+    return None
+
+
 def missing_modules(package_dir: Path, files: Iterable[str]) -> list[tuple[str, int, str]]:
     """``(file, line, module)`` for every import in the package's Python files, module level or inside
     a function such as ``load()``, whose top-level module is neither the package's own, nor the

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from controlplane.errors import SnoozeError
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
@@ -30,6 +32,7 @@ log = logging.getLogger("snoozeml.publishing")
 # with this Retry-After.
 ARRIVAL_WAIT_SECS, ARRIVAL_POLL_SECS = 10.0, 0.01
 RETRY_AFTER_SECS = 1.0
+SAY_EACH_UNDER = 100  # up to this many packages the console names each one published; beyond, the progress only
 _RUNTIME_DIRS = ("python_backend", "model_repository_templates")
 
 
@@ -186,12 +189,17 @@ def publish_all(
                 continue
             published = store.publish(resolve(deployment), source_hash=digest)
         except (SnoozeError, OSError) as exc:
+            # One broken package must not keep the others from being served: say why it is refused and go on.
             progress.note(deployment.id, failed=str(exc))
-            say(f"[red]skipped {deployment.id}:[/] {exc}")
+            message, hint = (exc.message, exc.hint) if isinstance(exc, SnoozeError) else (str(exc), None)
+            say(f"[red]refused {deployment.id}:[/] {escape(message)}{escape(f' (fix: {hint})' if hint else '')}")
             continue
         progress.note(deployment.id)
+        if progress.total <= SAY_EACH_UNDER:
+            say(f"published [bold]{published.id}[/] ({published.kind} -> {published.backend})")
+        for note in published.notes:
+            say(f"  note: {escape(note)}")
         if deployment.id in known and on_published is not None:
             on_published(deployment.id)  # republished: a loaded model reloads
-        log.debug("published %s (%s -> %s)", published.id, published.kind, published.backend)
     progress.finish()
     store.save_catalog()  # the next start reads no unchanged record

@@ -77,6 +77,7 @@ class RenderedModel:
     config_text: str
     copies: list[tuple[Path, str]] = field(default_factory=list)  # (source, relative destination)
     writes: dict[str, bytes] = field(default_factory=dict)  # relative destination -> content
+    dirs: list[str] = field(default_factory=list)  # relative folders made even when empty (an ensemble's 1/)
 
 
 @lru_cache(maxsize=1)
@@ -174,8 +175,29 @@ def _model_files(package: ModelPackage) -> list[str]:
     return [package.model_file, *package.external_data]
 
 
+def _template(name: str, **values: Any) -> str:
+    return _environment().get_template(name).render(**values)
+
+
+def render_triton_folder(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
+    """A Triton model folder: its own config, kept but for the fields snoozeml owns (controlplane/render_triton.py)."""
+    from controlplane.render_triton import triton_config, triton_files
+
+    config, backend, notes = triton_config(spec, target)
+    text = text_format.MessageToString(config)
+    config = parse_config(text, where=f"model '{spec.id}' ({spec.package.path / 'config.pbtxt'})")
+    rendered = RenderedModel(spec.id, backend, config, text)
+    triton_files(spec, backend, rendered, _runtime_sources() if backend == "python" else [], _template)
+    rendered.writes["config.pbtxt"] = text.encode()
+    record = deployment_record(spec, backend, notes=notes)
+    rendered.writes[DEPLOYMENT_FILE] = (json.dumps(record, indent=2) + "\n").encode()
+    return rendered
+
+
 def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     """Build one model folder in memory and validate its config against Triton's schema."""
+    if spec.package.triton is not None:
+        return render_triton_folder(spec, target)
     _check_python(spec, target)
     backend = _backend_for(spec, target)
     dep = spec.deployment
@@ -231,9 +253,11 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     return rendered
 
 
-def deployment_record(spec: ModelSpec, backend: str) -> dict[str, Any]:
-    """Everything the control plane needs to know about a published model, without its package."""
+def deployment_record(spec: ModelSpec, backend: str, *, notes: Iterable[str] | None = None) -> dict[str, Any]:
+    """Everything the control plane needs to know about a published model, without its package. ``notes``: what
+    publishing decided (default: the spec's)."""
     manifest = spec.package.manifest
+    triton = spec.package.triton
     return {
         "format": 1,
         "deployment": spec.deployment.model_dump(mode="json"),
@@ -246,7 +270,10 @@ def deployment_record(spec: ModelSpec, backend: str) -> dict[str, Any]:
         "load_timeout_secs": manifest.load_timeout_secs,
         "request_timeout_secs": manifest.request_timeout_secs,
         "decoupled": spec.decoupled,
-        "notes": list(spec.notes),
+        "notes": list(spec.notes if notes is None else notes),
+        "ensemble_steps": [list(step) for step in triton.ensemble_steps] if triton is not None else [],
+        # The versions Triton serves (a Triton folder's version_policy; a package is version 1).
+        "versions": [str(v) for v in triton.served] if triton is not None else [VERSION],
     }
 
 

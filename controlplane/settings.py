@@ -84,6 +84,12 @@ class Settings(BaseSettings):
     wake_timeout_secs: float | None = Field(
         None, description="Longest a request waits for a cold start (default: the model's load_timeout_secs)"
     )
+    bls_wake_timeout_secs: float = Field(
+        60.0,
+        gt=0,
+        description="Longest a BLS call into a sleeping model waits for it to wake, when the call's "
+        "InferenceRequest sets no timeout of its own (Triton's python stubs read it from their environment)",
+    )
     max_concurrent_loads: int = Field(
         4,
         ge=1,

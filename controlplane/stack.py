@@ -72,6 +72,7 @@ class ServingStack:
         from controlplane.api.app import create_app
         from controlplane.api.services import ControlPlaneServices
         from controlplane.gateway.activator import Activator
+        from controlplane.gateway.bls_wake import wake_socket_path
         from controlplane.lifecycle.manager import LifecycleManager
 
         s = self.settings
@@ -101,6 +102,7 @@ class ServingStack:
             s,
             triton_http_url=http_url,
             triton_grpc_url=grpc_url,
+            wake_socket=wake_socket_path(journal_dir) if journal_dir is not None else None,
             publishing=self.publishing,
         )
         await self.activator.start()
@@ -148,6 +150,7 @@ class ServingStack:
             admin_header=s.triton_admin_header,
             admin_key=admin_key,
             exit_timeout_secs=s.triton_exit_timeout_secs,
+            bls_wake_timeout_secs=s.bls_wake_timeout_secs,
         )
         s.repository.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()

@@ -290,7 +290,9 @@ def _is_zip(fileobj: BinaryIO) -> bool:
 def package_root(extracted: Path) -> Path:
     """A single top-level folder is the package when the archive has nothing else at its root."""
     entries = list(extracted.iterdir())
-    if len(entries) == 1 and entries[0].is_dir() and not entries[0].is_symlink():
+    # A numbered folder alone is a Triton model folder's version (an ensemble's 1/, an auto-complete model's
+    # 1/model.py): the archive's root is the model folder then.
+    if len(entries) == 1 and entries[0].is_dir() and not entries[0].is_symlink() and not entries[0].name.isdigit():
         return entries[0]
     return extracted
 

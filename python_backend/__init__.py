@@ -18,6 +18,7 @@ PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 RUNTIME_MODULES = (
     "__init__.py",
     "batching.py",
+    "bls_wake.py",
     "errors.py",
     "exits.py",
     "import_probe.py",
@@ -33,6 +34,7 @@ RUNTIME_MODULES = (
     "spec.py",
     "strings.py",
     "triton_model.py",
+    "triton_wrapper.py",
     "warmup.py",
 )
 

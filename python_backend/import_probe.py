@@ -11,9 +11,10 @@ working directory per package, without paying for an interpreter and numpy each 
 group of its own that is killed whole when the job outlives its timeout. One probe per environment
 checks many packages; the control plane runs one per core.
 
-A job: ``{"package_dir", "entrypoint", "class_name", "env", "cwd", "entry_file", "timeout"}``
-(``entry_file``: a rendered ``model.py`` to import first; ``entrypoint`` empty: no package import).
-An answer: ``{"baseline": [frameworks imported before], "entry": {...}, "package": {...}}``, or
+A job: ``{"package_dir", "entrypoint", "class_name", "env", "cwd", "entry_file", "triton_module", "timeout"}``
+(``entry_file``: a rendered ``model.py`` to import first; ``entrypoint`` empty: no package import;
+``triton_module``: a Triton python model's own file, imported as Triton's stub imports it).
+An answer: ``{"baseline": [frameworks imported before], "entry": {...}, "package": {...}, "triton": {...}}``, or
 ``{"timeout": secs}``, or ``{"crashed": exit code, "output": its last lines}`` when the job's process
 ended without answering.
 
@@ -113,14 +114,44 @@ def _import_package(package_dir: str, entrypoint: str, class_name: str) -> dict[
     }
 
 
+def _import_triton_module(path: str, model_dir: str) -> dict[str, Any]:
+    """A Triton python model's file, imported as the stub imports model.py (``<version>.<name>``, its version and
+    model folders on sys.path) with the stand-in ``triton_python_backend_utils`` of publish's auto-complete."""
+    version_dir = os.path.dirname(path)
+    for folder in (version_dir, model_dir):
+        if folder not in sys.path:
+            sys.path.append(folder)
+    before = _frameworks()
+    try:
+        module = importlib.import_module(f"{os.path.basename(version_dir)}.{os.path.basename(path)[: -len('.py')]}")
+    except BaseException:
+        return {"ok": False, "error": _error(model_dir), "frameworks": _frameworks(), "before": before}
+    cls = getattr(module, "TritonPythonModel", None)
+    return {
+        "ok": True,
+        "before": before,
+        "frameworks": _frameworks(),
+        "has_class": isinstance(cls, type),
+        "has_execute": callable(getattr(cls, "execute", None)),
+    }
+
+
 def probe_job(job: dict[str, Any]) -> dict[str, Any]:
     """One job, in the current process (the forked child)."""
     os.environ.update(job.get("env") or {})
     if job.get("cwd"):
         os.chdir(job["cwd"])
+    triton = job.get("triton_module")
+    if triton:
+        # Only the control plane's probe gets this job: the stand-in is publish's, not part of the travelling runtime.
+        from .auto_complete import STANDIN_NAME, standin_module
+
+        sys.modules[STANDIN_NAME] = standin_module(triton["model_dir"])
     result: dict[str, Any] = {"baseline": _frameworks()}
     if job.get("entry_file"):
         result["entry"] = _import_entry_file(job["entry_file"])
+    if triton:
+        result["triton"] = _import_triton_module(triton["file"], triton["model_dir"])
     if job.get("entrypoint"):
         result["package"] = _import_package(job["package_dir"], job["entrypoint"], job.get("class_name") or "Model")
     return result

@@ -22,7 +22,7 @@ from controlplane.api.listing import LIST_SCAN_SECS, SUMMARY_TOP, ListQuery, Mod
 from controlplane.api.services import ControlPlaneServices
 from controlplane.errors import ForbiddenError, InvalidPackageError, SnoozeError
 from controlplane.lifecycle.state import ModelStatus, UnloadReason
-from controlplane.package_check import check_import, missing_modules
+from controlplane.package_check import check_import, check_triton_import, missing_modules
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, resolve
 from controlplane.store import PublishedModel
@@ -104,9 +104,45 @@ def _check_custom_import(spec: ModelSpec, *, same_environment: bool) -> None:
         )
 
 
+# What Triton's python backend stub provides to the models it runs (never installed in an environment).
+STUB_MODULES = frozenset({"triton_python_backend_utils", "c_python_backend_utils"})
+
+
+def _check_triton_import(spec: ModelSpec, *, same_environment: bool) -> None:
+    """Import a Triton python model's file of each served version in a child process, as Triton's stub would."""
+    package, folder = spec.package, spec.package.triton
+    if folder is None or package.kind is not PackageKind.TRITON_PYTHON:
+        return
+    if spec.deployment.execution_env_path or "EXECUTION_ENV_PATH" in folder.config.parameters:
+        return  # it imports in its own environment, which the control plane cannot run
+    for version in folder.served:
+        version_dir = package.path / str(version)
+        problem = check_triton_import(version_dir / folder.model_file, package.path)
+        if problem:
+            raise InvalidPackageError(
+                f"model '{spec.id}': {problem}",
+                hint="fix the error above; try it with `snoozectl check <folder>` (it runs in tritonserver)",
+            )
+        if not same_environment:
+            continue
+        prefix = f"{version}/"
+        files = [f.removeprefix(prefix) for f in package.files if f.startswith(prefix)]
+        missing = [m for m in missing_modules(version_dir, files) if m[2] not in STUB_MODULES]
+        if missing:
+            where = "; ".join(f"{version}/{file}:{line} imports '{module}'" for file, line, module in missing)
+            raise InvalidPackageError(
+                f"model '{spec.id}': {where}, which is not installed where Triton's python backend runs the model "
+                f"({sys.executable})",
+                hint=f"install it there ({sys.executable} -m pip install ...), or give the model an EXECUTION_ENV_PATH "
+                "(config parameter, or the deployment's execution_env_path); an import inside try/except ImportError "
+                "is treated as optional",
+            )
+
+
 def _validate(deployment: DeploymentSpec, settings: Settings) -> ModelSpec:
     spec = resolve(deployment)
     _check_custom_import(spec, same_environment=settings.triton_url is None)
+    _check_triton_import(spec, same_environment=settings.triton_url is None)
     return spec
 
 
@@ -209,6 +245,7 @@ class ModelOperations:
             "device": model.deployment.device.value,
             "max_batch_size": model.deployment.max_batch_size,
             "status": (status or self.services.lifecycle.status(model.id)).to_dict(),
+            "notes": list(model.notes),
         }
 
     async def list(self, query: ListQuery | None = None) -> ModelPage:
@@ -251,9 +288,9 @@ class ModelOperations:
             "outputs": [t.model_dump() for t in model.outputs],
             "params": model.params,
             "metadata": model.metadata,
+            "versions": list(model.versions),
             "config": config,
             "stats": stats,
-            "notes": list(model.notes),
         }
 
     # --- change

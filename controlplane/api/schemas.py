@@ -110,11 +110,20 @@ class RuntimeBody(BaseModel):
 
 class ModelSummary(BaseModel):
     id: str
-    kind: str = Field(description="custom | onnx | tensorrt")
-    backend: str = Field(description="Triton backend the model runs on: python | onnxruntime | tensorrt")
+    kind: str = Field(
+        description="custom | onnx | tensorrt, or a Triton model folder: triton-python | triton-onnx | triton-plan | "
+        "triton-ensemble"
+    )
+    backend: str = Field(description="Triton backend the model runs on: python | onnxruntime | tensorrt | ensemble")
     device: str
     max_batch_size: int
     status: ModelStatusBody
+    notes: list[str] = Field(
+        default_factory=list,
+        description="What publishing decided for the model and why (e.g. max_batch_size 0 for a model whose batch "
+        "axis is not the first; for a Triton model folder, each config field snoozeml owns and changed, and the "
+        "promises that do not hold for its kind)",
+    )
 
 
 class ModelDetail(ModelSummary):
@@ -123,13 +132,11 @@ class ModelDetail(ModelSummary):
     outputs: list[TensorSpec]
     params: dict[str, Any]
     metadata: dict[str, Any] = Field(description="Capability/interface metadata from the package manifest")
-    config: str = Field(description="The generated config.pbtxt")
-    stats: dict[str, Any] | None = Field(None, description="Triton's inference statistics while loaded")
-    notes: list[str] = Field(
-        default_factory=list,
-        description="What publishing decided for the model and why "
-        "(e.g. max_batch_size 0 for a model whose batch axis is not the first)",
+    versions: list[str] = Field(
+        default_factory=lambda: ["1"], description="The versions Triton serves (a Triton folder's version_policy)"
     )
+    config: str = Field(description="The generated config.pbtxt (a Triton model folder's own, as published)")
+    stats: dict[str, Any] | None = Field(None, description="Triton's inference statistics while loaded")
 
 
 class LoadRequest(BaseModel):

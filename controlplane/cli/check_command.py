@@ -13,18 +13,23 @@ from controlplane.errors import SnoozeError
 
 
 def check(
-    path: Annotated[Path, typer.Argument(metavar="PATH", help="Package folder")],
+    path: Annotated[
+        Path, typer.Argument(metavar="PATH", help="Package folder, or a Triton model folder (run in tritonserver)")
+    ],
     inputs: Annotated[
         list[str] | None,
         typer.Option(
             "--input", "-i", metavar="NAME:SHAPE|NAME=FILE.npy", help="Batch first, e.g. x:4x3 (repeat per input)"
         ),
     ] = None,
-    device: Annotated[str, typer.Option(help="cpu or cuda:N")] = "cpu",
-    max_batch_size: Annotated[int, typer.Option(help="0 if the model does not batch")] = 8,
+    device: Annotated[str, typer.Option(help="cpu or cuda:N (a Triton model folder: its config's)")] = "cpu",
+    max_batch_size: Annotated[
+        int, typer.Option(help="0 if the model does not batch (a Triton model folder: its config's)")
+    ] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output")] = False,
 ) -> None:
-    """Load a package in a child process, run one predict, print the outputs.
+    """Load a package in a child process, run one predict, print the outputs. A Triton model folder is loaded into
+    the embedded tritonserver instead (an ensemble with its steps, from the folders beside it).
 
     \b
     Examples:

@@ -90,6 +90,10 @@ def publish(
     param: Annotated[
         list[str] | None, typer.Option("--param", metavar="KEY=VALUE", help="Model param (repeatable)")
     ] = None,
+    wakes: Annotated[
+        list[str] | None,
+        typer.Option("--wakes", metavar="MODEL", help="A model this one calls through BLS, woken with it (repeatable)"),
+    ] = None,
     server_path: Annotated[
         bool, typer.Option("--server-path", help="The server reads PATH from its own filesystem (no upload)")
     ] = False,
@@ -135,6 +139,8 @@ def publish(
         existed = load and _published(client, name)
         if param:
             deployment["params"] = _parse_params(param)
+        if wakes:
+            deployment["wakes"] = wakes
         decision = None
         if prefer_native and path.is_dir() and not server_path:  # archives and server paths go as they are
             decision = _native_decision(path, deployment, native, as_json)

@@ -9,13 +9,17 @@ from typing import Annotated
 import typer
 
 from controlplane.cli.output import fail, out_console
-from controlplane.errors import SnoozeError
+from controlplane.errors import InvalidPackageError, SnoozeError
 from controlplane.modes import TargetName
 
 
 def render(
     paths: Annotated[
-        list[Path], typer.Argument(metavar="PATH", help="Package folders or models folders (with models.toml)")
+        list[Path],
+        typer.Argument(
+            metavar="PATH",
+            help="Package folders, Triton model folders, or models folders (a Triton repository, models.toml)",
+        ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Model repository to write")],
     target: Annotated[
@@ -38,8 +42,15 @@ def render(
         for path in paths:
             if is_package_dir(path):
                 deployments.append(DeploymentSpec(id=path.resolve().name, path=path.resolve()))
-            else:
-                deployments.extend(discover(path))
+                continue
+            found = discover(path)
+            if not found:  # nothing to write is a refusal, not a success
+                raise InvalidPackageError(
+                    f"{path}: not a model package, and no model package in it",
+                    hint="pass a package folder (snooze_model.py, model.onnx, model.plan), a Triton model folder "
+                    "(config.pbtxt, 1/model.py), or a models folder holding them",
+                )
+            deployments.extend(found)
         specs = resolve_all(deployments)
         written = render_repository(specs, out, target_by_name(target))
     except SnoozeError as exc:

@@ -168,6 +168,17 @@ def _failure_lines(models: list[dict[str, Any]]) -> list[str]:
     return failed + skipped
 
 
+def _note_lines(models: list[dict[str, Any]]) -> list[str]:
+    """Below the table, what publishing decided for each model: a Triton folder's owned fields, limits of its kind."""
+    lines = []
+    for model in models:
+        notes = model.get("notes") or []
+        if notes:
+            lines.append(f"{model['id']} ({model.get('kind', '?')}):")
+            lines += [f"  - {note}" for note in notes]
+    return lines
+
+
 def _runtime(client: Any) -> dict[str, Any]:
     """The processes models share (preloaded parents); empty where the server has no such route (a fleet API)."""
     from controlplane.api.client import ControlPlaneError
@@ -247,6 +258,8 @@ def status(
     else:
         out_console.print(status_table(models))
         for line in _failure_lines(models):
+            out_console.print(line, highlight=False, markup=False, soft_wrap=True)
+        for line in _note_lines(models):
             out_console.print(line, highlight=False, markup=False, soft_wrap=True)
         _print_runtime(runtime)
 

@@ -60,6 +60,7 @@ def register(app: typer.Typer) -> None:
                 journal_dir=journal_dir or settings.journal_dir,
                 admin_header=settings.triton_admin_header,
                 admin_key=key,
+                bls_wake_timeout_secs=settings.bls_wake_timeout_secs,
             )
             stop = threading.Event()
 

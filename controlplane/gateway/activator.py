@@ -14,6 +14,9 @@ Envoy sends it (see ``envoy.yaml.j2``):
 - model readiness, metadata and config, answered for a published model as if it were loaded (a
   request would succeed), and the repository API (index; load/unload with the admin scope).
 
+Beside them, not reached through Envoy: the wake route of BLS calls into sleeping models, on a unix socket in
+the request journal folder, and the wake-ups of the models a deployment declares in ``wakes`` (``bls_wake``).
+
 HTTP is an ASGI app (Starlette, served by uvicorn on a loopback port); gRPC is a grpc.aio server with
 a generic handler and identity serializers, so inference messages are forwarded as raw bytes.
 """
@@ -23,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
 import httpx
 import uvicorn
 
+from controlplane.gateway.bls_wake import BlsWakeServer, DeclaredWakes
 from controlplane.gateway.grpc_adapter import GRPC_OPTIONS, GrpcActivator
 from controlplane.gateway.handlers import HoldRegistry, ModelAnswers, ReadyFlags, input_names_hint
 from controlplane.gateway.http_adapter import HttpForwarder, create_http_app
@@ -59,6 +64,7 @@ class Activator:
 
     Ports come from ``settings.activator_http_port`` / ``activator_grpc_port`` (0 = a free port);
     after ``start()``, ``http_address`` and ``grpc_address`` are what the Envoy bootstrap needs.
+    ``wake_socket``: where the BLS wake route listens (None: Triton's stubs share no folder with this process).
     """
 
     def __init__(
@@ -70,6 +76,7 @@ class Activator:
         triton_http_url: str,
         triton_grpc_url: str,
         host: str = "127.0.0.1",
+        wake_socket: Path | None = None,
         publishing: Publishing | None = None,
     ) -> None:
         self.settings = settings
@@ -87,6 +94,8 @@ class Activator:
         self.holds = HoldRegistry(self.answers, held_log_path(settings))
         self.ready_flags = ReadyFlags(ready_dir_path(settings), lambda m: input_names_hint(store.get(m)))
         self._tail_task: asyncio.Task[None] | None = None
+        self.bls_wake = BlsWakeServer(lifecycle, store, wake_socket) if wake_socket is not None else None
+        self.declared_wakes = DeclaredWakes(lifecycle, store)
 
     @property
     def http_address(self) -> str:
@@ -100,6 +109,7 @@ class Activator:
         self.ready_flags.open()
         self.answers.lifecycle.add_state_listener(self.ready_flags.update)
         self.answers.lifecycle.add_state_listener(self.answers.on_state)
+        self.answers.lifecycle.add_state_listener(self.declared_wakes.on_state)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         app = create_http_app(self.answers, HttpForwarder(self.triton_http_url, self._client), self.holds)
         self._tail_task = asyncio.create_task(self.holds.tail())
@@ -120,10 +130,16 @@ class Activator:
         self._grpc_server.add_generic_rpc_handlers((self._grpc.handler(),))
         self.grpc_port = self._grpc_server.add_insecure_port(f"{self.host}:{self.settings.activator_grpc_port}")
         await self._grpc_server.start()
+        if self.bls_wake is not None:
+            await self.bls_wake.start()
 
     async def stop(self, grace: float = 5.0) -> None:
         self.answers.lifecycle.remove_state_listener(self.ready_flags.update)
         self.answers.lifecycle.remove_state_listener(self.answers.on_state)
+        self.answers.lifecycle.remove_state_listener(self.declared_wakes.on_state)
+        await self.declared_wakes.aclose()
+        if self.bls_wake is not None:
+            await self.bls_wake.stop()
         self.ready_flags.close()
         if self._tail_task is not None:
             self._tail_task.cancel()

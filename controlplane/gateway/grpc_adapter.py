@@ -13,7 +13,6 @@ from tritonclient.grpc import service_pb2
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.gateway import grpc_names
 from controlplane.gateway.handlers import ModelAnswers
-from controlplane.render import VERSION
 from controlplane.triton.dead_stub import is_dead_stub_message
 from controlplane.triton.journal import REQUEST_ID_HEADER
 
@@ -121,7 +120,8 @@ class GrpcActivator:
 
     async def model_ready(self, request: bytes, context: _Context) -> bytes:
         msg = service_pb2.ModelReadyRequest.FromString(request)
-        ready = msg.version in ("", VERSION) and self.answers.ready(msg.name)
+        versions = self.answers.served_versions(msg.name)
+        ready = (not msg.version or msg.version in versions) and self.answers.ready(msg.name)
         return _serialized(service_pb2.ModelReadyResponse(ready=ready))
 
     async def model_metadata(self, request: bytes, context: _Context) -> bytes:

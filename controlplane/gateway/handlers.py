@@ -88,9 +88,10 @@ class ModelAnswers:
             if self.publishing is not None and self.publishing.waiting(name):
                 raise words.NotYetPublishedError(name, self.publishing.retry_hint(name), RETRY_AFTER_SECS) from None
             raise UnknownModelError(words.not_found(name), e) from None
-        if version and version != VERSION:
+        if version and version not in model.versions:
+            served = ", ".join(model.versions)
             raise UnknownModelError(
-                words.version_not_found(name, version), f"model '{name}' is published as version {VERSION} only"
+                words.version_not_found(name, version), f"model '{name}' is published to serve version(s) {served}"
             )
         return model
 
@@ -177,6 +178,13 @@ class ModelAnswers:
         published = self.store.exists(name)
         return published and self.state(name) is not ModelState.FAILED and name not in self.unloaded_by_client
 
+    def served_versions(self, name: str) -> tuple[str, ...]:
+        """The versions a published model serves (its config's version_policy); version 1 for an unknown one."""
+        try:
+            return self.store.get(name).versions
+        except NotFoundError:
+            return (VERSION,)
+
     def loaded(self, name: str) -> bool:
         return self.state(name) is ModelState.READY
 
@@ -194,7 +202,7 @@ class ModelAnswers:
         batch = [-1] if config.max_batch_size > 0 else []
         return {
             "name": model.id,
-            "versions": [VERSION],
+            "versions": list(model.versions),
             "platform": config.platform or config.backend,
             "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + t.dims} for t in model.inputs],
             "outputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + t.dims} for t in model.outputs],
@@ -208,7 +216,10 @@ class ModelAnswers:
             if ready_only and state is not IndexState.READY:
                 continue
             reason = self.lifecycle.status(model.id).reason or lifecycle_state.value
-            entries.append({"name": model.id, "version": VERSION, "state": state.value, "reason": reason})
+            entries += [
+                {"name": model.id, "version": version, "state": state.value, "reason": reason}
+                for version in model.versions
+            ]
         return entries
 
     def check_admin(self, headers: Mapping[str, str] | Iterable[tuple[str, str]]) -> None:

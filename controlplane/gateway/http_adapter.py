@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import httpx
-from google.protobuf import json_format
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -16,6 +15,7 @@ from controlplane.gateway import triton_words as words
 from controlplane.gateway.handlers import HoldRegistry, ModelAnswers
 from controlplane.gateway.triton_words import UnknownModelError
 from controlplane.gateway.wake_lua import HOLD_HEADER, HOLD_PATH, HOLD_WARM_HEADER
+from controlplane.spec.triton_folder import triton_config_json
 from controlplane.triton.dead_stub import is_dead_stub_http_body
 from controlplane.triton.journal import REQUEST_ID_HEADER
 
@@ -107,7 +107,8 @@ def create_http_app(answers: ModelAnswers, forwarder: HttpForwarder, holds: Hold
         model = answers.published(name, version)
         if answers.loaded(name):  # Triton's own answer includes load-time overrides (instances)
             return await forwarder.send(request, b"")
-        return JSONResponse(json_format.MessageToDict(answers.config(model), preserving_proto_field_name=True))
+        # As Triton writes it: every plain field (max_batch_size 0 too), 64-bit numbers as numbers.
+        return JSONResponse(triton_config_json(answers.config(model)))
 
     async def index(request: Request) -> Response:
         body = await request.body()

@@ -74,8 +74,17 @@ class AdminOperations:
                 hint="raise the model's max_instances and publish it again",
             )
         await self.states.settle(rec)
-        if steps := self.groups.steps(rec):  # an ensemble: its steps first
-            await asyncio.gather(*(self._wake(step) for step in steps))
+        while True:
+            steps = self.groups.steps(rec)
+            with self.groups.holding(steps):  # an ensemble: its steps first, held until its own load pins them
+                if steps:
+                    await asyncio.gather(*(self._wake(step) for step in steps))
+                if self.groups.steps(rec) == steps:  # else republished meanwhile with other steps: those first
+                    return await self._load_itself(rec, instances, override)
+
+    async def _load_itself(self, rec: ModelRecord, instances: int | None, override: object) -> ModelStatus:
+        """``load``'s own part, once an ensemble's steps are loaded."""
+        model_id = rec.id
         if override is not KEEP_OVERRIDE:
             given = cast("dict[str, Any] | None", override)
             apply_override(rendered_config(rec.model.config_text, where=f"model '{model_id}'"), given, model_id)

@@ -16,33 +16,27 @@ An ensemble holds no process of its own: it is charged nothing itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
-from controlplane.render import parse_config
+from controlplane.spec.schema import PackageKind
 from controlplane.store import PublishedModel
 
 log = logging.getLogger("snoozeml.lifecycle")
 
-ENSEMBLE_PLATFORM = "ensemble"
 # The states in which an ensemble holds its steps: from the start of its load until it has left memory.
 _HOLDING = (ModelState.LOADING, ModelState.READY, ModelState.UNLOADING)
 
 
 def ensemble_steps(model: PublishedModel) -> tuple[str, ...]:
-    """The models an ensemble's steps name, in order, each once; () for a model that is no ensemble (or whose
-    config cannot be read now: a republish swapped it, it will be read again)."""
-    try:
-        text = model.config_text
-        if ENSEMBLE_PLATFORM not in text:  # most models: no parse
-            return ()
-        config = parse_config(text, where=str(model.path / "config.pbtxt"))
-    except SnoozeError:
+    """The models an ensemble's steps name, in order, each once (as publishing read them from its config's
+    ``ensemble_scheduling``); () for a model that is no ensemble."""
+    if model.kind != PackageKind.TRITON_ENSEMBLE:
         return ()
-    if config.platform != ENSEMBLE_PLATFORM:
-        return ()
-    return tuple(dict.fromkeys(step.model_name for step in config.ensemble_scheduling.step))
+    return tuple(dict.fromkeys(name for name, _version in model.ensemble_steps))
 
 
 class Groups:
@@ -88,6 +82,25 @@ class Groups:
             if step_rec is not None and step not in others and step_rec.in_use <= mine.count(step):
                 exclusive.append(step)
         return exclusive
+
+    @contextlib.contextmanager
+    def holding(self, steps: tuple[str, ...]) -> Iterator[None]:
+        """Hold ``steps`` as users while the block runs: an ensemble's wake holds its steps from before it wakes
+        them until its own load pins them (a step woken first would otherwise sit idle, unpinned, while the others
+        load, and be idle-unloaded under the ensemble's load: Triton then loads it itself, behind the lifecycle)."""
+        held = []
+        for step in steps:
+            try:
+                step_rec = self.states.record(step)
+            except SnoozeError:  # a step that is not published fails its own wake, saying so
+                continue
+            step_rec.in_use += 1
+            held.append(step_rec)
+        try:
+            yield
+        finally:
+            for step_rec in held:
+                step_rec.in_use -= 1
 
     def _on_state(self, model_id: str, state: ModelState | None) -> None:
         """Told every state change, synchronously: an ensemble pins its steps while it holds them."""

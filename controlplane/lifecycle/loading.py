@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.clock import SYSTEM_CLOCK, Clock
-from controlplane.errors import SnoozeError, TritonModelLoadError
+from controlplane.errors import SnoozeError, TritonModelLoadError, UnavailableError
 from controlplane.lifecycle.admission import Admission, NoRoomToPrewarm
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.configs import config_for, config_with_instances
+from controlplane.lifecycle.groups import ensemble_steps
 from controlplane.lifecycle.memory.gpu import GpuMemory
 from controlplane.lifecycle.memory.gpu_memory import GpuLoadDelta
 from controlplane.lifecycle.memory.host import MemoryBudget, declared_bytes
@@ -185,9 +186,24 @@ class Loader:
                 hint=GPU_OOM_HINT if cuda else OOM_HINT,
             ) from e
 
+    def _steps_loaded(self, rec: ModelRecord) -> None:
+        """An ensemble's load starts only with its published steps loaded: Triton would load a missing one itself,
+        behind the lifecycle (its records, its memory budget). The wake loaded them; one that left since (a delete,
+        an unload or a republish of the step, forced meanwhile) fails this load, retryably."""
+        for step in ensemble_steps(rec.model):
+            step_rec = self.states.get(step)
+            if (step_rec is None or step_rec.state is not ModelState.READY) and self.states.store.exists(step):
+                raise UnavailableError(
+                    f"model '{rec.id}': its ensemble step '{step}' is not loaded (it was deleted, unloaded or "
+                    "republished while the ensemble loaded)",
+                    hint="retry: the next request wakes the ensemble with its steps",
+                    retry_after=1,
+                )
+
     async def _load_within(self, rec: ModelRecord, config: dict[str, Any] | None, timeout: float) -> None:
         """Triton's load, abandoned after ``timeout`` seconds (killing the stubs it started)."""
         before = {s.pid for s in await self._stubs(rec)}
+        self._steps_loaded(rec)
         try:
             load = read_task(self.triton.load(rec.id, config=config, timeout=timeout + LOAD_ABANDON_SECS))
             # shielded: a load this task gives up on is still Triton's, and its end is waited for (bounded)

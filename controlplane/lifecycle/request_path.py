@@ -25,6 +25,10 @@ from controlplane.settings import Settings
 log = logging.getLogger("snoozeml.lifecycle")
 
 
+class _StepsChanged(Exception):
+    """A wake-up's model was republished with other ensemble steps (or became or stopped being an ensemble)."""
+
+
 class RequestPath:
     def __init__(
         self,
@@ -65,8 +69,23 @@ class RequestPath:
         rec = self.states.record(model_id, refresh=True)
         self.warmth.request(rec)
         self.up.refuse_while_down(rec)
-        if steps := self.groups.steps(rec):  # an ensemble: its steps first, each through its own single flight
-            await asyncio.gather(*(self.ensure_ready(step, timeout=timeout) for step in steps))
+        while True:
+            steps = self.groups.steps(rec)
+            # An ensemble: its steps first, each through its own single flight, held from their wake on (a step
+            # woken first is not idle-unloaded while the others load) until the ensemble's own pin holds them.
+            with self.groups.holding(steps):
+                if steps:
+                    await asyncio.gather(*(self.ensure_ready(step, timeout=timeout) for step in steps))
+                try:
+                    await self._wake(rec, timeout, steps)
+                    return
+                except _StepsChanged:
+                    continue  # republished meanwhile as an ensemble of other steps: those first
+
+    async def _wake(self, rec: ModelRecord, timeout: float | None, steps: tuple[str, ...]) -> None:
+        """``ensure_ready``'s wait for the model's own load (a wake-up in the wake queue), whose steps (an
+        ensemble's) are loaded: ``_StepsChanged`` when a republish gives it others before its load starts."""
+        model_id = rec.id
         wait = (
             timeout
             if timeout is not None
@@ -84,6 +103,8 @@ class RequestPath:
         rec.in_use += 1
         try:
             while not rec.ready:
+                if self.groups.steps(rec) != steps:
+                    raise _StepsChanged
                 # While paused, a wake-up waits for resume() (within its deadline) instead of loading.
                 op = (
                     rec.op

@@ -301,6 +301,15 @@ class Transitions:
             raise
 
     async def _reload_op(self, rec: ModelRecord) -> None:
+        groups = self.unloads.groups
+        if groups.steps(rec) or groups.pins.get(rec.id):
+            # An ensemble (now or before): it is not reloaded in place, which would load it without the steps it
+            # names now (Triton would load those itself, behind the lifecycle) and keep pins on the old ones. It
+            # holds no process: it leaves, and the next request wakes it with its steps.
+            why = "republished; an ensemble loads again, with its steps, on the next request"
+            self.states.set_state(rec, ModelState.UNLOADING, why)
+            await self.unloads.unload_op(rec, UnloadReason.REPUBLISHED, note=why)
+            return
         try:
             await self.loader.load(rec, rec.model.deployment.instances)
         except UnavailableError as e:

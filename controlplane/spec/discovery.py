@@ -1,4 +1,5 @@
-"""Finding packages: models.toml, a models folder, and installed distributions' entry points."""
+"""Finding packages: models.toml, a models folder (a Triton repository too), and installed distributions' entry
+points."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from controlplane.errors import InvalidPackageError
 from controlplane.spec.schema import (
     CUSTOM_ENTRYPOINT,
     ENTRY_POINT_GROUP,
+    MANIFEST_FILE,
     DeploymentSpec,
     format_validation_error,
 )
+from controlplane.spec.triton_folder import looks_like_triton_folder
 from converters.files import ONNX_FILE, PLAN_FILE
 
 
@@ -58,36 +61,54 @@ def _check_unique_ids(specs: list[DeploymentSpec], where: str) -> list[Deploymen
     return specs
 
 
-def is_package_dir(path: Path, *, discoverable_only: bool = False) -> bool:
-    """A folder holding a model file; discovery looks only for snooze_model.py and model.onnx."""
-    names = (CUSTOM_ENTRYPOINT, ONNX_FILE) if discoverable_only else (CUSTOM_ENTRYPOINT, ONNX_FILE, PLAN_FILE)
-    return path.is_dir() and any((path / name).is_file() for name in names)
+def is_package_dir(path: Path) -> bool:
+    """A folder that is a package itself: a snoozeml package (snooze_model.py, model.onnx, model.plan, a manifest's
+    entrypoint) or a Triton model folder (config.pbtxt and/or numbered version folders with a model file)."""
+    if not path.is_dir():
+        return False
+    if any((path / name).is_file() for name in (CUSTOM_ENTRYPOINT, ONNX_FILE, PLAN_FILE, MANIFEST_FILE)):
+        return True
+    return looks_like_triton_folder(path)
+
+
+# Folders of a models folder that are never models: tools' caches and version control.
+_NOT_MODELS = {"__pycache__", ".git", ".ipynb_checkpoints"}
 
 
 def discover(models_dir: str | Path) -> list[DeploymentSpec]:
-    """Deployments for a models folder: its models.toml entries plus every sub-folder holding
-    snooze_model.py or model.onnx that models.toml does not already name (id = folder name)."""
+    """Deployments for a models folder: its models.toml entries plus every other sub-folder (id = folder name), a
+    Triton repository's model folders included. A sub-folder that is no package is listed too: resolving it
+    refuses it with the reason (nothing is skipped silently). A models folder that is a package itself (a single
+    Triton model folder, say) is its one deployment."""
     root = Path(models_dir)
     if not root.is_dir():
         raise InvalidPackageError(f"{root}: models folder not found")
     toml_path = root / "models.toml"
+    if not toml_path.exists() and is_package_dir(root):
+        return [_folder_deployment(root.resolve())]
     specs = load_models_toml(toml_path) if toml_path.exists() else []
     named_paths = {s.path.resolve() for s in specs}
     named_ids = {s.id for s in specs}
     resolved_root = root.resolve()
     for child in sorted(root.iterdir()):
+        if not child.is_dir() or child.name.startswith(".") or child.name in _NOT_MODELS:
+            continue
         # one realpath for the folder, not one per package (10,000 packages: a second): a link is resolved itself
         path = child.resolve() if child.is_symlink() else resolved_root / child.name
-        named = path in named_paths or child.name in named_ids
-        if is_package_dir(child, discoverable_only=True) and not named:
-            try:
-                specs.append(DeploymentSpec(id=child.name, path=path))
-            except ValidationError as exc:
-                raise InvalidPackageError(
-                    format_validation_error(exc, f"{child}"),
-                    hint="rename the folder (letters, digits, '_', '.', '-') or list it in models.toml",
-                ) from exc
+        if path in named_paths or child.name in named_ids:
+            continue
+        specs.append(_folder_deployment(path))
     return _check_unique_ids(specs, str(root))
+
+
+def _folder_deployment(folder: Path) -> DeploymentSpec:
+    try:
+        return DeploymentSpec(id=folder.name, path=folder)
+    except ValidationError as exc:
+        raise InvalidPackageError(
+            format_validation_error(exc, f"{folder}"),
+            hint="rename the folder (letters, digits, '_', '.', '-') or list it in models.toml",
+        ) from exc
 
 
 def entry_point_deployments() -> list[DeploymentSpec]:

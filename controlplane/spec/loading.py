@@ -27,6 +27,14 @@ from controlplane.spec.schema import (
     TensorSpec,
     format_validation_error,
 )
+from controlplane.spec.triton_folder import (
+    CONFIG_FILE,
+    load_triton_folder,
+    looks_like_triton_folder,
+    triton_deployment,
+    triton_folder_kind,
+    triton_notes,
+)
 from converters.files import ONNX_FILE, PLAN_FILE
 
 _IGNORED_NAMES = {"__pycache__", ".git", ".ipynb_checkpoints", ".DS_Store"}
@@ -54,6 +62,8 @@ def read_manifest(package_dir: Path) -> Manifest:
 
 
 def package_kind(package_dir: Path) -> PackageKind:
+    """The package's kind from its files: snoozeml's own (snooze_model.py, model.onnx, model.plan) first, then a
+    Triton model folder (config.pbtxt and/or numbered version folders); a folder that is neither is refused."""
     found = [
         kind
         for kind, name in (
@@ -69,9 +79,14 @@ def package_kind(package_dir: Path) -> PackageKind:
             entry = read_manifest(package_dir).entrypoint
             if (package_dir / entry).is_file():
                 return PackageKind.CUSTOM
+        if looks_like_triton_folder(package_dir):
+            return triton_folder_kind(package_dir)
         raise InvalidPackageError(
-            f"{package_dir}: not a model package: no {CUSTOM_ENTRYPOINT}, {ONNX_FILE} or {PLAN_FILE}",
-            hint="add one of these files (a custom model, an ONNX file or a TensorRT plan)",
+            f"{package_dir}: not a model package: no {CUSTOM_ENTRYPOINT}, {ONNX_FILE} or {PLAN_FILE}, and not a "
+            f"Triton model folder (no {CONFIG_FILE}, no numbered version folder holding model.py, {ONNX_FILE} or "
+            f"{PLAN_FILE})",
+            hint="add one of these files (a custom model, an ONNX file or a TensorRT plan), or lay the folder out "
+            "as Triton does (config.pbtxt and 1/model.py), or move it out of the models folder",
         )
     # A custom package may ship an ONNX file it uses itself: the Python entrypoint wins.
     return found[0]
@@ -97,16 +112,21 @@ def package_files(package_dir: Path) -> list[str]:
     return files
 
 
-def load_package(path: str | Path) -> ModelPackage:
-    """Validate a package folder without importing its code. Raises InvalidPackageError."""
+def load_package(path: str | Path, *, model_id: str | None = None) -> ModelPackage:
+    """Validate a package folder without importing its code (a Triton python model's auto_complete_config runs in
+    a child process). ``model_id``: the name it is published under (default: the folder's). Raises
+    InvalidPackageError."""
     package_dir = Path(path)
     if not package_dir.is_dir():
         raise InvalidPackageError(
-            f"{package_dir}: package folder not found", hint="pass the folder that holds snooze_model.py"
+            f"{package_dir}: package folder not found",
+            hint="pass the folder that holds snooze_model.py, or a Triton model folder (config.pbtxt, 1/)",
         )
     kind = package_kind(package_dir)
-    manifest = read_manifest(package_dir)
     files = package_files(package_dir)
+    if kind.triton_folder:
+        return load_triton_folder(package_dir, files, model_id=model_id)
+    manifest = read_manifest(package_dir)
     manifest_path = package_dir / MANIFEST_FILE
     if kind is PackageKind.CUSTOM:
         if manifest.entrypoint not in files:
@@ -256,7 +276,9 @@ def validate_params(package: ModelPackage, overrides: dict[str, Any], *, model_i
 
 def resolve(deployment: DeploymentSpec) -> ModelSpec:
     """Load and validate the package of one deployment."""
-    package = load_package(deployment.path)
+    package = load_package(deployment.path, model_id=deployment.id)
+    if package.triton is not None:
+        return _checked(ModelSpec(triton_deployment(deployment, package), package, {}, triton_notes(package)))
     params = validate_params(package, deployment.params, model_id=deployment.id)
     notes: list[str] = []
     if package.kind is PackageKind.ONNX and deployment.max_batch_size > 0 and not package.batch_dynamic:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import (
@@ -26,6 +26,9 @@ from controlplane.dtypes import parse_dtype
 from controlplane.modes import KeepAliveMode, SequenceStrategy, TensorFormat, Worker
 from controlplane.source_inspect import predict_is_generator
 
+if TYPE_CHECKING:
+    from controlplane.spec.triton_folder import TritonFolder
+
 MANIFEST_FILE = "snooze_model.json"
 CUSTOM_ENTRYPOINT = "snooze_model.py"
 ENTRY_POINT_GROUP = "snoozeml.models"
@@ -37,6 +40,16 @@ class PackageKind(StrEnum):
     CUSTOM = "custom"
     ONNX = "onnx"
     TENSORRT = "tensorrt"
+    # A Triton model folder (its own config.pbtxt and/or numbered version folders), one kind per backend.
+    TRITON_PYTHON = "triton-python"
+    TRITON_ONNX = "triton-onnx"
+    TRITON_PLAN = "triton-plan"
+    TRITON_ENSEMBLE = "triton-ensemble"
+
+    @property
+    def triton_folder(self) -> bool:
+        """A Triton model folder: its config is the user's, kept as written (controlplane/spec/triton_folder.py)."""
+        return self.value.startswith("triton-")
 
 
 class Device(StrEnum):
@@ -216,6 +229,25 @@ class DeploymentSpec(BaseModel):
         None, description="python backend EXECUTION_ENV_PATH (conda-pack tarball or folder)"
     )
     sequence: SequenceSpec | None = Field(None, description="A stateful model: Triton's sequence batcher")
+    wakes: list[str] = Field(
+        default_factory=list,
+        description="Models this one calls through BLS, woken with it whenever it wakes (a BLS call into any "
+        "other sleeping model wakes that one on the call: docs/packages.md, BLS)",
+    )
+
+    @field_validator("wakes")
+    @classmethod
+    def _wakes_are_model_ids(cls, wakes: list[str]) -> list[str]:
+        for name in wakes:
+            if not re.match(MODEL_ID_PATTERN, name):
+                raise ValueError(f"'{name}' is not a model id (letters, digits, '_', '.', '-'; up to 128)")
+        return list(dict.fromkeys(wakes))
+
+    @model_validator(mode="after")
+    def _wakes_name_others(self) -> DeploymentSpec:
+        if self.id in self.wakes:
+            raise ValueError(f"wakes lists the model itself ('{self.id}'): list the models it calls")
+        return self
 
     @model_validator(mode="after")
     def _sequence_outlives_no_idle_unload(self) -> DeploymentSpec:
@@ -243,6 +275,7 @@ class ModelPackage:
     batch_dynamic: bool = True  # ONNX: first axis dynamic on every tensor
     model_file: str | None = None  # model.onnx / model.plan
     external_data: tuple[str, ...] = ()  # ONNX external-data files, relative to the package
+    triton: TritonFolder | None = None  # a Triton model folder's config and versions (kind triton-*)
 
 
 @dataclass(frozen=True)
@@ -264,7 +297,10 @@ class ModelSpec:
 
 
 def is_decoupled(package: ModelPackage) -> bool:
-    """A custom package streams when its manifest says so, or (unset) when its predict is a generator."""
+    """A custom package streams when its manifest says so, or (unset) when its predict is a generator; a Triton
+    model folder when its config's transaction policy says so."""
+    if package.triton is not None:
+        return bool(package.triton.config.model_transaction_policy.decoupled)
     if package.kind is not PackageKind.CUSTOM:
         return False
     manifest = package.manifest

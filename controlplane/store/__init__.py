@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.errors import NotFoundError
-from controlplane.render import DEPLOYMENT_FILE, TritonTarget, render_model
+from controlplane.render import DEPLOYMENT_FILE, VERSION, TritonTarget, render_model
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, TensorSpec
 from controlplane.store.transactions import (
     recover_staging,
@@ -47,10 +47,13 @@ class PublishedModel:
     metadata: dict[str, Any]
     load_timeout_secs: float
     request_timeout_secs: float
-    notes: tuple[str, ...] = ()  # what publishing decided for the user (ModelSpec.notes)
+    notes: tuple[str, ...] = ()  # what publishing decided (ModelSpec.notes; a Triton folder's owned fields)
     publish: str = ""  # this publish's token (render.PUBLISH_PARAMETER), also in its config
     source_hash: str = ""  # the content hash it was rendered from (publishing.source_hash); "" when not known
     warmup_source: str | None = None  # its config's warm-up source ("": none); None: not recorded (read the config)
+    # An ensemble's steps as (model name, version or "" for the latest), from its config's ensemble_scheduling.
+    ensemble_steps: tuple[tuple[str, str], ...] = ()
+    versions: tuple[str, ...] = (VERSION,)  # the versions Triton serves (a Triton folder's version_policy)
 
     @property
     def config_text(self) -> str:
@@ -81,6 +84,8 @@ class PublishedModel:
             publish=str(record.get("publish", "")),
             source_hash=str(record.get("source_hash", "")),
             warmup_source=record.get("warmup_source"),
+            ensemble_steps=tuple((str(name), str(version)) for name, version in record.get("ensemble_steps", ())),
+            versions=tuple(str(v) for v in record.get("versions", (VERSION,))),
         )
 
 
@@ -258,7 +263,8 @@ class ModelStore:
         content hash of the package it came from, kept in its record (a restart adopts an unchanged one)."""
         rendered = render_model(spec, self.target)
         # what the config's warm-up is, kept in the record: a listing of thousands of models reads no config
-        record = {"warmup_source": plan_source(rendered.writes["config.pbtxt"].decode("utf-8")) or ""}
+        config = rendered.writes.get("config.pbtxt")
+        record = {"warmup_source": plan_source(config.decode("utf-8")) or ""} if config is not None else {}
         if source_hash:
             record["source_hash"] = source_hash
         with self._lock, repository_lock(self.repository):

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from controlplane.render import DEPLOYMENT_FILE, PUBLISH_PARAMETER, RUNTIME_SUBDIR, VERSION, RenderedModel
+from python_backend import PACKAGE_DIR
 
 INNER_STAGING = ".snooze-staging"
 RUNTIME_PREFIX = f"{VERSION}/{RUNTIME_SUBDIR}/"
@@ -61,16 +62,18 @@ def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] |
             dest.parent.mkdir(parents=True, exist_ok=True)
             made.add(dest.parent)
 
+    for rel in rendered.dirs:
+        (folder / rel).mkdir(parents=True, exist_ok=True)
     for src, rel in rendered.copies:
         dest = folder / rel
         parent_of(dest)
-        if rel.startswith(RUNTIME_PREFIX):
+        if rel.startswith(RUNTIME_PREFIX) and os.path.dirname(src) == PACKAGE_DIR:
             # snoozeml's own runtime files, the same in every model: linked (10,000 models: a copy each costs
             # seconds); a user's files are always copied (an edit in place must not change what is published)
             with contextlib.suppress(OSError):
                 os.link(src, dest)
                 continue
-        shutil.copyfile(src, dest)
+        shutil.copy(src, dest)  # with its mode: a model folder's own stub or scripts stay executable
     token = uuid.uuid4().hex
     for rel, content in rendered.writes.items():
         dest = folder / rel

@@ -37,6 +37,7 @@ from controlplane.triton.defer_shim import build_defer_shim, with_preload
 from controlplane.triton.embedded_dist import EmbeddedTritonDist, find_embedded_triton, prepare_backend_dir
 from controlplane.triton.journal import HEADER_FORWARD_ARGS, JOURNAL_ENV, prepare_journal_dir, remove_stale
 from controlplane.triton.processes import STUB_NAME, TritonProcesses
+from python_backend.bls_wake import TIMEOUT_ENV as BLS_WAKE_TIMEOUT_ENV
 
 LOG_TAIL_LINES = 40
 SHM_DIR = "/dev/shm"
@@ -118,6 +119,7 @@ class EmbeddedTriton:
         admin_header: str | None = None,
         admin_key: str | None = None,
         defer_shim: bool = True,
+        bls_wake_timeout_secs: float | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.work_dir = Path(work_dir).resolve()
@@ -134,6 +136,8 @@ class EmbeddedTriton:
         self.dist = dist
         # Where its python stubs journal the requests they run (controlplane/triton/journal.py).
         self.journal_dir = Path(journal_dir).resolve() if journal_dir else self.work_dir / "journal"
+        # The bound of a BLS call that wakes its callee (python_backend/bls_wake.py); None: the stubs' default.
+        self.bls_wake_timeout_secs = bls_wake_timeout_secs
         # The model-repository API restricted to requests with this header, as in the deployed stacks.
         self.admin_header = admin_header
         self.admin_key = admin_key
@@ -203,7 +207,9 @@ class EmbeddedTriton:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (self.dist.library_path(), env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
-        env[JOURNAL_ENV] = str(self.journal_dir)
+        env[JOURNAL_ENV] = str(self.journal_dir)  # also where the stubs find the BLS wake route (its socket)
+        if self.bls_wake_timeout_secs is not None:
+            env[BLS_WAKE_TIMEOUT_ENV] = f"{self.bls_wake_timeout_secs:g}"
         return with_preload(env, self.preload)
 
     def start(self, timeout: float = 60) -> None:

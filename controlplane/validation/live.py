@@ -19,7 +19,7 @@ from controlplane.dtypes import from_triton
 from controlplane.errors import SnoozeError
 from controlplane.render import DEPLOYMENT_FILE, TritonTarget
 from controlplane.validation.report import REPOSITORY, SKIP, CheckResult, Recorder
-from controlplane.validation.static import PLATFORM_BACKENDS
+from controlplane.validation.static import CORE_BACKENDS, PLATFORM_BACKENDS
 from controlplane.validation.static_onnx import config_tensors
 
 DEFAULT_LOAD_TIMEOUT_SECS = 300.0
@@ -168,6 +168,14 @@ def warmup_infer(
     return shapes
 
 
+def _triton_folder(folder: Path) -> bool:
+    """Published from a Triton model folder (its deployment record's kind)."""
+    try:
+        return str(json.loads((folder / DEPLOYMENT_FILE).read_text(encoding="utf-8"))["kind"]).startswith("triton-")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _load_timeout(folder: Path, default: float) -> float:
     try:
         return float(json.loads((folder / DEPLOYMENT_FILE).read_text(encoding="utf-8"))["load_timeout_secs"])
@@ -230,6 +238,9 @@ async def _load_one(
                 fix = (
                     "if the model refuses such values, ship a sample of what it takes: 'warmup': {\"<input>\": "
                     '"<file>.npy"} in snooze_model.json (validate sends it instead); else fix predict()'
+                    if not _triton_folder(folder)
+                    else "if the model refuses such values, give its config.pbtxt a model_warmup whose inputs name an "
+                    "input_data_file in its warmup/ folder (validate sends it instead); else fix execute()"
                 )
                 (rec.fail if strict else rec.warn)("warmup_infer", problem, file=rel, fix=fix)
             else:
@@ -323,7 +334,7 @@ def dynamic_checks(
         runnable = []
         for folder, config in candidates:
             backend = config.backend or PLATFORM_BACKENDS.get(config.platform, "")
-            if backend in backends:
+            if backend in backends or backend in CORE_BACKENDS:
                 runnable.append((folder, config))
             else:
                 results.append(

@@ -29,7 +29,10 @@ PLATFORM_BACKENDS = {
     "pytorch_libtorch": "pytorch",
     "tensorflow_graphdef": "tensorflow",
     "tensorflow_savedmodel": "tensorflow",
+    "ensemble": "ensemble",
 }
+# Backends every Triton has (in its core): an ensemble's steps run on theirs.
+CORE_BACKENDS = frozenset({"ensemble"})
 _DEFAULT_FILES = {
     "python": PYTHON_MODEL_FILE,
     "onnxruntime": ONNX_FILE,
@@ -122,6 +125,10 @@ def _check_versions(m: ModelFolder) -> None:
 def _check_model_files(m: ModelFolder) -> None:
     if not m.backend or not m.versions:
         return
+    if m.backend == "ensemble":
+        steps = ", ".join(step.model_name for step in m.config.ensemble_scheduling.step) or "none"
+        m.rec.ok("model_file", f"an ensemble (steps: {steps}): its version folders hold no file", m.rel(m.path))
+        return
     if m.model_file is None:
         m.rec.skip("model_file", f"backend '{m.backend}': which file it needs is not known to snoozeml")
         return
@@ -152,7 +159,7 @@ def _check_model_files(m: ModelFolder) -> None:
 def _check_target(m: ModelFolder, target: TritonTarget) -> None:
     if not m.backend:
         return
-    if target.has(m.backend):
+    if target.has(m.backend) or m.backend in CORE_BACKENDS:
         m.rec.ok("target", f"backend '{m.backend}' is available on target '{target.name}'")
         return
     extra = " and a GPU" if m.backend == "tensorrt" else ""

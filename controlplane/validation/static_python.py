@@ -4,6 +4,7 @@ processes, ``controlplane/package_check.py``) without an ML framework."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +12,27 @@ from controlplane.dtypes import from_triton
 from controlplane.errors import InvalidPackageError
 from controlplane.package_check import IMPORT_TIMEOUT_SECS
 from controlplane.render import DEPLOYMENT_FILE, PACKAGE_SUBDIR
+from controlplane.spec import PackageKind
+from controlplane.spec.triton_folder import USER_MODULE
 from controlplane.validation.model_folder import ModelFolder
 from controlplane.validation.static_onnx import check_onnx, config_tensors
 from converters.files import PYTHON_MODEL_FILE
 from python_backend.spec import SPEC_FILE, RuntimeKind
 
 
+def _record_kind(m: ModelFolder) -> str:
+    """The package kind the model was published from (its deployment record), '' when unreadable."""
+    try:
+        return str(json.loads((m.path / DEPLOYMENT_FILE).read_text(encoding="utf-8")).get("kind", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 def check_python(m: ModelFolder) -> None:
+    if _record_kind(m) == PackageKind.TRITON_PYTHON:
+        for version in m.versions:
+            _check_triton_python(m, version)
+        return
     for version in m.versions:
         entry = version / (m.model_file or PYTHON_MODEL_FILE)
         runtime_file = version / SPEC_FILE
@@ -45,6 +60,64 @@ def check_python(m: ModelFolder) -> None:
             _check_manifest_and_params(m, spec, package_dir)
         if entry.is_file():
             _check_imports(m, entry, spec, package_dir)
+
+
+def _check_triton_python(m: ModelFolder, version: Path) -> None:
+    """A Triton python model's version: the generated wrapper imports and the user's file (moved beside it, as
+    Triton's stub imports a model.py) imports and defines TritonPythonModel with execute."""
+    entry, user = version / PYTHON_MODEL_FILE, version / f"{USER_MODULE}.py"
+    if not entry.is_file():
+        return  # the model_file check said so
+    if not user.is_file():
+        m.rec.fail(
+            "triton_model",
+            f"the wrapper's model file {USER_MODULE}.py is missing",
+            file=m.rel(user),
+            fix="re-render the model from its Triton model folder (snoozectl render / publish)",
+        )
+        return
+    job = {
+        "entry_file": str(entry.resolve()),
+        "triton_module": {"file": str(user.resolve()), "model_dir": str(m.path.resolve())},
+        "env": {},
+        "cwd": str(version.resolve()),
+        "timeout": IMPORT_TIMEOUT_SECS,
+    }
+    probe = m.probes.run(job)
+    rel = m.rel(user)
+    if "timeout" in probe or "crashed" in probe:
+        what = (
+            f"took longer than {IMPORT_TIMEOUT_SECS:.0f}s"
+            if "timeout" in probe
+            else f"ended the process (exit code {probe['crashed']}): {probe['output']}"
+        )
+        m.rec.fail("triton_model", f"importing the model {what}", file=rel, fix="make the module import quickly")
+        return
+    if not _judge_entry(m, probe["entry"], set(probe["baseline"]), m.rel(entry)):
+        return
+    _judge_triton_module(m, probe["triton"], rel)
+
+
+def _judge_triton_module(m: ModelFolder, result: dict[str, Any], rel: str) -> None:
+    if not result["ok"]:
+        m.rec.fail(
+            "triton_model",
+            f"the model's file does not import:\n{result['error']}",
+            file=rel,
+            fix="fix the error above; it must import with the environment's packages (triton_python_backend_utils is "
+            "the stub's)",
+        )
+    elif not result["has_class"] or not result["has_execute"]:
+        m.rec.fail(
+            "triton_model",
+            "the model's file defines no class TritonPythonModel with execute()",
+            file=rel,
+            fix="define class TritonPythonModel with execute(self, requests), as Triton's python backend needs",
+        )
+    else:
+        pulled = sorted(set(result["frameworks"]) - set(result["before"]))
+        heavy = f"; it imports {pulled} at module level (every load pays for it)" if pulled else ""
+        m.rec.ok("triton_model", f"TritonPythonModel imports, run as written by snoozeml's wrapper{heavy}", rel)
 
 
 def _check_runtime_spec(m: ModelFolder, path: Path) -> Any:
@@ -83,7 +156,7 @@ def _check_runtime_spec(m: ModelFolder, path: Path) -> Any:
 
 
 def _check_manifest_and_params(m: ModelFolder, spec: Any, package_dir: Path) -> None:
-    from controlplane.spec import MANIFEST_FILE, ModelPackage, PackageKind, read_manifest, validate_params
+    from controlplane.spec import MANIFEST_FILE, ModelPackage, read_manifest, validate_params
 
     manifest_path = package_dir / MANIFEST_FILE
     rel = m.rel(manifest_path)

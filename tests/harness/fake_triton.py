@@ -162,6 +162,9 @@ class FakeTriton:
         self.peak = 0  # the most bytes the tree held at once: the server and the stubs (each from its start)
         self.largest = 0  # the most bytes one model's stubs held
         self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
+        # (ensemble, its steps that were not loaded) at each ensemble load that met one: the world judges whether
+        # the lifecycle should have loaded them first (a published step: the real Triton would load it behind it)
+        self.ensemble_misses: list[tuple[str, list[str]]] = []
         self.retired: list[Stub] = []  # the old instances of reloads: alive until their requests are done
         self.kept_old: set[str] = set()  # models whose last reload failed: Triton serves the version it had
         self.reap_delay = 0.0  # seconds a stub Triton ended stays a zombie before Triton reaps it (0: at once)
@@ -296,6 +299,7 @@ class FakeTriton:
         steps = [s["model_name"] for s in config.get("ensemble_scheduling", {}).get("step", [])]
         missing = [s for s in steps if s not in self.ready()]
         if missing:
+            self.ensemble_misses.append((name, missing))
             raise TritonModelLoadError(name, f"ensemble '{name}': steps not loaded: {missing}")
         m = self.models.get(name) or Loaded(name, "UNAVAILABLE")
         m.stubs, m.config, m.state, m.reason, m.files, m.served = [], config, "READY", "", files, 0

@@ -46,6 +46,7 @@ MANIFEST = {
     "load_timeout_secs": LOAD_TIMEOUT,
 }
 MODELS = ("m0", "m1", "m2", "m3")
+ENSEMBLE = "e0"  # the machine's ensemble (publish_ensemble_api), over some of MODELS
 CANCEL_BOUND = 5.0  # virtual seconds: a stop, an unload, a delete or a republish never waits for a hung load
 BUDGET_MB = 300
 SIZES_MB = (60, 100, 150)
@@ -54,6 +55,23 @@ SLACK = 2 * (LOAD_TIMEOUT + LOAD_ABANDON_SECS) + 10.0
 RUN_LIMIT = 600.0  # virtual seconds one step (or a test's end) may take
 # What a request waiting on a load is told when an unload cancels it; after a republish it waits for the new version.
 REPUBLISH_REFUSAL = "its load was cancelled (republished)"
+
+
+def ensemble_config(name: str, steps: list[str]) -> str:
+    """A Triton ensemble's config.pbtxt whose steps run every request in order (x -> y of each)."""
+    ins = ["x", *(f"y_{i}" for i in range(len(steps) - 1))]
+    outs = [*(f"y_{i}" for i in range(len(steps) - 1)), "y"]
+    step_text = "".join(
+        f'  step {{ model_name: "{s}" model_version: -1 input_map {{ key: "x" value: "{a}" }} '
+        f'output_map {{ key: "y" value: "{b}" }} }}\n'
+        for s, a, b in zip(steps, ins, outs, strict=True)
+    )
+    return (
+        f'name: "{name}"\nplatform: "ensemble"\nmax_batch_size: 8\n'
+        'input [{ name: "x" data_type: TYPE_FP32 dims: [2] }]\n'
+        'output [{ name: "y" data_type: TYPE_FP32 dims: [2] }]\n'
+        f"ensemble_scheduling {{\n{step_text}}}\n"
+    )
 
 
 class Violation(AssertionError):
@@ -118,6 +136,7 @@ class LifecycleWorld:
         (default: no GPU)."""
         self.gpu_reader = gpu_reader if gpu_reader is not None else NoGpu()
         self.root = root
+        self._sources = itertools.count()  # the machine's ensemble folders, one per publish
         self.loop = VirtualTimeLoop()
         # the one clock of the manager and the gateway's holds
         self.clock = VirtualTime(self.loop)
@@ -387,27 +406,47 @@ class LifecycleWorld:
         self._start("publish", model, self._api(go()), self._api_bound())
         await asyncio.sleep(0)
 
+    async def publish_ensemble_api(self, steps: tuple[str, ...], idle_timeout_secs: float = 5) -> None:
+        """Publish or republish the ensemble ``ENSEMBLE`` of ``steps`` through the API, from a Triton ensemble folder
+        (resolved as publish resolves one): the store, then ``published``. Its steps need not be published."""
+        folder = self.root / "ensembles" / str(next(self._sources))
+        (folder / "1").mkdir(parents=True)
+        (folder / "config.pbtxt").write_text(ensemble_config(ENSEMBLE, list(steps)))
+        spec = resolve(DeploymentSpec(id=ENSEMBLE, path=folder, idle_timeout_secs=idle_timeout_secs))
+
+        async def go() -> str:
+            async with self._lock(ENSEMBLE):
+                self.store.publish(spec)
+                version = self._note_version(ENSEMBLE)
+                self.deleted.pop(ENSEMBLE, None)
+                self.changed[ENSEMBLE] = self.now
+                await self.manager.published(ENSEMBLE)
+                self.settled[ENSEMBLE] = (self.now, version)
+            return "published"
+
+        self._start("publish", ENSEMBLE, self._api(go()), self._api_bound())
+        await asyncio.sleep(0)
+
     def publish_ensemble(self, name: str, steps: list[str], *, idle_timeout_secs: float = 5) -> None:
         """An ensemble of published ``steps`` (each runs every request, in order), written into the repository as a
-        Triton ensemble folder (``platform: "ensemble"``) beside a step's deployment record."""
+        Triton ensemble folder (``platform: "ensemble"``) with the record publishing writes for that kind."""
         repo = self.triton.repository
         record = json.loads((repo / steps[0] / DEPLOYMENT_FILE).read_text())
         deployment = {**record["deployment"], "id": name, "memory_mb": None, "idle_timeout_secs": idle_timeout_secs}
         folder = repo / name
         (folder / "1").mkdir(parents=True, exist_ok=True)
-        step_text = "".join(
-            f'  step {{ model_name: "{s}" model_version: -1 input_map {{ key: "x" value: "x" }} '
-            f'output_map {{ key: "y" value: "y_{i}" }} }}\n'
-            for i, s in enumerate(steps)
-        )
-        (folder / "config.pbtxt").write_text(
-            f'name: "{name}"\nplatform: "ensemble"\nmax_batch_size: 8\n'
-            'input [{ name: "x" data_type: TYPE_FP32 dims: [2] }]\n'
-            'output [{ name: "y" data_type: TYPE_FP32 dims: [2] }]\n'
-            f"ensemble_scheduling {{\n{step_text}}}\n"
-        )
+        (folder / "config.pbtxt").write_text(ensemble_config(name, steps))
         (folder / DEPLOYMENT_FILE).write_text(
-            json.dumps({**record, "deployment": deployment, "backend": "ensemble", "publish": f"ens-{name}"})
+            json.dumps(
+                {
+                    **record,
+                    "deployment": deployment,
+                    "kind": "triton-ensemble",
+                    "backend": "ensemble",
+                    "publish": f"ens-{name}",
+                    "ensemble_steps": [[step, ""] for step in steps],
+                }
+            )
         )
 
     async def delete(self, model: str) -> None:
@@ -567,6 +606,11 @@ class LifecycleWorld:
             elif self.now - call.started > call.bound + extra:
                 problems.append(f"{call.what} of '{call.model}' unanswered after {self.now - call.started:.1f}s")
         problems += self._model_problems()
+        for ensemble, missing in self.triton.ensemble_misses:
+            published = [step for step in missing if self.store.exists(step)]
+            if published:  # the real Triton loads them itself, behind the lifecycle (its records, its budget)
+                problems.append(f"ensemble '{ensemble}' loaded while its published step(s) {published} were not")
+        self.triton.ensemble_misses.clear()
         for model, unloads in self.held.values():
             if unloads is not None and self._unloads(model) > unloads:
                 problems.append(f"'{model}' was unloaded for idleness or memory while a stream held it")

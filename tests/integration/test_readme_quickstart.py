@@ -244,7 +244,8 @@ def _streaming_examples() -> tuple[str, str]:
     """The README's two streaming examples: the gRPC client (python) and the SSE curl line."""
     text = README.read_text()
     start = text.index("### Streaming models")
-    section = text[start : text.index("\n## ", start)]
+    end = re.compile(r"^##{1,2} ", re.M).search(text, start + 1)  # the next section, "##" or "###"
+    section = text[start : end.start() if end else len(text)]
     blocks = code_blocks(section)
     (client,) = [body for lang, body in blocks if lang == "python"]
     (curl,) = [line for lang, body in blocks if lang == "" for line in shell_lines(body)]

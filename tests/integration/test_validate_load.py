@@ -205,7 +205,11 @@ def test_load_sends_the_packages_samples_and_a_generated_input_that_fails_is_a_w
         assert report.ok is not strict, [r.message for r in report.failures]
 
 
-def test_models_the_target_cannot_run_are_skipped(embedded_triton: EmbeddedTriton, model_repo: Path) -> None:
+def test_a_model_the_target_cannot_run_fails_as_publish_refuses_it(
+    embedded_triton: EmbeddedTriton, model_repo: Path
+) -> None:
+    """A TensorRT plan's Triton folder on the embedded target (no tensorrt backend, no GPU): validate's verdict is
+    publish's (a refusal, with its fix), not a skipped load that would pass a folder publish then refuses."""
     folder = model_repo / "validate-engine"
     (folder / "1").mkdir(parents=True)
     (folder / "1" / "model.plan").write_bytes(b"\0")
@@ -215,6 +219,8 @@ def test_models_the_target_cannot_run_are_skipped(embedded_triton: EmbeddedTrito
         'output [{ name: "y", data_type: TYPE_FP32, dims: [2] }]\n'
     )
     report = validate_repository(model_repo, load=True, triton_url=embedded_triton.http_url, models=["validate-engine"])
-    assert report.ok
-    load = next(r for r in report.results if r.check == "load")
-    assert load.status == SKIP and "tensorrt" in load.message
+    assert not report.ok
+    package = next(r for r in report.results if r.check == "package")
+    assert package.status == FAIL and "publish refuses it" in package.message and "tensorrt" in package.message
+    assert "--target full" in package.fix
+    assert not any(r.check == "load" and r.status == OK for r in report.results)  # nothing was loaded

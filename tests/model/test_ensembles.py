@@ -40,6 +40,23 @@ def test_steps_stay_loaded_while_their_ensemble_is_and_sleep_after_it(world):
     assert records["m0"].in_use == records["m1"].in_use == 0  # the pins went with the ensemble
 
 
+def test_a_step_woken_first_is_held_while_a_slower_step_loads(world):
+    # m0 loads at once, m1 takes 3 s (past m0's own 1 s idle timeout) before the ensemble's load can start: m0
+    # must not be idle-unloaded meanwhile (Triton would then load it itself for the ensemble, behind the lifecycle).
+    world.step(world.publish("m0", 60, idle_timeout_secs=1), 0.1)
+    world.step(world.publish("m1", 60, idle_timeout_secs=1), 0.1)
+    world.publish_ensemble("e0", ["m0", "m1"], idle_timeout_secs=6)
+    world.step(world.script_load("m1", "ok", delay=3.0), 0.0)
+    world.step(world.request("e0"), 0.1)
+    for _ in range(10):
+        world.step(world.tick(0.5), 0.0)
+    assert _requests(world, "e0") == ["200"]
+    records = world.manager.states.records
+    assert {m: records[m].state for m in ("m0", "m1", "e0")} == dict.fromkeys(("m0", "m1", "e0"), ModelState.READY)
+    assert world.manager.status("m0").load_count == 1 and world.triton.calls["load"] == 3  # nothing loaded twice
+    assert world.triton.calls["unload"] == 0
+
+
 def test_a_step_shared_by_two_ensembles_and_a_direct_caller_is_loaded_and_charged_once(world):
     world.step(world.publish("m0", 60), 0.1)  # shared
     world.step(world.publish("m1", 60), 0.1)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harness.lifecycle_world import MODELS, SIZES_MB, LifecycleWorld, Violation
+from harness.lifecycle_world import ENSEMBLE, MODELS, SIZES_MB, LifecycleWorld, Violation
 
 RUNS = int(os.environ.get("SNOOZE_MACHINE_RUNS", "70"))
 STEPS_PER_RUN = 80
@@ -32,14 +32,16 @@ GAPS = (0.0, 0.01, 0.05, 0.3, 1.0)
 
 def random_op(rnd: random.Random, paused: bool) -> Op:
     m = rnd.choice(MODELS)
+    any_ = rnd.choice((*MODELS, ENSEMBLE))  # a model or the ensemble over some of them
     choices: dict[str, tuple[Any, ...]] = {
-        "request": (m, rnd.choice((None, None, 0.3, 2.0))),
-        "burst": (m, rnd.randint(2, 10)),
+        "request": (any_, rnd.choice((None, None, 0.3, 2.0))),
+        "burst": (any_, rnd.randint(2, 10)),
+        "publish_ensemble_api": (tuple(rnd.sample(MODELS, rnd.choice((1, 2, 2, 3)))), rnd.choice((1, 5, 20))),
         "tick": (rnd.choice((0.1, 0.5, 1.0, 3.0, 7.0)),),
         "publish": (m, rnd.choice(SIZES_MB), rnd.choice((1, 1, 2))),
-        "delete": (m,),
-        "api_load": (m, rnd.choice((None, 1, 2, 3))),
-        "api_unload": (m,),
+        "delete": (any_,),
+        "api_load": (any_, rnd.choice((None, 1, 2, 3))),
+        "api_unload": (any_,),
         "api_override": (m, rnd.choice((None, 4, 16))),
         "crash": (m,),
         "script_load": (m, rnd.choice(("oom", "hang", "error")), rnd.choice((0.05, 0.5))),

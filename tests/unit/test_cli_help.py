@@ -63,6 +63,7 @@ def test_publish_names_idle_timeout_like_the_setting_and_shows_choices() -> None
         "--keep-alive fixed|adaptive",
         "--worker in-stub|preforked",
         "--param KEY=VALUE",
+        "--wakes MODEL",
     ):
         assert choice in text
     assert "Examples: snoozectl publish ./my-net --id my-net" in text

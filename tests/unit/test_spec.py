@@ -226,8 +226,12 @@ def test_discover_merges_toml_with_folders(tmp_path: Path) -> None:
     write_custom(tmp_path / "named")
     (tmp_path / "models.toml").write_text('[[models]]\nid = "custom-id"\npath = "named"\ndevice = "cpu"\n')
     (tmp_path / "notes").mkdir()
-    ids = sorted(s.id for s in discover(tmp_path))
-    assert ids == ["auto", "custom-id"]
+    (tmp_path / ".git").mkdir()
+    found = {s.id: s for s in discover(tmp_path)}
+    # A folder that is no package is listed, and refused with the reason when resolved (never skipped silently).
+    assert sorted(found) == ["auto", "custom-id", "notes"]
+    with pytest.raises(InvalidPackageError, match="not a model package.*not a Triton model folder"):
+        resolve(found["notes"])
 
 
 def test_examples_are_valid_packages() -> None:

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from controlplane.render import FULL_TARGET, embedded_target
 from controlplane.spec import DeploymentSpec, resolve_all
 from controlplane.store import render_repository
-from controlplane.validation import FAIL, OK, SKIP, ValidationReport, validate_repository, warmup_inputs
+from controlplane.validation import FAIL, OK, ValidationReport, validate_repository, warmup_inputs
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 
@@ -289,8 +289,9 @@ def test_a_converted_onnx_package_validates_clean(tmp_path: Path) -> None:
     assert "intra_op_threads" in bad.message and (repo / bad.file).is_file(), bad.message
 
 
-def test_hand_written_python_model_passes(tmp_path: Path) -> None:
-    """A plain Triton python model (importing triton_python_backend_utils at module level) is accepted."""
+def test_hand_written_python_model_is_judged_as_publish_takes_it(tmp_path: Path) -> None:
+    """A Triton python model (importing triton_python_backend_utils at module level) in a folder snoozeml did not
+    write: rendered as publish renders it (the wrapper runs its file) and checked; a class without execute fails."""
     folder = tmp_path / "repo" / "tiny"
     (folder / "1").mkdir(parents=True)
     (folder / "config.pbtxt").write_text(
@@ -298,15 +299,24 @@ def test_hand_written_python_model_passes(tmp_path: Path) -> None:
         'input [{ name: "x", data_type: TYPE_FP32, dims: [2] }]\n'
         'output [{ name: "y", data_type: TYPE_FP32, dims: [2] }]\n'
     )
-    (folder / "1" / "model.py").write_text(
-        "import triton_python_backend_utils as pb_utils\n\nclass TritonPythonModel:\n    pass\n"
+    model = folder / "1" / "model.py"
+    model.write_text("import triton_python_backend_utils as pb_utils\n\nclass TritonPythonModel:\n    pass\n")
+    [bad] = failures(validate_repository(tmp_path / "repo"), "triton_model")
+    assert "execute" in bad.message and bad.model == "tiny", bad.message
+    model.write_text(
+        "import triton_python_backend_utils as pb_utils\n\nclass TritonPythonModel:\n"
+        "    def execute(self, requests):\n        return []\n"
     )
     report = validate_repository(tmp_path / "repo")
     assert report.ok, [r.message for r in report.failures]
-    assert any(r.check == "runtime_spec" and r.status == SKIP for r in report.results)
+    checks = {r.check: r for r in report.for_model("tiny")}
+    assert checks["package"].status == OK and "triton-python" in checks["package"].message
+    assert checks["triton_model"].status == OK and checks["entry_import"].status == OK
 
 
-def test_tensorrt_plan_flagged_gpu_only(tmp_path: Path) -> None:
+def test_tensorrt_plan_is_refused_on_embedded_and_flagged_gpu_only_on_full(tmp_path: Path) -> None:
+    """A Triton plan folder: refused as publish refuses it (no model.plan; no tensorrt backend on the embedded
+    target), checked on the full target."""
     folder = tmp_path / "repo" / "engine"
     (folder / "1").mkdir(parents=True)
     (folder / "config.pbtxt").write_text(
@@ -314,15 +324,15 @@ def test_tensorrt_plan_flagged_gpu_only(tmp_path: Path) -> None:
         'input [{ name: "x", data_type: TYPE_FP32, dims: [2] }]\n'
         'output [{ name: "y", data_type: TYPE_FP32, dims: [2] }]\n'
     )
-    [missing] = failures(validate_repository(tmp_path / "repo"), "model_file")
-    assert_names_model_file_fix(missing, "engine", "engine/1/model.plan")
+    [missing] = failures(validate_repository(tmp_path / "repo", target="full"), "package")
+    assert missing.model == "engine" and "1/model.plan" in missing.message and "Fix:" in missing.message
     (folder / "1" / "model.plan").write_bytes(b"\0plan")
-    report = validate_repository(tmp_path / "repo")
-    assert report.ok
+    [refused] = failures(validate_repository(tmp_path / "repo"), "package")
+    assert "tensorrt backend" in refused.message, refused.message
+    report = validate_repository(tmp_path / "repo", target="full")
+    assert report.ok, [r.message for r in report.failures]
     by_check = {r.check: r for r in report.results}
     assert "GPU-only" in by_check["gpu_only"].message
-    assert by_check["target"].status == SKIP  # the embedded target has no tensorrt backend
-    assert validate_repository(tmp_path / "repo", target="full").ok
 
 
 def test_empty_and_missing_repository(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from controlplane.gateway.activator import Activator
+from controlplane.gateway.bls_wake import wake_socket_path
 from controlplane.gateway.envoy import EnvoyGateway
 from controlplane.lifecycle.manager import LifecycleManager
 from controlplane.render import embedded_target
@@ -74,7 +75,12 @@ def stack(
     lifecycle = LifecycleManager(settings, store, admin, triton_process=embedded_triton)
     loop.run(lifecycle.start())
     activator = Activator(
-        lifecycle, store, settings, triton_http_url=embedded_triton.http_url, triton_grpc_url=embedded_triton.grpc_url
+        lifecycle,
+        store,
+        settings,
+        triton_http_url=embedded_triton.http_url,
+        triton_grpc_url=embedded_triton.grpc_url,
+        wake_socket=wake_socket_path(embedded_triton.journal_dir),  # as serve: where the stubs' BLS calls wake
     )
     loop.run(activator.start())
     gateway = EnvoyGateway(
