@@ -231,6 +231,7 @@ class Supervisor:
         published = await asyncio.to_thread(self.store.catalog_ids, max_age=CATALOG_MAX_AGE_SECS)  # no stat each
         gone = {m for m, r in records.items() if r.op is None and r.in_use == 0 and m not in published}
         gone |= {m for m, e in entries.items() if e.state == "READY" and m not in records and m not in published}
+        gone = {m for m in gone if not self.store.exists(m)}  # the catalog may lag a write it did not make
         confirmed, self._unpublished = gone & self._unpublished, gone
         for model_id in sorted(confirmed):
             rec = records.get(model_id)

@@ -257,7 +257,7 @@ class TritonSync:
                         True,
                         held or rec.memory.footprint or declared_bytes(rec),
                     )
-            if model_id not in published:
+            if model_id not in published and not self.store.exists(model_id):  # the catalog may lag another's write
                 continue
             triton_ready = entry is not None and entry.state == "READY"
             if triton_ready and rec.state is not ModelState.READY:
