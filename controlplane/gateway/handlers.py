@@ -87,6 +87,10 @@ class ModelAnswers:
         except NotFoundError as e:
             if self.publishing is not None and self.publishing.waiting(name):
                 raise words.NotYetPublishedError(name, self.publishing.retry_hint(name), RETRY_AFTER_SECS) from None
+            if self.publishing is not None and (why := self.publishing.failed.get(name)):
+                raise UnknownModelError(
+                    words.not_found(name), f"the server refused its package at start: {why}"
+                ) from None
             raise UnknownModelError(words.not_found(name), e) from None
         if version and version not in model.versions:
             served = ", ".join(model.versions)

@@ -119,3 +119,15 @@ def test_a_restarted_store_takes_unchanged_records_from_the_saved_catalog(tmp_pa
     assert models["m1"].publish == other.get("m1").publish  # read again: its identity changed
     assert models["m0"].publish == store.get("m0").publish
     assert [m.id for m in restarted.list()] == ["m0", "m1"]
+
+
+def test_a_request_for_a_refused_package_says_why_in_tritons_words(tmp_path: Path) -> None:
+    deployments = _packages(tmp_path / "packages", 1)
+    (tmp_path / "packages" / "m0" / "snooze_model.json").write_text("{not json")
+    store = ModelStore(tmp_path / "repo", embedded_target())
+    progress, _ = _run(store, deployments)
+    answers = ModelAnswers(None, store, Settings(work_dir=tmp_path / "work"), publishing=progress)  # type: ignore[arg-type]
+    with pytest.raises(UnknownModelError) as caught:
+        answers.published("m0")
+    assert caught.value.message.startswith(f"{UNKNOWN_MODEL}: 'm0' is not found")
+    assert "refused its package" in caught.value.message and "snooze_model.json" in caught.value.message
