@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 
 STATES = ("unloaded", "loading", "ready", "unloading", "failed")
+LEVELS = ("awake", "dozing", "unloaded")
 _COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _UNLOAD_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 1.5, 2, 5, 10, 30)
 
@@ -80,6 +81,31 @@ class SnoozeMetrics:
             buckets=_UNLOAD_BUCKETS,
             registry=r,
         )
+        self.dozes = Counter(
+            "snooze_dozes",
+            "Stubs told to doze (their preforked worker ended, the model kept loaded)",
+            ["model"],
+            registry=r,
+        )
+        self.wakes = Counter(
+            "snooze_wakes",
+            "Wakes by where they started: doze (a request forked a worker in a dozing stub) or unloaded (a load)",
+            ["model", "origin"],
+            registry=r,
+        )
+        self.wake_seconds = Histogram(
+            "snooze_wake_seconds",
+            "How long a wake took, by origin: from doze the stub's fork and load(), from unloaded the Triton load",
+            ["origin"],
+            buckets=_COLD_START_BUCKETS,
+            registry=r,
+        )
+        self.level = Gauge(
+            "snooze_model_level",
+            "1 for the model's level now (awake, dozing, unloaded)",
+            ["model", "level"],
+            registry=r,
+        )
         self.idle_unloads = Counter("snooze_idle_unloads", "Models unloaded for idleness", ["model"], registry=r)
         self.recoveries = Counter(
             "snooze_recoveries", "Reloads after a dead python stub or a Triton restart", ["model", "cause"], registry=r
@@ -106,6 +132,10 @@ class SnoozeMetrics:
     def set_state(self, model: str, state: str) -> None:
         for s in STATES:
             self.state.labels(model=model, state=s).set(1.0 if s == state else 0.0)
+
+    def set_level(self, model: str, level: str) -> None:
+        for name in LEVELS:
+            self.level.labels(model=model, level=name).set(1.0 if name == level else 0.0)
 
     def forget(self, model: str) -> None:
         """Drop every series of a deleted model: gauges, and counters and histograms too (a model published

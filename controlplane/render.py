@@ -23,7 +23,7 @@ from tritonclient.grpc import model_config_pb2
 
 from controlplane.dtypes import parse_dtype
 from controlplane.errors import InvalidPackageError
-from controlplane.modes import TargetName
+from controlplane.modes import TargetName, Worker
 from controlplane.spec import Device, ModelPackage, ModelSpec, PackageKind, TensorSpec, python_specifier
 from controlplane.warmup_samples import warmup_plan, warmup_view
 from converters.files import PYTHON_MODEL_FILE
@@ -153,6 +153,7 @@ def runtime_config(spec: ModelSpec) -> dict[str, Any]:
         "env": dict(manifest.env),
         "params": spec.params,
         "request_timeout_secs": manifest.request_timeout_secs,
+        "load_timeout_secs": manifest.load_timeout_secs,  # bounds a wake from doze, which runs inside the stub
         "worker": spec.deployment.worker,
         "preload": list(manifest.preload),
         "decoupled": spec.decoupled,
@@ -201,6 +202,12 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     _check_python(spec, target)
     backend = _backend_for(spec, target)
     dep = spec.deployment
+    if backend != "python" and dep.worker == Worker.PREFORKED:
+        raise InvalidPackageError(
+            f"model '{spec.id}': worker = \"preforked\" runs the model in the python backend, but on the "
+            f"'{target.name}' target this {spec.package.kind.value} model runs in Triton's {backend} backend",
+            hint='remove worker = "preforked" for this model, or serve it on the embedded target',
+        )
     batching = dep.max_batch_size > 0
     parameters = {}
     if backend == "python" and dep.execution_env_path:

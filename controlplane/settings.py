@@ -143,6 +143,14 @@ class Settings(BaseSettings):
     autoscale: bool = Field(True, description="Add instances when a model's queue stays long")
     autoscale_queue_threshold: float = Field(4.0, description="Pending requests per instance that triggers scale-up")
     autoscale_window_secs: float = Field(5.0, description="How long the queue must stay above the threshold")
+    doze_after_secs: float = Field(
+        30.0,
+        ge=0,
+        description='Preforked custom models (worker = "preforked"): after this long without a request the model '
+        "dozes: its workers end (their memory back to the OS) while Triton keeps it loaded, and its next request "
+        "forks a fresh worker (tens of ms). Only where it is below the model's idle_timeout_secs, which still "
+        "unloads it; 0: never doze",
+    )
     # the defaults are controlplane.keepalive.MIN_SAMPLES / MIN_UNLOADED_SECS (not imported: it loads numpy)
     keep_alive_min_samples: int = Field(
         10,

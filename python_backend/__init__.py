@@ -19,6 +19,7 @@ RUNTIME_MODULES = (
     "__init__.py",
     "batching.py",
     "bls_wake.py",
+    "doze.py",
     "errors.py",
     "exits.py",
     "import_probe.py",

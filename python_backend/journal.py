@@ -78,6 +78,42 @@ def own_file(directory: str, suffix: str) -> str:
     return os.path.join(directory, f"{os.getpid()}-{start_ticks()}{suffix}")
 
 
+class WorkerNote:
+    """``<journal dir>/<pid>-<start ticks>.worker``: what the control plane reads of this stub's preforked worker
+    (its pid, how it ended; ``preforked.py``). Absent while no worker lives (a doze)."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, Any] = {}
+
+    def start(self, **fields: Any) -> None:
+        """A new worker: its note replaces the last one's."""
+        self.fields = dict(fields)
+        self.write()
+
+    def write(self, **fields: Any) -> None:
+        """Add ``fields`` to the note of the worker started last (none started: nothing to say)."""
+        directory = os.environ.get(JOURNAL_ENV)
+        if not directory or not self.fields:
+            return
+        self.fields.update(fields)
+        path = own_file(directory, WORKER_SUFFIX)
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.fields, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def remove(self) -> None:
+        directory = os.environ.get(JOURNAL_ENV)
+        if directory:
+            try:
+                os.unlink(own_file(directory, WORKER_SUFFIX))
+            except OSError:
+                pass
+
+
 def note_phase(phase: str, *, stub: tuple[int, int] | None = None, **fields: Any) -> None:
     """Say which part of a load this model process is in (import, load, warm-up; "ready" once done), in
     ``<journal dir>/<stub pid>-<start ticks>.phase``: a load the control plane abandons at its timeout is

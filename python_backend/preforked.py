@@ -17,12 +17,15 @@ also reads the worker's pid there, to measure the memory it adds).
 
 If no parent can be had (no interpreter found, the parent cannot start or died before forking), the
 model is loaded in the stub instead, with a warning in Triton's log.
+
+Dozing (doze.py): ``doze`` ends the worker as ``unload`` does but keeps this stand-in, and ``wake`` forks a fresh
+worker from the parent and loads the model in it again, within the spec's ``load_timeout_secs``. While dozing there
+is no ``.worker`` note: no worker lives.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import select
 import signal
@@ -32,9 +35,9 @@ import threading
 import time
 from typing import Any, NoReturn
 
-from .errors import INTERNAL, RemoteFailure, describe_failure, without_prefix
+from .errors import INTERNAL, TIMEOUT, RemoteFailure, describe_failure, without_prefix
 from .exits import describe_wait_status
-from .journal import JOURNAL_ENV, WORKER_SUFFIX, clear_batch, own_file, start_ticks
+from .journal import WorkerNote, clear_batch, start_ticks
 from .prefork_connect import (
     ParentIdentity,
     PreforkUnavailable,
@@ -72,6 +75,8 @@ from .runners import build_model
 from .spec import SPEC_FILE, RuntimeSpec
 
 WORKER_EXIT_SECS = 10.0  # after SHUTDOWN, how long the worker gets to exit before it is killed
+# A doze runs the model's unload() in its worker: it gets this long to answer before the worker is killed.
+DOZE_UNLOAD_SECS = 10.0
 # After handing a batch to its worker, the stub's thread polls for the answer this long (yielding the CPU
 # to anything runnable) before it blocks in recv. Measured on this 2-core VM: waking a blocked process
 # costs about 75 µs, so a torch MLP's round trip took 163 µs blocking and 88 µs polling. Not when recent
@@ -113,18 +118,23 @@ class PreforkedModel:
         self._identity: ParentIdentity | None = None
         self._conn: socket.socket | None = None
         self._pidfd: int | None = None
+        self._watched = False  # a watch thread waits on the pidfd (and closes it)
         self._region = Region(f"snooze-in-{spec.model_id}")
         self._peer = PeerRegion()
         self._lock = threading.Lock()  # one conversation with the worker at a time, and the death watch
         self._answer_secs = 0.0  # recent time from INFER to the worker's answer (moving average)
         self._closing = False
-        self._note: dict[str, Any] = {}
+        self._note = WorkerNote()
         self.in_stub: Any = None  # the model, when no parent could be had
         self._worker_unload = True  # whether the user's model (in the worker) has an unload(): its READY says
+        self._dozing = False  # the worker was ended by a doze: its end is no death
+        self.wakes = 0
+        self._model_dir, self._device = package_dir, "cpu"
 
     # --- load
 
     def load(self, model_dir: str, device: str) -> None:
+        self._model_dir, self._device = model_dir, device
         try:
             conn = self._spawn(model_dir, device)
         except PreforkUnavailable as e:
@@ -132,11 +142,27 @@ class PreforkedModel:
             self._load_in_stub(model_dir, device)
             return
         self._conn = conn
+        self._await_ready(conn, timeout=None)
+
+    def _await_ready(self, conn: socket.socket, *, timeout: float | None) -> None:
+        """Wait for the worker's READY (``timeout``: a wake's bound; a load's is the control plane's)."""
+        if timeout is not None and not select.select([conn], [], [], timeout)[0]:
+            self._conn = None
+            conn.close()
+            self._end_worker(0.0)
+            self._note.remove()
+            raise RemoteFailure(
+                TIMEOUT,
+                f"waking from doze: load did not finish within load_timeout_secs={timeout:g}; its worker was ended "
+                "and the next request tries again (make load() faster, or raise load_timeout_secs)",
+            )
         try:
             kind, body, fd = recv_frame(conn)
         except PeerClosed:
+            if timeout is not None:  # a wake: the batch never reached a worker, the stub goes and recovery resends it
+                self._die(ran=False, when="waking from doze")
             status = ask_exit_status(self._identity, self.worker_pid) if self._identity and self.worker_pid else None
-            self._write_note(exit_status=status, ended="load")
+            self._note.write(exit_status=status, ended="load")
             raise RemoteFailure(
                 INTERNAL,
                 f"its worker process (pid {self.worker_pid}) died during load ({describe_wait_status(status)}); "
@@ -148,7 +174,8 @@ class PreforkedModel:
         if kind == ERROR:  # the worker ends after saying why
             self._conn = None
             conn.close()
-            self._remove_note()
+            self._end_worker(WORKER_EXIT_SECS)
+            self._note.remove()
             raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
         if kind != READY:
             raise ProtocolError(f"expected READY from the worker, got frame type {kind}")
@@ -159,13 +186,18 @@ class PreforkedModel:
             f"load {payload.get('load_secs', 0):.3f} s)",
         )
         if self._pidfd is not None:
-            threading.Thread(target=self._watch, name="snooze-worker-watch", daemon=True).start()
+            self._watched = True
+            threading.Thread(
+                target=self._watch, args=(self._pidfd, self.worker_pid), name="snooze-worker-watch", daemon=True
+            ).start()
 
     def _spawn(self, model_dir: str, device: str) -> socket.socket:
-        interpreter = find_interpreter()
-        if interpreter is None:
-            raise PreforkUnavailable("no Python interpreter to run it: sys.executable is not set")
-        self._identity = identity = parent_identity(self.spec, interpreter, self.server_pid)
+        identity = self._identity
+        if identity is None:  # a wake reuses it: the runtime's digest reads every runtime file
+            interpreter = find_interpreter()
+            if interpreter is None:
+                raise PreforkUnavailable("no Python interpreter to run it: sys.executable is not set")
+            self._identity = identity = parent_identity(self.spec, interpreter, self.server_pid)
         conn = connect_parent(identity)
         request = {
             # <version>/package is the package, <version>/snooze_runtime.json its spec (docs/internals.md)
@@ -194,14 +226,16 @@ class PreforkedModel:
             raise ProtocolError(f"expected FORKED from the worker, got frame type {kind}")
         payload = parse_json(kind, body)
         self.worker_pid = int(payload["pid"])
-        self._pidfd = _pidfd(self.worker_pid)
-        self._note = {
-            "model": self.spec.model_id,
-            "pid": self.worker_pid,
-            "start_ticks": int(payload.get("start_ticks", 0)),
-            "parent_key": identity.key,
-        }
-        self._write_note()
+        # a new worker (a wake) has mapped neither side's region yet: both are sent again with the first frames
+        self._region, self._peer = Region(f"snooze-in-{self.spec.model_id}"), PeerRegion()
+        self._pidfd, self._watched = _pidfd(self.worker_pid), False
+        self._note.start(
+            model=self.spec.model_id,
+            pid=self.worker_pid,
+            start_ticks=int(payload.get("start_ticks", 0)),
+            parent_key=identity.key,
+            wakes=self.wakes,
+        )
         return conn
 
     def _load_in_stub(self, model_dir: str, device: str) -> None:
@@ -229,6 +263,8 @@ class PreforkedModel:
         """``predict`` in the worker: the batch goes over shared memory, the stub's thread waits for the
         answer. ``request_timeout_secs`` is the stub's watchdog's to enforce (triton_model.py): it answers
         an overrunning batch and ends the stub process, which takes the worker with it."""
+        if self.in_stub is not None:  # a wake from doze found no parent and loaded the model here
+            return self.in_stub.predict(inputs)
         with self._lock:
             conn = self._conn
             if conn is None:
@@ -253,6 +289,9 @@ class PreforkedModel:
     def stream_in_worker(self, inputs: dict[str, Any]) -> Any:
         """A decoupled model's ``predict`` in the worker, as a generator: each ITEM the worker sends is one
         result; closing this generator early (a cancelled request) sends CANCEL and waits for the END."""
+        if self.in_stub is not None:  # a wake from doze found no parent and loaded the model here
+            yield from self.in_stub.predict(inputs)
+            return
         with self._lock:
             conn = self._conn
             if conn is None:
@@ -336,25 +375,44 @@ class PreforkedModel:
             return
         with self._lock:
             self._closing = True
-            conn, self._conn = self._conn, None
-            if conn is None:
-                return
-            payload: dict[str, Any] = {}
-            try:
-                send_frame(conn, SHUTDOWN)
+            payload = self._shutdown(None)
+        if payload:
+            raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
+
+    def _shutdown(self, answer_within: float | None) -> dict[str, Any]:
+        """Under ``_lock``: SHUTDOWN to the worker (its model's ``unload()`` runs) and wait until it is gone; the
+        payload of an ERROR it answered with (its unload() raised), else {}. ``answer_within``: how long its
+        unload() may take before the worker is killed (None: ``unload``'s own bound is the stub's finalize's)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return {}
+        payload: dict[str, Any] = {}
+        grace = WORKER_EXIT_SECS
+        try:
+            send_frame(conn, SHUTDOWN)
+            if answer_within is None or select.select([conn], [], [], answer_within)[0]:
                 kind, body, fd = recv_frame(conn)
                 if fd is not None:
                     os.close(fd)
                 if kind == ERROR:
                     payload = parse_json(kind, body)
-            except (OSError, PeerClosed):
-                pass  # it is ending anyway
-            finally:
-                conn.close()
-                self._wait_for_worker()
-                self._remove_note()
-            if payload:
-                raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
+            else:
+                grace = 0.0  # its unload() overran: killed now
+        except (OSError, PeerClosed):
+            pass  # it is ending anyway
+        finally:
+            conn.close()
+            self._end_worker(grace)
+            self._note.remove()
+        return payload
+
+    def _end_worker(self, grace: float) -> None:
+        """Return once the worker is gone, killing it after ``grace`` seconds; its pidfd then closes (the watch's
+        closes it where a watch was started)."""
+        self._wait_for_worker(grace)
+        if self._pidfd is not None and not self._watched:
+            os.close(self._pidfd)
+        self._pidfd = None
 
     def _wait_for_worker(self, grace: float = WORKER_EXIT_SECS) -> None:
         """Return once the worker process is gone (its memory with it), killing it after ``grace`` seconds."""
@@ -366,22 +424,62 @@ class PreforkedModel:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
             select.select([self._pidfd], [], [], WORKER_EXIT_SECS)
 
+    # --- doze
+
+    @property
+    def can_doze(self) -> bool:
+        """A worker serves the model (not the stub itself): ending it gives all of its memory back."""
+        return self.in_stub is None and (self._conn is not None or self._dozing)
+
+    def doze(self) -> dict[str, Any]:
+        """End the worker (its model's ``unload()`` runs, within ``DOZE_UNLOAD_SECS``) and keep the stub; what ended.
+        The caller holds the batch lock (doze.py): no batch runs."""
+        with self._lock:
+            worker = self.worker_pid
+            self._dozing = True
+            self._worker_unload = False  # nothing of the model is left to clean up
+            payload = self._shutdown(DOZE_UNLOAD_SECS)
+            self.worker_pid = None
+        if payload:
+            raise RemoteFailure(str(payload.get("kind", INTERNAL)), str(payload.get("message", "")))
+        return {"worker": worker}
+
+    def wake(self) -> None:
+        """Fork a fresh worker and load the model in it, within ``load_timeout_secs`` (its failure is raised and the
+        stand-in stays dozing; a worker that dies loading ends the stub). The caller holds the batch lock."""
+        started = time.perf_counter()
+        with self._lock:
+            self.wakes += 1
+            try:
+                conn = self._spawn(self._model_dir, self._device)
+            except PreforkUnavailable as e:
+                _log(self.spec.model_id, f"no preloaded parent to wake in ({e}); loading in the stub instead")
+                self._load_in_stub(self._model_dir, self._device)
+                self._dozing = False
+                return
+            self._conn = conn
+            self._await_ready(conn, timeout=self.spec.load_timeout_secs)
+            self._dozing = False
+            # the control plane reads the wake in the note: a worker lives again, and how long the wake took
+            self._note.write(wake_secs=round(time.perf_counter() - started, 4))
+
     # --- the worker's death
 
-    def _watch(self) -> None:
-        """While idle, a worker that ends takes the stub with it (the control plane then recovers)."""
-        assert self._pidfd is not None
-        select.select([self._pidfd], [], [])
+    def _watch(self, pidfd: int, worker: int | None) -> None:
+        """While idle, a worker that ends takes the stub with it (the control plane then recovers); a worker ended
+        by an unload or a doze does not, nor one a wake has replaced since."""
+        select.select([pidfd], [], [])
         with self._lock:
-            if not self._closing:
+            if not self._closing and not self._dozing and self.worker_pid == worker:
                 self._die(ran=False, when="while idle")
+        os.close(pidfd)
 
     def _die(self, *, ran: bool, when: str) -> NoReturn:
         """End this stub because its worker ended; ``ran``: the current batch reached the worker."""
         status = ask_exit_status(self._identity, self.worker_pid) if self._identity and self.worker_pid else None
         if not ran:
             clear_batch()  # it never reached a live model process: the control plane may send it again
-        self._write_note(exit_status=status, ended=when, ran=ran)
+        self._note.write(exit_status=status, ended=when, ran=ran)
         _log(
             self.spec.model_id,
             f"preforked worker pid {self.worker_pid} died {when} ({describe_wait_status(status)}); "
@@ -389,26 +487,6 @@ class PreforkedModel:
         )
         sys.stderr.flush()
         os._exit(exit_code_for(status))
-
-    # --- the note the control plane reads
-
-    def _write_note(self, **fields: Any) -> None:
-        directory = os.environ.get(JOURNAL_ENV)
-        if not directory or not self._note:
-            return
-        self._note.update(fields)
-        path = own_file(directory, WORKER_SUFFIX)
-        tmp = f"{path}.tmp"
-        with contextlib.suppress(OSError):
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self._note, f)
-            os.replace(tmp, path)
-
-    def _remove_note(self) -> None:
-        directory = os.environ.get(JOURNAL_ENV)
-        if directory:
-            with contextlib.suppress(OSError):
-                os.unlink(own_file(directory, WORKER_SUFFIX))
 
 
 def _poll_briefly(conn: socket.socket, until: float) -> None:

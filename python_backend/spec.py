@@ -86,6 +86,7 @@ class RuntimeSpec:
     env: dict[str, str] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     request_timeout_secs: float | None = None  # None or 0: no limit
+    load_timeout_secs: float = 300.0  # bounds a wake from doze (the control plane bounds Triton's loads itself)
     worker: str = "in-stub"  # one of WORKERS
     preload: tuple[str, ...] = ()  # modules a preforked model's parent imports (numpy always)
     decoupled: bool = False  # predict is a generator: one response per yielded dict, then the final flag
@@ -145,10 +146,7 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
     params = raw.get("params") or {}
     if not isinstance(params, dict):
         raise fail("'params' must be a JSON object (passed as Model(**params))")
-    timeout = raw.get("request_timeout_secs")
-    bad_timeout = isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
-    if timeout is not None and bad_timeout:
-        raise fail(f"'request_timeout_secs' must be a number >= 0 or null, got {timeout!r}")
+    timeout, load_timeout = _parse_timeouts(raw, fail)
 
     worker, preload = _parse_worker(raw, fail)
     decoupled, sequence = raw.get("decoupled", False), raw.get("sequence", False)
@@ -173,11 +171,23 @@ def parse_spec(raw: dict[str, Any], source: str = SPEC_FILE) -> RuntimeSpec:
         env=dict(env),
         params=dict(params),
         request_timeout_secs=float(timeout) if timeout else None,
+        load_timeout_secs=float(load_timeout),
         worker=worker,
         preload=tuple(preload),
         decoupled=decoupled,
         sequence=sequence,
     )
+
+
+def _parse_timeouts(raw: dict[str, Any], fail) -> tuple[float | None, float]:
+    timeout = raw.get("request_timeout_secs")
+    bad_timeout = isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+    if timeout is not None and bad_timeout:
+        raise fail(f"'request_timeout_secs' must be a number >= 0 or null, got {timeout!r}")
+    load_timeout = raw.get("load_timeout_secs", 300.0)
+    if isinstance(load_timeout, bool) or not isinstance(load_timeout, (int, float)) or load_timeout <= 0:
+        raise fail(f"'load_timeout_secs' must be a number > 0, got {load_timeout!r}")
+    return timeout, load_timeout
 
 
 def _parse_worker(raw: dict[str, Any], fail) -> tuple[str, list[str]]:

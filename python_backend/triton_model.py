@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .batching import BatchPlan
+from .doze import DozeControl
 from .errors import INVALID_INPUT, Failure, PredictTimeout, describe_failure, prefix
 from .exits import OVERRUN_EXIT_CODE
 from .journal import RequestJournal, note_phase
@@ -163,12 +164,32 @@ class TritonPythonModel:
             note_phase("warm-up")
             self._warm_up(args, spec)
         note_phase("ready")
+        # A preforked model may doze (doze.py): its worker ends while this stub stays; its next batch wakes it.
+        self._doze = DozeControl.for_model(self._model, spec.model_id, self._journal)
         self._watch: PredictWatchdog | None = None
         if self._timeout:
             self._watch = PredictWatchdog(self._timeout, self._overran, f"snooze-watchdog-{self._instance}")
             self._predict = self._watched(self._watch, self._user_predict)
 
     def execute(self, requests: list) -> list | None:
+        doze = self._doze
+        if doze is None:
+            return self._execute_journaled(requests)
+        with doze.lock:  # a doze never runs beside a batch; a dozing instance wakes first
+            failure = doze.wake_for_batch()  # a failed wake reached no worker: the batch is answered with it
+            return self._execute_journaled(requests) if failure is None else self._refuse(requests, failure)
+
+    def _refuse(self, requests: list, failure: Failure) -> list | None:
+        """Every request of the batch answered with ``failure`` (a decoupled model's through its sender)."""
+        if not self._spec.decoupled:
+            return [self._response(failure)] * len(requests)
+        final = self._pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        for request in requests:
+            with contextlib.suppress(Exception):  # a client that left is not answered
+                request.get_response_sender().send(self._response_cls(error=self._error(failure)), flags=final)
+        return None
+
+    def _execute_journaled(self, requests: list) -> list | None:
         journal = self._journal
         if self._sequences is not None:
             self._sequences.record(requests)
@@ -347,6 +368,8 @@ class TritonPythonModel:
         sender.send(flags=final)
 
     def finalize(self) -> None:
+        if self._doze is not None:
+            self._doze.close()
         unload = getattr(self._model, "unload", None)
         if self._watch is not None:
             self._watch.stop()

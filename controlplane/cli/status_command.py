@@ -93,6 +93,8 @@ def state_text(status: dict[str, Any], *, in_table: bool = False) -> str:
     # reasons quote runtime errors such as "[snooze:oom] ...": not rich markup
     if state == "failed" and status.get("reason") and not in_table:
         return f"{text} ({escape(_short_reason(status['reason']))})"
+    if state == "ready" and status.get("level") == "dozing":  # loaded, its workers ended: its next request forks one
+        return f"{text} [dim](dozing)[/]"
     return text
 
 

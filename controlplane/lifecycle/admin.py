@@ -83,8 +83,10 @@ class AdminOperations:
                     return await self._load_itself(rec, instances, override)
 
     async def _load_itself(self, rec: ModelRecord, instances: int | None, override: object) -> ModelStatus:
-        """``load``'s own part, once an ensemble's steps are loaded."""
+        """``load``'s own part, once an ensemble's steps are loaded (a wake of the model may have begun its load
+        meanwhile: settled first)."""
         model_id = rec.id
+        await self.states.settle(rec)
         if override is not KEEP_OVERRIDE:
             given = cast("dict[str, Any] | None", override)
             apply_override(rendered_config(rec.model.config_text, where=f"model '{model_id}'"), given, model_id)
@@ -199,6 +201,7 @@ class AdminOperations:
             warmup=self._warmup(rec),
             ensembles=(users.get(rec.id) if users is not None else self.groups.users().get(rec.id)) or None,
             steps=list(self.groups.steps(rec)) or None,
+            level=rec.level,
         )
 
     def statuses(self, model_ids: list[str] | None = None) -> list[ModelStatus]:

@@ -31,6 +31,7 @@ from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, U
 from controlplane.lifecycle.warmth import Warmth
 from controlplane.lifecycle.workers import end_model_processes, parents_bytes, worker_bytes, workers_of
 from controlplane.metrics import SnoozeMetrics
+from controlplane.modes import Worker
 from controlplane.settings import Settings
 from controlplane.tasks import read_task
 from controlplane.triton.client import TritonAdminClient
@@ -38,6 +39,7 @@ from controlplane.triton.journal import hung_phase, initialize_started
 from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS, TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
+UNKNOWN_LOAD_PRIVATE = 1 << 62  # a load measured with a dozing stub: no growth is learned from it
 
 # After load_timeout_secs, how long Triton gets to fail a load whose stubs were killed; a wake-up
 # waits this much longer than load_timeout_secs, so that it reports the load's failure.
@@ -144,6 +146,9 @@ class Loader:
             rec.load.last_cold_start = elapsed
             self.metrics.cold_starts.labels(model=rec.id, trigger=trigger).inc()
             self.metrics.cold_start_seconds.labels(model=rec.id).observe(elapsed)
+            if trigger == "request":
+                self.metrics.wakes.labels(model=rec.id, origin="unloaded").inc()
+                self.metrics.wake_seconds.labels(origin="unloaded").observe(elapsed)
             log.info("model '%s': cold start (%s) in %.3fs", rec.id, trigger, elapsed)
         return elapsed
 
@@ -304,6 +309,10 @@ class Loader:
             ):
                 rec.memory.growth = 0
             rec.memory.load_footprint, rec.memory.load_private = measured, measured - rec.memory.shared
+            if rec.model.deployment.worker == Worker.PREFORKED and len(rec.procs.workers) < len(stubs):
+                # a stub without its worker (it dozes: adopted so, or kept by an in-place rescale): the worker its
+                # wake brings back is no growth of this load's, which is then not learned (dozing.py)
+                rec.memory.load_private = UNKNOWN_LOAD_PRIVATE
             rec.memory.footprint = measured + rec.memory.growth
             rec.memory.footprint_instances, rec.memory.footprint_source = instances, "measured"
             rec.memory.footprint_deployment = rec.model.deployment
@@ -379,8 +388,11 @@ class Loader:
         mapping it (the parents' share is the budget's overhead), so the sums over models count what is held
         (``max_age``: a sweep's, ``held_bytes``)."""
         used, private = self.processes.memory_split(stubs, max_age=max_age)
-        if rec.procs.workers:
-            pss, own = worker_bytes(rec.procs.workers, self.processes.proc_root, max_age=max_age)
+        workers = rec.procs.workers
+        if rec.model.deployment.worker == Worker.PREFORKED:  # a doze or a wake on Triton's side changes them
+            workers = tuple(workers_of(self.journal_dir, stubs))
+        if workers:
+            pss, own = worker_bytes(workers, self.processes.proc_root, max_age=max_age)
             used, private = used + pss, private + own
         rec.memory.shared = max(used - private, 0)
         return used

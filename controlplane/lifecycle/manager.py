@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.lifecycle.admin import AdminOperations
 from controlplane.lifecycle.cancel import LoadCancels
+from controlplane.lifecycle.dozing import Dozing
 from controlplane.lifecycle.groups import Groups
 from controlplane.lifecycle.loading import Loader
 from controlplane.lifecycle.memory.cgroup import CgroupMemory, TritonCgroup
@@ -37,6 +38,7 @@ from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.processes import TritonProcesses
+from controlplane.triton.stub_control import SocketStubControl, StubControl
 
 if TYPE_CHECKING:
     from controlplane.triton.launcher import EmbeddedTriton
@@ -58,11 +60,13 @@ class LifecycleManager:
         gpu_reader: GpuProcessReader | None = None,
         gpu_pid_map: NvmlPidMap | None = None,
         cgroup: Callable[[], CgroupMemory | None] | None = None,
+        stub_control: StubControl | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """``gpu_reader`` / ``gpu_pid_map``: NVML and its pid mapping (tests inject them: no GPU here); ``cgroup``:
-        reads Triton's memory cgroup (default: found through tritonserver's pid under /proc and /sys); ``clock``:
-        what every part reads time from (the fast tier's is virtual)."""
+        reads Triton's memory cgroup (default: found through tritonserver's pid under /proc and /sys);
+        ``stub_control``: asks stubs to doze (default: their sockets in the journal folder); ``clock``: what every
+        part reads time from (the fast tier's is virtual)."""
         if processes is None:
             processes = triton_process.processes() if triton_process is not None else TritonProcesses.unseen()
         if journal_dir is None and triton_process is not None:
@@ -95,6 +99,17 @@ class LifecycleManager:
             reader=gpu_reader,
             pid_map=gpu_pid_map,
             order=budget.eviction_order,
+        )
+        self.dozing = Dozing(
+            settings,
+            states,
+            stub_control if stub_control is not None else SocketStubControl(journal_dir, processes.proc_root),
+            budget,
+            readings,
+            processes,
+            metrics,
+            journal_dir=journal_dir,
+            clock=clock,
         )
         self._build_parts(settings, store, triton, readings, gpu, triton_process, clock)
 
@@ -129,7 +144,8 @@ class LifecycleManager:
             warmth,
             residency,
             wait_for_triton=up.wait_until_up,
-            evict=unloads.evict,  # the budgets plan evictions; the loader carries them out with this
+            # the budgets plan evictions; the loader carries them out with this (a victim that can doze dozes first)
+            evict=self.dozing.doze_first(unloads.evict),
             journal_dir=journal_dir,
             clock=clock,
         )
@@ -156,6 +172,7 @@ class LifecycleManager:
             processes,
             transitions,
             residency,
+            self.groups,
             wake=self.requests.ensure_ready,
             journal_dir=journal_dir,
             clock=clock,
@@ -185,6 +202,7 @@ class LifecycleManager:
             self.run_once,
             self.sequences,
             triton,
+            self.dozing,
             journal_dir=journal_dir,
             clock=clock,
         )

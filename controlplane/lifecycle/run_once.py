@@ -9,12 +9,14 @@ python model; a death starts the model's recovery. The activator asks, before it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from controlplane.clock import Clock
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.cancel import REPUBLISHED, cancelled_error, cancelled_why
+from controlplane.lifecycle.groups import Groups
 from controlplane.lifecycle.recovery import ModelProcessDiedError, RequestFate, fate_of, note_deaths, recent_deaths
 from controlplane.lifecycle.residency import Residency
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
@@ -36,6 +38,7 @@ class RunOnce:
         processes: TritonProcesses,
         transitions: Transitions,
         residency: Residency,
+        groups: Groups,
         *,
         wake: Callable[[str], Awaitable[None]],
         journal_dir: Path | None,
@@ -48,6 +51,7 @@ class RunOnce:
         self.processes = processes
         self.transitions = transitions
         self.residency = residency
+        self.groups = groups
         self.journal_dir = journal_dir
         self.clock = clock
 
@@ -78,6 +82,13 @@ class RunOnce:
         recovered when the request never reached a live model process (send it again); raises
         ``ModelProcessDiedError`` (recovery goes on) when it did, or when that cannot be told."""
         rec = self.states.record(model_id)
+        if steps := self.groups.steps(rec):
+            # An ensemble holds no process: a step's died under the request, which ran inside Triton, where what
+            # it ran cannot be told. The steps whose processes died are recovered; the request is not sent again.
+            for step in steps:
+                with contextlib.suppress(SnoozeError):
+                    await self._recover_if_dead(self.states.record(step))
+            raise ModelProcessDiedError(model_id, None)
         fate, death = await self._fate(rec, request_id)
         if fate is RequestFate.NOT_RUN:
             await self.recover(model_id, "dead_stub")
@@ -85,6 +96,13 @@ class RunOnce:
         if rec.op is None and rec.state is ModelState.READY and not rec.procs.stubs:
             self.transitions.recover(rec, "recovering: a request failed")
         raise ModelProcessDiedError(model_id, death)
+
+    async def _recover_if_dead(self, rec: ModelRecord) -> None:
+        """Start the recovery of a loaded model any of whose processes died (not waited for)."""
+        if rec.op is None and rec.state is ModelState.READY and rec.procs.stubs:
+            deaths = await self.observe(rec)
+            if deaths:
+                self.start_recovery(rec, deaths)
 
     async def _fate(self, rec: ModelRecord, request_id: str) -> tuple[RequestFate, StubDeath | None]:
         # The watch may not have passed since the death: look at the model's processes first.
@@ -105,6 +123,10 @@ class RunOnce:
         recovered it already); where they cannot, a model (re)loaded in the last seconds is.
         """
         rec = self.states.record(model_id)
+        if steps := self.groups.steps(rec):  # an ensemble holds no process: its steps' died
+            for step in steps:
+                await self.recover(step, cause)
+            return
         await self.states.settle(rec)
         op: asyncio.Task[None] | None
         if rec.state is ModelState.READY:

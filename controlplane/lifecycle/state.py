@@ -46,6 +46,7 @@ class UnloadReason(StrEnum):
     API = "api"  # unloaded through the control API or Triton's repository API
     DELETED = "deleted"  # its package was deleted
     REPUBLISHED = "republished"  # a new version had no room beside it: it leaves, the new one loads on request
+    STEP_LEFT = "step_left"  # an ensemble whose step was unloaded (Triton takes the ensemble down with it)
 
     @property
     def eviction(self) -> bool:
@@ -106,6 +107,11 @@ class ModelStatus:
     steps: list[str] | None = _doc(
         "An ensemble's steps, woken before it and held while it is loaded; None: not an ensemble",
         default=None,
+    )
+    level: str = _doc(
+        "awake (loaded, its code in memory) | dozing (loaded, its preforked workers ended: its next request forks "
+        "one) | unloaded (no process)",
+        default="unloaded",
     )
 
     def to_dict(self) -> dict[str, Any]:
@@ -196,6 +202,21 @@ class LoadRecord:
 
 
 @dataclass
+class DozeRecord:
+    """Which of the model's stubs doze (their preforked workers ended) and what it held awake: written by the doze
+    part (``lifecycle/dozing.py``), reset whenever the model's state changes."""
+
+    stubs: frozenset[tuple[int, int]] = frozenset()  # (pid, start ticks) of its stubs that doze now
+    since: float = 0.0  # epoch seconds of its last doze
+    awake_footprint: int | None = None  # its footprint before it dozed: what a wake brings back
+    checked: int = -1  # the record's generation when its stubs were last asked whether they doze (an adoption)
+
+    @property
+    def dozing(self) -> bool:
+        return bool(self.stubs)
+
+
+@dataclass
 class ModelRecord:
     """One model's state and its transition, with a sub-record per part that writes it."""
 
@@ -213,6 +234,15 @@ class ModelRecord:
     procs: ProcessRecord = field(default_factory=ProcessRecord)
     access: AccessRecord = field(default_factory=AccessRecord)
     load: LoadRecord = field(default_factory=LoadRecord)
+    doze: DozeRecord = field(default_factory=DozeRecord)
+
+    @property
+    def level(self) -> str:
+        """How awake it is: awake (its model's code is in memory), dozing (its stubs live, its workers ended:
+        ``lifecycle/dozing.py``) or unloaded (no process; loading and failed count as unloaded)."""
+        if not self.loaded:
+            return "unloaded"
+        return "dozing" if self.doze.dozing else "awake"
 
     @property
     def last_access(self) -> float | None:

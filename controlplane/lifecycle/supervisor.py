@@ -15,6 +15,7 @@ from controlplane.errors import SnoozeError
 from controlplane.lifecycle.admin import AdminOperations
 from controlplane.lifecycle.autoscale import autoscale_step
 from controlplane.lifecycle.cancel import LoadCancels
+from controlplane.lifecycle.dozing import Dozing
 from controlplane.lifecycle.loading import Loader
 from controlplane.lifecycle.run_once import RunOnce
 from controlplane.lifecycle.sequences import LiveSequences, describe_live
@@ -54,6 +55,7 @@ class Supervisor:
         run_once: RunOnce,
         sequences: LiveSequences,
         triton: TritonAdminClient,
+        dozing: Dozing,
         *,
         journal_dir: Path | None,
         clock: Clock,
@@ -73,6 +75,7 @@ class Supervisor:
         self.run_once = run_once
         self.sequences = sequences
         self.triton = triton
+        self.dozing = dozing
         self.journal_dir = journal_dir
         self.clock = clock
         self._tasks: list[asyncio.Task[None]] = []
@@ -193,6 +196,7 @@ class Supervisor:
             return
         entries = await self.sync.resync(full=False)
         await self._leave_unpublished(entries)
+        await self.dozing.hear(self.states.values())  # a request woke a dozing model on Triton's side: it holds more
         await self.budget.measure_server()
         await self.loader.remeasure()
         await self.admission.enforce()
@@ -221,6 +225,9 @@ class Supervisor:
                 self.transitions.unload(rec, UnloadReason.IDLE, seen_access=rec.idle_since)
             elif self.settings.autoscale and rec.id in pending and rec.instances > 0:
                 self._autoscale(rec, queued)
+        # an idle model dozes before its keep-alive unloads it (dozing.py)
+        idle = {r.id for r in ready if r.in_use == 0 and pending.get(r.id, 0.0) == 0}
+        await self.dozing.doze_idle(ready, idle, now)
         await self._prewarm(now)
 
     async def _leave_unpublished(self, entries: dict[str, RepositoryEntry]) -> None:

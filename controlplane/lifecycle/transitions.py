@@ -100,6 +100,22 @@ class Unloads:
         if await self.unload_op(rec, UnloadReason.DELETED):
             self.states.drop(rec.id)
 
+    async def _ensembles_first(self, rec: ModelRecord) -> None:
+        """The loaded ensembles that hold ``rec`` as a step leave before it: Triton takes an ensemble down with any
+        of its steps, and brings it back when the step loads again (measured on 2.51), behind the lifecycle. An
+        unload of a step held by an ensemble is a forced one (an API unload, a delete, a republish)."""
+        for ensemble, steps in list(self.groups.pins.items()):
+            e = self.states.get(ensemble)
+            if rec.id in steps and e is not None and e.state is ModelState.READY and e.op is None:
+                task = self.states.spawn(
+                    e,
+                    ModelState.UNLOADING,
+                    f"its step '{rec.id}' was unloaded",
+                    self.unload_op(e, UnloadReason.STEP_LEFT, note=f"its step '{rec.id}' was unloaded"),
+                )
+                with contextlib.suppress(SnoozeError):
+                    await asyncio.shield(task)
+
     async def unload_op(
         self, rec: ModelRecord, reason: UnloadReason, *, seen_access: float | None = None, note: str | None = None
     ) -> bool:
@@ -117,6 +133,7 @@ class Unloads:
             if pending > 0 or rec.in_use > 0 or rec.idle_since > seen_access:
                 self.states.set_state(rec, ModelState.READY)
                 return False
+        await self._ensembles_first(rec)
         try:
             await self.unloader.unload(rec)  # returns once its memory is free (unloading.py)
         except SnoozeError as e:

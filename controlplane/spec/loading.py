@@ -311,10 +311,10 @@ def resolve(deployment: DeploymentSpec) -> ModelSpec:
 def _checked(spec: ModelSpec) -> ModelSpec:
     """The deployment checks that hold whatever max_batch_size publishing chose."""
     deployment, package = spec.deployment, spec.package
-    if deployment.worker == Worker.PREFORKED and package.kind is not PackageKind.CUSTOM:
+    if deployment.worker == Worker.PREFORKED and package.kind not in (PackageKind.CUSTOM, PackageKind.ONNX):
         raise InvalidPackageError(
-            f"model '{deployment.id}': worker = \"preforked\" applies to custom models (snooze_model.py); "
-            f"this package is {package.kind.value}",
+            f"model '{deployment.id}': worker = \"preforked\" applies to custom models (snooze_model.py) and to "
+            f"ONNX models served by the python backend's onnxruntime runner; this package is {package.kind.value}",
             hint='remove worker = "preforked" for this model',
         )
     if deployment.max_instances < deployment.instances:

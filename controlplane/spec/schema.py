@@ -216,7 +216,8 @@ class DeploymentSpec(BaseModel):
     )
     worker: Worker = Field(
         Worker.IN_STUB,
-        description="custom models: in-stub runs the model in its python-backend stub; preforked runs it in a "
+        description="custom models (and ONNX models the python backend serves): in-stub runs the model in its "
+        "python-backend stub; preforked runs it in a "
         "worker forked from a parent that has imported the package's 'preload' modules (fast cold starts)",
     )
     instances: int = Field(1, ge=1, description="Instances loaded on wake-up")

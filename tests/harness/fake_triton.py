@@ -59,10 +59,13 @@ from controlplane.errors import NotFoundError, TritonError, TritonModelLoadError
 from controlplane.lifecycle.configs import rendered_config
 from controlplane.render import DEPLOYMENT_FILE
 from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry
+from controlplane.triton.dead_stub import is_dead_stub_message
 from controlplane.triton.journal import PHASE_SUFFIX, journal_path
 from controlplane.triton.journal import SIZE as JOURNAL_SIZE
 from controlplane.triton.processes import StubDeath, StubProcess
+from controlplane.triton.stub_control import DozeAnswer, Wake
 from harness.virtual_time import EPOCH
+from python_backend.doze import BUSY
 
 MIB = 1024 * 1024
 DEAD_STUB_WAIT = 1.0  # Triton's wait before failing a request sent to a dead stub (about a second, measured)
@@ -87,6 +90,9 @@ class Stub:
     last_end: float = 0.0  # virtual seconds when its last batch ended
     files: tuple[int, int] = (0, 0)  # the model folder it was started from (``Loaded.files``): the version it serves
     queued: int = 0  # requests sent to this instance that wait for it
+    awake_memory: int | None = None  # while it dozes (its worker ended): what it held awake, back at its wake
+    wakes: int = 0  # batches that found it dozing and forked a worker first
+    woke_at: float = -1.0  # virtual seconds of its last wake
     died: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -107,6 +113,7 @@ class Loaded:
     files: tuple[int, int] = (0, 0)  # the folder it was last loaded from: its inode, its config.pbtxt's mtime
     last_inference_ms: int = 0
     served: int = 0  # requests answered since the model was last built (Triton's success count)
+    stats_read_at: float = -1.0  # virtual seconds the control plane last read its statistics (each sweep)
     next_instance: int = 0
     unloading: asyncio.Task[None] | None = None
 
@@ -126,7 +133,8 @@ class Answer:
 
     @property
     def dead(self) -> bool:
-        return self.status == 500 and "is not healthy" in self.text
+        """Triton's whole dead-stub message, as the gateway reads it (not an ensemble's answer wrapping a step's)."""
+        return self.status == 500 and is_dead_stub_message(self.text)
 
 
 @dataclass
@@ -165,10 +173,16 @@ class FakeTriton:
         # (ensemble, its steps that were not loaded) at each ensemble load that met one: the world judges whether
         # the lifecycle should have loaded them first (a published step: the real Triton would load it behind it)
         self.ensemble_misses: list[tuple[str, list[str]]] = []
+        # Ensembles Triton took down with a step's unload: it brings each back when its steps are loaded again
+        # (measured on 2.51: unloading a step makes its loaded ensemble UNAVAILABLE at once; loading the step again
+        # makes it READY, unless the ensemble was unloaded itself in between).
+        self.down_with_step: set[str] = set()
         self.retired: list[Stub] = []  # the old instances of reloads: alive until their requests are done
         self.kept_old: set[str] = set()  # models whose last reload failed: Triton serves the version it had
         self.reap_delay = 0.0  # seconds a stub Triton ended stays a zombie before Triton reaps it (0: at once)
         self.ensembles: dict[str, list[str]] = {}  # ensemble -> its steps, in order (requests run through each)
+        self.dozing_bytes = 20 * MIB  # what a dozing stub holds (python_backend/doze.py: its worker ended)
+        self.wake_delay = 0.03  # a dozing stub's fork and load() before its batch runs
         self.calls: Counter[str] = Counter()
         self._pids = itertools.count(10_000)
         self._round_robin: Counter[str] = Counter()
@@ -292,6 +306,10 @@ class FakeTriton:
         m.stubs, m.config, m.state, m.reason, m.files = keep + new, config, "READY", "", files
         self.kept_old.discard(name)
         self._retire(leaving)
+        for ensemble in sorted(self.down_with_step):
+            if name in self.ensembles[ensemble] and set(self.ensembles[ensemble]) <= self.ready():
+                self.down_with_step.discard(ensemble)
+                self.models[ensemble].state, self.models[ensemble].reason = "READY", ""
 
     def _load_ensemble(self, name: str, config: dict[str, Any], files: tuple[int, int]) -> None:
         """An ensemble: no process of its own; its steps must be loaded (Triton would load them itself: snoozeml loads
@@ -387,8 +405,14 @@ class FakeTriton:
         self.calls["unload"] += 1
         await asyncio.sleep(0)
         m = self.models.get(name)
+        self.down_with_step.discard(name)  # unloaded itself: not brought back with its steps
         if m is not None and m.state in ("READY", "LOADING") and m.unloading is None:
             m.state = "UNLOADING"
+            for ensemble, steps in self.ensembles.items():
+                e = self.models.get(ensemble)
+                if name in steps and e is not None and e.state == "READY":
+                    e.state, e.reason = "UNAVAILABLE", f"its step '{name}' was unloaded"
+                    self.down_with_step.add(ensemble)
             delay = self.unload_hangs.pop(name, self.unload_delay)
             m.unloading = asyncio.ensure_future(self._finish_unload(m, delay))
         if not wait:
@@ -418,6 +442,7 @@ class FakeTriton:
         m = self.models.get(name)
         if m is None or m.state != "READY":
             raise NotFoundError(f"no statistics for model '{name}'")
+        m.stats_read_at = asyncio.get_running_loop().time()  # a sweep reads them (and then measures the model)
         return ModelStats(name, "1", m.last_inference_ms, m.served, m.served, m.served, 0, 0, 0, 0, 0, 0, 0)
 
     async def pending_request_counts(self) -> dict[str, float]:
@@ -425,6 +450,15 @@ class FakeTriton:
         return {name: float(self.pending[name]) for name, m in self.models.items() if m.state == "READY"}
 
     # ------------------------------------------------------------------ inference
+
+    async def _wake(self, stub: Stub) -> None:
+        """A dozing stub's batch forks a worker and loads the model first (``FakeStubControl``)."""
+        if stub.awake_memory is not None and stub.alive:
+            stub.memory, stub.awake_memory = stub.awake_memory, None
+            stub.wakes += 1
+            stub.woke_at = asyncio.get_running_loop().time()
+            self.peak = max(self.peak, self.server_bytes() + sum(self.holding().values()))
+            await asyncio.sleep(self.wake_delay)
 
     async def infer(self, name: str, request_id: str) -> Answer:
         """One request, as Triton runs it: on the next instance, journaled before it runs."""
@@ -462,6 +496,7 @@ class FakeTriton:
             queued = False
             while stub.stopped and stub.alive:  # a frozen stub takes it up when it goes on
                 await asyncio.sleep(self.exec_delay / 10)
+            await self._wake(stub)  # a dozing stub forks its worker first, before it journals the batch
             if not stub.alive:  # it never reached the model's code
                 stub.running = None
                 await asyncio.sleep(DEAD_STUB_WAIT)
@@ -620,3 +655,34 @@ class NoGpu:
 
     def processes(self) -> list[Any]:
         return []
+
+
+class FakeStubControl:
+    """``controlplane.triton.stub_control.StubControl`` over the fake's stubs: a doze keeps the stub (and Triton's
+    READY) and drops it to ``FakeTriton.dozing_bytes``; its next batch wakes it (``FakeTriton.infer``)."""
+
+    def __init__(self, processes: FakeProcesses) -> None:
+        self.processes = processes
+        self.asked: list[tuple[str, int]] = []  # (model, stub pid) per doze asked
+
+    def doze(self, stub: StubProcess) -> DozeAnswer:
+        self.asked.append((stub.model, stub.pid))
+        s = self.processes._find(stub)
+        if s is None or not s.alive:
+            return DozeAnswer(False, "its stub cannot doze (in-stub, or a runtime without doze)")
+        if s.running is not None or s.queued:
+            return DozeAnswer(False, BUSY)
+        if s.awake_memory is not None:
+            return DozeAnswer(False, "dozing already")
+        s.awake_memory, s.memory = s.memory, min(s.memory, self.processes.triton.dozing_bytes)
+        return DozeAnswer(True, secs=0.005)
+
+    def dozing(self, stub: StubProcess) -> bool:
+        s = self.processes._find(stub)
+        return s is not None and s.alive and s.awake_memory is not None
+
+    def woke(self, stub: StubProcess) -> Wake | None:
+        s = self.processes._find(stub)
+        if s is None or not s.alive or s.awake_memory is not None or not s.wakes:
+            return None
+        return Wake(s.pid + 1, self.processes.triton.wake_delay)

@@ -28,7 +28,7 @@ from controlplane.render import DEPLOYMENT_FILE, embedded_target
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
-from harness.fake_triton import MIB, Answer, FakeProcesses, FakeTriton, NoGpu
+from harness.fake_triton import MIB, Answer, FakeProcesses, FakeStubControl, FakeTriton, NoGpu
 from harness.virtual_time import Hang, VirtualTime, VirtualTimeLoop
 
 MODEL_PY = """
@@ -153,6 +153,7 @@ class LifecycleWorld:
         self.other_node = ModelStore(repo, embedded_target())  # another node's writes to the shared store
         self.triton = FakeTriton(repo, self.journal)
         self.processes = FakeProcesses(self.triton)
+        self.stub_control = FakeStubControl(self.processes)
         # Triton's memory cgroup as the manager reads it (None: unseen), or what reads it
         self.cgroup: CgroupMemory | Callable[[], CgroupMemory] | None = None
         self.settings = Settings(
@@ -200,6 +201,7 @@ class LifecycleWorld:
             gpu_reader=self.gpu_reader,
             gpu_pid_map=None,
             cgroup=lambda: self.cgroup() if callable(self.cgroup) else self.cgroup,
+            stub_control=self.stub_control,
             clock=self.clock,
         )
         self.probe.install(m.states)
@@ -372,6 +374,13 @@ class LifecycleWorld:
                 )
         return total
 
+    async def doze(self, model: str) -> None:
+        """Ask a loaded preforked model's stubs to doze now, as an idle sweep or an eviction does (its stubs refuse
+        while a batch runs)."""
+        rec = self.manager.states.get(model)
+        if rec is not None and rec.state is ModelState.READY and rec.op is None and self.manager.dozing.can_doze(rec):
+            await self.manager.dozing.doze(rec)
+
     async def tick(self, secs: float) -> None:
         await asyncio.sleep(secs)
 
@@ -389,8 +398,13 @@ class LifecycleWorld:
             )
         )
 
-    async def publish(self, model: str, size_mb: float | None = 60, instances: int = 1, **deployment: Any) -> None:
-        """Publish or republish through the API (``operations._publish``): the store, then ``published``."""
+    async def publish(
+        self, model: str, size_mb: float | None = 60, instances: int = 1, worker: str | None = None, **deployment: Any
+    ) -> None:
+        """Publish or republish through the API (``operations._publish``): the store, then ``published``.
+        ``worker``: "preforked" for a model that dozes when idle (``doze_after_secs``)."""
+        if worker is not None:
+            deployment["worker"] = worker
         spec = self._spec(model, size_mb, instances, **deployment)
 
         async def go() -> str:
@@ -619,6 +633,12 @@ class LifecycleWorld:
         self.answered += [c for c in self.calls if c.task.done()]
         self.calls = [c for c in self.calls if not c.task.done()]
 
+    def _woke_unheard(self, rec: ModelRecord) -> bool:
+        """A dozing stub that a batch woke since the last sweep read the model (the control plane is not on the
+        warm path: it hears and measures a wake at its next sweep)."""
+        m = self.triton.models.get(rec.id)
+        return m is not None and any(s.woke_at >= m.stats_read_at for s in m.stubs)
+
     def _override_problems(self, rec: ModelRecord | None, held: bool) -> list[str]:
         """A client's override holds through every load of the model until a load without one."""
         if rec is None or not rec.loaded or not rec.load.config_override or not held:
@@ -666,6 +686,8 @@ class LifecycleWorld:
                 problems.append(f"Triton holds '{model}' ({where}) but the manager says {state}")
             elif rec is not None and rec.loaded and model not in holding:
                 problems.append(f"the manager says '{model}' is {rec.state.value}; Triton does not hold it")
+            elif rec is not None and self._woke_unheard(rec):
+                continue  # a request woke a dozing stub on Triton's side: the next sweep hears and measures it
             elif rec is not None and rec.loaded and all(s.alive for s in self.triton.models[model].stubs):
                 # a stub grows at its first request (``growth``): counted ahead (a model loaded again as it was) or
                 # from the next sweep on; without growth, exactly what its stubs hold
@@ -692,8 +714,10 @@ class LifecycleWorld:
                     )
         # memory in flux while Triton unloads something is not judged (left undone: a model whose unload hangs
         # across a restart of this control plane is counted only once a sweep sees it again)
+        # nor while a wake from doze is unheard (Triton's side: the next sweep measures it and enforces the budget)
         quiet = (
             all(r.op is None for r in records.values())
+            and not any(self._woke_unheard(r) for r in records.values())
             and not any(self.triton.loads_in_flight.values())
             and all(m.state != "UNLOADING" for m in self.triton.models.values())
         )

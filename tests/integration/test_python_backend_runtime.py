@@ -503,8 +503,6 @@ def tiny_onnx() -> tuple[bytes, np.ndarray, np.ndarray]:
 
 
 def test_onnx_kind_runs_onnxruntime(triton, worker):
-    if worker == "preforked":
-        pytest.skip("the control plane serves ONNX packages in the stub only (worker applies to custom models)")
     data, w, b = tiny_onnx()
     runtime = {
         "kind": "onnx",
@@ -513,8 +511,9 @@ def test_onnx_kind_runs_onnxruntime(triton, worker):
         "params": {"intra_op_num_threads": 1},
         "inputs": [t("x", "FP32", [4])],
         "outputs": [t("y", "FP32", [3])],
+        "worker": worker,  # preforked: the worker imports onnxruntime (its import starts threads: no preload)
     }
-    model = load(triton, "pbrt-onnx", runtime, {"model.onnx": data})
+    model = load(triton, named("pbrt-onnx", worker), runtime, {"model.onnx": data})
     x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
     got = infer(httpclient, triton["http"], model, {"x": x}, ["y"])
     np.testing.assert_allclose(got["y"], x @ w + b, rtol=1e-5, atol=1e-6)
@@ -873,3 +872,68 @@ def test_a_preforked_torch_model_with_parallel_ops_answers_like_torch_across_wak
     finally:
         with contextlib.suppress(Exception):
             client.unload_model(name)
+
+
+DOZING_MODEL = """
+    import os
+
+    import numpy as np
+
+
+    class Model:
+        def load(self, model_dir, device):
+            self.weights = np.ones(32 * 1024 * 1024 // 8)  # touched: 32 MiB resident in the worker
+            self.pid = os.getpid()
+
+        def predict(self, inputs):
+            return {"y": inputs["x"] * 2, "pid": np.full((len(inputs["x"]), 1), self.pid, np.int64)}
+"""
+
+
+def test_a_dozing_preforked_model_stays_ready_and_its_concurrent_requests_share_one_wake(
+    triton, embedded_triton, tmp_path
+):
+    from controlplane.triton.stub_control import SocketStubControl, _ask
+    from python_backend.doze import DOZE_SUFFIX, STATE
+
+    name = "pbrt-dozing-pf"
+    runtime = {
+        "kind": "custom", "entrypoint": "snooze_model.py", "max_batch_size": 8, "worker": "preforked",
+        "inputs": [t("x", "FP32", [2])], "outputs": [t("y", "FP32", [2]), t("pid", "INT64", [1])],
+    }  # fmt: skip
+    load(triton, name, runtime, {"snooze_model.py": DOZING_MODEL}, queue_delay_us=20_000)
+    client = triton["http"]
+    try:
+        x = np.array([[1.0, 2.0]], np.float32)
+        first = int(infer(httpclient, client, name, {"x": x}, ["pid"])["pid"][0, 0])
+        [stub] = embedded_triton.processes().stubs(name)
+        control = SocketStubControl(embedded_triton.journal_dir)
+        assert control.doze(stub).dozed
+        until(lambda: not psutil_alive(first), "the worker to leave with the doze", timeout=10, interval=0.02)
+        assert client.is_model_ready(name) and control.woke(stub) is None  # Triton keeps it; no worker lives
+
+        def first_after(_: int) -> dict:  # over gRPC: its client is thread-safe (the HTTP one is not)
+            return infer(grpcclient, triton["grpc"], name, {"x": x}, ["y", "pid"])
+
+        with ThreadPoolExecutor(8) as pool:  # first requests after the doze, at once
+            answers = list(pool.map(first_after, range(8)))
+        assert all(a["y"].tolist() == [[2.0, 4.0]] for a in answers)
+        pids = {int(a["pid"][0, 0]) for a in answers}
+        assert len(pids) == 1 and first not in pids  # one new worker served them all
+        woke = control.woke(stub)
+        assert woke is not None and woke.worker_pid in pids and woke.secs is not None
+        state = _ask(str(embedded_triton.journal_dir / f"{stub.pid}-{stub.start_ticks}{DOZE_SUFFIX}"), STATE, 5)
+        assert state == {"dozing": False, "wakes": 1, "last_wake_secs": state["last_wake_secs"]}
+        assert embedded_triton.processes().stubs(name) == [stub]  # the same stub all along
+    finally:
+        with contextlib.suppress(Exception):
+            client.unload_model(name)
+
+
+def psutil_alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False

@@ -380,3 +380,53 @@ def test_a_request_whose_recovery_a_republish_cancels_gets_the_new_version(world
     world.step(world.republish_while_waiting("m1", "hang", 4), 0.0)
     world.step(world.crash("m1"), 0.01)
     world.step(world.republish_while_waiting("m1", "ok", 2), 1.0)
+
+
+# ------------------------------------------------------------------ ensembles (the machine's e0 over m0-m3)
+
+
+def test_an_ensemble_request_that_meets_a_dead_step_recovers_the_step_not_the_ensemble(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=1607585900): a step's process died; the ensemble's requests were
+    taken as the ensemble's own crash, and the ensemble (which holds no process) was "recovered": the manager said it
+    was ready while Triton did not hold it. The step is recovered; the ensemble answers again."""
+    world.step(world.publish_ensemble_api(("m2",), 1), 0.3)
+    world.step(world.publish("m2", 60, 1), 0.0)
+    world.step(world.request("e0", 2.0), 1.0)
+    world.step(world.release(), 1.0)
+    world.step(world.republish_while_waiting("m2", "hang", 4), 0.05)
+    world.step(world.crash("m2"), 0.0)
+    world.step(world.burst("e0", 6), 1.0)
+    world.step(world.script_load("m0", "oom", 0.5), 0.3)
+    world.step(world.tick(3.0), 0.0)
+    world.step(world.request("e0"), 1.0)
+    assert [c.answer for c in world.answered if c.what == "request" and c.model == "e0"][-1] == "200"
+
+
+def test_an_api_load_of_an_ensemble_whose_wake_began_its_load_waits_for_it(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=1206573391): an API load of an ensemble woke its steps, and by then a
+    request's wake had begun the ensemble's own load: the API load started a second transition and failed."""
+    world.step(world.publish("m2", 60, 1), 0.01)
+    world.step(world.publish("m0", 100, 1), 0.01)
+    world.step(world.publish_ensemble_api(("m3", "m0"), 1), 0.05)
+    world.step(world.pause(), 1.0)
+    world.step(world.burst("m2", 5), 1.0)
+    world.step(world.publish("m3", 60, 2), 0.01)
+    world.step(world.burst("e0", 6), 1.0)
+    world.step(world.api_load("e0", None), 0.01)
+    world.step(world.resume(), 3.0)
+    assert [c.answer for c in world.answered if c.what == "load"] == ["ready"]
+
+
+def test_an_api_unload_of_a_step_takes_its_loaded_ensemble_down_first(world):
+    """Found by the machine (seed 9349476 once it drove ensembles): Triton takes a loaded ensemble down with any of its
+    steps (and brings it back when the step loads again); the manager went on saying the ensemble was ready."""
+    world.step(world.publish("m0", 150, 2), 0.0)
+    world.step(world.publish("m1", 100, 1), 1.0)
+    world.step(world.republish_while_waiting("m0", "ok", 4), 1.0)
+    world.step(world.publish_ensemble_api(("m1", "m0"), 20), 0.01)
+    world.step(world.burst("e0", 10), 1.0)
+    world.step(world.api_unload("m1"), 0.05)
+    world.step(world.tick(1.0), 0.0)
+    assert world.manager.status("e0").state == "unloaded" and "'m1'" in (world.manager.status("e0").reason or "")
+    world.step(world.request("e0"), 1.0)  # and it wakes again, with its steps
+    assert [c.answer for c in world.answered if c.what == "request" and c.model == "e0"][-1] == "200"

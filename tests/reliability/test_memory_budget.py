@@ -32,7 +32,11 @@ BUDGET_MB = {"in-stub": 480, "preforked": 540}
 def serve(serve_factory, package, topology, worker):
     # LRU: the victim is the least recently used (GDSF, the default, would weigh the three models' near-equal
     # load times and sizes; its choices are tested in tests/model/test_lifecycle_budget.py)
-    serve = serve_factory("budget", topology=topology, memory_budget_mb=str(BUDGET_MB[worker]), eviction_policy="lru")
+    # Dozing off (doze_after_secs 0): an eviction here unloads; a preforked victim that dozes first instead is
+    # tests/model/test_doze.py's (and a dozing model's memory end to end, tests/reliability/test_doze_stack.py's)
+    serve = serve_factory(
+        "budget", topology=topology, memory_budget_mb=str(BUDGET_MB[worker]), eviction_policy="lru", doze_after_secs="0"
+    )
     serve.start()
     for name in "abc":
         serve.publish(f"big-{name}", package, params={"ballast_mb": BALLAST_MB}, worker=worker)

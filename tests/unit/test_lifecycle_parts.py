@@ -120,6 +120,7 @@ def test_status_to_dict():
         "warmup": None,
         "ensembles": None,
         "steps": None,
+        "level": "unloaded",
     }
 
 

@@ -208,9 +208,15 @@ def test_preload_names_modules(tmp_path: Path) -> None:
         load_package(tmp_path / "m")
 
 
-def test_preforked_applies_to_custom_models_only() -> None:
-    with pytest.raises(InvalidPackageError, match=r"model 'o': worker = \"preforked\" applies to custom models.*onnx"):
-        resolve(DeploymentSpec(id="o", path=EXAMPLES / "onnx-mlp", worker="preforked"))
+def test_preforked_applies_to_custom_and_python_backend_onnx_models() -> None:
+    from controlplane.render import FULL_TARGET, embedded_target, render_model
+
+    spec = resolve(DeploymentSpec(id="o", path=EXAMPLES / "onnx-mlp", worker="preforked"))
+    runtime = json.loads(render_model(spec, embedded_target()).writes["1/snooze_runtime.json"])
+    # its worker imports onnxruntime (~60 ms here): imported in the parent, it starts native threads no fork survives
+    assert runtime["worker"] == "preforked" and runtime["preload"] == []
+    with pytest.raises(InvalidPackageError, match=r"model 'o': worker = \"preforked\".*Triton's onnxruntime backend"):
+        render_model(spec, FULL_TARGET)
 
 
 def test_duplicate_ids_are_rejected(tmp_path: Path) -> None:

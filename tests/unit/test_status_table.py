@@ -194,3 +194,9 @@ def test_the_warm_up_column_says_its_source_and_a_skipped_one_says_why_below_the
     assert row(text, "det")[-2] == "skipped" and row(text, "vit")[-2] == "learned" and row(text, "off")[-2] == "-"
     assert _failure_lines(models) == [f"det: warmup: {skipped}"]
     assert render([model("old")])[0] == BEFORE  # a server without warm-up sources: no column
+
+
+def test_a_dozing_model_says_so_in_its_state():
+    _, text = render([model("dozer", level="dozing", memory_bytes=20 * MIB), model("awake", level="awake")])
+    assert row(text, "dozer")[1:2] == ["ready (dozing)"] and row(text, "dozer")[5] == "20.0 MiB"
+    assert row(text, "awake")[1] == "ready"

@@ -186,6 +186,10 @@ class MemoryBudget:
         if rec.access.served_seen:
             self.floors.pop(rec.id, None)
 
+    def dozed(self, rec: ModelRecord) -> None:
+        """The model dozed or woke (``lifecycle/dozing.py``): its footprint was just read, and counts as it is."""
+        self.floors.pop(rec.id, None)
+
     def held(self, rec: ModelRecord) -> int:
         """Bytes a loaded model counts for: its footprint, at least what its load in flight reserved and what its
         last load was admitted on until measured after a request (``hold_floor``)."""

@@ -1,0 +1,92 @@
+"""Section doze: a preforked model's first response from doze vs from unloaded vs warm, interleaved, and the memory
+each level holds (measured by bench/doze.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from bench.markdown import ms, table
+from bench.registry import Data, Rendering, RunContext, Section, register
+
+DESCRIPTIONS = {
+    "numpy-linear": "the numpy example",
+    "torch-mlp": "the torch example (torch imported in load())",
+    "torch-conv": "a small torch conv net, torch preloaded",
+    "weights-100mib": "load() reads 100 MiB of weights (np.load)",
+    "onnx-mlp": "the ONNX example, onnxruntime runner in a worker (load(): onnxruntime's import and session)",
+}
+
+
+async def run(root: Path, params: dict[str, Any], ctx: RunContext) -> Data:
+    from bench import doze
+
+    return await doze.run(root, **params)
+
+
+def summary(d: Data) -> list[str]:
+    parts = [
+        f"{m} {ms(v['doze_s']['median'])} (unloaded {ms(v['unloaded_s']['median'])}, warm {ms(v['warm_s']['median'])})"
+        for m, v in d["models"].items()
+    ]
+    return ["- **Doze**: first response from doze, preforked, median: " + ", ".join(parts) + "."]
+
+
+def markdown(d: Data, rendering: Rendering) -> list[str]:
+    la = d["load_average"]
+    rows = []
+    for m, v in d["models"].items():
+        mem = v["memory"]
+        rows.append([
+            f"{m} ({DESCRIPTIONS.get(m, '')})",
+            " / ".join(ms(v["doze_s"][k]) for k in ("median", "p90")),
+            " / ".join(ms(v["unloaded_s"][k]) for k in ("median", "p90")),
+            " / ".join(ms(v["warm_s"][k]) for k in ("median", "p90")),
+            ms(v["load_in_process_s"]),
+            f"{mem['awake']['stubs_mib'] + mem['awake']['workers_mib']:.1f}",
+            f"{mem['dozing']['stubs_mib'] + mem['dozing']['workers_mib']:.1f}",
+            f"{mem['dozing']['accounted_mib']:.1f}",
+            f"{mem['dozing']['parents_mib']:.1f}",
+        ])  # fmt: skip
+    return [
+        "## Doze: first response from doze, from unloaded and warm",
+        "",
+        f"Preforked models, {d['cycles']} cycles, the three levels in a rotating order per cycle and model (plus one "
+        f"uncounted cycle), one HTTP request through the gateway on an open connection after {d['gap_secs']} s idle. "
+        "`doze`: the lifecycle told the stub to doze (its worker ended), then the request forks a worker from the "
+        "preloaded parent, runs load() and the request. `unloaded`: the activator loads it through Triton. "
+        "`load() in-process`: the floor. PSS of the model's stubs and workers (the preloaded parents, shared by "
+        f"every preforked model, apart). Load average at the start {la['start']}, end {la['end']}.",
+        "",
+        table(
+            [
+                "model",
+                "from doze median / p90",
+                "from unloaded median / p90",
+                "warm median / p90",
+                "load() in-process",
+                "awake PSS (MiB)",
+                "dozing PSS (MiB)",
+                "dozing accounted (MiB)",
+                "parents PSS (MiB)",
+            ],
+            rows,
+        ),
+        "",
+    ]
+
+
+register(
+    Section(
+        name="doze",
+        order=160,
+        about="A preforked model's first response from doze vs from unloaded vs warm, and the memory of each level",
+        params={"models": ["numpy-linear", "torch-conv", "torch-mlp", "weights-100mib", "onnx-mlp"], "cycles": 7},
+        quick={"models": ["numpy-linear"], "cycles": 2},
+        run=run,
+        markdown=markdown,
+        summary=summary,
+        keys=frozenset({"cycles", "models", "load_average"}),
+        default=False,
+    )
+)

@@ -1,0 +1,237 @@
+"""Dozing: the level between awake and unloaded (``python_backend/doze.py`` is the stub's side).
+
+A loaded model whose code runs in a preforked worker (``worker = "preforked"``) dozes after ``doze_after_secs``
+without a request: each of its stubs is asked (``StubControl.doze``) to end its worker, whose memory (and VRAM)
+goes back to the OS, while the stub lives on and Triton keeps the model READY. Its next request goes the warm
+path to the stub, which forks a fresh worker from the preloaded parent and runs ``load()`` there first; the
+control plane is not on that path, and hears of the wake at its next sweep (the stub's worker note names a live
+worker again). ``idle_timeout_secs`` keeps its meaning: the keep-alive unloads the model after it, dozing or not.
+
+A preforked ONNX model (the python backend's onnxruntime runner) dozes alike. Other models cannot doze: an in-stub
+model's memory is the stub's own (a Python process does not give a freed heap back to the OS, and a framework's
+imports stay), and Triton's own backends (ONNX Runtime, TensorRT) hold their sessions inside tritonserver, out of
+snoozeml's reach.
+
+Under memory pressure an eviction dozes an awake model that can doze before it unloads any (``doze_first``): a
+victim already dozing is unloaded. Accounting: a dozing model is charged what its stubs hold (their PSS, read when
+it dozes and at each sweep); what it held awake is kept, so that a wake or a later load is estimated at its full
+size. A wake is not admitted by the budget (it happens inside a request, in the stub): the next sweep measures it,
+and the budget's enforcement evicts if it no longer fits. A model found dozing at adoption (a restarted control
+plane) is recorded so; the load it was measured at learns no growth (``loading.UNKNOWN_LOAD_PRIVATE``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+from controlplane.clock import SYSTEM_CLOCK, Clock
+from controlplane.lifecycle.memory.host import MemoryBudget
+from controlplane.lifecycle.memory.plan import EvictFn
+from controlplane.lifecycle.state import DozeRecord, ModelRecord, ModelState, ModelStates, UnloadReason
+from controlplane.lifecycle.triton_sync import TritonReadings
+from controlplane.lifecycle.workers import WorkerProcess, worker_bytes, workers_of
+from controlplane.metrics import SnoozeMetrics
+from controlplane.modes import Worker
+from controlplane.settings import Settings
+from controlplane.triton.processes import StubProcess, TritonProcesses
+from controlplane.triton.stub_control import StubControl
+
+log = logging.getLogger("snoozeml.lifecycle")
+
+
+def _key(stub: StubProcess) -> tuple[int, int]:
+    return stub.pid, stub.start_ticks
+
+
+class Dozing:
+    """Which loaded models doze, telling their stubs, and hearing their wakes."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        states: ModelStates,
+        control: StubControl,
+        budget: MemoryBudget,
+        readings: TritonReadings,
+        processes: TritonProcesses,
+        metrics: SnoozeMetrics,
+        *,
+        journal_dir: Path | None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self.settings = settings
+        self.states = states
+        self.control = control
+        self.budget = budget
+        self.readings = readings
+        self.processes = processes
+        self.metrics = metrics
+        self.journal_dir = journal_dir
+        self.clock = clock
+        states.listeners.append(self._state_changed)
+
+    # ------------------------------------------------------------------ which models
+
+    @staticmethod
+    def _preforked(rec: ModelRecord) -> bool:
+        return rec.is_python and rec.model.deployment.worker == Worker.PREFORKED
+
+    def can_doze(self, rec: ModelRecord) -> bool:
+        """A preforked model (custom, or ONNX in the python backend), with a doze time below its idle timeout (else
+        it is unloaded first), and no sequences (a live sequence's state is in its worker)."""
+        dep = rec.model.deployment
+        after = self.settings.doze_after_secs
+        return self._preforked(rec) and dep.sequence is None and 0 < after < dep.idle_timeout_secs
+
+    def due(self, rec: ModelRecord, now: float) -> bool:
+        """Idle for ``doze_after_secs`` with a stub still awake (the caller checks that nothing uses it)."""
+        if not self.can_doze(rec) or not rec.procs.stubs:
+            return False
+        awake = [s for s in rec.procs.stubs if _key(s) not in rec.doze.stubs]
+        return bool(awake) and now - rec.idle_since >= self.settings.doze_after_secs
+
+    # ------------------------------------------------------------------ the sweep's pass
+
+    async def hear(self, records: Iterable[ModelRecord]) -> None:
+        """The sweep's first step: wakes of dozing models, heard and measured before the budget is checked."""
+        for rec in records:
+            if rec.op is not None or rec.state is not ModelState.READY:
+                continue
+            if rec.doze.dozing:
+                await self.hear_wakes(rec)
+            elif rec.doze.checked != rec.generation and self._preforked(rec):
+                await self._find_dozing(rec)
+
+    async def _find_dozing(self, rec: ModelRecord) -> None:
+        """Stubs that doze though the record says awake: a model adopted while it dozed (a control plane restarted,
+        Triton kept it), asked once per generation of the record."""
+        generation = rec.generation
+        stubs = list(rec.procs.stubs)
+        flags = [await asyncio.to_thread(self.control.dozing, s) for s in stubs]
+        if rec.generation != generation or rec.state is not ModelState.READY:
+            return
+        rec.doze.checked = generation
+        dozing = {_key(s) for s, flag in zip(stubs, flags, strict=True) if flag}
+        if dozing:
+            rec.doze.stubs, rec.doze.since = frozenset(dozing), self.clock.time()
+            await self._measure(rec)
+            self.metrics.set_level(rec.id, rec.level)
+            log.info("model '%s': found dozing (%d of %d stubs)", rec.id, len(dozing), len(stubs))
+
+    async def doze_idle(self, ready: Iterable[ModelRecord], idle: set[str], now: float) -> None:
+        """The sweep's last step: doze the models due (``idle``: the ids nobody uses or queues for)."""
+        for rec in ready:
+            if rec.op is None and rec.state is ModelState.READY and rec.id in idle and self.due(rec, now):
+                await self.doze(rec)
+
+    async def doze(self, rec: ModelRecord) -> bool:
+        """Ask each of its awake stubs to doze; whether any did. A stub running a batch says busy: asked again at a
+        later sweep."""
+        generation = rec.generation
+        awake = [s for s in rec.procs.stubs if _key(s) not in rec.doze.stubs]
+        answers = [await asyncio.to_thread(self.control.doze, s) for s in awake]
+        if rec.generation != generation or rec.state is not ModelState.READY:
+            return False  # it left meanwhile (an unload, a crash): its stubs go with it
+        dozed = [s for s, a in zip(awake, answers, strict=True) if a.dozed]
+        for stub, answer in zip(awake, answers, strict=True):
+            if not answer.dozed and not answer.busy:
+                log.debug("model '%s': stub %d did not doze: %s", rec.id, stub.pid, answer.why)
+        if not dozed:
+            return False
+        if not rec.doze.dozing:
+            rec.doze.awake_footprint = rec.memory.footprint
+        rec.doze.stubs |= {_key(s) for s in dozed}
+        rec.doze.since = self.clock.time()
+        self.metrics.dozes.labels(model=rec.id).inc(len(dozed))
+        await self._measure(rec)
+        self.metrics.set_level(rec.id, rec.level)
+        log.info("model '%s': dozing (%d of %d stubs; its workers ended)", rec.id, len(dozed), len(rec.procs.stubs))
+        return True
+
+    async def hear_wakes(self, rec: ModelRecord) -> int:
+        """Stubs of a dozing model that a request woke since (their note names a live worker again): counted as
+        wakes from doze with the stub's own wake time; how many."""
+        generation = rec.generation
+        dozing = [s for s in rec.procs.stubs if _key(s) in rec.doze.stubs]
+        woke = [await asyncio.to_thread(self.control.woke, s) for s in dozing]
+        if rec.generation != generation or not rec.doze.dozing:
+            return 0
+        awake = [(s, w) for s, w in zip(dozing, woke, strict=True) if w is not None]
+        for _, wake in awake:
+            self.metrics.wakes.labels(model=rec.id, origin="doze").inc()
+            if wake.secs is not None:
+                self.metrics.wake_seconds.labels(origin="doze").observe(wake.secs)
+        if not awake:
+            return 0
+        rec.doze.stubs -= {_key(s) for s, _ in awake}
+        if not rec.doze.dozing:
+            self._restore(rec)
+        # a request woke it: its access is read now, before the budget picks what to evict
+        if served := await self.readings.refresh_access(rec):
+            self.budget.accessed(rec, served)
+        await self._measure(rec)
+        self.metrics.set_level(rec.id, rec.level)
+        log.info("model '%s': woke from doze (%d stubs)", rec.id, len(awake))
+        return len(awake)
+
+    def doze_first(self, unload: EvictFn) -> EvictFn:
+        """The evictions the budgets plan (``memory.plan.carry_out``), dozing an awake victim that can doze instead
+        of unloading it: its worker's memory goes, its stub stays. A victim already dozing is unloaded, and so is
+        every victim of an out-of-memory load (OOM, GPU_OOM: what was measured did not hold). The budget
+        asks again after a plan is carried out, measured: when the doze freed too little, it plans once more."""
+
+        async def evict(victim: ModelRecord, reason: str, for_model: str) -> bool:
+            # a planned eviction (the budget's arithmetic); after a real out-of-memory a victim goes whole
+            planned = reason in (UnloadReason.MEMORY, UnloadReason.GPU_MEMORY)
+            awake = self.can_doze(victim) and not victim.doze.dozing and victim.procs.stubs
+            if planned and awake and await self.doze(victim):
+                log.info(
+                    "model '%s': dozed to make room for '%s' (%s) instead of unloaded", victim.id, for_model, reason
+                )
+                return True
+            return await unload(victim, reason, for_model)
+
+        return evict
+
+    # ------------------------------------------------------------------ accounting
+
+    async def _measure(self, rec: ModelRecord) -> None:
+        """What its stubs and live workers hold now (a dozing stub has no worker note): the footprint charged."""
+        generation = rec.generation
+        stubs = list(rec.procs.stubs)
+
+        def read() -> tuple[tuple[WorkerProcess, ...], int]:
+            workers = tuple(workers_of(self.journal_dir, stubs))
+            pss = worker_bytes(workers, self.processes.proc_root)[0] if workers else 0
+            return workers, self.processes.memory(stubs) + pss
+
+        workers, size = await asyncio.to_thread(read)
+        if rec.generation != generation:
+            return
+        rec.procs.workers = workers
+        if rec.memory.footprint_source == "measured" and size:
+            # dozing: what is held now; awake again: at least what it held before it dozed, until a sweep reads it
+            rec.memory.footprint = size if rec.doze.dozing else max(size, rec.memory.footprint or 0)
+            self.budget.dozed(rec)
+            self.metrics.memory_bytes.labels(model=rec.id).set(rec.memory.footprint)
+
+    def _restore(self, rec: ModelRecord) -> None:
+        """Awake again (or leaving): estimated at what it held awake until measured."""
+        if rec.doze.awake_footprint is not None:
+            rec.memory.footprint = max(rec.memory.footprint or 0, rec.doze.awake_footprint)
+        rec.doze = DozeRecord()
+
+    def _state_changed(self, model_id: str, state: ModelState | None) -> None:
+        """Any state change ends the record of a doze: its stubs are asked again at the next sweep (``_find_dozing``;
+        an in-place rescale keeps a dozing stub). Leaving READY, the model is estimated at what it held awake; entering
+        it, a load has just measured what its stubs hold, dozing or not."""
+        rec = self.states.get(model_id)
+        if rec is not None and rec.doze.dozing and state is not ModelState.READY:
+            self._restore(rec)
+        elif rec is not None:
+            rec.doze = DozeRecord()
+        if state is not None:
+            self.metrics.set_level(model_id, rec.level if rec is not None else "unloaded")

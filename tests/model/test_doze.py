@@ -1,0 +1,149 @@
+"""Dozing in the lifecycle (``controlplane/lifecycle/dozing.py``) over the fake Triton, in virtual time: an idle
+preforked model dozes before its idle timeout unloads it, a request wakes it without a Triton load, and the budget
+charges what a dozing stub holds."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from controlplane.lifecycle.state import ModelState
+from controlplane.modes import Worker
+from harness.fake_triton import MIB
+from harness.lifecycle_world import LifecycleWorld
+
+DOZE_AFTER = 1.0
+IDLE_TIMEOUT = 6.0
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LifecycleWorld]:
+    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
+    w = LifecycleWorld(tmp_path, monkeypatch=monkeypatch, doze_after_secs=DOZE_AFTER)
+    yield w
+    w.close()  # answers every call and checks the invariants once more
+    logging.getLogger("snoozeml").setLevel(logging.NOTSET)
+
+
+def wakes(world: LifecycleWorld, model: str, origin: str) -> float:
+    return float(world.manager.metrics.wakes.labels(model=model, origin=origin)._value.get())
+
+
+def answers(world: LifecycleWorld) -> list[object]:
+    return [c.answer for c in world.answered if c.what == "request"]
+
+
+def loaded_preforked(world: LifecycleWorld, model: str = "m0", size_mb: float | None = None) -> None:
+    world.triton.memory[model] = 120 * MIB  # what each stub holds awake (measured: none declared)
+    world.step(world.publish(model, size_mb, worker=Worker.PREFORKED, idle_timeout_secs=IDLE_TIMEOUT), 0.1)
+    world.step(world.request(model), 0.5)
+    assert world.manager.status(model).level == "awake"
+
+
+def test_an_idle_preforked_model_dozes_then_its_idle_timeout_unloads_it(world):
+    loaded_preforked(world)
+    [stub] = world.triton.models["m0"].stubs
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)
+    status = world.manager.status("m0")
+    assert status.state is ModelState.READY and status.level == "dozing"
+    assert world.triton.models["m0"].state == "READY" and world.triton.models["m0"].stubs == [stub] and stub.alive
+    assert status.memory_bytes == world.triton.dozing_bytes  # charged what the dozing stub holds
+    assert world.manager.metrics.dozes.labels(model="m0")._value.get() == 1
+
+    world.step(world.tick(IDLE_TIMEOUT), 0.1)  # idle_timeout_secs keeps its meaning
+    status = world.manager.status("m0")
+    assert status.state is ModelState.UNLOADED and status.level == "unloaded" and not stub.alive
+
+
+def test_a_request_wakes_a_dozing_model_without_a_load_and_the_wake_is_counted(world):
+    loaded_preforked(world)
+    loads = world.manager.status("m0").load_count
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)
+    assert world.manager.status("m0").level == "dozing"
+
+    world.step(world.burst("m0", 4), 0.5)  # concurrent first requests: the stub wakes once
+    [stub] = world.triton.models["m0"].stubs
+    assert answers(world) == ["200"] * 5 and stub.wakes == 1
+    world.step(world.tick(1.0), 0.1)  # the next sweep hears the wake
+    status = world.manager.status("m0")
+    assert status.level == "awake" and status.load_count == loads  # no Triton load
+    assert status.memory_bytes is not None and status.memory_bytes >= 120 * MIB  # charged awake again
+    assert wakes(world, "m0", "doze") == 1 and wakes(world, "m0", "unloaded") == 1
+
+
+def test_an_in_stub_model_never_dozes(world):
+    world.triton.memory["m0"] = 120 * MIB
+    world.step(world.publish("m0", None, idle_timeout_secs=IDLE_TIMEOUT), 0.1)
+    world.step(world.request("m0"), 0.5)
+    world.step(world.tick(IDLE_TIMEOUT - 1.0), 0.1)
+    assert world.manager.status("m0").level == "awake" and not world.stub_control.asked
+    world.step(world.tick(2.0), 0.1)
+    assert world.manager.status("m0").level == "unloaded"
+
+
+def test_a_doze_time_not_below_the_idle_timeout_means_no_doze(world):
+    world.triton.memory["m0"] = 120 * MIB
+    world.step(world.publish("m0", None, worker=Worker.PREFORKED, idle_timeout_secs=DOZE_AFTER), 0.1)
+    world.step(world.request("m0"), 0.5)
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)
+    assert world.manager.status("m0").level == "unloaded" and not world.stub_control.asked
+
+
+def test_a_busy_stub_is_asked_again_at_a_later_sweep(world):
+    loaded_preforked(world)
+    [stub] = world.triton.models["m0"].stubs
+    stub.queued = 1  # as if a batch waited for it: it says busy
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)
+    assert world.manager.status("m0").level == "awake" and world.stub_control.asked
+    stub.queued = 0
+    world.step(world.tick(1.2), 0.1)
+    assert world.manager.status("m0").level == "dozing"
+
+
+def test_a_dozing_model_whose_stub_dies_is_recovered_awake(world):
+    loaded_preforked(world)
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)
+    [dozed] = world.triton.models["m0"].stubs
+    assert world.manager.status("m0").level == "dozing"
+    world.step(world.crash("m0"), 0.6)  # recovery reloads it: new stubs, awake
+    rec = world.manager.states.get("m0")
+    assert rec is not None and rec.state is ModelState.READY and dozed not in world.triton.models["m0"].stubs
+    assert rec.level == "awake" and not rec.doze.stubs
+    world.step(world.request("m0"), 0.5)
+    assert answers(world)[-1] == "200"
+
+
+def evictions(world: LifecycleWorld, model: str) -> float:
+    return sum(
+        float(world.manager.metrics.evictions.labels(model=model, reason=r)._value.get())
+        for r in ("memory", "oom", "gpu_memory", "gpu_oom")
+    )
+
+
+def test_under_memory_pressure_an_awake_model_that_can_doze_dozes_before_any_is_unloaded(tmp_path, monkeypatch):
+    # doze_after_secs far off: only the pressure dozes; the budget (300 MiB) holds two awake models, not three
+    world = LifecycleWorld(tmp_path, monkeypatch=monkeypatch, doze_after_secs=500)
+    try:
+        for model in ("m0", "m1", "m2"):
+            world.triton.memory[model] = 120 * MIB
+        world.step(world.publish("m0", None, worker=Worker.PREFORKED, idle_timeout_secs=1000), 0.1)
+        world.step(world.publish("m1", None, idle_timeout_secs=1000), 0.1)
+        world.step(world.publish("m2", None, idle_timeout_secs=1000), 0.1)
+        world.step(world.request("m0"), 1.5)
+        world.step(world.request("m1"), 1.5)
+        world.step(world.request("m2"), 1.5)  # room for m2: m0 dozes (120 -> 20 MiB), nothing is unloaded
+        statuses = {m: world.manager.status(m) for m in ("m0", "m1", "m2")}
+        assert [s.level for s in statuses.values()] == ["dozing", "awake", "awake"], statuses
+        assert evictions(world, "m0") == 0 and evictions(world, "m1") == 0
+        assert statuses["m0"].memory_bytes == world.triton.dozing_bytes
+
+        world.step(world.request("m0"), 1.5)  # the dozing model wakes on its request: over budget, m1 goes (LRU)
+        world.step(world.tick(2.0), 0.1)
+        assert answers(world) == ["200"] * 4
+        assert world.manager.status("m0").level == "awake" and world.manager.status("m1").level == "unloaded"
+        assert evictions(world, "m1") == 1
+    finally:
+        world.close()
