@@ -8,9 +8,11 @@ Standard library only.
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 
 
+@functools.lru_cache(maxsize=64)  # asked several times per publish of one package (pure: the source's text)
 def predict_is_generator(source: str, class_name: str) -> bool:
     """Whether ``class_name.predict`` in ``source`` is a generator function, read from the source
     (``ast``; the control plane never runs user code): a ``yield`` in its own body, not a nested one."""

@@ -19,20 +19,20 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from rich.console import Console
-from rich.markup import escape
 
 from controlplane.child_processes import kill_group
 from controlplane.errors import SnoozeError
 from controlplane.metrics import SnoozeMetrics
 from controlplane.modes import AuthMode
+from controlplane.publishing import Publishing, publish_all
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.servers import EmbeddedUvicorn, wait_started
 from controlplane.settings import Settings
-from controlplane.spec import DeploymentSpec, discover, entry_point_deployments, resolve
+from controlplane.spec import discover, entry_point_deployments
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient, wait_for_triton
 from controlplane.triton.embedded_dist import detect_backends
@@ -63,6 +63,8 @@ class ServingStack:
         self._api: EmbeddedUvicorn | None = None
         self._api_task: asyncio.Task[None] | None = None
         self._force = asyncio.Event()
+        self.publishing = Publishing()
+        self._publisher: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ start
 
@@ -77,8 +79,11 @@ class ServingStack:
         s.work_dir.mkdir(parents=True, exist_ok=True)
         http_url, grpc_url, metrics_url, target = await self._start_triton()
         self.store = ModelStore(s.repository, target)
-        # Packages from the models folder and from installed distributions' `snoozeml.models` entry points.
-        self._publish([*(discover(self.models_dir) if self.models_dir is not None else []), *entry_point_deployments()])
+        # Packages from the models folder and from installed distributions' `snoozeml.models` entry points: planned
+        # now, published in the background once the gateway and the API are live (``_publish``).
+        self.publishing.plan(
+            [*(discover(self.models_dir) if self.models_dir is not None else []), *entry_point_deployments()]
+        )
         self.admin = TritonAdminClient(http_url, metrics_url, headers=s.triton_headers())
         processes, journal_dir = await self._observe_triton(http_url)
         self.lifecycle = LifecycleManager(
@@ -98,12 +103,18 @@ class ServingStack:
             triton_http_url=http_url,
             triton_grpc_url=grpc_url,
             wake_socket=wake_socket_path(journal_dir) if journal_dir is not None else None,
+            publishing=self.publishing,
         )
         await self.activator.start()
         if s.gateway:
             await self._start_gateway(http_url, grpc_url)
         services = ControlPlaneServices(
-            store=self.store, lifecycle=self.lifecycle, metrics=self.metrics, settings=s, triton=self.admin
+            store=self.store,
+            lifecycle=self.lifecycle,
+            metrics=self.metrics,
+            settings=s,
+            triton=self.admin,
+            publishing=self.publishing,
         )
         app = create_app(s, services)
         self._api = EmbeddedUvicorn(
@@ -116,6 +127,8 @@ class ServingStack:
             f"the control API could not listen on {s.host}:{s.api_port}",
             hint="free the port or pass --api-port",
         )
+        if self.publishing.total:
+            self._publisher = asyncio.create_task(self._publish(), name="snooze-publish")
 
     async def _start_triton(self) -> tuple[str, str, str | None, TritonTarget]:
         s = self.settings
@@ -195,21 +208,28 @@ class ServingStack:
         )
         return processes, journal_dir
 
-    def _publish(self, deployments: list[DeploymentSpec]) -> None:
+    async def _publish(self) -> None:
+        """Publish the planned packages in a worker thread while everything else serves; say the progress."""
         assert self.store is not None
-        for deployment in deployments:
-            try:
-                published = self.store.publish(resolve(deployment))
-            except SnoozeError as exc:
-                # One broken package must not keep the others from being served: say why it is refused and go on.
-                hint = f" (fix: {exc.hint})" if exc.hint else ""
-                self.console.print(
-                    f"[red]refused {deployment.id}:[/] {escape(exc.message)}{escape(hint)}", highlight=False
-                )
-                continue
-            self.console.print(f"published [bold]{published.id}[/] ({published.kind} -> {published.backend})")
-            for note in published.notes:
-                self.console.print(f"  note: {note}", highlight=False, markup=False, soft_wrap=True)
+        loop = asyncio.get_running_loop()
+        lifecycle = self.lifecycle
+
+        def say(line: str) -> None:
+            loop.call_soon_threadsafe(lambda: self.console.print(line, highlight=False))
+
+        def republished(model_id: str) -> None:
+            if lifecycle is not None:
+                asyncio.run_coroutine_threadsafe(lifecycle.published(model_id), loop)
+
+        work = asyncio.create_task(
+            asyncio.to_thread(publish_all, self.store, self.publishing, say=say, on_published=republished)
+        )
+        while not work.done():
+            await asyncio.wait({work}, timeout=PROGRESS_SECS)
+            if not work.done():
+                self.console.print(_progress_line(self.publishing.describe()), highlight=False)
+        await work
+        self.console.print(_progress_line(self.publishing.describe()), highlight=False)
 
     async def _start_gateway(self, http_url: str, grpc_url: str) -> None:
         from controlplane.gateway.envoy import EnvoyGateway
@@ -247,6 +267,7 @@ class ServingStack:
                 await asyncio.wait_for(self._api_task, timeout=5)
 
         deadline = time.monotonic() + s.shutdown_grace_secs
+        await step("publishing", self._stop_publishing)
         cancel_loads = getattr(self.lifecycle, "cancel_loads", None)
         if cancel_loads is not None:  # a stop never waits for a load (it may hang): cancelled, its waiters told
             await step("loads in flight", lambda: cancel_loads("stopping"))
@@ -269,6 +290,15 @@ class ServingStack:
             await step("tritonserver", lambda: asyncio.to_thread(triton.stop))
         if failures:
             raise failures[0]
+
+    async def _stop_publishing(self) -> None:
+        """The package being written finishes, the rest wait for the next start; the store's catalog is kept for it
+        (it reads no unchanged record again)."""
+        if self._publisher is not None:
+            self.publishing.stop()
+            await asyncio.wait_for(asyncio.shield(self._publisher), PUBLISH_STOP_SECS)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.save_catalog)
 
     async def _wait_sequences(self, grace: float) -> None:
         """Let live sequences end (their END, or Triton's idle bound), at most ``grace`` seconds or until a second
@@ -336,8 +366,28 @@ class ServingStack:
             )
         lines.append(f"control API: http://{s.host}:{s.api_port}  (docs at /docs)")
         if self.store is not None:
-            lines.append(f"models: {', '.join(self.store.ids()) or '(none yet: snoozectl publish PATH)'}")
+            ids = self.store.ids()
+            shown = ", ".join(ids[:BANNER_MODELS]) + (
+                f" and {len(ids) - BANNER_MODELS} more" if len(ids) > BANNER_MODELS else ""
+            )
+            lines.append(f"models: {shown or '(none yet: snoozectl publish PATH)'}")
+            if self.publishing.in_progress:
+                lines.append(_progress_line(self.publishing.describe()) + " (`snoozectl status` shows it too)")
         return "\n".join(lines)
+
+
+BANNER_MODELS = 20  # the banner names this many models; `snoozectl status` lists them all
+PUBLISH_STOP_SECS = 30.0  # a stop waits this long for the package being written
+PROGRESS_SECS = 2.0  # how often the console says how far publishing is
+
+
+def _progress_line(p: dict[str, Any]) -> str:
+    state = "publishing" if p["in_progress"] else "published"
+    failed = f", {len(p['failed'])} failed" if p["failed"] else ""
+    return (
+        f"{state}: {p['done']}/{p['total']} packages ({p['published']} written, {p['unchanged']} unchanged and "
+        f"adopted{failed}) in {p['elapsed_secs']:.1f}s"
+    )
 
 
 # After a forced stop, how long the remaining steps get before the process exits regardless.

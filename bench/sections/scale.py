@@ -11,9 +11,52 @@ from bench.registry import Data, Rendering, RunContext, Section, register
 
 
 async def run(root: Path, params: dict[str, Any], ctx: RunContext) -> Data:
-    from bench import scale
+    from bench import scale, scale_serve
 
-    return await asyncio.to_thread(scale.run, root, **params)
+    params = dict(params)
+    sizes = params.pop("serve_sizes")
+    data = await asyncio.to_thread(scale.run, root, **params)
+    data["serve"] = await asyncio.to_thread(scale_serve.run, root / "serve", sizes=sizes)
+    return data
+
+
+def serve_markdown(serve: Data) -> list[str]:
+    """`snoozectl serve --models` over N packages (bench/scale_serve.py)."""
+    rows = []
+    for r in serve["sizes"]:
+        first, again, listing, wake = r["first_start"], r["restart"], r["listing"], r["cold_wake_last"] or {}
+        rows.append(
+            [
+                f"{r['models']:,}",
+                f"{first['api_live_s']} / {first['gateway_live_s']} s",
+                f"{first['all_published_s']} s",
+                f"{again['api_live_s']} s ({again['unchanged']:,} adopted, {again['written']:,} written)",
+                f"{listing['full_ms']['p50']} / {listing['full_ms']['p99']} ms",
+                f"{listing['page_100_ms']['p50']} / {listing['page_100_ms']['p99']} ms",
+                f"{listing['state_ready_ms']['p50']} ms",
+                f"{r['rss_kib_per_model']} KiB",
+                f"{wake.get('secs')} s ({'right' if wake.get('right') else wake.get('status')})",
+            ]
+        )
+    return [
+        "### `snoozectl serve --models` over N tiny custom packages",
+        "",
+        table(
+            [
+                "models",
+                "API / gateway live",
+                "all published",
+                "restart, work dir kept: live",
+                "full list p50 / p99",
+                "page of 100 p50 / p99",
+                "state=ready p50",
+                "control plane per model",
+                "cold wake of the last",
+            ],
+            rows,
+        ),
+        "",
+    ]
 
 
 def summary(s: Data) -> list[str]:
@@ -81,6 +124,8 @@ def markdown(s: Data, rendering: Rendering) -> list[str]:
         f"The control plane is measured in a fresh `ServingStack` process: {cp['process']}.",
         "",
     ]
+    if "serve" in s:
+        lines += serve_markdown(s["serve"])
     return lines
 
 
@@ -88,9 +133,10 @@ register(
     Section(
         name="scale",
         order=50,
-        about="render, validate and serve many published models: time per model, control-plane memory and idle CPU",
-        params={"n": 200, "validate_n": 200, "idle_secs": 10.0},
-        quick={"n": 10, "validate_n": 3, "idle_secs": 0.5},
+        about="render, validate and serve many published models: time per model, control-plane memory and idle CPU; "
+        "serve --models at 1,000 and 10,000: live, published, restart, listing, memory per model, a cold wake",
+        params={"n": 200, "validate_n": 200, "idle_secs": 10.0, "serve_sizes": [1000, 10000]},
+        quick={"n": 10, "validate_n": 3, "idle_secs": 0.5, "serve_sizes": [20]},
         run=run,
         markdown=markdown,
         summary=summary,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Annotated, Any
@@ -17,6 +18,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive
 
+from controlplane.api.listing import SUMMARY_TOP, ListQuery
 from controlplane.api.operations import ModelOperations, describe_validation_errors
 from controlplane.api.schemas import (
     ErrorBody,
@@ -29,8 +31,9 @@ from controlplane.api.schemas import (
 from controlplane.api.services import ControlPlaneServices
 from controlplane.auth import Scope, check_scope
 from controlplane.errors import AuthError, InvalidPackageError, SnoozeError, UnavailableError
+from controlplane.lifecycle.state import ModelState
 from controlplane.settings import Settings
-from controlplane.spec import MODEL_ID_PATTERN, DeploymentSpec
+from controlplane.spec import MODEL_ID_PATTERN, DeploymentSpec, PackageKind
 from controlplane.upload import too_large
 
 log = logging.getLogger(__name__)
@@ -211,9 +214,46 @@ def _publish_routes(router: APIRouter, settings: Settings, ops: ModelOperations)
 def _model_routes(router: APIRouter, services: ControlPlaneServices, ops: ModelOperations) -> None:
     """List, describe, delete, load and unload published models; the shared runtime."""
 
-    @router.get("/models", response_model=list[ModelSummary], tags=["models"], summary="List published models")
-    async def list_models() -> list[dict[str, Any]]:
-        return await ops.list()
+    @router.get(
+        "/models",
+        response_model=None,  # built from the lifecycle's own types: not validated again (10,000 models: seconds)
+        responses={200: {"model": list[ModelSummary], "description": "The models, by id"}},
+        tags=["models"],
+        summary="List published models",
+        description="By id. Filters: state, kind, id prefix. Pages: `limit`, then `after` = the header "
+        "`X-Next-After` of the previous page (absent on the last page); `X-Total-Count`: how many match in all.",
+    )
+    async def list_models(
+        state: Annotated[ModelState | None, Query(description="Only models in this state")] = None,
+        kind: Annotated[PackageKind | None, Query(description="Only models of this kind")] = None,
+        prefix: Annotated[str, Query(description="Only ids that start with this")] = "",
+        limit: Annotated[int | None, Query(ge=1, description="At most this many (default: all)")] = None,
+        after: Annotated[str, Query(description="The cursor: ids after this one")] = "",
+    ) -> Response:
+        kind_value = kind.value if kind is not None else None
+        page = await ops.list(ListQuery(state=state, kind=kind_value, prefix=prefix, limit=limit, after=after))
+        headers = {"X-Total-Count": str(page.total)}
+        if page.next_after is not None:
+            headers["X-Next-After"] = page.next_after
+        return Response(json.dumps(page.models, default=str), media_type="application/json", headers=headers)
+
+    @router.get(
+        "/models:summary",
+        tags=["models"],
+        summary="Counts by state and kind, memory held, the largest and most recently used models, publishing",
+    )
+    async def models_summary(
+        top: Annotated[int, Query(ge=0, le=1000, description="Models in each list")] = SUMMARY_TOP,
+    ) -> dict[str, Any]:
+        return await ops.summary(top)
+
+    @router.get(
+        "/publishing",
+        tags=["models"],
+        summary="How far `serve --models` is in publishing its packages (in the background)",
+    )
+    async def publishing() -> dict[str, Any]:
+        return services.publishing.describe() if services.publishing is not None else {"in_progress": False}
 
     @router.get(
         "/runtime",

@@ -173,8 +173,13 @@ class ControlPlaneClient:
         """Raise ControlPlaneError unless the control API answers (no key needed)."""
         self._call("GET", "/health/live")
 
-    def list(self) -> list[dict[str, Any]]:
-        return self._call("GET", "/v1/models")
+    def list(self, **filters: str | int) -> list[dict[str, Any]]:
+        """Published models; ``filters``: state, kind, prefix, limit, after (``GET /v1/models``)."""
+        return self._call("GET", "/v1/models", params=filters or None)
+
+    def summary(self, top: int = 10) -> dict[str, Any]:
+        """Counts by state and kind, memory, the largest and most recently used models, publishing's progress."""
+        return self._call("GET", "/v1/models:summary", params={"top": top})
 
     def runtime(self) -> dict[str, Any]:
         return self._call("GET", "/v1/runtime")

@@ -18,9 +18,10 @@ from typing import Any, BinaryIO
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from controlplane.api.listing import LIST_SCAN_SECS, SUMMARY_TOP, ListQuery, ModelPage, page_of, summarise
 from controlplane.api.services import ControlPlaneServices
 from controlplane.errors import ForbiddenError, InvalidPackageError, SnoozeError
-from controlplane.lifecycle.state import UnloadReason
+from controlplane.lifecycle.state import ModelStatus, UnloadReason
 from controlplane.package_check import check_import, check_triton_import, missing_modules
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, resolve
@@ -236,22 +237,41 @@ class ModelOperations:
 
     # --- read
 
-    def _summary(self, model: PublishedModel) -> dict[str, Any]:
+    def _summary(self, model: PublishedModel, status: ModelStatus | None = None) -> dict[str, Any]:
         return {
             "id": model.id,
-            "kind": model.kind,
+            "kind": model.kind.value,
             "backend": model.backend,
             "device": model.deployment.device.value,
             "max_batch_size": model.deployment.max_batch_size,
-            "status": self.services.lifecycle.status(model.id).to_dict(),
+            "status": (status or self.services.lifecycle.status(model.id)).to_dict(),
             "notes": list(model.notes),
         }
 
-    async def list(self) -> list[dict[str, Any]]:
-        models = await run_in_threadpool(self.services.store.list)
-        return [self._summary(m) for m in models]
+    async def list(self, query: ListQuery | None = None) -> ModelPage:
+        """Published models by id, from the store's catalog and the lifecycle's records (no file read but a stat
+        per model at most every ``LIST_SCAN_SECS``), filtered, one page after the cursor."""
+        query = query or ListQuery()
+        models = await run_in_threadpool(self.services.store.list, max_age=LIST_SCAN_SECS)
+        return page_of(models, query, self.services.lifecycle.statuses, self._summary)
+
+    async def _arrived(self, model_id: str) -> None:
+        """A model `serve --models` has still to publish is published next, and waited for (bounded)."""
+        if self.services.publishing is not None:
+            await self.services.publishing.arrival(model_id)
+
+    async def summary(self, top: int = SUMMARY_TOP) -> dict[str, Any]:
+        """Counts by state and kind, the memory held, the models using the most memory and the most recently used,
+        and the background publishing's progress."""
+        models = await run_in_threadpool(self.services.store.list, max_age=LIST_SCAN_SECS)
+        publishing = self.services.publishing
+        return {
+            **summarise(models, self.services.lifecycle.statuses([m.id for m in models]), top),
+            "publishing": publishing.describe() if publishing is not None else None,
+        }
 
     async def describe(self, model_id: str) -> dict[str, Any]:
+        await self._arrived(model_id)
         model = await run_in_threadpool(self.services.store.get, model_id)
         config = await run_in_threadpool(lambda: model.config_text)
         summary = self._summary(model)
@@ -276,6 +296,7 @@ class ModelOperations:
     # --- change
 
     async def delete(self, model_id: str) -> None:
+        await self._arrived(model_id)
         store = self.services.store
         async with self._locks.hold(model_id):
             await run_in_threadpool(store.get, model_id)  # 404 for an unknown id
@@ -284,9 +305,11 @@ class ModelOperations:
             self.services.metrics.forget(model_id)
 
     async def load(self, model_id: str, instances: int | None) -> dict[str, Any]:
+        await self._arrived(model_id)
         await run_in_threadpool(self.services.store.get, model_id)
         return (await self.services.lifecycle.load(model_id, instances=instances)).to_dict()
 
     async def unload(self, model_id: str) -> dict[str, Any]:
+        await self._arrived(model_id)
         await run_in_threadpool(self.services.store.get, model_id)
         return (await self.services.lifecycle.unload(model_id, reason=UnloadReason.API)).to_dict()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from controlplane.lifecycle.port import LifecyclePort
 from controlplane.metrics import SnoozeMetrics
+from controlplane.publishing import Publishing
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
@@ -18,3 +19,4 @@ class ControlPlaneServices:
     metrics: SnoozeMetrics
     settings: Settings
     triton: TritonAdminClient  # readiness and per-model statistics
+    publishing: Publishing | None = None  # `serve --models`'s background publishing, where one runs

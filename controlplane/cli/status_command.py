@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Annotated, Any
 
+import typer
 from rich.markup import escape
 from rich.table import Table
 
 from controlplane.cli.control_client import DEFAULT_URL, ApiKey, Url, open_client
 from controlplane.cli.output import AsJson, out_console
+from controlplane.cli.status_summary import SUMMARY_OVER, fetch_summary, publishing_line, summary_lines, top_table
 
 
 def _ago(epoch: float | None) -> str:
@@ -225,17 +227,32 @@ def _wake_queue_line(queue: dict[str, Any] | None) -> str | None:
     )
 
 
-def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = False) -> None:
+def status(
+    url: Url = DEFAULT_URL,
+    api_key: ApiKey = None,
+    as_json: AsJson = False,
+    show_all: Annotated[bool, typer.Option("--all", help=f"A row per model even over {SUMMARY_OVER} models")] = False,
+) -> None:
     """Published models: state, instances, last access, keep-alive, memory, last cold start.
+
+    Over 50 models: a summary (counts by state and kind, memory, the largest and most recently used models,
+    publishing's progress); --all for the table of every model, --json for every model's status.
 
     \b
     Examples:
       snoozectl status
+      snoozectl status --all
       snoozectl status --json --url http://10.0.0.5:8080 --api-key "$ADMIN_KEY"
     """
     with open_client(url, api_key, as_json) as client:
+        summary = None if as_json or show_all else fetch_summary(client)
+        if summary is not None and summary["total"] > SUMMARY_OVER:
+            _print_summary(summary, _runtime(client))
+            return
         models = client.list()
         runtime = _runtime(client)
+    if summary is not None and (line := publishing_line(summary.get("publishing"))):
+        out_console.print(line, highlight=False, markup=False, soft_wrap=True)
     if as_json:
         print(json.dumps(models))
     elif not models:
@@ -246,9 +263,23 @@ def status(url: Url = DEFAULT_URL, api_key: ApiKey = None, as_json: AsJson = Fal
             out_console.print(line, highlight=False, markup=False, soft_wrap=True)
         for line in _note_lines(models):
             out_console.print(line, highlight=False, markup=False, soft_wrap=True)
-        for parent in runtime.get("preloaded_parents", []):
-            out_console.print(_parent_line(parent), highlight=False)
-        if memory := _memory_line(runtime):
-            out_console.print(memory, highlight=False, markup=False, soft_wrap=True)
-        if queue := _wake_queue_line(runtime.get("wake_queue")):
-            out_console.print(queue, highlight=False, markup=False, soft_wrap=True)
+        _print_runtime(runtime)
+
+
+def _print_runtime(runtime: dict[str, Any]) -> None:
+    for parent in runtime.get("preloaded_parents", []):
+        out_console.print(_parent_line(parent), highlight=False)
+    if memory := _memory_line(runtime):
+        out_console.print(memory, highlight=False, markup=False, soft_wrap=True)
+    if queue := _wake_queue_line(runtime.get("wake_queue")):
+        out_console.print(queue, highlight=False, markup=False, soft_wrap=True)
+
+
+def _print_summary(summary: dict[str, Any], runtime: dict[str, Any]) -> None:
+    for line in summary_lines(summary):
+        out_console.print(line, highlight=False, markup=False, soft_wrap=True)
+    if summary.get("largest"):
+        out_console.print(top_table("largest loaded models", summary["largest"]))
+    if summary.get("recent"):
+        out_console.print(top_table("most recently used models", summary["recent"]))
+    _print_runtime(runtime)

@@ -38,6 +38,7 @@ from controlplane.gateway.grpc_adapter import GRPC_OPTIONS, GrpcActivator
 from controlplane.gateway.handlers import HoldRegistry, ModelAnswers, ReadyFlags, input_names_hint
 from controlplane.gateway.http_adapter import HttpForwarder, create_http_app
 from controlplane.gateway.wake_lua import held_log_path, ready_dir_path
+from controlplane.publishing import Publishing
 from controlplane.servers import EmbeddedUvicorn, wait_started
 from controlplane.settings import Settings
 from controlplane.store import ModelStore
@@ -76,10 +77,11 @@ class Activator:
         triton_grpc_url: str,
         host: str = "127.0.0.1",
         wake_socket: Path | None = None,
+        publishing: Publishing | None = None,
     ) -> None:
         self.settings = settings
         self.host = host
-        self.answers = ModelAnswers(lifecycle, store, settings)
+        self.answers = ModelAnswers(lifecycle, store, settings, publishing=publishing)
         self.triton_http_url = triton_http_url
         self.triton_grpc_url = triton_grpc_url
         self.http_port: int | None = None

@@ -30,6 +30,7 @@ from controlplane.lifecycle.configs import config_for
 from controlplane.lifecycle.overrides import ForbiddenOverrideError, MalformedOverrideError, parse_override
 from controlplane.lifecycle.port import LifecyclePort
 from controlplane.lifecycle.state import ModelState, UnloadReason
+from controlplane.publishing import RETRY_AFTER_SECS, Publishing
 from controlplane.render import VERSION, parse_config
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
@@ -50,10 +51,13 @@ INDEX_STATES = {
 class ModelAnswers:
     """What the activator answers, shared by HTTP and gRPC: wake, readiness, metadata, config, index, admin."""
 
-    def __init__(self, lifecycle: LifecyclePort, store: ModelStore, settings: Settings) -> None:
+    def __init__(
+        self, lifecycle: LifecyclePort, store: ModelStore, settings: Settings, *, publishing: Publishing | None = None
+    ) -> None:
         self.lifecycle = lifecycle
         self.store = store
         self.settings = settings
+        self.publishing = publishing  # `serve --models` publishing in the background: a model may be on its way
         # Unloaded by a client through Triton's repository API: not ready (Triton's answer after an unload)
         # until the model is READY again (a repository load, or a request that woke it).
         self.unloaded_by_client: set[str] = set()
@@ -81,6 +85,12 @@ class ModelAnswers:
         try:
             model = self.store.get(name)
         except NotFoundError as e:
+            if self.publishing is not None and self.publishing.waiting(name):
+                raise words.NotYetPublishedError(name, self.publishing.retry_hint(name), RETRY_AFTER_SECS) from None
+            if self.publishing is not None and (why := self.publishing.failed.get(name)):
+                raise UnknownModelError(
+                    words.not_found(name), f"the server refused its package at start: {why}"
+                ) from None
             raise UnknownModelError(words.not_found(name), e) from None
         if version and version not in model.versions:
             served = ", ".join(model.versions)
@@ -124,6 +134,8 @@ class ModelAnswers:
         healthy" answer here) is refused with the crash. One that meets a dead stub here is sent again
         after recovery only when the journal shows it never reached a live process (``recovery``).
         """
+        if self.publishing is not None:  # one still waiting to be published is published next, waited for a while
+            await self.publishing.arrival(name)
         self.published(name, version)
         await self.lifecycle.admit(name, request_id)
         async with self.serving(name, timeout):

@@ -53,6 +53,18 @@ class NotYetAvailableError(UnavailableError):
         super().__init__(explained(no_available_versions(name), cause), hint=cause.hint, retry_after=cause.retry_after)
 
 
+class NotYetPublishedError(UnavailableError):
+    """A model ``serve --models`` has still to publish (it publishes in the background): Triton's words for an
+    unknown model, but 503 / UNAVAILABLE with Retry-After, since it will be there shortly."""
+
+    def __init__(self, name: str, why: str, retry_after: float) -> None:
+        super().__init__(
+            explained(not_found(name), why),
+            hint=f"retry after {retry_after:g}s: the server is publishing its models ('{name}' is next)",
+            retry_after=retry_after,
+        )
+
+
 LOAD_FAILED = "load failed for model"
 LOAD_UNKNOWN = "failed to load"  # Triton's client examples check `"failed to load" in message()`
 

@@ -53,6 +53,7 @@ class AdminOperations:
         self.warmth = warmth
         self.processes = processes
         self.journal_dir = journal_dir
+        self._configured: dict[str, tuple[tuple[str, int], str | None]] = {}  # _warmup's reads, per model
 
     async def load(
         self, model_id: str, *, instances: int | None = None, override: dict[str, Any] | None | object = KEEP_OVERRIDE
@@ -197,17 +198,29 @@ class AdminOperations:
             gpu_memory_bytes=self.loader.gpu.status_bytes(rec),
             keep_alive=self.warmth.windows(rec),
             worker=rec.model.deployment.worker if rec.is_python and rec.model.kind is PackageKind.CUSTOM else None,
-            warmup=status_line(rec),
+            warmup=self._warmup(rec),
             ensembles=(users.get(rec.id) if users is not None else self.groups.users().get(rec.id)) or None,
             steps=list(self.groups.steps(rec)) or None,
             level=rec.level,
         )
 
-    def statuses(self) -> list[ModelStatus]:
-        ids = set(self.store.ids()) | set(self.states.records)
-        statuses = [self.status(i, users={}) for i in sorted(ids)]  # every record now exists: read the groups once
+    def statuses(self, model_ids: list[str] | None = None) -> list[ModelStatus]:
+        """The statuses of ``model_ids`` (default: every published or recorded model), the groups read once."""
+        ids = sorted(set(self.store.ids()) | set(self.states.records)) if model_ids is None else model_ids
+        statuses = [self.status(i, users={}) for i in ids]  # every record now exists: read the groups once
         users = self.groups.users()
         return [replace(s, ensembles=users.get(s.id) or None) if s.id in users else s for s in statuses]
+
+    def _warmup(self, rec: ModelRecord) -> str | None:
+        """``warmups.status_line``, the published config's part read once per publish and load (a listing of
+        thousands of models reads no config)."""
+        if rec.load.warmup:
+            return rec.load.warmup
+        key = (rec.model.publish, rec.load.load_count)
+        known = self._configured.get(rec.id)
+        if known is None or known[0] != key:
+            known = self._configured[rec.id] = (key, status_line(rec))
+        return known[1]
 
     def runtime(self) -> dict[str, Any]:
         """What serves models besides their own processes: the preloaded parents of preforked models, each

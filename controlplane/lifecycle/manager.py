@@ -252,8 +252,8 @@ class LifecycleManager:
     def status(self, model_id: str) -> ModelStatus:
         return self.admin.status(model_id)
 
-    def statuses(self) -> list[ModelStatus]:
-        return self.admin.statuses()
+    def statuses(self, model_ids: list[str] | None = None) -> list[ModelStatus]:
+        return self.admin.statuses(model_ids)
 
     def runtime(self) -> dict[str, Any]:
         return self.admin.runtime()

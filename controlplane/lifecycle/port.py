@@ -42,6 +42,10 @@ class LifecyclePort(Protocol):
 
     def status(self, model_id: str) -> ModelStatus: ...
 
+    def statuses(self, model_ids: list[str]) -> list[ModelStatus]:
+        """``status`` of each of ``model_ids``, in their order (a listing: what is shared is read once)."""
+        ...
+
     def runtime(self) -> dict[str, Any]:
         """The preloaded parents, the server's own memory, the budgets, the wake queue."""
         ...

@@ -115,7 +115,10 @@ class ModelStatus:
     )
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"state": self.state.value}
+        return {name: getattr(self, name) for name in _STATUS_FIELDS} | {"state": self.state.value}
+
+
+_STATUS_FIELDS = tuple(f.name for f in fields(ModelStatus))  # read once: a listing converts thousands
 
 
 @dataclass(frozen=True)
@@ -294,12 +297,13 @@ class ModelStates:
     def get(self, model_id: str) -> ModelRecord | None:
         return self.records.get(model_id)
 
-    def record(self, model_id: str, *, refresh: bool = False) -> ModelRecord:
+    def record(self, model_id: str, *, refresh: bool = False, model: PublishedModel | None = None) -> ModelRecord:
         """The model's record (created for a published model; NotFoundError otherwise). ``refresh``
-        re-reads what is published for a model that is not loaded and not in transition."""
+        re-reads what is published for a model that is not loaded and not in transition; ``model``: what is
+        published, just read (a new record need not read it again)."""
         rec = self.records.get(model_id)
         if rec is None:
-            rec = ModelRecord(model_id, self.store.get(model_id))
+            rec = ModelRecord(model_id, model if model is not None else self.store.known(model_id))
             self.records[model_id] = rec
             self.metrics.set_state(model_id, rec.state.value)
         elif refresh and rec.op is None and rec.state is not ModelState.READY:

@@ -35,6 +35,9 @@ SEQUENCE_POLL_SECS = 0.2  # how often a stop or a quiesce re-reads the live sequ
 # How long a stop waits for the transitions still running (an unload: Triton's unload, at most
 # SNOOZE_UNLOAD_FINALIZE_SECS of a model's clean-up) before it cancels them.
 STOP_TRANSITIONS_SECS = 15.0
+# How old the store's catalog may be for the sweep (the follower scans it every store_poll_secs or so).
+CATALOG_MAX_AGE_SECS = 30.0
+STORE_SCAN_SPACING = 10.0  # the store's follower waits at least this many times its last scan's duration
 
 
 class Supervisor:
@@ -94,14 +97,14 @@ class Supervisor:
                 asyncio.create_task(
                     self._every(self.settings.watch_interval_secs, self.watch, "process watch"), name="snooze-watch"
                 ),
-                asyncio.create_task(
-                    self._every(self.settings.store_poll_secs, self.follow_store, "store"), name="snooze-store"
-                ),
+                asyncio.create_task(self._every(self._store_delay, self.follow_store, "store"), name="snooze-store"),
             ]
 
     async def stop(self) -> None:
         """Stop sweeping, cancel loads in flight (a load may hang: a stop never waits for one) and wait for the
         other running transitions; models stay loaded in Triton."""
+        if self.sync.backfill is not None:
+            self._tasks.append(self.sync.backfill)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -162,6 +165,11 @@ class Supervisor:
     @property
     def paused(self) -> bool:
         return self.states.pause_ends is not None
+
+    def _store_delay(self) -> float:
+        """``store_poll_secs``, or longer where a scan of the repository takes long (a stat per model): the follower
+        spends at most 1 / ``STORE_SCAN_SPACING`` of its time scanning."""
+        return max(self.settings.store_poll_secs, STORE_SCAN_SPACING * self.store.scan_secs)
 
     def _sweep_delay(self) -> float:
         """The sweep interval, shortened to the next keep-alive decision when one is due sooner."""
@@ -227,8 +235,10 @@ class Supervisor:
         record (its model unloaded first), and a copy Triton holds that has no record (a delete that met a
         wake-up, a delete while this control plane was down)."""
         records = self.states.records
-        gone = {m for m, r in records.items() if r.op is None and r.in_use == 0 and not self.store.exists(m)}
-        gone |= {m for m, e in entries.items() if e.state == "READY" and m not in records and not self.store.exists(m)}
+        published = await asyncio.to_thread(self.store.catalog_ids, max_age=CATALOG_MAX_AGE_SECS)  # no stat each
+        gone = {m for m, r in records.items() if r.op is None and r.in_use == 0 and m not in published}
+        gone |= {m for m, e in entries.items() if e.state == "READY" and m not in records and m not in published}
+        gone = {m for m in gone if not self.store.exists(m)}  # the catalog may lag a write it did not make
         confirmed, self._unpublished = gone & self._unpublished, gone
         for model_id in sorted(confirmed):
             rec = records.get(model_id)

@@ -19,7 +19,7 @@ from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.workers import none_alive
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
-from controlplane.store import ModelStore
+from controlplane.store import ModelStore, PublishedModel
 from controlplane.triton.client import BUSY_STATES, RepositoryEntry, TritonAdminClient
 from controlplane.triton.processes import TritonProcesses
 
@@ -33,6 +33,9 @@ log = logging.getLogger("snoozeml.lifecycle")
 
 # Retry-After of a wake-up refused while tritonserver is down: about what a restart and a small model's load take.
 DOWN_RETRY_AFTER_SECS = 2.0
+# After a full resync: records made per turn of the event loop, and the pause between turns (the start goes on).
+RECORD_CHUNK, RECORD_PAUSE_SECS = 100, 0.01
+CATALOG_MAX_AGE_SECS = 30.0  # how old the store's catalog may be for a sweep's resync (the follower scans it)
 
 
 class TritonUp:
@@ -158,6 +161,7 @@ class TritonSync:
         self.triton_process = triton_process  # the embedded child, which may be restarted
         self._checking = asyncio.Lock()
         self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
+        self.backfill: asyncio.Task[None] | None = None  # a full resync's records of the models Triton does not hold
 
     async def start(self) -> None:
         await self.resync(full=True)
@@ -227,13 +231,12 @@ class TritonSync:
         is a transition of its own (wake-ups wait for it). Returns the index it read.
         """
         generations = {m: r.generation for m, r in self.states.records.items()}
+        # the store's catalog (the follower keeps it current): no stat per model on the event loop
+        published = await asyncio.to_thread(self.store.catalog_ids, max_age=0.0 if full else CATALOG_MAX_AGE_SECS)
         entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
         if full:
             await self._unload_orphans(entries)
-        new = self.store.ids() if full else [n for n, e in entries.items() if e.state in BUSY_STATES]
-        for model_id in new:
-            if self.states.get(model_id) is None and self.store.exists(model_id):
-                self.states.record(model_id)
+        await self._record_new(entries, full=full)
         for model_id, rec in list(self.states.records.items()):
             if rec.op is not None or generations.get(model_id, rec.generation) != rec.generation:
                 continue
@@ -254,7 +257,7 @@ class TritonSync:
                         True,
                         held or rec.memory.footprint or declared_bytes(rec),
                     )
-            if not self.store.exists(model_id):
+            if model_id not in published and not self.store.exists(model_id):  # the catalog may lag another's write
                 continue
             triton_ready = entry is not None and entry.state == "READY"
             if triton_ready and rec.state is not ModelState.READY:
@@ -266,6 +269,28 @@ class TritonSync:
                 self.states.set_state(rec, ModelState.UNLOADED, rec.reason)
         await self._note_unrecorded(entries)
         return entries
+
+    async def _record_new(self, entries: dict[str, RepositoryEntry], *, full: bool) -> None:
+        """Records for models without one: at a full resync every published model (from the store's catalog: one
+        read of each), else those Triton holds."""
+        if full:  # the rest after this pass, a chunk at a time (10,000 records take seconds): live first
+            models = await asyncio.to_thread(self.store.list)
+            if self.backfill is not None:
+                self.backfill.cancel()
+            self.backfill = asyncio.create_task(self._record_all(models), name="snooze-records")
+        for model_id in [n for n, e in entries.items() if e.state in BUSY_STATES]:
+            if self.states.get(model_id) is None and self.store.exists(model_id):
+                self.states.record(model_id)
+
+    async def _record_all(self, models: list[PublishedModel]) -> None:
+        """A record for every published model, ``RECORD_CHUNK`` at a time between the event loop's other work (a
+        request or a status makes its model's record at once: ``ModelStates.record``)."""
+        for start in range(0, len(models), RECORD_CHUNK):
+            for model in models[start : start + RECORD_CHUNK]:
+                if self.states.get(model.id) is None and not model.path.name.startswith("."):
+                    with contextlib.suppress(SnoozeError):
+                        self.states.record(model.id, model=model)
+            await asyncio.sleep(RECORD_PAUSE_SECS)
 
     async def _note_unrecorded(self, entries: dict[str, RepositoryEntry]) -> None:
         """What Triton holds for models without a record (deleted by another node while loaded here, or before

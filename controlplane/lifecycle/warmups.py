@@ -22,7 +22,8 @@ def configured_source(rec: ModelRecord) -> str | None:
     """The source the published config declares, or None (no warm-up); ``learned`` once shapes were kept
     for a generated one."""
     try:
-        source = plan_source(rec.model.config_text)
+        recorded = rec.model.warmup_source  # written at publish; None for a model published before it was
+        source = (recorded or None) if recorded is not None else plan_source(rec.model.config_text)
     except Exception:  # deleted or republished meanwhile: nothing to say
         return None
     if source == "signature" and rec.model.backend == "python" and learned_shapes(rec.model.path):

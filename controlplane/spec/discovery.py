@@ -89,12 +89,15 @@ def discover(models_dir: str | Path) -> list[DeploymentSpec]:
     specs = load_models_toml(toml_path) if toml_path.exists() else []
     named_paths = {s.path.resolve() for s in specs}
     named_ids = {s.id for s in specs}
+    resolved_root = root.resolve()
     for child in sorted(root.iterdir()):
         if not child.is_dir() or child.name.startswith(".") or child.name in _NOT_MODELS:
             continue
-        if child.resolve() in named_paths or child.name in named_ids:
+        # one realpath for the folder, not one per package (10,000 packages: a second): a link is resolved itself
+        path = child.resolve() if child.is_symlink() else resolved_root / child.name
+        if path in named_paths or child.name in named_ids:
             continue
-        specs.append(_folder_deployment(child.resolve()))
+        specs.append(_folder_deployment(path))
     return _check_unique_ids(specs, str(root))
 
 

@@ -20,9 +20,11 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from controlplane.render import DEPLOYMENT_FILE, PUBLISH_PARAMETER, RenderedModel
+from controlplane.render import DEPLOYMENT_FILE, PUBLISH_PARAMETER, RUNTIME_SUBDIR, VERSION, RenderedModel
+from python_backend import PACKAGE_DIR
 
 INNER_STAGING = ".snooze-staging"
+RUNTIME_PREFIX = f"{VERSION}/{RUNTIME_SUBDIR}/"
 
 
 def _staging_roots(repo: Path) -> tuple[Path, Path]:
@@ -43,25 +45,45 @@ def _staging_root(repo: Path) -> Path:
     return inside
 
 
+def staging_root(repo: Path) -> Path:
+    """Where this repository's writers keep their work (``_staging_root``), made if missing."""
+    return _staging_root(Path(repo))
+
+
 def _same_filesystem(a: Path, b: Path) -> bool:
     return a.stat().st_dev == b.stat().st_dev
 
 
-def _materialise(rendered: RenderedModel, folder: Path) -> None:
+def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] | None = None) -> None:
+    made: set[Path] = set()
+
+    def parent_of(dest: Path) -> None:  # each folder made once (a model has 20-odd files in a handful of folders)
+        if dest.parent not in made:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            made.add(dest.parent)
+
     for rel in rendered.dirs:
         (folder / rel).mkdir(parents=True, exist_ok=True)
     for src, rel in rendered.copies:
         dest = folder / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        parent_of(dest)
+        if rel.startswith(RUNTIME_PREFIX) and os.path.dirname(src) == PACKAGE_DIR:
+            # snoozeml's own runtime files, the same in every model: linked (10,000 models: a copy each costs
+            # seconds); a user's files are always copied (an edit in place must not change what is published)
+            with contextlib.suppress(OSError):
+                os.link(src, dest)
+                continue
         shutil.copy(src, dest)  # with its mode: a model folder's own stub or scripts stay executable
     token = uuid.uuid4().hex
     for rel, content in rendered.writes.items():
         dest = folder / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        parent_of(dest)
         if rel == "config.pbtxt":
             content = content + _publish_parameter(token).encode()
         elif rel == DEPLOYMENT_FILE:
-            content = (json.dumps({**json.loads(content), "publish": token}, indent=2) + "\n").encode()
+            content = (
+                json.dumps({**json.loads(content), **(record or {}), "publish": token}, indent=2) + "\n"
+            ).encode()
         dest.write_bytes(content)
 
 
@@ -106,15 +128,16 @@ def repository_lock(repo: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def write_model(rendered: RenderedModel, repo: Path) -> Path:
-    """Write one model folder into ``repo`` atomically; an existing folder is replaced whole."""
+def write_model(rendered: RenderedModel, repo: Path, record: dict[str, str] | None = None) -> Path:
+    """Write one model folder into ``repo`` atomically; an existing folder is replaced whole. ``record``: more fields
+    of its deployment record."""
     repo = Path(repo)
     repo.mkdir(parents=True, exist_ok=True)
     # <model>@<host>.<pid>.<random>: recover_staging() tells a killed writer's leftovers by host and pid.
     staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}@{_writer()}.", dir=_staging_root(repo)))
     final = repo / rendered.model_id
     try:
-        _materialise(rendered, staging / "model")
+        _materialise(rendered, staging / "model", record)
         if final.exists():
             # One atomic swap where the kernel offers it: readers never see the model missing.
             if not _exchange(staging / "model", final):

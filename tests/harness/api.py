@@ -62,6 +62,10 @@ class RecordingLifecycle:
             raise NotFoundError(f"model '{model_id}' is not published")
         return self.states.setdefault(model_id, fresh_status(model_id))
 
+    def statuses(self, model_ids: list[str]) -> list[ModelStatus]:
+        self.calls.append(("statuses", str(len(model_ids))))
+        return [self.status(m) for m in model_ids]
+
     async def load(self, model_id: str, *, instances: int | None = None) -> ModelStatus:
         self.calls.append(("load", model_id, str(instances)))
         status = self.status(model_id)

@@ -292,9 +292,10 @@ class Serve:
     def staging(self) -> Path:
         return self.work_dir / ".model_repository.staging"
 
-    def start(self, timeout: float = 60.0, *, ready: bool = False) -> float:
+    def start(self, timeout: float = 60.0, *, ready: bool = False, published: bool = True) -> float:
         """Start; wait until the control API (started last) answers /health/live (/health/ready with
-        ``ready``) and both gateway ports accept; seconds taken."""
+        ``ready``), both gateway ports accept and (``published``) every ``--models`` package is published;
+        seconds taken."""
         assert self.proc is None or self.proc.poll() is not None, "already running"
         started = time.monotonic()
         cmd = [
@@ -320,20 +321,31 @@ class Serve:
             )  # fmt: skip
         self.starts += 1
         health = f"{self.api_url}/health/{'ready' if ready else 'live'}"
-        until(lambda: self._up(health), lambda: f"snoozectl serve to answer {health}:\n{self.log_tail()}", timeout)
+        until(
+            lambda: self._up(health, published),
+            lambda: f"snoozectl serve to answer {health}:\n{self.log_tail()}",
+            timeout,
+        )
         self.descendants()
         return time.monotonic() - started
 
-    def _up(self, health: str) -> bool:
+    def _up(self, health: str, published: bool = True) -> bool:
         """``health`` answers 200 and both gateway ports accept; fails at once if serve exited."""
         assert self.proc is not None
         if self.proc.poll() is not None:
             raise AssertionError(f"snoozectl serve exited with {self.proc.returncode}:\n{self.log_tail()}")
         with contextlib.suppress(httpx.TransportError):
-            return httpx.get(health, timeout=2).status_code == 200 and all(
-                _accepts(p) for p in (self.http_port, self.grpc_port)
+            return (
+                httpx.get(health, timeout=2).status_code == 200
+                and all(_accepts(p) for p in (self.http_port, self.grpc_port))
+                and (not published or self._published())
             )
         return False
+
+    def _published(self) -> bool:
+        """``--models`` are published in the background after the API is live: every test starts once they are."""
+        r = httpx.get(f"{self.api_url}/v1/publishing", headers=self._headers(), timeout=2)
+        return r.status_code != 200 or not r.json().get("in_progress")
 
     def log_tail(self, lines: int = 60) -> str:
         with contextlib.suppress(OSError):
