@@ -16,6 +16,7 @@ import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import httpx
@@ -151,8 +152,10 @@ async def _admin(triton: EmbeddedTriton) -> TritonAdminClient:
     return TritonAdminClient(triton.http_url, triton.metrics_url, timeout=60)
 
 
-KEY = {"X-API-Key": API_KEY}
-GRPC_KEY = {"x-api-key": API_KEY}
+# Read-only: tritonclient.http's infer adds Inference-Header-Content-Length (an int) to the dict it is given, and one
+# test doing that to a shared dict broke every later request of its worker. Pass dict(KEY) to infer.
+KEY = MappingProxyType({"X-API-Key": API_KEY})
+GRPC_KEY = MappingProxyType({"x-api-key": API_KEY})
 
 
 def _x(rows: int = 2) -> np.ndarray:

@@ -63,7 +63,7 @@ def bls_inputs(client_mod: Any, target: str, x: np.ndarray = X, timeout_us: int 
 def http_bls(stack: Stack, name: str, target: str, **kw: Any) -> np.ndarray:
     client = httpclient.InferenceServerClient(stack.gateway.http_url.removeprefix("http://"), network_timeout=60)
     try:
-        return client.infer(name, bls_inputs(httpclient, target, **kw), headers=KEY).as_numpy("y")
+        return client.infer(name, bls_inputs(httpclient, target, **kw), headers=dict(KEY)).as_numpy("y")
     finally:
         client.close()
 
@@ -164,7 +164,7 @@ def test_the_callee_s_own_error_reaches_the_client_unchanged_and_it_ran_once(sta
         inp = httpclient.InferInput("x", [1, 4], "FP32")
         inp.set_data_from_numpy(X.reshape(1, 4))
         with pytest.raises(InferenceServerException) as called_directly:
-            direct.infer(callee, [inp], headers=KEY)
+            direct.infer(callee, [inp], headers=dict(KEY))
     finally:
         direct.close()
     assert through_bls.value.message() == called_directly.value.message()
@@ -226,14 +226,14 @@ def test_a_model_s_declared_wakes_load_with_it(stack: Stack) -> None:
     try:
         inp = httpclient.InferInput("x", [1, 4], "FP32")
         inp.set_data_from_numpy(X.reshape(1, 4))
-        client.infer(front, [inp], headers=KEY)  # wakes front, and with it back, never called
+        client.infer(front, [inp], headers=dict(KEY))  # wakes front, and with it back, never called
         until(lambda: stack.lifecycle.status(back).state == ModelState.READY.value, "the declared callee's load", 60)
         assert stack.load_count(back) == 1
         idle_unload(stack, back)
-        client.infer(front, [inp], headers=KEY)  # front is awake: its declared callees are left as they are
+        client.infer(front, [inp], headers=dict(KEY))  # front is awake: its declared callees are left as they are
         assert stack.lifecycle.status(back).state == ModelState.UNLOADED.value
         idle_unload(stack, front)
-        client.infer(front, [inp], headers=KEY)  # a wake again: with back again
+        client.infer(front, [inp], headers=dict(KEY))  # a wake again: with back again
         until(lambda: stack.lifecycle.status(back).state == ModelState.READY.value, "the declared callee's load", 60)
         assert stack.load_count(back) == 2
     finally:
