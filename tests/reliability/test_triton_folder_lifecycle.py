@@ -133,7 +133,10 @@ def test_a_sleeping_ensemble_wakes_its_steps_then_again_after_an_idle_unload(ser
         np.testing.assert_allclose(grpc_infer(serve.grpc_url, "pipe", x), (x + 1000) * 2)
         for model in ("pipe", "versioned", "counter"):
             status = serve.status(model)
-            assert status["state"] == "ready" and status["load_count"] == round_, (round_, status)
+            assert status["state"] == "ready", (round_, status)
+            # each step loaded once per round (the ensemble itself holds nothing: Triton may bring it back with its
+            # steps, and the lifecycle then adopts it rather than loading it)
+            assert model == "pipe" or status["load_count"] == round_, (round_, status)
         assert serve.status("counter")["ensembles"] == ["pipe"]
 
 
