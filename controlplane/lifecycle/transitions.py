@@ -100,13 +100,18 @@ class Unloads:
         if await self.unload_op(rec, UnloadReason.DELETED):
             self.states.drop(rec.id)
 
-    async def _ensembles_first(self, rec: ModelRecord) -> None:
+    async def ensembles_first(self, rec: ModelRecord) -> None:
         """The loaded ensembles that hold ``rec`` as a step leave before it: Triton takes an ensemble down with any
         of its steps, and brings it back when the step loads again (measured on 2.51), behind the lifecycle. An
         unload of a step held by an ensemble is a forced one (an API unload, a delete, a republish)."""
         for ensemble, steps in list(self.groups.pins.items()):
             e = self.states.get(ensemble)
-            if rec.id in steps and e is not None and e.state is ModelState.READY and e.op is None:
+            if rec.id not in steps or e is None:
+                continue
+            if e.state is ModelState.LOADING:  # its load goes first: Triton would load the step again for it
+                with contextlib.suppress(SnoozeError):
+                    await self.states.settle(e)
+            if e.state is ModelState.READY and e.op is None:
                 task = self.states.spawn(
                     e,
                     ModelState.UNLOADING,
@@ -133,7 +138,7 @@ class Unloads:
             if pending > 0 or rec.in_use > 0 or rec.idle_since > seen_access:
                 self.states.set_state(rec, ModelState.READY)
                 return False
-        await self._ensembles_first(rec)
+        await self.ensembles_first(rec)
         try:
             await self.unloader.unload(rec)  # returns once its memory is free (unloading.py)
         except SnoozeError as e:
@@ -275,6 +280,7 @@ class Transitions:
         """
         instances = rec.instances or rec.model.deployment.instances
         cause = "dead_stub" if rec.procs.deaths else "failed_request"
+        await self.unloads.ensembles_first(rec)  # Triton's unload below would take them down behind the lifecycle
         try:
             with contextlib.suppress(SnoozeError):
                 await self.triton.unload(rec.id, wait=False)

@@ -51,6 +51,7 @@ import json
 import signal
 import struct
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,7 @@ class FakeTriton:
         # (ensemble, its steps that were not loaded) at each ensemble load that met one: the world judges whether
         # the lifecycle should have loaded them first (a published step: the real Triton would load it behind it)
         self.ensemble_misses: list[tuple[str, list[str]]] = []
+        self.is_published: Callable[[str], bool] = lambda name: True  # the world's store, read at the miss
         # Ensembles Triton took down with a step's unload: it brings each back when its steps are loaded again
         # (measured on 2.51: unloading a step makes its loaded ensemble UNAVAILABLE at once; loading the step again
         # makes it READY, unless the ensemble was unloaded itself in between).
@@ -317,7 +319,7 @@ class FakeTriton:
         steps = [s["model_name"] for s in config.get("ensemble_scheduling", {}).get("step", [])]
         missing = [s for s in steps if s not in self.ready()]
         if missing:
-            self.ensemble_misses.append((name, missing))
+            self.ensemble_misses.append((name, [step for step in missing if self.is_published(step)]))
             raise TritonModelLoadError(name, f"ensemble '{name}': steps not loaded: {missing}")
         m = self.models.get(name) or Loaded(name, "UNAVAILABLE")
         m.stubs, m.config, m.state, m.reason, m.files, m.served = [], config, "READY", "", files, 0

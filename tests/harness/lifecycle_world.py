@@ -152,6 +152,7 @@ class LifecycleWorld:
         self.store = ModelStore(repo, embedded_target())
         self.other_node = ModelStore(repo, embedded_target())  # another node's writes to the shared store
         self.triton = FakeTriton(repo, self.journal)
+        self.triton.is_published = self.store.exists
         self.processes = FakeProcesses(self.triton)
         self.stub_control = FakeStubControl(self.processes)
         # Triton's memory cgroup as the manager reads it (None: unseen), or what reads it
@@ -620,8 +621,7 @@ class LifecycleWorld:
             elif self.now - call.started > call.bound + extra:
                 problems.append(f"{call.what} of '{call.model}' unanswered after {self.now - call.started:.1f}s")
         problems += self._model_problems()
-        for ensemble, missing in self.triton.ensemble_misses:
-            published = [step for step in missing if self.store.exists(step)]
+        for ensemble, published in self.triton.ensemble_misses:  # the steps published when the load met them
             if published:  # the real Triton loads them itself, behind the lifecycle (its records, its budget)
                 problems.append(f"ensemble '{ensemble}' loaded while its published step(s) {published} were not")
         self.triton.ensemble_misses.clear()

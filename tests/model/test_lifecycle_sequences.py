@@ -430,3 +430,26 @@ def test_an_api_unload_of_a_step_takes_its_loaded_ensemble_down_first(world):
     assert world.manager.status("e0").state == "unloaded" and "'m1'" in (world.manager.status("e0").reason or "")
     world.step(world.request("e0"), 1.0)  # and it wakes again, with its steps
     assert [c.answer for c in world.answered if c.what == "request" and c.model == "e0"][-1] == "200"
+
+
+def test_a_steps_recovery_takes_its_ensemble_out_first(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=1812215707): a step's process died and its recovery unloaded it in
+    Triton, which took the ensemble down with it; the manager went on saying the ensemble was ready. The ensemble now
+    leaves first, and wakes again with its recovered step."""
+    world.step(world.api_unload("e0"), 0.3)
+    world.step(world.api_unload("m3"), 0.3)
+    world.step(world.republish_while_waiting("m0", "hang", 3), 0.05)
+    world.step(world.tick(1.0), 0.3)
+    world.step(world.remote_publish("m2", 60), 0.3)
+    world.step(world.publish("m1", 150, 2), 0.0)
+    world.step(world.tick(7.0), 0.3)
+    world.step(world.request("m0", 2.0), 0.3)
+    world.step(world.publish_ensemble_api(("m1",), 1), 0.3)
+    world.step(world.tick(0.5), 0.0)
+    world.step(world.crash("m0"), 0.3)
+    world.step(world.tick(7.0), 0.3)
+    world.step(world.burst("e0", 7), 0.3)
+    world.step(world.crash("m1"), 0.05)
+    world.step(world.tick(3.0), 0.0)
+    world.step(world.request("e0"), 1.0)
+    assert [c.answer for c in world.answered if c.what == "request" and c.model == "e0"][-1] == "200"
