@@ -211,6 +211,7 @@ async def serving_stack(root: Path, entries: list[dict[str, Any]], **overrides: 
     stack = ServingStack(settings, models_dir, console=Console(file=io.StringIO()))
     try:
         await stack.start()
+        await stack.published()  # the measurements start with every model of models.toml published
         yield stack
     finally:
         await stack.stop()

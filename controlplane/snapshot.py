@@ -255,6 +255,7 @@ class SnapshotEntrypoint:
             )
         self.stack = ServingStack(settings, self.models_dir, console=self.console)
         await self.stack.start()
+        await self.stack.published()  # a snapshot holds every model: all of them published first
         store, lifecycle = self.stack.store, self.stack.lifecycle
         assert store is not None and lifecycle is not None and self.stack.triton_process is not None
         published = store.ids()

@@ -130,6 +130,12 @@ class ServingStack:
         if self.publishing.total:
             self._publisher = asyncio.create_task(self._publish(), name="snooze-publish")
 
+    async def published(self, timeout: float | None = None) -> None:
+        """Return once the ``--models`` packages of this start are published (they are, in the background, after
+        the gateway and the API are live); ``timeout``: at most that many seconds (``TimeoutError``)."""
+        if self._publisher is not None:
+            await asyncio.wait_for(asyncio.shield(self._publisher), timeout)
+
     async def _start_triton(self) -> tuple[str, str, str | None, TritonTarget]:
         s = self.settings
         if s.triton_url:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -174,6 +175,7 @@ def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
         [".venv/bin/snoozectl", "status"],
         [".venv/bin/snoozectl", "publish"],
         ["curl", "-s"],
+        ["curl", "-s"],
     ]
     # The ports are this stack's; the commands are the README's.
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # piped, no terminal width: as in a CI log
@@ -185,7 +187,8 @@ def test_the_shell_lines_run_as_written(stack: Serve, user_dir: Path) -> None:
                               timeout=120)  # fmt: skip
         assert proc.returncode == 0, (command, proc.stdout, proc.stderr)
         outputs.append(proc.stdout)
-    status, published, metrics = outputs
+    status, published, listing, metrics = outputs
+    assert [m["id"] for m in json.loads(listing)] == ["my-net"], listing  # the prefix filter: only my-net
     assert re.search(r"numpy-linear\s.*ready", status), status  # woken by the client
     assert re.search(r"┃ model .* ┃ last cold start ┃$", status, re.M), status  # whole rows, not cut at 80 columns
     assert published.strip() == "published my-net (custom, python backend)"  # and nothing else
