@@ -290,6 +290,7 @@ class ModelStates:
         self.records: dict[str, ModelRecord] = {}
         # while paused (a checkpoint is being taken): done on resume
         self.pause_ends: asyncio.Future[None] | None = None
+        self.stopping = False  # set by the stop: no load starts from then on (a stop never waits for a load)
         self.on_drop: list[Callable[[str], None]] = []  # what else forgets a deleted model (its eviction history)
         # Told every state change, synchronously, before anything awaits: the gateway's ready flags.
         self.listeners: list[Callable[[str, ModelState | None], None]] = []

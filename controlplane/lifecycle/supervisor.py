@@ -103,6 +103,7 @@ class Supervisor:
     async def stop(self) -> None:
         """Stop sweeping, cancel loads in flight (a load may hang: a stop never waits for one) and wait for the
         other running transitions; models stay loaded in Triton."""
+        self.states.stopping = True  # a wake-up that would start a load now is answered instead
         if self.sync.backfill is not None:
             self._tasks.append(self.sync.backfill)
         for task in self._tasks:

@@ -453,3 +453,13 @@ def test_a_steps_recovery_takes_its_ensemble_out_first(world):
     world.step(world.tick(3.0), 0.0)
     world.step(world.request("e0"), 1.0)
     assert [c.answer for c in world.answered if c.what == "request" and c.model == "e0"][-1] == "200"
+
+
+def test_no_load_starts_once_the_stop_began(world):
+    """Found by the machine (SNOOZE_MACHINE_SEED=3432594696): requests whose load a republish cancelled waited for
+    the new version and started its load after the stop had begun; the stop then waited for that load (it hung) to
+    time out: 6 s. Once the stop began a wake-up is answered (503, retry) instead of starting a load."""
+    world.step(world.publish("m3", 100, 2), 0.0)
+    world.step(world.republish_while_waiting("m3", "ok", 1), 0.05)
+    world.step(world.republish_while_waiting("m3", "ok", 4), 0.01)
+    world.step(world.stop_during_hung_load("m3", "stop"), 1.0)  # the world fails a stop over its bound
