@@ -150,10 +150,12 @@ def write_package(
 # Polling, processes, trees
 
 
-def tree_digest(root: Path) -> str:
-    """Every path, kind, mode, link target and byte under ``root``."""
+def tree_digest(root: Path, *, skip: frozenset[str] = frozenset()) -> str:
+    """Every path, kind, mode, link target and byte under ``root``, but files named in ``skip``."""
     h = hashlib.sha256()
     for path in sorted(root.rglob("*")):
+        if path.name in skip:
+            continue
         rel = path.relative_to(root).as_posix()
         st = path.lstat()
         h.update(f"{rel}\0{st.st_mode}\0".encode())
