@@ -44,7 +44,9 @@ async def test_an_idle_preforked_model_dozes_and_a_request_wakes_it_without_a_lo
 
     answers = await asyncio.gather(*(infer_once(serve, "dozer", "grpc", x) for _ in range(4)))
     assert all(not isinstance(a, str) and a.tolist() == first.tolist() for a in answers), answers
-    [(woken, same_stub)] = serve.workers("dozer")  # one wake served them all: one new worker, in the same stub
+    # one wake served them all: one new worker, in the same stub (its note may land just after the answers)
+    await until_async(lambda: serve.workers("dozer"), "the woken worker's note", timeout=10)
+    [(woken, same_stub)] = serve.workers("dozer")
     assert same_stub == stub and woken != worker
     await until_async(lambda: level() == "awake", "the wake to be heard", timeout=30)
     assert (await asyncio.to_thread(serve.status, "dozer"))["load_count"] == loads  # no Triton load
