@@ -74,13 +74,8 @@ class AdminOperations:
                 hint="raise the model's max_instances and publish it again",
             )
         await self.states.settle(rec)
-        while True:
-            steps = self.groups.steps(rec)
-            with self.groups.holding(steps):  # an ensemble: its steps first, held until its own load pins them
-                if steps:
-                    await asyncio.gather(*(self._wake(step) for step in steps))
-                if self.groups.steps(rec) == steps:  # else republished meanwhile with other steps: those first
-                    return await self._load_itself(rec, instances, override)
+        # an ensemble: its steps first, held until its own load pins them
+        return await self.groups.steps_first(rec, self._wake, lambda _: self._load_itself(rec, instances, override))
 
     async def _load_itself(self, rec: ModelRecord, instances: int | None, override: object) -> ModelStatus:
         """``load``'s own part, once an ensemble's steps are loaded (a wake of the model may have begun its load

@@ -16,9 +16,11 @@ An ensemble holds no process of its own: it is charged nothing itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TypeVar
 
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
@@ -26,6 +28,13 @@ from controlplane.spec.schema import PackageKind
 from controlplane.store import PublishedModel
 
 log = logging.getLogger("snoozeml.lifecycle")
+T = TypeVar("T")
+
+
+class StepsChanged(Exception):
+    """A model was republished with other ensemble steps (or became or stopped being an ensemble) while it waited to
+    load: ``Groups.steps_first`` wakes the new steps first."""
+
 
 # The states in which an ensemble holds its steps: from the start of its load until it has left memory.
 _HOLDING = (ModelState.LOADING, ModelState.READY, ModelState.UNLOADING)
@@ -82,6 +91,28 @@ class Groups:
             if step_rec is not None and step not in others and step_rec.in_use <= mine.count(step):
                 exclusive.append(step)
         return exclusive
+
+    async def steps_first(
+        self,
+        rec: ModelRecord,
+        wake: Callable[[str], Awaitable[object]],
+        then: Callable[[tuple[str, ...]], Awaitable[T]],
+    ) -> T:
+        """``then(steps)`` once ``rec``'s ensemble steps are woken (``wake`` each, side by side; () for any other
+        model), the steps held from before their wake until ``then`` returns (the ensemble's pin holds them from its
+        load on). A republish that gives it other steps meanwhile (they differ once woken, or ``then`` raises
+        ``StepsChanged``) starts over with those."""
+        while True:
+            steps = self.steps(rec)
+            with self.holding(steps):
+                if steps:
+                    await asyncio.gather(*(wake(step) for step in steps))
+                if self.steps(rec) != steps:
+                    continue
+                try:
+                    return await then(steps)
+                except StepsChanged:
+                    continue
 
     @contextlib.contextmanager
     def holding(self, steps: tuple[str, ...]) -> Iterator[None]:

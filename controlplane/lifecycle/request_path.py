@@ -13,7 +13,7 @@ from controlplane.clock import Clock
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.admission import Admission, WakeQueueTimeout
 from controlplane.lifecycle.cancel import REPUBLISHED, cancelled_error, cancelled_why
-from controlplane.lifecycle.groups import Groups
+from controlplane.lifecycle.groups import Groups, StepsChanged
 from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.transitions import Transitions
@@ -23,10 +23,6 @@ from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 
 log = logging.getLogger("snoozeml.lifecycle")
-
-
-class _StepsChanged(Exception):
-    """A wake-up's model was republished with other ensemble steps (or became or stopped being an ensemble)."""
 
 
 class RequestPath:
@@ -69,22 +65,15 @@ class RequestPath:
         rec = self.states.record(model_id, refresh=True)
         self.warmth.request(rec)
         self.up.refuse_while_down(rec)
-        while True:
-            steps = self.groups.steps(rec)
-            # An ensemble: its steps first, each through its own single flight, held from their wake on (a step
-            # woken first is not idle-unloaded while the others load) until the ensemble's own pin holds them.
-            with self.groups.holding(steps):
-                if steps:
-                    await asyncio.gather(*(self.ensure_ready(step, timeout=timeout) for step in steps))
-                try:
-                    await self._wake(rec, timeout, steps)
-                    return
-                except _StepsChanged:
-                    continue  # republished meanwhile as an ensemble of other steps: those first
+        # An ensemble: its steps first, each through its own single flight, held from their wake on (a step woken
+        # first is not idle-unloaded while the others load) until the ensemble's own pin holds them.
+        await self.groups.steps_first(
+            rec, lambda step: self.ensure_ready(step, timeout=timeout), lambda steps: self._wake(rec, timeout, steps)
+        )
 
     async def _wake(self, rec: ModelRecord, timeout: float | None, steps: tuple[str, ...]) -> None:
         """``ensure_ready``'s wait for the model's own load (a wake-up in the wake queue), whose steps (an
-        ensemble's) are loaded: ``_StepsChanged`` when a republish gives it others before its load starts."""
+        ensemble's) are loaded: ``StepsChanged`` when a republish gives it others before its load starts."""
         model_id = rec.id
         wait = (
             timeout
@@ -104,7 +93,7 @@ class RequestPath:
         try:
             while not rec.ready:
                 if self.groups.steps(rec) != steps:
-                    raise _StepsChanged
+                    raise StepsChanged
                 # While paused, a wake-up waits for resume() (within its deadline) instead of loading.
                 op = (
                     rec.op

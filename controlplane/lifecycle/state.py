@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from typing import Any
 
-from controlplane.errors import NotFoundError, SnoozeError
+from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
 from controlplane.keepalive import FixedKeepAlive
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.workers import WorkerProcess
@@ -339,7 +339,15 @@ class ModelStates:
     def spawn(
         self, rec: ModelRecord, state: ModelState, reason: str | None, coro: Coroutine[Any, Any, Any]
     ) -> asyncio.Task[Any]:
-        """Enter ``state`` and run ``coro`` as the model's one transition."""
+        """Enter ``state`` and run ``coro`` as the model's one transition. No load starts once the stop began
+        (``UnavailableError``): the stop cancelled the loads in flight and waits for no new one."""
+        if state is ModelState.LOADING and self.stopping:
+            coro.close()
+            raise UnavailableError(
+                f"model '{rec.id}' is not loaded: snoozeml is stopping",
+                hint="retry once it is running again",
+                retry_after=5,
+            )
         if rec.op is not None:
             coro.close()
             raise RuntimeError(f"model '{rec.id}' already has a transition running")  # a bug here, not a user error

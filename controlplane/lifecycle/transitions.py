@@ -186,14 +186,7 @@ class Transitions:
     def cold_load(
         self, rec: ModelRecord, *, trigger: str, reason: str, instances: int | None = None
     ) -> asyncio.Task[None]:
-        """A model that is not loaded: ``trigger`` "request" (a wake-up) or "api". None starts once the stop began
-        (``UnavailableError``): the stop cancelled the loads in flight and waits for no new one."""
-        if self.states.stopping:
-            raise UnavailableError(
-                f"model '{rec.id}' is not loaded: snoozeml is stopping",
-                hint="retry once it is running again",
-                retry_after=5,
-            )
+        """A model that is not loaded: ``trigger`` "request" (a wake-up) or "api"."""
         return self.states.spawn(rec, ModelState.LOADING, reason, self._cold_load_op(rec, trigger, instances))
 
     def prewarm(self, rec: ModelRecord) -> asyncio.Task[None]:

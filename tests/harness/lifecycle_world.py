@@ -406,7 +406,10 @@ class LifecycleWorld:
         ``worker``: "preforked" for a model that dozes when idle (``doze_after_secs``)."""
         if worker is not None:
             deployment["worker"] = worker
-        spec = self._spec(model, size_mb, instances, **deployment)
+        await self._publish_spec(model, self._spec(model, size_mb, instances, **deployment))
+
+    async def _publish_spec(self, model: str, spec: Any) -> None:
+        """The API's publish of ``spec``: the store, then ``published``."""
 
         async def go() -> str:
             async with self._lock(model):
@@ -428,19 +431,7 @@ class LifecycleWorld:
         (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text(ensemble_config(ENSEMBLE, list(steps)))
         spec = resolve(DeploymentSpec(id=ENSEMBLE, path=folder, idle_timeout_secs=idle_timeout_secs))
-
-        async def go() -> str:
-            async with self._lock(ENSEMBLE):
-                self.store.publish(spec)
-                version = self._note_version(ENSEMBLE)
-                self.deleted.pop(ENSEMBLE, None)
-                self.changed[ENSEMBLE] = self.now
-                await self.manager.published(ENSEMBLE)
-                self.settled[ENSEMBLE] = (self.now, version)
-            return "published"
-
-        self._start("publish", ENSEMBLE, self._api(go()), self._api_bound())
-        await asyncio.sleep(0)
+        await self._publish_spec(ENSEMBLE, spec)
 
     def publish_ensemble(self, name: str, steps: list[str], *, idle_timeout_secs: float = 5) -> None:
         """An ensemble of published ``steps`` (each runs every request, in order), written into the repository as a
