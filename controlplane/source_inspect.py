@@ -9,7 +9,28 @@ from __future__ import annotations
 
 import ast
 import functools
+import threading
 from collections.abc import Iterator
+
+# CPython 3.11 keeps ``ast``'s conversion depth in one per-interpreter counter. Two threads converting at once (a
+# garbage collection in one lets the other run) break each other's parse with ``SystemError: AST constructor
+# recursion depth mismatch``; seen with concurrent publishes. Every parse here takes this lock. The standard
+# library's own parses (3.11's traceback formatting) do not, so a parse that still meets the error is retried: the
+# counter is reset at the start of every parse.
+_PARSE_LOCK = threading.RLock()
+_PARSE_TRIES = 3
+
+
+def parse(source: str | bytes, filename: str = "<unknown>") -> ast.Module:
+    """``ast.parse``, one thread at a time, retried when another parse broke it (see ``_PARSE_LOCK``)."""
+    for attempt in range(_PARSE_TRIES):
+        try:
+            with _PARSE_LOCK:
+                return ast.parse(source, filename=filename)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == _PARSE_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 @functools.lru_cache(maxsize=64)  # asked several times per publish of one package (pure: the source's text)
@@ -17,7 +38,7 @@ def predict_is_generator(source: str, class_name: str) -> bool:
     """Whether ``class_name.predict`` in ``source`` is a generator function, read from the source
     (``ast``; the control plane never runs user code): a ``yield`` in its own body, not a nested one."""
     try:
-        tree = ast.parse(source)
+        tree = parse(source)
     except SyntaxError:
         return False
     for node in tree.body:
@@ -42,7 +63,7 @@ def _yields(function: ast.AST) -> bool:
 def required_imports(source: str | bytes, *, filename: str = "<source>") -> Iterator[tuple[int, str]]:
     """(line, module) of absolute imports that are not guarded by ``except ImportError``. A file that does
     not parse raises SyntaxError (or ValueError, for null bytes) before anything is yielded."""
-    return _required_imports(ast.parse(source, filename=filename))
+    return _required_imports(parse(source, filename=filename))
 
 
 def _required_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
@@ -70,7 +91,7 @@ def export_hook(source: str, class_name: str, *, filename: str = "<source>") -> 
     """Where ``source`` defines the export hook (``class_name.export_module`` or a module-level
     ``export_module``, defined, assigned or imported); None when it does not. A syntax error propagates:
     the caller says which file is broken."""
-    tree = ast.parse(source, filename=filename)
+    tree = parse(source, filename=filename)
     functions = (ast.FunctionDef, ast.AsyncFunctionDef)
     for node in tree.body:
         if isinstance(node, functions) and node.name == "export_module":

@@ -25,6 +25,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from pydantic import ValidationError
 from tritonclient.grpc import model_config_pb2
 
+from controlplane import source_inspect
 from controlplane.dtypes import from_triton
 from controlplane.errors import InvalidPackageError
 from controlplane.modes import SequenceStrategy, Worker
@@ -246,7 +247,7 @@ def _check_versions(path: Path, folder_versions: list[int], served: list[int], b
 def defines_auto_complete(source: str) -> bool:
     """Whether ``class TritonPythonModel`` defines ``auto_complete_config`` (read from the source, not run)."""
     try:
-        tree = ast.parse(source)
+        tree = source_inspect.parse(source)
     except SyntaxError:
         return False
     for node in tree.body:
