@@ -418,7 +418,8 @@ class LifecycleWorld:
                 self.deleted.pop(model, None)
                 self.changed[model] = self.now
                 await self.manager.published(model)
-                self.settled[model] = (self.now, version)
+                if model not in self.deleted:  # another node's delete during the publish: the delete rule governs
+                    self.settled[model] = (self.now, version)
             return "published"
 
         self._start("publish", model, self._api(go()), self._api_bound())
@@ -463,7 +464,7 @@ class LifecycleWorld:
                 self.store.get(model)
                 await self.manager.forget(model)
                 self.store.delete(model)
-                self.deleted[model] = self.now
+                self._gone(model)
                 await self._end_streams(model)
             return "deleted"
 
@@ -514,10 +515,16 @@ class LifecycleWorld:
         self.deleted.pop(model, None)
         self.changed[model] = self.now
 
+    def _gone(self, model: str) -> None:
+        """``model`` left the store: until the store follow unloads it (the deleted-model rule in ``check`` bounds
+        that), Triton may answer with whichever version it still holds, so no published version is owed."""
+        self.deleted[model] = self.now
+        self.settled.pop(model, None)
+
     async def remote_delete(self, model: str) -> None:
         if self.other_node.exists(model):
             self.other_node.delete(model)
-            self.deleted[model] = self.now
+            self._gone(model)
             await self._end_streams(model)
 
     async def crash(self, model: str) -> None:

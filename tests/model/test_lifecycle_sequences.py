@@ -463,3 +463,36 @@ def test_no_load_starts_once_the_stop_began(world):
     world.step(world.republish_while_waiting("m3", "ok", 1), 0.05)
     world.step(world.republish_while_waiting("m3", "ok", 4), 0.01)
     world.step(world.stop_during_hung_load("m3", "stop"), 1.0)  # the world fails a stop over its bound
+
+
+def test_a_publish_that_another_node_deletes_midway_owes_no_version(world):
+    """Found by the machine (seed 2671431819): a republish of m2 waited for memory, another node deleted m2 before it
+    returned, and Triton answered from the version it still held until the store follow unloaded it. The world owed
+    the new version to later requests; a deleted model owes none (the deleted-model rule bounds how long it lingers).
+    The model is unloaded in the end and nothing was run twice."""
+    s, w = world.step, world
+    s(w.request("m2", None), 0.01)
+    s(w.publish("m2", 60, 1), 0.05)
+    s(w.script_load("m1", "hang", 0.05), 1.0)
+    s(w.request("m3", None), 0.01)
+    s(w.request("m0", 2.0), 1.0)
+    s(w.request("m1", 0.3), 0.05)
+    s(w.request("e0", 0.3), 0.01)
+    s(w.burst("m0", 10), 1.0)
+    s(w.publish("m1", 100, 1), 1.0)
+    s(w.publish_ensemble_api(("m0", "m1", "m2"), 5), 1.0)
+    s(w.burst("m0", 3), 1.0)
+    s(w.api_override("m1", 16), 0.05)
+    s(w.request("m3", 2.0), 1.0)
+    s(w.request("m0", None), 0.01)
+    s(w.request("m1", None), 0.05)
+    s(w.request("e0", 2.0), 0.05)
+    s(w.publish("m2", 150, 1), 0.01)
+    s(w.request("e0", None), 1.0)
+    s(w.tick(0.5), 1.0)
+    s(w.request("m2", 0.3), 0.3)
+    s(w.remote_delete("m2"), 1.0)
+    s(w.request("m1", None), 0.0)
+    s(w.request("m2", 2.0), 0.3)
+    s(w.tick(30.0), 1.0)
+    assert "m2" not in world.triton.holding() and "m2" not in world.manager.states.records
