@@ -337,14 +337,23 @@ class ModelStates:
                 log.exception("model '%s': a state listener failed", model_id)
 
     def spawn(
-        self, rec: ModelRecord, state: ModelState, reason: str | None, coro: Coroutine[Any, Any, Any]
+        self,
+        rec: ModelRecord,
+        state: ModelState,
+        reason: str | None,
+        coro: Coroutine[Any, Any, Any],
+        *,
+        loads: bool = False,
     ) -> asyncio.Task[Any]:
         """Enter ``state`` and run ``coro`` as the model's one transition. No load starts once the stop began
-        (``UnavailableError``): the stop cancelled the loads in flight and waits for no new one."""
-        if state is ModelState.LOADING and self.stopping:
+        (``UnavailableError``): the stop cancelled the loads in flight and waits for no new one. ``loads``: the
+        transition loads while the model stays in ``state`` (a loaded model's reload in place)."""
+        if (state is ModelState.LOADING or loads) and self.stopping:
             coro.close()
             raise UnavailableError(
-                f"model '{rec.id}' is not loaded: snoozeml is stopping",
+                f"model '{rec.id}' is not loaded: snoozeml is stopping"
+                if state is ModelState.LOADING
+                else f"model '{rec.id}' was not reloaded: snoozeml is stopping (its next start loads what is published)",
                 hint="retry once it is running again",
                 retry_after=5,
             )

@@ -211,7 +211,7 @@ class Transitions:
         return self._in_place_op(rec, "reloading after publish", self._reload_op(rec))
 
     def _in_place_op(self, rec: ModelRecord, reason: str, op: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = self.states.spawn(rec, ModelState.READY, reason, op)
+        task = self.states.spawn(rec, ModelState.READY, reason, op, loads=True)
         self._in_place.add(task)
         task.add_done_callback(self._in_place.discard)
         return task

@@ -496,3 +496,21 @@ def test_a_publish_that_another_node_deletes_midway_owes_no_version(world):
     s(w.request("m2", 2.0), 0.3)
     s(w.tick(30.0), 1.0)
     assert "m2" not in world.triton.holding() and "m2" not in world.manager.states.records
+
+
+def test_a_stop_starts_no_reload_after_it_cancelled_the_reloads(world):
+    """Found by the machine (seed 2186112434): the stop cancelled a republish's reload of m2 waiting for memory; the
+    API publish waiting behind it then started a new reload, which the stop waited for (8 s, a hung load behind it).
+    No load starts once a stop began: a reload in place is a load too."""
+    s, w = world.step, world
+    s(w.remote_publish("m2", 60), 1.0)
+    s(w.publish("m3", 100, 1), 0.05)
+    s(w.pause(), 0.3)
+    s(w.request("m2", None), 1.0)
+    s(w.burst("m3", 6), 0.05)
+    s(w.restart(), 0.01)
+    s(w.republish_while_waiting("m3", "hang", 2), 0.05)
+    s(w.republish_while_waiting("m2", "hang", 1), 0.3)
+    s(w.publish("m3", 100, 1), 0.05)
+    s(w.republish_while_waiting("m2", "hang", 3), 0.0)
+    s(w.stop_during_hung_load("m3", "stop"), 0.0)
