@@ -23,9 +23,9 @@ Config = dict[str, Any]
 HCM = "envoy.filters.network.http_connection_manager"
 # The gateway's Lua filters by part: its listener filters and the actions of its on-error composites.
 STREAM_WAKE_PREFIX = "snoozeml.stream_wake."
-ON_ERROR = {"hints": "snoozeml.hints_lua", "dead_stub": "snoozeml.dead_stub_lua"}
+ON_ERROR = {"hints": "snoozeml.hints_lua", "retry_marks": "snoozeml.retry_mark_lua"}
 LISTENER_FILTERS = {"hints": ("snoozeml.hints",), "wake": (WAKE_FILTER_NAME,)}
-FILTERS = ("hints", "wake", "dead_stub")
+FILTERS = ("hints", "wake", "retry_marks")
 # Each filter left out in turn; no_auth: rendered without keys; no_filters: without keys and without any filter (what
 # the routes alone cost: retry, gate, request id).
 FILTER_VARIANTS: dict[str, tuple[str, ...]] = {

@@ -43,7 +43,7 @@ TARGET_NAMES = {
     "gateway_no_auth": "gateway without api_key_auth, as `make serve` runs it (no keys; the client sends none)",
     "gateway_no_hints": "gateway without the shape hint (gRPC: its listener's filter; HTTP: its upstream matcher)",
     "gateway_no_wake": "gateway without the wake filters",
-    "gateway_no_dead_stub": "gateway without the dead-stub marker (HTTP's upstream)",
+    "gateway_no_retry_marks": "gateway without the retry marker (HTTP's upstream: dead stub, missing model)",
     "gateway_no_filters": "gateway routes without any of these filters",
 }
 
@@ -177,7 +177,7 @@ def _gateway_filters_reading(table: list[dict[str, Any]]) -> list[str]:
     # marker (which only HTTP's upstream has)
     twin_note = "the twin runs the gateway's own bootstrap in a second Envoy"
     same = [(p, "gateway_twin", twin_note) for p in ("grpc", "http")]
-    same.append(("grpc", "gateway_no_dead_stub", "the row without the dead-stub marker runs the gateway's own config"))
+    same.append(("grpc", "gateway_no_retry_marks", "the row without the retry marker runs the gateway's own config"))
     for protocol, target, what in same:
         twin, served = by.get((protocol, target)), by.get((protocol, "gateway"))
         if twin and served:

@@ -63,20 +63,24 @@ from controlplane.gateway.wake_lua import (
 from controlplane.modes import AuthMode
 from controlplane.settings import Settings
 from controlplane.triton.dead_stub import GRPC_MESSAGE_REGEX, LUA_HTTP_BODY_PATTERN
+from controlplane.triton.miss import GRPC_MESSAGE_REGEXES as MISS_MESSAGE_REGEXES
+from controlplane.triton.miss import LUA_HTTP_BODY_PATTERNS as MISS_LUA_PATTERNS
 
-# gRPC answers retried to the activator: not found / unavailable (sleeping, unloading) and a dead stub.
+# gRPC answers retried to the activator: Triton's own words for a model it does not serve now (asleep, unloading; not
+# the status alone, which a model's own error may carry after it ran) and for a dead stub.
 GRPC_RETRY_HEADERS = (
-    {"name": "grpc-status", "string_match": {"exact": "5"}},
-    {"name": "grpc-status", "string_match": {"exact": "14"}},
+    *({"name": "grpc-message", "string_match": {"safe_regex": {"regex": r}}} for r in MISS_MESSAGE_REGEXES),
     {"name": "grpc-message", "string_match": {"safe_regex": {"regex": GRPC_MESSAGE_REGEX}}},
 )
 # The gRPC retry buffer: the largest message Triton's gRPC server and tritonclient accept (INT32_MAX), so
 # every unary ModelInfer can be re-sent to the activator with no Lua reading its frame size. Envoy keeps a
 # copy of a request only while it runs, as large as the request itself.
 GRPC_RETRY_BUFFER_BYTES = 2**31 - 1
-# HTTP: Triton's 500 for a dead stub, marked by the Lua filter on the infer_http cluster.
+# HTTP: Triton's 500 for a dead stub and its 404 / 503 for a model it does not serve now, marked by the Lua filter
+# on the infer_http cluster (retry_mark.lua) from the whole body.
 DEAD_STUB_HEADER = "x-snooze-dead-stub"
-HTTP_RETRY_HEADERS = ({"name": DEAD_STUB_HEADER, "present_match": True},)
+MISS_HEADER = "x-snooze-triton-miss"
+HTTP_RETRY_HEADERS = tuple({"name": h, "present_match": True} for h in (MISS_HEADER, DEAD_STUB_HEADER))
 # Triton's own words for a restricted API first (its --http-restricted-api answer), then snoozeml's.
 UNAUTHORIZED_MESSAGE = (
     "This API is restricted, expecting header 'x-api-key': snoozeml: missing or invalid API key: "
@@ -165,10 +169,9 @@ def render_bootstrap(
     flags = None if ready_dir is None else str(ready_dir)
     grpc_wake = grpc_wake_chain(flags)
     hints_dir = lua_string("" if flags is None else flags.rstrip("/") + "/")
-    dead_stub_lua = program(
-        "dead_stub",
-        dead_stub_header=f'"{DEAD_STUB_HEADER}"',
-        dead_stub_body_pattern=lua_string(LUA_HTTP_BODY_PATTERN),
+    marks = [(LUA_HTTP_BODY_PATTERN, DEAD_STUB_HEADER), *((p, MISS_HEADER) for p in MISS_LUA_PATTERNS)]
+    retry_mark_lua = program(
+        "retry_mark", marks="{" + ", ".join(f"{{{lua_string(p)}, {lua_string(h)}}}" for p, h in marks) + "}"
     )
     return render_template(
         "controlplane.gateway",
@@ -198,18 +201,18 @@ def render_bootstrap(
         hold_namespace=METADATA_NAMESPACE,
         hold_key=METADATA_KEY,
         held_log=str(held_log),
-        **_on_error_filters(program("error_hints", ready_dir=hints_dir), dead_stub_lua),
+        **_on_error_filters(program("error_hints", ready_dir=hints_dir), retry_mark_lua),
     )
 
 
-def _on_error_filters(hints_lua: str, dead_stub_lua: str) -> dict[str, list[tuple[str, ...]]]:
+def _on_error_filters(hints_lua: str, retry_mark_lua: str) -> dict[str, list[tuple[str, ...]]]:
     """The Lua filters made only for an error answer (header, value, filter name, source): the shape hint
     (gRPC: on its listener, for a trailers-only INVALID_ARGUMENT; HTTP: on the Triton clusters' upstream side,
-    for a 400) and the dead-stub marker (infer_http's upstream side, for a 500)."""
+    for a 400) and the retry marker (infer_http's upstream side, for a 500, 404 or 503)."""
     return {
         "grpc_hints": [("grpc-status", "3", "snoozeml.hints_lua", hints_lua)],
         "http_hints": [(":status", "400", "snoozeml.hints_lua", hints_lua)],
-        "dead_stub": [(":status", "500", "snoozeml.dead_stub_lua", dead_stub_lua)],
+        "retry_marks": [(":status", "500|404|503", "snoozeml.retry_mark_lua", retry_mark_lua)],
     }
 
 

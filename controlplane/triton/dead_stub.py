@@ -27,27 +27,27 @@ _INSTANCE = r"[A-Za-z0-9_.\-]+"
 _REGEX_SPECIAL = set(r"\.^$|?*+()[]{}")
 
 
-def _regex_literal(text: str) -> str:
+def regex_literal(text: str) -> str:
     """``text`` as a regex matching itself, in the syntax RE2 (Envoy) and Python's ``re`` share."""
     return "".join(f"\\{c}" if c in _REGEX_SPECIAL else c for c in text)
 
 
 # The whole message. Envoy's ``safe_regex`` header match must match the whole value; so must fullmatch.
-GRPC_MESSAGE_REGEX = _regex_literal(MESSAGE_HEAD) + _INSTANCE + _regex_literal(MESSAGE_TAIL)
+GRPC_MESSAGE_REGEX = regex_literal(MESSAGE_HEAD) + _INSTANCE + regex_literal(MESSAGE_TAIL)
 # Triton's HTTP error body: the KServe v2 shape, no spaces (the instance name needs no JSON escape).
 _HTTP_HEAD, _HTTP_TAIL = '{"error":"', '"}'
 _MESSAGE = re.compile(GRPC_MESSAGE_REGEX)
-_HTTP_BODY = re.compile(_regex_literal(_HTTP_HEAD) + GRPC_MESSAGE_REGEX + _regex_literal(_HTTP_TAIL))
+_HTTP_BODY = re.compile(regex_literal(_HTTP_HEAD) + GRPC_MESSAGE_REGEX + regex_literal(_HTTP_TAIL))
 
 
-def _lua_literal(text: str) -> str:
+def lua_literal(text: str) -> str:
     """``text`` as a Lua pattern matching itself: ``%`` before every character that is not a letter or digit."""
     return "".join(c if c.isascii() and c.isalnum() else f"%{c}" for c in text)
 
 
 # The whole HTTP body, as a Lua pattern (for ``string.find``); ``[%w_%.%-]`` is ``_INSTANCE``.
 LUA_HTTP_BODY_PATTERN = (
-    "^" + _lua_literal(_HTTP_HEAD + MESSAGE_HEAD) + "[%w_%.%-]+" + _lua_literal(MESSAGE_TAIL + _HTTP_TAIL) + "$"
+    "^" + lua_literal(_HTTP_HEAD + MESSAGE_HEAD) + "[%w_%.%-]+" + lua_literal(MESSAGE_TAIL + _HTTP_TAIL) + "$"
 )
 
 

@@ -9,7 +9,8 @@ backend API (``triton_python_backend_utils``) the way Triton's own examples do, 
 - ``stream``: decoupled; its responses are sent from a thread of its own after execute returned (as Triton's repeat
   example does); finalize waits for those threads.
 - ``counter``: a custom metric (pb_utils.MetricFamily counter) of the rows it saw.
-- ``poison``: y = 2x; logs each row's x[0] to a file and its process exits on a row whose x[0] is -1.
+- ``poison``: y = 2x; logs each row's x[0] to a file and its process exits on a row whose x[0] is -1; a row whose
+  x[0] is -2 or -3 gets the model's own UNAVAILABLE or NOT_FOUND error.
 - ``mlp``: an ONNX model with its own config: max_batch_size 16, two instances, dynamic batching with preferred sizes.
 - ``versioned``: versions 1 and 2 (y = x + 1000 * version) served together (version_policy all).
 - ``notes``: a folder of notes, no package of any kind.
@@ -232,7 +233,14 @@ class TritonPythonModel:
                 f.write("".join(f"{v:g}\\n" for v in x[:, 0]))
             if (x[:, 0] == -1).any():
                 os._exit(1)  # the process dies in the middle of a request
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", x * 2)]))
+            if (x[:, 0] == -2).any():  # the model's own errors, with the statuses Triton uses for a missing model
+                error = pb_utils.TritonError("the feature store is busy", pb_utils.TritonError.UNAVAILABLE)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            elif (x[:, 0] == -3).any():
+                error = pb_utils.TritonError("no features for this user", pb_utils.TritonError.NOT_FOUND)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("y", x * 2)]))
         return responses
 """
 

@@ -223,6 +223,31 @@ def test_two_versions_are_served_as_their_version_policy_says(stack: Serve) -> N
         np.testing.assert_allclose(grpc_infer(stack.grpc_url, "versioned", x), x + 2000)
 
 
+@pytest.mark.parametrize(
+    ("row", "http_status", "grpc_status", "said"),
+    [
+        (-2.0, 503, "StatusCode.UNAVAILABLE", "the feature store is busy"),
+        (-3.0, 404, "StatusCode.NOT_FOUND", "no features for this user"),
+    ],
+)
+def test_a_models_own_not_found_or_unavailable_runs_once(
+    stack: Serve, repo: Path, row: float, http_status: int, grpc_status: str, said: str
+) -> None:
+    """Triton answers a model it does not serve with 404 or 503 and the gateway re-sends those to the activator,
+    which wakes the model. A model's own error with the same status has run: it reaches the client, once."""
+    calls = repo.parent / "poison-calls"
+    x = np.array([[row, 1.0]], np.float32)
+    for protocol, status in (("http", http_status), ("grpc", grpc_status)):
+        stack.api().load("poison")  # awake: the request is not the one that wakes it
+        before = calls.read_text().split() if calls.exists() else []
+        with pytest.raises(InferenceServerException) as info:
+            (http_infer if protocol == "http" else grpc_infer)(
+                stack.http_url if protocol == "http" else stack.grpc_url, "poison", x
+            )
+        assert str(info.value.status()) == str(status) and info.value.message() == said, (protocol, info.value)
+        assert calls.read_text().split()[len(before) :] == [f"{row:g}"], protocol  # run once, not re-sent
+
+
 def test_an_ensemble_wakes_its_steps_and_holds_them_while_it_is_loaded(stack: Serve) -> None:
     x = np.array([[1.0, 2.0]], np.float32)
     assert stack.models()["pipe"]["kind"] == "triton-ensemble"

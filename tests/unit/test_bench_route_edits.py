@@ -66,7 +66,7 @@ PARTS: dict[str, Callable[[str], int]] = {
     "no_access_log": lambda b: sum("access_log" in h for h in _hcms(b)),
     "no_hints": lambda b: _lua(b, "snoozeml.hints"),
     "no_wake": lambda b: _lua(b, "snoozeml.wake") + _lua(b, "snoozeml.stream_wake"),
-    "no_dead_stub": lambda b: _lua(b, "snoozeml.dead_stub"),
+    "no_retry_marks": lambda b: _lua(b, "snoozeml.retry_mark"),
 }
 
 
@@ -81,12 +81,12 @@ def test_each_route_edit_takes_out_its_part_only(variant: str, tmp_path: Path) -
     EnvoyProcess(edited, tmp_path).validate()
 
 
-@pytest.mark.parametrize("variant", ["no_hints", "no_wake", "no_dead_stub", "no_filters"])
+@pytest.mark.parametrize("variant", ["no_hints", "no_wake", "no_retry_marks", "no_filters"])
 def test_each_filter_variant_takes_out_its_filters_only(variant: str, tmp_path: Path) -> None:
     served = _served(tmp_path / "ready")
     edited = without(served, variant)
     gone = {f"no_{part}" for part in FILTER_VARIANTS[variant]}
-    for part in ("no_hints", "no_wake", "no_dead_stub"):
+    for part in ("no_hints", "no_wake", "no_retry_marks"):
         assert PARTS[part](served) > 0, part
         assert PARTS[part](edited) == (0 if part in gone else PARTS[part](served)), (variant, part)
     for part in ROUTE_EDITS:

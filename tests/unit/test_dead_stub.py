@@ -22,6 +22,8 @@ from controlplane.triton.dead_stub import (
     is_dead_stub_http_body,
     is_dead_stub_message,
 )
+from controlplane.triton.miss import GRPC_MESSAGE_REGEXES as MISS_REGEXES
+from controlplane.triton.miss import LUA_HTTP_BODY_PATTERNS as MISS_LUA_PATTERNS
 from python_backend.errors import describe_failure
 
 # As Triton 2.51 wrote them here (HTTP body bytes, gRPC details).
@@ -106,6 +108,8 @@ def test_envoy_takes_the_signature(tmp_path: Path):
         for h in _retriable_headers(yaml.safe_load(bootstrap))
         if h["name"] == "grpc-message"
     ]
-    assert regexes and set(regexes) == {GRPC_MESSAGE_REGEX}  # each ModelInfer route (small body, large)
-    assert sum(lua_string(LUA_HTTP_BODY_PATTERN) in text for text in _strings(yaml.safe_load(bootstrap))) == 1
+    assert regexes and set(regexes) == {GRPC_MESSAGE_REGEX, *MISS_REGEXES}  # each ModelInfer route (small body, large)
+    texts = _strings(yaml.safe_load(bootstrap))
+    for pattern in (LUA_HTTP_BODY_PATTERN, *MISS_LUA_PATTERNS):
+        assert sum(lua_string(pattern) in text for text in texts) == 1, pattern
     EnvoyProcess(bootstrap, tmp_path).validate()

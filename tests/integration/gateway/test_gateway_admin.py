@@ -147,13 +147,14 @@ def test_dead_stub_is_recovered_through_the_activator(stack: Stack):
     # Neither request reached the dead process (the journal says so): both are served after recovery.
     with stack.grpc() as g:  # gRPC: Envoy matches grpc-message and retries to the activator
         np.testing.assert_allclose(grpc_infer(g, name, x, headers=GRPC_KEY), x * 3)
-    assert stack.recoveries(name) == 1
+    # counted as the recovery's op ends, a few awaits after the model is READY and the request was sent on
+    until(lambda: stack.recoveries(name) == 1, "one recovery counted", timeout=10)
 
     for pid in stack.triton.stub_pids(name):
         os.kill(pid, signal.SIGKILL)
     with stack.http() as h:  # HTTP: a Lua filter marks the dead stub's 500 for the same retry
         np.testing.assert_allclose(http_infer(h, name, x, headers=KEY), x * 3)
-    assert stack.recoveries(name) == 2
+    until(lambda: stack.recoveries(name) == 2, "a second recovery counted", timeout=10)
 
 
 def test_closed_gate_refuses_on_open_connections_then_opens(stack: Stack):
