@@ -353,7 +353,7 @@ class ModelStates:
             raise UnavailableError(
                 f"model '{rec.id}' is not loaded: snoozeml is stopping"
                 if state is ModelState.LOADING
-                else f"model '{rec.id}' was not reloaded: snoozeml is stopping (its next start loads what is published)",
+                else f"model '{rec.id}' was not reloaded: snoozeml is stopping (its next start loads the new one)",
                 hint="retry once it is running again",
                 retry_after=5,
             )
