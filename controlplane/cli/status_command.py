@@ -7,12 +7,15 @@ import time
 from typing import Annotated, Any
 
 import typer
+from rich.console import RenderableType
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from controlplane.cli.control_client import DEFAULT_URL, ApiKey, Url, open_client
 from controlplane.cli.output import AsJson, out_console
 from controlplane.cli.status_summary import SUMMARY_OVER, fetch_summary, publishing_line, summary_lines, top_table
+from controlplane.cli.status_watch import Watch
 
 
 def _ago(epoch: float | None) -> str:
@@ -232,6 +235,11 @@ def status(
     api_key: ApiKey = None,
     as_json: AsJson = False,
     show_all: Annotated[bool, typer.Option("--all", help=f"A row per model even over {SUMMARY_OVER} models")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Refresh until Ctrl-C, with what changed: states, levels, wakes")
+    ] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.2, help="Seconds between refreshes (--watch)")] = 2.0,
+    count: Annotated[int, typer.Option("--count", min=0, help="Refreshes before --watch stops; 0: until Ctrl-C")] = 0,
 ) -> None:
     """Published models: state, instances, last access, keep-alive, memory, last cold start.
 
@@ -243,8 +251,13 @@ def status(
       snoozectl status
       snoozectl status --all
       snoozectl status --json --url http://10.0.0.5:8080 --api-key "$ADMIN_KEY"
+      snoozectl status --watch               # redrawn every 2 s, with what changed
+      snoozectl status --watch --json        # one JSON line per refresh
     """
     with open_client(url, api_key, as_json) as client:
+        if watch:
+            _watch(client, show_all=show_all, interval=interval, count=count, as_json=as_json)
+            return
         summary = None if as_json or show_all else fetch_summary(client)
         if summary is not None and summary["total"] > SUMMARY_OVER:
             _print_summary(summary, _runtime(client))
@@ -266,13 +279,30 @@ def status(
         _print_runtime(runtime)
 
 
+def _runtime_lines(runtime: dict[str, Any]) -> list[str]:
+    lines = [_parent_line(parent) for parent in runtime.get("preloaded_parents", [])]
+    return lines + [line for line in (_memory_line(runtime), _wake_queue_line(runtime.get("wake_queue"))) if line]
+
+
 def _print_runtime(runtime: dict[str, Any]) -> None:
-    for parent in runtime.get("preloaded_parents", []):
-        out_console.print(_parent_line(parent), highlight=False)
-    if memory := _memory_line(runtime):
-        out_console.print(memory, highlight=False, markup=False, soft_wrap=True)
-    if queue := _wake_queue_line(runtime.get("wake_queue")):
-        out_console.print(queue, highlight=False, markup=False, soft_wrap=True)
+    for line in _runtime_lines(runtime):
+        out_console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _watch(client: Any, *, show_all: bool, interval: float, count: int, as_json: bool) -> None:
+    """``status --watch``: the table (a summary over SUMMARY_OVER models), refreshed, with what changed."""
+
+    def read() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        return client.list(), _runtime(client)
+
+    def render(models: list[dict[str, Any]], runtime: dict[str, Any]) -> list[RenderableType]:
+        if len(models) > SUMMARY_OVER and not show_all:
+            shown: list[RenderableType] = [Text(line) for line in summary_lines(client.summary())]
+        else:
+            shown = [status_table(models)] if models else [Text("no models published")]
+        return shown + [Text(line) for line in _runtime_lines(runtime)]
+
+    Watch(read, render, interval=interval, count=count, as_json=as_json).run()
 
 
 def _print_summary(summary: dict[str, Any], runtime: dict[str, Any]) -> None:

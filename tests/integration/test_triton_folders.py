@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -246,6 +248,31 @@ def test_a_models_own_not_found_or_unavailable_runs_once(
             )
         assert str(info.value.status()) == str(status) and info.value.message() == said, (protocol, info.value)
         assert calls.read_text().split()[len(before) :] == [f"{row:g}"], protocol  # run once, not re-sent
+
+
+def test_status_watch_says_a_wake_as_it_happens(stack: Serve) -> None:
+    """`snoozectl status --watch --json`: one line per refresh; a request that wakes a model shows as a change."""
+    asleep(stack, "counter")
+    env = {**os.environ, "SNOOZE_API_URL": stack.api_url, **({"SNOOZE_API_KEY": k} if (k := stack.admin_key) else {})}
+    cmd = [SNOOZECTL, "status", "--watch", "--json", "--interval", "0.3"]
+    watch = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in watch.stdout or []], daemon=True)
+    reader.start()
+    try:
+        first = json.loads(lines.get(timeout=60))
+        assert {m["id"] for m in first["models"]} == set(MODELS) and first["changes"] == []
+        x = np.ones((1, 2), np.float32)
+        np.testing.assert_allclose(http_infer(stack.http_url, "counter", x), x * 2)
+        deadline = time.monotonic() + 30
+        said: list[str] = []
+        while not any(c.startswith("counter: loaded once") for c in said):
+            said += json.loads(lines.get(timeout=max(deadline - time.monotonic(), 0.1)))["changes"]
+        assert "counter: unloaded -> ready" in " ".join(said), said
+    finally:
+        watch.send_signal(signal.SIGINT)  # Ctrl-C ends the watch with 0
+        code = watch.wait(timeout=30)
+    assert code == 0, watch.stderr.read() if watch.stderr else ""
 
 
 def test_an_ensemble_wakes_its_steps_and_holds_them_while_it_is_loaded(stack: Serve) -> None:
