@@ -38,19 +38,21 @@ def _duration(secs: float | None) -> str:
 
 def _keep_alive(status: dict[str, Any]) -> str:
     """The keep-alive policy's current windows: ``fixed 5m``, ``learning 3/10 (5m)`` (the fixed timeout until then),
-    ``adaptive: pre-warm +6.2s, keep +30s`` (after each request), ``adaptive: keep +45s``."""
+    ``adaptive: pre-warm +6.2s, keep +30s`` (after each request), ``adaptive: keep +45s``; ``, doze +22s`` for a
+    model that can doze."""
     timeout = _duration(status.get("idle_timeout_secs"))
     policy = status.get("keep_alive")
     if not policy:  # a server from before keep-alive policies
         return timeout
+    doze = f", doze +{_span(policy['doze_after_secs'])}" if policy.get("doze_after_secs") is not None else ""
     if policy["policy"] == "fixed":
-        return f"fixed {timeout}"
+        return f"fixed {timeout}{doze}"
     if not policy["pattern"]:
-        return f"learning {policy['samples']}/{policy.get('min_samples', '?')} ({timeout})"
+        return f"learning {policy['samples']}/{policy.get('min_samples', '?')} ({timeout}){doze}"
     keep = _span(policy["keep_alive_secs"])
     if policy.get("prewarm_after_secs") is None:
-        return f"adaptive: keep +{keep}"
-    return f"adaptive: pre-warm +{_span(policy['prewarm_after_secs'])}, keep +{keep}"
+        return f"adaptive: keep +{keep}{doze}"
+    return f"adaptive: pre-warm +{_span(policy['prewarm_after_secs'])}, keep +{keep}{doze}"
 
 
 def _span(secs: float) -> str:

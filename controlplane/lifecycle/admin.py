@@ -41,10 +41,13 @@ class AdminOperations:
         *,
         wake: Callable[[str], Awaitable[None]],
         journal_dir: Path | None,
+        doze_after: Callable[[ModelRecord], float | None] = lambda rec: None,
     ) -> None:
-        """``wake``: the request path's wake of a model (an ensemble's steps load through it first)."""
+        """``wake``: the request path's wake of a model (an ensemble's steps load through it first); ``doze_after``:
+        the model's doze time, None where it cannot doze (``Dozing.doze_after``)."""
         self.groups = groups
         self._wake = wake
+        self._doze_after = doze_after
         self.store = store
         self.states = states
         self.transitions = transitions
@@ -191,13 +194,18 @@ class AdminOperations:
             processes=len(rec.procs.stubs) if loaded and rec.procs.stubs else None,
             last_crash=rec.procs.last_crash,
             gpu_memory_bytes=self.loader.gpu.status_bytes(rec),
-            keep_alive=self.warmth.windows(rec),
+            keep_alive=self._keep_alive(rec),
             worker=rec.model.deployment.worker if rec.is_python and rec.model.kind is PackageKind.CUSTOM else None,
             warmup=self._warmup(rec),
             ensembles=(users.get(rec.id) if users is not None else self.groups.users().get(rec.id)) or None,
             steps=list(self.groups.steps(rec)) or None,
             level=rec.level,
         )
+
+    def _keep_alive(self, rec: ModelRecord) -> dict[str, Any]:
+        windows = self.warmth.windows(rec)
+        doze = self._doze_after(rec)
+        return windows if doze is None else {**windows, "doze_after_secs": round(doze, 3)}
 
     def statuses(self, model_ids: list[str] | None = None) -> list[ModelStatus]:
         """The statuses of ``model_ids`` (default: every published or recorded model), the groups read once."""

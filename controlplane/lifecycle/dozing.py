@@ -1,8 +1,10 @@
 """Dozing: the level between awake and unloaded (``python_backend/doze.py`` is the stub's side).
 
 A loaded model whose code runs in a preforked worker (``worker = "preforked"``) dozes after ``doze_after_secs``
-without a request: each of its stubs is asked (``StubControl.doze``) to end its worker, whose memory (and VRAM)
-goes back to the OS, while the stub lives on and Triton keeps the model READY. Its next request goes the warm
+without a request (with ``keep_alive = "adaptive"``, after the time its policy learned from its idle times, once it
+has seen enough of them: ``AdaptiveKeepAlive.doze_after``): each of its stubs is asked (``StubControl.doze``) to
+end its worker, whose memory (and VRAM) goes back to the OS, while the stub lives on and Triton keeps the model
+READY. Its next request goes the warm
 path to the stub, which forks a fresh worker from the preloaded parent and runs ``load()`` there first; the
 control plane is not on that path, and hears of the wake at its next sweep (the stub's worker note names a live
 worker again). ``idle_timeout_secs`` keeps its meaning: the keep-alive unloads the model after it, dozing or not.
@@ -86,12 +88,22 @@ class Dozing:
         after = self.settings.doze_after_secs
         return self._preforked(rec) and dep.sequence is None and 0 < after < dep.idle_timeout_secs
 
+    def doze_after(self, rec: ModelRecord) -> float | None:
+        """How long the model stays awake after a request: ``doze_after_secs``, or the time its adaptive keep-alive
+        learned (``AdaptiveKeepAlive.doze_after``); None where it cannot doze."""
+        if not self.can_doze(rec):
+            return None
+        policy = rec.access.keep_alive
+        default = self.settings.doze_after_secs
+        return default if policy is None else policy.doze_after(default)
+
     def due(self, rec: ModelRecord, now: float) -> bool:
-        """Idle for ``doze_after_secs`` with a stub still awake (the caller checks that nothing uses it)."""
-        if not self.can_doze(rec) or not rec.procs.stubs:
+        """Idle for its doze time with a stub still awake (the caller checks that nothing uses it)."""
+        after = self.doze_after(rec)
+        if after is None or not rec.procs.stubs:
             return False
         awake = [s for s in rec.procs.stubs if _key(s) not in rec.doze.stubs]
-        return bool(awake) and now - rec.idle_since >= self.settings.doze_after_secs
+        return bool(awake) and now - rec.idle_since >= after
 
     # ------------------------------------------------------------------ the sweep's pass
 

@@ -188,6 +188,7 @@ class LifecycleManager:
             self.groups,
             wake=self.requests.ensure_ready,
             journal_dir=journal_dir,
+            doze_after=self.dozing.doze_after,
         )
         self.supervisor = Supervisor(
             settings,

@@ -88,7 +88,8 @@ class ModelStatus:
         "The keep-alive policy now: policy (fixed | adaptive), pattern (a learned window is in use), reason, "
         "samples (idle times on record), min_samples (adaptive), keep_alive_secs (stay loaded this long after a "
         "request), prewarm_after_secs (adaptive: unload after a request and load again this long after it; null: "
-        "no pre-warm), prewarm_loads / prewarm_used / prewarm_wasted, prewarmed_unused",
+        "no pre-warm), prewarm_loads / prewarm_used / prewarm_wasted, prewarmed_unused; doze_after_secs (a model "
+        "that can doze: how long it stays awake after a request, learned where the policy is adaptive)",
         default=None,
     )
     worker: str | None = _doc(

@@ -147,3 +147,29 @@ def test_under_memory_pressure_an_awake_model_that_can_doze_dozes_before_any_is_
         assert evictions(world, "m1") == 1
     finally:
         world.close()
+
+
+def test_an_adaptive_model_dozes_after_the_time_it_learned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests every 20 s: once the adaptive keep-alive has seen enough idle times, the model stays awake across a
+    20 s gap (about 22 s: a wake from doze costs more than that much memory at the doze price), not the server's 1 s,
+    then dozes, then its learned keep-alive unloads it."""
+    logging.getLogger("snoozeml").setLevel(logging.CRITICAL)
+    world = LifecycleWorld(tmp_path, monkeypatch=monkeypatch, doze_after_secs=DOZE_AFTER, keep_alive_min_samples=3)
+    try:
+        world.triton.memory["m0"] = 120 * MIB
+        adaptive = {"worker": Worker.PREFORKED, "idle_timeout_secs": 300, "keep_alive": "adaptive"}
+        world.step(world.publish("m0", None, **adaptive), 0.1)
+        for _ in range(5):  # four idle times of about 20 s (the sweep hears each request within a second)
+            world.step(world.request("m0"), 0.5)
+            world.step(world.tick(19.5), 0.0)
+        world.step(world.request("m0"), 0.5)
+        learned = world.manager.status("m0").keep_alive["doze_after_secs"]
+        assert 20.0 <= learned <= 24.0, learned
+        world.step(world.tick(learned - 5.0), 0.0)
+        assert world.manager.status("m0").level == "awake"  # the server's DOZE_AFTER has long passed
+        world.step(world.tick(7.0), 0.1)
+        assert world.manager.status("m0").level == "dozing"
+        world.close()
+    finally:
+        world.abandon()
+        logging.getLogger("snoozeml").setLevel(logging.NOTSET)

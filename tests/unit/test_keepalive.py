@@ -299,3 +299,42 @@ def test_the_fixed_timeout_counts_from_the_end_of_a_forward_the_learned_window_f
         policy.on_served(103.0)  # the activator's forward of the request at 100 ended at 103
     assert fixed.keep_alive_until(100) == 110 and fixed.next_decision_at(104) == 113
     assert adaptive.next_decision_at(100.5) == pytest.approx(100 + adaptive.windows()["prewarm_after_secs"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the doze time (a preforked model's worker ends, its stub stays loaded)
+
+
+def _gaps(policy: FixedKeepAlive, gaps: list[float]) -> None:
+    _feed(policy, np.cumsum([1.0, *gaps]))
+
+
+def test_the_doze_time_is_the_servers_until_a_pattern_is_learned() -> None:
+    fixed, adaptive = FixedKeepAlive(300), AdaptiveKeepAlive(300)
+    for policy in (fixed, adaptive):
+        _gaps(policy, [20.0] * (ka.MIN_SAMPLES - 1))
+        assert policy.doze_after(30.0) == 30.0
+    _gaps(fixed, [20.0] * 50)
+    assert fixed.doze_after(30.0) == 30.0  # a fixed policy never learns one
+
+
+@pytest.mark.parametrize(
+    ("gaps", "doze"),
+    [
+        # every 20 s: awake across the gap (a doze wake would cost more than 20 s of memory at the doze price)
+        ([20.0] * 30, 20.0 * (1 + ka.MARGIN)),
+        # every 2 s: awake across it, but never dozed in a pause shorter than MIN_DOZE_SECS
+        ([2.0] * 30, ka.MIN_DOZE_SECS),
+        # every 100 s: 100 s awake costs more than the wake it saves (30 s at the doze price): doze soon
+        ([100.0] * 30, ka.MIN_DOZE_SECS),
+        # mostly 10 s apart, one gap in five an hour: awake over the short gaps only
+        ([10.0, 10.0, 10.0, 10.0, 3600.0] * 8, 10.0 * (1 + ka.MARGIN)),
+    ],
+)
+def test_the_learned_doze_time_follows_the_idle_times(gaps: list[float], doze: float) -> None:
+    policy = AdaptiveKeepAlive(300)
+    _gaps(policy, gaps)
+    assert policy.doze_after(30.0) == pytest.approx(doze)
+    assert policy.doze_after(30.0) <= policy.window().keep_alive_secs  # it dozes before it is unloaded
+    policy.on_request(1e7)  # a new idle time: learned again
+    assert policy.doze_after(30.0) == pytest.approx(policy.doze_after(99.0))
