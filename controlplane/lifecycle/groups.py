@@ -72,6 +72,8 @@ class Groups:
         read once per publish (cached), so this is one pass over the records."""
         users: dict[str, list[str]] = {}
         for rec in self.states.values():
+            if rec.model.kind is not PackageKind.TRITON_ENSEMBLE:  # most records: no steps (and no cache lookup)
+                continue
             for step in self.steps(rec):
                 users.setdefault(step, []).append(rec.id)
         return {step: sorted(ensembles) for step, ensembles in users.items()}
