@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from controlplane.errors import SnoozeError, UnavailableError
+from controlplane.lifecycle.groups import ensemble_steps
 from controlplane.lifecycle.memory.host import declared_bytes
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.workers import none_alive
@@ -308,7 +309,28 @@ class TritonSync:
         held = [n for n, e in entries.items() if e.state in ("READY", "LOADING") and self.states.get(n) is None]
         if not held:
             return
-        for model_id in await asyncio.to_thread(self.store.gone, held):
+        orphans = await asyncio.to_thread(self.store.gone, held)
+        await self._unload_ensembles_over(orphans, entries)
+        for model_id in orphans:
             log.warning("model '%s': loaded in Triton but deleted from the store; unloading it", model_id)
             with contextlib.suppress(SnoozeError):
                 await self.triton.unload(model_id, wait=False)
+
+    async def _unload_ensembles_over(self, steps: list[str], entries: dict[str, RepositoryEntry]) -> None:
+        """Unload, first and on their own, the loaded ensembles that use one of ``steps``. Triton takes an ensemble
+        down with a step it unloads, and brings it back when the step is loaded again unless the ensemble itself was
+        unloaded (measured, Triton 2.51): behind the lifecycle, which had recorded it unloaded."""
+        if not steps:
+            return
+        gone = set(steps)
+        for name, entry in entries.items():
+            if name in gone or entry.state not in ("READY", "LOADING"):
+                continue
+            try:
+                model = await asyncio.to_thread(self.store.get, name)
+            except SnoozeError:
+                continue
+            if gone.intersection(ensemble_steps(model)):
+                log.warning("model '%s': an ensemble over a step deleted from the store; unloading it first", name)
+                with contextlib.suppress(SnoozeError):
+                    await self.triton.unload(name)

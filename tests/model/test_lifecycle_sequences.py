@@ -514,3 +514,44 @@ def test_a_stop_starts_no_reload_after_it_cancelled_the_reloads(world):
     s(w.publish("m3", 100, 1), 0.05)
     s(w.republish_while_waiting("m2", "hang", 3), 0.0)
     s(w.stop_during_hung_load("m3", "stop"), 0.0)
+
+
+def test_a_restart_unloads_an_ensemble_before_its_step_deleted_meanwhile(world):
+    """Found by the machine (seed 401108485): another node deleted m3 while this control plane restarted; the start
+    unloaded m3 (an orphan) while Triton held the ensemble e0 over it. Triton took e0 down with it and brought it back
+    when m3 was published and loaded again, behind the records (e0 unloaded). The start now unloads e0 first."""
+    s, w = world.step, world
+    s(w.restart(), 0.3)
+    s(w.publish("m3", 100, 2), 0.3)
+    s(w.tick(3.0), 0.01)
+    s(w.publish("m2", 60, 2), 1.0)
+    s(w.request("m3", None), 1.0)
+    s(w.api_override("m1", 16), 0.3)
+    s(w.publish("m2", 150, 2), 0.3)
+    s(w.request("m0", 2.0), 0.3)
+    s(w.remote_delete("m0"), 0.3)
+    s(w.crash("m1"), 0.3)
+    s(w.burst("m2", 9), 0.01)
+    s(w.tick(7.0), 0.3)
+    s(w.unload_hang("m0"), 0.05)
+    s(w.publish("m3", 150, 2), 0.3)
+    s(w.unload_hang("m2"), 0.3)
+    s(w.request("m2", None), 0.01)
+    s(w.publish_ensemble_api(("m3",), 20), 1.0)
+    s(w.publish("m3", 150, 1), 0.3)
+    s(w.stop_during_hung_load("m2", "delete"), 0.05)
+    s(w.tick(7.0), 0.01)
+    s(w.burst("e0", 2), 0.01)
+    s(w.delete("m1"), 0.05)
+    s(w.remote_publish("m3", 60), 1.0)
+    s(w.republish_while_waiting("m3", "hang", 4), 0.3)
+    s(w.remote_delete("m3"), 1.0)
+    s(w.restart(), 0.3)
+    s(w.remote_publish("m0", 100), 1.0)
+    s(w.publish("m3", 100, 2), 0.3)
+    s(w.release(), 0.01)
+    s(w.request("m1", 0.3), 0.05)
+    s(w.tick(1.0), 0.3)
+    s(w.request("e0", 2.0), 0.0)
+    s(w.request("m2", None), 0.05)
+    assert world.triton.models["e0"].state != "READY" or world.manager.states.records["e0"].state.value != "unloaded"
