@@ -111,8 +111,19 @@ def _pct(values: list[float], q: float) -> float | None:
 class _Traffic:
     """The closed-loop clients and the republisher of one phase, and what they saw."""
 
-    def __init__(self, root: Path, *, models: int, ballast_mb: int, zipf_s: float, seed: int, seconds: float) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        models: int,
+        ballast_mb: int,
+        zipf_s: float,
+        seed: int,
+        seconds: float,
+        worker: str | None = None,
+    ) -> None:
         self.root, self.models, self.ballast_mb, self.seed = root, models, ballast_mb, seed
+        self.worker = {"worker": worker} if worker else {}  # preforked: the models doze when idle
         self.names = [f"churn-{i:02d}" for i in range(models)]
         self.popularity = Zipf(models, zipf_s)
         self.version = dict.fromkeys(self.names, 0)
@@ -123,7 +134,7 @@ class _Traffic:
 
     def entries(self) -> list[dict[str, Any]]:
         return [
-            {"id": m, "path": _package(self.root, i, 0, self.ballast_mb), "idle_timeout_secs": 3600}
+            {"id": m, "path": _package(self.root, i, 0, self.ballast_mb), "idle_timeout_secs": 3600, **self.worker}
             for i, m in enumerate(self.names)
         ]
 
@@ -168,7 +179,7 @@ class _Traffic:
                 model = self.names[i]
                 new = self.version[model] + 1
                 path = _package(self.root, i, new, self.ballast_mb)
-                body = {"id": model, "path": str(path), "idle_timeout_secs": 3600}
+                body = {"id": model, "path": str(path), "idle_timeout_secs": 3600, **self.worker}
                 started = time.perf_counter()
                 self.publishing[model] = new
                 r = await api.post("/v1/models:from-path", json=body, headers={"X-API-Key": ADMIN_KEY})
@@ -243,11 +254,14 @@ async def _phase(
     republish_secs: float,
     seed: int,
     settings: dict[str, Any],
+    worker: str | None = None,
 ) -> dict[str, Any]:
     overrides: dict[str, Any] = {**settings, "memory_budget_mb": budget_mb, "allow_local_paths": True}
     if policy is not None:
         overrides["eviction_policy"] = policy
-    traffic = _Traffic(root, models=models, ballast_mb=ballast_mb, zipf_s=zipf_s, seed=seed, seconds=seconds)
+    traffic = _Traffic(
+        root, models=models, ballast_mb=ballast_mb, zipf_s=zipf_s, seed=seed, seconds=seconds, worker=worker
+    )
     peak = {"tree": 0, "stubs": 0, "tree_pss": 0}
     load_avg_start = os.getloadavg()
     async with serving_stack(root / f"stack-{policy or 'lru'}", traffic.entries(), **overrides) as stack:
@@ -268,6 +282,8 @@ async def _phase(
         metrics = lifecycle.metrics.registry
         cold = _total(metrics, "snooze_cold_starts_total", trigger="request")
         evictions = _total(metrics, "snooze_evictions_total", reason="memory")
+        dozes = _total(metrics, "snooze_dozes_total")
+        doze_wakes = _total(metrics, "snooze_wakes_total", origin="doze")
         loaded_end = sum(1 for s in lifecycle.statuses() if s.state.value == "ready")
         waited = dict(lifecycle.unloader.waited)
     return _summary(
@@ -282,7 +298,7 @@ async def _phase(
         loaded_end=loaded_end,
         load_avg_start=load_avg_start,
         waited=waited,
-    )
+    ) | {"worker": worker or "in-stub", "dozes": int(dozes), "doze_wakes": int(doze_wakes)}
 
 
 def _summary(
@@ -354,9 +370,11 @@ async def run(
     policies: list[str] | tuple[str, ...] = ("lru", "gdsf"),
     seed: int = 16,
     settings: dict[str, Any] | None = None,
+    worker: str | None = None,
 ) -> dict[str, Any]:
     """``policies``: run one phase per policy (``SNOOZE_EVICTION_POLICY``) this build knows, in this order;
-    ``settings``: other ``Settings`` for every phase (e.g. ``max_concurrent_loads``)."""
+    ``settings``: other ``Settings`` for every phase (e.g. ``max_concurrent_loads``); ``worker``: the models'
+    (``preforked``: they doze when idle)."""
     known, skipped = _available_policies(list(policies))
     phases = []
     for policy in known:
@@ -373,6 +391,7 @@ async def run(
                 republish_secs=republish_secs,
                 seed=seed,
                 settings=settings or {},
+                worker=worker,
             )
         )
     return {
@@ -389,6 +408,7 @@ async def run(
             "seed": seed,
             "policies_skipped": skipped,
             "other_settings": settings or {},
+            "worker": worker or "in-stub",
         },
         "policies": {p["policy"]: p for p in phases},
     }

@@ -160,7 +160,23 @@ async def _post(http: aiohttp.ClientSession, base: str, model: str, req: Request
     return time.perf_counter() - start
 
 
-async def run(root: Path, models: list[str], cycles: int, load_repeats: int = 5) -> dict[str, Any]:
+async def run(
+    root: Path, models: list[str], cycles: int, load_repeats: int = 5, churn: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``churn``: also the churn trace (``bench/churn.py``'s parameters, the default policy) twice, its models in
+    their stubs and then preforked (they doze when idle), after the levels."""
+    result = await _levels(root, models, cycles, load_repeats)
+    if churn:
+        from bench import churn as trace
+
+        result["churn"] = {}
+        for worker in ("in-stub", "preforked"):
+            phase = await trace.run(root / f"churn-{worker}", policies=("gdsf",), worker=worker, **churn)
+            result["churn"][worker] = {"settings": phase["settings"], **phase["policies"]["gdsf"]}
+    return result
+
+
+async def _levels(root: Path, models: list[str], cycles: int, load_repeats: int) -> dict[str, Any]:
 
     load_average = {"start": [round(x, 2) for x in os.getloadavg()]}
     entries = _entries(root, models)

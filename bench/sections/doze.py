@@ -73,6 +73,58 @@ def markdown(d: Data, rendering: Rendering) -> list[str]:
             rows,
         ),
         "",
+        *_churn_markdown(d.get("churn")),
+    ]
+
+
+def _churn_markdown(churn: dict[str, Any] | None) -> list[str]:
+    """The churn trace with its models in their stubs, then preforked (dozing when idle)."""
+    if not churn:
+        return []
+    st = next(iter(churn.values()))["settings"]
+    rows = [
+        [
+            worker,
+            str(c["answers"]),
+            str(c["errors"]),
+            str(c["wrong_answers"]),
+            f"{c['hot_p50_ms']}",
+            f"{c['rest_p50_ms']}",
+            str(c["cold_starts"]),
+            str(c["evictions"]),
+            str(c["dozes"]),
+            str(c["doze_wakes"]),
+            f"{c['peak_tree_pss_mib']}",
+            f"{c['load_average_start']} -> {c['load_average_end']}",
+        ]
+        for worker, c in churn.items()
+    ]
+    return [
+        "### The churn trace, its models in their stubs and preforked",
+        "",
+        f"`bench/churn.py`'s trace ({st['models']} models x {st['ballast_mb']} MiB under {st['budget_mb']:g} MiB, "
+        f"{st['clients']} clients, Zipf, a republish every {st['republish_secs']:g} s, {st['seconds']:g} s, policy "
+        "gdsf), once with the models in their stubs and once preforked, where an idle model dozes after "
+        "`SNOOZE_DOZE_AFTER_SECS` (30 s) and a planned eviction dozes an awake model before it unloads one.",
+        "",
+        table(
+            [
+                "worker",
+                "answers",
+                "errors",
+                "wrong",
+                "hot p50 (ms)",
+                "rest p50 (ms)",
+                "cold starts",
+                "evictions",
+                "dozes",
+                "wakes from doze",
+                "peak tree PSS (MiB)",
+                "load average",
+            ],
+            rows,
+        ),
+        "",
     ]
 
 
@@ -81,8 +133,31 @@ register(
         name="doze",
         order=160,
         about="A preforked model's first response from doze vs from unloaded vs warm, and the memory of each level",
-        params={"models": ["numpy-linear", "torch-conv", "torch-mlp", "weights-100mib", "onnx-mlp"], "cycles": 7},
-        quick={"models": ["numpy-linear"], "cycles": 2},
+        params={
+            "models": ["numpy-linear", "torch-conv", "torch-mlp", "weights-100mib", "onnx-mlp"],
+            "cycles": 7,
+            # the churn section's scenario, the default policy only
+            "churn": {
+                "models": 40,
+                "ballast_mb": 40,
+                "budget_mb": 400,
+                "seconds": 120.0,
+                "clients": 8,
+                "republish_secs": 15.0,
+            },
+        },
+        quick={
+            "models": ["numpy-linear"],
+            "cycles": 2,
+            "churn": {
+                "models": 4,
+                "ballast_mb": 8,
+                "budget_mb": 130,
+                "seconds": 4.0,
+                "clients": 4,
+                "republish_secs": 2.0,
+            },
+        },
         run=run,
         markdown=markdown,
         summary=summary,
