@@ -80,7 +80,7 @@ async def probe(repo: Path, n: int) -> dict[str, Any]:
     from controlplane.render import embedded_target
     from controlplane.settings import Settings
     from controlplane.store import ModelStore
-    from harness.fake_triton import FakeProcesses, FakeStubControl, FakeTriton, NoGpu
+    from harness.fake_triton import FakeProcesses, FakeStubControl, FakeTriton, NoGpu  # type: ignore[import-not-found]
 
     work = repo.parent / f"work-{n}-{os.getpid()}"
     journal = work / "journal"
@@ -93,7 +93,7 @@ async def probe(repo: Path, n: int) -> dict[str, Any]:
     processes = FakeProcesses(triton)
     settings = Settings(work_dir=work, auth="off")
     manager = LifecycleManager(
-        settings, store, triton, processes=processes, journal_dir=journal,  # type: ignore[arg-type]
+        settings, store, triton, processes=processes, journal_dir=journal,
         gpu_reader=NoGpu(), gpu_pid_map=None, cgroup=lambda: None, stub_control=FakeStubControl(processes),
     )  # fmt: skip
     started = time.perf_counter()
@@ -102,7 +102,7 @@ async def probe(repo: Path, n: int) -> dict[str, Any]:
     while len(manager.states.records) < n:  # the records of the rest, made a chunk at a time after the start
         await asyncio.sleep(0.01)
     recorded = time.perf_counter() - started
-    services = ControlPlaneServices(store, manager, SnoozeMetrics(), settings, triton)  # type: ignore[arg-type]
+    services = ControlPlaneServices(store, manager, SnoozeMetrics(), settings, triton)
     app = create_app(settings, services)
     ids = sorted(store.ids())
     rng = random.Random(0)
