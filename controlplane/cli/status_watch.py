@@ -3,15 +3,19 @@
 Each refresh reads the models and the runtime (two API calls). A change is a model published or deleted, a new
 state or level (dozing), an instance count, or a wake (its load count went up). With ``--json`` each refresh is one
 line of JSON (``{"time", "models", "changes"}``) for scripts; on a terminal the table is redrawn in place. A server
-that stops answering is said on the screen and asked again at the next refresh; Ctrl-C ends the watch with 0.
+that stops answering is said on the screen and asked again at the next refresh; Ctrl-C or SIGTERM ends the watch
+with 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from rich.console import Group, RenderableType
@@ -58,6 +62,24 @@ def status_changes(before: dict[str, dict[str, Any]], after: dict[str, dict[str,
     return lines
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the watch as Ctrl-C does (a supervisor's stop, or a parent that had SIGINT ignored for its
+    children, as a background job's shell does); only the main thread may set a handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class Watch:
     """The refresh loop; ``read`` returns (models, runtime) as the API gives them, ``render`` the screen for them."""
 
@@ -79,12 +101,14 @@ class Watch:
         self.seen: dict[str, dict[str, Any]] | None = None
 
     def run(self) -> None:
-        """Refresh ``count`` times (0: until Ctrl-C). The first read's error propagates (the command fails)."""
-        if self.as_json:
-            self._loop(lambda screen: None)
-            return
-        with Live(console=out_console, auto_refresh=False, transient=False) as live:
-            self._loop(lambda screen: live.update(screen, refresh=True))
+        """Refresh ``count`` times (0: until Ctrl-C or SIGTERM, each an ordinary end). The first read's error
+        propagates (the command fails)."""
+        with _sigterm_as_interrupt():
+            if self.as_json:
+                self._loop(lambda screen: None)
+                return
+            with Live(console=out_console, auto_refresh=False, transient=False) as live:
+                self._loop(lambda screen: live.update(screen, refresh=True))
 
     def _loop(self, show: Callable[[RenderableType], None]) -> None:
         done = 0

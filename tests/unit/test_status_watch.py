@@ -4,6 +4,8 @@ loop's bounds (a count, Ctrl-C, a server that stops answering), against a stand-
 from __future__ import annotations
 
 import json
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -96,3 +98,17 @@ def test_the_first_read_failing_fails_the_command() -> None:
     reads = Reads(SnoozeError("cannot reach the control plane"))
     with pytest.raises(SnoozeError):
         reads.watch(count=0).run()
+
+
+def test_sigterm_ends_the_watch_as_ctrl_c_does(capsys: pytest.CaptureFixture[str]) -> None:
+    class Terminated(Reads):
+        def read(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+            answer = super().read()
+            if not self.answers:
+                os.kill(os.getpid(), signal.SIGTERM)  # as a supervisor stops it, during its last read
+            return answer
+
+    before = signal.getsignal(signal.SIGTERM)
+    reads = Terminated({"a": status()}, {"a": status()})
+    reads.watch(count=0).run()  # returns: the command exits 0
+    assert len(lines(capsys)) == 1 and signal.getsignal(signal.SIGTERM) == before
