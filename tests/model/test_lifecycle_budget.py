@@ -60,6 +60,26 @@ def test_the_policy_chooses_the_victim_gdsf_keeps_the_hot_model_lru_evicts_it(ma
         assert world.manager.budget.policy.frequency["hot"] >= 11  # kept across the unload: the point of it
 
 
+@pytest.mark.parametrize("policy", ["gdsf", "lru"])
+def test_a_warm_request_since_the_last_sweep_counts_when_a_victim_is_chosen(make_world, policy):
+    """Found by a fresh clone (LRU evicted the model used last): a request that takes the warm path goes straight to
+    Triton, and the manager hears of it only when it reads Triton's statistics. "old" was loaded first, "new" after
+    it; a warm request to "old" comes just before a third model needs room, before any sweep. The victim must be
+    "new", the one used least recently (both policies: one request each, the same sizes and load times)."""
+    world = make_world(eviction_policy=policy, sweep_interval_secs=30.0)
+    for m in ("old", "new", "third"):
+        world.step(world.publish(m, 150, **LONG_IDLE), 0.01)
+    world.step(world.request("old"), 0.5)
+    world.step(world.request("new"), 0.5)
+    rec = world.manager.states.records["old"]
+    seen = rec.access.triton_last
+    world.step(world.request("old"), 0.01)  # warm: answered by Triton, not seen by the manager yet
+    assert world.manager.states.records["old"].access.triton_last == seen  # no sweep read it
+    world.step(world.request("third"), 1.0)
+    assert state(world, "third") is ModelState.READY
+    assert state(world, "old") is ModelState.READY and state(world, "new") is ModelState.UNLOADED
+
+
 def test_concurrent_wakes_of_never_measured_models_stay_within_the_budget(make_world):
     """Models that declare no memory: two measured (50 and 150 MiB), the 50 MiB one still loaded; then two new
     150 MiB models wake at once (two loads at a time). Estimated at the average of the measured (100 MiB) both

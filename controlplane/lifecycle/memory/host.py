@@ -65,12 +65,16 @@ class MemoryBudget:
         server_memory: Callable[[], int | None] | None = None,
         cgroup: Callable[[], CgroupMemory | None] | None = None,
         groups: Groups | None = None,
+        refresh: Callable[[ModelRecord], Awaitable[int]] | None = None,
     ) -> None:
-        """``groups``: the ensembles (an ensemble holds no process; evicting one frees its steps)."""
+        """``groups``: the ensembles (an ensemble holds no process; evicting one frees its steps); ``refresh``:
+        Triton's reading of a model's last access, returning the requests it served since the last one
+        (``TritonReadings.refresh_access``)."""
         self.settings = settings
         self.states = states
         self.groups = groups
         self._pending = pending
+        self._refresh = refresh
         self.policy: EvictionPolicy = eviction_policy(settings.eviction_policy)
         # Bytes Triton holds for models without a record (unpublished, being unloaded), by model: TritonSync's
         self.unrecorded: dict[str, int] = {}
@@ -377,11 +381,16 @@ class MemoryBudget:
         self.policy.accessed(rec.id, count)
 
     async def plan_evict(self, rec: ModelRecord | None, amount: int, reason: str) -> Plan:
-        """Idle models but ``rec``, in ``eviction_order``, to unload until ``amount`` bytes are freed."""
+        """Idle models but ``rec``, in ``eviction_order``, to unload until ``amount`` bytes are freed. Their last
+        accesses are read from Triton first: a request that took the warm path (straight to Triton) since the last
+        sweep counts, or the order would go by when the sweep last looked rather than by use."""
         pending = await self._pending()
-        candidates = self.eviction_order(
-            [r for r in self.states.values() if r is not rec and r.state is ModelState.READY]
-        )
+        loaded = [r for r in self.states.values() if r is not rec and r.state is ModelState.READY]
+        if self._refresh is not None and loaded:
+            for r, served in zip(loaded, await asyncio.gather(*(self._refresh(r) for r in loaded)), strict=True):
+                if served:
+                    self.accessed(r, served)
+        candidates = self.eviction_order(loaded)
         victims = [v for v in candidates if v.op is None and v.in_use == 0 and pending.get(v.id, 0.0) <= 0]
         return Plan(
             victims,
