@@ -299,11 +299,14 @@ class LifecycleWorld:
 
     async def _infer(self, model: str, rid: str) -> Answer:
         """Triton's answer to ``rid``; one served by a version older than a publish that returned before it was sent
-        is a violation (a republish's waiters and later requests get the new version)."""
+        is a violation (a republish's waiters and later requests get the new version), unless Triton kept the old
+        version (its reload failed) when it was sent or when it was answered."""
         sent = self.now
+        kept = model in self.triton.kept_old  # a later reload that succeeds clears it: read it now too
         answer = await self.triton.infer(model, rid)
         settled = self.settled.get(model)
-        if answer.status != 200 or settled is None or settled[0] > sent or model in self.triton.kept_old:
+        kept = kept or model in self.triton.kept_old
+        if answer.status != 200 or settled is None or settled[0] > sent or kept:
             return answer
         served = self.versions.get(model, {}).get(answer.files or (0, 0))
         if served is not None and served < settled[1]:

@@ -555,3 +555,34 @@ def test_a_restart_unloads_an_ensemble_before_its_step_deleted_meanwhile(world):
     s(w.request("e0", 2.0), 0.0)
     s(w.request("m2", None), 0.05)
     assert world.triton.models["e0"].state != "READY" or world.manager.states.records["e0"].state.value != "unloaded"
+
+
+def test_a_request_sent_while_triton_kept_the_old_version_may_get_it(world):
+    """Found by the machine (seed 3158518369): v4's reload failed, so Triton kept serving v3; a request sent then
+    waited while v5's reload ran and was answered by v3 just as v5 went live. The world read "Triton kept the old
+    version" only at the answer, after v5's load had cleared it; it reads it at the send too. Nothing is wrong with
+    that answer: the version published last had not loaded when it was sent."""
+    s, w = world.step, world
+    s(w.burst("m0", 10), 1.0)
+    s(w.request("m2", 0.3), 1.0)
+    s(w.script_load("m3", "hang", 0.5), 0.01)
+    s(w.publish("m1", 100, 2), 0.01)
+    s(w.api_override("m1", None), 1.0)
+    s(w.request("e0", 0.3), 0.05)
+    s(w.republish_while_waiting("m1", "hang", 2), 1.0)
+    s(w.burst("e0", 3), 0.01)
+    s(w.remote_publish("m1", 150), 0.3)
+    s(w.request("m1", 2.0), 0.01)
+    s(w.hold("m1"), 0.01)
+    s(w.request("m0", None), 0.3)
+    s(w.tick(0.5), 0.01)
+    s(w.publish("m0", 60, 1), 1.0)
+    s(w.tick(3.0), 0.0)
+    s(w.burst("m3", 6), 0.05)
+    s(w.unload_hang("m2"), 0.3)
+    s(w.burst("m1", 2), 0.01)
+    s(w.stop_during_hung_load("m1", "publish"), 0.0)
+    s(w.script_load("m1", "oom", 0.05), 0.05)
+    s(w.restart(), 1.0)
+    s(w.publish("m1", 150, 1), 0.0)
+    s(w.burst("m1", 9), 0.3)
