@@ -4,10 +4,11 @@ from Envoy's stats and inference metrics from Triton's; these cover what only sn
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-STATES = ("unloaded", "loading", "ready", "unloading", "failed")
 LEVELS = ("awake", "dozing", "unloaded")
 _COLD_START_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 _UNLOAD_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 1.5, 2, 5, 10, 30)
@@ -123,15 +124,30 @@ class SnoozeMetrics:
             ["model", "gpu"],
             registry=r,
         )
-        self.state = Gauge("snooze_model_state", "1 for the model's current state", ["model", "state"], registry=r)
+        self.state = Gauge(
+            "snooze_model_state",
+            "1 for the model's current state (0 for a state it has left; a state it was never in has no series)",
+            ["model", "state"],
+            registry=r,
+        )
+        # by model: its state series made so far (a published model starts with one; ten thousand models asleep
+        # cost one series each, not one per state) and the state now
+        self._states: dict[str, tuple[dict[str, Any], str]] = {}
         self.auth_failures = Counter(
             "snooze_auth_failures", "Refused control-API requests", ["surface", "reason"], registry=r
         )
         self.triton_restarts = Counter("snooze_triton_restarts", "Embedded tritonserver restarts", registry=r)
 
     def set_state(self, model: str, state: str) -> None:
-        for s in STATES:
-            self.state.labels(model=model, state=s).set(1.0 if s == state else 0.0)
+        series, now = self._states.get(model, ({}, ""))
+        if state == now:
+            return
+        if now:
+            series[now].set(0.0)
+        if state not in series:
+            series[state] = self.state.labels(model=model, state=state)
+        series[state].set(1.0)
+        self._states[model] = (series, state)
 
     def set_level(self, model: str, level: str) -> None:
         for name in LEVELS:
@@ -140,6 +156,7 @@ class SnoozeMetrics:
     def forget(self, model: str) -> None:
         """Drop every series of a deleted model: gauges, and counters and histograms too (a model published
         again under the same id starts from zero, which Prometheus reads as a counter reset)."""
+        self._states.pop(model, None)
         for metric in self.registry._collector_to_names:  # no public way to list collectors or series
             if not isinstance(metric, MetricWrapperBase) or metric._labelnames[:1] != ("model",):
                 continue

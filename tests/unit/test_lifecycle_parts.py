@@ -360,3 +360,25 @@ def test_waiting_for_transitions_is_bounded_and_cancels_what_is_left():
         return left, hung.op.cancelled(), quick.op.cancelled()
 
     assert asyncio.run(run()) == (["hung"], True, False)
+
+
+def test_a_models_state_gauge_has_a_series_per_state_it_has_been_in():
+    """A published model asleep costs one series, not one per state; the state now is 1, those it left are 0."""
+    metrics = SnoozeMetrics()
+
+    def series() -> dict[str, float]:
+        return {
+            line.split('state="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.render().decode().splitlines()
+            if line.startswith('snooze_model_state{model="m"')
+        }
+
+    metrics.set_state("m", "unloaded")
+    assert series() == {"unloaded": 1.0}
+    for state in ("loading", "ready", "unloading", "unloaded", "unloaded"):
+        metrics.set_state("m", state)
+    assert series() == {"unloaded": 1.0, "loading": 0.0, "ready": 0.0, "unloading": 0.0}
+    metrics.forget("m")
+    assert series() == {}
+    metrics.set_state("m", "ready")  # published again: one series again
+    assert series() == {"ready": 1.0}
