@@ -117,6 +117,7 @@ class LoadCancels:
             await asyncio.shield(under_way.over)  # another caller is cancelling it already (a stop during an unload)
             return True
         cancelling = rec.load.cancelled = CancelledLoad(op, why, loop.create_future())
+        rec.load.cancel_reasons[op] = why
         try:
             killed = await self._cancel(rec, op, why, queued=self.admission.queued(rec))
         finally:
@@ -177,9 +178,8 @@ class LoadCancels:
 
 
 def cancelled_why(rec: ModelRecord, load: asyncio.Future[Any]) -> str | None:
-    """Why ``load`` was cancelled, if it was the record's last cancelled load."""
-    cancelled = rec.load.cancelled
-    return cancelled.why if cancelled is not None and cancelled.task is load else None
+    """Why ``load`` was cancelled (cancel.py ended it), or None: it was not, or something else cancelled it."""
+    return rec.load.cancel_reasons.get(load)
 
 
 def cancelled_error(rec: ModelRecord, load: asyncio.Future[Any]) -> SnoozeError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -199,6 +200,11 @@ class LoadRecord:
     warmup_said: str | None = None  # the skipped warm-up already logged (said once)
     # the load task cancel.py ended last, why, and when the cancel is over: the requests that waited on it are told
     cancelled: CancelledLoad | None = None
+    # why each load task cancel.py ended was ended, while the task lives: a request woken after a later load was
+    # cancelled too still learns why its own was (``cancel.cancelled_why``)
+    cancel_reasons: weakref.WeakKeyDictionary[asyncio.Future[Any], str] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
 
 
 @dataclass

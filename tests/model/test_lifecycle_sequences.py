@@ -586,3 +586,23 @@ def test_a_request_sent_while_triton_kept_the_old_version_may_get_it(world):
     s(w.restart(), 1.0)
     s(w.publish("m1", 150, 1), 0.0)
     s(w.burst("m1", 9), 0.3)
+
+
+def test_a_request_woken_after_a_second_cancelled_load_learns_why_its_own_was_cancelled(world):
+    """Found by the machine (seed 1471569691): a request waited on a recovery that a republish cancelled, and was
+    woken only after the next republish had cancelled the load after it. The record kept the reason of its last
+    cancelled load only, so the request took its own load's cancellation for its own and ended without an answer.
+    Each cancelled load keeps its reason now."""
+    s, w = world.step, world
+    s(w.publish("m1", 100, 1), 1.0)
+    s(w.remote_publish("m2", 150), 0.3)
+    s(w.hold("m1"), 1.0)
+    s(w.hold("m2"), 1.0)
+    s(w.pause(), 0.01)
+    s(w.crash("m2"), 0.01)
+    s(w.republish_while_waiting("m1", "hang", 1), 0.0)
+    s(w.publish("m2", 100, 1), 0.01)
+    s(w.remote_publish("m2", 100), 0.0)
+    s(w.api_override("m2", 16), 0.0)
+    s(w.publish("m2", 60, 1), 0.05)
+    s(w.request("m2", None), 0.05)
