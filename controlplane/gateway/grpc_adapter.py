@@ -3,6 +3,7 @@ inference messages pass as raw bytes (identity serializers)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
@@ -13,8 +14,11 @@ from tritonclient.grpc import service_pb2
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.gateway import grpc_names
 from controlplane.gateway.handlers import ModelAnswers
+from controlplane.gateway.triton_words import internal_error_message
 from controlplane.triton.dead_stub import is_dead_stub_message
 from controlplane.triton.journal import REQUEST_ID_HEADER
+
+log = logging.getLogger("snoozeml.gateway")
 
 # Not forwarded as gRPC metadata: set by the channel itself.
 _GRPC_RESERVED = {"te", "content-type", "user-agent", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding"}
@@ -87,10 +91,15 @@ class GrpcActivator:
         async def handle(request: bytes, context: _Context) -> bytes:
             try:
                 return await fn(request, context)
+            except grpc.aio.AbortError:
+                raise  # an answer already given
             except SnoozeError as e:
                 if isinstance(e, UnavailableError):
                     context.set_trailing_metadata((("retry-after", str(max(1, round(e.retry_after or 1)))),))
                 await context.abort(_GRPC_CODES.get(e.status_code, grpc.StatusCode.INTERNAL), str(e))
+            except Exception as e:  # a bug here: the client still gets an answer that says so, not grpc's "Unexpected"
+                log.exception("activator: %s failed", getattr(fn, "__name__", "a call"))
+                await context.abort(grpc.StatusCode.INTERNAL, internal_error_message(e))
 
         return handle
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -13,11 +14,13 @@ from starlette.routing import Route
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.gateway import triton_words as words
 from controlplane.gateway.handlers import HoldRegistry, ModelAnswers
-from controlplane.gateway.triton_words import UnknownModelError
+from controlplane.gateway.triton_words import UnknownModelError, internal_error_message
 from controlplane.gateway.wake_lua import HOLD_HEADER, HOLD_PATH, HOLD_WARM_HEADER
 from controlplane.spec.triton_folder import triton_config_json
 from controlplane.triton.dead_stub import is_dead_stub_http_body
 from controlplane.triton.journal import REQUEST_ID_HEADER
+
+log = logging.getLogger("snoozeml.gateway")
 
 # HTTP inference calls retried here (a body within the wake buffer): infer and generate, forwarded alike.
 OPS = ("infer", "generate")
@@ -65,6 +68,9 @@ def _handled(fn: Callable[[Request], Awaitable[Response]]) -> Callable[[Request]
             return await fn(request)
         except SnoozeError as e:
             return error_response(e)
+        except Exception as e:  # a bug here: the client still gets the KServe error shape, not a bare text 500
+            log.exception("activator: %s %s failed", request.method, request.url.path)
+            return JSONResponse({"error": internal_error_message(e), "code": "internal"}, status_code=500)
 
     return endpoint
 

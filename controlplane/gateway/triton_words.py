@@ -111,3 +111,11 @@ class LoadFailedError(SnoozeError):
         reason = getattr(cause, "reason", None) or cause.message
         head = reason if reason.startswith(f"{LOAD_FAILED} '{name}'") else f"{LOAD_FAILED} '{name}': {reason}"
         super().__init__(head, hint=cause.hint or "fix the model and publish it again")
+
+
+def internal_error_message(error: Exception) -> str:
+    """What a client is told when the activator itself failed (a bug): what failed, and where to look."""
+    return (
+        f"snoozeml: internal error in the activator ({type(error).__name__}: {error}); the control plane's log has "
+        "the traceback: please report it"
+    )

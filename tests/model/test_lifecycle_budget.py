@@ -386,3 +386,19 @@ def test_an_idle_model_is_evicted_though_the_sweep_has_not_read_its_last_request
     answers = {c.model: c.answer for c in world.answered if c.what == "request"}
     assert answers == {"m0": "200", "m1": "200"}, answers
     assert world.manager.states.records["m0"].state is ModelState.UNLOADED
+
+
+def test_an_eviction_leaves_a_victim_that_was_taken_meanwhile(make_world):
+    """Found by the churn trace with preforked models (a client got "model 'churn-15' already has a transition
+    running" as a 500): a planned eviction tries a doze first and awaits the stubs' answers; a victim whose doze was
+    refused and that started a transition of its own meanwhile must be left, not unloaded on top of it."""
+    world = make_world()
+    world.step(world.publish("m0", 100, **LONG_IDLE), 0.01)
+    world.step(world.request("m0"), 1.0)
+    rec = world.manager.states.records["m0"]
+    world.step(world.script_load("m0", "hang", 0.05), 0.0)
+    world.step(world.publish("m0", 100, **LONG_IDLE), 0.5)  # its reload in place hangs: a transition runs
+    assert rec.op is not None and rec.state is ModelState.READY
+    evict = world.manager.transitions.unloads.evict
+    assert world.run(evict(rec, "memory", "another model")) is False
+    assert rec.state is ModelState.READY
