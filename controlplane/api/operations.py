@@ -252,7 +252,9 @@ class ModelOperations:
         """Published models by id, from the store's catalog and the lifecycle's records (no file read but a stat
         per model at most every ``LIST_SCAN_SECS``), filtered, one page after the cursor."""
         query = query or ListQuery()
-        models = await run_in_threadpool(self.services.store.list, max_age=LIST_SCAN_SECS)
+        models = await run_in_threadpool(
+            self.services.store.list, max_age=self.services.store.trusted_age(LIST_SCAN_SECS)
+        )
         return page_of(models, query, self.services.lifecycle.statuses, self._summary)
 
     async def _arrived(self, model_id: str) -> None:
@@ -263,7 +265,9 @@ class ModelOperations:
     async def summary(self, top: int = SUMMARY_TOP) -> dict[str, Any]:
         """Counts by state and kind, the memory held, the models using the most memory and the most recently used,
         and the background publishing's progress."""
-        models = await run_in_threadpool(self.services.store.list, max_age=LIST_SCAN_SECS)
+        models = await run_in_threadpool(
+            self.services.store.list, max_age=self.services.store.trusted_age(LIST_SCAN_SECS)
+        )
         publishing = self.services.publishing
         return {
             **summarise(models, self.services.lifecycle.statuses([m.id for m in models]), top),

@@ -25,7 +25,7 @@ from controlplane.lifecycle.triton_sync import TritonReadings, TritonSync
 from controlplane.lifecycle.warmups import harvest
 from controlplane.lifecycle.workers import parents_bytes
 from controlplane.settings import Settings
-from controlplane.store import ModelStore
+from controlplane.store import SCAN_SPACING, ModelStore
 from controlplane.triton.client import RepositoryEntry, TritonAdminClient
 from controlplane.triton.processes import SWEEP_PSS_MAX_AGE_SECS
 
@@ -37,7 +37,7 @@ SEQUENCE_POLL_SECS = 0.2  # how often a stop or a quiesce re-reads the live sequ
 STOP_TRANSITIONS_SECS = 15.0
 # How old the store's catalog may be for the sweep (the follower scans it every store_poll_secs or so).
 CATALOG_MAX_AGE_SECS = 30.0
-STORE_SCAN_SPACING = 10.0  # the store's follower waits at least this many times its last scan's duration
+STORE_SCAN_SPACING = SCAN_SPACING  # the store's follower waits at least this many times its last scan's duration
 
 
 class Supervisor:
@@ -236,7 +236,9 @@ class Supervisor:
         record (its model unloaded first), and a copy Triton holds that has no record (a delete that met a
         wake-up, a delete while this control plane was down)."""
         records = self.states.records
-        published = await asyncio.to_thread(self.store.catalog_ids, max_age=CATALOG_MAX_AGE_SECS)  # no stat each
+        published = await asyncio.to_thread(
+            self.store.catalog_ids, max_age=self.store.trusted_age(CATALOG_MAX_AGE_SECS)
+        )  # no stat each
         gone = {m for m, r in records.items() if r.op is None and r.in_use == 0 and m not in published}
         gone |= {m for m, e in entries.items() if e.state == "READY" and m not in records and m not in published}
         gone = {m for m in gone if not self.store.exists(m)}  # the catalog may lag a write it did not make

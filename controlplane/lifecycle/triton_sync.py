@@ -233,7 +233,9 @@ class TritonSync:
         """
         generations = {m: r.generation for m, r in self.states.records.items()}
         # the store's catalog (the follower keeps it current): no stat per model on the event loop
-        published = await asyncio.to_thread(self.store.catalog_ids, max_age=0.0 if full else CATALOG_MAX_AGE_SECS)
+        published = await asyncio.to_thread(
+            self.store.catalog_ids, max_age=0.0 if full else self.store.trusted_age(CATALOG_MAX_AGE_SECS)
+        )
         entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
         if full:
             await self._unload_orphans(entries)

@@ -30,6 +30,7 @@ from controlplane.warmup_samples import plan_source
 
 # The catalog kept for the next start (ModelStore.save_catalog); its format changes with PublishedModel's fields.
 CATALOG_FILE, CATALOG_FORMAT = "catalog.pickle", 1
+SCAN_SPACING = 10.0  # the store's follower waits at least this many times its last scan's duration between scans
 # A read that meets a republish between its two renames tries again (the window is two syscalls wide).
 GET_TRIES, GET_RETRY_SECS = 3, 0.002
 
@@ -139,6 +140,12 @@ class ModelStore:
             if self._sorted is None:
                 self._sorted = [model for _, (_, model) in sorted(self._catalog.items())]
             return builtins.list(self._sorted)
+
+    def trusted_age(self, floor: float) -> float:
+        """How old a catalog read (``list``, ``catalog_ids``) may let the catalog be: ``floor``, or longer where the
+        follower spaces its scans further apart (``SCAN_SPACING`` times a scan, which takes seconds at tens of
+        thousands of models), so that a listing or a sweep does not scan every folder inline between its scans."""
+        return max(floor, 2 * SCAN_SPACING * self.scan_secs)
 
     def catalog_ids(self, *, max_age: float = 0.0) -> frozenset[str]:
         """The published ids as a set (``list``'s catalog): a membership test per model costs no stat."""
