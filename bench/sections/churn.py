@@ -9,6 +9,25 @@ from typing import Any
 from bench.markdown import ms, table
 from bench.registry import Data, Rendering, RunContext, Section, register
 
+# the scenario: 40 models x 40 MiB of real memory under 400 MiB, 8 clients, Zipf(1), 120 s per policy
+SCENARIO: dict[str, Any] = {
+    "models": 40,
+    "ballast_mb": 40,
+    "budget_mb": 400,
+    "seconds": 120.0,
+    "clients": 8,
+    "republish_secs": 15.0,
+}
+# 4 models of ~50 MiB (8 MiB ballast + the stub) under a budget that holds two: swaps from the start
+QUICK: dict[str, Any] = {
+    "models": 4,
+    "ballast_mb": 8,
+    "budget_mb": 130,
+    "seconds": 4.0,
+    "clients": 4,
+    "republish_secs": 2.0,
+}
+
 
 async def run(root: Path, params: dict[str, Any], ctx: RunContext) -> Data:
     from bench import churn
@@ -120,17 +139,8 @@ register(
         name="churn",
         order=140,
         about="many models in little memory (Zipf traffic, republishes): the eviction policies side by side",
-        # the scenario: 40 models x 40 MiB of real memory under 400 MiB, 8 clients, Zipf(1), 120 s per policy
-        params={
-            "models": 40,
-            "ballast_mb": 40,
-            "budget_mb": 400,
-            "seconds": 120.0,
-            "clients": 8,
-            "republish_secs": 15.0,
-        },
-        # 4 models of ~50 MiB (8 MiB ballast + the stub) under a budget that holds two: swaps from the start
-        quick={"models": 4, "ballast_mb": 8, "budget_mb": 130, "seconds": 4.0, "clients": 4, "republish_secs": 2.0},
+        params=SCENARIO,
+        quick=QUICK,
         run=run,
         markdown=markdown,
         summary=summary,

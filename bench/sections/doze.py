@@ -8,6 +8,7 @@ from typing import Any
 
 from bench.markdown import ms, table
 from bench.registry import Data, Rendering, RunContext, Section, register
+from bench.sections import churn as churn_section
 
 DESCRIPTIONS = {
     "numpy-linear": "the numpy example",
@@ -136,27 +137,12 @@ register(
         params={
             "models": ["numpy-linear", "torch-conv", "torch-mlp", "weights-100mib", "onnx-mlp"],
             "cycles": 7,
-            # the churn section's scenario, the default policy only
-            "churn": {
-                "models": 40,
-                "ballast_mb": 40,
-                "budget_mb": 400,
-                "seconds": 120.0,
-                "clients": 8,
-                "republish_secs": 15.0,
-            },
+            "churn": churn_section.SCENARIO,  # the churn section's scenario, the default policy only
         },
         quick={
             "models": ["numpy-linear"],
             "cycles": 2,
-            "churn": {
-                "models": 4,
-                "ballast_mb": 8,
-                "budget_mb": 130,
-                "seconds": 4.0,
-                "clients": 4,
-                "republish_secs": 2.0,
-            },
+            "churn": churn_section.QUICK,
         },
         run=run,
         markdown=markdown,
