@@ -112,9 +112,14 @@ class Unloads:
             e = self.states.get(ensemble)
             if rec.id not in steps or e is None:
                 continue
-            if e.state is ModelState.LOADING:  # its load goes first: Triton would load the step again for it
-                with contextlib.suppress(SnoozeError):
-                    await self.states.settle(e)
+            for _ in range(3):
+                # Its load goes first (Triton would load the step again for it), and so does the rest of a
+                # transition that made it READY already: a READY ensemble whose op still runs was passed over, and
+                # Triton took it down with the step behind the records (seed 3955387526).
+                op = e.op
+                if op is None or e.state not in (ModelState.LOADING, ModelState.READY):
+                    break
+                await asyncio.wait({op})
             if e.state is ModelState.READY and e.op is None:
                 task = self.states.spawn(
                     e,

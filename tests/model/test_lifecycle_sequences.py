@@ -606,3 +606,21 @@ def test_a_request_woken_after_a_second_cancelled_load_learns_why_its_own_was_ca
     s(w.api_override("m2", 16), 0.0)
     s(w.publish("m2", 60, 1), 0.05)
     s(w.request("m2", None), 0.05)
+
+
+def test_a_step_leaves_after_an_ensemble_whose_load_is_still_finishing(world):
+    """Found by the machine (seed 3955387526): an API load of e0 had made it READY, its op still running, when a
+    republish of its step m2 found no room and unloaded m2. Taking the ensembles out first passed over e0 (its op ran),
+    and Triton took e0 down with m2 behind the records (READY here, absent there). The ensemble's op is waited for."""
+    s, w = world.step, world
+    s(w.publish_ensemble_api(("m2",), 5), 0.01)
+    s(w.script_load("m0", "hang", 0.5), 0.3)
+    s(w.publish("m2", 60, 1), 0.0)
+    s(w.burst("m2", 7), 0.01)
+    s(w.script_load("m2", "oom", 0.05), 0.01)
+    s(w.pause(), 1.0)
+    s(w.publish("m2", 60, 1), 0.0)
+    s(w.publish("m3", 60, 2), 0.0)
+    s(w.request("m3", None), 0.3)
+    s(w.api_load("e0", 3), 0.05)
+    s(w.publish("m2", 150, 2), 0.3)
