@@ -318,18 +318,25 @@ def test_bad_request_fails_alone_in_a_shared_batch(triton, worker):
         except InferenceServerException as e:
             return e
 
-    with ThreadPoolExecutor(len(requests)) as pool:
-        good1, bad, good2 = pool.map(send, requests)
-
-    assert isinstance(bad, InferenceServerException)
-    assert f"[snooze:invalid_input] model '{model}': batch size 3 is outside 1..2" in bad.message()
-    assert bad.status() == "StatusCode.INVALID_ARGUMENT"
-    np.testing.assert_array_equal(good1["y"], np.full((1, 3), 2, np.float32))
-    np.testing.assert_array_equal(good2["y"], np.full((1, 3), 3, np.float32))
-    # Both good requests went through one predict call: the batch was shared, and survived.
-    assert good1["rows"].tolist() == [[2]] and good2["rows"].tolist() == [[2]]
-    stats = counted_stats(triton["http"], model, 2)
-    assert stats["execution_count"] == 1 < stats["inference_count"]
+    # The three must meet in Triton's 500 ms batching window; a machine at load 8 once missed it, so up to three
+    # tries, each answer checked every time: the property is tested only on a try where the good two shared a batch.
+    tries = 0
+    while True:
+        tries += 1
+        with ThreadPoolExecutor(len(requests)) as pool:
+            good1, bad, good2 = pool.map(send, requests)
+        assert isinstance(bad, InferenceServerException)
+        assert f"[snooze:invalid_input] model '{model}': batch size 3 is outside 1..2" in bad.message()
+        assert bad.status() == "StatusCode.INVALID_ARGUMENT"
+        np.testing.assert_array_equal(good1["y"], np.full((1, 3), 2, np.float32))
+        np.testing.assert_array_equal(good2["y"], np.full((1, 3), 3, np.float32))
+        # Both good requests went through one predict call: the batch was shared, and survived.
+        if good1["rows"].tolist() == [[2]] and good2["rows"].tolist() == [[2]]:
+            break
+        if tries == 3:
+            pytest.fail("the two good requests never met in one batch in 3 tries (Triton's 500 ms queue delay)")
+    stats = counted_stats(triton["http"], model, 2 * tries)
+    assert stats["execution_count"] < stats["inference_count"]
 
 
 FAULTY_MODEL = """
