@@ -28,6 +28,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (first[item.path], item.get_closest_marker("stops_stack") is not None))
 
 
+FAILURE_LOG_LINES = 150
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test that fails with a stack (a fixture value with ``log_tail``: ``harness.serve.Serve``) reports the end of
+    that stack's log with its failure: CI keeps nothing else of a run, and a failure that shows only under its load
+    must be readable from its report."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    for name, value in getattr(item, "funcargs", {}).items():
+        tail = getattr(value, "log_tail", None)
+        if callable(tail):
+            report.sections.append((f"log of '{name}' (its last {FAILURE_LOG_LINES} lines)", tail(FAILURE_LOG_LINES)))
+
+
 @pytest.fixture(scope="session")
 def embedded_triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]:
     """One tritonserver (explicit model control, free ports) for the whole session; always stopped."""

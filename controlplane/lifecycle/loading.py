@@ -288,8 +288,10 @@ class Loader:
     ) -> None:
         """The model is READY with ``instances``: note its model processes and measure its footprints."""
         stubs = await self._stubs(rec)
+        # Triton runs the instances once per version it serves (a Triton folder's version_policy): all theirs.
+        expected = instances * max(len(rec.model.versions), 1)
         deadline = self.clock.monotonic() + STUBS_SETTLE_SECS
-        while stubs and len(stubs) > instances and self.clock.monotonic() < deadline:
+        while stubs and len(stubs) > expected and self.clock.monotonic() < deadline:
             # An instance fewer in place: Triton ends the leaving stub just after the load returns.
             await asyncio.sleep(0.05)
             stubs = await self._stubs(rec)

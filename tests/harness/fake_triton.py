@@ -32,9 +32,11 @@ What it models, as measured on the embedded Triton 2.51 (docs/internals.md, TRIT
   over its instances, or a figure the test sets, and what a stub grows by when it runs its first request
   (``growth``, 0 unless set: a real stub grew 2.8 MiB); tritonserver's own RSS (``server_memory``, plus
   ``server_per_model`` for each model it holds; both 0 unless set);
-- ``nv_inference_pending_request_count``: requests accepted and not yet answered, per model.
+- ``nv_inference_pending_request_count``: requests accepted and not yet answered, per model;
+- a model serving several versions (its record's ``versions``: a Triton folder's version_policy) runs its
+  instances once per version, each a stub.
 
-What it does not model: batching (one request per execution), the HTTP/gRPC wire, versions other than 1,
+What it does not model: batching (one request per execution), the HTTP/gRPC wire, requests for a version,
 decoupled models and streams, preforked workers and their parents, GPU memory, tritonserver itself dying
 (the embedded launcher's restart), real memory pressure (OOM comes only when scripted), strict readiness,
 Triton's own statistics refresh delay, and anything about performance.
@@ -266,14 +268,16 @@ class FakeTriton:
             text = (folder / "config.pbtxt").read_text(encoding="utf-8")
             files = (folder.stat().st_ino, (folder / "config.pbtxt").stat().st_mtime_ns)  # a republish changes both
             config = override if override is not None else rendered_config(text, where=name)
-            deployment = json.loads((folder / DEPLOYMENT_FILE).read_text(encoding="utf-8"))["deployment"]
+            record = json.loads((folder / DEPLOYMENT_FILE).read_text(encoding="utf-8"))
+            deployment = record["deployment"]
         except (OSError, ValueError, KeyError) as e:
             raise TritonModelLoadError(name, f"failed to load '{name}': {e}") from None
         old = self.models.get(name)
         if config.get("platform") == "ensemble":
             self._load_ensemble(name, config, files)
             return
-        count = int((config.get("instance_group") or [{}])[0].get("count", 1))
+        # the instances, once per version served (a Triton folder's version_policy: the record's versions)
+        count = int((config.get("instance_group") or [{}])[0].get("count", 1)) * len(record.get("versions") or [1])
         per_stub = self.memory.get(name) or int((deployment.get("memory_mb") or 1) * MIB / deployment["instances"])
         serving = old is not None and old.state == "READY"
         if serving and old is not None and override is None and old.files == files and old.unloading is None:

@@ -4,7 +4,10 @@
 
 from __future__ import annotations
 
+import json
+
 from controlplane.lifecycle.state import ModelState
+from controlplane.render import DEPLOYMENT_FILE
 from harness.lifecycle_world import LifecycleWorld
 
 
@@ -121,3 +124,17 @@ def test_a_held_model_is_neither_unloaded_for_idleness_nor_evicted_until_its_str
     w.step(w.release(), 0.0)
     w.step(w.tick(10.0), 0.0)
     assert records["m0"].state is ModelState.UNLOADED
+
+
+def test_a_model_serving_two_versions_is_ready_as_its_load_returns(world):
+    """Triton runs a model's instances once per version it serves (a Triton folder's version_policy): two stubs for
+    one instance and two versions are all the model's, and its wake waits for none of them to leave (it waited out
+    ``STUBS_SETTLE_SECS``, 3 s, on every wake of such a model)."""
+    world.step(world.publish("m0", 60), 0.1)
+    folder = world.triton.repository / "m0"
+    record = json.loads((folder / DEPLOYMENT_FILE).read_text())
+    (folder / DEPLOYMENT_FILE).write_text(json.dumps({**record, "versions": ["1", "2"]}))
+    world.step(world.request("m0"), 1.0)
+    assert [c.answer for c in world.answered if c.what == "request"] == ["200"]
+    status = world.manager.status("m0")
+    assert status.state == "ready" and status.processes == 2  # one stub per version
