@@ -89,7 +89,7 @@ class LifecycleManager:
             server_memory=processes.server_memory,
             cgroup=cgroup if cgroup is not None else TritonCgroup.of(processes).read,
             groups=self.groups,
-            refresh=readings.refresh_access,
+            refresh=readings.refresh_all,
         )
         states.on_drop.append(budget.forget)
         gpu = GpuMemory(

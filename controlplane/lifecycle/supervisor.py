@@ -206,9 +206,7 @@ class Supervisor:
                 parents_bytes, self.journal_dir, self.loader.processes.proc_root, max_age=SWEEP_PSS_MAX_AGE_SECS
             )
         ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
-        for rec, served in zip(
-            ready, await asyncio.gather(*(self.readings.refresh_access(r) for r in ready)), strict=True
-        ):
+        for rec, served in zip(ready, await self.readings.refresh_all(ready), strict=True):
             if served:
                 self.budget.accessed(rec, served)
         pending = await self.readings.pending_counts()

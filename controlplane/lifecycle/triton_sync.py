@@ -21,7 +21,7 @@ from controlplane.lifecycle.workers import none_alive
 from controlplane.metrics import SnoozeMetrics
 from controlplane.settings import Settings
 from controlplane.store import ModelStore, PublishedModel
-from controlplane.triton.client import BUSY_STATES, RepositoryEntry, TritonAdminClient
+from controlplane.triton.client import BUSY_STATES, ModelStats, RepositoryEntry, TritonAdminClient
 from controlplane.triton.processes import TritonProcesses
 
 if TYPE_CHECKING:
@@ -107,14 +107,31 @@ class TritonReadings:
         """Triton's last access and the requests it served since the last read, which it returns (the eviction
         policy's frequency: it counts every request, the ones straight from the gateway too)."""
         try:
-            stats = await self.triton.model_stats(rec.id)
+            versions = await self.triton.version_stats(rec.id)
         except SnoozeError:
             return 0
-        stamp = stats.last_inference_ms / 1000
+        return self._heard(rec, versions)
+
+    async def refresh_all(self, recs: list[ModelRecord]) -> list[int]:
+        """``refresh_access`` of each of ``recs`` from one reading of every loaded model's statistics (a sweep, an
+        eviction plan: one call to Triton, not one a model)."""
+        if not recs:
+            return []
+        try:
+            stats = await self.triton.all_stats()
+        except SnoozeError:
+            return [0] * len(recs)
+        return [self._heard(rec, stats[rec.id]) if rec.id in stats else 0 for rec in recs]
+
+    @staticmethod
+    def _heard(rec: ModelRecord, versions: list[ModelStats]) -> int:
+        """Note what Triton's statistics of the model's versions say (the last access of any, the requests all
+        served); returns the requests served since the last reading."""
+        stamp = max(s.last_inference_ms for s in versions) / 1000
         # The load's own warm-up (config model_warmup) is stamped as an inference: only later ones are use.
         if stamp > rec.load.ready_at:
             rec.access.triton_last = max(rec.access.triton_last, stamp)
-        served = stats.success_count
+        served = sum(s.success_count for s in versions)
         # Triton's count starts again with each load (the record's is zeroed when the model leaves memory)
         new = served - rec.access.served_seen if served >= rec.access.served_seen else served
         rec.access.served_seen = served

@@ -187,14 +187,31 @@ class TritonAdminClient:
         await wait_unloaded(self, name, deadline - time.monotonic(), after=timeout)
 
     async def model_stats(self, name: str, version: str = "") -> ModelStats:
+        """One version's statistics (``version``; else the last version Triton lists)."""
+        return (await self.version_stats(name, version))[-1]
+
+    async def version_stats(self, name: str, version: str = "") -> list[ModelStats]:
+        """The statistics of each version of the model that Triton serves (``version``: that one only)."""
         path = f"/v2/models/{name}/versions/{version}/stats" if version else f"/v2/models/{name}/stats"
         r = await self._request("GET", path)
         if r.status_code != 200:
             raise NotFoundError(f"no statistics for model '{name}': {_error_text(r)}")
-        stats = r.json().get("model_stats", [])
+        stats = [ModelStats.from_json(s) for s in r.json().get("model_stats", [])]
         if not stats:
             raise NotFoundError(f"no statistics for model '{name}'")
-        return ModelStats.from_json(stats[-1])
+        return stats
+
+    async def all_stats(self) -> dict[str, list[ModelStats]]:
+        """Every loaded model's statistics in one call, by model (one entry per version it serves); a model that is
+        not loaded has none."""
+        r = await self._request("GET", "/v2/models/stats")
+        if r.status_code != 200:
+            raise TritonError(f"Triton did not give its models' statistics: {_error_text(r)}")
+        by_model: dict[str, list[ModelStats]] = {}
+        for data in r.json().get("model_stats", []):
+            stats = ModelStats.from_json(data)
+            by_model.setdefault(stats.name, []).append(stats)
+        return by_model
 
     async def model_config(self, name: str) -> dict[str, Any]:
         r = await self._request("GET", f"/v2/models/{name}/config")

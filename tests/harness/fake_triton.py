@@ -444,12 +444,32 @@ class FakeTriton:
         return json.loads(json.dumps(m.config))
 
     async def model_stats(self, name: str, version: str = "") -> ModelStats:
+        return (await self.version_stats(name, version))[-1]
+
+    async def version_stats(self, name: str, version: str = "") -> list[ModelStats]:
+        self.calls["stats"] += 1
         await asyncio.sleep(0)
         m = self.models.get(name)
         if m is None or m.state != "READY":
             raise NotFoundError(f"no statistics for model '{name}'")
-        m.stats_read_at = asyncio.get_running_loop().time()  # a sweep reads them (and then measures the model)
-        return ModelStats(name, "1", m.last_inference_ms, m.served, m.served, m.served, 0, 0, 0, 0, 0, 0, 0)
+        return [self._stats(m)]
+
+    async def all_stats(self) -> dict[str, list[ModelStats]]:
+        """Every READY model's statistics, as ``GET /v2/models/stats`` (one call)."""
+        self.calls["all_stats"] += 1
+        await asyncio.sleep(0)
+        # read for all; a model with a load in flight (a reload) is not one the sweep looked at (not marked read)
+        return {
+            name: [self._stats(m, read=not self.loads_in_flight[name])]
+            for name, m in self.models.items()
+            if m.state == "READY"
+        }
+
+    @staticmethod
+    def _stats(m: Loaded, *, read: bool = True) -> ModelStats:
+        if read:  # a sweep reads them after it heard the model's wakes (and then measures the model)
+            m.stats_read_at = asyncio.get_running_loop().time()
+        return ModelStats(m.name, "1", m.last_inference_ms, m.served, m.served, m.served, 0, 0, 0, 0, 0, 0, 0)
 
     async def pending_request_counts(self) -> dict[str, float]:
         await asyncio.sleep(0)

@@ -80,6 +80,25 @@ def test_a_warm_request_since_the_last_sweep_counts_when_a_victim_is_chosen(make
     assert state(world, "old") is ModelState.READY and state(world, "new") is ModelState.UNLOADED
 
 
+def test_sweeps_and_eviction_plans_read_every_models_statistics_in_one_call(make_world):
+    """With many loaded models, a sweep and an eviction plan ask Triton once for every model's statistics
+    (``GET /v2/models/stats``), not once per model (each plan did, and a wake waiting for room plans again every
+    50 ms): six models loaded, then a seventh that must evict, then sweeps."""
+    world = make_world(memory_budget_mb=650, sweep_interval_secs=1.0)
+    for i in range(7):
+        world.step(world.publish(f"m{i}", 100, **LONG_IDLE), 0.01)
+    for i in range(6):
+        world.step(world.request(f"m{i}"), 0.3)
+    world.triton.calls.clear()
+    world.step(world.request("m6"), 1.0)  # over the budget: an eviction plan, then the load
+    assert state(world, "m6") is ModelState.READY
+    assert sum(state(world, f"m{i}") is ModelState.UNLOADED for i in range(6)) >= 1
+    world.step(world.tick(5.0), 0.0)  # five sweeps over six loaded models
+    assert world.triton.calls["all_stats"] >= 5
+    # one model's own reading: only an unload's last look at its victim (whether a request came since)
+    assert world.triton.calls["stats"] <= world.triton.calls["unload"]
+
+
 def test_concurrent_wakes_of_never_measured_models_stay_within_the_budget(make_world):
     """Models that declare no memory: two measured (50 and 150 MiB), the 50 MiB one still loaded; then two new
     150 MiB models wake at once (two loads at a time). Estimated at the average of the measured (100 MiB) both

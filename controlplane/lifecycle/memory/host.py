@@ -65,11 +65,11 @@ class MemoryBudget:
         server_memory: Callable[[], int | None] | None = None,
         cgroup: Callable[[], CgroupMemory | None] | None = None,
         groups: Groups | None = None,
-        refresh: Callable[[ModelRecord], Awaitable[int]] | None = None,
+        refresh: Callable[[list[ModelRecord]], Awaitable[list[int]]] | None = None,
     ) -> None:
         """``groups``: the ensembles (an ensemble holds no process; evicting one frees its steps); ``refresh``:
-        Triton's reading of a model's last access, returning the requests it served since the last one
-        (``TritonReadings.refresh_access``)."""
+        Triton's reading of models' last accesses, returning the requests each served since the last one, in one
+        call (``TritonReadings.refresh_all``)."""
         self.settings = settings
         self.states = states
         self.groups = groups
@@ -387,7 +387,7 @@ class MemoryBudget:
         pending = await self._pending()
         loaded = [r for r in self.states.values() if r is not rec and r.state is ModelState.READY]
         if self._refresh is not None and loaded:
-            for r, served in zip(loaded, await asyncio.gather(*(self._refresh(r) for r in loaded)), strict=True):
+            for r, served in zip(loaded, await self._refresh(loaded), strict=True):
                 if served:
                     self.accessed(r, served)
         candidates = self.eviction_order(loaded)
