@@ -8,8 +8,11 @@ so a failed render leaves the repository exactly as it was.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import marshal
 import platform
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -180,6 +183,21 @@ def _template(name: str, **values: Any) -> str:
     return _environment().get_template(name).render(**values)
 
 
+def with_bytecode(path: str, source: str) -> dict[str, bytes]:
+    """A python-backend entry file (``path`` in the model's folder) with its bytecode for this Python, hash-checked
+    (PEP 552: valid whatever the file's mtime after a copy). The embedded Triton's stub runs this Python: it imports
+    the file without writing a ``__pycache__`` into the model's folder, which Triton would take for a change of the
+    model's files and load it anew (a second set of instances, the first ended) when a load next names it. What the
+    entry imports after it caches its bytecode outside the repository (``_bytecode.py.j2``)."""
+    data = source.encode()
+    code = compile(data, path, "exec", dont_inherit=True)
+    checked_hash = (0b11).to_bytes(4, "little")  # hash-based, checked against the source at each import
+    pyc = importlib.util.MAGIC_NUMBER + checked_hash + importlib.util.source_hash(data) + marshal.dumps(code)
+    folder, _, name = path.rpartition("/")
+    cached = f"{folder}/__pycache__/{name.removesuffix('.py')}.{sys.implementation.cache_tag}.pyc"
+    return {path: data, cached.lstrip("/"): pyc}
+
+
 def render_triton_folder(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
     """A Triton model folder: its own config, kept but for the fields snoozeml owns (controlplane/render_triton.py)."""
     from controlplane.render_triton import triton_config, triton_files
@@ -247,7 +265,7 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
         for src in _runtime_sources():
             rendered.copies.append((src, f"{VERSION}/{RUNTIME_SUBDIR}/{src.name}"))
         entry = _environment().get_template("python_model.py.j2").render(model_id=spec.id)
-        rendered.writes[f"{VERSION}/{PYTHON_MODEL_FILE}"] = entry.encode()
+        rendered.writes.update(with_bytecode(f"{VERSION}/{PYTHON_MODEL_FILE}", entry))
         rendered.writes[f"{VERSION}/{SPEC_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
     else:
         # Native backends: the model file and its external-data files sit in the version folder.

@@ -208,6 +208,10 @@ class EmbeddedTriton:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (self.dist.library_path(), env.get("LD_LIBRARY_PATH")) if p)
         env["PATH"] = os.pathsep.join(p for p in (str(Path(sys.executable).parent), env.get("PATH")) if p)
         env[JOURNAL_ENV] = str(self.journal_dir)  # also where the stubs find the BLS wake route (its socket)
+        # The stubs' bytecode goes beside, not into the model repository: a __pycache__ written into a model's
+        # folder by its first load is a change of its files to Triton, which then loads it anew (a second set of
+        # instances, the first ended) when the next load names it, an ensemble's over it included.
+        env.setdefault("PYTHONPYCACHEPREFIX", str(self.work_dir / "pycache"))
         if self.bls_wake_timeout_secs is not None:
             env[BLS_WAKE_TIMEOUT_ENV] = f"{self.bls_wake_timeout_secs:g}"
         return with_preload(env, self.preload)

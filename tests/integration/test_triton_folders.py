@@ -285,16 +285,23 @@ def test_an_ensemble_wakes_its_steps_and_holds_them_while_it_is_loaded(stack: Se
     for _ in two_rounds(stack, "pipe"):
         for step in ("versioned", "counter"):
             asleep(stack, step)
+        files = sorted(stack.repository.rglob("*"))
         # the step "versioned" runs its version 1 (x + 1000, where the latest adds 2000), then counter doubles
         np.testing.assert_allclose(http_infer(stack.http_url, "pipe", x), (x + 1000) * 2)
         np.testing.assert_allclose(grpc_infer(stack.grpc_url, "pipe", x), (x + 1000) * 2)
         assert stack.status("pipe")["steps"] == ["versioned", "counter"]
         assert stack.stub_pids("pipe") == []  # an ensemble holds no process of its own
+        pids = {step: sorted(stack.stub_pids(step)) for step in ("versioned", "counter")}
         # Twice the steps' own idle timeout later, the ensemble (idle timeout PIPE_IDLE_SECS) still holds them.
         time.sleep(2 * IDLE_SECS + 0.5)
         for step in ("versioned", "counter"):
             status = stack.status(step)
             assert status["state"] == "ready" and status["ensembles"] == ["pipe"], status
+        # ... with the processes they woke with: the ensemble's load made Triton load no step anew (it did when a
+        # step's first load had written a __pycache__ into its folder, a change of the step's files to Triton; the
+        # stub it ended was taken for a crash). Loads write nothing into the repository.
+        assert {step: sorted(stack.stub_pids(step)) for step in pids} == pids
+        assert sorted(stack.repository.rglob("*")) == files
         assert stack.status("pipe")["state"] == "ready"
         stack.api().unload("pipe")
         # Let go with it: the steps, idle for long now, leave.
