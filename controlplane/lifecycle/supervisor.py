@@ -37,7 +37,6 @@ SEQUENCE_POLL_SECS = 0.2  # how often a stop or a quiesce re-reads the live sequ
 STOP_TRANSITIONS_SECS = 15.0
 # How old the store's catalog may be for the sweep (the follower scans it every store_poll_secs or so).
 CATALOG_MAX_AGE_SECS = 30.0
-STORE_SCAN_SPACING = SCAN_SPACING  # the store's follower waits at least this many times its last scan's duration
 
 
 class Supervisor:
@@ -169,8 +168,8 @@ class Supervisor:
 
     def _store_delay(self) -> float:
         """``store_poll_secs``, or longer where a scan of the repository takes long (a stat per model): the follower
-        spends at most 1 / ``STORE_SCAN_SPACING`` of its time scanning."""
-        return max(self.settings.store_poll_secs, STORE_SCAN_SPACING * self.store.scan_secs)
+        spends at most 1 / ``SCAN_SPACING`` of its time scanning."""
+        return max(self.settings.store_poll_secs, SCAN_SPACING * self.store.scan_secs)
 
     def _sweep_delay(self) -> float:
         """The sweep interval, shortened to the next keep-alive decision when one is due sooner."""
