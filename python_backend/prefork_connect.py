@@ -106,10 +106,14 @@ def start_parent(identity: ParentIdentity) -> None:
         "journal_dir": os.environ.get(JOURNAL_ENV) or None,
     }
     root = os.path.dirname(_RUNTIME_DIR)
+    # It imports from the model's folder: its bytecode goes to PYTHONPYCACHEPREFIX, or nowhere (a file written into
+    # the repository is a change of the model to Triton, as the entry's _bytecode part says).
+    env = os.environ if os.environ.get("PYTHONPYCACHEPREFIX") else {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     proc = subprocess.Popen(
         [identity.interpreter, "-c", _BOOT, "snooze-prefork", root, json.dumps(config)],
         stdin=subprocess.DEVNULL,
         close_fds=True,
+        env=env,
     )
     proc.wait()  # the boot forks and its first process exits at once
 

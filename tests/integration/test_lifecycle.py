@@ -15,10 +15,12 @@ import functools
 import json
 import os
 import signal
+import sys
 import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import psutil
@@ -100,10 +102,17 @@ def triton(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedTriton]
     (root / "repo").mkdir()
     server = EmbeddedTriton(root / "repo", root / "work")
     try:
-        server.start()
+        # As a Triton started without PYTHONPYCACHEPREFIX (one a user runs): its stubs and the preforked parents
+        # then write no bytecode at all. Nothing but publishing writes into the repository: a file written there
+        # is a change of the model to Triton, which loads it anew when a load next names it.
+        with mock.patch.dict(os.environ, {"PYTHONPYCACHEPREFIX": "", "PYTHONDONTWRITEBYTECODE": ""}):
+            server.start()
         yield server
     finally:
         server.stop()
+    rendered = f"model.{sys.implementation.cache_tag}.pyc"  # each python model's entry, rendered with its bytecode
+    written = [str(p) for p in (root / "repo").rglob("*.pyc") if p.name != rendered]
+    assert not written, f"Triton's processes wrote into the model repository: {written[:5]}"
 
 
 @pytest.fixture(scope="module")
