@@ -33,6 +33,7 @@ from controlplane.lifecycle.workers import end_model_processes, parents_bytes, w
 from controlplane.metrics import SnoozeMetrics
 from controlplane.modes import Worker
 from controlplane.settings import Settings
+from controlplane.spec.schema import PackageKind
 from controlplane.tasks import read_task
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.journal import hung_phase, initialize_started
@@ -194,13 +195,18 @@ class Loader:
     def _steps_loaded(self, rec: ModelRecord) -> None:
         """An ensemble's load starts only with its published steps loaded: Triton would load a missing one itself,
         behind the lifecycle (its records, its memory budget). The wake loaded them; one that left since (a delete,
-        an unload or a republish of the step, forced meanwhile) fails this load, retryably."""
-        for step in ensemble_steps(rec.model):
+        an unload or a republish of the step, forced meanwhile) fails this load, retryably. The steps are the ones
+        published now, which Triton reads: a republish of the ensemble since its wake may name a step not woken."""
+        model = rec.model
+        if model.kind is PackageKind.TRITON_ENSEMBLE:
+            with contextlib.suppress(SnoozeError):  # deleted meanwhile: Triton's load fails, saying so
+                model = self.states.store.get(rec.id)
+        for step in ensemble_steps(model):
             step_rec = self.states.get(step)
             if (step_rec is None or step_rec.state is not ModelState.READY) and self.states.store.exists(step):
                 raise UnavailableError(
                     f"model '{rec.id}': its ensemble step '{step}' is not loaded (it was deleted, unloaded or "
-                    "republished while the ensemble loaded)",
+                    "republished while the ensemble loaded, or the ensemble was republished with it)",
                     hint="retry: the next request wakes the ensemble with its steps",
                     retry_after=1,
                 )

@@ -431,11 +431,21 @@ class LifecycleWorld:
     async def publish_ensemble_api(self, steps: tuple[str, ...], idle_timeout_secs: float = 5) -> None:
         """Publish or republish the ensemble ``ENSEMBLE`` of ``steps`` through the API, from a Triton ensemble folder
         (resolved as publish resolves one): the store, then ``published``. Its steps need not be published."""
+        await self._publish_spec(ENSEMBLE, self._ensemble_spec(steps, idle_timeout_secs))
+
+    async def remote_publish_ensemble(self, steps: tuple[str, ...], idle_timeout_secs: float = 5) -> None:
+        """Another node publishes or republishes ``ENSEMBLE`` of ``steps`` into the shared store (this one's store
+        follow notices it later)."""
+        self.other_node.publish(self._ensemble_spec(steps, idle_timeout_secs))
+        self._note_version(ENSEMBLE)
+        self.deleted.pop(ENSEMBLE, None)
+        self.changed[ENSEMBLE] = self.now
+
+    def _ensemble_spec(self, steps: tuple[str, ...], idle_timeout_secs: float) -> Any:
         folder = self.root / "ensembles" / str(next(self._sources))
         (folder / "1").mkdir(parents=True)
         (folder / "config.pbtxt").write_text(ensemble_config(ENSEMBLE, list(steps)))
-        spec = resolve(DeploymentSpec(id=ENSEMBLE, path=folder, idle_timeout_secs=idle_timeout_secs))
-        await self._publish_spec(ENSEMBLE, spec)
+        return resolve(DeploymentSpec(id=ENSEMBLE, path=folder, idle_timeout_secs=idle_timeout_secs))
 
     def publish_ensemble(self, name: str, steps: list[str], *, idle_timeout_secs: float = 5) -> None:
         """An ensemble of published ``steps`` (each runs every request, in order), written into the repository as a

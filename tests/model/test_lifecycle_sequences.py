@@ -624,3 +624,40 @@ def test_a_step_leaves_after_an_ensemble_whose_load_is_still_finishing(world):
     s(w.request("m3", None), 0.3)
     s(w.api_load("e0", 3), 0.05)
     s(w.publish("m2", 150, 2), 0.3)
+
+
+def test_an_ensemble_republished_with_a_new_step_during_its_wake_wakes_that_step_first(world):
+    """Found by the machine (seed 1833388226): e0 over (m1, m0) was waking when a republish gave it (m1, m2, m0).
+    Triton would load the new ensemble with m2 published and not loaded (it then loads m2 itself, behind the
+    lifecycle): the new step is woken first."""
+    s, w = world.step, world
+    s(w.publish("m0", 60, 1), 0.05)
+    s(w.publish("m2", 100, 1), 0.01)
+    s(w.publish("m1", 150, 1), 0.3)
+    s(w.publish_ensemble_api(("m1", "m0"), 5), 0.0)
+    s(w.request("e0", 0.3), 0.05)
+    s(w.publish("m3", 60, 1), 0.0)
+    s(w.publish_ensemble_api(("m1", "m2", "m0"), 1), 0.3)
+
+
+def test_an_ensemble_republished_elsewhere_while_its_load_waits_names_no_step_triton_must_load(world):
+    """e0 over m0 waits for a load slot (two slow loads hold both) when another node republishes it over m0 and m1.
+    The load reads what is published now: it checked its steps against what it read at its start, and Triton loaded
+    the new e0, whose m1 no one had woken (the real Triton then loads m1 itself, behind the lifecycle). It fails
+    retryably instead, and the next request wakes e0 with both steps."""
+    s, w = world.step, world
+    for m in ("m0", "m1", "m2", "m3"):
+        s(w.publish(m, 40, 1), 0.01)
+    s(w.publish_ensemble_api(("m0",), 5), 0.1)
+    s(w.request("m0"), 0.3)
+    for m in ("m2", "m3"):
+        s(w.script_load(m, "ok", 0.35), 0.0)
+        s(w.request(m), 0.0)
+    s(w.request("e0"), 0.3)  # its step is loaded; its own load waits for a slot
+    # the slots free 0.05 s after this, before this node's store follow notices (it would cancel the load)
+    s(w.remote_publish_ensemble(("m0", "m1")), 3.0)
+    first = [c.answer for c in w.answered if c.what == "request" and c.model == "e0"]
+    assert first and first[0].startswith(("200", "503")), first  # answered: the new e0, or retry
+    s(w.request("e0"), 1.0)
+    assert [c.answer for c in w.answered if c.what == "request" and c.model == "e0"][-1] == "200"
+    assert {"m0", "m1", "e0"} <= set(w.triton.ready())
