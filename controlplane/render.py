@@ -183,6 +183,12 @@ def _template(name: str, **values: Any) -> str:
     return _environment().get_template(name).render(**values)
 
 
+def python_entry(version: str, model_id: str) -> dict[str, bytes]:
+    """A python-backend model's ``<version>/model.py``, which runs the snoozeml runtime, with its bytecode."""
+    source = _environment().get_template("python_model.py.j2").render(model_id=model_id)
+    return with_bytecode(f"{version}/{PYTHON_MODEL_FILE}", source)
+
+
 def with_bytecode(path: str, source: str) -> dict[str, bytes]:
     """A python-backend entry file (``path`` in the model's folder) with its bytecode for this Python, hash-checked
     (PEP 552: valid whatever the file's mtime after a copy). The embedded Triton's stub runs this Python: it imports
@@ -264,8 +270,7 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
             rendered.copies.append((package.path / rel, f"{VERSION}/{PACKAGE_SUBDIR}/{rel}"))
         for src in _runtime_sources():
             rendered.copies.append((src, f"{VERSION}/{RUNTIME_SUBDIR}/{src.name}"))
-        entry = _environment().get_template("python_model.py.j2").render(model_id=spec.id)
-        rendered.writes.update(with_bytecode(f"{VERSION}/{PYTHON_MODEL_FILE}", entry))
+        rendered.writes.update(python_entry(VERSION, spec.id))
         rendered.writes[f"{VERSION}/{SPEC_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
     else:
         # Native backends: the model file and its external-data files sit in the version folder.

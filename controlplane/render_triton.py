@@ -136,7 +136,7 @@ def triton_files(spec: ModelSpec, backend: str, rendered: Any, runtime_sources: 
     """Fill ``rendered`` (copies, writes, folders) with the folder's files as served on ``backend``.
 
     ``entry(template, **values)`` renders a template; ``runtime_sources`` is the python_backend runtime."""
-    from controlplane.render import PACKAGE_SUBDIR, RUNTIME_SUBDIR, runtime_config, with_bytecode
+    from controlplane.render import PACKAGE_SUBDIR, RUNTIME_SUBDIR, python_entry, runtime_config, with_bytecode
 
     package = spec.package
     folder = package.triton
@@ -153,9 +153,7 @@ def triton_files(spec: ModelSpec, backend: str, rendered: Any, runtime_sources: 
                 rendered.copies.append((package.path / str(version) / rel, f"{version}/{PACKAGE_SUBDIR}/{rel}"))
             runtime = {**runtime_config(spec), "kind": PackageKind.ONNX.value, "onnx_file": folder.model_file}
             rendered.writes[f"{version}/{SPEC_FILE}"] = (json.dumps(runtime, indent=2) + "\n").encode()
-            rendered.writes.update(
-                with_bytecode(f"{version}/{PYTHON_MODEL_FILE}", entry("python_model.py.j2", model_id=spec.id))
-            )
+            rendered.writes.update(python_entry(str(version), spec.id))
         elif backend == PYTHON:
             for rel in files:
                 dest = f"{USER_MODULE}.py" if rel == folder.model_file else rel

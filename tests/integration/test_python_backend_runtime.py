@@ -18,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jinja2
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -26,12 +25,12 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 import python_backend
+from controlplane.render import python_entry
 from harness.parallel_torch import PARALLEL_TORCH_MODEL
 from harness.probes import until
 
 pytestmark = pytest.mark.integration
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "model_repository_templates" / "python_model.py.j2"
 TRITON_TYPES = {"FP32": "TYPE_FP32", "INT64": "TYPE_INT64", "BYTES": "TYPE_STRING"}
 WIRE_NAMES = {np.dtype(np.float32): "FP32", np.dtype(np.int64): "INT64", np.dtype(object): "BYTES"}
 
@@ -105,7 +104,9 @@ def build_model(
             sequence=sequence,
         )
     )
-    (version / "model.py").write_text(jinja2.Template(TEMPLATE.read_text()).render(model_id=name))
+    for rel, data in python_entry("1", name).items():  # model.py (and its bytecode), as publishing renders it
+        (repo / name / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name / rel).write_bytes(data)
     (version / "python_backend").mkdir()
     for src in python_backend.runtime_files():
         shutil.copy(src, version / "python_backend")
@@ -447,7 +448,10 @@ def test_predict_past_request_timeout(triton, worker):
         call(0)
     assert "is not healthy" in e.value.message()
     assert time.monotonic() - started < 5.0
-    triton["http"].load_model(model)  # what the control plane's recovery does
+    # what the control plane's recovery does: an unload, then a load (a load alone of a loaded model whose files are
+    # unchanged keeps it as it is, dead stub included; it rebuilt it only while a first load wrote __pycache__)
+    triton["http"].unload_model(model)
+    triton["http"].load_model(model)
     assert call(0)["secs"].tolist() == [[0.0]]
 
 

@@ -47,6 +47,7 @@ def test_wheel_contains_runtime_data(tmp_path: Path) -> None:
         "model_repository_templates/tensorrt.pbtxt.j2",
         "model_repository_templates/_tensors.pbtxt.j2",
         "model_repository_templates/python_model.py.j2",
+        "model_repository_templates/_bytecode.py.j2",
         "python_backend/triton_model.py",
         "controlplane/gateway/envoy.yaml.j2",
         "converters/onnx_inspect.py",
