@@ -53,7 +53,7 @@ import json
 import signal
 import struct
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,9 @@ from harness.virtual_time import EPOCH
 from python_backend.doze import BUSY
 
 MIB = 1024 * 1024
+Sent = tuple[
+    tuple[int, int] | None, frozenset[str]
+]  # a load call's view of the repository: the model's folder, the names
 DEAD_STUB_WAIT = 1.0  # Triton's wait before failing a request sent to a dead stub (about a second, measured)
 SIGSEGV_STATUS = signal.SIGSEGV  # the wait status of a process killed by SIGSEGV
 SIGKILL_STATUS = signal.SIGKILL
@@ -241,10 +244,17 @@ class FakeTriton:
             entries.append(RepositoryEntry(name, "1" if m else None, state, m.reason if m else None))
         return entries
 
-    async def load(self, name: str, config: dict[str, Any] | None = None, timeout: float = 300) -> None:
+    def load(self, name: str, config: dict[str, Any] | None = None, timeout: float = 300) -> Coroutine[Any, Any, None]:
         """Blocks until Triton loaded or failed the model; a client that gives up does not stop Triton."""
+        # What the repository held when the call was made (the lifecycle's checks run just before it): Triton reads
+        # it a moment later, and a publish between the two is outside any check the lifecycle can make
+        # (``_load_ensemble``).
+        sent = self._files(name), frozenset(p.name for p in self.repository.iterdir())
+        return self._load_call(name, config, timeout, sent)
+
+    async def _load_call(self, name: str, config: dict[str, Any] | None, timeout: float, sent: Sent) -> None:
         self.calls["load"] += 1
-        work = asyncio.ensure_future(self._load(name, config, self._files(name)))
+        work = asyncio.ensure_future(self._load(name, config, sent))
         self._server_tasks.add(work)
         work.add_done_callback(self._server_tasks.discard)
         work.add_done_callback(lambda t: t.cancelled() or t.exception())  # the client hears it, or gave up
@@ -261,7 +271,7 @@ class FakeTriton:
         except OSError:
             return None
 
-    async def _load(self, name: str, override: dict[str, Any] | None, sent: tuple[int, int] | None = None) -> None:
+    async def _load(self, name: str, override: dict[str, Any] | None, sent: Sent = (None, frozenset())) -> None:
         self.loads_in_flight[name] += 1
         if self.loads_in_flight[name] > 1:
             self.overlaps.append(f"two loads of '{name}' at once")
@@ -270,7 +280,7 @@ class FakeTriton:
         finally:
             self.loads_in_flight[name] -= 1
 
-    async def _load_once(self, name: str, override: dict[str, Any] | None, sent: tuple[int, int] | None) -> None:
+    async def _load_once(self, name: str, override: dict[str, Any] | None, sent: Sent) -> None:
         folder = self.repository / name
         try:
             text = (folder / "config.pbtxt").read_text(encoding="utf-8")
@@ -282,7 +292,7 @@ class FakeTriton:
             raise TritonModelLoadError(name, f"failed to load '{name}': {e}") from None
         old = self.models.get(name)
         if config.get("platform") == "ensemble":
-            self._load_ensemble(name, config, files, raced=sent != files)
+            self._load_ensemble(name, config, files, sent)
             return
         # the instances, once per version served (a Triton folder's version_policy: the record's versions)
         count = int((config.get("instance_group") or [{}])[0].get("count", 1)) * len(record.get("versions") or [1])
@@ -325,16 +335,19 @@ class FakeTriton:
                 self.down_with_step.discard(ensemble)
                 self.models[ensemble].state, self.models[ensemble].reason = "READY", ""
 
-    def _load_ensemble(self, name: str, config: dict[str, Any], files: tuple[int, int], *, raced: bool) -> None:
+    def _load_ensemble(self, name: str, config: dict[str, Any], files: tuple[int, int], sent: Sent) -> None:
         """An ensemble: no process of its own; its steps must be loaded (Triton would load them itself: snoozeml loads
         them first, so a step found unloaded here is a failure of the lifecycle's, reported as a load error).
-        ``raced``: the ensemble was republished between the load call and this read of its folder, so it may name a
-        step the lifecycle never saw in it (checked up to the call): not judged as the lifecycle's miss."""
+        ``sent``: the repository when the load call was sent. The lifecycle checks the steps up to the call; what was
+        published between the call and this read (the ensemble, naming a step the lifecycle never saw in it, or a
+        step) is not its miss."""
         steps = [s["model_name"] for s in config.get("ensemble_scheduling", {}).get("step", [])]
         missing = [s for s in steps if s not in self.ready()]
         if missing:
-            if not raced:
-                self.ensemble_misses.append((name, [step for step in missing if self.is_published(step)]))
+            sent_files, present = sent
+            if sent_files == files:
+                published = [step for step in missing if step in present and self.is_published(step)]
+                self.ensemble_misses.append((name, published))
             raise TritonModelLoadError(name, f"ensemble '{name}': steps not loaded: {missing}")
         m = self.models.get(name) or Loaded(name, "UNAVAILABLE")
         m.stubs, m.config, m.state, m.reason, m.files, m.served = [], config, "READY", "", files, 0
