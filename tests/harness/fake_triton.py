@@ -71,9 +71,8 @@ from harness.virtual_time import EPOCH
 from python_backend.doze import BUSY
 
 MIB = 1024 * 1024
-Sent = tuple[
-    tuple[int, int] | None, frozenset[str]
-]  # a load call's view of the repository: the model's folder, the names
+# a load call's view of the repository: the model's folder (its identity), the names of the models in it
+Sent = tuple[tuple[int, int] | None, frozenset[str]]
 DEAD_STUB_WAIT = 1.0  # Triton's wait before failing a request sent to a dead stub (about a second, measured)
 SIGSEGV_STATUS = signal.SIGSEGV  # the wait status of a process killed by SIGSEGV
 SIGKILL_STATUS = signal.SIGKILL
