@@ -183,9 +183,10 @@ def _template(name: str, **values: Any) -> str:
     return _environment().get_template(name).render(**values)
 
 
-def python_entry(version: str, model_id: str) -> dict[str, bytes]:
-    """A python-backend model's ``<version>/model.py``, which runs the snoozeml runtime, with its bytecode."""
-    source = _environment().get_template("python_model.py.j2").render(model_id=model_id)
+def python_entry(version: str, model_id: str, *, preforked: bool = False) -> dict[str, bytes]:
+    """A python-backend model's ``<version>/model.py``, which runs the snoozeml runtime, with its bytecode.
+    ``preforked``: it also imports the prefork machinery (its bytecode then cached with the runtime's)."""
+    source = _environment().get_template("python_model.py.j2").render(model_id=model_id, preforked=preforked)
     return with_bytecode(f"{version}/{PYTHON_MODEL_FILE}", source)
 
 
@@ -270,7 +271,7 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
             rendered.copies.append((package.path / rel, f"{VERSION}/{PACKAGE_SUBDIR}/{rel}"))
         for src in _runtime_sources():
             rendered.copies.append((src, f"{VERSION}/{RUNTIME_SUBDIR}/{src.name}"))
-        rendered.writes.update(python_entry(VERSION, spec.id))
+        rendered.writes.update(python_entry(VERSION, spec.id, preforked=dep.worker == Worker.PREFORKED))
         rendered.writes[f"{VERSION}/{SPEC_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
     else:
         # Native backends: the model file and its external-data files sit in the version folder.

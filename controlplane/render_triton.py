@@ -22,6 +22,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from controlplane.errors import InvalidPackageError
+from controlplane.modes import Worker
 from controlplane.spec import ModelSpec, PackageKind
 from controlplane.spec.triton_folder import (
     CONFIG_FILE,
@@ -153,7 +154,8 @@ def triton_files(spec: ModelSpec, backend: str, rendered: Any, runtime_sources: 
                 rendered.copies.append((package.path / str(version) / rel, f"{version}/{PACKAGE_SUBDIR}/{rel}"))
             runtime = {**runtime_config(spec), "kind": PackageKind.ONNX.value, "onnx_file": folder.model_file}
             rendered.writes[f"{version}/{SPEC_FILE}"] = (json.dumps(runtime, indent=2) + "\n").encode()
-            rendered.writes.update(python_entry(str(version), spec.id))
+            preforked = spec.deployment.worker == Worker.PREFORKED
+            rendered.writes.update(python_entry(str(version), spec.id, preforked=preforked))
         elif backend == PYTHON:
             for rel in files:
                 dest = f"{USER_MODULE}.py" if rel == folder.model_file else rel

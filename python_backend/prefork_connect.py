@@ -106,9 +106,11 @@ def start_parent(identity: ParentIdentity) -> None:
         "journal_dir": os.environ.get(JOURNAL_ENV) or None,
     }
     root = os.path.dirname(_RUNTIME_DIR)
-    # It imports from the model's folder: its bytecode goes to PYTHONPYCACHEPREFIX, or nowhere (a file written into
-    # the repository is a change of the model to Triton, as the entry's _bytecode part says).
-    env = os.environ if os.environ.get("PYTHONPYCACHEPREFIX") else {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    # It imports from the model's folder and writes no bytecode (a file written into the repository is a change of
+    # the model to Triton, as the entry's _bytecode part says). No PYTHONPYCACHEPREFIX either: under one, the
+    # frameworks it preloads would not read their own bytecode, and compile (torch: seconds) into it first.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.Popen(
         [identity.interpreter, "-c", _BOOT, "snooze-prefork", root, json.dumps(config)],
         stdin=subprocess.DEVNULL,
