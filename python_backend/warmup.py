@@ -9,8 +9,9 @@ is kept: it warms Triton's side of the first inference (tens of milliseconds for
 The sample's name says where its inputs came from (``snooze_warmup_<source>``): ``samples`` (the package
 shipped them: a failure fails the load with the model's error) or ``signature`` (generated: a failure is
 said once and the model loads). Inputs learned from the model's traffic (``learned_warmup.json`` in the
-model folder, written by the control plane) replace generated ones; the runtime notes the first real
-request's shapes (``ShapeNote``) so that the control plane can learn them.
+model folder, written by the control plane before the model's next load from unloaded, never while Triton
+holds it) replace generated ones; the runtime notes the first real request's shapes (``ShapeNote``) so that
+the control plane can learn them.
 
 Reads what ``controlplane/warmup_samples.py`` renders (and what Triton reads): per input ``zero_data``, or
 ``input_data_file`` under ``<model>/warmup/`` holding raw little-endian values, or for strings 4-byte

@@ -29,6 +29,7 @@ from controlplane.lifecycle.memory.plan import EvictFn, carry_out
 from controlplane.lifecycle.residency import Residency
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, UnloadReason
 from controlplane.lifecycle.warmth import Warmth
+from controlplane.lifecycle.warmups import keep_pending
 from controlplane.lifecycle.workers import end_model_processes, parents_bytes, worker_bytes, workers_of
 from controlplane.metrics import SnoozeMetrics
 from controlplane.modes import Worker
@@ -99,6 +100,8 @@ class Loader:
         (pre-warms): unload nothing to make room, raise ``NoRoomToPrewarm`` where the estimate does not fit.
         """
         rec.model = self.states.store.get(rec.id)  # Triton reads what is published now
+        if rec.state is not ModelState.READY:  # from unloaded: Triton reads the folder afresh (a loaded one: never)
+            keep_pending(rec)
         await self._wait_for_triton(rec)
         bounded = trigger == "request"  # a wake-up gives up the queue when its requests' wait bounds pass
         async with self.admission.slot(rec, bounded=bounded):

@@ -198,6 +198,9 @@ class LoadRecord:
     override_loaded: bool = False  # Triton holds the model loaded with a client's override
     warmup: str | None = None  # its last load's warm-up: source, or why it was skipped (lifecycle/warmups.py)
     warmup_said: str | None = None  # the skipped warm-up already logged (said once)
+    # input shapes its traffic showed, kept into its folder before its next load from unloaded (never while Triton
+    # holds it: a file written into a loaded model's folder makes Triton load it anew when a load next names it)
+    learned: tuple[str, dict[str, dict[str, Any]]] | None = None  # (its publish token, the shapes)
     # the load task cancel.py ended last, why, and when the cancel is over: the requests that waited on it are told
     cancelled: CancelledLoad | None = None
     # why each load task cancel.py ended was ended, while the task lives: a request woken after a later load was

@@ -26,7 +26,7 @@ def configured_source(rec: ModelRecord) -> str | None:
         source = (recorded or None) if recorded is not None else plan_source(rec.model.config_text)
     except Exception:  # deleted or republished meanwhile: nothing to say
         return None
-    if source == "signature" and rec.model.backend == "python" and learned_shapes(rec.model.path):
+    if source == "signature" and rec.model.backend == "python" and (rec.load.learned or learned_shapes(rec.model.path)):
         return "learned"
     return source
 
@@ -47,9 +47,21 @@ def harvest(rec: ModelRecord, journal_dir: Path | None) -> None:
             rec.load.warmup_said = skipped
             log.warning("model '%s': warmup: %s", rec.id, skipped)
     learned = next((n["learned"] for n in notes if isinstance(n.get("learned"), dict) and n["learned"]), None)
-    if learned and rec.model.backend == "python" and keep_learned(rec.model.path, learned):
-        shapes = ", ".join(f"{k} {v.get('shape')}" for k, v in learned.items())
-        log.info("model '%s': learned its warm-up from traffic: %s", rec.id, shapes)
+    if learned and rec.model.backend == "python" and learned != learned_shapes(rec.model.path):
+        pending = rec.load.learned
+        if pending is None or pending != (rec.model.publish, learned):
+            rec.load.learned = (rec.model.publish, learned)
+            shapes = ", ".join(f"{k} {v.get('shape')}" for k, v in learned.items())
+            log.info("model '%s': learned its warm-up from traffic: %s (kept for its next load)", rec.id, shapes)
+
+
+def keep_pending(rec: ModelRecord) -> None:
+    """Write the shapes ``harvest`` learned into the model's folder, before a load of the model from unloaded: Triton
+    reads the folder afresh for that load anyway, while a file written into a loaded model's folder is a change of
+    the model to Triton, which loads it anew (its instances replaced) when a load next names it (an ensemble's)."""
+    pending, rec.load.learned = rec.load.learned, None
+    if pending is not None and pending[0] == rec.model.publish:  # learned from this publish, not an earlier one
+        keep_learned(rec.model.path, pending[1])
 
 
 def status_line(rec: ModelRecord) -> str | None:

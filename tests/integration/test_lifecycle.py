@@ -38,6 +38,7 @@ from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.dead_stub import is_dead_stub_http_body
 from controlplane.triton.launcher import EmbeddedTriton
+from controlplane.warmup_samples import LEARNED_FILE, read_note
 from harness.probes import until_async
 
 pytestmark = pytest.mark.integration
@@ -577,3 +578,34 @@ async def test_a_model_adopted_at_start_is_unloaded_by_its_policy(make_manager, 
     assert manager.status(model).state is ModelState.READY
     await loop_until(lambda: manager.status(model).state is ModelState.UNLOADED, "the idle unload of the adopted model")
     assert manager.status(model).keep_alive["reason"].startswith("learning")
+
+
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under ``folder``: (size, mtime in ns), what Triton's modification check reads."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+async def test_what_traffic_taught_a_loaded_model_is_kept_before_its_next_load(make_manager, publish, triton, store):
+    """The shapes a model's first request showed replace its generated warm-up at its next load. They are written into
+    its folder before that load, never while Triton holds the model: a file written into a loaded model's folder is a
+    change of the model to Triton, which then loads it anew (its instances replaced) when a load next names it, an
+    ensemble's over it included (a CI run's ensemble test met that)."""
+    model = publish("learns")
+    manager = await make_manager()
+    await manager.ensure_ready(model)
+    folder = store.get(model).path
+    before = _files(folder)
+    assert (await infer(triton, model)).status_code == 200
+    rec = manager.states.records[model]
+
+    def noted() -> bool:
+        notes = [read_note(triton.journal_dir, s.pid, s.start_ticks) for s in rec.procs.stubs]
+        return any(n and n.get("learned") for n in notes)
+
+    await loop_until(noted, "the model process to note its request's shapes")
+    await asyncio.sleep(1.0)  # five sweeps, each of which reads that note
+    assert _files(folder) == before  # nothing written while Triton holds it
+    await manager.unload(model)
+    await manager.ensure_ready(model)
+    assert (folder / LEARNED_FILE).is_file()
+    assert manager.status(model).warmup == "learned"

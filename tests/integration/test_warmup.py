@@ -174,7 +174,7 @@ def test_learned_shapes_replace_the_generated_inputs(embedded_triton, model_repo
         infer_ones(client, "warm-learns", rows=4)
         [note] = notes(embedded_triton.journal_dir, "warm-learns")
         assert note["source"] == "signature" and note["learned"]["x"] == {"shape": [4, 2], "datatype": "FP32"}
-        assert keep_learned(model_repo / "warm-learns", note["learned"])  # what the control plane's sweep does
+        assert keep_learned(model_repo / "warm-learns", note["learned"])  # what the control plane does before a load
         assert learned_shapes(model_repo / "warm-learns") == note["learned"]
         client.unload_model("warm-learns")
         client.load_model("warm-learns")
