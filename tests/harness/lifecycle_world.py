@@ -183,7 +183,10 @@ class LifecycleWorld:
         self.versions: dict[str, dict[tuple[int, int], int]] = {}
         # model -> (when a publish through the API returned, the version it published): requests sent to Triton
         # after that are answered by that version or a newer one (unless a reload failed: Triton keeps the old)
-        self.settled: dict[str, tuple[float, int]] = {}
+        # model -> (the order its last API publish returned in, its version): ``_order`` numbers what happens, in the
+        # event loop's order (a request sent in the same virtual instant as a publish returned came before or after)
+        self.settled: dict[str, tuple[int, int]] = {}
+        self._order = itertools.count()
         self.stale: list[str] = []  # answers that broke that rule, or told a waiting request a republish failed it
         self.changed: dict[str, float] = {}  # model -> when the store last changed it (virtual seconds)
         self.paused_since: float | None = None
@@ -301,7 +304,7 @@ class LifecycleWorld:
         """Triton's answer to ``rid``; one served by a version older than a publish that returned before it was sent
         is a violation (a republish's waiters and later requests get the new version), unless Triton kept the old
         version (its reload failed) when it was sent or when it was answered."""
-        sent = self.now
+        sent = next(self._order)
         kept = model in self.triton.kept_old  # a later reload that succeeds clears it: read it now too
         answer = await self.triton.infer(model, rid)
         settled = self.settled.get(model)
@@ -422,7 +425,7 @@ class LifecycleWorld:
                 self.changed[model] = self.now
                 await self.manager.published(model)
                 if model not in self.deleted:  # another node's delete during the publish: the delete rule governs
-                    self.settled[model] = (self.now, version)
+                    self.settled[model] = (next(self._order), version)
             return "published"
 
         self._start("publish", model, self._api(go()), self._api_bound())

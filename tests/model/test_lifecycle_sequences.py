@@ -684,3 +684,22 @@ def test_a_step_published_as_an_ensembles_load_is_sent_is_not_the_lifecycles_mis
     s(w.burst("e0", 10), 1.0)
     s(w.publish("m0", 100, 1), 1.0)
     s(w.api_load("m1", 3), 0.05)
+
+
+def test_a_request_sent_in_the_instant_a_republish_returns_but_before_it_may_get_the_old_version(world):
+    """Found by the machine (seed 1400259066), a rule of the test world's: the activator re-sent req-10 (its stub had
+    died) in the virtual instant in which the republish of version 3 returned, but before it did, in the event loop's
+    order, and version 2 answered it. The world compared the two instants and took the request as sent after the
+    publish; it now compares the order in which they happened."""
+    s, w = world.step, world
+    s(w.burst("m2", 5), 0.05)
+    s(w.publish("m1", 60, 2), 0.3)
+    s(w.request("e0", None), 0.0)
+    s(w.request("m0", None), 0.0)
+    s(w.api_override("m1", 16), 0.01)
+    s(w.hold("m1"), 0.05)
+    s(w.republish_while_waiting("m1", "ok", 1), 0.05)
+    s(w.crash("m1"), 1.0)
+    s(w.request("m1", None), 0.01)
+    s(w.publish("m1", 60, 1), 0.0)
+    s(w.remote_publish("m0", 60), 1.0)
