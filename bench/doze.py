@@ -63,7 +63,7 @@ def _entries(root: Path, models: list[str]) -> list[dict[str, Any]]:
         "torch-mlp": EXAMPLES / "torch-mlp",
         "torch-conv": CONV_PACKAGE,
         "weights-100mib": root / "weights-100mib",
-        "onnx-mlp": EXAMPLES / "onnx-mlp",  # the onnxruntime runner in a worker (it imports onnxruntime itself)
+        "onnx-mlp": EXAMPLES / "onnx-mlp",  # the onnxruntime runner in a worker (the parent's spare imported it)
     }
     if "weights-100mib" in models:
         _weights_package(paths["weights-100mib"])
@@ -93,13 +93,13 @@ def _in_process_load(package: Path, params: dict[str, Any], repeats: int) -> flo
 
 
 def _load_floor(package: Path, repeats: int) -> float:
-    """``load()`` in this process: a custom package's, or for an ONNX package onnxruntime's import (in a fresh
-    interpreter, as its worker pays it) and its session."""
+    """``load()`` in this process: a custom package's, or for an ONNX package its session, in a fresh interpreter
+    that has imported onnxruntime (as the preloaded parent's spare worker has, prefork_parent.py)."""
     if (package / "snooze_model.py").exists():
         params = json.loads((package / "snooze_model.json").read_text()).get("params") or {}
         return _in_process_load(package, params, repeats)
     code = (
-        "import time, numpy; t = time.perf_counter(); import onnxruntime as ort; "
+        "import time, numpy, onnxruntime as ort; t = time.perf_counter(); "
         f"ort.InferenceSession({str(package / 'model.onnx')!r}); print(time.perf_counter() - t)"
     )
     runs = [

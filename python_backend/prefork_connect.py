@@ -26,7 +26,7 @@ from .prefork_protocol import (
     recv_frame,
     send_json,
 )
-from .spec import RuntimeSpec
+from .spec import RuntimeKind, RuntimeSpec
 
 PARENT_CONNECT_SECS = 15.0  # the parent binds its socket first thing: a slow start on a busy machine
 STATUS_ASK_SECS = 3.0  # how long a stub waits for the parent to say how its worker ended
@@ -85,10 +85,12 @@ class ParentIdentity:
 
 def parent_identity(spec: RuntimeSpec, interpreter: str, server_pid: int | None = None) -> ParentIdentity:
     triton = server_pid or os.getppid()  # the stub is tritonserver's child
+    # The onnxruntime runner's framework: its parent's spare worker imports it ahead of the wake (prefork_parent.py)
+    runner = ("onnxruntime",) if spec.kind is RuntimeKind.ONNX else ()
     return ParentIdentity(
         interpreter,
         runtime_digest(),
-        tuple(dict.fromkeys(("numpy", *spec.preload))),
+        tuple(dict.fromkeys(("numpy", *runner, *spec.preload))),
         tuple(sorted(spec.env.items())),
         triton,
         start_ticks(triton),

@@ -14,6 +14,12 @@ its worker is killed (a worker stuck in C code holding the GIL cannot watch for 
 workers are reaped here, and their wait status is kept for the STATUS question a stub asks when its
 worker died under it. Only processes of the same uid may connect (SO_PEERCRED).
 
+Modules whose import starts threads no fork survives (``FORK_UNSAFE_IMPORTS``: onnxruntime) are never imported
+here. Where the preload set names one, the parent keeps one *spare*: a child forked ahead of need that imports them
+after its fork and waits. A SPAWN is handed to the spare (the stub's connection travels with it) and a new spare is
+forked a moment later, so a worker finds its framework imported without the parent ever running its threads. The
+spare (``snooze-spare``) is counted with the parent's memory.
+
 Where ``$SNOOZE_JOURNAL_DIR`` is set, ``prefork-<key>.parent`` (JSON) in it says the parent exists:
 the control plane shows its memory in status and counts it in the memory budget.
 """
@@ -46,6 +52,7 @@ from .prefork_preload import (
     native_threads,
     preload,
     set_process_name,
+    split_preload,
     thread_ids,
     unsafe_threads,
     warm_kernels,
@@ -61,11 +68,14 @@ from .prefork_protocol import (
     abstract_name,
     parse_json,
     recv_frame,
+    send_frame,
     send_json,
 )
 
 STATUS_WAIT_SECS = 2.0  # a STATUS question about a live worker waits this long for it to be reaped
 REAPED_KEPT = 1024
+SPARE_AFTER_SECS = 0.5  # a new spare is forked this long after the last one was handed a worker (off the wake's path)
+SPARE_BACKOFF_MAX_SECS = 60.0  # a spare that dies unused is forked again after 1, 2, 4 ... s, up to this
 POLL_SECS = 1.0  # without pidfds: how often Triton is looked at
 
 
@@ -130,6 +140,12 @@ class _Worker:
     stub_ticks: int
 
 
+@dataclasses.dataclass
+class _Spare:
+    pid: int
+    sock: socket.socket  # the parent's end: a SPAWN frame with the stub's connection makes it a worker
+
+
 class PreloadedParent:
     def __init__(self, config: ParentConfig) -> None:
         self.config = config
@@ -143,6 +159,12 @@ class PreloadedParent:
         self.questions: dict[socket.socket, tuple[int, float]] = {}  # STATUS asked about a live worker
         self.pools = ThreadPools()
         self.fork_safe: dict[int, str] = {}
+        self.spare_imports: tuple[str, ...] = ()
+        self.spare: _Spare | None = None
+        self.spare_due: float | None = None  # when to fork the next spare (monotonic)
+        self.spare_failures = 0  # spares in a row that died unused
+        self.record: dict[str, Any] | None = None  # what the journal's record says (rewritten as the spare changes)
+        self.record_file: str | None = None
 
     def run(self) -> int:
         set_process_name("snooze-prefork")
@@ -162,7 +184,8 @@ class PreloadedParent:
         # the runtime's own imports (standard library and numpy) came first: threads running now are numpy's
         early = thread_ids() - {os.getpid()}
         started: dict[str, set[int]] = {}
-        imported, failed = preload(self.config.preload, started)
+        in_parent, self.spare_imports = split_preload(self.config.preload)
+        imported, failed = preload(in_parent, started)
         started["numpy"] = started.get("numpy", set()) | early
         self.pools.limit()
         # SNOOZE_PREFORK_WARM_KERNELS=0 in Triton's environment skips it (to measure what it saves)
@@ -189,8 +212,11 @@ class PreloadedParent:
         gc.collect()
         gc.freeze()  # the imported objects stay out of the collector's way: fewer pages copied per worker
         record = self._write_record(imported, failed, threads, warmed, len(unsafe))
+        if self.spare_imports and not unsafe:
+            self.spare_due = time.monotonic()
         try:
             self._setup_signals()
+            self._fork_spare_when_due()
             self._loop()
         finally:
             if record:
@@ -206,8 +232,8 @@ class PreloadedParent:
         directory = self.config.journal_dir
         if not directory or not os.path.isdir(directory):
             return None
-        path = record_path(directory, self.config.key)
-        record = {
+        self.record_file = record_path(directory, self.config.key)
+        self.record = {
             "pid": os.getpid(),
             "start_ticks": start_ticks(),
             "key": self.config.key,
@@ -220,18 +246,27 @@ class PreloadedParent:
             "threads": threads,
             "fork_safe_threads": len(self.fork_safe),
             "unsafe_threads": unsafe,  # > 0: it refuses to fork (its models load in their stubs)
+            "spare_imports": list(self.spare_imports),  # imported by its spare worker, after the fork
+            "spare_pid": None,  # the spare waiting now (its memory is the parent's, in status and the budget)
+            "spare_start_ticks": None,
             "thread_pools": self.pools.describe(),
             "triton_pid": self.config.triton_pid,
             "started_at": time.time(),
         }
-        tmp = f"{path}.{os.getpid()}.tmp"
+        return self.record_file if self._save_record() else None
+
+    def _save_record(self, **changes: Any) -> bool:
+        if self.record is None or self.record_file is None:
+            return False
+        self.record.update(changes)
+        tmp = f"{self.record_file}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(record, f)
-            os.replace(tmp, path)
+                json.dump(self.record, f)
+            os.replace(tmp, self.record_file)
         except OSError:
-            return None
-        return path
+            return False
+        return True
 
     def _setup_signals(self) -> None:
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -264,6 +299,7 @@ class PreloadedParent:
                 else:
                     self._request(tag)
             self._reap()
+            self._fork_spare_when_due()
             self._answer_questions()
             if self.triton_fd is None and not _alive(self.config.triton_pid, self.config.triton_start_ticks):
                 self._stop()
@@ -271,8 +307,11 @@ class PreloadedParent:
             self._poll_stubs()
 
     def _timeout(self) -> float:
-        if self.questions:
-            return max(0.0, min(deadline for _, deadline in self.questions.values()) - time.monotonic())
+        deadlines = [deadline for _, deadline in self.questions.values()]
+        if self.spare_due is not None:
+            deadlines.append(self.spare_due)
+        if deadlines:
+            return max(0.0, min(deadlines) - time.monotonic())
         polled = self.triton_fd is None or any(w.stub_fd is None for w in self.workers.values())
         return POLL_SECS if polled else 60.0
 
@@ -322,6 +361,8 @@ class PreloadedParent:
                 send_json(conn, ERROR, {"kind": REFUSED, "message": reason})
             self._close(conn)
             return
+        if self._hand_to_spare(conn, request):
+            return
         pid = os.fork()
         if pid == 0:
             try:
@@ -333,6 +374,9 @@ class PreloadedParent:
                 os._exit(prefork_worker.EXIT_CRASHED)
             prefork_worker.serve(conn, request)  # never returns
         self._close(conn)
+        self._track(pid, request)
+
+    def _track(self, pid: int, request: prefork_worker.SpawnRequest) -> None:
         stub_fd = _pidfd(request.stub_pid, request.stub_start_ticks)
         worker = _Worker(pid, request.stub_pid, stub_fd if stub_fd != -1 else None, request.stub_start_ticks)
         self.workers[pid] = worker
@@ -341,9 +385,81 @@ class PreloadedParent:
         elif stub_fd is not None:
             self.selector.register(stub_fd, selectors.EVENT_READ, worker)
 
-    def _forget_in_child(self, keep: socket.socket) -> None:
-        """In a fresh worker: close everything of the parent's but the worker's own connection."""
+    # --- the spare
+
+    def _fork_spare_when_due(self) -> None:
+        if self.spare is not None or self.spare_due is None or time.monotonic() < self.spare_due:
+            return
+        self.spare_due = None
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:
+            mine.close()
+            self._spare_child(theirs)  # never returns
+        theirs.close()
+        self.spare = _Spare(pid, mine)
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            self._save_record(spare_pid=pid, spare_start_ticks=start_ticks(pid))
+
+    def _spare_child(self, sock: socket.socket) -> None:
+        """In the spare: import what the parent cannot, wait to be handed a worker's SPAWN, then serve it."""
+        try:
+            self._forget_in_child(None)
+            prefork_worker.reset_signals()
+            set_process_name("snooze-spare")
+            self.pools.restore()
+            preload(self.spare_imports)  # a failure is logged: the model's own import fails with its name on it
+            kind, body, fd = recv_frame(sock)
+            if kind != SPAWN or fd is None:
+                raise ProtocolError(f"a spare expects SPAWN with the stub's connection, got frame type {kind}")
+            request = prefork_worker.SpawnRequest.from_json(parse_json(kind, body))
+            sock.close()
+            conn = socket.socket(fileno=fd)
+            conn.setblocking(True)
+            set_process_name("snooze-worker")
+        except PeerClosed:
+            os._exit(0)  # the parent is gone (or ended its spare)
+        except BaseException:
+            os._exit(prefork_worker.EXIT_CRASHED)
+        prefork_worker.serve(conn, request)  # never returns
+
+    def _hand_to_spare(self, conn: socket.socket, request: prefork_worker.SpawnRequest) -> bool:
+        """Make the spare this request's worker; False when there is none (or it is gone): fork one instead."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return False
+        try:
+            send_frame(spare.sock, SPAWN, json.dumps(dataclasses.asdict(request)).encode(), conn.fileno())
+        except OSError:
+            spare.sock.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(spare.pid, signal.SIGKILL)
+            self._schedule_spare(failed=True)
+            return False
+        spare.sock.close()
+        self._close(conn)
+        self._save_record(spare_pid=None, spare_start_ticks=None)  # a worker now: its stub's model is charged
+        self.spare_failures = 0
+        self._schedule_spare(failed=False)
+        self._track(spare.pid, request)
+        return True
+
+    def _schedule_spare(self, *, failed: bool) -> None:
+        if failed:
+            self.spare_failures += 1
+            delay = min(SPARE_BACKOFF_MAX_SECS, 2.0 ** (self.spare_failures - 1))
+        else:
+            delay = SPARE_AFTER_SECS
+        self.spare_due = time.monotonic() + delay
+
+    def _forget_in_child(self, keep: socket.socket | None) -> None:
+        """In a fresh worker or spare: close everything of the parent's but the worker's own connection."""
         self.selector.close()
+        self.record = self.record_file = None  # the parent's to write
+        if self.spare is not None:
+            self.spare.sock.close()
+            self.spare = None
+        self.spare_due = None
         if self.listener is not None:
             self.listener.close()
         for conn in list(self.clients):
@@ -390,6 +506,12 @@ class PreloadedParent:
             self.reaped[pid] = status
             while len(self.reaped) > REAPED_KEPT:
                 self.reaped.popitem(last=False)
+            if self.spare is not None and pid == self.spare.pid:  # died unused: its imports failed hard, or killed
+                log(f"the spare worker {pid} ended unused ({status:#x}); another one is forked later")
+                self.spare.sock.close()
+                self.spare = None
+                self._save_record(spare_pid=None, spare_start_ticks=None)
+                self._schedule_spare(failed=True)
             worker = self.workers.pop(pid, None)
             if worker is not None and worker.stub_fd is not None:
                 self.selector.unregister(worker.stub_fd)
@@ -412,6 +534,9 @@ class PreloadedParent:
 
     def _stop(self) -> None:
         """Triton is gone: so is everything this parent started."""
+        if self.spare is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.spare.pid, signal.SIGKILL)
         for worker in list(self.workers.values()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker.pid, signal.SIGKILL)

@@ -17,6 +17,9 @@ import time
 from typing import Any
 
 ALWAYS_PRELOADED = ("numpy",)
+# Modules whose import starts native threads that no fork survives (onnxruntime: a thread in a timed condition wait,
+# started by its native module). The parent never imports them: its spare worker does, after its fork (spare_imports).
+FORK_UNSAFE_IMPORTS = frozenset({"onnxruntime"})
 PR_SET_NAME = 15
 
 
@@ -60,6 +63,17 @@ def _maps_name(fragment: str) -> bool:
             return any(fragment in line.rsplit("/", 1)[-1] for line in f)
     except OSError:
         return False
+
+
+# More such modules, comma-separated, in the model's env (a parent's env is its models'): e.g. tensorflow.
+SPARE_IMPORTS_ENV = "SNOOZE_PREFORK_SPARE_IMPORTS"
+
+
+def split_preload(modules: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``modules`` as (what the parent imports, what only its spare imports after the fork)."""
+    named = {m.strip() for m in os.environ.get(SPARE_IMPORTS_ENV, "").split(",") if m.strip()}
+    unsafe = tuple(m for m in modules if m.split(".")[0] in FORK_UNSAFE_IMPORTS or m in named)
+    return tuple(m for m in modules if m not in unsafe), unsafe
 
 
 def preload(

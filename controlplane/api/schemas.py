@@ -51,11 +51,17 @@ class PreloadedParentBody(BaseModel):
     warm_secs: dict[str, float] = Field(
         default_factory=dict, description="Seconds spent warming each module's kernels and thread pools before forking"
     )
-    memory_bytes: int | None = Field(
-        None, description="Its own memory (Pss: its share of the pages its workers share with it)"
+    spare_imports: list[str] = Field(
+        default_factory=list,
+        description="Modules it never imports (their import starts threads no fork survives, e.g. onnxruntime): its "
+        "spare worker, forked ahead of need, imports them and is handed the next model to load",
     )
-    unique_bytes: int | None = Field(None, description="USS: what would leave if it ended")
-    workers: int = Field(0, description="Workers it forked that are still running")
+    spare_pid: int | None = Field(None, description="The spare worker waiting now")
+    memory_bytes: int | None = Field(
+        None, description="Its own memory and its spare's (Pss: its share of the pages its workers share with it)"
+    )
+    unique_bytes: int | None = Field(None, description="USS: what would leave if it (and its spare) ended")
+    workers: int = Field(0, description="Workers it forked that are still running (its spare apart)")
 
 
 class WakeQueueEntry(BaseModel):

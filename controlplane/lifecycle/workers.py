@@ -60,6 +60,13 @@ class PreloadedParent:
     python: str
     import_secs: dict[str, float]
     warm_secs: dict[str, float] = field(default_factory=dict)
+    spare_imports: tuple[str, ...] = ()  # modules its spare worker imports after the fork (onnxruntime)
+    spare: tuple[int, int] | None = None  # (pid, start ticks) of the spare waiting to be a worker
+
+    def pids(self, proc_root: Path = Path("/proc")) -> list[int]:
+        """The parent and its live spare: what is charged as the parent's memory."""
+        spare = self.spare
+        return [self.pid] + ([spare[0]] if spare is not None and alive(spare[0], spare[1], proc_root) else [])
 
 
 def worker_note_path(journal_dir: Path, stub: StubProcess) -> Path:
@@ -158,6 +165,8 @@ def parents(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> list[P
                     str(raw.get("python") or ""),
                     dict(raw.get("import_secs") or {}),
                     dict(raw.get("warm_secs") or {}),
+                    tuple(raw.get("spare_imports") or ()),
+                    (int(raw["spare_pid"]), int(raw["spare_start_ticks"])) if raw.get("spare_pid") else None,
                 )
             except (KeyError, TypeError, ValueError):
                 continue
@@ -167,14 +176,21 @@ def parents(journal_dir: Path | None, proc_root: Path = Path("/proc")) -> list[P
 
 
 def parent_status(parent: PreloadedParent) -> dict[str, Any]:
-    """One parent's line in status: its own memory (Pss: its share of the pages its workers share with it)."""
+    """One parent's line in status: its own memory (Pss: its share of the pages its workers share with it), and its
+    spare worker's, which is the parent's until a stub is handed it."""
     pss = uss = None
     workers = 0
+    spare = None
+    pids = parent.pids()
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(parent.pid)
-        info = proc.memory_full_info()
-        pss, uss = info.pss, info.uss
-        workers = len(proc.children())
+        pss = uss = 0
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                info = psutil.Process(pid).memory_full_info()
+                pss, uss = pss + info.pss, uss + info.uss
+        spare = pids[1] if len(pids) > 1 else None
+        workers = sum(1 for c in proc.children() if c.pid != spare)
     return {
         "pid": parent.pid,
         "preload": list(parent.preload),
@@ -182,6 +198,8 @@ def parent_status(parent: PreloadedParent) -> dict[str, Any]:
         "python": parent.python,
         "import_secs": parent.import_secs,
         "warm_secs": parent.warm_secs,
+        "spare_imports": list(parent.spare_imports),
+        "spare_pid": spare,
         "memory_bytes": pss,
         "unique_bytes": uss,
         "workers": workers,
@@ -189,5 +207,6 @@ def parent_status(parent: PreloadedParent) -> dict[str, Any]:
 
 
 def parents_bytes(journal_dir: Path | None, proc_root: Path = Path("/proc"), *, max_age: float = 0.0) -> int:
-    """What the live preloaded parents hold (Pss, as their workers)."""
-    return held_bytes((p.pid for p in parents(journal_dir, proc_root)), proc_root, max_age=max_age)
+    """What the live preloaded parents hold, with their spare workers (Pss, as their workers)."""
+    pids = [pid for p in parents(journal_dir, proc_root) for pid in p.pids(proc_root)]
+    return held_bytes(pids, proc_root, max_age=max_age)

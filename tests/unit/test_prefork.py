@@ -564,3 +564,86 @@ def test_a_parent_running_a_thread_that_does_not_survive_a_fork_refuses_and_the_
 
 def parents_children(pid: int) -> list[int]:
     return [c.pid for c in psutil.Process(pid).children() if not gone(c.pid)]
+
+
+def spare_of(parent_pid: int, timeout: float = 10.0) -> psutil.Process:
+    """The parent's spare worker, once it is forked."""
+    deadline = time.monotonic() + timeout
+    while True:
+        spares = [c for c in psutil.Process(parent_pid).children() if not gone(c.pid) and c.name() == "snooze-spare"]
+        if spares:
+            return spares[0]
+        assert time.monotonic() < deadline, "the parent forked no spare worker"
+        time.sleep(0.02)
+
+
+SPARE_SPEC = {"preload": ["snooze_starts_a_thread"], "env": {"SNOOZE_PREFORK_SPARE_IMPORTS": "snooze_starts_a_thread"}}
+
+
+def thread_starting_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module that stands in for onnxruntime, whose import starts a native thread (FORK_UNSAFE_IMPORTS)."""
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / "snooze_starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(modules))  # the parent's interpreter finds it
+
+
+def test_a_module_whose_import_starts_threads_is_imported_by_a_spare_after_its_fork(
+    tmp_path, triton, journal, loaded, monkeypatch
+):
+    # the parent must not import the module, yet each worker should find it imported when its load starts
+    thread_starting_module(tmp_path, monkeypatch)
+    spec = SPARE_SPEC
+    first = loaded(*write_model(tmp_path, "a", **spec))
+    [record] = parent_records(journal)
+    assert record["spare_imports"] == ["snooze_starts_a_thread"] and record["unsafe_threads"] == 0
+    assert first.worker_pid is not None and first.in_stub is None  # forked, not refused
+    assert record["threads"] == 1 + record["fork_safe_threads"]  # the parent never imported it: no thread of its
+    spare = spare_of(record["pid"])  # the next one, forked after the first was handed its model
+    assert spare.pid != first.worker_pid and len(spare.threads()) >= 2  # it imported the module: its thread runs
+    second = loaded(*write_model(tmp_path, "b", **spec))
+    assert second.worker_pid == spare.pid  # the spare became the next worker
+    assert psutil.Process(second.worker_pid).name() == "snooze-worker"
+    x = np.array([[1, 2]], np.float32)
+    for model in (first, second):
+        out = model.predict({"x": x})
+        np.testing.assert_array_equal(out["y"], x * 2)
+        assert out["pid"].tolist() == [[model.worker_pid]]
+    first.unload()
+    second.unload()
+    third = spare_of(record["pid"])
+    triton.kill()  # the parent ends with its Triton, and takes its spare with it
+    triton.wait()
+    deadline = time.monotonic() + 10
+    while not (gone(third.pid) and gone(record["pid"])) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gone(third.pid) and gone(record["pid"])
+
+
+try:
+    from controlplane.lifecycle import workers as control_plane_workers
+except ImportError:  # the runtime's own run on Python 3.10 (make test-runtime-py310) has no control plane
+    control_plane_workers = None  # type: ignore[assignment]
+
+
+@pytest.mark.skipif(control_plane_workers is None, reason="the control plane is not installed (runtime-only run)")
+def test_the_control_plane_charges_the_spare_as_the_parents_memory(tmp_path, journal, loaded, monkeypatch):
+    assert control_plane_workers is not None
+    thread_starting_module(tmp_path, monkeypatch)
+    model = loaded(*write_model(tmp_path, "a", **SPARE_SPEC))
+    [record] = parent_records(journal)
+    spare = spare_of(record["pid"])
+    deadline = time.monotonic() + 10
+    while (found := control_plane_workers.parents(journal)) and found[0].spare is None:
+        assert time.monotonic() < deadline, "the parent's record never named its spare"
+        time.sleep(0.02)  # the record names the spare just after its fork
+    [parent] = control_plane_workers.parents(journal)
+    assert parent.spare is not None and parent.spare[0] == spare.pid and parent.pids() == [record["pid"], spare.pid]
+    line = control_plane_workers.parent_status(parent)
+    assert line["spare_pid"] == spare.pid and line["workers"] == 1 and line["spare_imports"] == SPARE_SPEC["preload"]
+    from controlplane.triton.processes import held_bytes
+
+    assert control_plane_workers.parents_bytes(journal) > held_bytes([record["pid"]])  # the spare is in it
+    model.unload()
