@@ -26,7 +26,7 @@ RUNTIME_TESTS := tests/unit/test_python_backend_batching.py tests/unit/test_pyth
                  tests/unit/test_prefork.py tests/unit/test_python_backend_strings.py tests/unit/test_triton_wrapper.py \
                  tests/unit/test_python_backend_bls_wake.py
 
-.PHONY: serve test test-runtime-py310 install install-dev examples bench lint clean engine images compose-test render soak
+.PHONY: serve test test-all test-runtime-py310 install install-dev examples bench lint clean engine images compose-test render soak
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,11 @@ serve: install examples $(VENV)/.installed-torch
 
 test: install-dev examples test-runtime-py310
 	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_SHUFFLE) $(PYTEST_ARGS)
+
+# Every variant of every test and the long ones too (slow: the full fault matrix, soaks, the machine's random seeds,
+# the bench's long sections); not the compose stack (make compose-test).
+test-all: install-dev examples test-runtime-py310
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_SHUFFLE) -m 'not compose' $(PYTEST_ARGS)
 
 $(VENV310)/.installed:
 	$(PYTHON310) -m venv $(VENV310)

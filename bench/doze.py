@@ -58,7 +58,10 @@ def _weights_package(folder: Path) -> Path:
 
 
 def _entries(root: Path, models: list[str]) -> list[dict[str, Any]]:
+    """``models``: names of the bench's own, or ``name=folder`` for any package (a model it has not seen)."""
+    given = {m: Path(m.split("=", 1)[1]) for m in models if "=" in m}
     paths = {
+        **given,
         "numpy-linear": EXAMPLES / "numpy-linear",
         "torch-mlp": EXAMPLES / "torch-mlp",
         "torch-conv": CONV_PACKAGE,
@@ -68,9 +71,13 @@ def _entries(root: Path, models: list[str]) -> list[dict[str, Any]]:
     if "weights-100mib" in models:
         _weights_package(paths["weights-100mib"])
     return [
-        {"id": m, "path": paths[m], "worker": "preforked", "idle_timeout_secs": 3600, "max_batch_size": 8}
+        {"id": _name(m), "path": paths[m], "worker": "preforked", "idle_timeout_secs": 3600, "max_batch_size": 8}
         for m in models
     ]
+
+
+def _name(model: str) -> str:
+    return model.split("=", 1)[0]
 
 
 def _in_process_load(package: Path, params: dict[str, Any], repeats: int) -> float:
@@ -185,34 +192,34 @@ async def _levels(root: Path, models: list[str], cycles: int, load_repeats: int)
     # doze_after_secs far above a cycle: only the bench dozes the models (LifecycleManager.dozing.doze)
     async with serving_stack(root, entries, doze_after_secs=3000, sweep_interval_secs=1.0) as stack:
         base = gateway_urls(stack)["http"]
-        requests = {m: _request(stack.store.get(m)) for m in models}
+        requests = {m: _request(stack.store.get(_name(m))) for m in models}
         async with aiohttp.ClientSession() as http:
             for m in models:  # one uncounted cycle: the parents start, the first loads' page faults
                 for level in LEVELS:
-                    await _to_level(stack, m, level, http, base, requests[m])
-                    await _post(http, base, m, requests[m])
+                    await _to_level(stack, _name(m), level, http, base, requests[m])
+                    await _post(http, base, _name(m), requests[m])
             for cycle in range(cycles):
                 for i, m in enumerate(models):
                     order = LEVELS[(cycle + i) % 3 :] + LEVELS[: (cycle + i) % 3]
                     for level in order:
-                        await _to_level(stack, m, level, http, base, requests[m])
+                        await _to_level(stack, _name(m), level, http, base, requests[m])
                         async with http.get(f"{base}/v2/health/live") as r:  # the connection is open
                             await r.read()
                         await asyncio.sleep(GAP_SECS)
-                        times[m][level].append(await _post(http, base, m, requests[m]))
+                        times[m][level].append(await _post(http, base, _name(m), requests[m]))
             for m in models:
-                await _to_level(stack, m, "warm", http, base, requests[m])
+                await _to_level(stack, _name(m), "warm", http, base, requests[m])
                 await asyncio.sleep(0.5)
-                awake = _held(stack, m)
-                await _to_level(stack, m, "doze", http, base, requests[m])
+                awake = _held(stack, _name(m))
+                await _to_level(stack, _name(m), "doze", http, base, requests[m])
                 await asyncio.sleep(0.5)
-                memory[m] = {"awake": awake, "dozing": _held(stack, m)}
-                await _to_level(stack, m, "unloaded", http, base, requests[m])
-        package_of = {e["id"]: Path(e["path"]) for e in entries}
+                memory[m] = {"awake": awake, "dozing": _held(stack, _name(m))}
+                await _to_level(stack, _name(m), "unloaded", http, base, requests[m])
+        package_of = {m: Path(e["path"]) for m, e in zip(models, entries, strict=True)}
     load_average["end"] = [round(x, 2) for x in os.getloadavg()]
     result: dict[str, Any] = {"cycles": cycles, "gap_secs": GAP_SECS, "load_average": load_average, "models": {}}
     for m in models:
-        result["models"][m] = {
+        result["models"][_name(m)] = {
             **{f"{lv}_s": summary(times[m][lv]) for lv in LEVELS},
             "load_in_process_s": round(_load_floor(package_of[m], load_repeats), 4),
             "memory": memory[m],

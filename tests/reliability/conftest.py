@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.serve import TOPOLOGIES, WORKERS, Serve, write_package
+from harness.variants import each_choice
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES)
@@ -25,11 +26,19 @@ def worker(request: pytest.FixtureRequest) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before the -m 'not slow' deselection reads the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Preforked workers beside a Triton of its own (two_process) are a long variant: marked slow."""
+    """Preforked workers beside a Triton of its own (two_process) are a long variant: marked slow. Of the rest, each
+    test runs every topology, worker, protocol and fault it is parametrized by at least once, not every combination
+    (harness/variants.py; make test-all runs them all)."""
+    here = Path(__file__).resolve().parent
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if params.get("topology") == "two_process" and params.get("worker") == "preforked":
+        if (
+            here in Path(str(item.path)).parents
+            and params.get("topology") == "two_process"
+            and params.get("worker") == "preforked"
+        ):
             item.add_marker(pytest.mark.slow)
+    each_choice(items, here)
 
 
 @pytest.fixture(scope="module")
