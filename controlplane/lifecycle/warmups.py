@@ -47,12 +47,12 @@ def harvest(rec: ModelRecord, journal_dir: Path | None) -> None:
             rec.load.warmup_said = skipped
             log.warning("model '%s': warmup: %s", rec.id, skipped)
     learned = next((n["learned"] for n in notes if isinstance(n.get("learned"), dict) and n["learned"]), None)
-    if learned and rec.model.backend == "python" and learned != learned_shapes(rec.model.path):
-        pending = rec.load.learned
-        if pending is None or pending != (rec.model.publish, learned):
-            rec.load.learned = (rec.model.publish, learned)
-            shapes = ", ".join(f"{k} {v.get('shape')}" for k, v in learned.items())
-            log.info("model '%s': learned its warm-up from traffic: %s (kept for its next load)", rec.id, shapes)
+    if not learned or rec.model.backend != "python" or rec.load.learned == (rec.model.publish, learned):
+        return  # nothing learned, or already kept for the next load (no file read at each sweep)
+    if learned != learned_shapes(rec.model.path):
+        rec.load.learned = (rec.model.publish, learned)
+        shapes = ", ".join(f"{k} {v.get('shape')}" for k, v in learned.items())
+        log.info("model '%s': learned its warm-up from traffic: %s (kept for its next load)", rec.id, shapes)
 
 
 def keep_pending(rec: ModelRecord) -> None:
