@@ -19,8 +19,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import psutil
 
 PR_SET_PDEATHSIG = 1
 
@@ -89,3 +92,27 @@ def log_tail(path: os.PathLike[str] | str, offset: int, lines: int) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """``psutil.wait_procs``: (gone, alive) after at most ``timeout`` seconds. Where psutil's wait fails outright (on
+    Linux 6.x ``pidfd_open`` of a process reaped meanwhile can fail with ENOENT, which psutil 7 raises), each process
+    is polled instead until it is gone (a zombie counts as gone) or the time is up."""
+    try:
+        return psutil.wait_procs(procs, timeout=timeout)
+    except OSError:
+        pass
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while True:
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return [p for p in procs if p not in alive], alive
+        time.sleep(0.02)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from controlplane.child_processes import kill_group, log_tail, spawn, stop_group
+from controlplane.child_processes import kill_group, log_tail, spawn, stop_group, wait_gone
 from controlplane.errors import TritonLaunchError
 from controlplane.triton.defer_shim import build_defer_shim, with_preload
 from controlplane.triton.embedded_dist import EmbeddedTritonDist, find_embedded_triton, prepare_backend_dir
@@ -275,7 +275,7 @@ class EmbeddedTriton:
             proc = psutil.Process(int(pid))
             if created is not None and abs(proc.create_time() - float(created)) < 0.01:  # not a reused pid
                 kill_group(proc.pid)
-                proc.wait(10)
+                wait_gone([proc], 10)
         except (psutil.Error, TypeError, ValueError):
             pass
         # Stubs outlive a killed server (reparented, some for good): those of its process group whose
@@ -285,7 +285,7 @@ class EmbeddedTriton:
             for p in leftovers:
                 with contextlib.suppress(psutil.Error):
                     p.kill()
-            psutil.wait_procs(leftovers, timeout=10)
+            wait_gone(leftovers, 10)
         prefix = str(record.get("shm_region_prefix") or "")
         if prefix.startswith("snooze_"):
             for region in Path(SHM_DIR).glob(f"{prefix}*"):
@@ -347,13 +347,13 @@ class EmbeddedTriton:
         children = self._children()
         stop_group(proc, timeout)
         # Stubs left behind (server killed) are reparented; make sure they are gone, zombies included.
-        _, alive = psutil.wait_procs(children, timeout=5)
+        _, alive = wait_gone(children, 5)
         for p in alive:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(alive, timeout=5)
+        _, alive = wait_gone(alive, 5)
         alive = [p for p in alive if _is_live(p)]
         if alive:
             raise TritonLaunchError(f"processes of tritonserver {proc.pid} survived SIGKILL: {[p.pid for p in alive]}")

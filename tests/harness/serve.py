@@ -27,6 +27,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.api.client import ControlPlaneClient
+from controlplane.child_processes import wait_gone
 from controlplane.triton.launcher import STUB_NAME, free_port
 from harness.probes import until
 
@@ -472,7 +473,7 @@ class Serve:
         for p in left:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        psutil.wait_procs(left, timeout=10)
+        wait_gone(left, 10)
         return None if with_kill else self.proc.returncode
 
     def stop_triton(self) -> None:

@@ -28,6 +28,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from controlplane.child_processes import wait_gone
 from controlplane.triton.launcher import free_port
 from harness.probes import grpc_infer, http_infer, until
 from harness.serve import SNOOZECTL, Serve, write_package
@@ -69,7 +70,7 @@ class GatewayProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
         self.api.close()
-        _, left = psutil.wait_procs(children, timeout=10)
+        _, left = wait_gone(children, 10)
         for p in left:  # Envoy runs in a session of its own
             with contextlib.suppress(psutil.Error):
                 p.kill()

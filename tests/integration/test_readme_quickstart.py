@@ -27,6 +27,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from controlplane.child_processes import wait_gone
 from harness.serve import Serve, is_alive
 
 pytestmark = pytest.mark.integration
@@ -304,4 +305,4 @@ def test_ctrl_c_stops_everything_and_says_so_last(stack: Serve) -> None:
     stack.proc.wait(90)  # make reports the interrupt with an exit code of its own
     last = [line for line in stack.log_tail(10).splitlines() if not line.startswith("make")][-1]
     assert last.startswith("stopped: gateway, control plane and Triton exited"), stack.log_tail()
-    assert psutil.wait_procs(stack.leftovers(), timeout=30)[1] == [], stack.log_tail()
+    assert wait_gone(stack.leftovers(), 30)[1] == [], stack.log_tail()
