@@ -17,15 +17,35 @@ import pytest
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.launcher import EmbeddedTriton
 
+# Modules that start real stacks (tritonserver, Envoy, `snoozectl serve`): a minute or more each, against seconds for
+# most of the rest. They are handed out first, so that xdist's workers end together on short modules rather than one
+# of them on a long module begun last (2026-12-06: a third of a run's last two minutes was one worker alone).
+LONG_FIRST = ("integration", "reliability")
+TESTS = Path(__file__).resolve().parent
 
-@pytest.hookimpl(trylast=True)  # after the shuffle (pytest-random-order): it only moves these to their module's end
+
+def _long(path: Path) -> bool:
+    try:
+        return path.resolve().relative_to(TESTS).parts[0] in LONG_FIRST
+    except (ValueError, IndexError):
+        return False
+
+
+@pytest.hookimpl(trylast=True)  # after the shuffle (pytest-random-order): it keeps the shuffled order within each part
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test marked ``stops_stack`` ends the module's shared stack (a graceful stop, Ctrl-C): it runs after every
-    other test of its module, whatever order the shuffle chose; the others keep theirs."""
+    """The modules that start stacks before the others (``LONG_FIRST``), each part in the shuffle's order; and a test
+    marked ``stops_stack``, which ends the module's shared stack (a graceful stop, Ctrl-C), after every other test of
+    its module, whatever order the shuffle chose; the others keep theirs."""
     first: dict[Path, int] = {}
     for i, item in enumerate(items):
         first.setdefault(item.path, i)
-    items.sort(key=lambda item: (first[item.path], item.get_closest_marker("stops_stack") is not None))
+    items.sort(
+        key=lambda item: (
+            not _long(item.path),
+            first[item.path],
+            item.get_closest_marker("stops_stack") is not None,
+        )
+    )
 
 
 FAILURE_LOG_LINES = 150
