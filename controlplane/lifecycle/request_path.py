@@ -127,6 +127,14 @@ class RequestPath:
                         # it loaded, but its cancel came first and takes it out of Triton (cancel.py): as a
                         # cancelled load, not a new load behind it
                         self._answer_cancelled(rec, op)
+                if op.done() and not rec.ready:
+                    # It ended without readying the model (a republish cancelled it: the wake-up waits on for the new
+                    # version) and stays rec.op until its done callback runs. A wait on a done task does not yield,
+                    # nor does one of 0 s once the bound has passed: without this the loop spun and held the event
+                    # loop (SNOOZE_MACHINE_SEED=3474267667). So yield, and past the bound answer as a timeout.
+                    if loop.time() >= deadline:
+                        self._wait_bound_passed(rec, wait, True)
+                    await asyncio.sleep(0)
         finally:
             rec.in_use -= 1
             self.metrics.wake_wait_seconds.labels(model=model_id).observe(self.clock.monotonic() - started)
