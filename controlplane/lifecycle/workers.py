@@ -181,14 +181,10 @@ def parent_status(parent: PreloadedParent) -> dict[str, Any]:
     pss = uss = None
     workers = 0
     spare = None
-    pids = parent.pids()
     with contextlib.suppress(psutil.Error):
         proc = psutil.Process(parent.pid)
-        pss = uss = 0
-        for pid in pids:
-            with contextlib.suppress(psutil.Error):
-                info = psutil.Process(pid).memory_full_info()
-                pss, uss = pss + info.pss, uss + info.uss
+        pids = parent.pids()
+        pss, uss = held_split(pids)
         spare = pids[1] if len(pids) > 1 else None
         workers = sum(1 for c in proc.children() if c.pid != spare)
     return {
