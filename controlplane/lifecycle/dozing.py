@@ -179,6 +179,8 @@ class Dozing:
         if not awake:
             return 0
         rec.doze.stubs -= {_key(s) for s, _ in awake}
+        # its request may still run, unseen by Triton's statistics: idle from now at the earliest, not from before
+        rec.access.woke = self.clock.time()
         if not rec.doze.dozing:
             self._restore(rec)
         # a request woke it: its access is read now, before the budget picks what to evict

@@ -178,6 +178,9 @@ class AccessRecord:
 
     touched: float = 0.0  # epoch seconds of the last activator wake-up or forward
     triton_last: float = 0.0  # epoch seconds of Triton's last_inference
+    # epoch seconds a sweep heard a wake from doze: a request reached a stub on the warm path, maybe still running and
+    # not yet in Triton's statistics (a decision to doze or unload made on those alone would come right after it)
+    woke: float = 0.0
     keep_alive: FixedKeepAlive | None = None  # its keep-alive policy, built on first use (``warmth``)
     served_seen: int = 0  # Triton's count of requests served by the current load, as last read
     access_reported: float = 0.0  # the last triton_last the sweeper handed to the policy
@@ -255,11 +258,11 @@ class ModelRecord:
 
     @property
     def last_access(self) -> float | None:
-        return max(self.access.touched, self.access.triton_last) or None
+        return max(self.access.touched, self.access.triton_last, self.access.woke) or None
 
     @property
     def idle_since(self) -> float:
-        return max(self.access.touched, self.access.triton_last, self.load.ready_at)
+        return max(self.access.touched, self.access.triton_last, self.access.woke, self.load.ready_at)
 
     @property
     def prewarmed_unused(self) -> bool:

@@ -555,7 +555,6 @@ class FakeTriton:
             if not stub.grown:
                 stub.grown, stub.memory = True, stub.memory + self.growth.get(name, 0)
                 self.peak = max(self.peak, self.server_bytes() + sum(self.holding().values()))
-            m.last_inference_ms = int(EPOCH * 1000 + asyncio.get_running_loop().time() * 1000)
             died = asyncio.ensure_future(stub.died.wait())
             done, _ = await asyncio.wait([died], timeout=self.exec_delay)
             died.cancel()
@@ -564,6 +563,8 @@ class FakeTriton:
             stub.running = None
             if done:
                 return Answer(500, f"Stub process '{stub.instance}' is not healthy.")
+            # Triton's statistics count a batch when it ends, stamped then (last_inference: the clock at its end)
+            m.last_inference_ms = int(EPOCH * 1000 + asyncio.get_running_loop().time() * 1000)
             m.served += 1
             return Answer(200, "ok", stub.files)
         finally:

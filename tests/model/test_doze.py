@@ -74,6 +74,33 @@ def test_a_request_wakes_a_dozing_model_without_a_load_and_the_wake_is_counted(w
     assert wakes(world, "m0", "doze") == 1 and wakes(world, "m0", "unloaded") == 1
 
 
+def test_a_model_woken_from_doze_stays_awake_its_doze_time_though_triton_counted_the_request_after_the_sweep_read(
+    world,
+):
+    """A sweep hears a wake while the waking batch runs (Triton's statistics count a batch when it ends); the batch
+    ends before the same sweep's doze pass. Idle is counted from the wake heard, not from the stale statistics: the
+    model stays awake (seen in CI: it dozed again 30 ms after its wake)."""
+    loaded_preforked(world)
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)
+    assert world.manager.status("m0").level == "dozing"
+    world.step(world.pause(), 0.1)  # the sweep's passes are run by hand below, in its order
+    rec = world.manager.states.get("m0")
+    assert rec is not None
+    world.triton.exec_delay = 0.5
+    world.step(world.request("m0"), 0.2)  # the stub woke and runs the batch
+    [stub] = world.triton.models["m0"].stubs
+    assert stub.wakes == 1 and stub.running is not None
+    world.run(world.manager.dozing.hear([rec]))  # the sweep's first pass: the wake heard, the request not yet counted
+    assert rec.level == "awake"
+    world.step(world.tick(0.5), 0.1)  # the batch ends
+    assert answers(world)[-1] == "200" and stub.running is None
+    world.run(world.manager.dozing.doze_idle([rec], {"m0"}, world.manager.dozing.clock.time()))  # the sweep's last pass
+    assert rec.level == "awake"
+    world.step(world.resume(), 0.1)
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)  # idle for its doze time after the wake: it dozes
+    assert world.manager.status("m0").level == "dozing"
+
+
 def test_an_in_stub_model_never_dozes(world):
     world.triton.memory["m0"] = 120 * MIB
     world.step(world.publish("m0", None, idle_timeout_secs=IDLE_TIMEOUT), 0.1)
