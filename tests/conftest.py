@@ -49,6 +49,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 FAILURE_LOG_LINES = 150
+TRITON_LOG_LINES = 80
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -64,6 +65,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         tail = getattr(value, "log_tail", None)
         if callable(tail):
             report.sections.append((f"log of '{name}' (its last {FAILURE_LOG_LINES} lines)", tail(FAILURE_LOG_LINES)))
+        triton_tail = getattr(value, "triton_log_tail", None)
+        if callable(triton_tail) and (text := triton_tail(TRITON_LOG_LINES)):
+            report.sections.append((f"tritonserver's log of '{name}' (its last {TRITON_LOG_LINES} lines)", text))
 
 
 @pytest.fixture(scope="session")

@@ -355,6 +355,14 @@ class Serve:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
+    def triton_log_tail(self, lines: int = 60) -> str:
+        """The end of tritonserver's own log (its loads, unloads and stub errors): serve's child writes it into the
+        work dir, `snoozectl triton`'s into its own (two_process)."""
+        for folder in (self.work_dir / "triton", self.work_dir.parent / f"{self.work_dir.name}.triton"):
+            with contextlib.suppress(OSError):
+                return "\n".join((folder / "triton.log").read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
     # --- the process tree
 
     def descendants(self) -> list[psutil.Process]:
@@ -521,12 +529,20 @@ class Serve:
 
     def metric(self, name: str, **labels: str) -> float:
         """One sample of the control plane's Prometheus metrics (0 when absent)."""
+        return next(iter(self._samples(name, labels)), 0.0)
+
+    def metric_total(self, name: str, **labels: str) -> float:
+        """The sum of the samples whose labels include ``labels`` (a counter over every value of its other labels)."""
+        return sum(self._samples(name, labels))
+
+    def _samples(self, name: str, labels: dict[str, str]) -> list[float]:
         text = httpx.get(f"{self.api_url}/metrics", timeout=30).text
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    return sample.value
-        return 0.0
+        return [
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+        ]
 
     def snoozectl(self, *args: str, key: str | None = _ADMIN) -> subprocess.CompletedProcess[str]:
         """The CLI against this stack's control API, with ``key`` (default: the admin key)."""

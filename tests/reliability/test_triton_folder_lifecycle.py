@@ -135,8 +135,12 @@ def test_a_sleeping_ensemble_wakes_its_steps_then_again_after_an_idle_unload(ser
             status = serve.status(model)
             assert status["state"] == "ready", (round_, status)
             # each step loaded once per round (the ensemble itself holds nothing: Triton may bring it back with its
-            # steps, and the lifecycle then adopts it rather than loading it)
-            assert model == "pipe" or status["load_count"] == round_, (round_, status)
+            # steps, and the lifecycle then adopts it rather than loading it), and once more per recovery: a stub
+            # that died is loaded anew (seen once in CI: counter's stub, which keeps a python-backend custom metric,
+            # killed by SIGSEGV while idle; not reproduced here; Triton has open reports of stub segfaults with custom
+            # metrics, triton-inference-server/server#8662 and #8663)
+            recovered = serve.metric_total("snooze_recoveries_total", model=model)
+            assert model == "pipe" or status["load_count"] == round_ + recovered, (round_, recovered, status)
         assert serve.status("counter")["ensembles"] == ["pipe"]
 
 
