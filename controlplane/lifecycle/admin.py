@@ -78,13 +78,19 @@ class AdminOperations:
             )
         await self.states.settle(rec)
         # an ensemble: its steps first, held until its own load pins them
-        return await self.groups.steps_first(rec, self._wake, lambda _: self._load_itself(rec, instances, override))
+        return await self.groups.steps_first(
+            rec, self._wake, lambda steps: self._load_itself(rec, instances, override, steps)
+        )
 
-    async def _load_itself(self, rec: ModelRecord, instances: int | None, override: object) -> ModelStatus:
+    async def _load_itself(
+        self, rec: ModelRecord, instances: int | None, override: object, steps: tuple[str, ...]
+    ) -> ModelStatus:
         """``load``'s own part, once an ensemble's steps are loaded (a wake of the model may have begun its load
-        meanwhile: settled first)."""
+        meanwhile: settled first; a step that left meanwhile is woken again first, ``Groups.still_woken``)."""
         model_id = rec.id
         await self.states.settle(rec)
+        if rec.state is not ModelState.READY:
+            self.groups.still_woken(rec, steps)
         if override is not KEEP_OVERRIDE:
             given = cast("dict[str, Any] | None", override)
             apply_override(rendered_config(rec.model.config_text, where=f"model '{model_id}'"), given, model_id)

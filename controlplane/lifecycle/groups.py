@@ -116,6 +116,18 @@ class Groups:
                 except StepsChanged:
                     continue
 
+    def still_woken(self, rec: ModelRecord, steps: tuple[str, ...]) -> None:
+        """Before the ensemble's own load starts: ``StepsChanged`` (``steps_first`` wakes them again) when a republish
+        gave it other steps, or a step woken for it is no longer READY (a delete, an API unload or a republish took
+        it out since: the hold keeps only idleness and eviction away). Triton would load the ensemble over a step on
+        its way out, and take it down with the step behind the records (SNOOZE_MACHINE_SEED=1418949119)."""
+        if self.steps(rec) != steps:
+            raise StepsChanged
+        for step in steps:
+            step_rec = self.states.get(step)
+            if step_rec is None or step_rec.state is not ModelState.READY:
+                raise StepsChanged
+
     @contextlib.contextmanager
     def holding(self, steps: tuple[str, ...]) -> Iterator[None]:
         """Hold ``steps`` as users while the block runs: an ensemble's wake holds its steps from before it wakes

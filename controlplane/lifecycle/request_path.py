@@ -94,13 +94,7 @@ class RequestPath:
             while not rec.ready:
                 if self.groups.steps(rec) != steps:
                     raise StepsChanged
-                # While paused, a wake-up waits for resume() (within its deadline) instead of loading.
-                op = (
-                    rec.op
-                    or self.states.pause_ends
-                    or self._cancel_under_way(rec)
-                    or self.transitions.cold_load(rec, trigger="request", reason="wake-up")
-                )
+                op = self._waits_on(rec, steps)
                 try:
                     until = deadline if queue_checked else queue_bound
                     await asyncio.wait_for(asyncio.shield(op), max(until - loop.time(), 0))
@@ -139,6 +133,15 @@ class RequestPath:
             rec.in_use -= 1
             self.metrics.wake_wait_seconds.labels(model=model_id).observe(self.clock.monotonic() - started)
         rec.access.touched = self.clock.time()
+
+    def _waits_on(self, rec: ModelRecord, steps: tuple[str, ...]) -> asyncio.Future[Any]:
+        """What a wake-up waits for: the model's transition, resume() while paused (within its deadline), a cancel
+        leaving Triton, else a load of its own, which an ensemble starts only over its steps still loaded."""
+        op = rec.op or self.states.pause_ends or self._cancel_under_way(rec)
+        if op is not None:
+            return op
+        self.groups.still_woken(rec, steps)
+        return self.transitions.cold_load(rec, trigger="request", reason="wake-up")
 
     def _wait_bound_passed(self, rec: ModelRecord, wait: float, queue_checked: bool) -> bool:
         """A wake-up's wait bound passed: the wake queue's (its load must have started by then; True: wait on up to

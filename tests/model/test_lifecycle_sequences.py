@@ -766,3 +766,22 @@ def test_a_wake_up_whose_load_a_republish_cancelled_at_its_deadline_does_not_hol
     s(w.request("m2", 2.0), 0.05)
     s(w.remote_publish("m2", 60), 0.01)
     s(w.tick(1.0), 1.0)
+
+
+def test_an_ensembles_wake_does_not_load_it_over_a_step_that_a_delete_took_out_after_the_steps_wake(world):
+    """Found by the machine (seed 1418949119): e0's wake-ups woke its step m3, then waited out a pause; at resume the
+    store follow began unloading m3 (deleted on another node) and the wake-ups loaded e0 over it in the same instant.
+    Triton took e0 down with m3, behind the records (e0 READY). The ensemble's load now starts only over steps still
+    READY; else its steps are woken again (m3 is gone: its wake-ups are told so)."""
+    s, w = world.step, world
+    s(w.publish("m3", 60, 1), 0.05)
+    s(w.republish_while_waiting("m3", "hang", 2), 0.3)
+    s(w.pause(), 0.0)
+    s(w.publish_ensemble_api(("m3",), 1), 1.0)
+    s(w.burst("e0", 9), 0.01)
+    s(w.remote_delete("m3"), 0.3)
+    s(w.burst("m3", 9), 0.05)
+    s(w.resume(), 0.3)
+    assert "e0" not in world.triton.holding()
+    answers = [c.answer for c in world.answered if c.what == "request" and c.model == "e0"]
+    assert len(answers) == 9 and all(a is not None and a.startswith("404") for a in answers), answers
