@@ -141,6 +141,12 @@ def test_the_lifecycle_keeps_its_invariants_with_dozing_models_on_a_fixed_seed(c
     machine(capsys, DOZE_SEED, doze=True)
 
 
+@pytest.mark.slow
+def test_the_lifecycle_keeps_its_invariants_with_dozing_models_under_random_operations(capsys):
+    """Fresh seeds of the dozing machine, on demand as the other random seeds (SNOOZE_MACHINE_SEED replays one)."""
+    machine(capsys, int(os.environ.get("SNOOZE_MACHINE_SEED") or random.randrange(2**32)), doze=True)
+
+
 def machine(capsys: pytest.CaptureFixture[str], run_seed: int, *, doze: bool = False) -> None:
     with capsys.disabled():
         print(f"\nlifecycle state machine: seed {run_seed} (SNOOZE_MACHINE_SEED={run_seed} replays it)")
