@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -55,7 +56,10 @@ def make_repository(root: Path, n: int) -> Path:
                 continue
             for rel in files:
                 (folder / rel).parent.mkdir(parents=True, exist_ok=True)
-                os.link(source / rel, folder / rel)
+                try:
+                    os.link(source / rel, folder / rel)
+                except OSError:  # EMLINK: a file linked 65,000 times (ext4's limit; the store copies then too)
+                    shutil.copy(source / rel, folder / rel)
             mine = {**record, "deployment": {**record["deployment"], "id": model_id}}
             (folder / DEPLOYMENT_FILE).write_text(json.dumps(mine))
     (repo / ".complete").touch()

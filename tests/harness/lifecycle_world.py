@@ -649,9 +649,14 @@ class LifecycleWorld:
 
     def _woke_unheard(self, rec: ModelRecord) -> bool:
         """A dozing stub that a batch woke since the last sweep read the model (the control plane is not on the
-        warm path: it hears and measures a wake at its next sweep)."""
+        warm path: it hears and measures a wake at its next sweep); or a model with stubs that doze or dozed whose
+        record of the doze a state change ended since (a reload in place, failed or not): the next sweep asks its
+        stubs again and measures them (``Dozing._find_dozing``)."""
         m = self.triton.models.get(rec.id)
-        return m is not None and any(s.woke_at >= m.stats_read_at for s in m.stubs)
+        if m is None:
+            return False
+        dozed = any(s.awake_memory is not None or s.woke_at >= 0 for s in m.stubs)
+        return any(s.woke_at >= m.stats_read_at for s in m.stubs) or (dozed and rec.doze.checked != rec.generation)
 
     def _override_problems(self, rec: ModelRecord | None, held: bool) -> list[str]:
         """A client's override holds through every load of the model until a load without one."""

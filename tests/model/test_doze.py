@@ -13,7 +13,7 @@ import pytest
 from controlplane.lifecycle.state import ModelState
 from controlplane.modes import Worker
 from harness.fake_triton import MIB
-from harness.lifecycle_world import LifecycleWorld
+from harness.lifecycle_world import LOAD_TIMEOUT, LifecycleWorld
 
 DOZE_AFTER = 1.0
 IDLE_TIMEOUT = 6.0
@@ -99,6 +99,33 @@ def test_a_model_woken_from_doze_stays_awake_its_doze_time_though_triton_counted
     world.step(world.resume(), 0.1)
     world.step(world.tick(DOZE_AFTER + 1.5), 0.1)  # idle for its doze time after the wake: it dozes
     assert world.manager.status("m0").level == "dozing"
+
+
+def test_a_failed_reload_of_a_model_a_request_woke_unheard_is_measured_at_the_next_sweep(world):
+    """Found by the dozing machine (seed 799608125): m3 dozed (2 stubs); while paused a request woke one stub, and a
+    republish's reload in place hung and failed (Triton kept the previous version). The state change ended the
+    record's doze, its footprint still the dozing stubs': the next sweep asks the stubs again and measures what they
+    hold (one awake, one dozing)."""
+    s, w = world.step, world
+    s(w.publish("m2", 60, 1, "preforked"), 0.05)
+    s(w.script_load("m1", "error", 0.05), 0.01)
+    s(w.publish("m3", 100, 2, "preforked"), 1.0)
+    s(w.api_load("m2", None), 0.0)
+    s(w.doze("m3"), 0.05)
+    s(w.request("m3", 0.3), 0.0)
+    s(w.publish("m2", 60, 2, "preforked"), 0.0)
+    s(w.pause(), 0.0)
+    s(w.remote_delete("m1"), 1.0)
+    s(w.republish_while_waiting("m3", "hang", 1), 0.05)
+    s(w.tick(LOAD_TIMEOUT + 1.0), 0.05)  # the reload fails (Triton keeps the version it holds); still paused
+    rec = world.manager.states.get("m3")
+    stubs = world.triton.models["m3"].stubs
+    assert rec is not None and rec.state is ModelState.READY and rec.op is None
+    assert sorted(s.awake_memory is None for s in stubs) == [False, True]  # one woke, one dozes
+    assert rec.memory.footprint != world.triton.holding()["m3"]  # what the record knew: the doze's reading
+    world.run(world.manager.dozing.hear([rec]))  # the next sweep's first pass
+    assert rec.memory.footprint == world.triton.holding()["m3"] and rec.level == "dozing"
+    s(w.resume(), 0.05)
 
 
 def test_an_in_stub_model_never_dozes(world):
