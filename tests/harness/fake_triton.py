@@ -118,7 +118,6 @@ class Loaded:
     files: tuple[int, int] = (0, 0)  # the folder it was last loaded from: its inode, its config.pbtxt's mtime
     last_inference_ms: int = 0
     served: int = 0  # requests answered since the model was last built (Triton's success count)
-    stats_read_at: float = -1.0  # virtual seconds the control plane last read its statistics (each sweep)
     next_instance: int = 0
     unloading: asyncio.Task[None] | None = None
 
@@ -481,17 +480,10 @@ class FakeTriton:
         """Every READY model's statistics, as ``GET /v2/models/stats`` (one call)."""
         self.calls["all_stats"] += 1
         await asyncio.sleep(0)
-        # read for all; a model with a load in flight (a reload) is not one the sweep looked at (not marked read)
-        return {
-            name: [self._stats(m, read=not self.loads_in_flight[name])]
-            for name, m in self.models.items()
-            if m.state == "READY"
-        }
+        return {name: [self._stats(m)] for name, m in self.models.items() if m.state == "READY"}
 
     @staticmethod
-    def _stats(m: Loaded, *, read: bool = True) -> ModelStats:
-        if read:  # a sweep reads them after it heard the model's wakes (and then measures the model)
-            m.stats_read_at = asyncio.get_running_loop().time()
+    def _stats(m: Loaded) -> ModelStats:
         return ModelStats(m.name, "1", m.last_inference_ms, m.served, m.served, m.served, 0, 0, 0, 0, 0, 0, 0)
 
     async def pending_request_counts(self) -> dict[str, float]:

@@ -648,15 +648,16 @@ class LifecycleWorld:
         self.calls = [c for c in self.calls if not c.task.done()]
 
     def _woke_unheard(self, rec: ModelRecord) -> bool:
-        """A dozing stub that a batch woke since the last sweep read the model (the control plane is not on the
-        warm path: it hears and measures a wake at its next sweep); or a model with stubs that doze or dozed whose
-        record of the doze a state change ended since (a reload in place, failed or not): the next sweep asks its
-        stubs again and measures them (``Dozing._find_dozing``)."""
+        """A stub that a batch woke while the record lists it dozing (the control plane is not on the warm path: it
+        hears and measures a wake at its next sweep, ``Dozing.hear_wakes``); or a model with stubs that doze or dozed
+        whose record of the doze a state change ended since (a reload in place, failed or not): the next sweep asks
+        its stubs again and measures them (``Dozing._find_dozing``)."""
         m = self.triton.models.get(rec.id)
         if m is None:
             return False
+        woke = any(s.awake_memory is None and (s.pid, s.start_ticks) in rec.doze.stubs for s in m.stubs)
         dozed = any(s.awake_memory is not None or s.woke_at >= 0 for s in m.stubs)
-        return any(s.woke_at >= m.stats_read_at for s in m.stubs) or (dozed and rec.doze.checked != rec.generation)
+        return woke or (dozed and rec.doze.checked != rec.generation)
 
     def _override_problems(self, rec: ModelRecord | None, held: bool) -> list[str]:
         """A client's override holds through every load of the model until a load without one."""
