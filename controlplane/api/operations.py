@@ -255,7 +255,21 @@ class ModelOperations:
         models = await run_in_threadpool(
             self.services.store.list, max_age=self.services.store.trusted_age(LIST_SCAN_SECS)
         )
-        return page_of(models, query, self.services.lifecycle.statuses, self._summary)
+        return page_of(models, query, self.services.lifecycle.statuses, self._listed)
+
+    @staticmethod
+    def _listed(model: PublishedModel, status: ModelStatus) -> dict[str, Any]:
+        """``_summary`` for a listing, its status left a dataclass: the listing's encoder (orjson) writes it as
+        ``to_dict`` would, without a dict copied per model (10,000 models: tens of ms)."""
+        return {
+            "id": model.id,
+            "kind": model.kind.value,
+            "backend": model.backend,
+            "device": model.deployment.device.value,
+            "max_batch_size": model.deployment.max_batch_size,
+            "status": status,
+            "notes": list(model.notes),
+        }
 
     async def _arrived(self, model_id: str) -> None:
         """A model `serve --models` has still to publish is published next, and waited for (bounded)."""

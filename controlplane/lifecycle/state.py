@@ -300,6 +300,7 @@ class ModelStates:
         self.store = store
         self.metrics = metrics
         self.records: dict[str, ModelRecord] = {}
+        self.made = 0  # records made since the sweep last froze the heap (``controlplane/heap.py``)
         # while paused (a checkpoint is being taken): done on resume
         self.pause_ends: asyncio.Future[None] | None = None
         self.stopping = False  # set by the stop: no load starts from then on (a stop never waits for a load)
@@ -318,6 +319,7 @@ class ModelStates:
         if rec is None:
             rec = ModelRecord(model_id, model if model is not None else self.store.known(model_id))
             self.records[model_id] = rec
+            self.made += 1
             self.metrics.set_state(model_id, rec.state.value)
         elif refresh and rec.op is None and rec.state is not ModelState.READY:
             rec.model = self.store.get(model_id)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from controlplane.clock import Clock
 from controlplane.errors import SnoozeError
+from controlplane.heap import FREEZE_AFTER_RECORDS, freeze_long_lived
 from controlplane.lifecycle.admin import AdminOperations
 from controlplane.lifecycle.autoscale import autoscale_step
 from controlplane.lifecycle.cancel import LoadCancels
@@ -227,6 +228,9 @@ class Supervisor:
         idle = {r.id for r in ready if r.in_use == 0 and pending.get(r.id, 0.0) == 0}
         await self.dozing.doze_idle(ready, idle, now)
         await self._prewarm(now)
+        if self.states.made >= FREEZE_AFTER_RECORDS:  # thousands of new records: out of the collector's walks
+            self.states.made = 0
+            freeze_long_lived()
 
     async def _leave_unpublished(self, entries: dict[str, RepositoryEntry]) -> None:
         """Models no longer published leave, once two sweeps in a row find them so (not a republish's swap): a
