@@ -20,7 +20,7 @@ from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.admission import NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.groups import Groups
-from controlplane.lifecycle.loading import Loader
+from controlplane.lifecycle.loading import UNKNOWN_LOAD_PRIVATE, Loader
 from controlplane.lifecycle.memory.host import MemoryBudget
 from controlplane.lifecycle.residency import Residency
 from controlplane.lifecycle.state import ModelRecord, ModelState, ModelStates, UnloadReason
@@ -371,6 +371,10 @@ class Transitions:
         self.warmth.loaded(rec, "adopt")
         held = ((config.get("parameters") or {}).get(PUBLISH_PARAMETER) or {}).get("string_value", "")
         if rec.model.publish and held != rec.model.publish:
+            # What was measured runs an older publish (another deployment, perhaps dozing as that one could): no
+            # growth is learned from it, nor carried to the published one's load (dozing machine seed 2182929700:
+            # a wake of the old dozing stub was learned as growth, then counted ahead on the new version's load).
+            rec.memory.load_private, rec.memory.footprint_deployment = UNKNOWN_LOAD_PRIVATE, None
             # Triton holds an older publish: a republish's reload never ended (a stop abandoned it, or the control
             # plane went away during it). The version published must answer, not that one.
             log.info("model '%s': found loaded with an older publish; reloading the one published", rec.id)

@@ -128,6 +128,37 @@ def test_a_failed_reload_of_a_model_a_request_woke_unheard_is_measured_at_the_ne
     s(w.resume(), 0.05)
 
 
+def test_a_wake_of_an_older_publish_adopted_dozing_is_not_learned_as_growth_of_the_published_one(world):
+    """Found by the dozing machine (seed 2182929700): a restart adopted m0 dozing as an older publish (preforked), and
+    its reload to the one published (in-stub) hung and failed; a request woke the old stub, and the sweep learned the
+    wake (20 -> 60 MiB) as growth, which the published version's load then counted ahead (140 MiB for the 100 its
+    stub held). What an adoption measures of an older publish now learns no growth and carries none over."""
+    s, w = world.step, world
+    s(w.publish("m0", 60, 1, "preforked"), 0.05)
+    s(w.request("m0", None), 0.3)
+    s(w.pause(), 0.3)
+    s(w.script_load("m0", "oom", 0.5), 1.0)
+    s(w.publish("m2", 100, 1, "preforked"), 0.0)
+    s(w.request("m2", None), 0.05)
+    s(w.publish("m3", 150, 1, "in-stub"), 0.0)
+    s(w.remote_publish("m2", 150), 0.0)
+    s(w.publish("m0", 100, 1, "in-stub"), 0.01)
+    s(w.script_load("m3", "error", 0.05), 0.05)
+    s(w.republish_while_waiting("m3", "ok", 4), 0.05)
+    s(w.script_load("m0", "hang", 0.5), 0.01)
+    s(w.publish_ensemble_api(("m2",), 20), 0.01)
+    s(w.request("e0", None), 0.3)
+    s(w.doze("m0"), 1.0)
+    s(w.restart(), 0.3)
+    s(w.request("m0", None), 0.05)
+    s(w.request("m2", None), 1.0)
+    s(w.publish("m0", 100, 1, "in-stub"), 0.05)
+    s(w.request("m1", None), 0.05)
+    s(w.remote_publish("m1", 60), 0.0)
+    rec = world.manager.states.get("m0")
+    assert rec is not None and rec.memory.footprint == world.triton.holding()["m0"]  # the world checks every step
+
+
 def test_an_in_stub_model_never_dozes(world):
     world.triton.memory["m0"] = 120 * MIB
     world.step(world.publish("m0", None, idle_timeout_secs=IDLE_TIMEOUT), 0.1)
