@@ -105,8 +105,8 @@ compose-test: install-dev images
 		|| echo "compose-test: no compose binary and docker-compose could not be installed: the tests skip"
 	$(PY) -m pytest tests/compose -m compose -p no:cacheprovider $(PYTEST_ARGS)
 
-# The lifecycle state machine on fresh random seeds (tests/model/test_lifecycle_machine.py), one after another,
-# each seed printed: SOAK_SEEDS=200 make soak. Stops at the first seed that finds a violation (its shrunk sequence
+# The lifecycle state machine on fresh random seeds (tests/model/test_lifecycle_machine.py: each seed drives the
+# plain machine, then the one with dozing models), one after another, each seed printed: SOAK_SEEDS=200 make soak. Stops at the first seed that finds a violation (its shrunk sequence
 # is printed; SNOOZE_MACHINE_SEED=<seed> replays it); SOAK_SEEDS=0 runs until interrupted.
 SOAK_SEEDS ?= 20
 soak: install-dev
