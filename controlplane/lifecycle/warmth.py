@@ -49,6 +49,7 @@ class Warmth:
         self.settings = settings
         self.metrics = metrics
         self.clock = clock
+        self._fresh_windows: dict[tuple[Any, float], dict[str, Any]] = {}  # ``windows`` of a model without a policy
 
     def policy(self, rec: ModelRecord) -> FixedKeepAlive:
         """The model's policy; a new one when its deployment's ``keep_alive`` or ``idle_timeout_secs`` changed."""
@@ -107,6 +108,21 @@ class Warmth:
         return rec.access.keep_alive is not None and rec.access.keep_alive.decide(now, loaded=False) is Action.PREWARM
 
     def windows(self, rec: ModelRecord) -> dict[str, Any]:
+        """The policy's windows; for a model with no policy yet (never requested, not loaded: most of thousands) those
+        of a fresh policy of its kind, read once per kind and timeout, so that a listing neither builds a policy per
+        model (memory) nor reads one (time)."""
+        if rec.access.keep_alive is None and not rec.loaded:
+            dep = rec.model.deployment
+            key = (dep.keep_alive, dep.idle_timeout_secs)
+            fresh = self._fresh_windows.get(key)
+            if fresh is None:
+                fresh = self._fresh_windows[key] = keep_alive_policy(
+                    dep.keep_alive,
+                    dep.idle_timeout_secs,
+                    min_samples=self.settings.keep_alive_min_samples,
+                    min_unloaded_secs=self.settings.keep_alive_min_unloaded_secs,
+                ).windows()
+            return dict(fresh)
         return self.policy(rec).windows()
 
     def sweep_delay(self, records: Iterable[ModelRecord], interval: float) -> float:

@@ -1,5 +1,6 @@
-"""The sweep freezes the heap once many records were made (``controlplane/heap.py``): counted by ``ModelStates``,
-over the fake Triton in virtual time."""
+"""What keeps thousands of sleeping models cheap to hold and to list: the sweep freezes the heap once many records were
+made (``controlplane/heap.py``, counted by ``ModelStates``), and a model never requested shows a fresh policy's
+windows without one built for it. Over the fake Triton in virtual time."""
 
 from __future__ import annotations
 
@@ -32,3 +33,16 @@ def test_the_sweep_freezes_once_enough_records_were_made(world, monkeypatch: pyt
         world.step(world.request(model), 0.5)
     world.step(world.tick(1.5), 0.1)  # the next sweep
     assert frozen == [3] and world.manager.states.made == 0
+
+
+@pytest.mark.parametrize("keep_alive", ["fixed", "adaptive"])
+def test_a_model_never_requested_shows_a_fresh_policys_windows_without_building_one(world, keep_alive) -> None:
+    """A listing of thousands of sleeping models reads the windows of a fresh policy of each kind once; the windows
+    shown are those the model's own policy has once built (its first request builds it)."""
+    world.step(world.publish("m0", 60, keep_alive=keep_alive), 0.1)
+    rec = world.manager.states.record("m0")
+    shown = world.manager.status("m0").keep_alive
+    assert rec.access.keep_alive is None  # the status built none
+    assert shown == world.manager.warmth.policy(rec).windows() and shown["policy"] == keep_alive
+    world.step(world.request("m0"), 1.0)
+    assert rec.access.keep_alive is not None and world.manager.status("m0").keep_alive["policy"] == keep_alive
