@@ -13,7 +13,7 @@ import pytest
 from controlplane.lifecycle.state import ModelState
 from controlplane.modes import Worker
 from harness.fake_triton import MIB
-from harness.lifecycle_world import LOAD_TIMEOUT, LifecycleWorld
+from harness.lifecycle_world import BUDGET_MB, LOAD_TIMEOUT, LifecycleWorld
 
 DOZE_AFTER = 1.0
 IDLE_TIMEOUT = 6.0
@@ -157,6 +157,35 @@ def test_a_wake_of_an_older_publish_adopted_dozing_is_not_learned_as_growth_of_t
     s(w.remote_publish("m1", 60), 0.0)
     rec = world.manager.states.get("m0")
     assert rec is not None and rec.memory.footprint == world.triton.holding()["m0"]  # the world checks every step
+
+
+def test_a_wake_from_doze_beside_models_all_in_use_is_evicted_back_within_the_budget_once_one_is_released(world):
+    """Found by the dozing machine (seed 2487831979): m0 and m3 held by streams, m2 dozing and held, then a request
+    straight to Triton woke m2 (a warm-path wake is not admitted by the budget): 350 MiB of 300, nothing evictable
+    while all three are in use. Once the streams end, the next sweep evicts back within the budget."""
+    s, w = world.step, world
+    s(w.publish("m2", 60, 1, "preforked"), 0.05)
+    s(w.publish("m3", 60, 1, "preforked"), 0.05)
+    s(w.pause(), 0.3)
+    s(w.api_load("m2", None), 0.0)
+    s(w.publish("m3", 150, 1, "preforked"), 0.05)
+    s(w.restart(), 1.0)
+    s(w.remote_publish("m0", 100), 0.05)
+    s(w.publish("m2", 100, 1, "preforked"), 0.05)
+    s(w.hold("m0"), 0.0)
+    s(w.hold("m3"), 1.0)
+    s(w.hold("m2"), 0.01)
+    s(w.request("m2", None), 0.05)
+    s(w.tick(3.0), 1.0)
+
+    def used() -> int:
+        return world.triton.server_bytes() + sum(world.triton.holding().values())
+
+    assert used() > BUDGET_MB * MIB and all(world.manager.states.records[m].in_use for m in ("m0", "m2", "m3"))
+    for _ in range(3):
+        s(w.release(), 0.0)
+    s(w.tick(2.5), 0.1)  # the next sweep
+    assert used() <= BUDGET_MB * MIB
 
 
 def test_an_in_stub_model_never_dozes(world):
