@@ -9,9 +9,9 @@ EXAMPLE_ONNX := examples/models/onnx-mlp/model.onnx
 PYTEST_ARGS ?=
 # Three pytest-xdist workers, each taking a whole test file at a time (its module-scoped stack is shared
 # by its tests); the files that start stacks are handed out first (tests/conftest.py). Most of a lifecycle test is
-# waiting for a process, so three fit two cores: 11 min 21 s of pytest (14 min 48 s with lint and the installs) on a
-# fresh clone of this 2-core machine with a soak on the other core beside it (2026-12-06), against 19 min 20 s of
-# pytest in one process before. PYTEST_WORKERS=0 runs one process (a debugger, -x).
+# waiting for a process, so three fit two cores: 9 min 48 s to 15 min 53 s of pytest (12 min 18 s to 20 min 8 s with
+# lint and the installs) on seven fresh clones of this 2-core machine with a soak on the other core beside them
+# (2026-12-06, evening), against 19 min 20 s of pytest in one process before. PYTEST_WORKERS=0 runs one process.
 PYTEST_WORKERS ?= 3
 PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 # Modules run in a random order, and so do the tests within each (pytest-random-order; a module whose tests are
