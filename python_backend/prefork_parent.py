@@ -390,10 +390,9 @@ class PreloadedParent:
     def _fork_spare_when_due(self) -> None:
         if self.spare is not None or self.spare_due is None or time.monotonic() < self.spare_due:
             return
-        if unsafe_threads(self.fork_safe):  # the same rule as a worker's fork (_spawn): never with such a thread
-            self.spare_due = None
-            return
         self.spare_due = None
+        if unsafe_threads(self.fork_safe):  # the same rule as a worker's fork (_spawn): never with such a thread
+            return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
