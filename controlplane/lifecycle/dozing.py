@@ -128,6 +128,10 @@ class Dozing:
         rec.doze.checked = generation
         dozing = {_key(s) for s, flag in zip(stubs, flags, strict=True) if flag}
         if dozing:
+            # what it holds awake is not known here (measured dozing at adoption; a reset record's figure may be
+            # the doze's): at least what the record counts, and what an unknown model of its kind is estimated at
+            awake = self.budget.estimate(rec, len(stubs), own=False)
+            rec.doze.awake_footprint = max(rec.memory.footprint or 0, awake)
             rec.doze.stubs, rec.doze.since = frozenset(dozing), self.clock.time()
             await self._measure(rec)
             self.metrics.set_level(rec.id, rec.level)
@@ -240,10 +244,12 @@ class Dozing:
 
     def _state_changed(self, model_id: str, state: ModelState | None) -> None:
         """Any state change ends the record of a doze: its stubs are asked again at the next sweep (``_find_dozing``;
-        an in-place rescale keeps a dozing stub). Leaving READY, the model is estimated at what it held awake; entering
-        it, a load has just measured what its stubs hold, dozing or not."""
+        an in-place rescale keeps a dozing stub), and until then the model is estimated at what it held awake. That
+        holds for a change to READY too: a reload in place (a republish, a rescale) starts so, with the old stubs
+        dozing, and a request during it wakes them on the warm path, unadmitted; the reload counts them awake
+        beside the new version (dozing machine seed 219470420: counted at the doze's 40 MiB, woken to 300)."""
         rec = self.states.get(model_id)
-        if rec is not None and rec.doze.dozing and state is not ModelState.READY:
+        if rec is not None and rec.doze.dozing:
             self._restore(rec)
         elif rec is not None:
             rec.doze = DozeRecord()

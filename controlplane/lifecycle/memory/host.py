@@ -149,16 +149,17 @@ class MemoryBudget:
                 self.server / MIB,
             )
 
-    def estimate(self, rec: ModelRecord, instances: int) -> int:
+    def estimate(self, rec: ModelRecord, instances: int, *, own: bool = True) -> int:
         """Bytes the model will hold with ``instances``: the larger of its last measurement and its declared
         memory_mb (a republish may declare more than the previous version measured), else the largest model
         measured so far (conservative: a load admitted on the average overruns the budget by the difference;
-        per instance, scaled), else 0."""
+        per instance, scaled), else 0. ``own=False``: its own measurement is not what it holds awake (it was
+        measured dozing), so only the declared figure or the largest model's count."""
         if self.groups is not None and self.groups.is_ensemble(rec):
             return 0  # no process of its own: its steps are models of their own, each charged
         dep = rec.model.deployment
         declared = dep.memory_mb * MIB / dep.instances if dep.memory_mb else 0
-        if rec.memory.footprint and rec.memory.footprint_instances:
+        if own and rec.memory.footprint and rec.memory.footprint_instances:
             per = max(rec.memory.footprint / rec.memory.footprint_instances, declared)
         elif declared:
             per = declared
