@@ -183,6 +183,11 @@ class AdminOperations:
     def status(self, model_id: str, *, users: dict[str, list[str]] | None = None) -> ModelStatus:
         """``users``: the ensembles using each model (``Groups.users``), when many statuses are read at once."""
         rec = self.states.record(model_id)
+        if not rec.loaded and rec.op is None and rec.access.keep_alive is None:
+            return self._at_rest(rec, users)
+        return self._read(rec, users)
+
+    def _read(self, rec: ModelRecord, users: dict[str, list[str]] | None) -> ModelStatus:
         loaded = rec.loaded
         measured = loaded and rec.memory.footprint_source is not None
         harvest(rec, self.journal_dir)  # a few small files: the warm-up line is current right after a load
@@ -207,6 +212,47 @@ class AdminOperations:
             steps=list(self.groups.steps(rec)) or None,
             level=rec.level,
         )
+
+    def _at_rest(self, rec: ModelRecord, users: dict[str, list[str]] | None) -> ModelStatus:
+        """The status of a model at rest (most of thousands), kept on its record: rebuilt only when what it is read
+        from changed (its publish, state, reason, loads, crash or warm-up line). Unloaded, it holds no memory, no
+        process, no GPU; its keep-alive is a fresh policy's for its published deployment; its steps are its
+        publish's."""
+        key = (
+            rec.state,
+            rec.reason,
+            rec.instances,
+            rec.last_access,
+            rec.load.last_cold_start,
+            rec.load.load_count,
+            rec.procs.last_crash,
+            rec.load.warmup,
+        )
+        kept = rec.at_rest
+        if kept is None or kept[0] is not rec.model or kept[1] != key:
+            status = ModelStatus(
+                id=rec.id,
+                state=rec.state,
+                reason=rec.reason,
+                instances=rec.instances,
+                last_access=rec.last_access,
+                idle_timeout_secs=rec.model.deployment.idle_timeout_secs,
+                memory_bytes=None,
+                memory_source=None,
+                last_cold_start_secs=rec.load.last_cold_start,
+                load_count=rec.load.load_count,
+                processes=None,
+                last_crash=rec.procs.last_crash,
+                gpu_memory_bytes=None,
+                keep_alive=self._keep_alive(rec),
+                worker=rec.model.deployment.worker if rec.is_python and rec.model.kind is PackageKind.CUSTOM else None,
+                warmup=self._warmup(rec),
+                steps=list(self.groups.steps(rec)) or None,
+                level="unloaded",
+            )
+            kept = rec.at_rest = (rec.model, key, status)
+        ensembles = (users.get(rec.id) if users is not None else self.groups.users().get(rec.id)) or None
+        return kept[2] if ensembles is None else replace(kept[2], ensembles=ensembles)
 
     def _keep_alive(self, rec: ModelRecord) -> dict[str, Any]:
         windows = self.warmth.windows(rec)

@@ -247,6 +247,9 @@ class ModelRecord:
     access: AccessRecord = field(default_factory=AccessRecord)
     load: LoadRecord = field(default_factory=LoadRecord)
     doze: DozeRecord = field(default_factory=DozeRecord)
+    # its status while at rest (unloaded, no transition, no keep-alive policy yet) and what it was read from: a
+    # listing of thousands of sleeping models builds none of theirs again (``AdminOperations.status``)
+    at_rest: tuple[PublishedModel, tuple[Any, ...], ModelStatus] | None = field(default=None, repr=False)
 
     @property
     def level(self) -> str:
