@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pickle
+import shutil
 import threading
 import time
 from collections.abc import Iterable
@@ -20,9 +21,11 @@ from controlplane.errors import NotFoundError
 from controlplane.render import DEPLOYMENT_FILE, VERSION, TritonTarget, render_model
 from controlplane.spec import DeploymentSpec, ModelSpec, PackageKind, TensorSpec
 from controlplane.store.transactions import (
+    commit_model,
     recover_staging,
     remove_model,
     repository_lock,
+    stage_model,
     staging_root,
     write_model,
 )
@@ -274,9 +277,17 @@ class ModelStore:
         record = {"warmup_source": plan_source(config.decode("utf-8")) or ""} if config is not None else {}
         if source_hash:
             record["source_hash"] = source_hash
-        with self._lock, repository_lock(self.repository):
-            folder = write_model(rendered, self.repository, record=record)
-            return self._note(folder)
+        # written whole outside the locks (publishes in parallel overlap their file writes), moved in under them
+        staged = stage_model(rendered, self.repository, record)
+        committing = False
+        try:
+            with self._lock, repository_lock(self.repository):
+                committing = True  # the commit removes the staging folder, whatever happens
+                folder = commit_model(staged, self.repository, spec.id)
+                return self._note(folder)
+        finally:
+            if not committing:  # taking the locks failed (or was interrupted): the staged folder goes
+                shutil.rmtree(staged, ignore_errors=True)
 
     def delete(self, model_id: str) -> None:
         with self._lock, repository_lock(self.repository):

@@ -131,13 +131,31 @@ def repository_lock(repo: Path) -> Iterator[None]:
 def write_model(rendered: RenderedModel, repo: Path, record: dict[str, str] | None = None) -> Path:
     """Write one model folder into ``repo`` atomically; an existing folder is replaced whole. ``record``: more fields
     of its deployment record."""
+    staged = stage_model(rendered, repo, record)
+    return commit_model(staged, repo, rendered.model_id)
+
+
+def stage_model(rendered: RenderedModel, repo: Path, record: dict[str, str] | None = None) -> Path:
+    """The model's folder, written whole in a staging folder of its own (no lock needed: nothing else writes there,
+    and ``recover_staging`` leaves a live writer's alone); ``commit_model`` moves it into place. The staging
+    folder, returned, is removed if writing it fails."""
     repo = Path(repo)
     repo.mkdir(parents=True, exist_ok=True)
     # <model>@<host>.<pid>.<random>: recover_staging() tells a killed writer's leftovers by host and pid.
     staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}@{_writer()}.", dir=_staging_root(repo)))
-    final = repo / rendered.model_id
     try:
         _materialise(rendered, staging / "model", record)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging
+
+
+def commit_model(staging: Path, repo: Path, model_id: str) -> Path:
+    """Move a staged model folder into ``repo`` (with the repository's writers serialised: ``repository_lock``), in
+    one rename, or one atomic swap with the folder it replaces; the staging folder goes either way."""
+    final = Path(repo) / model_id
+    try:
         if final.exists():
             # One atomic swap where the kernel offers it: readers never see the model missing.
             if not _exchange(staging / "model", final):

@@ -97,6 +97,29 @@ def test_python_backend_config_matches_golden(tmp_path: Path) -> None:
     assert runtime["inputs"][1] == {"name": "text", "datatype": "BYTES", "dims": [-1]}
 
 
+@pytest.mark.parametrize("kind", ["custom", "onnx-native"])
+def test_models_of_one_signature_share_a_parse_and_each_config_is_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Configs that differ only by the model's name are parsed once (``render._rendered_config``): each model's
+    config and text must be exactly what parsing its own rendered text gives (the fallback path, forced below)."""
+    from controlplane import render
+
+    package, target = (
+        (custom_pkg(tmp_path / "p"), embedded_target()) if kind == "custom" else (onnx_pkg(tmp_path / "o"), FULL_TARGET)
+    )
+    specs = [
+        resolve(DeploymentSpec(id=i, path=package, max_batch_size=b))
+        for i, b in (("a", 8), ("b.2", 8), ("c_3-x", 8), ("d", 4))
+    ]
+    shared = [render_model(spec, target) for spec in specs]
+    monkeypatch.setattr(render, "_NAME_PLACEHOLDER", "")  # never once in a text: every config parsed on its own
+    own = [render_model(spec, target) for spec in specs]
+    for spec, a, b in zip(specs, shared, own, strict=True):
+        assert a.config == b.config and a.config_text == b.config_text and a.config.name == spec.id
+    assert [r.config.max_batch_size for r in shared] == [8, 8, 8, 4]
+
+
 def test_onnx_renders_native_on_full_and_python_on_embedded(tmp_path: Path) -> None:
     spec = resolve(DeploymentSpec(id="relu", path=onnx_pkg(tmp_path / "o"), max_batch_size=4))
     full = render_model(spec, FULL_TARGET)
