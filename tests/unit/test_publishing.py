@@ -132,39 +132,3 @@ def test_a_request_for_a_refused_package_says_why_in_tritons_words(tmp_path: Pat
     assert caught.value.message.startswith(f"{UNKNOWN_MODEL}: 'm0' is not found")
     assert "refused its package" in caught.value.message and "snooze_model.json" in caught.value.message
 
-
-def test_two_workers_publish_every_package_once_and_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    deployments = _packages(tmp_path / "packages", 40)
-    store = ModelStore(tmp_path / "repo", embedded_target())
-    calls: list[str] = []
-    publish = store.publish
-    monkeypatch.setattr(store, "publish", lambda spec, **kw: (calls.append(spec.id), publish(spec, **kw))[1])
-    progress = Publishing()
-    progress.plan(deployments)
-    publish_all(store, progress, say=lambda line: None, workers=2)
-    assert sorted(calls) == sorted(d.id for d in deployments)  # each once
-    assert progress.describe()["published"] == 40 and not progress.in_progress
-    restarted = ModelStore(tmp_path / "repo", embedded_target())  # what is on disk, read afresh
-    assert restarted.ids() == sorted(d.id for d in deployments)
-    for model in restarted.list():
-        assert (tmp_path / "repo" / model.id / "config.pbtxt").read_text().startswith(f'name: "{model.id}"')
-    assert not [p for p in tmp_path.rglob("*@*") if p.is_dir()]  # no staging folder left (beside or in the repo)
-
-
-def test_a_bug_in_a_publish_worker_stops_the_others_and_is_raised(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = ModelStore(tmp_path / "repo", embedded_target())
-    publish = store.publish
-
-    def buggy(spec: object, **kw: object) -> object:
-        if getattr(spec, "id", "") == "m3":
-            raise RuntimeError("a bug")
-        return publish(spec, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(store, "publish", buggy)
-    progress = Publishing()
-    progress.plan(_packages(tmp_path / "packages", 30))
-    with pytest.raises(RuntimeError, match="a bug"):
-        publish_all(store, progress, say=lambda line: None, workers=2)
-    assert not progress.in_progress and progress.done < 30
