@@ -32,7 +32,7 @@ from controlplane.publishing import Publishing, publish_all
 from controlplane.render import TritonTarget, embedded_target, target_by_name
 from controlplane.servers import EmbeddedUvicorn, wait_started
 from controlplane.settings import Settings
-from controlplane.spec import discover, entry_point_deployments
+from controlplane.spec import DeploymentSpec, discover, entry_point_deployments
 from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient, wait_for_triton
 from controlplane.triton.embedded_dist import detect_backends
@@ -77,13 +77,21 @@ class ServingStack:
 
         s = self.settings
         s.work_dir.mkdir(parents=True, exist_ok=True)
-        http_url, grpc_url, metrics_url, target = await self._start_triton()
-        self.store = ModelStore(s.repository, target)
+        s.repository.mkdir(parents=True, exist_ok=True)
+        # The store's catalog and the packages are read while Triton starts (10,000 models: 1-1.7 s and 0.4-0.5 s,
+        # measured, which a restart paid after Triton's start before anything was live).
+        reading = asyncio.create_task(asyncio.to_thread(self._read_models))
+        try:
+            http_url, grpc_url, metrics_url, target = await self._start_triton()
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                await reading  # a thread is not cancelled: it ends first (seconds at most)
+            raise
+        self.store, planned = await reading
+        self.store.target = target  # what Triton serves, known once it started: publishing renders for it
         # Packages from the models folder and from installed distributions' `snoozeml.models` entry points: planned
         # now, published in the background once the gateway and the API are live (``_publish``).
-        self.publishing.plan(
-            [*(discover(self.models_dir) if self.models_dir is not None else []), *entry_point_deployments()]
-        )
+        self.publishing.plan(planned)
         self.admin = TritonAdminClient(http_url, metrics_url, headers=s.triton_headers())
         processes, journal_dir = await self._observe_triton(http_url)
         self.lifecycle = LifecycleManager(
@@ -129,6 +137,12 @@ class ServingStack:
         )
         if self.publishing.total:
             self._publisher = asyncio.create_task(self._publish(), name="snooze-publish")
+
+    def _read_models(self) -> tuple[ModelStore, list[DeploymentSpec]]:
+        """The store (its target is set once Triton has started) and the packages to publish (blocking)."""
+        store = ModelStore(self.settings.repository, embedded_target())
+        found = discover(self.models_dir) if self.models_dir is not None else []
+        return store, [*found, *entry_point_deployments()]
 
     async def published(self, timeout: float | None = None) -> None:
         """Return once the ``--models`` packages of this start are published (they are, in the background, after
