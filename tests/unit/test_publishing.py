@@ -131,4 +131,3 @@ def test_a_request_for_a_refused_package_says_why_in_tritons_words(tmp_path: Pat
         answers.published("m0")
     assert caught.value.message.startswith(f"{UNKNOWN_MODEL}: 'm0' is not found")
     assert "refused its package" in caught.value.message and "snooze_model.json" in caught.value.message
-
