@@ -219,12 +219,22 @@ class Admission:
                 return
 
     async def enforce(self, rec: ModelRecord | None = None, *, estimate: int | None = None) -> list[str]:
-        """Evict idle models (not ``rec``) until the host budget and Triton's cgroup ceiling hold again; their ids."""
-        plan = await self.budget.plan_enforce(rec)
-        if plan is None:
-            return []
-        evicted = await carry_out(plan, self._evict_one)
-        self.budget.enforced(plan, evicted, rec, estimate=estimate)
+        """Evict idle models (not ``rec``) until the host budget and Triton's cgroup ceiling hold again; their ids.
+        A plan whose victims dozed is planned again, on what they measured dozing: a doze may free too little (its
+        stubs stay), and the next plan unloads it whole in the same sweep (dozing machine seed 3118721135: a doze
+        left the tree 20 MiB over until the next sweep). Not after unloads alone, nor over the cgroup's ceiling:
+        its usage is read once a sweep, and planning again on it would evict more than was needed."""
+        evicted: list[str] = []
+        for _ in range(len(self.states.records) + 1):  # each round dozes a model at least, or it is the last
+            plan = await self.budget.plan_enforce(rec)
+            if plan is None:
+                break
+            done = await carry_out(plan, self._evict_one)
+            self.budget.enforced(plan, done, rec, estimate=estimate)
+            evicted += done
+            dozed = any((r := self.states.get(m)) is not None and r.doze.dozing for m in done)
+            if plan.ceiling or not dozed:
+                break
         return evicted
 
     async def evict(self, rec: ModelRecord | None, amount: int, reason: str) -> list[str]:

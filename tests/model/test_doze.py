@@ -309,3 +309,25 @@ def test_an_adaptive_model_dozes_after_the_time_it_learned(tmp_path: Path, monke
     finally:
         world.abandon()
         logging.getLogger("snoozeml").setLevel(logging.NOTSET)
+
+
+def test_a_sweep_that_dozes_a_victim_too_small_to_fit_unloads_it_in_the_same_sweep(world):
+    """Found by the dozing machine (seed 3118721135): after a restart m3 was adopted with its stubs dozing (an older
+    publish, charged its dozing PSS), a burst woke them on the warm path (300 MiB), and the sweep's enforcement dozed
+    m1 to make room (60 -> 20 MiB): still 20 MiB over the budget, until the next sweep. A plan carried out is
+    measured again within the sweep, and the dozing victim is unloaded."""
+    s, w = world.step, world
+    s(w.publish("m0", 60, 1, "preforked"), 0.05)
+    s(w.publish("m1", 60, 1, "preforked"), 0.05)
+    s(w.publish("m3", 60, 1, "in-stub"), 0.01)
+    s(w.hold("m3"), 0.0)
+    s(w.publish("m3", 150, 2, "preforked"), 0.01)
+    s(w.remote_publish("m2", 150), 0.05)
+    s(w.stop_during_hung_load("m0", "stop"), 0.3)
+    s(w.request("m0", 0.3), 0.01)
+    s(w.pause(), 0.0)
+    s(w.request("m1", None), 0.3)
+    s(w.publish("m3", 150, 2, "preforked"), 0.0)
+    s(w.restart(), 0.3)
+    s(w.burst("m3", 8), 0.05)
+    s(w.request("m3", None), 1.0)  # the world checks the tree against the budget at each step
