@@ -27,14 +27,16 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controlplane.clock import Clock
 from controlplane.errors import NotFoundError, SnoozeError, UnavailableError
 from controlplane.lifecycle.admission import Admission
+from controlplane.lifecycle.recovery import note_ended, running_requests
 from controlplane.lifecycle.state import CancelledLoad, ModelRecord, ModelState, ModelStates
 from controlplane.lifecycle.workers import end_model_processes, none_alive
 from controlplane.tasks import read_task
 from controlplane.triton.client import TritonAdminClient
 from controlplane.triton.journal import initialize_started
-from controlplane.triton.processes import TritonProcesses
+from controlplane.triton.processes import StubProcess, TritonProcesses
 
 if TYPE_CHECKING:
     from controlplane.lifecycle.transitions import Transitions
@@ -59,19 +61,37 @@ def load_in_flight(rec: ModelRecord) -> bool:
 
 
 async def end_processes(
-    processes: TritonProcesses, journal_dir: Path | None, model_id: str, *, waited: float = STUB_START_SECS
+    processes: TritonProcesses,
+    journal_dir: Path | None,
+    rec: ModelRecord,
+    clock: Clock,
+    *,
+    waited: float = STUB_START_SECS,
 ) -> tuple[list[int], int]:
     """End the model's stubs that have reached its initialize (and any, once ``waited`` reaches
-    STUB_START_SECS); (the pids ended, how many stubs were left because they are still starting)."""
+    STUB_START_SECS); (the pids ended, how many stubs were left because they are still starting). The requests
+    an ended stub was running are noted as run (``note_ended``): one of an earlier load may be finishing one."""
     if not processes.can_observe:
         return [], 0
-    stubs = await asyncio.to_thread(processes.stubs, model_id)
+    stubs = await asyncio.to_thread(processes.stubs, rec.id)
     if journal_dir is not None and waited < STUB_START_SECS:
         starting = [s for s in stubs if not initialize_started(journal_dir, s)]
         stubs = [s for s in stubs if s not in starting]
     else:
         starting = []
-    killed = await asyncio.to_thread(end_model_processes, processes, journal_dir, stubs) if stubs else []
+    if not stubs:
+        return [], len(starting)
+
+    def end() -> tuple[list[int], dict[StubProcess, set[str]]]:
+        killed = end_model_processes(processes, journal_dir, stubs)
+        if journal_dir is None:
+            return killed, {}
+        # read after the kill: a killed stub journals nothing more, and its journal stays until it is removed
+        running = {s: running_requests(journal_dir, s) for s in stubs}
+        return killed, {s: ids for s, ids in running.items() if ids is not None}  # no journal: nothing is known
+
+    killed, journaled = await asyncio.to_thread(end)
+    note_ended(rec, journaled, clock)
     return killed, len(starting)
 
 
@@ -87,6 +107,7 @@ class LoadCancels:
         admission: Admission,
         *,
         journal_dir: Path | None,
+        clock: Clock,
     ) -> None:
         self.states = states
         self.processes = processes
@@ -94,6 +115,7 @@ class LoadCancels:
         self.transitions = transitions
         self.admission = admission
         self.journal_dir = journal_dir
+        self.clock = clock
 
     async def cancel_all(self, why: str) -> list[str]:
         """Cancel every load in flight (a stop); the models whose load was cancelled."""
@@ -141,7 +163,7 @@ class LoadCancels:
             op.cancel()
         deadline = started + CANCEL_WAIT_SECS
         while not op.done():
-            ended, starting = await end_processes(processes, journal_dir, rec.id, waited=loop.time() - started)
+            ended, starting = await end_processes(processes, journal_dir, rec, self.clock, waited=loop.time() - started)
             killed += ended
             if loop.time() >= (started + STUB_START_SECS if starting else deadline):
                 break
@@ -164,7 +186,7 @@ class LoadCancels:
             leave = self._leave_and_mark(rec, why, started=started, wait=loaded)
             return killed + await asyncio.shield(self.transitions.leave_after_cancel(rec, why, leave))
         if cancelled and not queued:  # another transition owns the record now: only Triton's side is left
-            killed += await _leave_triton(processes, journal_dir, triton, rec.id, started=started, wait=False)
+            killed += await _leave_triton(processes, journal_dir, triton, rec, self.clock, started=started, wait=False)
         left_nothing = await _left_nothing(processes, rec)
         if rec.op is None and not rec.dropped:  # else another caller started a new transition: it is its own
             _mark_unloaded(self.states, rec, why, left_nothing=left_nothing)
@@ -172,7 +194,9 @@ class LoadCancels:
 
     async def _leave_and_mark(self, rec: ModelRecord, why: str, *, started: float, wait: bool) -> list[int]:
         """The cancel's own transition: leave Triton, then mark the record UNLOADED before the transition ends."""
-        killed = await _leave_triton(self.processes, self.journal_dir, self.triton, rec.id, started=started, wait=wait)
+        killed = await _leave_triton(
+            self.processes, self.journal_dir, self.triton, rec, self.clock, started=started, wait=wait
+        )
         _mark_unloaded(self.states, rec, why, left_nothing=await _left_nothing(self.processes, rec))
         return killed
 
@@ -213,16 +237,17 @@ async def _leave_triton(
     processes: TritonProcesses,
     journal_dir: Path | None,
     triton: TritonAdminClient,
-    model_id: str,
+    rec: ModelRecord,
+    clock: Clock,
     *,
     started: float,
     wait: bool,
 ) -> list[int]:
     """Drop the model from Triton (bounded) and end what is left of its processes; the pids ended."""
     with contextlib.suppress(SnoozeError, TimeoutError):
-        await asyncio.wait_for(read_task(_drop(triton, model_id, wait=wait)), CANCEL_UNLOAD_SECS)
+        await asyncio.wait_for(read_task(_drop(triton, rec.id, wait=wait)), CANCEL_UNLOAD_SECS)
     waited = asyncio.get_running_loop().time() - started
-    return (await end_processes(processes, journal_dir, model_id, waited=waited))[0]
+    return (await end_processes(processes, journal_dir, rec, clock, waited=waited))[0]
 
 
 async def _drop(triton: TritonAdminClient, model_id: str, *, wait: bool = False) -> None:

@@ -164,7 +164,9 @@ class LifecycleManager:
             transitions=transitions,
             triton_process=triton_process,
         )
-        cancels = LoadCancels(states, processes, triton, transitions, loader.admission, journal_dir=journal_dir)
+        cancels = LoadCancels(
+            states, processes, triton, transitions, loader.admission, journal_dir=journal_dir, clock=clock
+        )
         self.requests = RequestPath(
             settings, states, warmth, up, loader.admission, transitions, metrics, self.groups, clock=clock
         )

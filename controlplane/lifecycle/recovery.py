@@ -27,7 +27,7 @@ from controlplane.clock import Clock
 from controlplane.errors import SnoozeError
 from controlplane.lifecycle.state import ModelRecord, SeenDeath
 from controlplane.lifecycle.workers import kill_workers, worker_of
-from controlplane.triton.journal import has_journal, read_journal, remove_journal
+from controlplane.triton.journal import has_journal, read_activity, read_journal, remove_journal
 from controlplane.triton.processes import StubDeath, StubProcess, TritonProcesses
 
 log = logging.getLogger("snoozeml.lifecycle")
@@ -106,6 +106,31 @@ def note_deaths(rec: ModelRecord, deaths: list[StubDeath], journal_dir: Path | N
     while len(rec.procs.crashed_requests) > CRASHED_REQUESTS_KEPT:
         rec.procs.crashed_requests.pop(next(iter(rec.procs.crashed_requests)))
     return new
+
+
+def running_requests(journal_dir: Path, stub: StubProcess) -> set[str] | None:
+    """The requests the stub's journal says it was running (busy): empty when it was between batches; None when it
+    kept no journal (it had not started, or it was removed)."""
+    activity = read_activity(journal_dir, stub)
+    if activity is None:
+        return None
+    return (read_journal(journal_dir, stub) or set()) if activity.busy else set()
+
+
+def note_ended(rec: ModelRecord, journaled: dict[StubProcess, set[str]], clock: Clock) -> None:
+    """Stubs this control plane ended (a cancel ends every process of the model, one of an earlier load still
+    finishing a request included), each with the requests its journal says it was running: those ran, and are never
+    sent again; a request that met an ended stub and is not among them never ran (the journal was read). Plain
+    machine seed 1852401186: a recovery's load, cancelled by a republish, ended the crashed load's surviving stub
+    during a request; its "not healthy" answer looked like a request that never ran, and it ran again."""
+    for stub, ids in journaled.items():
+        death = StubDeath(stub, None, ended=True)
+        rec.procs.deaths.append(SeenDeath(death, clock.monotonic(), journaled=True))
+        for request_id in ids:
+            rec.procs.crashed_requests[request_id] = death
+    del rec.procs.deaths[:-DEATHS_KEPT]
+    while len(rec.procs.crashed_requests) > CRASHED_REQUESTS_KEPT:
+        rec.procs.crashed_requests.pop(next(iter(rec.procs.crashed_requests)))
 
 
 def crashes_among(

@@ -785,3 +785,23 @@ def test_an_ensembles_wake_does_not_load_it_over_a_step_that_a_delete_took_out_a
     assert "e0" not in world.triton.holding()
     answers = [c.answer for c in world.answered if c.what == "request" and c.model == "e0"]
     assert len(answers) == 9 and all(a is not None and a.startswith("404") for a in answers), answers
+
+
+def test_a_request_a_cancel_ended_mid_run_is_never_sent_again(world):
+    """Found by the machine (seed 1852401186): m2 (two instances) lost one to a crash while the lifecycle was paused,
+    and another node republished it; at resume the recovery's load (its new stubs run out of memory) was cancelled
+    by the republish, and the cancel ended every process of m2, the surviving stub of the crashed load too, while it
+    ran a request. Triton answered that request "not healthy"; nothing said it had run, so it was sent again and ran
+    twice. The requests an ended stub's journal says it was running are now noted as run (the client is told its
+    model process died), and the others it met are sent again."""
+    s, w = world.step, world
+    s(w.publish("m2", 150, 2), 0.01)
+    s(w.burst("m2", 8), 0.3)
+    s(w.pause(), 0.3)
+    s(w.remote_publish("m2", 100), 0.3)
+    s(w.burst("e0", 6), 1.0)
+    s(w.crash("m2"), 0.05)
+    s(w.script_load("m2", "oom", 0.5), 0.3)
+    s(w.burst("m2", 3), 0.0)
+    s(w.resume(), 0.05)
+    s(w.tick(1.0), 1.0)  # the world checks at each step that no request ran twice
