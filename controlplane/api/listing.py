@@ -44,9 +44,10 @@ def page_of(
     query: ListQuery,
     statuses: Callable[[list[str]], list[ModelStatus]],
     summary: Callable[[PublishedModel, ModelStatus], dict[str, Any]],
+    states_of: Callable[[list[str]], list[ModelState]],
 ) -> ModelPage:
-    """``models`` sorted by id -> the page ``query`` asks for. Statuses are read for the page only, unless the query
-    filters by state (then for every model the other filters kept)."""
+    """``models`` sorted by id -> the page ``query`` asks for. Statuses are read for the page only; a filter by
+    state reads the states of the models the other filters kept (``states_of``: no status built)."""
 
     def by_id(m: PublishedModel) -> str:
         return m.id
@@ -56,16 +57,14 @@ def page_of(
     chosen = models[start:end]
     if query.kind is not None:
         chosen = [m for m in chosen if m.kind.value == query.kind]
-    known: dict[str, ModelStatus] = {}
     if query.state is not None:
-        known = {s.id: s for s in statuses([m.id for m in chosen])}
-        chosen = [m for m in chosen if known[m.id].state is query.state]
+        states = states_of([m.id for m in chosen])
+        chosen = [m for m, state in zip(chosen, states, strict=True) if state is query.state]
     total = len(chosen)
     first = bisect.bisect_right(chosen, query.after, key=by_id) if query.after else 0
     last = len(chosen) if query.limit is None else min(first + query.limit, len(chosen))
     page = chosen[first:last]
-    missing = [m.id for m in page if m.id not in known]
-    known.update((s.id, s) for s in statuses(missing) if missing)
+    known = {s.id: s for s in statuses([m.id for m in page])} if page else {}
     return ModelPage(
         models=[summary(m, known[m.id]) for m in page],
         total=total,

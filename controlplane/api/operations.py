@@ -248,7 +248,8 @@ class ModelOperations:
         models = await run_in_threadpool(
             self.services.store.list, max_age=self.services.store.trusted_age(LIST_SCAN_SECS)
         )
-        return page_of(models, query, self.services.lifecycle.statuses, self._listed)
+        lifecycle = self.services.lifecycle
+        return page_of(models, query, lifecycle.statuses, self._listed, lifecycle.states_of)
 
     @staticmethod
     def _listed(model: PublishedModel, status: ModelStatus) -> dict[str, Any]:

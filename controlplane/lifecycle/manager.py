@@ -259,6 +259,9 @@ class LifecycleManager:
     def statuses(self, model_ids: list[str] | None = None) -> list[ModelStatus]:
         return self.admin.statuses(model_ids)
 
+    def states_of(self, model_ids: list[str]) -> list[ModelState]:
+        return [self.states.record(m).state for m in model_ids]
+
     def runtime(self) -> dict[str, Any]:
         return self.admin.runtime()
 

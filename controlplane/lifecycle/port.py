@@ -46,6 +46,11 @@ class LifecyclePort(Protocol):
         """``status`` of each of ``model_ids``, in their order (a listing: what is shared is read once)."""
         ...
 
+    def states_of(self, model_ids: list[str]) -> list[ModelState]:
+        """The state of each of ``model_ids``, in their order, as their statuses say it (a listing's filter: no
+        status is built)."""
+        ...
+
     def runtime(self) -> dict[str, Any]:
         """The preloaded parents, the server's own memory, the budgets, the wake queue."""
         ...

@@ -64,6 +64,10 @@ async def test_state_filter_uses_the_lifecycle_state(client: httpx.AsyncClient, 
     assert r.json()[0]["status"]["state"] == "ready"
     r = await client.get("/v1/models", headers=ADMIN, params={"state": "unloaded", "limit": 10})
     assert [m["id"] for m in r.json()] == ["a-1", "a-2", "a-3", "b-2"]
+    lifecycle.calls.clear()
+    r = await client.get("/v1/models", headers=ADMIN, params={"state": "unloaded", "limit": 2})
+    assert [m["id"] for m in r.json()] == ["a-1", "a-2"] and r.headers["X-Total-Count"] == "4"
+    assert [c for c in lifecycle.calls if c[0] == "statuses"] == [("statuses", "2")]  # the page's only
 
 
 async def test_an_unknown_filter_value_is_refused_naming_the_field(client: httpx.AsyncClient) -> None:

@@ -66,6 +66,9 @@ class RecordingLifecycle:
         self.calls.append(("statuses", str(len(model_ids))))
         return [self.status(m) for m in model_ids]
 
+    def states_of(self, model_ids: list[str]) -> list[ModelState]:
+        return [self.status(m).state for m in model_ids]
+
     async def load(self, model_id: str, *, instances: int | None = None) -> ModelStatus:
         self.calls.append(("load", model_id, str(instances)))
         status = self.status(model_id)

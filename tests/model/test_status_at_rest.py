@@ -21,6 +21,8 @@ def assert_at_rest_is_current(world: LifecycleWorld) -> int:
         kept = admin.status(rec.id)
         assert kept == admin._read(rec, users), rec.id
         assert admin.status(rec.id) == kept
+    ids = sorted(world.store.ids())  # the listing's state filter reads states, not statuses: the same states
+    assert world.manager.states_of(ids) == [s.state for s in world.manager.statuses(ids)]
     return at_rest
 
 
