@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
@@ -200,6 +201,34 @@ def test_write_is_atomic_and_replaces_whole_folder(tmp_path: Path) -> None:
     assert not (repo / "m" / "stale.txt").exists()
     assert (repo / "m" / DEPLOYMENT_FILE).is_file()
     assert sorted(p.name for p in repo.iterdir()) == ["m"]  # staging lives outside the repository
+
+
+def test_a_runtime_file_whose_links_are_used_up_is_linked_from_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ext4 allows 65,000 links a file: once snoozeml's runtime files have none left (repositories left behind by
+    tests and benches reached it here), each model linked a copy made in the staging root instead of copying the file
+    into every model."""
+    from controlplane.store import transactions
+    from python_backend import PACKAGE_DIR
+
+    real_link = os.link
+
+    def link(src: object, dst: object, *args: object, **kwargs: object) -> None:
+        if os.path.dirname(str(src)) == PACKAGE_DIR:
+            raise OSError(errno.EMLINK, "Too many links", str(src))
+        real_link(src, dst, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(transactions, "_link_sources", {})
+    package = custom_pkg(tmp_path / "p")
+    repo = tmp_path / "repo"
+    for model_id in ("a", "b"):
+        write_model(render_model(resolve(DeploymentSpec(id=model_id, path=package)), embedded_target()), repo)
+    original = Path(PACKAGE_DIR) / "triton_model.py"
+    a, b = (repo / m / "1" / "python_backend" / "triton_model.py" for m in ("a", "b"))
+    assert a.stat().st_ino == b.stat().st_ino != original.stat().st_ino  # one copy, linked by both
+    assert a.read_bytes() == original.read_bytes()
 
 
 def test_failing_package_leaves_repository_byte_identical(tmp_path: Path) -> None:
