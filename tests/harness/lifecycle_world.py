@@ -194,6 +194,7 @@ class LifecycleWorld:
         self.resumed_at = 0.0  # while paused no sweep or store follow runs: what they fix counts from here
         self.stuck_at = -1e9  # when every loaded model was last seen in use beside a wake from doze (``check``)
         self.steps = 0
+        self.sweep_started: float | None = None  # clock.time() the sweep running now began (None: none runs)
         self.run(self.manager.start())
 
     def _manager(self) -> LifecycleManager:
@@ -210,6 +211,16 @@ class LifecycleWorld:
             clock=self.clock,
         )
         self.probe.install(m.states)
+        sweep = m.supervisor.sweep
+
+        async def sweeping() -> None:  # the sweeper's task takes this one (started after)
+            self.sweep_started = self.clock.time()
+            try:
+                await sweep()
+            finally:
+                self.sweep_started = None
+
+        m.supervisor.sweep = sweeping  # type: ignore[method-assign]
         return m
 
     # ------------------------------------------------------------------ running
@@ -652,10 +663,13 @@ class LifecycleWorld:
         """A stub that a batch woke while the record lists it dozing (the control plane is not on the warm path: it
         hears and measures a wake at its next sweep, ``Dozing.hear_wakes``); or a model with stubs that doze or dozed
         whose record of the doze a state change ended since (a reload in place, failed or not): the next sweep asks
-        its stubs again and measures them (``Dozing._find_dozing``)."""
+        its stubs again and measures them (``Dozing._find_dozing``); or a wake the sweep still running heard (it
+        enforces the budget after hearing: judged at its end, dozing machine seed 3024910981)."""
         m = self.triton.models.get(rec.id)
         if m is None:
             return False
+        if self.sweep_started is not None and rec.access.woke >= self.sweep_started:
+            return True  # heard by the sweep still running, which enforces the budget after it (seed 3024910981)
         woke = any(s.awake_memory is None and (s.pid, s.start_ticks) in rec.doze.stubs for s in m.stubs)
         dozed = any(s.awake_memory is not None or s.woke_at >= 0 for s in m.stubs)
         return woke or (dozed and rec.doze.checked != rec.generation)
