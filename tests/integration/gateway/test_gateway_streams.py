@@ -252,7 +252,10 @@ def _journaled_ids(stack: Stack, model: str | None = None) -> set[str]:
     for path in stack.triton.journal_dir.glob("*.journal"):
         if pids is not None and path.name.split("-", 1)[0] not in pids:
             continue
-        raw = path.read_bytes()
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:  # its process ended meanwhile (a clean end removes its journal): nothing journaled
+            continue
         size = int.from_bytes(raw[:4], "little")
         ids.update(i for i in raw[4 : 4 + size].decode().split("\n") if i)
     return ids
