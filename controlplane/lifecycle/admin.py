@@ -215,9 +215,8 @@ class AdminOperations:
 
     def _at_rest(self, rec: ModelRecord, users: dict[str, list[str]] | None) -> ModelStatus:
         """The status of a model at rest (most of thousands), kept on its record: rebuilt only when what it is read
-        from changed (its publish, state, reason, loads, crash or warm-up line). Unloaded, it holds no memory, no
-        process, no GPU; its keep-alive is a fresh policy's for its published deployment; its steps are its
-        publish's."""
+        from changed (its publish, state, reason, loads, crash or warm-up line): unloaded, it holds no memory, no
+        process, no GPU, and its keep-alive and steps follow from its publish."""
         key = (
             rec.state,
             rec.reason,
@@ -230,26 +229,7 @@ class AdminOperations:
         )
         kept = rec.at_rest
         if kept is None or kept[0] is not rec.model or kept[1] != key:
-            status = ModelStatus(
-                id=rec.id,
-                state=rec.state,
-                reason=rec.reason,
-                instances=rec.instances,
-                last_access=rec.last_access,
-                idle_timeout_secs=rec.model.deployment.idle_timeout_secs,
-                memory_bytes=None,
-                memory_source=None,
-                last_cold_start_secs=rec.load.last_cold_start,
-                load_count=rec.load.load_count,
-                processes=None,
-                last_crash=rec.procs.last_crash,
-                gpu_memory_bytes=None,
-                keep_alive=self._keep_alive(rec),
-                worker=rec.model.deployment.worker if rec.is_python and rec.model.kind is PackageKind.CUSTOM else None,
-                warmup=self._warmup(rec),
-                steps=list(self.groups.steps(rec)) or None,
-                level="unloaded",
-            )
+            status = self._read(rec, {})  # its ensembles apart: they change with other records
             kept = rec.at_rest = (rec.model, key, status)
         ensembles = (users.get(rec.id) if users is not None else self.groups.users().get(rec.id)) or None
         return kept[2] if ensembles is None else replace(kept[2], ensembles=ensembles)
