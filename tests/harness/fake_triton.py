@@ -120,6 +120,7 @@ class Loaded:
     served: int = 0  # requests answered since the model was last built (Triton's success count)
     next_instance: int = 0
     unloading: asyncio.Task[None] | None = None
+    finalize_secs: float = 0.0  # how long the unload in flight blocks in its finalize
 
     @property
     def count(self) -> int:
@@ -441,7 +442,7 @@ class FakeTriton:
                 if name in steps and e is not None and e.state == "READY":
                     e.state, e.reason = "UNAVAILABLE", f"its step '{name}' was unloaded"
                     self.down_with_step.add(ensemble)
-            delay = self.unload_hangs.pop(name, self.unload_delay)
+            delay = m.finalize_secs = self.unload_hangs.pop(name, self.unload_delay)
             m.unloading = asyncio.ensure_future(self._finish_unload(m, delay))
         if not wait:
             return

@@ -805,3 +805,35 @@ def test_a_request_a_cancel_ended_mid_run_is_never_sent_again(world):
     s(w.burst("m2", 3), 0.0)
     s(w.resume(), 0.05)
     s(w.tick(1.0), 1.0)  # the world checks at each step that no request ran twice
+
+
+def test_a_stop_abandons_a_hung_load_and_gives_an_unload_its_finalize_bound(world):
+    """Found by the machine (seed 976560240): m0's API unload was in Triton's own unload (its finalize hangs) when a
+    stop came during m1's hung load. The stop abandons the load at once and waits for the unload: the model's
+    unload() gets ``unload_finalize_secs`` past Triton's probe, then its processes are ended, so the stop takes that
+    long and no longer; nothing of m0 is left running. The world allows the stop that bound (not a kill)."""
+    s, w = world.step, world
+    s(w.publish("m0", 150, 2), 0.01)
+    s(w.republish_while_waiting("m0", "hang", 3), 0.05)
+    s(w.tick(7.0), 0.05)
+    s(w.publish("m1", 60, 2), 0.01)
+    s(w.request("m3", 0.3), 1.0)
+    s(w.request("m0", 0.3), 1.0)
+    s(w.request("m0", 0.3), 0.01)
+    s(w.republish_while_waiting("m2", "ok", 4), 0.3)
+    s(w.tick(7.0), 0.3)
+    s(w.tick(0.1), 0.05)
+    s(w.stop_during_hung_load("m1", "publish"), 0.0)
+    s(w.request("m0", None), 0.3)
+    s(w.tick(1.0), 0.01)
+    s(w.tick(1.0), 0.0)
+    s(w.stop_during_hung_load("m1", "publish"), 0.0)
+    s(w.burst("m3", 6), 0.05)
+    s(w.unload_hang("m0"), 0.01)
+    s(w.resume(), 0.3)
+    s(w.burst("m0", 9), 0.01)
+    s(w.api_unload("m0"), 0.01)
+    started = world.now
+    s(w.stop_during_hung_load("m1", "stop"), 0.3)
+    assert world.now - started >= world.settings.unload_finalize_secs  # the unload's finalize was given its time
+    assert not any(stub.alive for stub in world.triton.models["m0"].stubs), "the stop left m0's stubs running"
