@@ -45,6 +45,8 @@ log = logging.getLogger("snoozeml.lifecycle")
 
 # Why a republish cancels a load: its waiters are not answered with the cancel but wait for the new version.
 REPUBLISHED = "republished"
+# Why a stop cancels a load or a loaded model's reload: its waiters are answered 503 (retry once it is back).
+STOPPING = "stopping"
 # How long the load gets to fail once its processes are killed (Triton notices a dead stub in milliseconds).
 CANCEL_WAIT_SECS = 2.0
 # How often its processes are looked for meanwhile (Triton may be starting a stub as the cancel comes).

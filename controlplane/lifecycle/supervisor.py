@@ -15,7 +15,7 @@ from controlplane.errors import SnoozeError
 from controlplane.heap import FREEZE_AFTER_RECORDS, freeze_long_lived
 from controlplane.lifecycle.admin import AdminOperations
 from controlplane.lifecycle.autoscale import autoscale_step
-from controlplane.lifecycle.cancel import LoadCancels
+from controlplane.lifecycle.cancel import STOPPING, LoadCancels
 from controlplane.lifecycle.dozing import Dozing
 from controlplane.lifecycle.loading import Loader
 from controlplane.lifecycle.run_once import RunOnce
@@ -112,7 +112,7 @@ class Supervisor:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
-        await self.cancels.cancel_all("stopping")
+        await self.cancels.cancel_all(STOPPING)
         # A loaded model's reload (a republish, a rescale, a client's new config) is a load too: not waited for.
         # The model keeps its old instances; Triton finishes or fails the reload on its own (the next control plane
         # adopts what it finds).

@@ -19,6 +19,7 @@ from controlplane.clock import Clock
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.admission import NoRoomToPrewarm, WakeQueueTimeout
 from controlplane.lifecycle.autoscale import LoadWindow
+from controlplane.lifecycle.cancel import STOPPING
 from controlplane.lifecycle.groups import Groups
 from controlplane.lifecycle.loading import UNKNOWN_LOAD_PRIVATE, Loader
 from controlplane.lifecycle.memory.host import MemoryBudget
@@ -188,7 +189,7 @@ class Transitions:
         self.unloads = unloads
         self.warmth = warmth
         self.metrics = metrics
-        self._in_place: set[asyncio.Task[None]] = set()  # the running reloads of loaded models
+        self._in_place: dict[asyncio.Task[None], ModelRecord] = {}  # the running reloads of loaded models
 
     # ------------------------------------------------------------------ starting them
 
@@ -221,16 +222,19 @@ class Transitions:
 
     def _in_place_op(self, rec: ModelRecord, reason: str, op: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = self.states.spawn(rec, ModelState.READY, reason, op, loads=True)
-        self._in_place.add(task)
-        task.add_done_callback(self._in_place.discard)
+        self._in_place[task] = rec
+        task.add_done_callback(lambda done: self._in_place.pop(done, None))
         return task
 
     def abandon_reloads(self) -> list[asyncio.Task[None]]:
-        """Cancel the reloads of loaded models (a stop: a reload is a load, never waited for); the tasks."""
-        reloads = list(self._in_place)
-        for task in reloads:
+        """Cancel the reloads of loaded models (a stop: a reload is a load, never waited for); the tasks. Each is
+        cancelled with its reason, so that the requests waiting on it are answered (503, the control plane is stopping)
+        rather than cancelled with it (dozing machine seed 1154293239)."""
+        reloads = list(self._in_place.items())
+        for task, rec in reloads:
+            rec.load.cancel_reasons[task] = STOPPING
             task.cancel()
-        return reloads
+        return [task for task, _ in reloads]
 
     def unload(self, rec: ModelRecord, reason: UnloadReason, *, seen_access: float | None = None) -> asyncio.Task[bool]:
         return self.unloads.unload(rec, reason, seen_access=seen_access)

@@ -98,6 +98,7 @@ class Stub:
     awake_memory: int | None = None  # while it dozes (its worker ended): what it held awake, back at its wake
     wakes: int = 0  # batches that found it dozing and forked a worker first
     woke_at: float = -1.0  # virtual seconds of its last wake
+    can_doze: bool = True  # it serves a preforked deployment: an in-stub one answers a doze that it cannot
     died: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -314,6 +315,8 @@ class FakeTriton:
         if not serving:
             m.state, m.reason, m.served = "LOADING", "", 0
         new = [self._stub(m, per_stub, files, phase_note=script.phase_note) for _ in range(count - len(keep))]
+        for stub in new:  # what the runtime it started with can do (the version loaded, not the one asking)
+            stub.can_doze = deployment.get("worker") == "preforked"
         m.starting += new
         held = self.holding()
         self.peak = max(self.peak, self.server_bytes() + sum(held.values()))
@@ -711,7 +714,7 @@ class FakeStubControl:
     def doze(self, stub: StubProcess) -> DozeAnswer:
         self.asked.append((stub.model, stub.pid))
         s = self.processes._find(stub)
-        if s is None or not s.alive:
+        if s is None or not s.alive or not s.can_doze:
             return DozeAnswer(False, "its stub cannot doze (in-stub, or a runtime without doze)")
         if s.running is not None or s.queued:
             return DozeAnswer(False, BUSY)
