@@ -81,6 +81,9 @@ class RenderedModel:
     config_text: str
     copies: list[tuple[Path, str]] = field(default_factory=list)  # (source, relative destination)
     writes: dict[str, bytes] = field(default_factory=dict)  # relative destination -> content
+    # relative destination -> content that is the same in every model of its kind (the python entry and its
+    # bytecode): linked from one file beside the staging folders (a file made costs 0.3-0.5 ms here, a link 9 us)
+    shared: dict[str, bytes] = field(default_factory=dict)
     dirs: list[str] = field(default_factory=list)  # relative folders made even when empty (an ensemble's 1/)
 
 
@@ -184,10 +187,12 @@ def _template(name: str, **values: Any) -> str:
     return _environment().get_template(name).render(**values)
 
 
-def python_entry(version: str, model_id: str, *, preforked: bool = False) -> dict[str, bytes]:
-    """A python-backend model's ``<version>/model.py``, which runs the snoozeml runtime, with its bytecode.
+@lru_cache(maxsize=64)
+def python_entry(version: str, *, preforked: bool = False) -> dict[str, bytes]:
+    """A python-backend model's ``<version>/model.py``, which runs the snoozeml runtime, with its bytecode: the same
+    for every model (it names none), so rendered once and linked into each model's folder (``RenderedModel.shared``).
     ``preforked``: it also imports the prefork machinery (its bytecode then cached with the runtime's)."""
-    source = _environment().get_template("python_model.py.j2").render(model_id=model_id, preforked=preforked)
+    source = _environment().get_template("python_model.py.j2").render(model_id="", preforked=preforked)
     return with_bytecode(f"{version}/{PYTHON_MODEL_FILE}", source)
 
 
@@ -271,7 +276,7 @@ def render_model(spec: ModelSpec, target: TritonTarget) -> RenderedModel:
             rendered.copies.append((package.path / rel, f"{VERSION}/{PACKAGE_SUBDIR}/{rel}"))
         for src in _runtime_sources():
             rendered.copies.append((src, f"{VERSION}/{RUNTIME_SUBDIR}/{src.name}"))
-        rendered.writes.update(python_entry(VERSION, spec.id, preforked=dep.worker == Worker.PREFORKED))
+        rendered.shared.update(python_entry(VERSION, preforked=dep.worker == Worker.PREFORKED))
         rendered.writes[f"{VERSION}/{SPEC_FILE}"] = (json.dumps(runtime_config(spec), indent=2) + "\n").encode()
     else:
         # Native backends: the model file and its external-data files sit in the version folder.

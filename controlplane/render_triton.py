@@ -155,7 +155,7 @@ def triton_files(spec: ModelSpec, backend: str, rendered: Any, runtime_sources: 
             runtime = {**runtime_config(spec), "kind": PackageKind.ONNX.value, "onnx_file": folder.model_file}
             rendered.writes[f"{version}/{SPEC_FILE}"] = (json.dumps(runtime, indent=2) + "\n").encode()
             preforked = spec.deployment.worker == Worker.PREFORKED
-            rendered.writes.update(python_entry(str(version), spec.id, preforked=preforked))
+            rendered.shared.update(python_entry(str(version), preforked=preforked))
         elif backend == PYTHON:
             for rel in files:
                 dest = f"{USER_MODULE}.py" if rel == folder.model_file else rel

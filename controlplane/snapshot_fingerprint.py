@@ -81,7 +81,7 @@ def _sources_part(models_dir: Path | None, stack: ServingStack) -> dict[str, Any
             part[deployment.id] = {"error": exc.message}
             continue
         files = hashlib.sha256()
-        for rel, data in sorted(rendered.writes.items()):
+        for rel, data in sorted({**rendered.writes, **rendered.shared}.items()):
             files.update(f"{rel}\0{_sha256(data)}\0".encode())
         for src, rel in sorted(rendered.copies, key=lambda c: c[1]):
             files.update(f"{rel}\0{_file_sha256(src)}\0".encode())

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -85,6 +86,45 @@ def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] |
                 json.dumps({**json.loads(content), **(record or {}), "publish": token}, indent=2) + "\n"
             ).encode()
         dest.write_bytes(content)
+    for rel, content in rendered.shared.items():
+        dest = folder / rel
+        parent_of(dest)
+        if not _link_shared(content, dest, folder.parent.parent):
+            dest.write_bytes(content)
+
+
+# Content the same in every model (``RenderedModel.shared``) -> its file beside the staging folders, per staging root.
+_shared_files: dict[tuple[str, Path], Path] = {}
+
+
+def _link_shared(content: bytes, dest: Path, staging_root: Path) -> bool:
+    """Link ``dest`` to a file holding ``content`` beside the staging folders (written once, then linked: 10,000
+    models each made their python entry and its bytecode anew before); False where it cannot be linked (it is then
+    written). A file not a folder, so staging recovery leaves it alone; a fresh one once its links are used up."""
+    key = (hashlib.sha256(content).hexdigest()[:20], staging_root)
+    for _ in range(3):
+        with _link_lock:
+            shared = _shared_files.get(key)
+            if shared is None:
+                shared = staging_root / f".shared-{key[0]}-{uuid.uuid4().hex[:8]}-{dest.name}"
+                partial = shared.with_name(f"{shared.name}.partial")
+                try:
+                    partial.write_bytes(content)
+                    os.replace(partial, shared)
+                except OSError:
+                    partial.unlink(missing_ok=True)
+                    return False
+                _shared_files[key] = shared
+        try:
+            os.link(shared, dest)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EMLINK, errno.ENOENT):  # used up, or removed since: a fresh one
+                return False
+            with _link_lock:
+                if _shared_files.get(key) == shared:
+                    del _shared_files[key]
+    return False
 
 
 # A runtime file whose links are used up (ext4 allows 65,000 a file: tests and benches that leave repositories behind

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,38 @@ def test_a_runtime_file_whose_links_are_used_up_is_linked_from_a_copy(
     a, b = (repo / m / "1" / "python_backend" / "triton_model.py" for m in ("a", "b"))
     assert a.stat().st_ino == b.stat().st_ino != original.stat().st_ino  # one copy, linked by both
     assert a.read_bytes() == original.read_bytes()
+
+
+def test_the_python_entry_is_one_file_linked_into_every_model_and_a_fresh_one_once_its_links_are_used_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.py and its bytecode name no model: written once beside the staging folders and linked into each model's
+    folder (a file made costs far more than a link); at EMLINK (ext4: 65,000 links) a fresh file takes the links."""
+    from controlplane.store import transactions
+
+    monkeypatch.setattr(transactions, "_shared_files", {})
+    package = custom_pkg(tmp_path / "p")
+    repo = tmp_path / "repo"
+    entry = [Path("1") / "model.py", Path("1") / "__pycache__" / f"model.{sys.implementation.cache_tag}.pyc"]
+    for model_id in ("a", "b"):
+        write_model(render_model(resolve(DeploymentSpec(id=model_id, path=package)), embedded_target()), repo)
+    for rel in entry:
+        a, b = repo / "a" / rel, repo / "b" / rel
+        assert a.stat().st_ino == b.stat().st_ino and a.stat().st_nlink == 3  # a, b and the shared file
+    assert b"'a'" not in (repo / "a" / entry[0]).read_bytes()  # it names no model
+
+    real_link = os.link
+
+    def link(src: object, dst: object, *args: object, **kwargs: object) -> None:
+        if os.path.basename(str(src)).startswith(".shared-") and os.stat(src).st_nlink >= 3:
+            raise OSError(errno.EMLINK, "Too many links", str(src))
+        real_link(src, dst, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "link", link)
+    write_model(render_model(resolve(DeploymentSpec(id="c", path=package)), embedded_target()), repo)
+    for rel in entry:
+        c, a = repo / "c" / rel, repo / "a" / rel
+        assert c.stat().st_ino != a.stat().st_ino and c.read_bytes() == a.read_bytes()  # a fresh file, same bytes
 
 
 def test_failing_package_leaves_repository_byte_identical(tmp_path: Path) -> None:
