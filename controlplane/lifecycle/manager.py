@@ -163,6 +163,7 @@ class LifecycleManager:
             residency=residency,
             transitions=transitions,
             triton_process=triton_process,
+            clock=clock,
         )
         cancels = LoadCancels(
             states, processes, triton, transitions, loader.admission, journal_dir=journal_dir, clock=clock

@@ -195,8 +195,9 @@ class Supervisor:
         """One pass: Triton alive, state vs Triton's index, idle unloads, autoscaling, pre-warms."""
         if not await self.sync.check():
             return
-        entries = await self.sync.resync(full=False)
-        await self._leave_unpublished(entries)
+        if self.sync.index_due():  # paced by what reading it costs (10,000 models: every 2-3 s)
+            entries = await self.sync.resync(full=False)
+            await self._leave_unpublished(entries)
         await self.dozing.hear(self.states.values())  # a request woke a dozing model on Triton's side: it holds more
         await self.budget.measure_server()
         await self.loader.remeasure()
@@ -233,8 +234,8 @@ class Supervisor:
             freeze_long_lived()
 
     async def _leave_unpublished(self, entries: dict[str, RepositoryEntry]) -> None:
-        """Models no longer published leave, once two sweeps in a row find them so (not a republish's swap): a
-        record (its model unloaded first), and a copy Triton holds that has no record (a delete that met a
+        """Models no longer published leave, once two reads of the index in a row find them so (not a republish's
+        swap): a record (its model unloaded first), and a copy Triton holds that has no record (a delete that met a
         wake-up, a delete while this control plane was down)."""
         records = self.states.records
         published = await asyncio.to_thread(

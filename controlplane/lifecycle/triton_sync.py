@@ -13,6 +13,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
+from controlplane.clock import SYSTEM_CLOCK, Clock
 from controlplane.errors import SnoozeError, UnavailableError
 from controlplane.lifecycle.groups import ensemble_steps
 from controlplane.lifecycle.memory.host import declared_bytes
@@ -37,6 +38,11 @@ DOWN_RETRY_AFTER_SECS = 2.0
 # After a full resync: records made per turn of the event loop, and the pause between turns (the start goes on).
 RECORD_CHUNK, RECORD_PAUSE_SECS = 100, 0.01
 CATALOG_MAX_AGE_SECS = 30.0  # how old the store's catalog may be for a sweep's resync (the follower scans it)
+# A sweep reads Triton's repository index at most 1 / INDEX_SPACING of the time: Triton reads its repository folder
+# for each (10,000 models: 44 ms of its CPU a read, 36 ms with ready=true; measured on the embedded 2.51), and the
+# control plane parses an entry per model. A few models: every sweep; 10,000: every 2-3 s. Never rarer than this.
+INDEX_SPACING = 50
+INDEX_MAX_SECS = 30.0
 
 
 class TritonUp:
@@ -165,8 +171,12 @@ class TritonSync:
         residency: Residency,
         transitions: Transitions,
         triton_process: EmbeddedTriton | None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
+        self.clock = clock
+        self.index_secs = 0.0  # how long the last read of Triton's repository index took
+        self.index_read_at: float | None = None  # when it ended (the clock's monotonic seconds)
         self.store = store
         self.states = states
         self.triton = triton
@@ -180,6 +190,15 @@ class TritonSync:
         self._checking = asyncio.Lock()
         self.server_seen: int | None = None  # pid of the tritonserver last seen (visible topologies)
         self.backfill: asyncio.Task[None] | None = None  # a full resync's records of the models Triton does not hold
+
+    def index_due(self) -> bool:
+        """Whether a sweep reads Triton's index now: its last read ended ``INDEX_SPACING`` times its length ago (at
+        most ``INDEX_MAX_SECS``). Between reads, a model Triton unloaded or loaded behind the control plane waits for
+        the next (a crash is the process watch's, every ``watch_interval_secs``)."""
+        if self.index_read_at is None:
+            return True
+        spacing = min(INDEX_SPACING * self.index_secs, INDEX_MAX_SECS)
+        return self.clock.monotonic() - self.index_read_at >= spacing
 
     async def start(self) -> None:
         await self.resync(full=True)
@@ -253,7 +272,10 @@ class TritonSync:
         published = await asyncio.to_thread(
             self.store.catalog_ids, max_age=0.0 if full else self.store.trusted_age(CATALOG_MAX_AGE_SECS)
         )
+        started = self.clock.monotonic()
         entries: dict[str, RepositoryEntry] = {e.name: e for e in await self.triton.repository_index()}
+        self.index_read_at = self.clock.monotonic()
+        self.index_secs = self.index_read_at - started
         if full:
             await self._unload_orphans(entries)
         await self._record_new(entries, full=full)

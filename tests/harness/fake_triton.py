@@ -191,6 +191,7 @@ class FakeTriton:
         self.dozing_bytes = 20 * MIB  # what a dozing stub holds (python_backend/doze.py: its worker ended)
         self.wake_delay = 0.03  # a dozing stub's fork and load() before its batch runs
         self.calls: Counter[str] = Counter()
+        self.index_delay = 0.0  # how long a read of the repository index takes (Triton reads its repository folder)
         self._pids = itertools.count(10_000)
         self._round_robin: Counter[str] = Counter()
         self._server_tasks: set[asyncio.Task[Any]] = set()
@@ -233,7 +234,7 @@ class FakeTriton:
 
     async def repository_index(self, ready_only: bool = False) -> list[RepositoryEntry]:
         self.calls["index"] += 1
-        await asyncio.sleep(0)
+        await asyncio.sleep(self.index_delay)
         entries = []
         names = {p.name for p in self.repository.iterdir() if (p / "config.pbtxt").is_file()} | set(self.models)
         for name in sorted(names):
