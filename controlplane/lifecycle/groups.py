@@ -68,11 +68,15 @@ class Groups:
         return bool(self.steps(rec))
 
     def users(self) -> dict[str, list[str]]:
-        """Each model some ensemble's steps name -> those ensembles (for status), loaded or not: every record is
-        read once per publish (cached), so this is one pass over the records."""
+        """Each model some ensemble's steps name -> those ensembles (for status), loaded or not: the ensembles the
+        store's catalog holds (kept by kind) and those recorded as one (another node's, before a scan), not a pass
+        over every record (57 ms a listing at 50,000 models); each read once per publish (cached), as its record
+        has it."""
         users: dict[str, list[str]] = {}
-        for rec in self.states.values():
-            if rec.model.kind is not PackageKind.TRITON_ENSEMBLE:  # most records: no steps (and no cache lookup)
+        catalog = self.states.store.ids_of_kind(PackageKind.TRITON_ENSEMBLE)
+        for ensemble in sorted(self.states.ensembles.union(catalog)):
+            rec = self.states.get(ensemble)
+            if rec is None or rec.model.kind is not PackageKind.TRITON_ENSEMBLE:
                 continue
             for step in self.steps(rec):
                 users.setdefault(step, []).append(rec.id)

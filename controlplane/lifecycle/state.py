@@ -22,6 +22,7 @@ from controlplane.keepalive import FixedKeepAlive
 from controlplane.lifecycle.autoscale import LoadWindow
 from controlplane.lifecycle.workers import WorkerProcess
 from controlplane.metrics import SnoozeMetrics
+from controlplane.spec import PackageKind
 from controlplane.store import ModelStore, PublishedModel
 from controlplane.triton.processes import StubDeath, StubProcess
 
@@ -303,6 +304,7 @@ class ModelStates:
         self.store = store
         self.metrics = metrics
         self.records: dict[str, ModelRecord] = {}
+        self.ensembles: set[str] = set()  # ids whose record was made for an ensemble (``Groups.users``)
         self.made = 0  # records made since the sweep last froze the heap (``controlplane/heap.py``)
         # while paused (a checkpoint is being taken): done on resume
         self.pause_ends: asyncio.Future[None] | None = None
@@ -323,6 +325,8 @@ class ModelStates:
             rec = ModelRecord(model_id, model if model is not None else self.store.known(model_id))
             self.records[model_id] = rec
             self.made += 1
+            if rec.model.kind is PackageKind.TRITON_ENSEMBLE:
+                self.ensembles.add(model_id)
             self.metrics.set_state(model_id, rec.state.value)
         elif refresh and rec.op is None and rec.state is not ModelState.READY:
             rec.model = self.store.get(model_id)
@@ -332,6 +336,7 @@ class ModelStates:
         for forget in self.on_drop:
             forget(model_id)
         rec = self.records.pop(model_id, None)
+        self.ensembles.discard(model_id)
         if rec is not None:
             rec.dropped = True  # whoever still holds it (a waiting wake-up) cannot load it again
         self.metrics.forget(model_id)

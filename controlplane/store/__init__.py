@@ -114,6 +114,7 @@ class ModelStore:
         self._catalog: dict[str, tuple[tuple[int, int], PublishedModel]] = self._saved_catalog()
         self._sorted: builtins.list[PublishedModel] | None = None  # the catalog by id, until it changes
         self._ids: frozenset[str] | None = None  # its ids, until it changes
+        self._kinds: dict[PackageKind, builtins.list[str]] | None = None  # its ids by kind, until it changes
         self._written: set[str] = set()  # this store's own writes since the last scan began
         self._scanned = float("-inf")
         self.scan_secs = 0.0  # how long the last scan took (the store's follower spaces its scans by it)
@@ -158,6 +159,17 @@ class ModelStore:
                 self._ids = frozenset(self._catalog)
             return self._ids
 
+    def ids_of_kind(self, kind: PackageKind) -> builtins.list[str]:
+        """The catalog's ids of one kind, as it is (no scan): a status names the ensembles over a model from these
+        (an ensemble is rare among thousands of models; one pass over the catalog per change of it)."""
+        with self._lock:
+            if self._kinds is None:
+                kinds: dict[PackageKind, builtins.list[str]] = {}
+                for model_id, (_, model) in self._catalog.items():
+                    kinds.setdefault(model.kind, []).append(model_id)
+                self._kinds = kinds
+            return builtins.list(self._kinds.get(kind, ()))
+
     def _fresh(self, max_age: float) -> None:
         """Scan unless the last scan is at most ``max_age`` seconds old (one that ran while this waited counts)."""
         if time.monotonic() - self._scanned <= max_age:
@@ -193,7 +205,7 @@ class ModelStore:
                 else:
                     catalog.pop(model_id, None)
             if catalog.keys() != self._catalog.keys() or any(catalog[m] is not self._catalog[m] for m in catalog):
-                self._sorted, self._ids = None, None
+                self._sorted, self._ids, self._kinds = None, None, None
             self._catalog, self._scanned = catalog, time.monotonic()
             self.scan_secs = self._scanned - started
         return found
@@ -233,7 +245,7 @@ class ModelStore:
         self._seen[folder.name] = identity  # only its own write: others' stay news for changes()
         model = PublishedModel.read(folder)
         self._catalog[folder.name] = (identity, model)
-        self._sorted, self._ids = None, None
+        self._sorted, self._ids, self._kinds = None, None, None
         self._written.add(folder.name)
         return model
 
@@ -294,7 +306,7 @@ class ModelStore:
             removed = remove_model(self.repository, model_id)
             self._seen.pop(model_id, None)
             self._catalog.pop(model_id, None)
-            self._sorted, self._ids = None, None
+            self._sorted, self._ids, self._kinds = None, None, None
             self._written.add(model_id)
         if not removed:
             raise NotFoundError(f"model '{model_id}' is not published")
