@@ -305,6 +305,9 @@ class ModelStates:
         self.metrics = metrics
         self.records: dict[str, ModelRecord] = {}
         self.ensembles: set[str] = set()  # ids whose record was made for an ensemble (``Groups.users``)
+        # the state of each recorded model that is not UNLOADED (a few among thousands): a listing filtered by state
+        # reads this, no record per model (``LifecycleManager.states_of``)
+        self.active: dict[str, ModelState] = {}
         self.made = 0  # records made since the sweep last froze the heap (``controlplane/heap.py``)
         # while paused (a checkpoint is being taken): done on resume
         self.pause_ends: asyncio.Future[None] | None = None
@@ -337,6 +340,7 @@ class ModelStates:
             forget(model_id)
         rec = self.records.pop(model_id, None)
         self.ensembles.discard(model_id)
+        self.active.pop(model_id, None)
         if rec is not None:
             rec.dropped = True  # whoever still holds it (a waiting wake-up) cannot load it again
         self.metrics.forget(model_id)
@@ -348,6 +352,11 @@ class ModelStates:
     def set_state(self, rec: ModelRecord, state: ModelState, reason: str | None = None) -> None:
         rec.state, rec.reason = state, reason
         rec.generation += 1
+        if self.records.get(rec.id) is rec:  # not a dropped record's late change
+            if state is ModelState.UNLOADED:
+                self.active.pop(rec.id, None)
+            else:
+                self.active[rec.id] = state
         self.metrics.set_state(rec.id, state.value)
         self._tell(rec.id, state)
 

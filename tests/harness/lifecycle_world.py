@@ -652,6 +652,10 @@ class LifecycleWorld:
             elif self.now - call.started > call.bound + extra:
                 problems.append(f"{call.what} of '{call.model}' unanswered after {self.now - call.started:.1f}s")
         problems += self._model_problems()
+        states = self.manager.states
+        active = {m: r.state for m, r in states.records.items() if r.state is not ModelState.UNLOADED}
+        if states.active != active:  # what a listing filtered by state reads (LifecycleManager.states_of)
+            problems.append(f"the states kept for listings {states.active} are not the records' {active}")
         for ensemble, published in self.triton.ensemble_misses:  # the steps published when the load met them
             if published:  # the real Triton loads them itself, behind the lifecycle (its records, its budget)
                 problems.append(f"ensemble '{ensemble}' loaded while its published step(s) {published} were not")
