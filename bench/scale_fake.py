@@ -29,6 +29,7 @@ from typing import Any
 from bench.common import ECHO_PY, fp32, write_package
 
 LIST_CALLS, PAGE_CALLS = 10, 50
+IDLE_SECS = 15.0  # the control plane left alone after the listings: what its periodic passes cost
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -124,6 +125,11 @@ async def probe(repo: Path, n: int) -> dict[str, Any]:
         ready = [await timed(c, {"state": "ready"}) for _ in range(LIST_CALLS)]
         prefix = [await timed(c, {"prefix": ids[-1][:-2]}) for _ in range(LIST_CALLS)] if ids else []
     rss = psutil.Process().memory_info().rss
+    # idle: the periodic passes alone (sweep, process watch, store follow), no request; the process's CPU meanwhile
+    before, idle_started = psutil.Process().cpu_times(), time.perf_counter()
+    await asyncio.sleep(IDLE_SECS)
+    after, idle_wall = psutil.Process().cpu_times(), time.perf_counter() - idle_started
+    idle_cpu = (after.user + after.system - before.user - before.system) / idle_wall
     await manager.stop()
     return {
         "models": n,
@@ -132,6 +138,7 @@ async def probe(repo: Path, n: int) -> dict[str, Any]:
         "all_recorded_s": round(recorded, 3),
         "rss_bytes": rss,
         "rss_growth_bytes": rss - rss_before,
+        "idle_cpu_pct": round(100 * idle_cpu, 1),  # of one core, over IDLE_SECS with no request
         "listing_ms": {
             "full": _ms(full),
             **({"page_100": _ms(pages), "prefix": _ms(prefix)} if ids else {}),

@@ -172,7 +172,7 @@ class RunOnce:
 
     async def watch(self) -> None:
         """One pass over the processes of every loaded python model: a crashed one starts its recovery."""
-        watched = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None and r.procs.stubs]
+        watched = [r for r in self.states.loaded() if r.op is None and r.procs.stubs]
         if not watched:
             return
         seen = [(r, r.generation) for r in watched]

@@ -346,6 +346,12 @@ class ModelStates:
         self.metrics.forget(model_id)
         self._tell(model_id, None)
 
+    def loaded(self) -> list[ModelRecord]:
+        """The READY records, from the states kept of the models not unloaded (``active``): the sweep and the process
+        watch pass over these, not over every record (thousands of sleeping models cost them nothing)."""
+        records, ready = self.records, ModelState.READY
+        return [rec for m, state in self.active.items() if state is ready and (rec := records.get(m)) is not None]
+
     def values(self) -> list[ModelRecord]:
         return list(self.records.values())
 

@@ -198,7 +198,7 @@ class Supervisor:
         if self.sync.index_due():  # paced by what reading it costs (10,000 models: every 2-3 s)
             entries = await self.sync.resync(full=False)
             await self._leave_unpublished(entries)
-        await self.dozing.hear(self.states.values())  # a request woke a dozing model on Triton's side: it holds more
+        await self.dozing.hear(self.states.loaded())  # a request woke a dozing model on Triton's side: it holds more
         await self.budget.measure_server()
         await self.loader.remeasure()
         await self.admission.enforce()
@@ -206,13 +206,13 @@ class Supervisor:
             self.budget.overhead = await asyncio.to_thread(
                 parents_bytes, self.journal_dir, self.loader.processes.proc_root, max_age=SWEEP_PSS_MAX_AGE_SECS
             )
-        ready = [r for r in self.states.values() if r.state is ModelState.READY and r.op is None]
+        ready = [r for r in self.states.loaded() if r.op is None]
         for rec, served in zip(ready, await self.readings.refresh_all(ready), strict=True):
             if served:
                 self.budget.accessed(rec, served)
         pending = await self.readings.pending_counts()
         now = self.clock.time()
-        self.sequences.refresh(self.states.values(), now)
+        self.sequences.refresh(self.states.loaded(), now)  # a held model not among them is released
         for rec in ready:
             await asyncio.to_thread(harvest, rec, self.journal_dir)
         for rec in ready:
