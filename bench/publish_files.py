@@ -1,9 +1,10 @@
 """What publishing costs in files: the file system's own operations, then ``publish_all`` of N tiny packages into a
 fresh repository, optionally against another checkout's code (a baseline), interleaved and repeated.
 
-Publishing 10,000 packages is the file system's work (docs/measurements.md, "50,000 models with the fast fake
-again"): each package is a model folder of its own, and a folder or a file made costs far more than a link on some
-file systems. This measures both, so a change to what a model folder holds can be judged in the same run:
+Publishing 10,000 packages is the file system's work (docs/measurements.md,
+"50,000 models with the fast fake again, and what a publish's files cost (2026-12-07)"): each package is a model folder
+of its own, and a folder or a file made costs far more than a link on some file systems. This measures both, so a
+change to what a model folder holds can be judged in the same run:
 
     python -m bench.publish_files /tmp/pf 2000 --rounds 3 --baseline /path/to/other/checkout
 
