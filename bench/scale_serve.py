@@ -25,6 +25,7 @@ from bench.common import ECHO_PY, fp32, write_package
 LIST_CALLS = 30  # full listings timed per size
 PAGE_CALLS = 100  # pages of 100 (and filtered listings) timed per size
 START_BOUND_SECS = 900.0
+IDLE_SECS = 20.0  # after a restart adopted every model: the tree left alone, its CPU read per part
 
 
 def make_packages(root: Path, n: int) -> Path:
@@ -139,6 +140,31 @@ def _cold_wake(run: dict[str, Any], model: str) -> dict[str, Any]:
     return {"model": model, "status": r.status_code, "secs": round(secs, 3), "right": answer == [2, 4, 6, 8]}
 
 
+def _idle_cpu(run: dict[str, Any], secs: float = IDLE_SECS) -> dict[str, float]:
+    """Percent of one core each part of the tree used over ``secs`` with no request: the control plane (the serve
+    process), tritonserver, Envoy, and the rest (stubs, the activator's helpers)."""
+    root = psutil.Process(run["proc"].pid)
+
+    def parts() -> dict[int, tuple[str, float]]:
+        seen: dict[int, tuple[str, float]] = {}
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                name = proc.name()
+                part = name if name in ("tritonserver", "envoy") else "other"
+                part = "control_plane" if proc.pid == root.pid else part
+                t = proc.cpu_times()
+                seen[proc.pid] = (part, t.user + t.system)
+        return seen
+
+    before, started = parts(), time.monotonic()
+    time.sleep(secs)
+    after, wall = parts(), time.monotonic() - started
+    used: dict[str, float] = {}
+    for pid, (part, cpu) in after.items():
+        used[part] = used.get(part, 0.0) + cpu - before.get(pid, (part, 0.0))[1]
+    return {part: round(100 * cpu / wall, 1) for part, cpu in sorted(used.items())}
+
+
 def measure(root: Path, n: int) -> dict[str, Any]:
     models = make_packages(root / f"packages-{n}", n)
     ids = sorted(p.name for p in models.iterdir())
@@ -150,6 +176,8 @@ def measure(root: Path, n: int) -> dict[str, Any]:
             httpx.Client(base_url=f"http://127.0.0.1:{run['api']}", timeout=120) as api,
         ):
             out[phase] = _start(run, api)
+            if phase == "restart":  # every model adopted, none asked for: what sleeping models cost the node
+                out["idle_cpu_pct"] = _idle_cpu(run)
             if phase == "first_start":
                 out["listing"] = _listing(api, ids) if ids else {}
                 out["rss_bytes"] = psutil.Process(run["proc"].pid).memory_info().rss
