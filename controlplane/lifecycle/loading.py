@@ -99,7 +99,11 @@ class Loader:
         only the instance count of the loaded model; "replace" rebuilds every instance. ``evict=False``
         (pre-warms): unload nothing to make room, raise ``NoRoomToPrewarm`` where the estimate does not fit.
         """
+        loaded = rec.model
         rec.model = self.states.store.get(rec.id)  # Triton reads what is published now
+        # a loaded model republished since: Triton builds every instance anew from the new files, even for a change of
+        # the instance count alone, beside the old ones (plain machine seed 106818158: a rescale admitted as in place)
+        rebuilt = rec.state is ModelState.READY and rec.model.publish != loaded.publish
         if rec.state is not ModelState.READY:  # from unloaded: Triton reads the folder afresh (a loaded one: never)
             keep_pending(rec)
         await self._wait_for_triton(rec)
@@ -112,7 +116,8 @@ class Loader:
             # the new ones are ready: both count until then (an instance count changed in place keeps the old).
             # Beside the model: what tritonserver itself is expected to grow by (about 2 MiB a python model: without
             # it, a load admitted within the budget left the tree over it once measured).
-            beside = (rec.memory.footprint or 0) if rec.state is ModelState.READY and how != "in_place" else 0
+            kept = how == "in_place" and not rebuilt  # old instances kept as they are: not counted twice
+            beside = (rec.memory.footprint or 0) if rec.state is ModelState.READY and not kept else 0
             beside += self.budget.server_growth
             placed = config_for(rec.model, rec.load.config_override)
             gpu_need = await self.gpu.need(rec, instances, config_with_instances(placed, instances))
@@ -125,6 +130,15 @@ class Loader:
                     )
                 elif not (self.budget.fits(rec, need + beside) and await self.gpu.fits(rec, gpu_need)):
                     raise NoRoomToPrewarm(f"model '{rec.id}': not pre-warmed, the free memory budget is too small")
+                if how == "in_place" and self.states.store.get(rec.id).publish != rec.model.publish:
+                    # republished since this change of instances was admitted (it waited, for a slot or a pause):
+                    # Triton would build every instance from the new files under the old version's estimate
+                    # (plain machine seed 106818158); the republish's own reload follows, admitted for them
+                    raise UnavailableError(
+                        f"model '{rec.id}' was republished while its instances were changing",
+                        hint="retry: the new version is loaded first",
+                        retry_after=1,
+                    )
                 delta = await self.gpu.before_load()
                 started = self.clock.monotonic()
                 await self._load_retrying_oom(rec, instances, need, gpu_need, how, evict=evict)

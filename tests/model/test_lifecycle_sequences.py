@@ -837,3 +837,34 @@ def test_a_stop_abandons_a_hung_load_and_gives_an_unload_its_finalize_bound(worl
     s(w.stop_during_hung_load("m1", "stop"), 0.3)
     assert world.now - started >= world.settings.unload_finalize_secs  # the unload's finalize was given its time
     assert not any(stub.alive for stub in world.triton.models["m0"].stubs), "the stop left m0's stubs running"
+
+
+def test_a_change_of_instances_that_a_republish_overtakes_is_not_loaded_from_the_new_files(world):
+    """Found by the machine (seed 106818158): an API load of m0 with two instances loaded one, then waited (a pause)
+    to add the second in place, admitted for the old version's 60 MiB; m0 was republished at 150 MiB meanwhile, and
+    Triton built both instances from the new files: 300 MiB beside m1's 150, over the 300 MiB budget. A change of
+    instances that a republish overtook is now refused (503, retry) and the republish's reload, admitted for the new
+    files, follows; a load that starts after a republish counts the old instances beside the new ones."""
+    s, w = world.step, world
+    s(w.publish("m0", 60, 1), 1.0)
+    s(w.stop_during_hung_load("m2", "publish"), 1.0)
+    s(w.script_load("m0", "oom", 0.5), 0.05)
+    s(w.request("m1", None), 1.0)
+    s(w.script_load("m0", "error", 0.5), 1.0)
+    s(w.request("m0", None), 0.01)
+    s(w.tick(1.0), 0.3)
+    s(w.burst("m0", 3), 0.0)
+    s(w.pause(), 0.3)
+    s(w.publish("m1", 150, 1), 0.01)
+    s(w.burst("m1", 7), 0.01)
+    s(w.api_override("m0", 16), 0.0)
+    s(w.publish("m3", 100, 1), 0.05)
+    s(w.api_load("m0", 2), 0.3)
+    s(w.api_override("m3", 4), 0.0)
+    s(w.script_load("m3", "hang", 0.05), 0.3)
+    s(w.resume(), 0.3)
+    s(w.pause(), 0.0)
+    s(w.hold("m0"), 0.05)
+    s(w.publish("m0", 150, 1), 1.0)
+    s(w.tick(7.0), 0.0)
+    assert sum(world.triton.holding().values()) <= world.settings.memory_budget_mb * 2**20  # the step checks it too
