@@ -9,7 +9,6 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from controlplane.render import DEPLOYMENT_FILE, PUBLISH_PARAMETER, RUNTIME_SUBDIR, VERSION, RenderedModel
@@ -93,66 +92,54 @@ def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] |
             dest.write_bytes(content)
 
 
-# Content the same in every model (``RenderedModel.shared``) -> its file beside the staging folders, per staging root.
-_shared_files: dict[tuple[str, Path], Path] = {}
+# What each file linked into every model links to, per staging root: snoozeml's runtime file itself until its links
+# are used up (ext4 allows 65,000 a file: tests and benches that leave repositories behind reach it), then a copy of it
+# beside the staging folders; content the same in every model (``RenderedModel.shared``) always a file there. A fresh
+# file once the one before has no links left, or is gone. Files, not folders: staging recovery leaves them alone.
+_link_targets: dict[tuple[Path | bytes, Path], Path | None] = {}
+_link_lock = threading.Lock()
+
+
+def _link_runtime(src: Path, dest: Path, staging_root: Path) -> bool:
+    """Link ``dest`` to snoozeml's runtime file ``src``, or to its copy once ``src`` has no links left; False where it
+    cannot be linked (another filesystem: it is copied). Measured: copying every runtime file made a publish 13-16 ms
+    against 8-11 ms."""
+    return _link(dest, (src, staging_root), src, ".runtime-", lambda made: shutil.copy(src, made))
 
 
 def _link_shared(content: bytes, dest: Path, staging_root: Path) -> bool:
     """Link ``dest`` to a file holding ``content`` beside the staging folders (written once, then linked: 10,000
     models each made their python entry and its bytecode anew before); False where it cannot be linked (it is then
-    written). A file not a folder, so staging recovery leaves it alone; a fresh one once its links are used up."""
-    key = (hashlib.sha256(content).hexdigest()[:20], staging_root)
+    written)."""
+    return _link(dest, (content, staging_root), None, ".shared-", lambda made: made.write_bytes(content))
+
+
+def _link(
+    dest: Path, key: tuple[Path | bytes, Path], first: Path | None, prefix: str, make: Callable[[Path], object]
+) -> bool:
+    """Link ``dest`` to the file that takes ``key``'s links: ``first`` until it has none left, else one ``make``
+    writes beside the staging folders (``key[1]``) under a name of its own; False where none can be linked."""
     for _ in range(3):
         with _link_lock:
-            shared = _shared_files.get(key)
-            if shared is None:
-                shared = staging_root / f".shared-{key[0]}-{uuid.uuid4().hex[:8]}-{dest.name}"
-                partial = shared.with_name(f"{shared.name}.partial")
+            target = _link_targets.get(key, first)
+            if target is None:
+                target = key[1] / f"{prefix}{uuid.uuid4().hex[:12]}-{dest.name}"
                 try:
-                    partial.write_bytes(content)
-                    os.replace(partial, shared)
+                    make(target)
                 except OSError:
-                    partial.unlink(missing_ok=True)
+                    target.unlink(missing_ok=True)
                     return False
-                _shared_files[key] = shared
+                _link_targets[key] = target
         try:
-            os.link(shared, dest)
+            os.link(target, dest)
             return True
         except OSError as e:
-            if e.errno not in (errno.EMLINK, errno.ENOENT):  # used up, or removed since: a fresh one
+            if e.errno not in (errno.EMLINK, errno.ENOENT):  # another file system: the caller copies or writes it
                 return False
-            with _link_lock:
-                if _shared_files.get(key) == shared:
-                    del _shared_files[key]
+        with _link_lock:  # used up, or removed since: a fresh one
+            if _link_targets.get(key, first) == target:
+                _link_targets[key] = None
     return False
-
-
-# A runtime file whose links are used up (ext4 allows 65,000 a file: tests and benches that leave repositories behind
-# reach it) -> a copy of it in the staging root, which takes the next links: (the file, the staging root) -> the copy.
-_link_sources: dict[tuple[Path, Path], Path] = {}
-_link_lock = threading.Lock()
-
-
-def _link_runtime(src: Path, dest: Path, staging_root: Path) -> bool:
-    """Link ``dest`` to snoozeml's runtime file ``src``; False where it cannot be linked (another filesystem: it is
-    copied). Once ``src`` has no links left, a copy of it beside the staging folders is linked instead (measured:
-    copying every runtime file made a publish 13-16 ms against 8-11 ms)."""
-    key = (src, staging_root)
-    try:
-        os.link(_link_sources.get(key, src), dest)
-        return True
-    except OSError as e:
-        if e.errno != errno.EMLINK:
-            return False
-    with _link_lock:
-        fresh = staging_root / f".runtime-{uuid.uuid4().hex[:12]}-{src.name}"  # not a folder: recovery skips it
-        try:
-            shutil.copy(src, fresh)
-            os.link(fresh, dest)
-        except OSError:
-            return False
-        _link_sources[key] = fresh
-    return True
 
 
 def _publish_parameter(token: str) -> str:

@@ -221,7 +221,7 @@ def test_a_runtime_file_whose_links_are_used_up_is_linked_from_a_copy(
         real_link(src, dst, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "link", link)
-    monkeypatch.setattr(transactions, "_link_sources", {})
+    monkeypatch.setattr(transactions, "_link_targets", {})
     package = custom_pkg(tmp_path / "p")
     repo = tmp_path / "repo"
     for model_id in ("a", "b"):
@@ -239,7 +239,7 @@ def test_the_python_entry_is_one_file_linked_into_every_model_and_a_fresh_one_on
     folder (a file made costs far more than a link); at EMLINK (ext4: 65,000 links) a fresh file takes the links."""
     from controlplane.store import transactions
 
-    monkeypatch.setattr(transactions, "_shared_files", {})
+    monkeypatch.setattr(transactions, "_link_targets", {})
     package = custom_pkg(tmp_path / "p")
     repo = tmp_path / "repo"
     entry = [Path("1") / "model.py", Path("1") / "__pycache__" / f"model.{sys.implementation.cache_tag}.pyc"]
