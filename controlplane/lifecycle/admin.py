@@ -43,7 +43,7 @@ class AdminOperations:
         journal_dir: Path | None,
         doze_after: Callable[[ModelRecord], float | None] = lambda rec: None,
     ) -> None:
-        """``wake``: the request path's wake of a model (an ensemble's steps load through it first); ``doze_after``:
+        """``wake``: the request path's wake of an ensemble's step (``RequestPath.wake_step``); ``doze_after``:
         the model's doze time, None where it cannot doze (``Dozing.doze_after``)."""
         self.groups = groups
         self._wake = wake

@@ -203,6 +203,19 @@ class Admission:
             self.queue.pop(rec.id, None)
             self._line.pop(rec.id, None)
 
+    async def wake_room(self, rec: ModelRecord) -> None:
+        """Room for the wake of a dozing model that a request about to be sent brings (an ensemble's step, woken
+        inside Triton where no one admits it): from now on it counts what it held awake while something holds it
+        (``MemoryBudget.held``), and idle models are evicted to make room. Best effort: where the memory is held by
+        models in use, the wake goes ahead as a warm-path wake does (``lifecycle/dozing.py``), and a sweep evicts
+        once it can."""
+        awake = rec.doze.awake_footprint or self.budget.estimate(rec, max(len(rec.procs.stubs), 1), own=False)
+        rec.doze.wake_admitted = True
+        try:
+            await self._host_room(rec, awake)
+        except UnavailableError as e:
+            log.info("model '%s': its wake from doze goes ahead over the budget: %s", rec.id, e.message)
+
     async def _host_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
         """Carry out the host budget's plans until the load fits (BudgetInUse: nothing idle left to evict)."""
         while (plan := await self.budget.plan_room(rec, need, beside=beside)) is not None:

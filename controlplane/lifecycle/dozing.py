@@ -18,8 +18,11 @@ Under memory pressure an eviction dozes an awake model that can doze before it u
 victim already dozing is unloaded. Accounting: a dozing model is charged what its stubs hold (their PSS, read when
 it dozes and at each sweep); what it held awake is kept, so that a wake or a later load is estimated at its full
 size. A wake is not admitted by the budget (it happens inside a request, in the stub): the next sweep measures it,
-and the budget's enforcement evicts if it no longer fits. A model found dozing at adoption (a restarted control
-plane) is recorded so; the load it was measured at learns no growth (``loading.UNKNOWN_LOAD_PRIVATE``).
+and the budget's enforcement evicts if it no longer fits. An ensemble's request wakes all its dozing steps at once,
+so where the control plane is on its path (the ensemble's own wake) it admits each step's wake first
+(``RequestPath.wake_step``): the tree holds the budget plus one model at most either way. A model found dozing at
+adoption (a restarted control plane) is recorded so; the load it was measured at learns no growth
+(``loading.UNKNOWN_LOAD_PRIVATE``).
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ class LifecycleManager:
             warmth,
             processes,
             self.groups,
-            wake=self.requests.ensure_ready,
+            wake=self.requests.wake_step,
             journal_dir=journal_dir,
             doze_after=self.dozing.doze_after,
         )

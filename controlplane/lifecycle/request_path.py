@@ -48,6 +48,7 @@ class RequestPath:
         self.transitions = transitions
         self.metrics = metrics
         self.clock = clock
+        self._step_wakes = asyncio.Lock()  # dozing ensemble steps' wakes are admitted one at a time
 
     async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None:
         """Return once the model is READY, loading it (single flight) if needed.
@@ -68,8 +69,20 @@ class RequestPath:
         # An ensemble: its steps first, each through its own single flight, held from their wake on (a step woken
         # first is not idle-unloaded while the others load) until the ensemble's own pin holds them.
         await self.groups.steps_first(
-            rec, lambda step: self.ensure_ready(step, timeout=timeout), lambda steps: self._wake(rec, timeout, steps)
+            rec, lambda step: self.wake_step(step, timeout=timeout), lambda steps: self._wake(rec, timeout, steps)
         )
+
+    async def wake_step(self, step: str, *, timeout: float | None = None) -> None:
+        """An ensemble's step, woken for it (``Groups.steps_first``): ``ensure_ready``, and a step that dozes has
+        the wake that the ensemble's request will bring admitted now (``Admission.wake_room``), one at a time. That
+        request wakes every dozing step inside Triton at once, where no one admits them (dozing machine seed
+        1139189736: two steps woke together, 510 MiB against a budget of 300)."""
+        await self.ensure_ready(step, timeout=timeout)
+        rec = self.states.get(step)
+        if rec is not None and rec.doze.dozing and not rec.doze.wake_admitted:
+            async with self._step_wakes:
+                if rec.doze.dozing and not rec.doze.wake_admitted:
+                    await self.admission.wake_room(rec)
 
     async def _wake(self, rec: ModelRecord, timeout: float | None, steps: tuple[str, ...]) -> None:
         """``ensure_ready``'s wait for the model's own load (a wake-up in the wake queue), whose steps (an

@@ -223,6 +223,9 @@ class DozeRecord:
     since: float = 0.0  # epoch seconds of its last doze
     awake_footprint: int | None = None  # its footprint before it dozed: what a wake brings back
     checked: int = -1  # the record's generation when its stubs were last asked whether they doze (an adoption)
+    # a wake that a request about to be sent brings (an ensemble's step, ``Admission.wake_room``) was admitted: it
+    # counts what it held awake while something holds it
+    wake_admitted: bool = False
 
     @property
     def dozing(self) -> bool:

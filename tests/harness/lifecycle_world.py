@@ -396,9 +396,16 @@ class LifecycleWorld:
 
     async def doze(self, model: str) -> None:
         """Ask a loaded preforked model's stubs to doze now, as an idle sweep or an eviction does (its stubs refuse
-        while a batch runs)."""
+        while a batch runs); not a step a loaded ensemble pins: neither dozes a model in use."""
         rec = self.manager.states.get(model)
-        if rec is not None and rec.state is ModelState.READY and rec.op is None and self.manager.dozing.can_doze(rec):
+        pinned = any(model in steps for steps in self.manager.groups.pins.values())
+        if (
+            rec is not None
+            and rec.state is ModelState.READY
+            and rec.op is None
+            and not pinned
+            and self.manager.dozing.can_doze(rec)
+        ):
             await self.manager.dozing.doze(rec)
 
     async def tick(self, secs: float) -> None:

@@ -396,3 +396,47 @@ def test_a_stub_of_an_in_stub_version_asked_to_doze_during_its_reload_refuses_an
     s(w.tick(1.0), 0.0)
     rec = world.manager.states.get("m0")
     assert rec is not None and rec.memory.growth < 100 * 2**20, rec.memory.growth  # no wake learned as growth
+
+
+def test_an_ensembles_wake_admits_its_dozing_steps_wakes_before_its_request_wakes_them_together(world):
+    """An ensemble's request runs every step inside Triton: steps that doze wake there together, where the budget
+    admits none of them (a warm-path wake is admitted by no one). The ensemble's own wake goes through the control
+    plane, which admits each dozing step's wake first: an idle model is evicted (dozed, then unloaded) before the
+    steps wake, and the tree stays within the budget (without it: 450 MiB of 300)."""
+    s, w = world.step, world
+    for step in ("m1", "m3"):
+        s(w.publish(step, 150, 1, "preforked"), 0.05)
+        s(w.request(step, None), 0.3)
+    s(w.tick(DOZE_AFTER + 1.5), 0.1)
+    assert [world.manager.status(m).level for m in ("m1", "m3")] == ["dozing", "dozing"]
+    s(w.publish("m2", 150, 1, "preforked"), 0.05)
+    s(w.request("m2", None), 0.3)  # awake, idle: 150 MiB beside the steps' 2 x 20
+    s(w.publish_ensemble_api(("m1", "m3"), IDLE_TIMEOUT), 0.05)
+    world.triton.peak = 0
+    s(w.request("e0", None), 1.0)
+    assert answers(world)[-1] == "200"
+    assert [world.manager.status(m).level for m in ("m1", "m3")] == ["awake", "awake"]
+    assert world.manager.status("m2").state is ModelState.UNLOADED
+    assert world.triton.peak <= BUDGET_MB * MIB, world.triton.peak / MIB
+
+
+def test_an_ensemble_request_that_woke_two_dozing_steps_at_once_stays_within_the_budget_plus_one_model(world):
+    """Found by the dozing machine (seed 1139189736): m1 and m3 (150 MiB awake) dozed, m2 and m0 awake, then a
+    request for the ensemble over m1 and m3 loaded it over its dozing steps and its request woke both inside Triton,
+    unadmitted: 510 MiB held against a budget of 300 plus one model of 150."""
+    s, w = world.step, world
+    s(w.publish("m0", 60, 1, "preforked"), 0.05)
+    s(w.publish("m1", 60, 1, "preforked"), 0.05)
+    s(w.publish_ensemble_api(("m1", "m3"), 1), 0.0)
+    s(w.publish("m2", 60, 1, "preforked"), 0.0)
+    s(w.hold("m2"), 0.0)
+    s(w.publish("m3", 150, 1, "preforked"), 0.05)
+    s(w.restart(), 0.3)
+    s(w.publish("m1", 150, 1, "preforked"), 0.01)
+    s(w.tick(7.0), 0.0)
+    s(w.publish("m2", 150, 1, "preforked"), 0.05)
+    s(w.request("m3", 0.3), 0.01)
+    s(w.request("m1", None), 0.3)
+    s(w.republish_while_waiting("m0", "hang", 3), 0.05)
+    s(w.request("m2", None), 0.05)
+    s(w.request("e0", None), 1.0)  # the world checks the tree's peak at each step

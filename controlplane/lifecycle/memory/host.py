@@ -197,8 +197,11 @@ class MemoryBudget:
 
     def held(self, rec: ModelRecord) -> int:
         """Bytes a loaded model counts for: its footprint, at least what its load in flight reserved and what its
-        last load was admitted on until measured after a request (``hold_floor``)."""
-        return max(rec.memory.footprint or 0, rec.memory.reserved, self.floors.get(rec.id, 0))
+        last load was admitted on until measured after a request (``hold_floor``), and a dozing model whose wake
+        was admitted what it held awake while something holds it (``Admission.wake_room``)."""
+        doze = rec.doze
+        waking = (doze.awake_footprint or 0) if doze.wake_admitted and doze.dozing and rec.in_use else 0
+        return max(rec.memory.footprint or 0, rec.memory.reserved, self.floors.get(rec.id, 0), waking)
 
     def group_bytes(self, rec: ModelRecord) -> int:
         """What evicting ``rec`` frees besides its own: an ensemble's steps that only it holds (``groups``)."""
