@@ -174,7 +174,7 @@ class Supervisor:
 
     def _sweep_delay(self) -> float:
         """The sweep interval, shortened to the next keep-alive decision when one is due sooner."""
-        return self.warmth.sweep_delay(self.states.values(), self.settings.sweep_interval_secs)
+        return self.warmth.sweep_delay(self.warmth.with_policy(self.states.get), self.settings.sweep_interval_secs)
 
     async def _every(
         self, interval: float | Callable[[], float], job: Callable[[], Awaitable[None]], what: str
@@ -257,8 +257,9 @@ class Supervisor:
                 self.states.drop(model_id)
 
     async def _prewarm(self, now: float) -> None:
-        """Start a pre-warm a policy asks for: one per pass, while a load slot is free, from free budget only."""
-        for rec in self.states.values():
+        """Start a pre-warm a policy asks for: one per pass, while a load slot is free, from free budget only (only a
+        model with a policy can be due: one heard of)."""
+        for rec in self.warmth.with_policy(self.states.get):
             if not self.admission.slot_free:
                 return
             if rec.op is not None or rec.state is not ModelState.UNLOADED or not self.warmth.prewarm_due(rec, now):

@@ -50,6 +50,9 @@ class Warmth:
         self.metrics = metrics
         self.clock = clock
         self._fresh_windows: dict[tuple[Any, float], dict[str, Any]] = {}  # ``windows`` of a model without a policy
+        # the records given a policy (a model heard of: requested or loaded), by id: what the sweep's pre-warm pass
+        # and its sleep walk, not every record (most of 10,000 models are never requested)
+        self._with_policy: dict[str, ModelRecord] = {}
 
     def policy(self, rec: ModelRecord) -> FixedKeepAlive:
         """The model's policy; a new one when its deployment's ``keep_alive`` or ``idle_timeout_secs`` changed."""
@@ -63,6 +66,7 @@ class Warmth:
                 min_unloaded_secs=self.settings.keep_alive_min_unloaded_secs,
             )
             rec.access.keep_alive, rec.access.prewarms_counted = policy, (0, 0)
+            self._with_policy[rec.id] = rec
             if rec.loaded:  # a loaded model's window starts at its load, as under the policy it replaces
                 policy.on_loaded(rec.load.ready_at or self.clock())
         return policy
@@ -125,10 +129,21 @@ class Warmth:
             return dict(fresh)
         return self.policy(rec).windows()
 
+    def with_policy(self, current: Callable[[str], ModelRecord | None]) -> list[ModelRecord]:
+        """The records that have a policy, those that are still ``current(id)`` (a dropped or replaced record is
+        forgotten here)."""
+        live = []
+        for model_id, rec in list(self._with_policy.items()):
+            if current(model_id) is rec and rec.access.keep_alive is not None:
+                live.append(rec)
+            else:
+                del self._with_policy[model_id]
+        return live
+
     def sweep_delay(self, records: Iterable[ModelRecord], interval: float) -> float:
         """How long the sweeper may sleep: its interval, or less when a policy's next decision (an unload
         or a pre-warm) falls sooner, so that a pre-warm starts when its policy says and not up to a whole
-        interval later. Never below ``MIN_SWEEP_GAP_SECS``."""
+        interval later. Never below ``MIN_SWEEP_GAP_SECS``. ``records``: those with a policy (``with_policy``)."""
         now = self.clock()
         due = [
             t

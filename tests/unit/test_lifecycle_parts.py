@@ -324,6 +324,22 @@ def test_the_sweeper_wakes_for_a_policy_decision_due_before_its_next_pass():
     assert w.prewarm_due(rec, clock.now)
 
 
+def test_the_sweeps_policy_passes_walk_only_the_records_that_have_a_policy_and_are_still_current():
+    clock = Clock()
+    w, _ = warmth(clock)
+    heard, never, replaced = record("heard"), record("never"), record("replaced")
+    current = {r.id: r for r in (heard, never, replaced)}
+    assert w.with_policy(current.get) == []
+    w.request(heard, 1000.0)
+    w.request(replaced, 1000.0)
+    assert {r.id for r in w.with_policy(current.get)} == {"heard", "replaced"}
+    current["replaced"] = record("replaced")  # a new record of the model (dropped, then made again): no policy yet
+    del current["heard"]  # dropped (deleted)
+    assert w.with_policy(current.get) == []
+    w.request(current["replaced"], 1001.0)
+    assert w.with_policy(current.get) == [current["replaced"]]
+
+
 @pytest.mark.timeout(10)
 def test_settle_yields_while_an_ended_transition_is_still_recorded():
     """Found by the machine (SNOOZE_MACHINE_SEED=832459210, run 56): settle() met a transition that had ended but
