@@ -1,14 +1,23 @@
 """Scale, served: `snoozectl serve --models DIR` over N tiny custom packages, as a user runs it (its own process, the
 real Triton): when the API and the gateway are live, when every package is published, the listing's p50/p99 (all,
 a page of 100, filtered), the control plane's memory per model, a cold wake of the last model; then the same start
-again with the work dir kept (every package adopted unchanged)."""
+again with the work dir kept (every package adopted unchanged).
+
+    python -m bench.scale_serve ROOT 1000 10000 [--from PACKAGES --checks CHECKS]
+
+``--from``: the N packages are copies of the package folders in PACKAGES, taken in turn (packages the project has not
+seen, as a user wrote them; each copy named ``<folder>-<number>``), and the cold wakes are of the last copy of each,
+whose answers are compared with ``CHECKS/<folder>.json``: ``{"requests": [{"inputs": [KServe v2 JSON tensors],
+"outputs": {name: flat data}}], "atol": optional}``."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +42,62 @@ def make_packages(root: Path, n: int) -> Path:
     for i in range(n):
         write_package(root / f"tiny-{i:05d}", ECHO_PY, [fp32("x", 4)], [fp32("y", 4)])
     return root
+
+
+def copy_packages(sources: Path, root: Path, n: int) -> Path:
+    """``n`` packages, copies of the package folders in ``sources`` in turn (their files hard-linked: publishing only
+    reads them), each named after its folder and its number."""
+    folders = sorted(p for p in sources.iterdir() if p.is_dir())
+    if not folders:
+        raise SystemExit(f"--from {sources}: no package folders in it")
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        source = folders[i % len(folders)]
+        target = root / f"{source.name}-{i:05d}"
+        if not target.exists():
+            shutil.copytree(source, target, copy_function=os.link)
+    return root
+
+
+def last_copies(ids: list[str], sources: Path) -> dict[str, str]:
+    """Each source folder -> the id of its last copy (``copy_packages``)."""
+    last: dict[str, str] = {}
+    for model in ids:
+        last[model.rsplit("-", 1)[0]] = model
+    return {source.name: last[source.name] for source in sorted(sources.iterdir()) if source.name in last}
+
+
+def _same(got: Any, want: Any, atol: float) -> bool:
+    if isinstance(want, list):
+        return (
+            isinstance(got, list)
+            and len(got) == len(want)
+            and all(_same(g, w, atol) for g, w in zip(got, want, strict=True))
+        )
+    if isinstance(want, (int, float)) and not isinstance(want, bool) and isinstance(got, (int, float)):
+        return abs(got - want) <= atol
+    return bool(got == want)
+
+
+def _checked_wake(run: dict[str, Any], model: str, check: dict[str, Any]) -> dict[str, Any]:
+    """The model's check requests over HTTP, the first one waking it: its time, and whether every output is right."""
+    url = f"http://127.0.0.1:{run['http']}/v2/models/{model}/infer"
+    atol = float(check.get("atol", 0.0))
+    out: dict[str, Any] = {"model": model, "right": True, "secs": None, "status": []}
+    for request in check["requests"]:
+        start = time.perf_counter()
+        r = httpx.post(url, json={"inputs": request["inputs"]}, timeout=120)
+        out["secs"] = out["secs"] if out["secs"] is not None else round(time.perf_counter() - start, 3)
+        out["status"].append(r.status_code)
+        if r.status_code != 200:
+            out["right"], out["error"] = False, r.text[:300]
+            continue
+        got = {o["name"]: o["data"] for o in r.json()["outputs"]}
+        for name, want in request["outputs"].items():
+            if not _same(got.get(name), want, atol):
+                out["right"] = False
+                out.setdefault("wrong", []).append({"output": name, "got": got.get(name), "want": want})
+    return out
 
 
 def _free_port() -> int:
@@ -165,8 +230,11 @@ def _idle_cpu(run: dict[str, Any], secs: float = IDLE_SECS) -> dict[str, float]:
     return {part: round(100 * cpu / wall, 1) for part, cpu in sorted(used.items())}
 
 
-def measure(root: Path, n: int) -> dict[str, Any]:
-    models = make_packages(root / f"packages-{n}", n)
+def measure(root: Path, n: int, *, sources: Path | None = None, checks: Path | None = None) -> dict[str, Any]:
+    if sources is None:
+        models = make_packages(root / f"packages-{n}", n)
+    else:
+        models = copy_packages(sources, root / f"copies-{n}", n)
     ids = sorted(p.name for p in models.iterdir())
     work, log = root / f"work-{n}", root / f"serve-{n}.log"
     out: dict[str, Any] = {"models": n}
@@ -181,20 +249,39 @@ def measure(root: Path, n: int) -> dict[str, Any]:
             if phase == "first_start":
                 out["listing"] = _listing(api, ids) if ids else {}
                 out["rss_bytes"] = psutil.Process(run["proc"].pid).memory_info().rss
-                out["cold_wake_last"] = _cold_wake(run, ids[-1]) if ids else None
+                if sources is None:
+                    out["cold_wake_last"] = _cold_wake(run, ids[-1]) if ids else None
+                else:
+                    assert checks is not None
+                    out["cold_wakes"] = [
+                        _checked_wake(run, model, json.loads((checks / f"{source}.json").read_text()))
+                        for source, model in last_copies(ids, sources).items()
+                    ]
+                    out["all_right"] = all(w["right"] for w in out["cold_wakes"])
     return out
 
 
-def run(root: Path, *, sizes: list[int]) -> dict[str, Any]:
+def run(root: Path, *, sizes: list[int], sources: Path | None = None, checks: Path | None = None) -> dict[str, Any]:
     """Every size in its own serve, after one with no models (the control plane's own memory)."""
     root.mkdir(parents=True, exist_ok=True)
     empty = measure(root, 0)
-    results = [measure(root, n) for n in sizes]
+    results = [measure(root, n, sources=sources, checks=checks) for n in sizes]
     for r in results:
         r["rss_kib_per_model"] = round((r["rss_bytes"] - empty["rss_bytes"]) / 1024 / r["models"], 1)
     return {"empty_rss_bytes": empty["rss_bytes"], "empty_start": empty["first_start"], "sizes": results}
 
 
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("root", type=Path)
+    parser.add_argument("sizes", type=int, nargs="*", default=[1000])
+    parser.add_argument("--from", dest="sources", type=Path, default=None, help="package folders to copy in turn")
+    parser.add_argument("--checks", type=Path, default=None, help="<folder>.json per package folder of --from")
+    args = parser.parse_args()
+    if (args.sources is None) != (args.checks is None):
+        parser.error("--from and --checks go together: the copies' answers are checked against the checks")
+    print(json.dumps(run(args.root, sizes=args.sizes, sources=args.sources, checks=args.checks), indent=2))
+
+
 if __name__ == "__main__":
-    sizes = [int(a) for a in sys.argv[2:]] or [1000]
-    print(json.dumps(run(Path(sys.argv[1]), sizes=sizes), indent=2))
+    main()
