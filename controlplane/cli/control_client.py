@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
@@ -14,9 +15,18 @@ from controlplane.errors import SnoozeError
 if TYPE_CHECKING:
     from controlplane.api.client import ControlPlaneClient
 
-DEFAULT_URL = "http://127.0.0.1:8080"
 
-Url = Annotated[str, typer.Option("--url", envvar="SNOOZE_API_URL", help="Control API URL")]
+def default_url(env: Mapping[str, str] = os.environ) -> str:
+    """The control API of a serve on this machine: on ``SNOOZE_API_PORT``, as ``snoozectl serve`` reads it."""
+    port = env.get("SNOOZE_API_PORT", "").strip() or "8080"
+    return f"http://127.0.0.1:{port}"
+
+
+DEFAULT_URL = default_url()
+
+Url = Annotated[
+    str, typer.Option("--url", envvar="SNOOZE_API_URL", help="Control API URL [http://127.0.0.1:SNOOZE_API_PORT]")
+]
 ApiKey = Annotated[
     str | None,
     typer.Option(

@@ -81,3 +81,13 @@ def test_version() -> None:
     result = RUNNER.invoke(app, ["--version"])
     assert result.exit_code == 0
     assert result.output.strip() == f"snoozectl {version('snoozeml')}"
+
+
+def test_the_control_commands_default_to_the_api_port_a_serve_reads():
+    """`snoozectl serve` takes its API port from SNOOZE_API_PORT: `status`, `publish` and the model commands look for
+    the API there too, without --url (SNOOZE_API_URL or --url still say where)."""
+    from controlplane.cli.control_client import default_url
+
+    assert default_url({}) == "http://127.0.0.1:8080"
+    assert default_url({"SNOOZE_API_PORT": "18100"}) == "http://127.0.0.1:18100"
+    assert default_url({"SNOOZE_API_PORT": " "}) == "http://127.0.0.1:8080"
