@@ -78,8 +78,9 @@ _NOT_MODELS = {"__pycache__", ".git", ".ipynb_checkpoints"}
 def discover(models_dir: str | Path) -> list[DeploymentSpec]:
     """Deployments for a models folder: its models.toml entries plus every other sub-folder (id = folder name), a
     Triton repository's model folders included. A sub-folder that is no package is listed too: resolving it
-    refuses it with the reason (nothing is skipped silently). A models folder that is a package itself (a single
-    Triton model folder, say) is its one deployment."""
+    refuses it with the reason (nothing is skipped silently), unless models.toml names packages inside it (a
+    ``pkgs/`` folder of the packages it lists: those are its deployments). A models folder that is a package itself
+    (a single Triton model folder, say) is its one deployment."""
     root = Path(models_dir)
     if not root.is_dir():
         raise InvalidPackageError(f"{root}: models folder not found")
@@ -90,12 +91,14 @@ def discover(models_dir: str | Path) -> list[DeploymentSpec]:
     named_paths = {s.path.resolve() for s in specs}
     named_ids = {s.id for s in specs}
     resolved_root = root.resolve()
+    # the sub-folders that hold packages models.toml names deeper down (a few parents each)
+    holders = {parent for named in named_paths for parent in named.parents}
     for child in sorted(root.iterdir()):
         if not child.is_dir() or child.name.startswith(".") or child.name in _NOT_MODELS:
             continue
         # one realpath for the folder, not one per package (10,000 packages: a second): a link is resolved itself
         path = child.resolve() if child.is_symlink() else resolved_root / child.name
-        if path in named_paths or child.name in named_ids:
+        if path in named_paths or child.name in named_ids or (path in holders and not is_package_dir(path)):
             continue
         specs.append(_folder_deployment(path))
     return _check_unique_ids(specs, str(root))

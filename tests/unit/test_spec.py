@@ -240,6 +240,18 @@ def test_discover_merges_toml_with_folders(tmp_path: Path) -> None:
         resolve(found["notes"])
 
 
+def test_a_folder_that_holds_the_packages_models_toml_names_is_not_listed_as_a_package(tmp_path: Path) -> None:
+    """models.toml naming ``pkgs/a`` and ``pkgs/b``: ``pkgs/`` holds them, and is no package itself; a sibling
+    folder that holds nothing named is still listed (and refused when resolved)."""
+    write_custom(tmp_path / "pkgs" / "a")
+    write_custom(tmp_path / "pkgs" / "deeper" / "b")
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "models.toml").write_text(
+        '[[models]]\nid = "a"\npath = "pkgs/a"\n\n[[models]]\nid = "b"\npath = "pkgs/deeper/b"\n'
+    )
+    assert sorted(s.id for s in discover(tmp_path)) == ["a", "b", "checks"]
+
+
 def test_examples_are_valid_packages() -> None:
     specs = {s.id: s for s in discover(EXAMPLES)}
     assert {"numpy-linear", "torch-mlp", "text-features"} <= set(specs)
