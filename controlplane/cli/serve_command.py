@@ -15,7 +15,10 @@ from controlplane.modes import TargetName
 def serve(
     models: Annotated[
         Path | None,
-        typer.Option(help="Models folder (packages and/or models.toml) to publish [default: none, publish later]"),
+        typer.Option(
+            help="Models folder (packages and/or models.toml), or a models.toml, to publish "
+            "[default: none, publish later]"
+        ),
     ] = None,
     work_dir: Annotated[Path | None, typer.Option(help="Runtime folder [SNOOZE_WORK_DIR; default: .snooze]")] = None,
     host: Annotated[str | None, typer.Option(help="Gateway and API address [SNOOZE_HOST; 127.0.0.1]")] = None,

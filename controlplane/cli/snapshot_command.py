@@ -19,7 +19,9 @@ def _model_list(values: list[str]) -> list[str]:
 
 
 def snapshot_entrypoint(
-    models: Annotated[Path | None, typer.Option(help="Models folder (packages and/or models.toml) to publish")] = None,
+    models: Annotated[
+        Path | None, typer.Option(help="Models folder (packages and/or models.toml), or a models.toml, to publish")
+    ] = None,
     work_dir: Annotated[Path | None, typer.Option(help="Runtime folder [SNOOZE_WORK_DIR; .snooze]")] = None,
     host: Annotated[str | None, typer.Option(help="Gateway and API address [SNOOZE_HOST; 127.0.0.1]")] = None,
     http_port: Annotated[int | None, typer.Option(help="Gateway HTTP port [SNOOZE_HTTP_PORT; 8000]")] = None,

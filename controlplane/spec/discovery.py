@@ -80,10 +80,16 @@ def discover(models_dir: str | Path) -> list[DeploymentSpec]:
     Triton repository's model folders included. A sub-folder that is no package is listed too: resolving it
     refuses it with the reason (nothing is skipped silently), unless models.toml names packages inside it (a
     ``pkgs/`` folder of the packages it lists: those are its deployments). A models folder that is a package itself
-    (a single Triton model folder, say) is its one deployment."""
+    (a single Triton model folder, say) is its one deployment. A ``.toml`` file given instead of a folder: its
+    entries alone."""
     root = Path(models_dir)
+    if root.is_file() and root.suffix == ".toml":
+        return _check_unique_ids(load_models_toml(root), str(root))
     if not root.is_dir():
-        raise InvalidPackageError(f"{root}: models folder not found")
+        raise InvalidPackageError(
+            f"{root}: models folder not found",
+            hint="pass a folder of packages (and/or a models.toml), or a models.toml file",
+        )
     toml_path = root / "models.toml"
     if not toml_path.exists() and is_package_dir(root):
         return [_folder_deployment(root.resolve())]

@@ -250,6 +250,10 @@ def test_a_folder_that_holds_the_packages_models_toml_names_is_not_listed_as_a_p
         '[[models]]\nid = "a"\npath = "pkgs/a"\n\n[[models]]\nid = "b"\npath = "pkgs/deeper/b"\n'
     )
     assert sorted(s.id for s in discover(tmp_path)) == ["a", "b", "checks"]
+    # the models.toml itself: its entries alone
+    assert sorted(s.id for s in discover(tmp_path / "models.toml")) == ["a", "b"]
+    with pytest.raises(InvalidPackageError, match="models folder not found"):
+        discover(tmp_path / "missing.toml")
 
 
 def test_examples_are_valid_packages() -> None:
