@@ -33,6 +33,7 @@ from controlplane.lifecycle.state import ModelState, UnloadReason
 from controlplane.publishing import RETRY_AFTER_SECS, Publishing
 from controlplane.render import VERSION, parse_config
 from controlplane.settings import Settings
+from controlplane.spec.schema import TensorSpec
 from controlplane.store import ModelStore, PublishedModel
 from controlplane.triton.client import IndexState
 
@@ -201,15 +202,23 @@ class ModelAnswers:
         return json_format.ParseDict(overridden, model_config_pb2.ModelConfig())
 
     def metadata(self, model: PublishedModel) -> dict[str, Any]:
-        """KServe v2 model metadata, as Triton answers it for the loaded model."""
+        """KServe v2 model metadata, as Triton answers it for the loaded model: each tensor's shape is its config's
+        ``dims`` (not its ``reshape``: an item of rank 0 is ``[1]`` there, reshaped to ``[]``, and Triton says
+        ``[-1, 1]``), the batch axis first."""
         config = self.config(model)
         batch = [-1] if config.max_batch_size > 0 else []
+        inputs = {t.name: list(t.dims) for t in config.input}
+        outputs = {t.name: list(t.dims) for t in config.output}
+
+        def tensor(t: TensorSpec, dims: dict[str, list[int]]) -> dict[str, Any]:
+            return {"name": t.name, "datatype": t.datatype, "shape": batch + dims.get(t.name, t.dims)}
+
         return {
             "name": model.id,
             "versions": list(model.versions),
             "platform": config.platform or config.backend,
-            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + t.dims} for t in model.inputs],
-            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": batch + t.dims} for t in model.outputs],
+            "inputs": [tensor(t, inputs) for t in model.inputs],
+            "outputs": [tensor(t, outputs) for t in model.outputs],
         }
 
     def index(self, ready_only: bool) -> list[dict[str, str]]:

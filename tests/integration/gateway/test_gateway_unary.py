@@ -8,6 +8,8 @@ module's tests (tests/integration/gateway/conftest.py).
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 
+from controlplane.spec import DeploymentSpec, resolve
 from harness.gateway import (
     API_KEY,
     GRPC_KEY,
@@ -150,6 +153,49 @@ def test_readiness_metadata_config_of_a_sleeping_model(stack: Stack):
         assert h.get_model_config(name, headers=KEY) == triton.get_model_config(name)
         assert g.get_model_config(name, headers=GRPC_KEY).config.name == name
         assert h.is_model_ready(name, headers=KEY) and g.is_model_ready(name, headers=GRPC_KEY)
+
+
+SCALAR_ITEMS_PY = """
+import numpy as np
+
+
+class Model:
+    def load(self, model_dir, device):
+        pass
+
+    def predict(self, inputs):
+        words = inputs["word"]
+        lengths = [len(w.decode("utf-8")) for w in words.reshape(-1)]
+        return {"code": np.array(lengths, dtype=np.int64).reshape(words.shape)}
+"""
+
+
+def test_the_metadata_of_a_sleeping_model_with_items_of_rank_0_is_tritons(stack: Stack, tmp_path: Path):
+    """An item of rank 0 (``dims: []``: one string per item, as an ONNX LabelEncoder's [N] input) is ``dims: [1]``
+    in the config, reshaped to ``[]``: Triton's metadata says ``[-1, 1]``, and so does the gateway's while the model
+    sleeps (it said ``[-1]``, and a client that built its request from it was refused; found by an outside user's
+    LabelEncoder). A request of that shape wakes the model and is answered."""
+    folder = tmp_path / "scalar-items"
+    folder.mkdir()
+    (folder / "snooze_model.py").write_text(SCALAR_ITEMS_PY)
+    manifest = {"inputs": [{"name": "word", "datatype": "BYTES", "dims": []}],
+                "outputs": [{"name": "code", "datatype": "INT64", "dims": []}]}  # fmt: skip
+    (folder / "snooze_model.json").write_text(json.dumps(manifest))
+    name = "gw_scalar_items"
+    stack.store.publish(resolve(DeploymentSpec(id=name, path=folder, max_batch_size=8)))
+    with stack.http() as h, stack.grpc() as g:
+        asleep = h.get_model_metadata(name, headers=KEY)
+        asleep_grpc = g.get_model_metadata(name, headers=GRPC_KEY, as_json=True)
+        assert not stack.triton_ready(name)
+        assert [t["shape"] for t in (*asleep["inputs"], *asleep["outputs"])] == [[-1, 1], [-1, 1]]
+        assert asleep_grpc["inputs"][0]["shape"] == ["-1", "1"]
+        words = np.array([[b"apple"], ["Zürich".encode()]], dtype=object)  # the shape the metadata gives: [n, 1]
+        given = httpclient.InferInput("word", list(words.shape), "BYTES")
+        given.set_data_from_numpy(words)
+        answer = h.infer(name, [given], headers=dict(KEY)).as_numpy("code")
+        assert answer.reshape(-1).tolist() == [5, 6]
+        triton = httpclient.InferenceServerClient(stack.triton.http_url.removeprefix("http://"))
+        assert triton.get_model_metadata(name) == asleep == h.get_model_metadata(name, headers=KEY)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
