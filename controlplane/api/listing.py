@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from controlplane.lifecycle.state import ModelState, ModelStatus
 from controlplane.store import PublishedModel
 
@@ -34,7 +36,7 @@ class ListQuery:
 class ModelPage:
     """One page: its models' summaries, how many match the filters in all, the cursor of the next page (None: last)."""
 
-    models: list[dict[str, Any]] = field(default_factory=list)
+    models: list[dict[str, Any] | orjson.Fragment] = field(default_factory=list)  # a Fragment: one's JSON, as is
     total: int = 0
     next_after: str | None = None
 
@@ -43,7 +45,7 @@ def page_of(
     models: Sequence[PublishedModel],
     query: ListQuery,
     statuses: Callable[[list[str]], list[ModelStatus]],
-    summary: Callable[[PublishedModel, ModelStatus], dict[str, Any]],
+    summary: Callable[[PublishedModel, ModelStatus], dict[str, Any] | orjson.Fragment],
     states_of: Callable[[list[str]], list[ModelState]],
 ) -> ModelPage:
     """``models`` sorted by id -> the page ``query`` asks for. Statuses are read for the page only; a filter by

@@ -106,3 +106,22 @@ async def test_another_writers_publish_shows_after_the_next_scan(
     assert "c-1" in store.ids()  # a listing that may not be stale scans again
     other.delete("a-1")
     assert [m.id for m in store.list()] == ["a-2", "a-3", "b-1", "b-2", "c-1"]
+
+
+@pytest.mark.usefixtures("published")
+async def test_a_listing_from_the_kept_summaries_is_the_same_json_and_follows_a_change(
+    client: httpx.AsyncClient, store: ModelStore, lifecycle: RecordingLifecycle, make_package: Callable[..., Path]
+) -> None:
+    """A model at rest keeps its status object, and its listed JSON is kept from the second listing on
+    (``ModelOperations._listed_json``): the answer is byte for byte a fresh one's, and a new status (a load) or a
+    new publish (a republish, its status unchanged) is listed as it is now."""
+    first = (await client.get("/v1/models", headers=ADMIN)).content
+    for _ in range(2):  # the second listing keeps each model's JSON, the third answers from it
+        assert (await client.get("/v1/models", headers=ADMIN)).content == first
+    await client.post("/v1/models/b-1/load", headers=ADMIN)
+    unchanged = lifecycle.states["a-1"]
+    store.publish(resolve(DeploymentSpec(id="a-1", path=make_package("again"), max_batch_size=3)))
+    listed = {m["id"]: m for m in (await client.get("/v1/models", headers=ADMIN)).json()}
+    assert lifecycle.states["a-1"] is unchanged  # the same status object: only the publish tells the change
+    assert listed["b-1"]["status"]["state"] == "ready" and listed["b-2"]["status"]["state"] == "unloaded"
+    assert listed["a-1"]["max_batch_size"] == 3 and listed["a-2"]["max_batch_size"] == 8
