@@ -267,8 +267,10 @@ class ModelOperations:
         kept = self._fragments.get(model.id)
         if kept is not None and kept[0] is model and kept[1] is status:
             if kept[2] is None:
-                kept = self._fragments[model.id] = (model, status, orjson.Fragment(orjson.dumps(
-                    self._listed(model, status), default=str)))  # fmt: skip
+                # kept as a str: the bytes orjson.dumps returns hold about 4 KiB of the heap each (measured: 50,000
+                # of them 196 MiB, their text 30 MiB)
+                text = orjson.dumps(self._listed(model, status), default=str).decode()
+                kept = self._fragments[model.id] = (model, status, orjson.Fragment(text))
             assert kept[2] is not None
             return kept[2]
         self._fragments[model.id] = (model, status, None)
