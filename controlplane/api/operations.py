@@ -106,8 +106,9 @@ def _check_custom_import(spec: ModelSpec, *, same_environment: bool) -> None:
 
 
 # What Triton's python backend stub provides to the models it runs (never installed in an environment).
-FRAGMENTS_SLACK = 1000  # listed models' JSON kept beyond the published ones before those of deleted models go
 STUB_MODULES = frozenset({"triton_python_backend_utils", "c_python_backend_utils"})
+# listed models' JSON kept beyond the published ones before those of deleted models go (``ModelOperations.list``)
+FRAGMENTS_SLACK = 1000
 
 
 def _check_triton_import(spec: ModelSpec, *, same_environment: bool) -> None:
@@ -265,16 +266,16 @@ class ModelOperations:
         dict or an encoding each. Kept from the second listing that meets the same status on: the status of a model
         that is not at rest is a new object at each read, and is not encoded twice."""
         kept = self._fragments.get(model.id)
-        if kept is not None and kept[0] is model and kept[1] is status:
-            if kept[2] is None:
-                # kept as a str: the bytes orjson.dumps returns hold about 4 KiB of the heap each (measured: 50,000
-                # of them 196 MiB, their text 30 MiB)
-                text = orjson.dumps(self._listed(model, status), default=str).decode()
-                kept = self._fragments[model.id] = (model, status, orjson.Fragment(text))
-            assert kept[2] is not None
+        if kept is None or kept[0] is not model or kept[1] is not status:
+            self._fragments[model.id] = (model, status, None)
+            return self._listed(model, status)
+        if kept[2] is not None:
             return kept[2]
-        self._fragments[model.id] = (model, status, None)
-        return self._listed(model, status)
+        # kept as a str: the bytes orjson.dumps returns hold about 4 KiB of the heap each (measured: 50,000 of them
+        # 196 MiB, their text 30 MiB)
+        fragment = orjson.Fragment(orjson.dumps(self._listed(model, status), default=str).decode())
+        self._fragments[model.id] = (model, status, fragment)
+        return fragment
 
     @staticmethod
     def _listed(model: PublishedModel, status: ModelStatus) -> dict[str, Any]:
