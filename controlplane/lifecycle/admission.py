@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from controlplane.clock import Clock
@@ -55,7 +55,8 @@ class NoRoomToPrewarm(UnavailableError):
 
 class Admission:
     """The wake queue and the room a load needs (``Loader``'s waiting half). ``evict`` carries out the budgets'
-    plans (the unload transitions' ``Unloads.evict``)."""
+    plans (the unload transitions' ``Unloads.evict``); ``hear`` reads the wakes of dozing models
+    (``Dozing.hear_dozing``), so that a load is admitted against what a woken model holds, not its doze."""
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class Admission:
         metrics: SnoozeMetrics,
         *,
         evict: EvictFn,
+        hear: Callable[[], Awaitable[None]] | None = None,
         clock: Clock,
     ) -> None:
         self.settings = settings
@@ -76,6 +78,7 @@ class Admission:
         self.processes = processes
         self.clock = clock
         self._evict_one = evict
+        self._hear = hear
         # Host-memory loads run side by side (each reserves its memory first); on a machine with a GPU they run
         # one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
@@ -170,6 +173,8 @@ class Admission:
         waiting meanwhile are estimated again once it is. Returns the estimate the load went ahead with."""
         try:
             while True:
+                if self._hear is not None:  # a warm-path wake since the last sweep: charged at its full size first
+                    await self._hear()
                 if unknown := self._size_unknown(rec, need):
                     need = self.budget.estimate(rec, instances)  # another load may have been measured since
                     unknown = self._size_unknown(rec, need)

@@ -42,7 +42,7 @@ from controlplane.metrics import SnoozeMetrics
 from controlplane.modes import Worker
 from controlplane.settings import Settings
 from controlplane.triton.processes import StubProcess, TritonProcesses
-from controlplane.triton.stub_control import StubControl
+from controlplane.triton.stub_control import StubControl, Wake
 
 log = logging.getLogger("snoozeml.lifecycle")
 
@@ -175,10 +175,39 @@ class Dozing:
         wakes from doze with the stub's own wake time; how many."""
         generation = rec.generation
         dozing = [s for s in rec.procs.stubs if _key(s) in rec.doze.stubs]
-        woke = [await asyncio.to_thread(self.control.woke, s) for s in dozing]
+        woke = await asyncio.to_thread(lambda: [self.control.woke(s) for s in dozing])
+        return await self._woke(rec, generation, list(zip(dozing, woke, strict=True)))
+
+    async def hear_dozing(self) -> None:
+        """The wakes of every dozing model, their notes read in one pass: what admission hears before it admits a
+        load. A wake on the warm path is not admitted, and until the next sweep a dozing model is charged its
+        stubs alone: a load admitted against that charge went ahead beside a model woken to its full size, the
+        budget plus two models (dozing machine seed 2526912484: woken to 300 MiB, charged 40, a load of 150
+        beside it)."""
+        ready = ModelState.READY
+        heard = [
+            (rec, rec.generation, s)
+            for rec in self.states.loaded()
+            if rec.op is None and rec.state is ready and rec.doze.dozing
+            for s in rec.procs.stubs
+            if _key(s) in rec.doze.stubs
+        ]
+        if not heard:
+            return
+        woke = await asyncio.to_thread(lambda: [self.control.woke(s) for _, _, s in heard])
+        found: dict[str, tuple[ModelRecord, int, list[tuple[StubProcess, Wake | None]]]] = {}
+        for (rec, generation, stub), wake in zip(heard, woke, strict=True):
+            if wake is not None:
+                found.setdefault(rec.id, (rec, generation, []))[2].append((stub, wake))
+        for rec, generation, stubs in found.values():
+            await self._woke(rec, generation, stubs)
+
+    async def _woke(self, rec: ModelRecord, generation: int, read: list[tuple[StubProcess, Wake | None]]) -> int:
+        """Counted and measured: the stubs read as woken (``read``) that its record still has dozing (the sweep and
+        an admission may both read one wake: it is counted once)."""
         if rec.generation != generation or not rec.doze.dozing:
             return 0
-        awake = [(s, w) for s, w in zip(dozing, woke, strict=True) if w is not None]
+        awake = [(s, w) for s, w in read if w is not None and _key(s) in rec.doze.stubs]
         for _, wake in awake:
             self.metrics.wakes.labels(model=rec.id, origin="doze").inc()
             if wake.secs is not None:

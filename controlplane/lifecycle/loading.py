@@ -69,10 +69,12 @@ class Loader:
         *,
         wait_for_triton: Callable[[ModelRecord], Awaitable[None]],
         evict: EvictFn,
+        hear: Callable[[], Awaitable[None]] | None = None,
         journal_dir: Path | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        """``evict``: the unload of an idle model that carries out the memory budgets' plans."""
+        """``evict``: the unload of an idle model that carries out the memory budgets' plans; ``hear``: reads the
+        wakes of dozing models before a load is admitted (``Admission``)."""
         self.settings = settings
         self.clock = clock
         self.journal_dir = journal_dir  # where preforked models' stubs name their workers (workers.py)
@@ -86,7 +88,9 @@ class Loader:
         self.metrics = metrics
         self._wait_for_triton = wait_for_triton
         self._evict_one = evict
-        self.admission = Admission(settings, states, budget, gpu, processes, metrics, evict=evict, clock=clock)
+        self.admission = Admission(
+            settings, states, budget, gpu, processes, metrics, evict=evict, hear=hear, clock=clock
+        )
         self._swept: frozenset[tuple[int, int]] = frozenset()  # the stubs the last sweep measured
 
     async def load(

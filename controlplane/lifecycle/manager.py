@@ -147,6 +147,7 @@ class LifecycleManager:
             wait_for_triton=up.wait_until_up,
             # the budgets plan evictions; the loader carries them out with this (a victim that can doze dozes first)
             evict=self.dozing.doze_first(unloads.evict),
+            hear=self.dozing.hear_dozing,
             journal_dir=journal_dir,
             clock=clock,
         )

@@ -440,3 +440,38 @@ def test_an_ensemble_request_that_woke_two_dozing_steps_at_once_stays_within_the
     s(w.republish_while_waiting("m0", "hang", 3), 0.05)
     s(w.request("m2", None), 0.05)
     s(w.request("e0", None), 1.0)  # the world checks the tree's peak at each step
+
+
+def test_a_load_after_a_warm_path_wake_is_admitted_against_what_the_woken_model_holds(world):
+    """A request straight to Triton woke a dozing model (two stubs, 300 MiB awake, charged 40 dozing); a load that
+    came before the next sweep was admitted against the 40 and went ahead beside the 300. Admission now reads the
+    dozing models' wakes first: the woken model is dozed again to make room, and the tree stays within the budget."""
+    s, w = world.step, world
+    s(w.publish("m0", 150, 2, "preforked"), 0.05)
+    s(w.publish("m1", 150, 1, "in-stub"), 0.05)
+    s(w.request("m0", None), 0.3)
+    s(w.tick(DOZE_AFTER + 1.5), 0.0)
+    assert world.manager.status("m0").level == "dozing"
+    s(w.burst("m0", 2), 0.0)  # the warm path: the control plane hears of it at its next sweep, or from admission
+    s(w.request("m1", None), 0.3)
+    assert world.manager.status("m1").state is ModelState.READY
+    assert world.triton.peak <= BUDGET_MB * MIB, world.triton.peak / MIB
+
+
+def test_a_load_admitted_before_a_sweep_heard_a_warm_path_wake_stays_within_the_budget_plus_one_model(world):
+    """Found by the dozing machine (seed 2526912484): m2 (two stubs, 150 MiB each awake) dozed and was adopted dozing
+    by a restart; a burst woke both its stubs on the warm path, and a load of m1 (150) was admitted against m2's
+    dozing 40 MiB before a sweep heard the wake: 630 MiB against the budget plus one model (300 + 300)."""
+    s, w = world.step, world
+    s(w.publish("m3", 60, 1, "preforked"), 0.05)
+    s(w.publish("m0", 60, 2, "preforked"), 0.0)
+    s(w.publish("m2", 150, 2, "preforked"), 0.05)
+    s(w.request("m2", 2.0), 0.05)
+    s(w.hold("m0"), 0.05)
+    s(w.restart(), 1.0)
+    s(w.publish("m1", 150, 1, "in-stub"), 0.05)
+    s(w.burst("m3", 5), 0.0)
+    s(w.request("m0", 2.0), 0.3)
+    s(w.burst("m2", 3), 0.0)
+    s(w.hold("m1"), 0.01)
+    s(w.request("m0", None), 0.3)  # the world checks the tree's peak at each step
