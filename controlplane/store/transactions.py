@@ -101,9 +101,10 @@ _link_lock = threading.Lock()
 
 
 def _link_runtime(src: Path, dest: Path, staging_root: Path) -> bool:
-    """Link ``dest`` to snoozeml's runtime file ``src``, or to its copy once ``src`` has no links left; False where it
-    cannot be linked (another filesystem: it is copied). Measured: copying every runtime file made a publish 13-16 ms
-    against 8-11 ms."""
+    """Link ``dest`` to snoozeml's runtime file ``src``, or to its copy beside the staging folders once ``src`` has no
+    links left or lies on another file system; False where even that cannot be linked (it is then copied). Measured:
+    copying every runtime file made a publish 13-16 ms against 8-11 ms; into tmpfs from another file system, 2.79
+    against 1.84 ms once linked from a copy."""
     return _link(dest, (src, staging_root), src, ".runtime-", lambda made: shutil.copy(src, made))
 
 
@@ -134,8 +135,10 @@ def _link(
             os.link(target, dest)
             return True
         except OSError as e:
-            if e.errno not in (errno.EMLINK, errno.ENOENT):  # another file system: the caller copies or writes it
-                return False
+            # used up (EMLINK), removed (ENOENT), or snoozeml installed on another file system than the repository
+            # (EXDEV: a container's image and its volume): a file beside the staging folders takes the links
+            if e.errno not in (errno.EMLINK, errno.ENOENT, errno.EXDEV) or target != first and e.errno == errno.EXDEV:
+                return False  # the caller copies or writes it
         with _link_lock:  # used up, or removed since: a fresh one
             if _link_targets.get(key, first) == target:
                 _link_targets[key] = None

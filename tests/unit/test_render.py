@@ -204,12 +204,16 @@ def test_write_is_atomic_and_replaces_whole_folder(tmp_path: Path) -> None:
     assert sorted(p.name for p in repo.iterdir()) == ["m"]  # staging lives outside the repository
 
 
-def test_a_runtime_file_whose_links_are_used_up_is_linked_from_a_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("code", "why"), [(errno.EMLINK, "Too many links"), (errno.EXDEV, "Invalid cross-device link")]
+)
+def test_a_runtime_file_that_cannot_be_linked_where_it_is_installed_is_linked_from_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, why: str
 ) -> None:
     """ext4 allows 65,000 links a file: once snoozeml's runtime files have none left (repositories left behind by
     tests and benches reached it here), each model linked a copy made in the staging root instead of copying the file
-    into every model."""
+    into every model. The same where snoozeml is installed on another file system than the repository (EXDEV: the
+    control plane's image and the repository's volume), where every model copied all 21 runtime files before."""
     from controlplane.store import transactions
     from python_backend import PACKAGE_DIR
 
@@ -217,7 +221,7 @@ def test_a_runtime_file_whose_links_are_used_up_is_linked_from_a_copy(
 
     def link(src: object, dst: object, *args: object, **kwargs: object) -> None:
         if os.path.dirname(str(src)) == PACKAGE_DIR:
-            raise OSError(errno.EMLINK, "Too many links", str(src))
+            raise OSError(code, why, str(src))
         real_link(src, dst, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "link", link)
