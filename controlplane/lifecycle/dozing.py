@@ -204,27 +204,35 @@ class Dozing:
 
     async def _woke(self, rec: ModelRecord, generation: int, read: list[tuple[StubProcess, Wake | None]]) -> int:
         """Counted and measured: the stubs read as woken (``read``) that its record still has dozing (the sweep and
-        an admission may both read one wake: it is counted once)."""
+        an admission may both read one wake: it is counted once). Its memory is read first and the record changed in
+        one step after it: a record that no longer lists a woken stub dozing is charged what it holds (a check
+        between the two saw a model heard awake but charged its doze, dozing machine seed 748220775)."""
+        if rec.generation != generation or not rec.doze.dozing:
+            return 0
+        if not any(w is not None and _key(s) in rec.doze.stubs for s, w in read):
+            return 0
+        measured = await self._read_memory(rec)
         if rec.generation != generation or not rec.doze.dozing:
             return 0
         awake = [(s, w) for s, w in read if w is not None and _key(s) in rec.doze.stubs]
+        if not awake:
+            return 0  # heard meanwhile by the other reader
         for _, wake in awake:
             self.metrics.wakes.labels(model=rec.id, origin="doze").inc()
             if wake.secs is not None:
                 self.metrics.wake_seconds.labels(origin="doze").observe(wake.secs)
-        if not awake:
-            return 0
         rec.doze.stubs -= {_key(s) for s, _ in awake}
         # its request may still run, unseen by Triton's statistics: idle from now at the earliest, not from before
         rec.access.woke = self.clock.time()
         if not rec.doze.dozing:
             self._restore(rec)
+        if measured is not None:
+            self._charge(rec, *measured)
+        self.metrics.set_level(rec.id, rec.level)
+        log.info("model '%s': woke from doze (%d stubs)", rec.id, len(awake))
         # a request woke it: its access is read now, before the budget picks what to evict
         if served := await self.readings.refresh_access(rec):
             self.budget.accessed(rec, served)
-        await self._measure(rec)
-        self.metrics.set_level(rec.id, rec.level)
-        log.info("model '%s': woke from doze (%d stubs)", rec.id, len(awake))
         return len(awake)
 
     def doze_first(self, unload: EvictFn) -> EvictFn:
@@ -250,6 +258,12 @@ class Dozing:
 
     async def _measure(self, rec: ModelRecord) -> None:
         """What its stubs and live workers hold now (a dozing stub has no worker note): the footprint charged."""
+        measured = await self._read_memory(rec)
+        if measured is not None:
+            self._charge(rec, *measured)
+
+    async def _read_memory(self, rec: ModelRecord) -> tuple[tuple[WorkerProcess, ...], int] | None:
+        """Its live workers and what they and its stubs hold now; None where its record changed meanwhile."""
         generation = rec.generation
         stubs = list(rec.procs.stubs)
 
@@ -258,9 +272,10 @@ class Dozing:
             pss = worker_bytes(workers, self.processes.proc_root)[0] if workers else 0
             return workers, self.processes.memory(stubs) + pss
 
-        workers, size = await asyncio.to_thread(read)
-        if rec.generation != generation:
-            return
+        measured = await asyncio.to_thread(read)
+        return measured if rec.generation == generation else None
+
+    def _charge(self, rec: ModelRecord, workers: tuple[WorkerProcess, ...], size: int) -> None:
         rec.procs.workers = workers
         if rec.memory.footprint_source == "measured" and size:
             # dozing: what is held now; awake again: at least what it held before it dozed, until a sweep reads it

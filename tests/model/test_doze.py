@@ -475,3 +475,20 @@ def test_a_load_admitted_before_a_sweep_heard_a_warm_path_wake_stays_within_the_
     s(w.burst("m2", 3), 0.0)
     s(w.hold("m1"), 0.01)
     s(w.request("m0", None), 0.3)  # the world checks the tree's peak at each step
+
+
+def test_a_wake_heard_by_admission_is_charged_in_the_same_step_the_record_hears_it(world):
+    """Found by the dozing machine (seed 748220775) once admission heard wakes too: a request woke one of m0's two
+    dozing stubs on the warm path, and an ensemble's load over m0 heard it. The record listed the stub awake while it
+    still charged m0 its doze (40 MiB, its stubs holding 80) until the measurement that came after an await."""
+    s, w = world.step, world
+    s(w.publish("m0", 60, 2, "preforked"), 0.01)
+    s(w.publish_ensemble_api(("m0",), 1), 0.0)
+    s(w.remote_delete("m1"), 0.3)
+    s(w.stop_during_hung_load("m2", "publish"), 0.3)
+    s(w.request("m0", 0.3), 0.05)
+    s(w.remote_publish("m2", 60), 0.3)
+    s(w.doze("m2"), 1.0)
+    s(w.doze("m1"), 0.05)
+    s(w.request("m0", 2.0), 0.3)
+    s(w.request("e0", 0.3), 0.0)  # the world checks each model's charge against its stubs at each step
