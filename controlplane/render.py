@@ -8,11 +8,8 @@ so a failed render leaves the repository exactly as it was.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import marshal
 import platform
-import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -189,26 +186,22 @@ def _template(name: str, **values: Any) -> str:
 
 @lru_cache(maxsize=64)
 def python_entry(version: str, *, preforked: bool = False) -> dict[str, bytes]:
-    """A python-backend model's ``<version>/model.py``, which runs the snoozeml runtime, with its bytecode: the same
-    for every model (it names none), so rendered once and linked into each model's folder (``RenderedModel.shared``).
-    ``preforked``: it also imports the prefork machinery (its bytecode then cached with the runtime's)."""
+    """A python-backend model's ``<version>/model.py``, which runs the snoozeml runtime, and the ``__pycache__`` that
+    keeps its folder unwritten (``no_bytecode``): the same for every model (it names none), so rendered once and
+    linked into each model's folder (``RenderedModel.shared``). ``preforked``: it also imports the prefork machinery."""
     source = _environment().get_template("python_model.py.j2").render(model_id="", preforked=preforked)
-    return with_bytecode(f"{version}/{PYTHON_MODEL_FILE}", source)
+    return {f"{version}/{PYTHON_MODEL_FILE}": source.encode(), **no_bytecode(version)}
 
 
-def with_bytecode(path: str, source: str) -> dict[str, bytes]:
-    """A python-backend entry file (``path`` in the model's folder) with its bytecode for this Python, hash-checked
-    (PEP 552: valid whatever the file's mtime after a copy). The embedded Triton's stub runs this Python: it imports
-    the file without writing a ``__pycache__`` into the model's folder, which Triton would take for a change of the
-    model's files and load it anew (a second set of instances, the first ended) when a load next names it. What the
-    entry imports after it caches its bytecode outside the repository (``_bytecode.py.j2``)."""
-    data = source.encode()
-    code = compile(data, path, "exec", dont_inherit=True)
-    checked_hash = (0b11).to_bytes(4, "little")  # hash-based, checked against the source at each import
-    pyc = importlib.util.MAGIC_NUMBER + checked_hash + importlib.util.source_hash(data) + marshal.dumps(code)
-    folder, _, name = path.rpartition("/")
-    cached = f"{folder}/__pycache__/{name.removesuffix('.py')}.{sys.implementation.cache_tag}.pyc"
-    return {path: data, cached.lstrip("/"): pyc}
+def no_bytecode(version: str) -> dict[str, bytes]:
+    """An empty file named ``__pycache__`` in a python model's version folder: no Python can write bytecode there (the
+    import of the entry file compiles it, a few lines, and its attempt to cache the bytecode fails quietly, as
+    Python's imports do). The stub's Python runs isolated (``PYTHONDONTWRITEBYTECODE`` does nothing), and a file
+    written into the model's folder is a change of the model's files to Triton: it loads the model anew (a second set
+    of instances, the first ended) when a load next names it. Rendered bytecode covered only the control plane's
+    Python (a stub of another version, 3.10 in the official image, wrote its own beside it) and cost a folder per
+    model. What the entry imports after it caches its bytecode outside the repository (``_bytecode.py.j2``)."""
+    return {f"{version}/__pycache__": b""}
 
 
 def render_triton_folder(spec: ModelSpec, target: TritonTarget) -> RenderedModel:

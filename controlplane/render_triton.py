@@ -137,7 +137,7 @@ def triton_files(spec: ModelSpec, backend: str, rendered: Any, runtime_sources: 
     """Fill ``rendered`` (copies, writes, folders) with the folder's files as served on ``backend``.
 
     ``entry(template, **values)`` renders a template; ``runtime_sources`` is the python_backend runtime."""
-    from controlplane.render import PACKAGE_SUBDIR, RUNTIME_SUBDIR, python_entry, runtime_config, with_bytecode
+    from controlplane.render import PACKAGE_SUBDIR, RUNTIME_SUBDIR, no_bytecode, python_entry, runtime_config
 
     package = spec.package
     folder = package.triton
@@ -162,7 +162,8 @@ def triton_files(spec: ModelSpec, backend: str, rendered: Any, runtime_sources: 
                 rendered.copies.append((package.path / str(version) / rel, f"{version}/{dest}"))
             if folder.model_file in files:
                 wrapper = entry("triton_python_model.py.j2", model_id=spec.id, user_module=USER_MODULE)
-                rendered.writes.update(with_bytecode(f"{version}/{PYTHON_MODEL_FILE}", wrapper))
+                rendered.writes[f"{version}/{PYTHON_MODEL_FILE}"] = wrapper.encode()
+                rendered.shared.update(no_bytecode(str(version)))
         else:
             for rel in files:
                 rendered.copies.append((package.path / str(version) / rel, f"{version}/{rel}"))

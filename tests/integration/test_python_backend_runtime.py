@@ -104,7 +104,7 @@ def build_model(
             sequence=sequence,
         )
     )
-    for rel, data in python_entry("1").items():  # model.py (and its bytecode), as publishing renders it
+    for rel, data in python_entry("1").items():  # model.py (and its __pycache__ file), as publishing renders it
         (repo / name / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / name / rel).write_bytes(data)
     (version / "python_backend").mkdir()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -239,14 +238,15 @@ def test_a_runtime_file_that_cannot_be_linked_where_it_is_installed_is_linked_fr
 def test_the_python_entry_is_one_file_linked_into_every_model_and_a_fresh_one_once_its_links_are_used_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """model.py and its bytecode name no model: written once beside the staging folders and linked into each model's
-    folder (a file made costs far more than a link); at EMLINK (ext4: 65,000 links) a fresh file takes the links."""
+    """model.py and the file named __pycache__ beside it name no model: written once beside the staging folders and
+    linked into each model's folder (a file made costs far more than a link); at EMLINK (ext4: 65,000 links) a fresh
+    file takes the links."""
     from controlplane.store import transactions
 
     monkeypatch.setattr(transactions, "_link_targets", {})
     package = custom_pkg(tmp_path / "p")
     repo = tmp_path / "repo"
-    entry = [Path("1") / "model.py", Path("1") / "__pycache__" / f"model.{sys.implementation.cache_tag}.pyc"]
+    entry = [Path("1") / "model.py", Path("1") / "__pycache__"]
     for model_id in ("a", "b"):
         write_model(render_model(resolve(DeploymentSpec(id=model_id, path=package)), embedded_target()), repo)
     for rel in entry:
