@@ -15,7 +15,6 @@ import re
 import shutil
 import socket
 import sys
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +24,10 @@ from controlplane.render import DEPLOYMENT_FILE, PUBLISH_PARAMETER, RUNTIME_SUBD
 from python_backend import PACKAGE_DIR
 
 INNER_STAGING = ".snooze-staging"
+# A staged model folder, written whole: <model>@<host>.<pid>.<random>.staged; the version it replaces, moved out where
+# the kernel has no atomic swap: <model>@<host>.<pid>.<random>.retired (recover_staging puts it back if need be).
+STAGED = ".staged"
+RETIRED = ".retired"
 RUNTIME_PREFIX = f"{VERSION}/{RUNTIME_SUBDIR}/"
 
 
@@ -56,7 +59,8 @@ def _same_filesystem(a: Path, b: Path) -> bool:
 
 
 def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] | None = None) -> None:
-    made: set[Path] = set()
+    """Write the model's files into ``folder`` (made already, in the staging root: its parent)."""
+    made: set[Path] = {folder}
 
     def parent_of(dest: Path) -> None:  # each folder made once (a model has 20-odd files in a handful of folders)
         if dest.parent not in made:
@@ -71,7 +75,7 @@ def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] |
         if rel.startswith(RUNTIME_PREFIX) and os.path.dirname(src) == PACKAGE_DIR:
             # snoozeml's own runtime files, the same in every model: linked (10,000 models: a copy each costs
             # seconds); a user's files are always copied (an edit in place must not change what is published)
-            if _link_runtime(Path(src), dest, folder.parent.parent):
+            if _link_runtime(Path(src), dest, folder.parent):
                 continue
         shutil.copy(src, dest)  # with its mode: a model folder's own stub or scripts stay executable
     token = uuid.uuid4().hex
@@ -88,7 +92,7 @@ def _materialise(rendered: RenderedModel, folder: Path, record: dict[str, str] |
     for rel, content in rendered.shared.items():
         dest = folder / rel
         parent_of(dest)
-        if not _link_shared(content, dest, folder.parent.parent):
+        if not _link_shared(content, dest, folder.parent):
             dest.write_bytes(content)
 
 
@@ -194,40 +198,47 @@ def write_model(rendered: RenderedModel, repo: Path, record: dict[str, str] | No
 
 
 def stage_model(rendered: RenderedModel, repo: Path, record: dict[str, str] | None = None) -> Path:
-    """The model's folder, written whole in a staging folder of its own (no lock needed: nothing else writes there,
-    and ``recover_staging`` leaves a live writer's alone); ``commit_model`` moves it into place. The staging
-    folder, returned, is removed if writing it fails."""
+    """The model's folder, written whole in the staging root under a name of its own (no lock needed: nothing else
+    writes there, and ``recover_staging`` leaves a live writer's alone); ``commit_model`` moves it into place. The
+    staged folder, returned, is removed if writing it fails. It is the model's folder itself, not a folder around it:
+    a folder made and removed costs 0.4-0.7 ms a model on this VM's disk (10,000 models: seconds)."""
     repo = Path(repo)
     repo.mkdir(parents=True, exist_ok=True)
-    # <model>@<host>.<pid>.<random>: recover_staging() tells a killed writer's leftovers by host and pid.
-    staging = Path(tempfile.mkdtemp(prefix=f"{rendered.model_id}@{_writer()}.", dir=_staging_root(repo)))
+    # <model>@<host>.<pid>.<random>.staged: recover_staging() tells a killed writer's leftovers by host and pid.
+    staged = _staging_root(repo) / f"{rendered.model_id}@{_writer()}.{uuid.uuid4().hex[:12]}{STAGED}"
+    staged.mkdir()  # the model's folder, with the usual mode (Triton may run as another user)
     try:
-        _materialise(rendered, staging / "model", record)
+        _materialise(rendered, staged, record)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)
         raise
-    return staging
+    return staged
 
 
-def commit_model(staging: Path, repo: Path, model_id: str) -> Path:
+def commit_model(staged: Path, repo: Path, model_id: str) -> Path:
     """Move a staged model folder into ``repo`` (with the repository's writers serialised: ``repository_lock``), in
-    one rename, or one atomic swap with the folder it replaces; the staging folder goes either way."""
+    one rename, or one atomic swap with the folder it replaces, which then goes."""
     final = Path(repo) / model_id
+    if not final.exists():
+        try:
+            os.rename(staged, final)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        return final
     try:
-        if final.exists():
-            # One atomic swap where the kernel offers it: readers never see the model missing.
-            if not _exchange(staging / "model", final):
-                retired = staging / "retired"
-                os.rename(final, retired)
-                try:
-                    os.rename(staging / "model", final)
-                except OSError:
-                    os.rename(retired, final)  # put the old model back: nothing changed
-                    raise
-        else:
-            os.rename(staging / "model", final)
+        # One atomic swap where the kernel offers it: readers never see the model missing.
+        if not _exchange(staged, final):
+            retired = staged.with_name(staged.name.removesuffix(STAGED) + RETIRED)
+            os.rename(final, retired)
+            try:
+                os.rename(staged, final)
+            except OSError:
+                os.rename(retired, final)  # put the old model back: nothing changed
+                raise
+            shutil.rmtree(retired, ignore_errors=True)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staged, ignore_errors=True)  # the old version after a swap
     return final
 
 
@@ -271,7 +282,11 @@ def _recover_in(root: Path, repo: Path) -> list[str]:
     removed = []
     host = _writer().rpartition(".")[0]
     for entry in sorted(p for p in root.iterdir() if p.is_dir()):
-        model_id, at, writer = entry.name.partition("@")
+        name, layout = entry.name, ""
+        for suffix in (STAGED, RETIRED):
+            if "@" in name and name.endswith(suffix):
+                name, layout = name.removesuffix(suffix), suffix
+        model_id, at, writer = name.partition("@")
         if at:  # <model>@<host>.<pid>.<random>: only this host's writers can be checked from here
             writer_host, _, rest = writer.rpartition(".")
             writer_host, _, pid = writer_host.rpartition(".")
@@ -282,8 +297,13 @@ def _recover_in(root: Path, repo: Path) -> list[str]:
             model_id, _, pid = model_id.rpartition(".")
         if not model_id or not pid.isdigit() or not rest or _pid_alive(int(pid)):
             continue
-        retired, final = entry / "retired", Path(repo) / model_id
-        if retired.is_dir() and not final.exists():
+        final = Path(repo) / model_id
+        if layout == RETIRED and not final.exists():
+            os.rename(entry, final)  # killed between a republish's two renames: the old version back
+            removed.append(entry.name)
+            continue
+        retired = entry / "retired"  # written before the flat layout: <staging>/model and <staging>/retired
+        if not layout and retired.is_dir() and not final.exists():
             os.rename(retired, final)
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry.name)

@@ -133,9 +133,9 @@ async def test_killed_during_a_publish_leaves_no_half_written_model(serve_factor
     publisher.start()
     # Kill as soon as the new version is being written into its staging folder.
     staged = await until_async(
-        lambda: any(serve.staging.glob("big@*/model")), "the publish to start writing", interval=0.002
+        lambda: any(serve.staging.glob("big@*.staged")), "the publish to start writing", interval=0.002
     )
-    writing = [p for p in serve.staging.glob("big@*/model/1/package/weights.bin")]
+    writing = [p for p in serve.staging.glob("big@*.staged/1/package/weights.bin")]
     children = await asyncio.to_thread(serve.kill9)
     publisher.join(60)
     sizes = [p.stat().st_size for p in writing if p.exists()]
