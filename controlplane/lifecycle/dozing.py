@@ -4,10 +4,10 @@ A loaded model whose code runs in a preforked worker (``worker = "preforked"``) 
 without a request (with ``keep_alive = "adaptive"``, after the time its policy learned from its idle times, once it
 has seen enough of them: ``AdaptiveKeepAlive.doze_after``): each of its stubs is asked (``StubControl.doze``) to
 end its worker, whose memory (and VRAM) goes back to the OS, while the stub lives on and Triton keeps the model
-READY. Its next request goes the warm
-path to the stub, which forks a fresh worker from the preloaded parent and runs ``load()`` there first; the
-control plane is not on that path, and hears of the wake at its next sweep (the stub's worker note names a live
-worker again). ``idle_timeout_secs`` keeps its meaning: the keep-alive unloads the model after it, dozing or not.
+READY. Its next request goes the warm path to the stub, which forks a fresh worker from the preloaded parent and
+runs ``load()`` there first; the control plane is not on that path, and hears of the wake at its next sweep, or
+before it admits a load (``hear_dozing``), whichever comes first (the stub's worker note names a live worker again).
+``idle_timeout_secs`` keeps its meaning: the keep-alive unloads the model after it, dozing or not.
 
 A preforked ONNX model (the python backend's onnxruntime runner) dozes alike. Other models cannot doze: an in-stub
 model's memory is the stub's own (a Python process does not give a freed heap back to the OS, and a framework's
@@ -18,7 +18,8 @@ Under memory pressure an eviction dozes an awake model that can doze before it u
 victim already dozing is unloaded. Accounting: a dozing model is charged what its stubs hold (their PSS, read when
 it dozes and at each sweep); what it held awake is kept, so that a wake or a later load is estimated at its full
 size. A wake is not admitted by the budget (it happens inside a request, in the stub): the next sweep measures it,
-and the budget's enforcement evicts if it no longer fits. An ensemble's request wakes all its dozing steps at once,
+and the budget's enforcement evicts if it no longer fits; a load admitted before that sweep is admitted against what
+the woken model holds (admission hears the wakes first). An ensemble's request wakes all its dozing steps at once,
 so where the control plane is on its path (the ensemble's own wake) it admits each step's wake first
 (``RequestPath.wake_step``): the tree holds the budget plus one model at most either way. A model found dozing at
 adoption (a restarted control plane) is recorded so; the load it was measured at learns no growth
