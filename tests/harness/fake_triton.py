@@ -175,6 +175,11 @@ class FakeTriton:
         self.growth: dict[str, int] = {}  # model -> bytes each of its stubs grows by at its first request
         self.peak = 0  # the most bytes the tree held at once: the server and the stubs (each from its start)
         self.largest = 0  # the most bytes one model's stubs held
+        # While the lifecycle is paused (``unenforced``) no sweep hears a wake from doze nor enforces the budget after
+        # it: what such wakes added (``woken_unenforced``) is allowed over the budget (the product pauses only with
+        # its gateway gated and drained, snapshot.py: no request reaches a stub then)
+        self.unenforced = False
+        self.woken_unenforced = 0
         self.overlaps: list[str] = []  # a second load of a model while one runs: two transitions at once
         # (ensemble, its steps that were not loaded) at each ensemble load that met one: the world judges whether
         # the lifecycle should have loaded them first (a published step: the real Triton would load it behind it)
@@ -500,6 +505,8 @@ class FakeTriton:
     async def _wake(self, stub: Stub) -> None:
         """A dozing stub's batch forks a worker and loads the model first (``FakeStubControl``)."""
         if stub.awake_memory is not None and stub.alive:
+            if self.unenforced:
+                self.woken_unenforced += max(stub.awake_memory - stub.memory, 0)
             stub.memory, stub.awake_memory = stub.awake_memory, None
             stub.wakes += 1
             stub.woke_at = asyncio.get_running_loop().time()

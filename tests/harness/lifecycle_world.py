@@ -575,6 +575,7 @@ class LifecycleWorld:
     async def pause(self) -> None:
         if self.paused_since is None:
             self.paused_since = self.now
+            self.triton.unenforced = True
             self._start("pause", "*", self._api(self._pause()), self._api_bound())
         await asyncio.sleep(0)
 
@@ -585,6 +586,7 @@ class LifecycleWorld:
     async def resume(self) -> None:
         if self.paused_since is not None:
             self.manager.resume()
+            self.triton.unenforced = False
             self.paused_secs += self.now - self.paused_since
             self.paused_since = None
             self.resumed_at = self.now
@@ -773,10 +775,14 @@ class LifecycleWorld:
             and all(m.state != "UNLOADING" for m in self.triton.models.values())
         )
         budget = self.manager.budget.budget_mb  # the setting, else the cgroup's limit less its headroom
-        if budget is not None and self.triton.peak > budget * MIB + self.triton.largest:
+        # and wakes from doze while the lifecycle was paused: no sweep enforces the budget after them (dozing machine
+        # seed 3954049102: two models woken by requests straight to Triton during a pause, 530 MiB of 300 + 200)
+        unenforced = self.triton.woken_unenforced
+        if budget is not None and self.triton.peak > budget * MIB + self.triton.largest + unenforced:
             problems.append(
                 f"Triton's tree held {self.triton.peak / MIB:.0f} MiB at its peak, over the budget plus one model "
-                f"({budget:g} + {self.triton.largest / MIB:.0f} MiB)"
+                f"({budget:g} + {self.triton.largest / MIB:.0f} MiB"
+                + (f", and {unenforced / MIB:.0f} MiB woken from doze while paused)" if unenforced else ")")
             )
         if quiet and budget is not None and not self._woken_beside_models_in_use(records):
             used = self.triton.server_bytes() + sum(holding.values())

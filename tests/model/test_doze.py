@@ -492,3 +492,30 @@ def test_a_wake_heard_by_admission_is_charged_in_the_same_step_the_record_hears_
     s(w.doze("m1"), 0.05)
     s(w.request("m0", 2.0), 0.3)
     s(w.request("e0", 0.3), 0.0)  # the world checks each model's charge against its stubs at each step
+
+
+def test_wakes_from_doze_while_paused_are_enforced_once_the_lifecycle_resumes(world):
+    """Found by the dozing machine (seed 3954049102): during a pause, requests straight to Triton woke m1 and m0 from
+    doze, 530 MiB against a budget of 300 (no sweep runs while paused, and none admits a warm-path wake; the product
+    pauses only with its gateway gated and drained). Once the lifecycle resumes, its next sweep hears the wakes and
+    evicts back within the budget."""
+    s, w = world.step, world
+    s(w.publish("m2", 60, 1, "preforked"), 0.05)
+    s(w.publish("m1", 60, 1, "preforked"), 0.0)
+    s(w.burst("m2", 8), 0.3)
+    s(w.publish("m0", 100, 2, "preforked"), 0.3)
+    s(w.api_load("m1", 2), 0.01)
+    s(w.publish("m3", 150, 1, "in-stub"), 0.05)
+    s(w.request("m0", 0.3), 0.01)
+    s(w.burst("m3", 9), 0.05)
+    s(w.pause(), 0.01)
+    s(w.republish_while_waiting("m1", "hang", 2), 1.0)
+    s(w.burst("m0", 9), 1.0)
+    assert world.triton.peak > BUDGET_MB * MIB  # woken while paused: nothing enforced
+    s(w.resume(), 0.0)
+    s(w.tick(3.0), 1.0)
+
+    def used() -> int:
+        return world.triton.server_bytes() + sum(world.triton.holding().values())
+
+    assert used() <= BUDGET_MB * MIB, used() / MIB
