@@ -96,6 +96,12 @@ class Settings(BaseSettings):
         description="Loads running at once where no GPU is present (each reserves its memory in the budget first); "
         "on a machine with a GPU loads run one at a time (their GPU memory is measured as what each load added)",
     )
+    publish_helper_from: int = Field(
+        300,
+        ge=0,
+        description="`serve --models` with at least this many packages to write starts a second process that "
+        "renders and writes model folders beside the control plane, which commits each (0: never)",
+    )
     fast_unload: bool = Field(
         True,
         description="Where Triton's processes can be seen, end an unloaded python model's processes as soon as "

@@ -242,7 +242,14 @@ class ServingStack:
                 asyncio.run_coroutine_threadsafe(lifecycle.published(model_id), loop)
 
         work = asyncio.create_task(
-            asyncio.to_thread(publish_all, self.store, self.publishing, say=say, on_published=republished)
+            asyncio.to_thread(
+                publish_all,
+                self.store,
+                self.publishing,
+                say=say,
+                on_published=republished,
+                helper_from=self.settings.publish_helper_from or sys.maxsize,
+            )
         )
         while not work.done():
             await asyncio.wait({work}, timeout=PROGRESS_SECS)

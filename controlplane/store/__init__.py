@@ -99,6 +99,18 @@ def render_repository(specs: Iterable[ModelSpec], repo: Path, target: TritonTarg
     return [write_model(r, repo) for r in rendered]
 
 
+def stage_published(spec: ModelSpec, repository: Path, target: TritonTarget, *, source_hash: str = "") -> Path:
+    """Render the model (validating everything) and write its folder whole in the staging root; the staged folder,
+    for ``ModelStore.commit``. Needs no store: a publishing helper process stages too (``store.stager``)."""
+    rendered = render_model(spec, target)
+    # what the config's warm-up is, kept in the record: a listing of thousands of models reads no config
+    config = rendered.writes.get("config.pbtxt")
+    record = {"warmup_source": plan_source(config.decode("utf-8")) or ""} if config is not None else {}
+    if source_hash:
+        record["source_hash"] = source_hash
+    return stage_model(rendered, repository, record)
+
+
 class ModelStore:
     """Publish, list and delete models in one repository; writes are serialised per store."""
 
@@ -285,19 +297,17 @@ class ModelStore:
     def publish(self, spec: ModelSpec, *, source_hash: str = "") -> PublishedModel:
         """Render (validating everything) and move the model folder into place in one rename. ``source_hash``: the
         content hash of the package it came from, kept in its record (a restart adopts an unchanged one)."""
-        rendered = render_model(spec, self.target)
-        # what the config's warm-up is, kept in the record: a listing of thousands of models reads no config
-        config = rendered.writes.get("config.pbtxt")
-        record = {"warmup_source": plan_source(config.decode("utf-8")) or ""} if config is not None else {}
-        if source_hash:
-            record["source_hash"] = source_hash
         # written whole outside the locks (publishes in parallel overlap their file writes), moved in under them
-        staged = stage_model(rendered, self.repository, record)
+        return self.commit(stage_published(spec, self.repository, self.target, source_hash=source_hash), spec.id)
+
+    def commit(self, staged: Path, model_id: str) -> PublishedModel:
+        """Move a model folder staged by ``stage_published`` (here, or in a publishing helper process) into place,
+        under the locks; the staged folder goes whatever happens."""
         committing = False
         try:
             with self._lock, repository_lock(self.repository):
                 committing = True  # the commit removes the staging folder, whatever happens
-                folder = commit_model(staged, self.repository, spec.id)
+                folder = commit_model(staged, self.repository, model_id)
                 return self._note(folder)
         finally:
             if not committing:  # taking the locks failed (or was interrupted): the staged folder goes

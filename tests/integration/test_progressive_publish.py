@@ -1,6 +1,7 @@
 """`serve --models` with many packages: the gateway and the API are live before every package is published; a
 request for a model still waiting is answered once it is (published first), never with a bare 404; a restart with
-the work dir kept writes nothing for unchanged packages. Both topologies."""
+the work dir kept writes nothing for unchanged packages. Both topologies; the embedded one publishes with a helper
+process (``controlplane.store.stager``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ HEADERS = {"X-API-Key": ADMIN_KEY}
 def _serve(root: Path, models: Path, topology: str) -> Serve:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SNOOZE_")}
     env.update(SNOOZE_ADMIN_KEYS=json.dumps([ADMIN_KEY]), SNOOZE_API_KEYS=json.dumps([API_KEY]))
+    # the embedded stack publishes with a helper process (it starts from 300 packages by default), the other without
+    env.update(SNOOZE_PUBLISH_HELPER_FROM="1" if topology == "embedded" else "0")
     return Serve(root / "work", env, models=models, admin_key=ADMIN_KEY, topology=topology)
 
 
@@ -50,6 +53,8 @@ def test_live_before_publishing_ends_and_a_restart_adopts_every_package(tmp_path
         )
         r = httpx.get(f"{serve.api_url}/v1/models", headers=HEADERS, params={"limit": 50}, timeout=30)
         assert r.headers["X-Total-Count"] == str(PACKAGES) and len(r.json()) == 50
+        helped = "publishing with a helper process" in serve.log.read_text(errors="replace")
+        assert helped == (topology == "embedded")
         serve.stop()
 
         serve.start(timeout=180)  # the work dir kept: nothing to write
