@@ -767,9 +767,15 @@ class LifecycleWorld:
                     )
         # memory in flux while Triton unloads something is not judged (left undone: a model whose unload hangs
         # across a restart of this control plane is counted only once a sweep sees it again)
-        # nor while a wake from doze is unheard (Triton's side: the next sweep measures it and enforces the budget)
+        # nor while a wake from doze is unheard (Triton's side: the next sweep measures it and enforces the budget),
+        # nor while the lifecycle is paused or its first sweep after has not run: no sweep enforces the budget then
+        # (plain machine seed 2028529355: a publish during a pause met a reload in flight, which Triton then built
+        # from the new files at 200 MiB against the 60 it was admitted for; the load's own enforcement evicted the
+        # idle model it could and left the model just loaded, and the one left was held by a stream)
+        swept = self.paused_since is None and self.now - self.resumed_at > 2 * self.settings.sweep_interval_secs + 1
         quiet = (
-            all(r.op is None for r in records.values())
+            swept
+            and all(r.op is None for r in records.values())
             and not any(self._woke_unheard(r) for r in records.values())
             and not any(self.triton.loads_in_flight.values())
             and all(m.state != "UNLOADING" for m in self.triton.models.values())

@@ -10,6 +10,7 @@ import pytest
 from controlplane.errors import NotFoundError
 from controlplane.lifecycle.state import ModelState
 from controlplane.store import PublishedModel
+from harness.fake_triton import MIB
 from harness.lifecycle_world import CANCEL_BOUND
 
 
@@ -868,3 +869,48 @@ def test_a_change_of_instances_that_a_republish_overtakes_is_not_loaded_from_the
     s(w.publish("m0", 150, 1), 1.0)
     s(w.tick(7.0), 0.0)
     assert sum(world.triton.holding().values()) <= world.settings.memory_budget_mb * 2**20  # the step checks it too
+
+
+def test_a_load_that_met_a_publish_during_a_pause_is_brought_within_the_budget_once_resumed(world):
+    """Found by the machine (seed 2028529355): a publish during a pause (m1 at 100 MiB, two instances) met a reload
+    in flight for the version another node had published (60 MiB), which Triton then built from the new files: 200
+    MiB against the 60 it was admitted for. The load's own enforcement evicted the idle model it could; the other was
+    held by a stream, and no sweep runs while paused. Once the lifecycle resumes, its next sweep evicts back within
+    the budget."""
+    s, w = world.step, world
+    s(w.publish("m3", 100, 1), 1.0)
+    s(w.hold("m1"), 1.0)
+    s(w.remote_publish("m1", 60), 1.0)
+    s(w.hold("m1"), 0.0)
+    s(w.publish("m2", 60, 2), 0.01)
+    s(w.remote_publish("m1", 60), 0.3)
+    s(w.tick(0.5), 0.0)
+    s(w.tick(3.0), 0.01)
+    s(w.hold("m2"), 0.05)
+    s(w.republish_while_waiting("m2", "hang", 1), 0.01)
+    s(w.unload_hang("m1"), 0.3)
+    s(w.hold("m2"), 0.0)
+    s(w.api_load("m2", 2), 0.05)
+    s(w.release(), 0.05)
+    s(w.publish_ensemble_api(("m0", "m1"), 20), 0.3)
+    s(w.release(), 0.3)
+    s(w.republish_while_waiting("m3", "ok", 2), 0.05)
+    s(w.api_unload("m0"), 0.01)
+    s(w.request("m2", 0.3), 0.01)
+    s(w.request("m0", 0.3), 0.05)
+    s(w.remote_publish("m1", 60), 1.0)
+    s(w.pause(), 0.05)
+    s(w.publish("m1", 100, 2), 0.0)
+    s(w.delete("e0"), 1.0)
+    s(w.tick(1.0), 1.0)
+    s(w.request("m0", None), 0.3)
+    s(w.tick(0.1), 1.0)
+
+    def used() -> int:
+        return world.triton.server_bytes() + sum(world.triton.holding().values())
+
+    budget = world.manager.budget.budget_mb * MIB
+    assert used() > budget  # as found: nothing enforced while paused
+    s(w.resume(), 0.0)
+    s(w.tick(3.0), 1.0)
+    assert used() <= budget, used() / MIB
