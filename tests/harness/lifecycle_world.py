@@ -255,6 +255,8 @@ class LifecycleWorld:
         try:
             if self.paused_since is not None:
                 self.step(self.resume())
+                # the budget is judged once the first sweep after the pause has had time to enforce it
+                self.step(self.tick(0.0), 2 * self.settings.sweep_interval_secs + 1.5)
             self.run(self._settle_calls())
             self.run(self._release_all())
             self.check()
