@@ -21,9 +21,11 @@ size. A wake is not admitted by the budget (it happens inside a request, in the 
 and the budget's enforcement evicts if it no longer fits; a load admitted before that sweep is admitted against what
 the woken model holds (admission hears the wakes first). An ensemble's request wakes all its dozing steps at once,
 so where the control plane is on its path (the ensemble's own wake) it admits each step's wake first
-(``RequestPath.wake_step``): the tree holds the budget plus one model at most either way. A model found dozing at
-adoption (a restarted control plane) is recorded so; the load it was measured at learns no growth
-(``loading.UNKNOWN_LOAD_PRIVATE``).
+(``RequestPath.wake_step``). Not bounded: requests straight to several dozing models within one sweep interval wake
+them all unadmitted, and the tree holds the budget plus those wakes until the next sweep evicts (dozing machine seed
+2526912484: three wakes, 630 MiB against 300 plus one model of 300; a stub that asked the control plane before its
+fork would close it). A model found dozing at adoption (a restarted control plane) is recorded so; the load it was
+measured at learns no growth (``loading.UNKNOWN_LOAD_PRIVATE``).
 """
 
 from __future__ import annotations
