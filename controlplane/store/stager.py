@@ -53,20 +53,28 @@ _LENGTH = struct.Struct("!I")
 
 def _send(stream: IO[bytes], message: object) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_LENGTH.pack(len(data)) + data)
+    view = memoryview(_LENGTH.pack(len(data)) + data)
+    while view:  # an unbuffered pipe may take part of it
+        written = stream.write(view)
+        view = view[written if written is not None else len(view) :]
     stream.flush()
+
+
+def _read_exactly(stream: IO[bytes], size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = stream.read(left)  # an unbuffered pipe returns what is there, at most ``left``
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _receive(stream: IO[bytes]) -> Any:
     """The next message, or EOFError at the end of the stream."""
-    head = stream.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
-        raise EOFError
-    size = _LENGTH.unpack(head)[0]
-    data = stream.read(size)
-    if len(data) < size:
-        raise EOFError
-    return pickle.loads(data)  # noqa: S301 (this module's own messages, from the process it started)
+    size = _LENGTH.unpack(_read_exactly(stream, _LENGTH.size))[0]
+    return pickle.loads(_read_exactly(stream, size))  # noqa: S301 (this module's own messages, from its own child)
 
 
 class StagerGone(Exception):
@@ -90,12 +98,15 @@ class Stager:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         try:
             # fork and exec at once (the parent's thread pools are not copied into a running child)
+            # unbuffered: ``ready`` asks the pipe itself, so no answer may wait in a buffer of this process (one that
+            # did would be read only once another came, and the last ones after ANSWER_SECS)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "controlplane.store.stager"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 env=env,
                 close_fds=True,
+                bufsize=0,
             )
             assert proc.stdin is not None
             _send(proc.stdin, (str(repository), target))

@@ -162,3 +162,28 @@ def test_a_run_stopped_midway_ends_its_helper_and_leaves_no_staged_folder(tmp_pa
     assert sorted(p.name for p in store.repository.iterdir()) == store.ids()  # each one whole
     assert _staged_left(store.repository) == []
     assert not any(os.path.exists(f"/proc/{pid}") for pid in submits.pids)
+
+
+def test_answers_that_arrived_together_are_each_taken_without_waiting(tmp_path: Path, monkeypatch) -> None:
+    """The helper's answers are read from the pipe itself: answers that came in together are not left in a buffer of
+    the control plane, where ``ready`` would not see them and ``take`` would wait ``ANSWER_SECS`` for the last."""
+    monkeypatch.setattr(stager, "ANSWER_SECS", 2.0)
+    deployments = _packages(tmp_path / "packages", stager.DEPTH)
+    store = ModelStore(tmp_path / "repo", embedded_target())
+    helper = stager.Stager.start(store.repository, store.target)
+    assert helper is not None
+    try:
+        for deployment in deployments:
+            helper.submit(deployment, "digest")
+        deadline = time.monotonic() + 60
+        while len(list(staging_root(store.repository).glob("*.staged"))) < len(deployments):
+            assert time.monotonic() < deadline, "the helper staged nothing"
+            time.sleep(0.05)
+        time.sleep(0.5)  # every answer written into the pipe
+        started = time.monotonic()
+        taken = [helper.take() for _ in deployments]
+        assert time.monotonic() - started < 1.0
+        assert [d.id for d, staged, failed in taken] == [d.id for d in deployments]
+        assert all(staged is not None and staged.is_dir() and failed is None for _, staged, failed in taken)
+    finally:
+        helper.close()
