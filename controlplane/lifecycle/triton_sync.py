@@ -336,10 +336,15 @@ class TritonSync:
 
     async def _note_unrecorded(self, entries: dict[str, RepositoryEntry]) -> None:
         """What Triton holds for models without a record (deleted by another node while loaded here, or before
-        this control plane started): the memory budget counts it until the sweep has unloaded them."""
+        this control plane started): the memory budget counts it until the sweep has unloaded them. And what it
+        still unloads for a record that counts nothing and that a transition kept this pass from marking (an unload
+        that hung before a restart, under a load of the model published again: dozing machine seed 1330313060, the
+        load refused for memory, the record FAILED and the old instances counted nowhere until the next read)."""
         held = {}
         for name, entry in entries.items():
-            if entry.state in BUSY_STATES and name not in self.states.records:
+            rec = self.states.records.get(name)
+            unloading = entry.state == "UNLOADING" and rec is not None and rec.op is not None
+            if entry.state in BUSY_STATES and (rec is None or (unloading and not rec.holds_memory)):
                 stubs = await asyncio.to_thread(self.processes.stubs, name)
                 held[name] = await asyncio.to_thread(self.processes.memory, stubs)
         self.budget.unrecorded = held

@@ -734,7 +734,7 @@ class LifecycleWorld:
             since = max(self.changed.get(model, -1e9), self.resumed_at)
             recent = self.paused_since is not None or self.now - since < 2 * self.settings.sweep_interval_secs + 1
             orphan = (rec is None and not self.store.exists(model)) or (recent and (rec is None or not rec.loaded))
-            uncounted = rec is None or not rec.holds_memory
+            uncounted = (rec is None or not rec.holds_memory) and model not in m.budget.unrecorded
             if model in holding and uncounted and not orphan and not (leaving and rec is None):
                 state = rec.state.value if rec is not None else "no record"
                 where = self.triton.models[model].state
