@@ -139,6 +139,9 @@ async def test_killed_during_a_publish_leaves_no_half_written_model(serve_factor
     children = await asyncio.to_thread(serve.kill9)
     publisher.join(60)
     sizes = [p.stat().st_size for p in writing if p.exists()]
+    # the new version's weights in a staged folder the kill left: it was not committed (after a commit the staged
+    # folder holds the version it replaced, which has no weights file)
+    uncommitted = any(serve.staging.glob("big@*.staged/1/package/weights.bin"))
     await assert_children_gone([c for c in children if c.name() != "triton_python_backend_stub"], "the servers")
     leftovers = sorted(p.name for p in serve.staging.iterdir() if p.is_dir())
 
@@ -154,10 +157,15 @@ async def test_killed_during_a_publish_leaves_no_half_written_model(serve_factor
         staging_leftovers_after_restart=len([p for p in serve.staging.iterdir() if p.is_dir()]),
         models=sorted(listed),
         big_max_batch_size=listed["big"]["max_batch_size"],
+        new_version_left_staged=uncommitted,
     )
     assert outcome.get("response") != 201, "the publish finished before the kill: make the package bigger"
     assert sorted(listed) == ["big", "keep-a", "keep-b"] == ids
-    assert listed["big"]["max_batch_size"] == 4  # the previous version, whole
+    # one version, whole: the previous one, or the new one where the kill came after its commit but before the
+    # answer (a loaded machine delays the kill: seen once in a fresh clone's run)
+    assert listed["big"]["max_batch_size"] in (2, 4)
+    if uncommitted or sizes:
+        assert listed["big"]["max_batch_size"] == 4  # the kill met the new version being written
     assert all(not p.name.startswith(".") for p in serve.repository.iterdir())  # staging lives outside
     assert [p for p in serve.staging.iterdir() if p.is_dir()] == []  # a killed publish's staging is removed
 
