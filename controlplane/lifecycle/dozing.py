@@ -114,13 +114,13 @@ class Dozing:
     # ------------------------------------------------------------------ the sweep's pass
 
     async def hear(self, records: Iterable[ModelRecord]) -> None:
-        """The sweep's first step: wakes of dozing models, heard and measured before the budget is checked."""
+        """The sweep's first step: wakes of dozing models, heard and measured before the budget is checked; then
+        the models adopted while they dozed."""
+        records = list(records)
+        await self.hear_dozing(records)
         for rec in records:
-            if rec.op is not None or rec.state is not ModelState.READY:
-                continue
-            if rec.doze.dozing:
-                await self.hear_wakes(rec)
-            elif rec.doze.checked != rec.generation and self._preforked(rec):
+            idle = rec.op is None and rec.state is ModelState.READY and not rec.doze.dozing
+            if idle and rec.doze.checked != rec.generation and self._preforked(rec):
                 await self._find_dozing(rec)
 
     async def _find_dozing(self, rec: ModelRecord) -> None:
@@ -173,24 +173,17 @@ class Dozing:
         log.info("model '%s': dozing (%d of %d stubs; its workers ended)", rec.id, len(dozed), len(rec.procs.stubs))
         return True
 
-    async def hear_wakes(self, rec: ModelRecord) -> int:
-        """Stubs of a dozing model that a request woke since (their note names a live worker again): counted as
-        wakes from doze with the stub's own wake time; how many."""
-        generation = rec.generation
-        dozing = [s for s in rec.procs.stubs if _key(s) in rec.doze.stubs]
-        woke = await asyncio.to_thread(lambda: [self.control.woke(s) for s in dozing])
-        return await self._woke(rec, generation, list(zip(dozing, woke, strict=True)))
-
-    async def hear_dozing(self) -> None:
-        """The wakes of every dozing model, their notes read in one pass: what admission hears before it admits a
-        load. A wake on the warm path is not admitted, and until the next sweep a dozing model is charged its
-        stubs alone: a load admitted against that charge went ahead beside a model woken to its full size, the
-        budget plus two models (dozing machine seed 2526912484: woken to 300 MiB, charged 40, a load of 150
-        beside it)."""
+    async def hear_dozing(self, records: Iterable[ModelRecord] | None = None) -> None:
+        """Stubs of dozing models (``records``, else every loaded one) that a request woke since (their note names a
+        live worker again), their notes read in one pass: counted as wakes from doze with the stub's own wake time,
+        and measured. The sweep hears them first, and admission before it admits a load: a wake on the warm path is
+        not admitted, and until it is heard a dozing model is charged its stubs alone (a load admitted against that
+        charge went ahead beside a model woken to its full size, the budget plus two models: dozing machine seed
+        2526912484, woken to 300 MiB, charged 40, a load of 150 beside it)."""
         ready = ModelState.READY
         heard = [
             (rec, rec.generation, s)
-            for rec in self.states.loaded()
+            for rec in (self.states.loaded() if records is None else records)
             if rec.op is None and rec.state is ready and rec.doze.dozing
             for s in rec.procs.stubs
             if _key(s) in rec.doze.stubs
@@ -205,21 +198,21 @@ class Dozing:
         for rec, generation, stubs in found.values():
             await self._woke(rec, generation, stubs)
 
-    async def _woke(self, rec: ModelRecord, generation: int, read: list[tuple[StubProcess, Wake | None]]) -> int:
+    async def _woke(self, rec: ModelRecord, generation: int, read: list[tuple[StubProcess, Wake | None]]) -> None:
         """Counted and measured: the stubs read as woken (``read``) that its record still has dozing (the sweep and
         an admission may both read one wake: it is counted once). Its memory is read first and the record changed in
         one step after it: a record that no longer lists a woken stub dozing is charged what it holds (a check
         between the two saw a model heard awake but charged its doze, dozing machine seed 748220775)."""
         if rec.generation != generation or not rec.doze.dozing:
-            return 0
+            return
         if not any(w is not None and _key(s) in rec.doze.stubs for s, w in read):
-            return 0
+            return
         measured = await self._read_memory(rec)
         if rec.generation != generation or not rec.doze.dozing:
-            return 0
+            return
         awake = [(s, w) for s, w in read if w is not None and _key(s) in rec.doze.stubs]
         if not awake:
-            return 0  # heard meanwhile by the other reader
+            return  # heard meanwhile by the other reader
         for _, wake in awake:
             self.metrics.wakes.labels(model=rec.id, origin="doze").inc()
             if wake.secs is not None:
@@ -236,7 +229,6 @@ class Dozing:
         # a request woke it: its access is read now, before the budget picks what to evict
         if served := await self.readings.refresh_access(rec):
             self.budget.accessed(rec, served)
-        return len(awake)
 
     def doze_first(self, unload: EvictFn) -> EvictFn:
         """The evictions the budgets plan (``memory.plan.carry_out``), dozing an awake victim that can doze instead

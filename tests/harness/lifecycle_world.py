@@ -681,7 +681,7 @@ class LifecycleWorld:
 
     def _woke_unheard(self, rec: ModelRecord) -> bool:
         """A stub that a batch woke while the record lists it dozing (the control plane is not on the warm path: it
-        hears and measures a wake at its next sweep, ``Dozing.hear_wakes``); or a model with stubs that doze or dozed
+        hears and measures a wake at its next sweep, ``Dozing.hear_dozing``); or a model with stubs that doze or dozed
         whose record of the doze a state change ended since (a reload in place, failed or not): the next sweep asks
         its stubs again and measures them (``Dozing._find_dozing``); or a wake the sweep still running heard (it
         enforces the budget after hearing: judged at its end, dozing machine seed 3024910981)."""
