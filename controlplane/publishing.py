@@ -25,9 +25,9 @@ from typing import Any
 from rich.markup import escape
 
 from controlplane.errors import SnoozeError
-from controlplane.spec import DeploymentSpec, resolve
-from controlplane.store import ModelStore, stage_published
-from controlplane.store.stager import HELPER_FROM, Stager, StagerGone
+from controlplane.spec import DeploymentSpec
+from controlplane.store import ModelStore
+from controlplane.store.stager import HELPER_FROM, Stager, StagerGone, refusal, stage
 from controlplane.store.transactions import recover_staging
 
 log = logging.getLogger("snoozeml.publishing")
@@ -255,21 +255,17 @@ class _Run:
                 except StagerGone as e:
                     self.gone(str(e))
                 return
-            store = self.store
-            staged = stage_published(resolve(deployment), store.repository, store.target, source_hash=digest)
+            staged = stage(deployment, self.store.repository, self.store.target, digest)
         except (SnoozeError, OSError) as exc:
-            self.refused(deployment.id, exc)
+            self.refused(deployment.id, refusal(exc))
             return
         finally:
             self.answers(wait=False)
         self.commit(deployment, staged)
 
-    def refused(self, model_id: str, exc: SnoozeError | OSError | tuple[str, str | None]) -> None:
-        """One broken package must not keep the others from being served: say why it is refused and go on."""
-        if isinstance(exc, tuple):
-            message, hint = exc
-        else:
-            message, hint = (exc.message, exc.hint) if isinstance(exc, SnoozeError) else (str(exc), None)
+    def refused(self, model_id: str, why: tuple[str, str | None]) -> None:
+        """One broken package must not keep the others from being served: say why (message, hint) and go on."""
+        message, hint = why
         self.progress.note(model_id, failed=f"{message} (fix: {hint})" if hint else message)
         self.say(f"[red]refused {model_id}:[/] {escape(message)}{escape(f' (fix: {hint})' if hint else '')}")
 
@@ -277,7 +273,7 @@ class _Run:
         try:
             published = self.store.commit(staged, deployment.id)
         except (SnoozeError, OSError) as exc:
-            self.refused(deployment.id, exc)
+            self.refused(deployment.id, refusal(exc))
             return
         self.progress.note(deployment.id)
         if self.progress.total <= SAY_EACH_UNDER:

@@ -77,6 +77,19 @@ def _receive(stream: IO[bytes]) -> Any:
     return pickle.loads(_read_exactly(stream, size))  # noqa: S301 (this module's own messages, from its own child)
 
 
+def stage(deployment: DeploymentSpec, repository: Path, target: TritonTarget, digest: str) -> Path:
+    """Resolve and stage one package (``store.stage_published``): what the helper does, and the control plane with
+    the packages it keeps."""
+    from controlplane.store import stage_published
+
+    return stage_published(resolve(deployment), repository, target, source_hash=digest)
+
+
+def refusal(exc: SnoozeError | OSError) -> tuple[str, str | None]:
+    """Why a package was refused: (message, hint)."""
+    return (exc.message, exc.hint) if isinstance(exc, SnoozeError) else (str(exc), None)
+
+
 class StagerGone(Exception):
     """The helper died or stopped answering: the deployments it held go back to the control plane."""
 
@@ -164,8 +177,6 @@ class Stager:
 
 def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     """The helper's loop: stage each package it is given, answer in order; until its stdin ends."""
-    from controlplane.store import stage_published
-
     repository, target = _receive(stdin)
     repo = Path(repository)
     while True:
@@ -175,12 +186,13 @@ def _serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
             return
         started = time.monotonic()
         try:
-            staged = stage_published(resolve(deployment), repo, target, source_hash=digest)
-            answer: tuple[str, str | None, tuple[str, str | None] | None] = (deployment.id, str(staged), None)
-        except SnoozeError as e:
-            answer = (deployment.id, None, (e.message, e.hint))
-        except OSError as e:
-            answer = (deployment.id, None, (str(e), None))
+            answer: tuple[str, str | None, tuple[str, str | None] | None] = (
+                deployment.id,
+                str(stage(deployment, repo, target, digest)),
+                None,
+            )
+        except (SnoozeError, OSError) as e:
+            answer = (deployment.id, None, refusal(e))
         log.debug("staged '%s' in %.1f ms", deployment.id, 1000 * (time.monotonic() - started))
         _send(stdout, answer)
 

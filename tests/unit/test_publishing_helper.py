@@ -82,7 +82,7 @@ def test_a_helper_that_dies_mid_run_leaves_its_packages_to_the_control_plane(tmp
     store = ModelStore(tmp_path / "repo", embedded_target())
     submits = Submits(monkeypatch)
     killed: list[int] = []
-    real_stage = publishing.stage_published
+    real_stage = publishing.stage
 
     def stage(*args, **kwargs):  # the control plane's own next package, once the helper has answered
         helper = submits.helper
@@ -95,7 +95,7 @@ def test_a_helper_that_dies_mid_run_leaves_its_packages_to_the_control_plane(tmp
             killed.append(helper.proc.pid)
         return real_stage(*args, **kwargs)
 
-    monkeypatch.setattr(publishing, "stage_published", stage)
+    monkeypatch.setattr(publishing, "stage", stage)
     progress = Publishing()
     progress.plan(deployments)
     with caplog.at_level(logging.WARNING, logger="snoozeml.publishing"):
