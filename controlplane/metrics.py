@@ -94,6 +94,13 @@ class SnoozeMetrics:
             ["model", "origin"],
             registry=r,
         )
+        self.doze_wake_rooms = Counter(
+            "snooze_doze_wake_rooms",
+            "Wakes from doze whose stub asked room before it forked, by outcome: room (made or there), over_budget "
+            "(memory held by models in use: it went ahead), unasked (the record had it awake, or the lifecycle paused)",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.wake_seconds = Histogram(
             "snooze_wake_seconds",
             "How long a wake took, by origin: from doze the stub's fork and load(), from unloaded the Triton load",

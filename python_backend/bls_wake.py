@@ -108,23 +108,17 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def wake(callee: str, caller: str, bound_secs: float, path: str | None = None) -> None:
-    """Ask the control plane to wake ``callee`` and return once it is READY; ``WakeFailed`` says why not."""
+def post(route: str, payload: dict[str, Any], bound_secs: float, path: str | None = None) -> tuple[int, bytes]:
+    """POST ``payload`` (JSON) to the control plane's ``route`` on its unix socket: the answer's status and body.
+    ``WakeFailed`` when it cannot be reached or does not answer within ``bound_secs``."""
     path = path or socket_path()
-    bound_secs = max(bound_secs, MIN_WAKE_SECS)
     if path is None:
-        raise WakeFailed(f"this Triton has no {JOURNAL_ENV}, so snoozeml's control plane cannot be asked to wake it")
-    body = json.dumps({"caller": caller, "timeout_secs": bound_secs * _WAKE_SHARE}).encode()
+        raise WakeFailed(f"this Triton has no {JOURNAL_ENV}, so snoozeml's control plane cannot be asked")
     conn = _UnixConnection(path, timeout=bound_secs)
     try:
-        conn.request(
-            "POST",
-            WAKE_PATH + urllib.parse.quote(callee, safe=""),
-            body=body,
-            headers={"Content-Type": "application/json"},
-        )
+        conn.request("POST", route, body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
         response = conn.getresponse()
-        raw = response.read()
+        return response.status, response.read()
     except FileNotFoundError:
         raise WakeFailed(f"no snoozeml control plane listens at {path} (it is not running here)") from None
     except ConnectionRefusedError:
@@ -135,9 +129,15 @@ def wake(callee: str, caller: str, bound_secs: float, path: str | None = None) -
         raise WakeFailed(f"the snoozeml control plane at {path} could not be reached: {e}") from None
     finally:
         conn.close()
-    if response.status == 200:
-        return
-    raise WakeFailed(_reason(response.status, raw))
+
+
+def wake(callee: str, caller: str, bound_secs: float, path: str | None = None) -> None:
+    """Ask the control plane to wake ``callee`` and return once it is READY; ``WakeFailed`` says why not."""
+    bound_secs = max(bound_secs, MIN_WAKE_SECS)
+    payload = {"caller": caller, "timeout_secs": bound_secs * _WAKE_SHARE}
+    status, raw = post(WAKE_PATH + urllib.parse.quote(callee, safe=""), payload, bound_secs, path)
+    if status != 200:
+        raise WakeFailed(_reason(status, raw))
 
 
 def _reason(status: int, raw: bytes) -> str:

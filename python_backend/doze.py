@@ -12,7 +12,8 @@ ask        answer (JSON)
 =========  ==========================================================================================
 ``doze``   ``{"dozed": true, "worker": pid, "secs": s}``; ``{"dozed": false, "why": ...}`` when a batch is running
            (``busy``: asked again later), it dozes already, or its model runs in the stub
-``state``  ``{"dozing": bool, "wakes": n, "last_wake_secs": s | null}``
+``state``  ``{"dozing": bool, "wakes": n, "last_wake_secs": s | null, "last_ask_secs": s | null}`` (the wake's
+           time includes its ask for room)
 =========  ==========================================================================================
 
 A batch and a doze never overlap: each batch runs under ``DozeControl.lock`` (``TritonPythonModel.execute``), and
@@ -20,6 +21,12 @@ a doze only takes it when it is free. A dozing instance wakes at the start of it
 journaled: a wake that ends the stub (its worker died loading) took no request with it, so recovery sends them
 again; a wake whose ``load()`` fails or outlives ``load_timeout_secs`` answers the batch with that failure and the
 instance stays dozing. Standard library only, Python 3.10 syntax (python_backend rule).
+
+Before it forks, a wake asks the control plane for room (``ask_room``: ``POST /v1/doze/wake/<model>`` on the wake
+route's socket, ``controlplane/gateway/bls_wake.py``), which counts the model at its awake size from then on and
+evicts idle models first, as it would for a load (several requests straight to dozing models would otherwise wake
+them all beside a full budget). The ask is bounded (``$SNOOZE_DOZE_ADMIT_TIMEOUT_SECS``) and never refuses: with no
+control plane to ask, or no answer in time, the wake goes ahead, and the control plane's next sweep measures it.
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from typing import Any, Protocol
 
+from .bls_wake import WakeFailed, post
 from .errors import Failure, describe_failure
-from .journal import JOURNAL_ENV, RequestJournal, note_phase, own_file
+from .journal import JOURNAL_ENV, RequestJournal, note_phase, own_file, start_ticks
 
 DOZE_SUFFIX = ".doze"
 DOZE = b"doze"
@@ -42,6 +51,11 @@ STATE = b"state"
 BUSY = "busy"  # a batch runs: the control plane asks again later
 MAX_MESSAGE = 4096
 SUN_PATH_MAX = 107  # sockaddr_un's path, less its terminating NUL
+ADMIT_PATH = "/v1/doze/wake/"  # + the model's name, quoted: the control plane's room for a wake
+ADMIT_TIMEOUT_ENV = "SNOOZE_DOZE_ADMIT_TIMEOUT_SECS"
+# Past the control plane's own wait for memory (its wake queue's bound, 10 s by default): it answers first.
+DEFAULT_ADMIT_TIMEOUT_SECS = 15.0
+_ADMIT_SHARE = 0.9  # of the bound, what the control plane may use: the rest carries its answer back
 
 
 class Dozable(Protocol):
@@ -71,6 +85,30 @@ def _log(model_id: str, message: str) -> None:
     print(f"snooze model '{model_id}': {message}", file=sys.stderr, flush=True)
 
 
+def admit_timeout() -> float:
+    """How long a wake waits for the control plane's room (``$SNOOZE_DOZE_ADMIT_TIMEOUT_SECS``, else 15 s)."""
+    try:
+        bound = float(os.environ.get(ADMIT_TIMEOUT_ENV) or DEFAULT_ADMIT_TIMEOUT_SECS)
+    except ValueError:
+        return DEFAULT_ADMIT_TIMEOUT_SECS
+    return bound if bound == bound and bound > 0 else DEFAULT_ADMIT_TIMEOUT_SECS  # not NaN, not <= 0
+
+
+def ask_room(model_id: str, stub: tuple[int, int], bound_secs: float, path: str | None = None) -> dict[str, Any]:
+    """Ask the control plane to make room for this stub's wake (``stub``: its pid and start ticks), and wait for its
+    answer at most ``bound_secs``: what it did (``{"admitted": bool, "why": ...}``). ``WakeFailed`` when it cannot be
+    asked or did not answer; the wake goes ahead all the same."""
+    payload = {"stub": list(stub), "timeout_secs": bound_secs * _ADMIT_SHARE}
+    status, raw = post(ADMIT_PATH + urllib.parse.quote(model_id, safe=""), payload, bound_secs, path)
+    if status != 200:
+        raise WakeFailed(f"the control plane answered HTTP {status}: {raw[:200].decode('utf-8', 'replace')}")
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    return answer if isinstance(answer, dict) else {}
+
+
 class DozeControl:
     """One model instance's doze state, the lock its batches run under, and the socket the control plane asks."""
 
@@ -82,7 +120,10 @@ class DozeControl:
         self.dozing = False
         self.wakes = 0
         self.last_wake_secs: float | None = None
+        self.last_ask_secs: float | None = None  # the control plane's room for the last wake: how long it took
+        self._said_unasked = False  # a wake that could not ask the control plane was logged (once)
         self.path = own_file(directory, DOZE_SUFFIX)
+        self.stub = (os.getpid(), start_ticks())
         self._closed = False
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
@@ -128,6 +169,7 @@ class DozeControl:
         """Under ``lock``, at a batch's start: fork a worker and load the model in it (raises what the load
         raised, and the instance stays dozing)."""
         started = time.perf_counter()
+        self._ask_room()
         self.model.wake()
         self.dozing = False
         if self.journal is not None:
@@ -135,6 +177,21 @@ class DozeControl:
         self.wakes += 1
         self.last_wake_secs = time.perf_counter() - started
         _log(self.model_id, f"woke from doze in {self.last_wake_secs * 1000:.1f} ms")
+
+    def _ask_room(self) -> None:
+        """The control plane's room for this wake, asked before the fork; any failure: the wake goes ahead."""
+        started = time.perf_counter()
+        try:
+            answer = ask_room(self.model_id, self.stub, admit_timeout())
+        except WakeFailed as e:
+            if not self._said_unasked:  # a Triton without snoozeml's control plane: said once, not at every wake
+                self._said_unasked = True
+                _log(self.model_id, f"waking without the control plane's room: {e}")
+            return
+        finally:
+            self.last_ask_secs = time.perf_counter() - started
+        if answer.get("why"):
+            _log(self.model_id, f"waking: {answer['why']}")
 
     # --- the control plane's side
 
@@ -155,7 +212,12 @@ class DozeControl:
 
     def _answer(self, ask: bytes) -> dict[str, Any]:
         if ask == STATE:
-            return {"dozing": self.dozing, "wakes": self.wakes, "last_wake_secs": self.last_wake_secs}
+            return {
+                "dozing": self.dozing,
+                "wakes": self.wakes,
+                "last_wake_secs": self.last_wake_secs,
+                "last_ask_secs": self.last_ask_secs,
+            }
         if ask != DOZE:
             return {"dozed": False, "why": f"unknown request {ask[:32]!r}"}
         if not self.lock.acquire(blocking=False):

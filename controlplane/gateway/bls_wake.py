@@ -13,6 +13,11 @@ two processes, compose's and Kubernetes' ``/run/snooze`` volume) and is theirs a
 socket 0600: only their uid connects). It is not on the activator's TCP port: in compose the control plane
 and Triton do not share a network namespace, and a loopback port is open to every user of the machine.
 
+The same socket takes a dozing stub's ask for room before it forks its worker (``POST /v1/doze/wake/<model>``, JSON
+``{"stub": [pid, start ticks], "timeout_secs": float}``, ``python_backend/doze.py``): the lifecycle counts the wake
+and evicts idle models for it (``LifecyclePort.admit_doze_wake``), and answers 200 ``{"admitted": bool, "why": ...}``
+either way: the wake is never refused.
+
 ``DeclaredWakes`` wakes the models a deployment lists in ``wakes`` when a load of that model starts, for
 callees known in advance (their cold start then overlaps the caller's).
 """
@@ -41,6 +46,7 @@ from controlplane.lifecycle.state import ModelState
 from controlplane.servers import EmbeddedUvicorn, wait_started
 from controlplane.store import ModelStore
 from python_backend.bls_wake import WAKE_PATH, WAKE_SOCKET, unix_address
+from python_backend.doze import ADMIT_PATH
 
 if TYPE_CHECKING:
     from controlplane.lifecycle.port import LifecyclePort
@@ -49,6 +55,8 @@ log = logging.getLogger("snoozeml.gateway")
 
 # A stub that sends no bound (or a wrong one) waits at most this long.
 MAX_WAKE_SECS = 3600.0
+# A stub's wake from doze waits for room at most this long (its own bound is 15 s by default).
+MAX_DOZE_ROOM_SECS = 60.0
 STOP_GRACE_SECS = 2
 
 __all__ = ["WAKE_SOCKET", "BlsWakeServer", "DeclaredWakes", "create_wake_app", "wake_socket_path"]
@@ -84,7 +92,18 @@ def create_wake_app(lifecycle: LifecyclePort, store: ModelStore) -> Starlette:
         log.info("model '%s': woken for a BLS call from '%s' (%.2f s)", callee, caller, time.monotonic() - started)
         return JSONResponse({"model": callee, "state": ModelState.READY.value})
 
-    return Starlette(routes=[Route(WAKE_PATH + "{model}", wake, methods=["POST"])])
+    async def doze_wake(request: Request) -> Response:
+        model = request.path_params["model"]
+        stub, bound = _doze_call(await request.body())
+        answer = await lifecycle.admit_doze_wake(model, stub, timeout=bound)
+        return JSONResponse({"model": model, **answer})
+
+    return Starlette(
+        routes=[
+            Route(WAKE_PATH + "{model}", wake, methods=["POST"]),
+            Route(ADMIT_PATH + "{model}", doze_wake, methods=["POST"]),
+        ]
+    )
 
 
 def _call(body: bytes) -> tuple[str, float]:
@@ -96,6 +115,21 @@ def _call(body: bytes) -> tuple[str, float]:
             bound = MAX_WAKE_SECS
         return str(raw.get("caller") or "a python model"), min(max(bound, 0.0), MAX_WAKE_SECS)
     return "a python model", MAX_WAKE_SECS
+
+
+def _doze_call(body: bytes) -> tuple[tuple[int, int] | None, float]:
+    """The asking stub (pid, start ticks; None when unsaid) and its wait's bound (the lifecycle caps it at the wake
+    queue's, ``SNOOZE_WAKE_QUEUE_TIMEOUT_SECS``: a wake from doze waits for memory no longer than one from unloaded)."""
+    stub: tuple[int, int] | None = None
+    bound = MAX_DOZE_ROOM_SECS
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        raw: Any = json.loads(body or b"{}")
+        said = raw.get("stub")
+        if isinstance(said, list) and len(said) == 2 and all(isinstance(n, int) for n in said):
+            stub = (said[0], said[1])
+        sent = float(raw.get("timeout_secs", MAX_DOZE_ROOM_SECS))
+        bound = sent if sent == sent else MAX_DOZE_ROOM_SECS  # not NaN
+    return stub, min(max(bound, 0.0), MAX_DOZE_ROOM_SECS)
 
 
 class BlsWakeServer:

@@ -208,18 +208,24 @@ class Admission:
             self.queue.pop(rec.id, None)
             self._line.pop(rec.id, None)
 
-    async def wake_room(self, rec: ModelRecord) -> None:
-        """Room for the wake of a dozing model that a request about to be sent brings (an ensemble's step, woken
-        inside Triton where no one admits it): from now on it counts what it held awake while something holds it
-        (``MemoryBudget.held``), and idle models are evicted to make room. Best effort: where the memory is held by
-        models in use, the wake goes ahead as a warm-path wake does (``lifecycle/dozing.py``), and a sweep evicts
-        once it can."""
+    async def wake_room(self, rec: ModelRecord, *, until: float | None = None) -> str | None:
+        """Room for the wake of a dozing model (an ensemble's step that its request is about to wake inside Triton,
+        ``RequestPath.wake_step``; a stub about to fork, ``RequestPath.admit_doze_wake``), which the caller has made
+        count what it held awake (``MemoryBudget.held``): idle models are evicted to make room. While the memory is
+        held by models in use, it waits for it until ``until`` (the clock's monotonic seconds; None: it does not
+        wait). Best effort: None once there is room, else why the wake goes ahead over the budget (a sweep evicts
+        once it can)."""
         awake = rec.doze.awake_footprint or self.budget.estimate(rec, max(len(rec.procs.stubs), 1), own=False)
-        rec.doze.wake_admitted = True
-        try:
-            await self._host_room(rec, awake)
-        except UnavailableError as e:
-            log.info("model '%s': its wake from doze goes ahead over the budget: %s", rec.id, e.message)
+        while True:
+            try:
+                await self._host_room(rec, awake)
+                return None
+            except UnavailableError as e:
+                held = isinstance(e, BudgetInUse) and rec.doze.dozing and rec.op is None
+                if not held or until is None or self.clock.monotonic() + MEMORY_WAIT_POLL_SECS > until:
+                    log.info("model '%s': its wake from doze goes ahead over the budget: %s", rec.id, e.message)
+                    return e.message
+            await asyncio.sleep(MEMORY_WAIT_POLL_SECS)
 
     async def _host_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
         """Carry out the host budget's plans until the load fits (BudgetInUse: nothing idle left to evict)."""

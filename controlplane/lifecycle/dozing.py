@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from controlplane.clock import SYSTEM_CLOCK, Clock
+from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.memory.host import MemoryBudget
 from controlplane.lifecycle.memory.plan import EvictFn
 from controlplane.lifecycle.state import DozeRecord, ModelRecord, ModelState, ModelStates, UnloadReason
@@ -117,11 +118,23 @@ class Dozing:
         """The sweep's first step: wakes of dozing models, heard and measured before the budget is checked; then
         the models adopted while they dozed."""
         records = list(records)
+        self._forget_asks(records)
         await self.hear_dozing(records)
         for rec in records:
             idle = rec.op is None and rec.state is ModelState.READY and not rec.doze.dozing
             if idle and rec.doze.checked != rec.generation and self._preforked(rec):
                 await self._find_dozing(rec)
+
+    def _forget_asks(self, records: list[ModelRecord]) -> None:
+        """Asked wakes never heard within their bound (the ask's wait for room, then the load's): the wake failed, and
+        the stub dozes on. The model counts its doze again."""
+        now = self.clock.monotonic()
+        for rec in records:
+            asked = rec.doze.asked
+            bound = self.settings.wake_queue_timeout_secs + rec.model.load_timeout_secs + LOAD_ABANDON_SECS
+            for key, at in [(k, at) for k, at in asked.items() if now - at > bound]:
+                del asked[key]
+                log.info("model '%s': a wake its stub asked room for %.0f s ago was never heard", rec.id, now - at)
 
     async def _find_dozing(self, rec: ModelRecord) -> None:
         """Stubs that doze though the record says awake: a model adopted while it dozed (a control plane restarted,
@@ -218,6 +231,8 @@ class Dozing:
             if wake.secs is not None:
                 self.metrics.wake_seconds.labels(origin="doze").observe(wake.secs)
         rec.doze.stubs -= {_key(s) for s, _ in awake}
+        for key in [None, *(_key(s) for s, _ in awake)]:  # their asks are heard (one the record did not know too)
+            rec.doze.asked.pop(key, None)
         # its request may still run, unseen by Triton's statistics: idle from now at the earliest, not from before
         rec.access.woke = self.clock.time()
         if not rec.doze.dozing:

@@ -19,6 +19,11 @@ class LifecyclePort(Protocol):
     async def admit(self, model_id: str, request_id: str) -> None:
         """Raises ``ModelProcessDiedError`` if the request already ran in a model process that died."""
 
+    async def admit_doze_wake(self, model_id: str, stub: tuple[int, int] | None, *, timeout: float) -> dict[str, Any]:
+        """A dozing stub about to fork asks room for its wake: ``{"admitted": bool, "why": str | None}``, within
+        ``timeout`` seconds; never refused."""
+        ...
+
     async def after_dead_answer(self, model_id: str, request_id: str) -> None:
         """Raises unless the request is safe to send again after a dead process answered it."""
 

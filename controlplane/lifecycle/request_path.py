@@ -82,7 +82,37 @@ class RequestPath:
         if rec is not None and rec.doze.dozing and not rec.doze.wake_admitted:
             async with self._step_wakes:
                 if rec.doze.dozing and not rec.doze.wake_admitted:
+                    rec.doze.wake_admitted = True
                     await self.admission.wake_room(rec)
+
+    async def admit_doze_wake(self, model_id: str, stub: tuple[int, int] | None, *, timeout: float) -> dict[str, Any]:
+        """A dozing stub about to fork its worker for a request on the warm path asks room for the wake
+        (``python_backend/doze.py``, through the wake route): from now until the wake is heard (or its bound passes,
+        ``Dozing.hear``) the model counts what it held awake, and idle models are evicted for it first, one wake at a
+        time, waiting for memory held by models in use at most ``timeout`` seconds (and the wake queue's bound,
+        ``wake_queue_timeout_secs``). Without it, requests straight to
+        several dozing models within one sweep interval woke them all beside a full budget (dozing machine seed
+        2526912484: three wakes, 630 MiB against 300 plus one model of 300). Never refused: the answer says what was
+        done (``admitted``: room was made or was there), and the wake goes ahead either way."""
+        rec = self.states.get(model_id)
+        if rec is None or rec.state is not ModelState.READY or rec.op is not None or not rec.doze.dozing:
+            self.metrics.doze_wake_rooms.labels(model=model_id, outcome="unasked").inc()
+            return {"admitted": False, "why": None}  # not dozing as the record has it: counted as it is
+        timeout = min(timeout, self.settings.wake_queue_timeout_secs)  # as long as a wake from unloaded would wait
+        rec.doze.asked[stub if stub in rec.doze.stubs else None] = self.clock.monotonic()
+        rec.access.woke = self.clock.time()  # a request runs: idle from now at the earliest
+        rec.in_use += 1  # not evicted while its room is made
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._step_wakes:
+                    why = await self.admission.wake_room(rec, until=self.clock.monotonic() + timeout)
+        except TimeoutError:
+            why = f"no room was made within {timeout:g} s"
+            log.info("model '%s': its wake from doze goes ahead: %s", model_id, why)
+        finally:
+            rec.in_use -= 1
+        self.metrics.doze_wake_rooms.labels(model=model_id, outcome="room" if why is None else "over_budget").inc()
+        return {"admitted": why is None, "why": why}
 
     async def _wake(self, rec: ModelRecord, timeout: float | None, steps: tuple[str, ...]) -> None:
         """``ensure_ready``'s wait for the model's own load (a wake-up in the wake queue), whose steps (an

@@ -226,10 +226,19 @@ class DozeRecord:
     # a wake that a request about to be sent brings (an ensemble's step, ``Admission.wake_room``) was admitted: it
     # counts what it held awake while something holds it
     wake_admitted: bool = False
+    # wakes its stubs asked room for before they forked (``RequestPath.admit_doze_wake``): stub (pid, start ticks),
+    # or None for a stub the record does not know, -> clock.monotonic() of the ask; dropped once the wake is heard,
+    # or its bound passed (``Dozing.hear``)
+    asked: dict[tuple[int, int] | None, float] = field(default_factory=dict)
 
     @property
     def dozing(self) -> bool:
         return bool(self.stubs)
+
+    @property
+    def waking(self) -> bool:
+        """A dozing stub of it asked room for its wake, unheard yet: it counts what it held awake."""
+        return self.dozing and any(key is None or key in self.stubs for key in self.asked)
 
 
 @dataclass

@@ -53,7 +53,7 @@ import json
 import signal
 import struct
 from collections import Counter
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +195,9 @@ class FakeTriton:
         self.ensembles: dict[str, list[str]] = {}  # ensemble -> its steps, in order (requests run through each)
         self.dozing_bytes = 20 * MIB  # what a dozing stub holds (python_backend/doze.py: its worker ended)
         self.wake_delay = 0.03  # a dozing stub's fork and load() before its batch runs
+        # a dozing stub asks the control plane for room before it forks (``python_backend/doze.py``, ``ask_room``):
+        # what the world wires to the lifecycle (the wake route's call); None: nobody to ask, the wake goes ahead
+        self.ask_room: Callable[[Stub], Awaitable[object]] | None = None
         self.calls: Counter[str] = Counter()
         self.index_delay = 0.0  # how long a read of the repository index takes (Triton reads its repository folder)
         self._pids = itertools.count(10_000)
@@ -503,7 +506,10 @@ class FakeTriton:
     # ------------------------------------------------------------------ inference
 
     async def _wake(self, stub: Stub) -> None:
-        """A dozing stub's batch forks a worker and loads the model first (``FakeStubControl``)."""
+        """A dozing stub's batch asks room for its wake, then forks a worker and loads the model first
+        (``FakeStubControl``)."""
+        if stub.awake_memory is not None and stub.alive and self.ask_room is not None:
+            await self.ask_room(stub)  # bounded, never refused: the wake goes ahead whatever the answer
         if stub.awake_memory is not None and stub.alive:
             if self.unenforced:
                 self.woken_unenforced += max(stub.awake_memory - stub.memory, 0)

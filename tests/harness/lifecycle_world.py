@@ -29,8 +29,9 @@ from controlplane.render import DEPLOYMENT_FILE, embedded_target
 from controlplane.settings import Settings
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
-from harness.fake_triton import MIB, Answer, FakeProcesses, FakeStubControl, FakeTriton, NoGpu
+from harness.fake_triton import MIB, Answer, FakeProcesses, FakeStubControl, FakeTriton, NoGpu, Stub
 from harness.virtual_time import Hang, VirtualTime, VirtualTimeLoop
+from python_backend.doze import DEFAULT_ADMIT_TIMEOUT_SECS
 
 MODEL_PY = """
 class Model:
@@ -154,6 +155,7 @@ class LifecycleWorld:
         self.other_node = ModelStore(repo, embedded_target())  # another node's writes to the shared store
         self.triton = FakeTriton(repo, self.journal)
         self.triton.is_published = self.store.exists
+        self.triton.ask_room = self._ask_room
         self.processes = FakeProcesses(self.triton)
         self.stub_control = FakeStubControl(self.processes)
         # Triton's memory cgroup as the manager reads it (None: unseen), or what reads it
@@ -189,6 +191,7 @@ class LifecycleWorld:
         self.settled: dict[str, tuple[int, int]] = {}
         self._order = itertools.count()
         self.stale: list[str] = []  # answers that broke that rule, or told a waiting request a republish failed it
+        self.overcommits: list[str] = []  # wakes from doze let over the budget while an idle model could have gone
         self.changed: dict[str, float] = {}  # model -> when the store last changed it (virtual seconds)
         self.paused_since: float | None = None
         self.paused_secs = 0.0
@@ -641,6 +644,32 @@ class LifecycleWorld:
         await self.manager.start()
         self.resumed_at = self.now
 
+    async def _ask_room(self, stub: Stub) -> None:
+        """A dozing stub's ask for room before its fork, as the wake route takes it (``create_wake_app``), within the
+        stub's bound; a control plane that stops has no route to ask."""
+        manager = self.manager
+        if manager.states.stopping:
+            return
+        bound = DEFAULT_ADMIT_TIMEOUT_SECS
+        key = (stub.pid, stub.start_ticks)
+        try:
+            answer = await asyncio.wait_for(manager.admit_doze_wake(stub.model, key, timeout=bound * 0.9), bound)
+        except TimeoutError:
+            answer = {"admitted": False, "why": f"no answer within {bound:g} s"}
+        if answer["why"] is not None and not answer["admitted"] and not manager.paused:
+            # over the budget: only where no other loaded model could be evicted (in use, busy in Triton, in a
+            # transition); the tree may then stay over it until one is free and the next sweep has run
+            free = [
+                r.id
+                for r in manager.states.records.values()
+                if r.id != stub.model and r.loaded and r.op is None and not r.in_use and not self.triton.pending[r.id]
+            ]
+            if free:
+                self.overcommits.append(
+                    f"a wake of '{stub.model}' went over the budget beside idle {free}: {answer['why']}"
+                )
+            self.stuck_at = self.now
+
     async def _release_all(self) -> None:
         while self.held:
             await self.release()
@@ -648,7 +677,7 @@ class LifecycleWorld:
     # ------------------------------------------------------------------ invariants
 
     def check(self) -> None:
-        problems = list(self.probe.violations) + list(self.triton.overlaps) + list(self.stale)
+        problems = list(self.probe.violations) + list(self.triton.overlaps) + list(self.stale) + self.overcommits
         twice = [rid for rid, n in self.triton.executions.items() if n > 1]
         if twice:
             problems.append(f"requests executed twice: {twice}")

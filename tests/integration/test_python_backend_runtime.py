@@ -934,7 +934,12 @@ def test_a_dozing_preforked_model_stays_ready_and_its_concurrent_requests_share_
         woke = control.woke(stub)
         assert woke is not None and woke.worker_pid in pids and woke.secs is not None
         state = _ask(str(embedded_triton.journal_dir / f"{stub.pid}-{stub.start_ticks}{DOZE_SUFFIX}"), STATE, 5)
-        assert state == {"dozing": False, "wakes": 1, "last_wake_secs": state["last_wake_secs"]}
+        assert state == {
+            "dozing": False,
+            "wakes": 1,
+            "last_wake_secs": state["last_wake_secs"],
+            "last_ask_secs": state["last_ask_secs"],
+        }
         assert embedded_triton.processes().stubs(name) == [stub]  # the same stub all along
     finally:
         with contextlib.suppress(Exception):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from controlplane.lifecycle.loading import LOAD_ABANDON_SECS
 from controlplane.lifecycle.state import ModelState
 from controlplane.modes import Worker
 from harness.fake_triton import MIB
@@ -159,10 +160,11 @@ def test_a_wake_of_an_older_publish_adopted_dozing_is_not_learned_as_growth_of_t
     assert rec is not None and rec.memory.footprint == world.triton.holding()["m0"]  # the world checks every step
 
 
-def test_a_wake_from_doze_beside_models_all_in_use_is_evicted_back_within_the_budget_once_one_is_released(world):
+def test_a_wake_from_doze_beside_models_all_in_use_waits_for_room_then_goes_ahead_within_the_budget(world):
     """Found by the dozing machine (seed 2487831979): m0 and m3 held by streams, m2 dozing and held, then a request
-    straight to Triton woke m2 (a warm-path wake is not admitted by the budget): 350 MiB of 300, nothing evictable
-    while all three are in use. Once the streams end, the next sweep evicts back within the budget."""
+    straight to Triton woke m2: 350 MiB of 300, nothing evictable while all three were in use. Its stub now asks
+    room before it forks, and the wake waits for memory as a load would (the wake queue's bound): once the streams
+    end, an idle model is evicted for it and the request is answered, within the budget all along."""
     s, w = world.step, world
     s(w.publish("m2", 60, 1, "preforked"), 0.05)
     s(w.publish("m3", 60, 1, "preforked"), 0.05)
@@ -181,11 +183,15 @@ def test_a_wake_from_doze_beside_models_all_in_use_is_evicted_back_within_the_bu
     def used() -> int:
         return world.triton.server_bytes() + sum(world.triton.holding().values())
 
-    assert used() > BUDGET_MB * MIB and all(world.manager.states.records[m].in_use for m in ("m0", "m2", "m3"))
+    [stub] = world.triton.models["m2"].stubs
+    assert stub.awake_memory is not None and stub.running  # its batch waits for room, not yet woken
+    assert all(world.manager.states.records[m].in_use for m in ("m0", "m2", "m3"))
+    assert world.triton.peak <= BUDGET_MB * MIB
     for _ in range(3):
         s(w.release(), 0.0)
-    s(w.tick(2.5), 0.1)  # the next sweep
-    assert used() <= BUDGET_MB * MIB
+    s(w.tick(2.5), 0.1)
+    assert stub.wakes == 1 and [c.task.result() for c in world.answered if c.what == "request"] == ["200"]
+    assert used() <= BUDGET_MB * MIB and world.triton.peak <= BUDGET_MB * MIB
 
 
 def test_a_wake_of_a_dozing_model_during_its_reload_does_not_overcommit_the_budget(world):
@@ -545,3 +551,57 @@ def test_an_unload_hung_across_a_restart_is_counted_while_a_load_of_the_model_pu
     s(w.api_override("m2", 4), 0.01)
     s(w.script_load("m0", "hang", 0.05), 0.05)
     s(w.hold("m3"), 0.3)  # the world checks, at the end too, that what Triton holds is counted
+
+
+def test_requests_straight_to_several_dozing_models_at_once_wake_them_within_the_budget(world):
+    """Two dozing models (150 MiB each awake, 20 dozing) beside an idle one of 150, a budget of 300: requests straight
+    to both dozing models in the same instant woke both on the warm path, unadmitted, 450 MiB until the next sweep
+    (dozing machine seed 2526912484: three such wakes, 630 MiB against 300 plus one model of 300). Each stub now asks
+    room before it forks: the idle model goes first, one wake at a time, and the tree never holds more than the
+    budget."""
+    s, w = world.step, world
+    for model in ("m0", "m1"):
+        s(w.publish(model, 150, 1, "preforked"), 0.05)
+        s(w.request(model, None), 0.3)
+    s(w.tick(DOZE_AFTER + 1.5), 0.0)
+    assert [world.manager.status(m).level for m in ("m0", "m1")] == ["dozing", "dozing"]
+    s(w.publish("m2", 150, 1, "in-stub"), 0.05)
+    s(w.request("m2", None), 0.3)
+    assert world.manager.status("m2").state is ModelState.READY
+    world.triton.peak = 0  # from here on
+    s(w.request("m0", None), 0.0)  # both in the same instant, before any sweep
+    s(w.request("m1", None), 0.3)
+    assert answers(world)[-2:] == ["200", "200"]
+    assert [s.wakes for m in ("m0", "m1") for s in world.triton.models[m].stubs] == [1, 1]
+    assert world.manager.status("m2").state is ModelState.UNLOADED  # evicted for the wakes, before they forked
+    assert world.triton.peak <= BUDGET_MB * MIB, world.triton.peak / MIB
+    rooms = world.manager.metrics.doze_wake_rooms
+    assert [rooms.labels(model=m, outcome="room")._value.get() for m in ("m0", "m1")] == [1, 1]
+
+
+def test_an_asked_wake_counts_the_model_awake_until_heard_or_its_bound_passes(world):
+    """A stub's ask for room counts its model at what it held awake (``MemoryBudget.held``) from the ask on: once
+    the wake is heard it is measured; an ask whose wake never came (its load failed, the stub dozes on) is forgotten
+    after the ask's and the load's bounds, and the model is charged its doze again."""
+    world.triton.memory["m0"] = 120 * MIB
+    world.step(world.publish("m0", None, worker=Worker.PREFORKED, idle_timeout_secs=600), 0.1)
+    world.step(world.request("m0"), 0.5)
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)
+    rec = world.manager.states.records["m0"]
+    [stub] = world.triton.models["m0"].stubs
+    dozing = world.manager.budget.held(rec)
+    assert rec.doze.dozing and dozing == world.triton.dozing_bytes
+
+    answer = world.run(world.manager.admit_doze_wake("m0", (stub.pid, stub.start_ticks), timeout=1.0))
+    assert answer == {"admitted": True, "why": None}
+    assert world.manager.budget.held(rec) == rec.doze.awake_footprint >= 120 * MIB  # counted awake from the ask
+    world.step(world.tick(3.0), 0.1)  # sweeps: no wake heard, the ask still within its bound
+    assert world.manager.budget.held(rec) == rec.doze.awake_footprint
+    bound = world.settings.wake_queue_timeout_secs + rec.model.load_timeout_secs + LOAD_ABANDON_SECS
+    world.step(world.tick(bound), 1.5)
+    assert rec.doze.dozing and not rec.doze.asked and world.manager.budget.held(rec) == dozing
+
+    world.run(world.manager.admit_doze_wake("m0", (stub.pid, stub.start_ticks), timeout=1.0))
+    world.step(world.request("m0"), 0.1)  # its wake comes, and the sweep hears it: measured, the ask dropped
+    world.step(world.tick(1.0), 0.1)
+    assert wakes(world, "m0", "doze") == 1 and not rec.doze.asked  # (it may doze again since: idle a second)

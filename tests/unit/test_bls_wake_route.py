@@ -19,13 +19,19 @@ import pytest
 from pydantic import ValidationError
 
 from controlplane.errors import UnavailableError
-from controlplane.gateway.bls_wake import MAX_WAKE_SECS, BlsWakeServer, DeclaredWakes, create_wake_app
+from controlplane.gateway.bls_wake import (
+    MAX_DOZE_ROOM_SECS,
+    MAX_WAKE_SECS,
+    BlsWakeServer,
+    DeclaredWakes,
+    create_wake_app,
+)
 from controlplane.lifecycle.state import ModelState
 from controlplane.render import embedded_target
 from controlplane.spec import DeploymentSpec, resolve
 from controlplane.store import ModelStore
 from harness.api import MANIFEST, MODEL_PY
-from python_backend import bls_wake
+from python_backend import bls_wake, doze
 
 
 class WakingLifecycle:
@@ -36,12 +42,18 @@ class WakingLifecycle:
         self.woken: list[tuple[str, float | None]] = []
         self.refuse: UnavailableError | None = None
 
+        self.asked: list[tuple[str, tuple[int, int] | None, float]] = []  # dozing stubs' asks for room
+
     @contextlib.asynccontextmanager
     async def serving(self, model_id: str, *, timeout: float | None = None) -> AsyncIterator[None]:
         self.woken.append((model_id, timeout))
         if self.refuse is not None:
             raise self.refuse
         yield
+
+    async def admit_doze_wake(self, model_id: str, stub: tuple[int, int] | None, *, timeout: float) -> dict:
+        self.asked.append((model_id, stub, timeout))
+        return {"admitted": False, "why": "320 of 300 MiB are held by models in use"}
 
 
 @pytest.fixture
@@ -116,6 +128,37 @@ async def test_the_stub_s_client_wakes_through_the_socket_only_its_uid_may_use(
     assert not server.path.exists()
     with pytest.raises(bls_wake.WakeFailed, match="no snoozeml control plane listens at"):
         bls_wake.wake("back", "front", 5.0, str(server.path))
+
+
+@pytest.mark.parametrize(
+    ("body", "stub", "bound"),
+    [({"stub": [41, 7], "timeout_secs": 2}, (41, 7), 2.0), (b"", None, MAX_DOZE_ROOM_SECS),
+     (b"not json", None, MAX_DOZE_ROOM_SECS), ({"stub": "41", "timeout_secs": "NaN"}, None, MAX_DOZE_ROOM_SECS),
+     ({"stub": [41, 7, 3], "timeout_secs": 1e9}, None, MAX_DOZE_ROOM_SECS), ({"timeout_secs": -3}, None, 0.0)],
+)  # fmt: skip
+async def test_a_dozing_stub_s_ask_for_room_reaches_the_lifecycle_and_is_never_refused(
+    store: ModelStore, body: object, stub: tuple[int, int] | None, bound: float
+) -> None:
+    lifecycle = WakingLifecycle()
+    transport = httpx.ASGITransport(app=create_wake_app(lifecycle, store))
+    async with httpx.AsyncClient(transport=transport, base_url="http://wake") as client:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = await client.post(doze.ADMIT_PATH + "back", content=content)
+    assert r.status_code == 200 and r.json()["admitted"] is False and "held by models in use" in r.json()["why"]
+    assert lifecycle.asked == [("back", stub, bound)]
+
+
+async def test_the_stub_s_ask_for_room_goes_through_the_socket(store: ModelStore, tmp_path: Path) -> None:
+    lifecycle = WakingLifecycle()
+    server = BlsWakeServer(lifecycle, store, tmp_path / "journal" / bls_wake.WAKE_SOCKET)
+    await server.start()
+    try:
+        answer = await asyncio.to_thread(doze.ask_room, "back", (41, 7), 5.0, str(server.path))
+    finally:
+        await server.stop()
+    assert answer["admitted"] is False and lifecycle.asked == [("back", (41, 7), 4.5)]
+    with pytest.raises(bls_wake.WakeFailed, match="no snoozeml control plane listens at"):
+        doze.ask_room("back", (41, 7), 5.0, str(server.path))
 
 
 async def test_a_socket_left_by_an_earlier_run_is_replaced(store: ModelStore, tmp_path: Path) -> None:

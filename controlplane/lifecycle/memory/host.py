@@ -198,9 +198,11 @@ class MemoryBudget:
     def held(self, rec: ModelRecord) -> int:
         """Bytes a loaded model counts for: its footprint, at least what its load in flight reserved and what its
         last load was admitted on until measured after a request (``hold_floor``), and a dozing model whose wake
-        was admitted what it held awake while something holds it (``Admission.wake_room``)."""
+        was admitted what it held awake while something holds it (``Admission.wake_room``), or while a stub's asked
+        wake is unheard (``RequestPath.admit_doze_wake``)."""
         doze = rec.doze
-        waking = (doze.awake_footprint or 0) if doze.wake_admitted and doze.dozing and rec.in_use else 0
+        admitted = (doze.wake_admitted and doze.dozing and rec.in_use) or doze.waking
+        waking = (doze.awake_footprint or 0) if admitted else 0
         return max(rec.memory.footprint or 0, rec.memory.reserved, self.floors.get(rec.id, 0), waking)
 
     def group_bytes(self, rec: ModelRecord) -> int:
