@@ -217,6 +217,10 @@ class Admission:
         once it can)."""
         awake = rec.doze.awake_footprint or self.budget.estimate(rec, max(len(rec.procs.stubs), 1), own=False)
         while True:
+            if self._hear is not None:  # other asked wakes heard first: an awake victim dozes, not unloads
+                await self._hear()
+            if not rec.doze.dozing:
+                return None  # heard awake meanwhile: counted at what it holds
             try:
                 await self._host_room(rec, awake)
                 return None

@@ -273,6 +273,12 @@ class ModelRecord:
         return "dozing" if self.doze.dozing else "awake"
 
     @property
+    def held(self) -> bool:
+        """Not to be evicted now: something holds it (``in_use``: a wake-up waits on it, a request or a stream runs
+        through the control plane, a sequence lives), or a stub's wake from doze that asked room is in flight."""
+        return self.in_use > 0 or self.doze.waking
+
+    @property
     def last_access(self) -> float | None:
         return max(self.access.touched, self.access.triton_last, self.access.woke) or None
 

@@ -74,7 +74,7 @@ class Unloads:
         """Unload an idle model to make room for ``for_model`` (an ``EvictFn``: the loader carries out the memory
         budgets' plans with it); False when it turned out to be in use and stays."""
         why = UnloadReason(reason)
-        if victim.op is not None or victim.state is not ModelState.READY or victim.in_use > 0:
+        if victim.op is not None or victim.state is not ModelState.READY or victim.held:
             # Taken meanwhile (the caller awaited since it chose it: a doze that the stubs refused, an earlier
             # victim's unload): a transition of its own or a request now; it stays.
             return False

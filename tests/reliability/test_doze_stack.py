@@ -90,18 +90,46 @@ def pressed(serve_factory, package, topology):
     serve.stop()
 
 
+def levels(serve) -> list[str]:
+    return [str(serve.status(f"big-{n}")["level"]) for n in "abc"]
+
+
 async def test_under_memory_pressure_the_least_recently_used_model_dozes_instead_of_unloading(pressed):
     x = np.ones((1, 2), np.float32)
     workers = {}
-    for name in "abc":
+    for name in "abc":  # whatever ran before (each wake from doze asks room first, the last test)
         answer = await infer_once(pressed, f"big-{name}", "grpc", x)
         assert not isinstance(answer, str), answer
-        if name == "a":
+        if name == "a":  # a worker woken from doze writes its note as it starts: it may land after the answer
+            await until_async(lambda: pressed.workers("big-a"), "big-a's worker", timeout=10)
             [(workers["a"], stub_a)] = pressed.workers("big-a")
+    # a wake from doze on the warm path is heard at the next sweep: the levels settle within one
+    await until_async(lambda: levels(pressed) == ["dozing", "awake", "awake"], "a to doze, b and c awake", timeout=10)
     statuses = {n: await asyncio.to_thread(pressed.status, f"big-{n}") for n in "abc"}
-    assert [statuses[n]["level"] for n in "abc"] == ["dozing", "awake", "awake"], statuses
     assert pressed.workers("big-a") == [] and pressed.stub_pids("big-a") == [stub_a]  # its worker went, its stub stays
     assert statuses["a"]["memory_bytes"] < 60 * 2**20, statuses["a"]  # charged its stub
     assert pressed.metric("snooze_evictions_total", model="big-a", reason="memory") == 0
     runtime = await asyncio.to_thread(pressed.api().runtime)
     assert sum(s["memory_bytes"] for s in statuses.values()) + runtime["overhead_bytes"] <= 540 * 2**20, statuses
+
+
+async def test_a_request_straight_to_a_dozing_model_under_pressure_makes_room_before_its_stub_forks(pressed):
+    """The warm path: the gateway sends a request for a READY (dozing) model straight to Triton, and its stub wakes
+    it there. The stub asks the control plane for room first (``python_backend/doze.py``, over ``wake.sock``), which
+    dozes the least recently used idle model before the fork: the tree never holds three awake in a budget of two."""
+    x = np.ones((1, 2), np.float32)
+    for name in "abc":  # whatever ran before: two awake, the least recently used (a) dozing
+        answer = await infer_once(pressed, f"big-{name}", "grpc", x)
+        assert not isinstance(answer, str), answer
+    await until_async(lambda: levels(pressed) == ["dozing", "awake", "awake"], "a to doze, b and c awake", timeout=10)
+
+    def rooms() -> float:
+        return pressed.metric("snooze_doze_wake_rooms_total", model="big-a", outcome="room")
+
+    before = rooms()
+    answer = await infer_once(pressed, "big-a", "grpc", x)
+    assert not isinstance(answer, str), answer
+    assert rooms() == before + 1  # asked, and room was made before it forked
+    # b, the least recently used, dozed for it (a's own wake is heard at the next sweep)
+    await until_async(lambda: levels(pressed) == ["awake", "dozing", "awake"], "b to doze, a and c awake", timeout=10)
+    assert pressed.metric("snooze_doze_wake_rooms_total", model="big-a", outcome="over_budget") == 0

@@ -104,7 +104,7 @@ class GpuMemory:
                 holding.append((r, held))
         rank = {r.id: i for i, r in enumerate(self._order([r for r, _ in holding]))} if self._order else {}
         for r, held in holding:
-            evictable = r.state is ModelState.READY and r.op is None and r.in_use == 0 and not pending.get(r.id)
+            evictable = r.state is ModelState.READY and r.op is None and not r.held and not pending.get(r.id)
             found.append(GpuResident(r.id, dict(held), r.idle_since, evictable, r.prewarmed_unused, rank.get(r.id)))
         return found
 

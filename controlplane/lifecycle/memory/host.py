@@ -397,7 +397,7 @@ class MemoryBudget:
                 if served:
                     self.accessed(r, served)
         candidates = self.eviction_order(loaded)
-        victims = [v for v in candidates if v.op is None and v.in_use == 0 and pending.get(v.id, 0.0) <= 0]
+        victims = [v for v in candidates if v.op is None and not v.held and pending.get(v.id, 0.0) <= 0]
         return Plan(
             victims,
             reason,

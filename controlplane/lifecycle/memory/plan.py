@@ -45,7 +45,7 @@ async def carry_out(plan: Plan, evict_one: EvictFn) -> list[str]:
         if plan.amount is not None and freed >= plan.amount:
             break
         # another load's plan may have taken it meanwhile (loads make room in parallel), or a request came
-        if victim.state is not ModelState.READY or victim.op is not None or victim.in_use > 0:
+        if victim.state is not ModelState.READY or victim.op is not None or victim.held:
             continue
         try:
             unloaded = await evict_one(victim, plan.reason, plan.for_model)
