@@ -37,7 +37,7 @@ from controlplane.store import ModelStore
 from controlplane.triton.client import TritonAdminClient, wait_for_triton
 from controlplane.triton.embedded_dist import detect_backends
 from controlplane.triton.journal import JOURNAL_ENV
-from controlplane.triton.launcher import EmbeddedTriton
+from controlplane.triton.launcher import EmbeddedTriton, doze_admit_bound
 from controlplane.triton.processes import TritonProcesses
 
 if TYPE_CHECKING:  # start() imports them where it builds them; here only for the annotations
@@ -171,6 +171,7 @@ class ServingStack:
             admin_key=admin_key,
             exit_timeout_secs=s.triton_exit_timeout_secs,
             bls_wake_timeout_secs=s.bls_wake_timeout_secs,
+            doze_admit_timeout_secs=doze_admit_bound(s.wake_queue_timeout_secs),
         )
         s.repository.mkdir(parents=True, exist_ok=True)
         started = time.perf_counter()

@@ -32,9 +32,8 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-from .journal import JOURNAL_ENV
+from .journal import JOURNAL_ENV, WAKE_SOCKET
 
-WAKE_SOCKET = "wake.sock"  # in the journal folder
 WAKE_PATH = "/v1/bls/wake/"  # + the callee's name, quoted
 TIMEOUT_ENV = "SNOOZE_BLS_WAKE_TIMEOUT_SECS"
 DEFAULT_TIMEOUT_SECS = 60.0

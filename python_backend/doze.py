@@ -38,12 +38,10 @@ import socket
 import sys
 import threading
 import time
-import urllib.parse
 from typing import Any, Protocol
 
-from .bls_wake import WakeFailed, post
 from .errors import Failure, describe_failure
-from .journal import JOURNAL_ENV, RequestJournal, note_phase, own_file, start_ticks
+from .journal import JOURNAL_ENV, WAKE_SOCKET, RequestJournal, note_phase, own_file, start_ticks
 
 DOZE_SUFFIX = ".doze"
 DOZE = b"doze"
@@ -94,19 +92,62 @@ def admit_timeout() -> float:
     return bound if bound == bound and bound > 0 else DEFAULT_ADMIT_TIMEOUT_SECS  # not NaN, not <= 0
 
 
-def ask_room(model_id: str, stub: tuple[int, int], bound_secs: float, path: str | None = None) -> dict[str, Any]:
-    """Ask the control plane to make room for this stub's wake (``stub``: its pid and start ticks), and wait for its
-    answer at most ``bound_secs``: what it did (``{"admitted": bool, "why": ...}``). ``WakeFailed`` when it cannot be
-    asked or did not answer; the wake goes ahead all the same."""
-    payload = {"stub": list(stub), "timeout_secs": bound_secs * _ADMIT_SHARE}
-    status, raw = post(ADMIT_PATH + urllib.parse.quote(model_id, safe=""), payload, bound_secs, path)
-    if status != 200:
-        raise WakeFailed(f"the control plane answered HTTP {status}: {raw[:200].decode('utf-8', 'replace')}")
+class AskFailed(Exception):
+    """The control plane could not be asked for room, or gave no answer in time: the message says which."""
+
+
+def ask_room(model_id: str, stub: tuple[int, int], bound_secs: float, path: str) -> dict[str, Any]:
+    """Ask the control plane to make room for this stub's wake (``stub``: its pid and start ticks) through its wake
+    route's socket (``path``), and wait for its answer at most ``bound_secs``: what it did (``{"admitted": bool,
+    "why": ...}``). ``AskFailed`` when it cannot be asked or did not answer; the wake goes ahead all the same.
+
+    One HTTP/1.1 request on a unix socket, by hand: ``http.client`` (and the ``email`` package it imports) would
+    add 1.7 MiB to every stub that can doze, measured, for one request a wake."""
+    body = json.dumps({"stub": list(stub), "timeout_secs": bound_secs * _ADMIT_SHARE}).encode()
+    route = ADMIT_PATH + "".join(c if (c.isascii() and c.isalnum()) or c in "-_.~" else _quote(c) for c in model_id)
+    head = (
+        f"POST {route} HTTP/1.1\r\nHost: snoozeml\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    deadline = time.monotonic() + bound_secs
+    chunks: list[bytes] = []
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        answer = json.loads(raw)
+        sock.settimeout(bound_secs)
+        address, dir_fd = socket_address(path)
+        try:
+            sock.connect(address)
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
+        sock.sendall(head + body)
+        while chunk := sock.recv(MAX_MESSAGE):  # the route closes the connection after its answer
+            chunks.append(chunk)
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    except FileNotFoundError:
+        raise AskFailed(f"no snoozeml control plane listens at {path} (it is not running here)") from None
+    except ConnectionRefusedError:
+        raise AskFailed(f"the snoozeml control plane at {path} refused the call (it is stopping)") from None
+    except TimeoutError:
+        raise AskFailed(f"the snoozeml control plane did not answer within {bound_secs:g} s") from None
+    except OSError as e:
+        raise AskFailed(f"the snoozeml control plane at {path} could not be reached: {e}") from None
+    finally:
+        sock.close()
+    status_line, _, rest = b"".join(chunks).partition(b"\r\n")
+    content = rest.partition(b"\r\n\r\n")[2]
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or parts[1] != b"200":
+        raise AskFailed(f"the control plane answered {status_line[:80].decode('utf-8', 'replace')!r}")
+    try:
+        answer = json.loads(content)
     except ValueError:
         answer = None
     return answer if isinstance(answer, dict) else {}
+
+
+def _quote(char: str) -> str:
+    return "".join(f"%{b:02X}" for b in char.encode())
 
 
 class DozeControl:
@@ -123,6 +164,7 @@ class DozeControl:
         self.last_ask_secs: float | None = None  # the control plane's room for the last wake: how long it took
         self._said_unasked = False  # a wake that could not ask the control plane was logged (once)
         self.path = own_file(directory, DOZE_SUFFIX)
+        self.wake_socket = os.path.join(directory, WAKE_SOCKET)  # the control plane's wake route: asked for room
         self.stub = (os.getpid(), start_ticks())
         self._closed = False
         with contextlib.suppress(FileNotFoundError):
@@ -182,8 +224,8 @@ class DozeControl:
         """The control plane's room for this wake, asked before the fork; any failure: the wake goes ahead."""
         started = time.perf_counter()
         try:
-            answer = ask_room(self.model_id, self.stub, admit_timeout())
-        except WakeFailed as e:
+            answer = ask_room(self.model_id, self.stub, admit_timeout(), self.wake_socket)
+        except AskFailed as e:
             if not self._said_unasked:  # a Triton without snoozeml's control plane: said once, not at every wake
                 self._said_unasked = True
                 _log(self.model_id, f"waking without the control plane's room: {e}")

@@ -49,6 +49,7 @@ WORKER_SUFFIX = ".worker"  # a preforked model's worker status (preforked.py)
 SEQUENCES_SUFFIX = ".sequences"  # a stateful model's live sequences (sequences.py)
 WARMUP_SUFFIX = ".warmup"  # what a process's warm-up did (warmup.py)
 PARENT_PREFIX, PARENT_SUFFIX = "prefork-", ".parent"  # a preforked parent's record (prefork_parent.py)
+WAKE_SOCKET = "wake.sock"  # the control plane's wake route (bls_wake.py; doze.py asks it for room)
 
 
 def start_ticks(pid: int | str = "self") -> int:

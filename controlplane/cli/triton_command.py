@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
         """
         from controlplane.child_processes import kill_group
         from controlplane.settings import Settings
-        from controlplane.triton.launcher import EmbeddedTriton
+        from controlplane.triton.launcher import EmbeddedTriton, doze_admit_bound
 
         try:
             settings = Settings()
@@ -61,6 +61,7 @@ def register(app: typer.Typer) -> None:
                 admin_header=settings.triton_admin_header,
                 admin_key=key,
                 bls_wake_timeout_secs=settings.bls_wake_timeout_secs,
+                doze_admit_timeout_secs=doze_admit_bound(settings.wake_queue_timeout_secs),
             )
             stop = threading.Event()
 

@@ -5,8 +5,9 @@ without a request (with ``keep_alive = "adaptive"``, after the time its policy l
 has seen enough of them: ``AdaptiveKeepAlive.doze_after``): each of its stubs is asked (``StubControl.doze``) to
 end its worker, whose memory (and VRAM) goes back to the OS, while the stub lives on and Triton keeps the model
 READY. Its next request goes the warm path to the stub, which forks a fresh worker from the preloaded parent and
-runs ``load()`` there first; the control plane is not on that path, and hears of the wake at its next sweep, or
-before it admits a load (``hear_dozing``), whichever comes first (the stub's worker note names a live worker again).
+runs ``load()`` there first; the control plane is on that path only to make room for it (the stub's ask, below),
+and hears of the wake at its next sweep, or before it admits a load or another wake (``hear_dozing``), whichever
+comes first (the stub's worker note names a live worker again).
 ``idle_timeout_secs`` keeps its meaning: the keep-alive unloads the model after it, dozing or not.
 
 A preforked ONNX model (the python backend's onnxruntime runner) dozes alike. Other models cannot doze: an in-stub
@@ -17,15 +18,17 @@ snoozeml's reach.
 Under memory pressure an eviction dozes an awake model that can doze before it unloads any (``doze_first``): a
 victim already dozing is unloaded. Accounting: a dozing model is charged what its stubs hold (their PSS, read when
 it dozes and at each sweep); what it held awake is kept, so that a wake or a later load is estimated at its full
-size. A wake is not admitted by the budget (it happens inside a request, in the stub): the next sweep measures it,
-and the budget's enforcement evicts if it no longer fits; a load admitted before that sweep is admitted against what
-the woken model holds (admission hears the wakes first). An ensemble's request wakes all its dozing steps at once,
-so where the control plane is on its path (the ensemble's own wake) it admits each step's wake first
-(``RequestPath.wake_step``). Not bounded: requests straight to several dozing models within one sweep interval wake
-them all unadmitted, and the tree holds the budget plus those wakes until the next sweep evicts (dozing machine seed
-2526912484: three wakes, 630 MiB against 300 plus one model of 300; a stub that asked the control plane before its
-fork would close it). A model found dozing at adoption (a restarted control plane) is recorded so; the load it was
-measured at learns no growth (``loading.UNKNOWN_LOAD_PRIVATE``).
+size. A wake happens inside a request, in the stub, but the stub asks first (``python_backend/doze.py``,
+``RequestPath.admit_doze_wake``): from the ask until the wake is heard the model counts what it held awake and is no
+victim (``ModelRecord.held``), and idle models are evicted for it first, one wake at a time (requests straight to
+several dozing models within one sweep interval woke them all beside a full budget: dozing machine seed 2526912484,
+630 MiB against 300 plus one model of 300). An ask whose wake is never heard is forgotten after its bound
+(``_forget_asks``). A wake whose stub could not ask (no control plane, no answer in time) is admitted by no one: the
+next sweep measures it and the budget's enforcement evicts, and a load admitted before that sweep is admitted against
+what the woken model holds (admission hears the wakes first). An ensemble's request wakes all its dozing steps at
+once, so where the control plane is on its path (the ensemble's own wake) it admits each step's wake first
+(``RequestPath.wake_step``). A model found dozing at adoption (a restarted control plane) is recorded so; the load it
+was measured at learns no growth (``loading.UNKNOWN_LOAD_PRIVATE``).
 """
 
 from __future__ import annotations

@@ -225,9 +225,9 @@ class LifecycleManager:
         await self.run_once.admit(model_id, request_id)
 
     async def admit_doze_wake(self, model_id: str, stub: tuple[int, int] | None, *, timeout: float) -> dict[str, Any]:
-        if self.paused:  # a snapshot: no eviction runs; the first sweep after the resume measures the wake
+        if self.paused or self.states.stopping:  # no eviction runs (a snapshot; a stop): the wake goes ahead
             self.metrics.doze_wake_rooms.labels(model=model_id, outcome="unasked").inc()
-            return {"admitted": False, "why": "the lifecycle is paused (a snapshot)"}
+            return {"admitted": False, "why": "the control plane is " + ("paused" if self.paused else "stopping")}
         return await self.requests.admit_doze_wake(model_id, stub, timeout=timeout)
 
     async def after_dead_answer(self, model_id: str, request_id: str) -> None:

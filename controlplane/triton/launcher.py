@@ -38,6 +38,8 @@ from controlplane.triton.embedded_dist import EmbeddedTritonDist, find_embedded_
 from controlplane.triton.journal import HEADER_FORWARD_ARGS, JOURNAL_ENV, prepare_journal_dir, remove_stale
 from controlplane.triton.processes import STUB_NAME, TritonProcesses
 from python_backend.bls_wake import TIMEOUT_ENV as BLS_WAKE_TIMEOUT_ENV
+from python_backend.doze import ADMIT_TIMEOUT_ENV as DOZE_ADMIT_TIMEOUT_ENV
+from python_backend.doze import DEFAULT_ADMIT_TIMEOUT_SECS
 
 LOG_TAIL_LINES = 40
 SHM_DIR = "/dev/shm"
@@ -96,6 +98,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def doze_admit_bound(wake_queue_timeout_secs: float) -> float:
+    """The stubs' bound on a wake from doze's ask for room: past the control plane's own wait for memory (the wake
+    queue's bound), so that it answers first."""
+    return max(DEFAULT_ADMIT_TIMEOUT_SECS, wake_queue_timeout_secs + 5.0)
+
+
 class EmbeddedTriton:
     """One tritonserver process over a model repository, in explicit model-control mode."""
 
@@ -120,6 +128,7 @@ class EmbeddedTriton:
         admin_key: str | None = None,
         defer_shim: bool = True,
         bls_wake_timeout_secs: float | None = None,
+        doze_admit_timeout_secs: float | None = None,
     ) -> None:
         self.model_repository = Path(model_repository).resolve()
         self.work_dir = Path(work_dir).resolve()
@@ -138,6 +147,8 @@ class EmbeddedTriton:
         self.journal_dir = Path(journal_dir).resolve() if journal_dir else self.work_dir / "journal"
         # The bound of a BLS call that wakes its callee (python_backend/bls_wake.py); None: the stubs' default.
         self.bls_wake_timeout_secs = bls_wake_timeout_secs
+        # How long a wake from doze waits for the control plane's room (python_backend/doze.py); None: its default.
+        self.doze_admit_timeout_secs = doze_admit_timeout_secs
         # The model-repository API restricted to requests with this header, as in the deployed stacks.
         self.admin_header = admin_header
         self.admin_key = admin_key
@@ -214,6 +225,8 @@ class EmbeddedTriton:
         env.setdefault("PYTHONPYCACHEPREFIX", str(self.work_dir / "pycache"))
         if self.bls_wake_timeout_secs is not None:
             env[BLS_WAKE_TIMEOUT_ENV] = f"{self.bls_wake_timeout_secs:g}"
+        if self.doze_admit_timeout_secs is not None:
+            env[DOZE_ADMIT_TIMEOUT_ENV] = f"{self.doze_admit_timeout_secs:g}"
         return with_preload(env, self.preload)
 
     def start(self, timeout: float = 60) -> None:

@@ -154,10 +154,12 @@ async def test_the_stub_s_ask_for_room_goes_through_the_socket(store: ModelStore
     await server.start()
     try:
         answer = await asyncio.to_thread(doze.ask_room, "back", (41, 7), 5.0, str(server.path))
+        odd = await asyncio.to_thread(doze.ask_room, "a b.ü", (41, 7), 5.0, str(server.path))  # quoted in the path
     finally:
         await server.stop()
-    assert answer["admitted"] is False and lifecycle.asked == [("back", (41, 7), 4.5)]
-    with pytest.raises(bls_wake.WakeFailed, match="no snoozeml control plane listens at"):
+    assert answer["admitted"] is False and odd["model"] == "a b.ü"
+    assert lifecycle.asked == [("back", (41, 7), 4.5), ("a b.ü", (41, 7), 4.5)]
+    with pytest.raises(doze.AskFailed, match="no snoozeml control plane listens at"):
         doze.ask_room("back", (41, 7), 5.0, str(server.path))
 
 
