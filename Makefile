@@ -25,7 +25,7 @@ PYTHON310 ?= $(or $(shell python3.10 -c 'import sys; print(sys.executable)' 2>/d
 VENV310   ?= .venv310
 RUNTIME_TESTS := tests/unit/test_python_backend_batching.py tests/unit/test_python_backend_runtime_parts.py \
                  tests/unit/test_prefork.py tests/unit/test_python_backend_strings.py tests/unit/test_triton_wrapper.py \
-                 tests/unit/test_python_backend_bls_wake.py
+                 tests/unit/test_python_backend_bls_wake.py tests/unit/test_python_backend_doze_ask.py
 
 .PHONY: serve test test-all test-runtime-py310 install install-dev examples bench lint clean engine images compose-test render soak
 

@@ -8,10 +8,8 @@ tritonserver. A wake whose worker dies ends its stub's process, so that case run
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
-import socketserver
 import subprocess
 import sys
 import textwrap
@@ -27,6 +25,7 @@ import pytest
 from controlplane.triton.processes import StubProcess
 from controlplane.triton.stub_control import SocketStubControl
 from harness.probes import until
+from harness.wake_route import WakeRoute
 from python_backend import preforked
 from python_backend.bls_wake import WAKE_SOCKET
 from python_backend.doze import ADMIT_PATH, ADMIT_TIMEOUT_ENV, DEFAULT_ADMIT_TIMEOUT_SECS, DOZE_SUFFIX, DozeControl
@@ -286,46 +285,13 @@ def test_a_worker_dying_in_its_wake_ends_the_stub_with_the_batch_unjournaled(tmp
     assert raw_journal[4 : 4 + int.from_bytes(raw_journal[:4], "little")] == b""  # nothing for recovery to refuse
 
 
-class _Asks(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    """The control plane's wake route as a stub meets it (``POST /v1/doze/wake/<model>`` on ``wake.sock``): records
-    each ask with the model's worker at that moment; ``hang`` holds the answer back."""
-
-    daemon_threads = True
-
-    def __init__(self, path: Path, model: PreforkedModel, hang: float = 0.0) -> None:
-        self.asks: list[tuple[str, dict, int | None]] = []
-        self.model, self.hang = model, hang
-        asks = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                asks.asks.append((self.path, body, asks.model.worker_pid))
-                time.sleep(asks.hang)
-                answer = json.dumps({"admitted": True, "why": None}).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        super().__init__(str(path), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-
 def test_a_wake_asks_the_control_plane_for_room_before_it_forks(dozable, journal):
     model, control, _ = dozable()
     assert SocketStubControl(journal).doze(this_stub()).dozed
-    asks = _Asks(journal / WAKE_SOCKET, model)
-    try:
+    with WakeRoute(journal / WAKE_SOCKET, lambda: model.worker_pid) as route:
         assert batch(model, control)["y"].tolist() == [[2.0, 2.0]]
         assert batch(model, control)["y"].tolist() == [[2.0, 2.0]]  # awake: nothing to ask
-    finally:
-        asks.shutdown()
-        asks.server_close()
-    [(path, body, worker)] = asks.asks
+    [(path, body, worker)] = route.asks
     assert path == ADMIT_PATH + "m" and body["stub"] == [os.getpid(), start_ticks()]
     assert worker is None and model.worker_pid is not None  # asked while no worker lived; forked after
     assert 0 < body["timeout_secs"] < DEFAULT_ADMIT_TIMEOUT_SECS
@@ -337,14 +303,11 @@ def test_a_wake_goes_ahead_when_the_control_plane_does_not_answer_within_its_bou
     monkeypatch.setenv(ADMIT_TIMEOUT_ENV, "0.3")
     model, control, _ = dozable()
     assert SocketStubControl(journal).doze(this_stub()).dozed
-    asks = _Asks(journal / WAKE_SOCKET, model, hang=5.0)
-    try:
+    with WakeRoute(journal / WAKE_SOCKET) as route:
+        route.hang = 5.0
         started = time.monotonic()
         assert batch(model, control)["y"].tolist() == [[2.0, 2.0]]
-        assert 0.3 <= time.monotonic() - started < 4.0 and len(asks.asks) == 1
-    finally:
-        asks.shutdown()
-        asks.server_close()
+        assert 0.3 <= time.monotonic() - started < 4.0 and len(route.asks) == 1
 
 
 def test_a_wake_with_no_control_plane_to_ask_goes_ahead_at_once(dozable, journal):
