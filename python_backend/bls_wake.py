@@ -32,7 +32,7 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-from .journal import JOURNAL_ENV, WAKE_SOCKET
+from .journal import JOURNAL_ENV, WAKE_SOCKET, unreachable
 
 WAKE_PATH = "/v1/bls/wake/"  # + the callee's name, quoted
 TIMEOUT_ENV = "SNOOZE_BLS_WAKE_TIMEOUT_SECS"
@@ -118,14 +118,8 @@ def post(route: str, payload: dict[str, Any], bound_secs: float, path: str | Non
         conn.request("POST", route, body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
         response = conn.getresponse()
         return response.status, response.read()
-    except FileNotFoundError:
-        raise WakeFailed(f"no snoozeml control plane listens at {path} (it is not running here)") from None
-    except ConnectionRefusedError:
-        raise WakeFailed(f"the snoozeml control plane at {path} refused the call (it is stopping)") from None
-    except TimeoutError:
-        raise WakeFailed(f"the snoozeml control plane did not answer within {bound_secs:g} s") from None
     except OSError as e:
-        raise WakeFailed(f"the snoozeml control plane at {path} could not be reached: {e}") from None
+        raise WakeFailed(unreachable(e, path, bound_secs)) from None
     finally:
         conn.close()
 

@@ -41,7 +41,7 @@ import time
 from typing import Any, Protocol
 
 from .errors import Failure, describe_failure
-from .journal import JOURNAL_ENV, WAKE_SOCKET, RequestJournal, note_phase, own_file, start_ticks
+from .journal import JOURNAL_ENV, WAKE_SOCKET, RequestJournal, note_phase, own_file, start_ticks, unreachable
 
 DOZE_SUFFIX = ".doze"
 DOZE = b"doze"
@@ -124,14 +124,8 @@ def ask_room(model_id: str, stub: tuple[int, int], bound_secs: float, path: str)
         while chunk := sock.recv(MAX_MESSAGE):  # the route closes the connection after its answer
             chunks.append(chunk)
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-    except FileNotFoundError:
-        raise AskFailed(f"no snoozeml control plane listens at {path} (it is not running here)") from None
-    except ConnectionRefusedError:
-        raise AskFailed(f"the snoozeml control plane at {path} refused the call (it is stopping)") from None
-    except TimeoutError:
-        raise AskFailed(f"the snoozeml control plane did not answer within {bound_secs:g} s") from None
     except OSError as e:
-        raise AskFailed(f"the snoozeml control plane at {path} could not be reached: {e}") from None
+        raise AskFailed(unreachable(e, path, bound_secs)) from None
     finally:
         sock.close()
     status_line, _, rest = b"".join(chunks).partition(b"\r\n")

@@ -59,6 +59,17 @@ def start_ticks(pid: int | str = "self") -> int:
     return int(raw[raw.rfind(b")") + 2 :].split()[19])
 
 
+def unreachable(error: OSError, path: str, bound_secs: float) -> str:
+    """Why the control plane's wake route (``WAKE_SOCKET``, asked by bls_wake.py and doze.py) gave no answer."""
+    if isinstance(error, FileNotFoundError):
+        return f"no snoozeml control plane listens at {path} (it is not running here)"
+    if isinstance(error, ConnectionRefusedError):
+        return f"the snoozeml control plane at {path} refused the call (it is stopping)"
+    if isinstance(error, TimeoutError):
+        return f"the snoozeml control plane did not answer within {bound_secs:g} s"
+    return f"the snoozeml control plane at {path} could not be reached: {error}"
+
+
 def request_id(parameters: str) -> str:
     """The gateway's id from a request's parameters JSON ('' when it has none)."""
     at = parameters.find(_KEY)

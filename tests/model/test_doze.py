@@ -37,6 +37,19 @@ def answers(world: LifecycleWorld) -> list[object]:
     return [c.answer for c in world.answered if c.what == "request"]
 
 
+def dozing_beside_an_idle_one(world: LifecycleWorld, dozing: tuple[str, ...], idle: str, idle_worker: str) -> None:
+    """``dozing`` (preforked, 150 MiB each awake) loaded and dozed, then ``idle`` (150 MiB, ``idle_worker``) loaded
+    beside them, awake and idle."""
+    for model in dozing:
+        world.step(world.publish(model, 150, 1, "preforked"), 0.05)
+        world.step(world.request(model, None), 0.3)
+    world.step(world.tick(DOZE_AFTER + 1.5), 0.1)
+    assert [world.manager.status(m).level for m in dozing] == ["dozing"] * len(dozing)
+    world.step(world.publish(idle, 150, 1, idle_worker), 0.05)
+    world.step(world.request(idle, None), 0.3)
+    assert world.manager.status(idle).level == "awake"
+
+
 def loaded_preforked(world: LifecycleWorld, model: str = "m0", size_mb: float | None = None) -> None:
     world.triton.memory[model] = 120 * MIB  # what each stub holds awake (measured: none declared)
     world.step(world.publish(model, size_mb, worker=Worker.PREFORKED, idle_timeout_secs=IDLE_TIMEOUT), 0.1)
@@ -410,13 +423,7 @@ def test_an_ensembles_wake_admits_its_dozing_steps_wakes_before_its_request_wake
     plane, which admits each dozing step's wake first: an idle model is evicted (dozed, then unloaded) before the
     steps wake, and the tree stays within the budget (without it: 450 MiB of 300)."""
     s, w = world.step, world
-    for step in ("m1", "m3"):
-        s(w.publish(step, 150, 1, "preforked"), 0.05)
-        s(w.request(step, None), 0.3)
-    s(w.tick(DOZE_AFTER + 1.5), 0.1)
-    assert [world.manager.status(m).level for m in ("m1", "m3")] == ["dozing", "dozing"]
-    s(w.publish("m2", 150, 1, "preforked"), 0.05)
-    s(w.request("m2", None), 0.3)  # awake, idle: 150 MiB beside the steps' 2 x 20
+    dozing_beside_an_idle_one(world, ("m1", "m3"), "m2", "preforked")  # 150 MiB beside the steps' 2 x 20
     s(w.publish_ensemble_api(("m1", "m3"), IDLE_TIMEOUT), 0.05)
     world.triton.peak = 0
     s(w.request("e0", None), 1.0)
@@ -560,13 +567,7 @@ def test_requests_straight_to_several_dozing_models_at_once_wake_them_within_the
     room before it forks: the idle model goes first, one wake at a time, and the tree never holds more than the
     budget."""
     s, w = world.step, world
-    for model in ("m0", "m1"):
-        s(w.publish(model, 150, 1, "preforked"), 0.05)
-        s(w.request(model, None), 0.3)
-    s(w.tick(DOZE_AFTER + 1.5), 0.0)
-    assert [world.manager.status(m).level for m in ("m0", "m1")] == ["dozing", "dozing"]
-    s(w.publish("m2", 150, 1, "in-stub"), 0.05)
-    s(w.request("m2", None), 0.3)
+    dozing_beside_an_idle_one(world, ("m0", "m1"), "m2", "in-stub")
     assert world.manager.status("m2").state is ModelState.READY
     world.triton.peak = 0  # from here on
     s(w.request("m0", None), 0.0)  # both in the same instant, before any sweep
