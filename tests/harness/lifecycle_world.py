@@ -798,7 +798,7 @@ class LifecycleWorld:
                     )
         # memory in flux while Triton unloads something is not judged (left undone: a model whose unload hangs
         # across a restart of this control plane is counted only once a sweep sees it again)
-        # nor while a wake from doze is unheard (Triton's side: the next sweep measures it and enforces the budget),
+        # (a wake from doze is judged while unheard too: its stub asked room before it forked, ``_ask_room``),
         # nor while the lifecycle is paused or its first sweep after has not run: no sweep enforces the budget then
         # (plain machine seed 2028529355: a publish during a pause met a reload in flight, which Triton then built
         # from the new files at 200 MiB against the 60 it was admitted for; the load's own enforcement evicted the
@@ -807,7 +807,6 @@ class LifecycleWorld:
         quiet = (
             swept
             and all(r.op is None for r in records.values())
-            and not any(self._woke_unheard(r) for r in records.values())
             and not any(self.triton.loads_in_flight.values())
             and all(m.state != "UNLOADING" for m in self.triton.models.values())
         )
@@ -828,13 +827,9 @@ class LifecycleWorld:
         return problems
 
     def _woken_beside_models_in_use(self, records: dict[str, ModelRecord]) -> bool:
-        """A wake from doze on the warm path is not admitted by the budget (``lifecycle/dozing.py``): heard, it is
-        evicted back within it, unless every loaded model is in use (a stream holds it, a wake-up waits on it). Then
-        the tree stays over the budget until one is released, logged, and the next sweep after that evicts (dozing
-        machine seed 2487831979: three models held, one woken by a request straight to Triton). The peak check above
-        still bounds it."""
-        loaded = [r for r in records.values() if r.loaded]
-        woken = any(s.wakes for r in loaded if r.id in self.triton.models for s in self.triton.models[r.id].stubs)
-        if woken and all(r.in_use > 0 for r in loaded):
-            self.stuck_at = self.now
+        """A wake from doze whose stub's ask for room went over the budget (``_ask_room``: only where no other loaded
+        model could be evicted, or the world flags it): the tree stays over the budget until one is free and the next
+        sweep after that evicts (dozing machine seed 2487831979: three models held, one woken by a request straight
+        to Triton). The peak check above still bounds it. Every other wake was admitted before its fork: the budget
+        is judged while it is unheard too."""
         return self.now - self.stuck_at < 2 * self.settings.sweep_interval_secs + 1
