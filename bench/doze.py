@@ -143,6 +143,20 @@ def _held(stack: Any, model: str) -> dict[str, float]:
     }
 
 
+def _stub_wake(stack: Any, model: str) -> tuple[float, float]:
+    """The last wake from doze as the model's stub timed it (``python_backend/doze.py``'s state answer): its ask for
+    the control plane's room, and the whole wake; of the stub that woke last (the others' figures are older)."""
+    from controlplane.triton.stub_control import SocketStubControl
+
+    control = SocketStubControl(stack.lifecycle.journal_dir)
+    states = [control.state(s) for s in stack.triton_process.processes().stubs(model)]
+    woken = [st for st in states if st.get("last_wake_secs") is not None]
+    if not woken:
+        raise RuntimeError(f"{model}: no stub says it woke from doze")
+    last = max(woken, key=lambda st: int(st["wakes"]))
+    return float(last["last_ask_secs"] or 0.0), float(last["last_wake_secs"])
+
+
 async def _to_level(stack: Any, model: str, level: str, http: aiohttp.ClientSession, base: str, req: Request) -> None:
     if level == "unloaded":
         await stack.lifecycle.unload(model)
@@ -188,6 +202,8 @@ async def _levels(root: Path, models: list[str], cycles: int, load_repeats: int)
     load_average = {"start": [round(x, 2) for x in os.getloadavg()]}
     entries = _entries(root, models)
     times: dict[str, dict[str, list[float]]] = {m: {lv: [] for lv in LEVELS} for m in models}
+    # the stub's own account of each wake from doze: its ask for room, and the whole wake (the ask, fork, load())
+    stub_times: dict[str, dict[str, list[float]]] = {m: {"ask": [], "wake": []} for m in models}
     memory: dict[str, dict[str, Any]] = {}
     # doze_after_secs far above a cycle: only the bench dozes the models (LifecycleManager.dozing.doze)
     async with serving_stack(root, entries, doze_after_secs=3000, sweep_interval_secs=1.0) as stack:
@@ -207,6 +223,10 @@ async def _levels(root: Path, models: list[str], cycles: int, load_repeats: int)
                             await r.read()
                         await asyncio.sleep(GAP_SECS)
                         times[m][level].append(await _post(http, base, _name(m), requests[m]))
+                        if level == "doze":
+                            ask, wake = await asyncio.to_thread(_stub_wake, stack, _name(m))
+                            stub_times[m]["ask"].append(ask)
+                            stub_times[m]["wake"].append(wake)
             for m in models:
                 await _to_level(stack, _name(m), "warm", http, base, requests[m])
                 await asyncio.sleep(0.5)
@@ -221,6 +241,8 @@ async def _levels(root: Path, models: list[str], cycles: int, load_repeats: int)
     for m in models:
         result["models"][_name(m)] = {
             **{f"{lv}_s": summary(times[m][lv]) for lv in LEVELS},
+            "stub_ask_s": summary(stub_times[m]["ask"]),
+            "stub_wake_s": summary(stub_times[m]["wake"]),
             "load_in_process_s": round(_load_floor(package_of[m], load_repeats), 4),
             "memory": memory[m],
         }

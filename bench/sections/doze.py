@@ -41,6 +41,7 @@ def markdown(d: Data, rendering: Rendering) -> list[str]:
         rows.append([
             f"{m} ({DESCRIPTIONS.get(m, '')})",
             " / ".join(ms(v["doze_s"][k]) for k in ("median", "p90")),
+            " / ".join(ms(v[k]["median"]) if k in v else "-" for k in ("stub_wake_s", "stub_ask_s")),
             " / ".join(ms(v["unloaded_s"][k]) for k in ("median", "p90")),
             " / ".join(ms(v["warm_s"][k]) for k in ("median", "p90")),
             ms(v["load_in_process_s"]),
@@ -55,7 +56,8 @@ def markdown(d: Data, rendering: Rendering) -> list[str]:
         f"Preforked models, {d['cycles']} cycles, the three levels in a rotating order per cycle and model (plus one "
         f"uncounted cycle), one HTTP request through the gateway on an open connection after {d['gap_secs']} s idle. "
         "`doze`: the lifecycle told the stub to doze (its worker ended), then the request forks a worker from the "
-        "preloaded parent, runs load() and the request. `unloaded`: the activator loads it through Triton. "
+        "preloaded parent, runs load() and the request; the stub's own times: the whole wake, and its ask for the "
+        "control plane's room before the fork. `unloaded`: the activator loads it through Triton. "
         "`load() in-process`: the floor. PSS of the model's stubs and workers (the preloaded parents, shared by "
         f"every preforked model, apart). Load average at the start {la['start']}, end {la['end']}.",
         "",
@@ -63,6 +65,7 @@ def markdown(d: Data, rendering: Rendering) -> list[str]:
             [
                 "model",
                 "from doze median / p90",
+                "in the stub: wake / its ask for room, median",
                 "from unloaded median / p90",
                 "warm median / p90",
                 "load() in-process",

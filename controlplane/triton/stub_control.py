@@ -80,13 +80,17 @@ class SocketStubControl:
 
     def dozing(self, stub: StubProcess) -> bool:
         """Whether the stub dozes now (asked on its socket; False where it cannot doze or does not answer)."""
+        return self.state(stub).get("dozing") is True
+
+    def state(self, stub: StubProcess) -> dict[str, Any]:
+        """The stub's doze state (``python_backend/doze.py``'s ``state`` answer: dozing, its wakes, the last one's
+        time and its ask for room); empty where it cannot doze or does not answer."""
         if self.journal_dir is None:
-            return False
+            return {}
         try:
-            raw = _ask(str(self.journal_dir / f"{stub.pid}-{stub.start_ticks}{DOZE_SUFFIX}"), STATE, STATE_ASK_SECS)
+            return _ask(str(self.journal_dir / f"{stub.pid}-{stub.start_ticks}{DOZE_SUFFIX}"), STATE, STATE_ASK_SECS)
         except (OSError, ValueError):
-            return False
-        return raw.get("dozing") is True
+            return {}
 
     def woke(self, stub: StubProcess) -> Wake | None:
         """The live worker a dozing stub's note names (a request woke it), or None (still dozing, or gone)."""
