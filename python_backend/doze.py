@@ -26,7 +26,8 @@ Before it forks, a wake asks the control plane for room (``ask_room``: ``POST /v
 route's socket, ``controlplane/gateway/bls_wake.py``), which counts the model at its awake size from then on and
 evicts idle models first, as it would for a load (several requests straight to dozing models would otherwise wake
 them all beside a full budget). The ask is bounded (``$SNOOZE_DOZE_ADMIT_TIMEOUT_SECS``) and never refuses: with no
-control plane to ask, or no answer in time, the wake goes ahead, and the control plane's next sweep measures it.
+control plane to ask, or no answer in time, the wake goes ahead, and the control plane's next sweep measures it;
+after an ask left unanswered, the stub's wakes go ahead without asking for ``ASK_BACKOFF_SECS``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ ADMIT_TIMEOUT_ENV = "SNOOZE_DOZE_ADMIT_TIMEOUT_SECS"
 # Past the control plane's own wait for memory (its wake queue's bound, 10 s by default): it answers first.
 DEFAULT_ADMIT_TIMEOUT_SECS = 15.0
 _ADMIT_SHARE = 0.9  # of the bound, what the control plane may use: the rest carries its answer back
+# After an ask the control plane left unanswered (frozen, or its loop held), wakes go ahead without asking this long:
+# one slow wake per stub in that time, not one each.
+ASK_BACKOFF_SECS = 30.0
 
 
 class Dozable(Protocol):
@@ -93,7 +97,12 @@ def admit_timeout() -> float:
 
 
 class AskFailed(Exception):
-    """The control plane could not be asked for room, or gave no answer in time: the message says which."""
+    """The control plane could not be asked for room, or gave no answer in time (``timed_out``): the message says
+    which."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def ask_room(model_id: str, stub: tuple[int, int], bound_secs: float, path: str) -> dict[str, Any]:
@@ -125,7 +134,7 @@ def ask_room(model_id: str, stub: tuple[int, int], bound_secs: float, path: str)
             chunks.append(chunk)
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
     except OSError as e:
-        raise AskFailed(unreachable(e, path, bound_secs)) from None
+        raise AskFailed(unreachable(e, path, bound_secs), timed_out=isinstance(e, TimeoutError)) from None
     finally:
         sock.close()
     status_line, _, rest = b"".join(chunks).partition(b"\r\n")
@@ -157,6 +166,7 @@ class DozeControl:
         self.last_wake_secs: float | None = None
         self.last_ask_secs: float | None = None  # the control plane's room for the last wake: how long it took
         self._said_unasked = False  # a wake that could not ask the control plane was logged (once)
+        self._ask_again_at = 0.0  # monotonic seconds: asks skipped until then (the last one was not answered)
         self.path = own_file(directory, DOZE_SUFFIX)
         self.wake_socket = os.path.join(directory, WAKE_SOCKET)  # the control plane's wake route: asked for room
         self.stub = (os.getpid(), start_ticks())
@@ -217,15 +227,23 @@ class DozeControl:
     def _ask_room(self) -> None:
         """The control plane's room for this wake, asked before the fork; any failure: the wake goes ahead."""
         started = time.perf_counter()
+        if time.monotonic() < self._ask_again_at:
+            self.last_ask_secs = None  # not asked: the last ask went unanswered (ASK_BACKOFF_SECS)
+            return
         try:
             answer = ask_room(self.model_id, self.stub, admit_timeout(), self.wake_socket)
         except AskFailed as e:
-            if not self._said_unasked:  # a Triton without snoozeml's control plane: said once, not at every wake
+            if e.timed_out:  # a control plane that answers nothing: not asked again for a while, and said each time
+                self._ask_again_at = time.monotonic() + ASK_BACKOFF_SECS
+                _log(
+                    self.model_id, f"waking without the control plane's room: {e}; not asked for {ASK_BACKOFF_SECS:g} s"
+                )
+            elif not self._said_unasked:  # a Triton without snoozeml's control plane: said once, not at every wake
                 self._said_unasked = True
                 _log(self.model_id, f"waking without the control plane's room: {e}")
-            return
-        finally:
             self.last_ask_secs = time.perf_counter() - started
+            return
+        self.last_ask_secs = time.perf_counter() - started
         if answer.get("why"):
             _log(self.model_id, f"waking: {answer['why']}")
 

@@ -308,6 +308,10 @@ def test_a_wake_goes_ahead_when_the_control_plane_does_not_answer_within_its_bou
         started = time.monotonic()
         assert batch(model, control)["y"].tolist() == [[2.0, 2.0]]
         assert 0.3 <= time.monotonic() - started < 4.0 and len(route.asks) == 1
+        # the next wakes go ahead without asking for a while: one slow wake, not one each
+        assert SocketStubControl(journal).doze(this_stub()).dozed
+        assert batch(model, control)["y"].tolist() == [[2.0, 2.0]]
+        assert len(route.asks) == 1 and control.last_ask_secs is None
 
 
 def test_a_wake_with_no_control_plane_to_ask_goes_ahead_at_once(dozable, journal):
