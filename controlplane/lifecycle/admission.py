@@ -83,6 +83,8 @@ class Admission:
         # one at a time: a load's GPU memory may be measured as what the GPU's used memory grew by (gpu.py).
         self._slots = asyncio.Semaphore(settings.max_concurrent_loads)
         self._one_at_a_time = asyncio.Lock()
+        # wakes from doze make room one at a time (each pass: hear, plan, evict), not across their waits for memory
+        self._wake_rooms = asyncio.Lock()
         # the wake queue: model -> (monotonic seconds it began waiting, what for: "a load slot" or "memory")
         self.queue: dict[str, tuple[float, str]] = {}
         # every load waiting for memory (wake-ups, and reloads, API loads and recoveries too): model -> since when;
@@ -211,25 +213,27 @@ class Admission:
     async def wake_room(self, rec: ModelRecord, *, until: float | None = None) -> str | None:
         """Room for the wake of a dozing model (an ensemble's step that its request is about to wake inside Triton,
         ``RequestPath.wake_step``; a stub about to fork, ``RequestPath.admit_doze_wake``), which the caller has made
-        count what it held awake (``MemoryBudget.held``): idle models are evicted to make room. While the memory is
+        count what it held awake (``MemoryBudget.held``): idle models are evicted to make room, one wake's pass at a
+        time. While the memory is
         held by models in use, it waits for it until ``until`` (the clock's monotonic seconds; None: it does not
         wait). Best effort: None once there is room, else why the wake goes ahead over the budget (a sweep evicts
-        once it can)."""
+        once it can). A record that stops dozing meanwhile (a failed rescale resets it, awake) counts what it holds
+        awake, and room is made for that: it was answered as made while the tree held 400 MiB of 300 (dozing
+        machine seed 3601441757)."""
         awake = rec.doze.awake_footprint or self.budget.estimate(rec, max(len(rec.procs.stubs), 1), own=False)
         while True:
-            if self._hear is not None:  # other asked wakes heard first: an awake victim dozes, not unloads
-                await self._hear()
-            if not rec.doze.dozing:
-                return None  # heard awake meanwhile: counted at what it holds
-            try:
-                await self._host_room(rec, awake)
-                return None
-            except UnavailableError as e:
-                held = isinstance(e, BudgetInUse) and rec.doze.dozing and rec.op is None
-                if not held or until is None or self.clock.monotonic() + MEMORY_WAIT_POLL_SECS > until:
-                    log.info("model '%s': its wake from doze goes ahead over the budget: %s", rec.id, e.message)
-                    return e.message
-            await asyncio.sleep(MEMORY_WAIT_POLL_SECS)
+            async with self._wake_rooms:
+                if self._hear is not None:  # other asked wakes heard first: an awake victim dozes, not unloads
+                    await self._hear()
+                try:
+                    await self._host_room(rec, awake if rec.doze.dozing else self.budget.held(rec))
+                    return None
+                except UnavailableError as e:
+                    held = isinstance(e, BudgetInUse) and rec.op is None and rec.ready
+                    if not held or until is None or self.clock.monotonic() + MEMORY_WAIT_POLL_SECS > until:
+                        log.info("model '%s': its wake from doze goes ahead over the budget: %s", rec.id, e.message)
+                        return e.message
+            await asyncio.sleep(MEMORY_WAIT_POLL_SECS)  # not holding the others' turns meanwhile
 
     async def _host_room(self, rec: ModelRecord, need: int, *, beside: int = 0) -> None:
         """Carry out the host budget's plans until the load fits (BudgetInUse: nothing idle left to evict)."""

@@ -48,7 +48,6 @@ class RequestPath:
         self.transitions = transitions
         self.metrics = metrics
         self.clock = clock
-        self._step_wakes = asyncio.Lock()  # dozing ensemble steps' wakes are admitted one at a time
 
     async def ensure_ready(self, model_id: str, *, timeout: float | None = None) -> None:
         """Return once the model is READY, loading it (single flight) if needed.
@@ -80,10 +79,8 @@ class RequestPath:
         await self.ensure_ready(step, timeout=timeout)
         rec = self.states.get(step)
         if rec is not None and rec.doze.dozing and not rec.doze.wake_admitted:
-            async with self._step_wakes:
-                if rec.doze.dozing and not rec.doze.wake_admitted:
-                    rec.doze.wake_admitted = True
-                    await self.admission.wake_room(rec)
+            rec.doze.wake_admitted = True
+            await self.admission.wake_room(rec)
 
     async def admit_doze_wake(self, model_id: str, stub: tuple[int, int] | None, *, timeout: float) -> dict[str, Any]:
         """A dozing stub about to fork its worker for a request on the warm path asks room for the wake
@@ -104,8 +101,7 @@ class RequestPath:
         rec.in_use += 1  # not evicted while its room is made
         try:
             async with asyncio.timeout(timeout):
-                async with self._step_wakes:
-                    why = await self.admission.wake_room(rec, until=self.clock.monotonic() + timeout)
+                why = await self.admission.wake_room(rec, until=self.clock.monotonic() + timeout)
         except TimeoutError:
             why = f"no room was made within {timeout:g} s"
             log.info("model '%s': its wake from doze goes ahead: %s", model_id, why)

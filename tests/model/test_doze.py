@@ -606,3 +606,26 @@ def test_an_asked_wake_counts_the_model_awake_until_heard_or_its_bound_passes(wo
     world.step(world.request("m0"), 0.1)  # its wake comes, and the sweep hears it: measured, the ask dropped
     world.step(world.tick(1.0), 0.1)
     assert wakes(world, "m0", "doze") == 1 and not rec.doze.asked  # (it may doze again since: idle a second)
+
+
+def test_an_asked_wake_whose_record_stops_dozing_while_it_waits_still_gets_room_or_says_it_went_over(world):
+    """Found by the dozing machine (seed 3601441757): an ensemble's request woke its dozing step m1 (two stubs, 300
+    MiB awake) beside m2 (100), both held by the ensemble, in a budget of 300. m1's stub asked room and waited for
+    memory; a failed rescale reset m1's doze record meanwhile (counted awake), and the wait answered that room was
+    made: the tree then held 400 MiB of 300 with the answer saying it fit. The wait now makes room for what the
+    record holds awake, and says the wake went over the budget when none can be made."""
+    s, w = world.step, world
+    s(w.publish_ensemble_api(("m2", "m1"), 5), 0.0)
+    s(w.publish("m1", 150, 2, "preforked"), 0.3)
+    s(w.remote_publish("m2", 150), 0.3)
+    s(w.request("e0", None), 0.3)
+    s(w.restart(), 1.0)
+    s(w.remote_publish("m2", 100), 0.3)
+    s(w.request("m1", 2.0), 0.3)
+    s(w.burst("e0", 10), 0.01)
+    s(w.tick(1.0), 0.0)
+    s(w.doze("m1"), 0.01)
+    s(w.tick(3.0), 0.05)  # the world checks the budget at every step, and each ask's answer against it
+    rooms = world.manager.metrics.doze_wake_rooms
+    s(w.tick(10.0), 0.05)
+    assert rooms.labels(model="m1", outcome="over_budget")._value.get() >= 1
