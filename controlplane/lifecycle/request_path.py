@@ -73,7 +73,7 @@ class RequestPath:
 
     async def wake_step(self, step: str, *, timeout: float | None = None) -> None:
         """An ensemble's step, woken for it (``Groups.steps_first``): ``ensure_ready``, and a step that dozes has
-        the wake that the ensemble's request will bring admitted now (``Admission.wake_room``), one at a time. That
+        the wake that the ensemble's request will bring admitted now (``Admission.wake_room``). That
         request wakes every dozing step inside Triton at once, where no one admits them (dozing machine seed
         1139189736: two steps woke together, 510 MiB against a budget of 300)."""
         await self.ensure_ready(step, timeout=timeout)
@@ -87,10 +87,10 @@ class RequestPath:
         (``python_backend/doze.py``, through the wake route): from now until the wake is heard (or its bound passes,
         ``Dozing.hear``) the model counts what it held awake, and idle models are evicted for it first, one wake at a
         time, waiting for memory held by models in use at most ``timeout`` seconds (and the wake queue's bound,
-        ``wake_queue_timeout_secs``). Without it, requests straight to
-        several dozing models within one sweep interval woke them all beside a full budget (dozing machine seed
-        2526912484: three wakes, 630 MiB against 300 plus one model of 300). Never refused: the answer says what was
-        done (``admitted``: room was made or was there), and the wake goes ahead either way."""
+        ``wake_queue_timeout_secs``). Without it, requests straight to several dozing models within one sweep
+        interval woke them all beside a full budget (dozing machine seed 2526912484: three wakes, 630 MiB against 300
+        plus one model of 300). Never refused: the answer says what was done (``admitted``: room was made or was
+        there), and the wake goes ahead either way."""
         rec = self.states.get(model_id)
         if rec is None or rec.state is not ModelState.READY or rec.op is not None or not rec.doze.dozing:
             self.metrics.doze_wake_rooms.labels(model=model_id, outcome="unasked").inc()
