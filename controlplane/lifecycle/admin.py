@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from controlplane.errors import ConflictError, SnoozeError
-from controlplane.lifecycle.cancel import REPUBLISHED, LoadCancels, cancelled_error, cancelled_why
+from controlplane.lifecycle.cancel import REPUBLISHED, LoadCancels, cancelled_error, cancelled_why, load_in_flight
 from controlplane.lifecycle.configs import rendered_config
 from controlplane.lifecycle.groups import Groups
 from controlplane.lifecycle.loading import Loader
@@ -129,7 +129,11 @@ class AdminOperations:
         """Unload (API, a repository unload; ``reason``: one of ``UnloadReason``'s values)."""
         reason = UnloadReason(reason)
         rec = self.states.record(model_id)
-        await self.cancels.cancel(rec, "unloaded")  # an unload does not wait for a load (it may hang)
+        if await self.cancels.cancel(rec, "unloaded") and load_in_flight(rec):  # an unload never waits for a load
+            # a load another caller started while the last one was cancelled (an API load, a request's wake-up)
+            # came after this unload and stands: not waited for either, it may hang as well (dozing machine seed
+            # 1157432408: an API load with an override, hung, held the unload until its load timeout)
+            return self.status(model_id)
         await self.states.settle(rec)
         if rec.state is ModelState.READY:
             await asyncio.shield(self.transitions.unload(rec, reason))

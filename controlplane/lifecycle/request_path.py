@@ -92,11 +92,15 @@ class RequestPath:
         plus one model of 300). Never refused: the answer says what was done (``admitted``: room was made or was
         there), and the wake goes ahead either way."""
         rec = self.states.get(model_id)
-        if rec is None or rec.state is not ModelState.READY or rec.op is not None or not rec.doze.dozing:
+        if rec is None or rec.state is not ModelState.READY or rec.op is not None:
             self.metrics.doze_wake_rooms.labels(model=model_id, outcome="unasked").inc()
-            return {"admitted": False, "why": None}  # not dozing as the record has it: counted as it is
+            return {"admitted": False, "why": None}  # in a transition (or unknown here): counted as it is
         timeout = min(timeout, self.settings.wake_queue_timeout_secs)  # as long as a wake from unloaded would wait
-        rec.doze.asked[stub if stub in rec.doze.stubs else None] = self.clock.monotonic()
+        if rec.doze.dozing:
+            rec.doze.asked[stub if stub in rec.doze.stubs else None] = self.clock.monotonic()
+        # else a record that does not know it dozes (a state change reset it, an adoption not yet asked) counts it
+        # awake already: room is made for that, which the tree is about to hold (dozing machine seed 3108582327:
+        # a failed rescale's record, 360 MiB of 300 once the burst woke it)
         rec.access.woke = self.clock.time()  # a request runs: idle from now at the earliest
         rec.in_use += 1  # not evicted while its room is made
         try:

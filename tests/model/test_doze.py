@@ -629,3 +629,23 @@ def test_an_asked_wake_whose_record_stops_dozing_while_it_waits_still_gets_room_
     rooms = world.manager.metrics.doze_wake_rooms
     s(w.tick(10.0), 0.05)
     assert rooms.labels(model="m1", outcome="over_budget")._value.get() >= 1
+
+
+def test_an_ask_from_a_stub_whose_record_no_longer_knows_it_dozes_still_gets_room(world):
+    """Found by the dozing machine (seed 3108582327): m3's two stubs dozed (150 MiB each awake); a failed rescale
+    reset its doze record, which counts it awake (300) beside m2 (60, held by a stream) in a budget of 300. A burst
+    straight to m3 woke both stubs: they asked room, and the answer was that nothing was asked of a record that does
+    not doze. The ask now makes room for what the record counts, or waits and says the wake went over."""
+    s, w = world.step, world
+    s(w.publish("m2", 60, 1, "preforked"), 0.05)
+    s(w.publish("m3", 150, 2, "preforked"), 0.3)
+    s(w.request("m1", None), 1.0)
+    s(w.api_override("m2", None), 1.0)
+    s(w.request("m3", 0.3), 0.0)
+    s(w.request("e0", 0.3), 0.3)
+    s(w.doze("m0"), 0.3)
+    s(w.hold("m2"), 0.05)
+    s(w.api_load("m3", 3), 0.0)
+    s(w.burst("m3", 3), 0.0)
+    s(w.tick(0.1), 0.05)  # the world checks the budget at every step, and each ask's answer against it
+    assert world.manager.metrics.doze_wake_rooms.labels(model="m3", outcome="unasked")._value.get() == 0

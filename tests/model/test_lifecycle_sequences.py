@@ -914,3 +914,19 @@ def test_a_load_that_met_a_publish_during_a_pause_is_brought_within_the_budget_o
     s(w.resume(), 0.0)
     s(w.tick(3.0), 1.0)
     assert used() <= budget, used() / MIB
+
+
+def test_an_unload_does_not_wait_for_a_hung_load_another_caller_started_while_it_cancelled_one(world):
+    """Found by the dozing machine (seed 1157432408): an API unload cancelled m1's hung load; while that cancel ran, an
+    API load with a client's override started another load of m1, which hung too. The unload then waited for it until
+    its load timeout, past its bound. The later load stands, and the unload answers without waiting for it."""
+    s, w = world.step, world
+    s(w.publish("m1", 60, 1, "preforked"), 0.05)
+    s(w.republish_while_waiting("m1", "ok", 2), 0.01)
+    s(w.republish_while_waiting("m1", "ok", 4), 0.05)
+    s(w.stop_during_hung_load("m1", "unload"), 1.0)  # the unload's bound: CANCEL_BOUND (the world checks it)
+    s(w.api_override("m1", 16), 1.0)
+    s(w.hold("m2"), 1.0)
+    s(w.tick(0.5), 0.05)
+    s(w.request("e0", None), 1.0)
+    s(w.tick(0.5), 0.0)
