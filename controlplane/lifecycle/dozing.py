@@ -159,6 +159,24 @@ class Dozing:
             self.metrics.set_level(rec.id, rec.level)
             log.info("model '%s': found dozing (%d of %d stubs)", rec.id, len(dozing), len(stubs))
 
+    def asked_by(self, rec: ModelRecord, stub: tuple[int, int] | None) -> None:
+        """A stub of the model asks room for its wake from doze (``RequestPath.admit_doze_wake``): it dozes, whether or
+        not the record knew it (a restarted control plane adopted the model dozing and has not asked its stubs yet;
+        a state change reset the record). Such a record learns it as ``_find_dozing`` would, at what the model is
+        estimated to hold awake, so that the ask makes room for that and it counts until the wake is heard (dozing
+        machine seed 4214762718: adopted dozing at 40 MiB, two stubs woke to 300 with the ask answered as fitting)."""
+        known = stub is not None and any(_key(s) == stub for s in rec.procs.stubs)
+        if known and stub not in rec.doze.stubs:
+            if not rec.doze.dozing:
+                awake = self.budget.estimate(rec, len(rec.procs.stubs), own=False)
+                rec.doze.awake_footprint = max(rec.memory.footprint or 0, awake)
+                rec.doze.since = self.clock.time()
+            assert stub is not None
+            rec.doze.stubs |= {stub}
+            self.metrics.set_level(rec.id, rec.level)
+        if rec.doze.dozing:
+            rec.doze.asked[stub if known else None] = self.clock.monotonic()
+
     async def doze_idle(self, ready: Iterable[ModelRecord], idle: set[str], now: float) -> None:
         """The sweep's last step: doze the models due (``idle``: the ids nobody uses or queues for)."""
         for rec in ready:

@@ -170,7 +170,16 @@ class LifecycleManager:
             states, processes, triton, transitions, loader.admission, journal_dir=journal_dir, clock=clock
         )
         self.requests = RequestPath(
-            settings, states, warmth, up, loader.admission, transitions, metrics, self.groups, clock=clock
+            settings,
+            states,
+            warmth,
+            up,
+            loader.admission,
+            transitions,
+            metrics,
+            self.groups,
+            asked_by=self.dozing.asked_by,
+            clock=clock,
         )
         self.run_once = RunOnce(
             states,

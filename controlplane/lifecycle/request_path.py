@@ -37,8 +37,10 @@ class RequestPath:
         metrics: SnoozeMetrics,
         groups: Groups,
         *,
+        asked_by: Callable[[ModelRecord, tuple[int, int] | None], None],
         clock: Clock,
     ) -> None:
+        self.asked_by = asked_by  # ``Dozing.asked_by``: a stub's ask for room recorded on its model
         self.settings = settings
         self.groups = groups
         self.states = states
@@ -96,11 +98,10 @@ class RequestPath:
             self.metrics.doze_wake_rooms.labels(model=model_id, outcome="unasked").inc()
             return {"admitted": False, "why": None}  # in a transition (or unknown here): counted as it is
         timeout = min(timeout, self.settings.wake_queue_timeout_secs)  # as long as a wake from unloaded would wait
-        if rec.doze.dozing:
-            rec.doze.asked[stub if stub in rec.doze.stubs else None] = self.clock.monotonic()
-        # else a record that does not know it dozes (a state change reset it, an adoption not yet asked) counts it
-        # awake already: room is made for that, which the tree is about to hold (dozing machine seed 3108582327:
-        # a failed rescale's record, 360 MiB of 300 once the burst woke it)
+        # a record that does not know the stub dozes (an adoption not yet asked, a state change reset it) learns it:
+        # room is made for what the model holds awake, which the tree is about to hold (dozing machine seed
+        # 3108582327: a failed rescale's record, 360 MiB of 300 once a burst woke it; seed 4214762718: adopted)
+        self.asked_by(rec, stub)
         rec.access.woke = self.clock.time()  # a request runs: idle from now at the earliest
         rec.in_use += 1  # not evicted while its room is made
         try:

@@ -649,3 +649,20 @@ def test_an_ask_from_a_stub_whose_record_no_longer_knows_it_dozes_still_gets_roo
     s(w.burst("m3", 3), 0.0)
     s(w.tick(0.1), 0.05)  # the world checks the budget at every step, and each ask's answer against it
     assert world.manager.metrics.doze_wake_rooms.labels(model="m3", outcome="unasked")._value.get() == 0
+
+
+def test_an_ask_from_a_stub_of_a_model_adopted_dozing_counts_it_at_its_awake_size(world):
+    """Found by the dozing machine (seed 4214762718): a restarted control plane adopted m0 with both its stubs dozing
+    (measured at 40 MiB; its stubs not yet asked whether they doze). Requests straight to Triton woke both stubs to
+    300: they asked room, and the record, counting 40, answered that it fit beside m2 and m3: 380 MiB of 300. The
+    ask now tells the record that its stub dozes, and room is made for what the model is estimated to hold awake."""
+    s, w = world.step, world
+    s(w.publish("m2", 100, 1, "preforked"), 0.01)
+    s(w.publish("m0", 150, 2, "preforked"), 0.01)
+    s(w.publish("m3", 60, 1, "preforked"), 0.01)
+    s(w.request("m0", 2.0), 1.0)
+    s(w.stop_during_hung_load("m2", "publish"), 0.0)
+    s(w.stop_during_hung_load("m3", "stop"), 0.0)
+    s(w.publish_ensemble_api(("m3", "m2"), 1), 0.0)
+    s(w.republish_while_waiting("m0", "hang", 2), 0.0)
+    s(w.request("e0", None), 1.0)  # the world checks the budget at every step, and each ask's answer against it
