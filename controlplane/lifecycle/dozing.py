@@ -15,20 +15,21 @@ model's memory is the stub's own (a Python process does not give a freed heap ba
 imports stay), and Triton's own backends (ONNX Runtime, TensorRT) hold their sessions inside tritonserver, out of
 snoozeml's reach.
 
-Under memory pressure an eviction dozes an awake model that can doze before it unloads any (``doze_first``): a
-victim already dozing is unloaded. Accounting: a dozing model is charged what its stubs hold (their PSS, read when
-it dozes and at each sweep); what it held awake is kept, so that a wake or a later load is estimated at its full
-size. A wake happens inside a request, in the stub, but the stub asks first (``python_backend/doze.py``,
-``RequestPath.admit_doze_wake``): from the ask until the wake is heard the model counts what it held awake and is no
-victim (``ModelRecord.held``), and idle models are evicted for it first, one wake at a time (requests straight to
-several dozing models within one sweep interval woke them all beside a full budget: dozing machine seed 2526912484,
-630 MiB against 300 plus one model of 300). An ask whose wake is never heard is forgotten after its bound
-(``_forget_asks``). A wake whose stub could not ask (no control plane, no answer in time) is admitted by no one: the
-next sweep measures it and the budget's enforcement evicts, and a load admitted before that sweep is admitted against
-what the woken model holds (admission hears the wakes first). An ensemble's request wakes all its dozing steps at
-once, so where the control plane is on its path (the ensemble's own wake) it admits each step's wake first
-(``RequestPath.wake_step``). A model found dozing at adoption (a restarted control plane) is recorded so; the load it
-was measured at learns no growth (``loading.UNKNOWN_LOAD_PRIVATE``).
+Under memory pressure an eviction dozes an awake model that can doze before it unloads any (``doze_first``): a victim
+already dozing is unloaded. Accounting: a dozing model is charged what its stubs hold (their PSS, read when it dozes and
+at each sweep); what it held awake is kept, so that a wake or a later load is estimated at its full size. A wake happens
+inside a request, in the stub, but the stub asks first (``python_backend/doze.py``, ``RequestPath.admit_doze_wake``):
+from the ask until the wake is heard the model counts what it held awake and is no victim (``ModelRecord.held``), and
+idle models are evicted for it first, one wake at a time (requests straight to several dozing models within one sweep
+interval woke them all beside a full budget: dozing machine seed 2526912484, 630 MiB against 300 plus one model of 300).
+A record that did not know the asking stub dozes (adopted dozing and not yet asked, or reset by a state change) learns
+it from the ask (``asked_by``). An ask whose wake is never heard is forgotten after its bound (``_forget_asks``). A wake
+whose stub could not ask (no control plane, no answer in time) is admitted by no one: the next sweep measures it and the
+budget's enforcement evicts, and a load admitted before that sweep is admitted against what the woken model holds
+(admission hears the wakes first). An ensemble's request wakes all its dozing steps at once, so where the control plane
+is on its path (the ensemble's own wake) it admits each step's wake first (``RequestPath.wake_step``). A model found
+dozing at adoption (a restarted control plane) is recorded so; the load it was measured at learns no growth
+(``loading.UNKNOWN_LOAD_PRIVATE``).
 """
 
 from __future__ import annotations
