@@ -656,7 +656,8 @@ class LifecycleWorld:
             answer = await asyncio.wait_for(manager.admit_doze_wake(stub.model, key, timeout=bound * 0.9), bound)
         except TimeoutError:
             answer = {"admitted": False, "why": f"no answer within {bound:g} s"}
-        if answer["why"] is not None and not answer["admitted"] and not manager.paused:
+        # a control plane paused or stopping makes no room (the next one's start enforces the budget, or the resume)
+        if answer["why"] is not None and not answer["admitted"] and not manager.paused and not manager.states.stopping:
             # over the budget: only where no other loaded model could be evicted (in use, busy in Triton, in a
             # transition); the tree may then stay over it until one is free and the next sweep has run
             free = [

@@ -106,10 +106,15 @@ def test_the_load_runs_one_inference_per_instance_from_the_signature(embedded_tr
 
 
 def notes(journal: Path, name: str) -> list[dict]:
-    """The model's processes' warm-up notes, newest first (an unloaded process's may linger until it exits)."""
-    paths = sorted(journal.glob("*.warmup"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
-    found = [json.loads(p.read_text()) for p in paths]
-    return [n for n in found if n.get("model") == name]
+    """The model's processes' warm-up notes, newest first (an unloaded process's may linger until it exits, and
+    goes when it does: one that goes between the listing and its read is skipped, whichever model it was)."""
+    found: list[tuple[int, dict]] = []
+    for path in journal.glob("*.warmup"):
+        try:
+            found.append((path.stat().st_mtime_ns, json.loads(path.read_text())))
+        except FileNotFoundError:
+            continue
+    return [n for _, n in sorted(found, key=lambda f: f[0], reverse=True) if n.get("model") == name]
 
 
 def infer_ones(client: httpclient.InferenceServerClient, name: str, rows: int = 1) -> np.ndarray:
