@@ -223,10 +223,14 @@ class Admission:
         awake = rec.doze.awake_footprint or self.budget.estimate(rec, max(len(rec.procs.stubs), 1), own=False)
         while True:
             async with self._wake_rooms:
-                if self._hear is not None:  # other asked wakes heard first: an awake victim dozes, not unloads
+                need = awake if rec.doze.dozing else self.budget.held(rec)
+                # other wakes heard before victims are picked (an awake victim dozes, not unloads); where it fits, no
+                # victim is picked and no stub's note is read (every wake that asked already counts awake)
+                if self._hear is not None and not self.budget.fits(rec, need):
                     await self._hear()
+                    need = awake if rec.doze.dozing else self.budget.held(rec)
                 try:
-                    await self._host_room(rec, awake if rec.doze.dozing else self.budget.held(rec))
+                    await self._host_room(rec, need)
                     return None
                 except UnavailableError as e:
                     held = isinstance(e, BudgetInUse) and rec.op is None and rec.ready
